@@ -1,0 +1,1 @@
+"""Command-line entry points: ``hydrad`` (the daemon and model tools) and ``hydractl`` (operator CLI)."""

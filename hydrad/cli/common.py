@@ -1,0 +1,49 @@
+"""Shared CLI plumbing: one rich console, and known errors shown as one line."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import click
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("HYDRAD_DEBUG", "") not in ("", "0")
+
+
+def run_main(group: click.Group) -> None:
+    """Run a click group; user-caused errors print one line unless HYDRAD_DEBUG=1."""
+    from hydrad.errors import HydradError
+
+    try:
+        group(standalone_mode=False)
+    except click.exceptions.Abort:
+        console.print("aborted")
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except (HydradError, OSError) as e:
+        if debug_enabled():
+            raise
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def pass_errors(fn):
+    """Decorator kept for commands that want to add context to errors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,104 @@
+"""Configuration: frozen dataclasses, composed, validated in ``__post_init__``.
+
+Every option here can be set in ``etc/hydrad.toml`` (section = dataclass) and, for
+the common ones, overridden by ``hydrad start`` flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydrad.errors import ConfigError
+
+_DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    # None: the built-in default model (built into the user cache dir on first use).
+    path: str | None = None
+    # "auto": float32 on CPU, bfloat16 on CUDA.
+    dtype: str = "auto"
+    # Cap on prompt + output tokens; None: the checkpoint's max_position_embeddings.
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"model.max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # Tokens per KV-cache block.
+    kv_block_size: int = 16
+    # Number of KV blocks; None: derived from kv_cache_memory_mb.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_mb: int = 512
+    # Image-token slots per image-cache block; None: one image's tokens (576 for LLaVA-1.5/336px).
+    image_block_size: int | None = None
+    # Number of image blocks; None: derived from image_cache_memory_mb.
+    num_image_blocks: int | None = None
+    image_cache_memory_mb: int = 256
+
+    def __post_init__(self) -> None:
+        if self.kv_block_size < 1:
+            raise ConfigError(f"cache.kv_block_size must be >= 1, got {self.kv_block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"cache.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.image_block_size is not None and self.image_block_size < 1:
+            raise ConfigError(f"cache.image_block_size must be >= 1, got {self.image_block_size}")
+        if self.num_image_blocks is not None and self.num_image_blocks < 1:
+            raise ConfigError(f"cache.num_image_blocks must be >= 1, got {self.num_image_blocks}")
+        if self.kv_cache_memory_mb < 1 or self.image_cache_memory_mb < 1:
+            raise ConfigError("cache memory sizes must be >= 1 MB")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # τ_t: tokens (decode tokens + prefill chunk tokens) per step.
+    token_budget: int = 2048
+    # τ_e: images encoded per step.
+    image_budget: int = 4
+    # Requests running at once on one instance.
+    max_num_seqs: int = 256
+
+    def __post_init__(self) -> None:
+        if self.token_budget < 1:
+            raise ConfigError(f"scheduler.token_budget must be >= 1, got {self.token_budget}")
+        if self.image_budget < 1:
+            raise ConfigError(f"scheduler.image_budget must be >= 1, got {self.image_budget}")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"scheduler.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    ttft: float = 2.0
+    tbt: float = 0.2
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.ttft <= 0 or self.tbt <= 0:
+            raise ConfigError("slo.ttft and slo.tbt must be > 0 seconds")
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"slo.alpha must be in (0, 1], got {self.alpha}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    deploy: str = "1EPD"
+    devices: str = "cpu:1"
+    # Two executors (vision, language) per worker when the role holds E and P/D.
+    dual_streams: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    seed: int = 0

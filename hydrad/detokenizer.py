@@ -1,0 +1,67 @@
+"""Incremental detokenization with stop strings.
+
+Text is decoded over a sliding window (``prefix_offset`` … end) so each step costs
+a few tokens, and so tokenizers that drop a leading space at the start of a decode
+still yield the right text. A tail that could be the start of a stop string is held
+back until it is known not to be one.
+"""
+
+from __future__ import annotations
+
+from hydrad.sampling_params import SamplingParams
+
+# Tokens of context decoded before the new ones (enough for any merge to settle).
+_WINDOW = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.tokenizer = tokenizer
+        self.stop = params.stop
+        self.include_stop = params.include_stop_str_in_output
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""  # all decoded output (truncated at a stop string)
+        self._emitted = 0  # characters of text already returned
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add_tokens(self, token_ids: list[int]) -> str:
+        """Take new tokens; return the text that can be shown now."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(token_ids)
+        prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.token_ids[self._prefix_offset :])
+        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it.
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new_text = full[len(prefix) :]
+            search_from = max(0, len(self.text) - self._hold)
+            self.text += new_text
+            self._prefix_offset = max(0, len(self.token_ids) - _WINDOW)
+            self._read_offset = len(self.token_ids)
+            self._check_stop(search_from)
+        end = len(self.text) if self.stopped else max(self._emitted, len(self.text) - self._hold)
+        return self._take(end)
+
+    def _check_stop(self, search_from: int) -> None:
+        hits = [(self.text.find(s, search_from), s) for s in self.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        index, stop = min(hits)
+        self.text = self.text[: index + len(stop) if self.include_stop else index]
+        self.stopped = True
+
+    def _take(self, end: int) -> str:
+        out = self.text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return out
+
+    def flush(self) -> str:
+        """The held-back tail, once the request has finished."""
+        return self._take(len(self.text))

@@ -1,0 +1,1 @@
+"""The engine: one instance's requests, scheduler, block managers, model runner."""

@@ -1,0 +1,65 @@
+"""What crosses the boundary between a frontend (``LLM``, the daemon) and an engine.
+
+These are the payloads of the cross-process messages too, so they hold ids,
+token ids and tensors only: no tokenizer, no model objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from hydrad.sampling_params import SamplingParams
+
+
+@dataclass
+class ImageInput:
+    """One image of a request, preprocessed, and where its tokens sit in the prompt."""
+
+    # [3, H, W], the image processor's output for this image (model dtype not applied yet).
+    pixel_values: torch.Tensor
+    # First placeholder position in the prompt and the number of placeholders (= image tokens).
+    offset: int
+    length: int
+
+
+@dataclass
+class EngineRequest:
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    images: list[ImageInput] = field(default_factory=list)
+    # Token ids that end generation unless ignore_eos (the model's EOS and any extras).
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = 0.0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class RequestDelta:
+    """What one step produced for one request: new tokens and, at the end, why it finished."""
+
+    req_id: str
+    new_token_ids: list[int]
+    # None while running; "stop" (EOS / stop token), "length" (max_tokens / context), "abort".
+    finish_reason: str | None = None
+    # Prompt tokens, filled once with the first delta so a frontend can report usage.
+    num_prompt_tokens: int | None = None
+    # With the final delta: seconds spent per stage, keys "<stage>_queue" / "<stage>_exec"
+    # for stage in encode, prefill, decode (and "<a>_to_<b>_migration" across instances).
+    stage_times: dict[str, float] | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    image_usage: float
+    num_kv_blocks_used: int
+    num_image_blocks_used: int
+    num_preemptions: int

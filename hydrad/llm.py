@@ -1,0 +1,172 @@
+"""The offline Python API, shaped like vLLM's ``LLM``.
+
+    llm = LLM("path/to/model")                # no argument: the built-in default model
+    outs = llm.chat(conversations, SamplingParams(max_tokens=32, temperature=0.0))
+    outs[i].token_ids, outs[i].text, outs[i].finish_reason
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from hydrad.detokenizer import IncrementalDetokenizer
+from hydrad.engine.inputs import EngineRequest
+from hydrad.errors import ConfigError
+from hydrad.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_images: int = 0
+    stage_times: dict[str, float] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class LLM:
+    """One engine in this process (deploy ``1EPD`` on ``cpu:1``)."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        deploy: str = "1EPD",
+        devices: str = "cpu:1",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_mb: int = 512,
+        image_block_size: int | None = None,
+        num_image_blocks: int | None = None,
+        image_cache_memory_mb: int = 256,
+        token_budget: int = 2048,
+        image_budget: int = 4,
+        max_num_seqs: int = 256,
+        max_images_per_request: int = 8,
+        dual_streams: bool = True,
+        seed: int = 0,
+    ):
+        from hydrad.engine.core import EngineCore
+        from hydrad.models.default import resolve_model_path
+        from hydrad.processor import InputProcessor
+
+        if deploy.replace(" ", "").upper() != "1EPD":
+            raise ConfigError(f"deploy {deploy!r}: the in-process LLM runs one EPD instance ('1EPD')")
+        device = devices.strip().lower()
+        if device in ("cpu:1", "cpu", "auto"):
+            device = "cpu"
+        elif not device.startswith("cuda") or "," in device:
+            raise ConfigError(f"devices {devices!r}: the in-process LLM runs on one device (cpu:1 or cuda:N)")
+        model_path = resolve_model_path(model)
+        self.config = EngineConfig(
+            model=ModelConfig(path=str(model_path), dtype=dtype, max_model_len=max_model_len),
+            cache=CacheConfig(
+                kv_block_size=kv_block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_mb=kv_cache_memory_mb,
+                image_block_size=image_block_size,
+                num_image_blocks=num_image_blocks,
+                image_cache_memory_mb=image_cache_memory_mb,
+            ),
+            scheduler=SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs),
+            parallel=ParallelConfig(deploy="1EPD", devices=devices, dual_streams=dual_streams),
+            seed=seed,
+        )
+        self.engine = EngineCore(self.config, role="EPD", device=device)
+        self.processor = InputProcessor(
+            model_path, max_images_per_request=max_images_per_request, max_model_len=self.engine.max_model_len
+        )
+        self._ids = itertools.count()
+
+    # -- public API ------------------------------------------------------------------------------
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run one conversation (a list of messages) or many (a list of such lists)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.processor.process_chat(conv) for conv in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def generate(
+        self,
+        prompts: str | list[str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Plain text prompts, no chat template."""
+        prompts = [prompts] if isinstance(prompts, str) else prompts
+        return self._run([self.processor.process_prompt(p) for p in prompts], sampling_params, use_tqdm)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        requests: list[EngineRequest] = [
+            self.processor.make_engine_request(f"llm-{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)
+        ]
+        outputs = {r.req_id: RequestOutput(r.req_id, r.prompt_token_ids, num_images=len(r.images)) for r in requests}
+        detoks = {r.req_id: IncrementalDetokenizer(self.processor.tokenizer, r.sampling_params) for r in requests}
+        try:
+            for r in requests:
+                self.engine.add_request(r)
+        except Exception:
+            self.engine.abort_requests(outputs)
+            raise
+        progress = _progress(len(requests)) if use_tqdm else None
+        unfinished = set(outputs)
+        try:
+            while unfinished:
+                for delta in self.engine.step():
+                    out, detok = outputs[delta.req_id], detoks[delta.req_id]
+                    out.token_ids.extend(delta.new_token_ids)
+                    detok.add_tokens(delta.new_token_ids)
+                    if detok.stopped and delta.finish_reason is None:
+                        self.engine.abort_requests([delta.req_id])
+                        delta.finish_reason = "stop"
+                    if delta.finish_reason is not None:
+                        out.finish_reason = delta.finish_reason
+                        out.stage_times = delta.stage_times
+                        detok.flush()
+                        out.text = detok.text
+                        unfinished.discard(delta.req_id)
+                        if progress:
+                            progress.advance()
+        finally:
+            self.engine.abort_requests(unfinished)
+            if progress:
+                progress.close()
+        return [outputs[r.req_id] for r in requests]
+
+
+class _progress:
+    def __init__(self, total: int):
+        from rich.progress import Progress
+
+        self._p = Progress(transient=True)
+        self._p.start()
+        self._task = self._p.add_task("requests", total=total)
+
+    def advance(self) -> None:
+        self._p.advance(self._task)
+
+    def close(self) -> None:
+        self._p.stop()

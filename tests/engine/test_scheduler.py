@@ -1,0 +1,227 @@
+"""Algorithm 1 on synthetic requests: budgets, ordering, preemption, aborts, integrity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hydrad.config import SchedulerConfig
+from hydrad.engine.block_manager import BlockManager
+from hydrad.engine.inputs import EngineRequest, ImageInput
+from hydrad.engine.request import Request, RequestStatus
+from hydrad.engine.scheduler import Scheduler
+from hydrad.sampling_params import SamplingParams
+
+EOS = 0
+
+
+def make_request(req_id, num_prompt=20, images=(), max_tokens=8, ignore_eos=True) -> Request:
+    """images: (offset, length) pairs inside the prompt."""
+    return Request(
+        EngineRequest(
+            req_id=str(req_id),
+            prompt_token_ids=[5 + i % 50 for i in range(num_prompt)],
+            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+            images=[ImageInput(torch.zeros(1), offset, length) for offset, length in images],
+            eos_token_ids=(EOS,),
+        )
+    )
+
+
+def make_scheduler(num_kv_blocks=64, kv_block_size=4, num_image_blocks=8, image_block_size=16,
+                   token_budget=32, image_budget=2, max_num_seqs=64, max_model_len=4096) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs),
+        BlockManager(num_kv_blocks, kv_block_size, "kv"),
+        BlockManager(num_image_blocks, image_block_size, "image"),
+        max_model_len,
+    )
+
+
+def run_step(s: Scheduler, token=7):
+    """One step with synthetic model outputs; checks the invariants the engine relies on."""
+    out = s.schedule()
+    s.check_integrity()
+    assert sum(n for _, n in out.chunks) <= s.config.token_budget
+    assert len(out.encodes) <= s.config.image_budget
+    for req, n in out.chunks:
+        assert req.images_done, "prefill scheduled before the request's images were encoded"
+        assert len(req.kv_block_ids) * s.kv.block_size >= req.num_computed_tokens + n
+        for i, image in enumerate(req.images):
+            touches = req.num_computed_tokens < image.offset + image.length and image.offset < req.num_computed_tokens + n
+            if touches:
+                assert req.image_block_ids[i], "prefill reads an image whose blocks were freed"
+    for req, index in out.encodes:
+        assert req.image_block_ids[index]
+    s.update_after_encode(out)
+    sampled = {r.req_id: token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens}
+    steps = s.update_after_language(out, sampled)
+    s.check_integrity()
+    return out, steps
+
+
+def run_to_completion(s: Scheduler, reqs, max_steps=10_000):
+    for _ in range(max_steps):
+        if not s.num_unfinished:
+            break
+        run_step(s)
+    assert s.num_unfinished == 0
+    assert s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED
+
+
+def test_decodes_come_first_then_prefill_chunks():
+    s = make_scheduler(token_budget=16)
+    a = make_request("a", num_prompt=10)
+    s.add(a)
+    run_step(s)  # a prefilled fully, first token sampled
+    b = make_request("b", num_prompt=40)
+    s.add(b)
+    out, _ = run_step(s)
+    assert out.chunks[0] == (a, 1)
+    assert out.chunks[1][0] is b and out.chunks[1][1] == 15  # the rest of the budget
+
+
+def test_prefill_is_chunked_through_image_tokens_and_waits_for_encode():
+    s = make_scheduler(token_budget=7, image_block_size=16)
+    r = make_request("r", num_prompt=30, images=[(3, 16)], max_tokens=2)
+    s.add(r)
+    out, _ = run_step(s)
+    assert out.encodes == [(r, 0)] and not out.chunks  # encode first, prefill next step
+    seen = []
+    while r.status is not RequestStatus.FINISHED:
+        out, _ = run_step(s)
+        seen += [n for q, n in out.chunks if q is r]
+    assert seen[:5] == [7, 7, 7, 7, 2]  # 30 prompt tokens in chunks of the budget
+    assert s.images.num_used_blocks == 0
+
+
+def test_image_blocks_freed_once_prefill_read_past_them():
+    s = make_scheduler(token_budget=10, image_block_size=8)
+    r = make_request("r", num_prompt=40, images=[(2, 8), (20, 8)])
+    s.add(r)
+    run_step(s)
+    assert s.images.num_used_blocks == 2
+    run_step(s)  # tokens 0..9: first image read
+    assert r.image_block_ids[0] == [] and r.image_block_ids[1]
+    run_step(s)
+    run_step(s)  # tokens up to 29: second image read
+    assert s.images.num_used_blocks == 0
+
+
+def test_image_budget_limits_encodes_per_step():
+    s = make_scheduler(image_budget=2, num_image_blocks=16, image_block_size=4)
+    reqs = [make_request(i, num_prompt=30, images=[(1, 4), (10, 4), (20, 4)]) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    counts = []
+    for _ in range(6):
+        out, _ = run_step(s)
+        counts.append(len(out.encodes))
+    assert max(counts) == 2 and sum(counts) == 9
+
+
+def test_preemption_under_kv_pressure_and_everything_finishes():
+    s = make_scheduler(num_kv_blocks=12, kv_block_size=4, token_budget=64)
+    reqs = [make_request(i, num_prompt=12, max_tokens=20) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    run_to_completion(s, reqs)
+    assert s.num_preemptions > 0
+    for r in reqs:
+        assert r.num_output_tokens == 20 and r.finish_reason == "length"
+
+
+def test_randomized_mix_keeps_integrity():
+    rng = random.Random(0)
+    s = make_scheduler(num_kv_blocks=24, kv_block_size=4, num_image_blocks=6, image_block_size=8,
+                       token_budget=24, image_budget=2)
+    reqs = []
+    for i in range(30):
+        n = rng.randint(12, 40)
+        images = [(1, 8)] if rng.random() < 0.5 else []
+        if images and rng.random() < 0.3:
+            images.append((10, 8))
+        reqs.append(make_request(i, num_prompt=n, images=images, max_tokens=rng.randint(1, 12)))
+    pending = list(reqs)
+    aborted = set()
+    for step in range(5000):
+        if pending and rng.random() < 0.5:
+            s.add(pending.pop(0))
+        if s.num_unfinished and rng.random() < 0.05:
+            victim = rng.choice(list(s.requests.values()))
+            s.abort(victim.req_id)
+            aborted.add(victim.req_id)
+            s.check_integrity()
+        if not pending and not s.num_unfinished:
+            break
+        run_step(s)
+    assert not s.num_unfinished
+    assert s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
+    for r in reqs:
+        if r.req_id not in aborted:
+            assert r.finish_reason == "length" and r.num_output_tokens == r.sampling_params.max_tokens
+
+
+@pytest.mark.parametrize("when", ["waiting", "encoding", "mid-prefill", "mid-decode"])
+def test_abort_frees_everything(when):
+    s = make_scheduler(token_budget=8)
+    r = make_request("r", num_prompt=30, images=[(2, 16)], max_tokens=50)
+    other = make_request("o", num_prompt=10, max_tokens=50)
+    s.add(other)
+    s.add(r)
+    steps = {"waiting": 0, "encoding": 1, "mid-prefill": 3, "mid-decode": 8}[when]
+    for _ in range(steps):
+        run_step(s)
+    expected = {"waiting": RequestStatus.WAITING, "encoding": RequestStatus.RUNNING,
+                "mid-prefill": RequestStatus.RUNNING, "mid-decode": RequestStatus.RUNNING}[when]
+    assert r.status is expected
+    if when == "mid-prefill":
+        assert 0 < r.num_computed_tokens < r.num_prompt_tokens
+    if when == "mid-decode":
+        assert r.num_output_tokens > 0
+    held_before = s.kv.num_used_blocks
+    s.abort("r")
+    s.check_integrity()
+    assert r.status is RequestStatus.FINISHED and r.finish_reason == "abort"
+    assert r.kv_block_ids == [] and all(not b for b in r.image_block_ids)
+    assert s.kv.num_used_blocks == len(other.kv_block_ids) <= held_before
+    s.abort("o")
+    assert s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
+
+
+def test_stop_on_eos_unless_ignored():
+    s = make_scheduler()
+    a = make_request("a", max_tokens=5, ignore_eos=False)
+    b = make_request("b", max_tokens=5, ignore_eos=True)
+    s.add(a)
+    s.add(b)
+    _, steps = run_step(s, token=EOS)
+    assert a.finish_reason == "stop" and a.output_token_ids == [EOS]
+    assert b.finish_reason is None
+    run_to_completion(s, [a, b])
+    assert b.finish_reason == "length" and b.num_output_tokens == 5
+
+
+def test_refuses_what_can_never_fit():
+    s = make_scheduler(num_kv_blocks=4, kv_block_size=4, num_image_blocks=1, image_block_size=8)
+    with pytest.raises(ValueError, match="KV blocks"):
+        s.add(make_request("big", num_prompt=10, max_tokens=10))
+    with pytest.raises(ValueError, match="image-cache blocks"):
+        s.add(make_request("img", num_prompt=10, images=[(0, 9)], max_tokens=2))
+    s.check_integrity()
+
+
+def test_block_manager_detects_double_free_and_leaks():
+    m = BlockManager(4, 2)
+    ids = m.allocate(2)
+    m.check_integrity([ids])
+    with pytest.raises(AssertionError, match="leaked"):
+        m.check_integrity([])
+    m.free(ids)
+    with pytest.raises(RuntimeError, match="not allocated"):
+        m.free(ids[:1])
+    assert m.can_allocate(4) and not m.can_allocate(5)
