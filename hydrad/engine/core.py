@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from hydrad.config import EngineConfig
+from hydrad.engine.attention import get_attn_backend
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
 from hydrad.engine.model_runner import ModelRunner
@@ -56,7 +57,9 @@ class EngineCore:
 
         hf_config = load_config(self.model_path)
         model_cls = get_model_class(hf_config)
-        self.model = model_cls(hf_config, dtype=self.dtype, device=self.device)
+        attn_backend = get_attn_backend(self.device)
+        attn_backend.check_block_size(config.cache.kv_block_size)
+        self.model = model_cls(hf_config, attn_backend=attn_backend, dtype=self.dtype, device=self.device)
         self.model.load_weights(iter_weights(self.model_path, self.dtype))
         self.model.eval()
 

@@ -1,0 +1,40 @@
+"""Attention backends behind one interface, imported lazily by name.
+
+A backend's ``forward(q, k, v, kv_cache_layer, meta, scale)`` takes the new tokens'
+``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` and one layer's cache
+``[2, num_blocks, block_size, Hkv, D]``; it first writes k and v into the cache at
+``meta.slot_mapping``, then returns ``[T, Hq, D]``: each sequence's queries attending
+causally over its whole paged context (query j of a sequence with query length q and
+context length s sees keys 0 ... s - q + j). ``check_block_size(block_size)`` raises
+``ConfigError`` when the backend cannot use KV blocks of that size.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+
+import torch
+
+from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.errors import ConfigError
+
+__all__ = ["AttentionMetadata", "get_attn_backend", "BACKENDS"]
+
+# name -> (module, class)
+BACKENDS = {
+    "sdpa": ("hydrad.engine.attention.sdpa", "SdpaBackend"),
+    "flash_attn": ("hydrad.engine.attention.flash_attn", "FlashAttnBackend"),
+}
+
+
+def get_attn_backend(device: torch.device | str, name: str | None = None):
+    """The backend ``name`` for ``device``; by default flash-attn on CUDA when installed, else SDPA."""
+    device = torch.device(device)
+    if name is None:
+        cuda_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        name = "flash_attn" if cuda_flash else "sdpa"
+    if name not in BACKENDS:
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    module, cls = BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(device)

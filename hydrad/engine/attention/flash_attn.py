@@ -1,0 +1,68 @@
+"""Paged attention with flash-attn's varlen kernel on CUDA.
+
+One ``flash_attn_varlen_func`` call covers the whole flattened batch: it reads the keys
+and values straight from the paged cache through ``block_table`` and aligns the causal
+mask bottom-right, so a chunk's queries see the context cached before them. The cache
+write is the same slot-mapped copy as in the SDPA backend.
+
+This backend has not been run on a GPU yet; the SDPA backend is the tested reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.engine.attention.sdpa import write_kv_cache
+from hydrad.errors import ConfigError
+
+# flash-attn 2's paged kernels take pages (KV-cache blocks) of a multiple of this many tokens.
+_PAGE_SIZE_MULTIPLE = 256
+
+
+class FlashAttnBackend:
+    name = "flash_attn"
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise ConfigError(f"attention backend 'flash_attn' needs a CUDA device, got {device}; use 'sdpa'")
+        try:
+            from flash_attn import flash_attn_varlen_func
+        except ImportError as e:
+            raise ConfigError(
+                "attention backend 'flash_attn' needs the flash-attn package (pip install 'hydrad[cuda]'); use 'sdpa'"
+            ) from e
+        self.device = device
+        self._varlen = flash_attn_varlen_func
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size % _PAGE_SIZE_MULTIPLE:
+            raise ConfigError(
+                f"attention backend 'flash_attn' needs cache.kv_block_size to be a multiple of "
+                f"{_PAGE_SIZE_MULTIPLE}, got {block_size}; change it or use 'sdpa'"
+            )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache_layer: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        self.check_block_size(meta.block_size)
+        write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
+        return self._varlen(
+            q,
+            kv_cache_layer[0],  # [num_blocks, block_size, num_kv_heads, head_dim]
+            kv_cache_layer[1],
+            cu_seqlens_q=meta.query_start_loc,
+            cu_seqlens_k=meta.seq_start_loc,
+            max_seqlen_q=meta.max_query_len,
+            max_seqlen_k=meta.max_seq_len,
+            softmax_scale=scale,
+            causal=True,
+            block_table=meta.block_tables,
+        )

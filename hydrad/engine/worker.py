@@ -1,0 +1,120 @@
+"""A worker process: one engine instance on one device, driven over a pipe.
+
+The loop: take every pending message (blocking only while the engine is idle),
+run one engine step, send that step's deltas in one ``StepOutput``. The worker
+exits on ``Shutdown`` or when the daemon's end of the pipe closes, so a crashed
+daemon never leaves workers behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Protocol
+
+from hydrad.config import EngineConfig
+from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+from hydrad.transport.messages import (
+    Abort,
+    AddRequest,
+    GetStats,
+    RequestRejected,
+    Shutdown,
+    StatsReply,
+    StepOutput,
+    WorkerFailed,
+    WorkerReady,
+)
+
+logger = logging.getLogger("hydrad.worker")
+
+
+class Engine(Protocol):
+    max_model_len: int
+
+    def add_request(self, req: EngineRequest) -> None: ...
+    def abort_requests(self, req_ids) -> None: ...
+    def step(self) -> list[RequestDelta]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def get_stats(self) -> EngineStats: ...
+    def shutdown(self) -> None: ...
+
+
+def worker_main(
+    instance_id: int, role: str, device: str, config: EngineConfig, conn: Connection, num_threads: int
+) -> None:
+    """Process entry point (spawned by the daemon's supervisor)."""
+    # Ctrl-C reaches the whole process group; the daemon decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(
+        level=os.environ.get("HYDRAD_LOG_LEVEL", "INFO").upper(),
+        format=f"%(asctime)s %(levelname)s worker{instance_id}: %(message)s",
+    )
+    start = time.monotonic()
+    try:
+        import torch
+
+        torch.set_num_threads(num_threads)
+        from hydrad.engine.core import EngineCore
+
+        engine = EngineCore(config, role=role, device=device)
+    except Exception as e:  # reported to the daemon, which prints it as one line
+        conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        conn.close()
+        return
+    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start))
+    try:
+        run_worker(engine, conn)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("daemon went away; exiting")
+    except Exception as e:
+        logger.exception("engine step failed")
+        try:
+            conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        engine.shutdown()
+        conn.close()
+
+
+def run_worker(engine: Engine, conn: Connection) -> None:
+    """Serve messages and step the engine until ``Shutdown`` has been honoured."""
+    live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
+    draining = False
+    while True:
+        # Block for messages only when there is nothing to step.
+        timeout = 0 if engine.has_unfinished_requests() else None
+        while conn.poll(timeout):
+            msg = conn.recv()
+            timeout = 0
+            if isinstance(msg, AddRequest):
+                try:
+                    engine.add_request(msg.request)
+                except ValueError as e:
+                    conn.send(RequestRejected(msg.request.req_id, str(e)))
+                else:
+                    live.add(msg.request.req_id)
+            elif isinstance(msg, Abort):
+                engine.abort_requests(msg.req_ids)
+                live.difference_update(msg.req_ids)
+            elif isinstance(msg, GetStats):
+                conn.send(StatsReply(msg.seq, engine.get_stats()))
+            elif isinstance(msg, Shutdown):
+                if not msg.finish_running and live:
+                    engine.abort_requests(list(live))
+                    conn.send(StepOutput([RequestDelta(r, [], "abort") for r in sorted(live)]))
+                    live.clear()
+                draining = True
+            else:
+                raise TypeError(f"unexpected message {type(msg).__name__}")
+        if draining and not engine.has_unfinished_requests():
+            return
+        deltas = engine.step()
+        if deltas:
+            live.difference_update(d.req_id for d in deltas if d.finish_reason is not None)
+            conn.send(StepOutput(deltas))

@@ -1,0 +1,36 @@
+"""Session-wide fixtures. Checkpoint fixtures are shared: tests must not modify them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from factories import LAYOUTS, make_layout, make_tiny_llava, module_state_dict
+
+
+@pytest.fixture(scope="session", autouse=True)
+def hydrad_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private cache dir, so no test reads or fills the user's (the default model lands here)."""
+    path = tmp_path_factory.mktemp("hydrad-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HYDRAD_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaVA checkpoint (seed 0) as ``hydrad make-model`` writes it."""
+    return make_tiny_llava(tmp_path_factory.mktemp("checkpoints") / "llava-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_llava_layouts(tmp_path_factory: pytest.TempPathFactory, tiny_llava_dir: Path) -> dict[str, Path]:
+    """Layout name -> a complete copy of ``tiny_llava_dir`` with the same weights stored in that layout."""
+    state_dict = module_state_dict(tiny_llava_dir)
+    root = tmp_path_factory.mktemp("layouts")
+    return {
+        name: make_layout(tiny_llava_dir, root / name, state_dict, layout, max_shard_size)
+        for name, (layout, max_shard_size) in LAYOUTS.items()
+    }

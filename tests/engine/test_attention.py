@@ -1,0 +1,108 @@
+import random
+
+import pytest
+import torch
+
+from hydrad.engine.attention import AttentionMetadata, get_attn_backend
+from hydrad.engine.attention.sdpa import SdpaBackend
+from hydrad.errors import ConfigError
+
+HEAD_DIM = 16
+# (query_len, seq_len) per sequence: decodes, whole prompts, and chunks after cached context,
+# in an order that interleaves them.
+SEQS = [(1, 37), (20, 20), (1, 1), (9, 50), (1, 16), (33, 33), (16, 48), (1, 64)]
+
+
+def reference_attention(q, k, v, scale):
+    # q: [query_len, Hq, D]; k, v: [seq_len, Hkv, D]; fp64, dense, bottom-right causal
+    query_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    k = k.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    v = v.double().repeat_interleave(num_heads // num_kv_heads, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    visible = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def make_paged_batch(block_size, num_heads, num_kv_heads, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_per_seq = [-(-s // block_size) for _, s in SEQS]
+    num_blocks = sum(blocks_per_seq) + 3
+    block_ids = rng.sample(range(num_blocks), sum(blocks_per_seq))  # shuffled, non-contiguous
+    block_tables, start = [], 0
+    for n in blocks_per_seq:
+        block_tables.append(block_ids[start : start + n])
+        start += n
+
+    kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, dtype=dtype)
+    contexts, new_q, new_k, new_v = [], [], [], []
+    for (query_len, seq_len), table in zip(SEQS, block_tables):
+        k = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        v = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
+        q = torch.randn(query_len, num_heads, HEAD_DIM, generator=gen).to(dtype)
+        # Earlier steps cached positions 0 ... seq_len - query_len - 1.
+        for pos in range(seq_len - query_len):
+            block, offset = table[pos // block_size], pos % block_size
+            kv_cache[0, block, offset], kv_cache[1, block, offset] = k[pos], v[pos]
+        contexts.append((k, v))
+        new_q.append(q)
+        new_k.append(k[seq_len - query_len :])
+        new_v.append(v[seq_len - query_len :])
+    meta = AttentionMetadata.build(
+        [q for q, _ in SEQS], [s for _, s in SEQS], block_tables, block_size, torch.device("cpu")
+    )
+    return kv_cache, meta, contexts, torch.cat(new_q), torch.cat(new_k), torch.cat(new_v)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_sdpa_paged_matches_dense_causal(block_size, num_heads, num_kv_heads, dtype, atol):
+    kv_cache, meta, contexts, q, k, v = make_paged_batch(block_size, num_heads, num_kv_heads, dtype)
+    scale = HEAD_DIM**-0.5
+
+    out = SdpaBackend(torch.device("cpu")).forward(q, k, v, kv_cache, meta, scale)
+
+    assert out.shape == q.shape and out.dtype == dtype
+    starts = meta.query_start_loc.tolist()
+    for b, (ctx_k, ctx_v) in enumerate(contexts):
+        tokens = slice(starts[b], starts[b + 1])
+        ref = reference_attention(q[tokens], ctx_k, ctx_v, scale)
+        torch.testing.assert_close(out[tokens].double(), ref, atol=atol, rtol=atol, msg=f"sequence {b}")
+        # The new keys and values landed in the sequence's blocks, after its cached context.
+        table = meta.block_tables[b]
+        positions = torch.arange(meta.seq_lens_cpu[b])
+        slots = table[positions // block_size].long() * block_size + positions % block_size
+        cached = kv_cache.flatten(1, 2)[:, slots]
+        assert torch.equal(cached[0], ctx_k) and torch.equal(cached[1], ctx_v)
+
+
+def test_metadata_slot_mapping_and_offsets():
+    meta = AttentionMetadata.build([3, 1], [5, 2], [[7, 2, 4], [5]], 2, torch.device("cpu"))
+    # Sequence 0 adds positions 2, 3, 4 -> blocks 2, 2, 4; sequence 1 adds position 1 -> block 5.
+    assert meta.slot_mapping.tolist() == [2 * 2 + 0, 2 * 2 + 1, 4 * 2 + 0, 5 * 2 + 1]
+    assert meta.query_start_loc.tolist() == [0, 3, 4]
+    assert meta.seq_start_loc.tolist() == [0, 5, 7]
+    assert meta.block_tables.tolist() == [[7, 2, 4], [5, 0, 0]]
+    assert (meta.max_query_len, meta.max_seq_len) == (3, 5)
+    assert meta.slot_mapping.dtype == torch.int64 and meta.block_tables.dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "tables"),
+    [([3], [2], [[0]]), ([1], [5], [[0]]), ([1, 1], [1], [[0]])],
+)
+def test_metadata_rejects_inconsistent_batches(query_lens, seq_lens, tables):
+    with pytest.raises(ValueError):
+        AttentionMetadata.build(query_lens, seq_lens, tables, 4, torch.device("cpu"))
+
+
+def test_backend_registry():
+    assert get_attn_backend(torch.device("cpu")).name == "sdpa"
+    assert get_attn_backend("cpu", "sdpa").name == "sdpa"
+    with pytest.raises(ConfigError, match="CUDA"):
+        get_attn_backend("cpu", "flash_attn")
+    with pytest.raises(ConfigError, match="unknown attention backend"):
+        get_attn_backend("cpu", "xformers")

@@ -1,0 +1,67 @@
+"""Reusable builders for tests: tiny checkpoints and the same weights in every on-disk layout."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from hydrad.models.builder import SAFETENSORS_INDEX, build_model, write_weights
+
+# Layout fixture name -> (writer layout, max shard size in bytes). The tiny model holds ~0.7 MB
+# of weights, so 300 kB gives three shards.
+LAYOUTS: dict[str, tuple[str, int | None]] = {
+    "hub": ("hub", None),
+    "hf5": ("hf5", None),
+    "module": ("module", None),
+    "hub-sharded": ("hub", 300_000),
+}
+
+
+def make_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
+    return build_model(out_dir, "llava", "tiny", seed, progress=False)
+
+
+def module_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights as transformers holds them in memory (``model.language_model.*``, ...)."""
+    from transformers import LlavaForConditionalGeneration
+
+    return dict(LlavaForConditionalGeneration.from_pretrained(path).state_dict())
+
+
+def canonical_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """The reference for the loader: in-memory names without the leading ``model.``."""
+    return {name.removeprefix("model."): t for name, t in module_state_dict(path).items()}
+
+
+def is_weight_file(path: Path) -> bool:
+    return path.name == SAFETENSORS_INDEX or path.suffix == ".safetensors"
+
+
+def copy_without_weights(src_dir: Path, out_dir: Path) -> Path:
+    """``src_dir``'s config, tokenizer and processor files, without any weight file."""
+    out_dir.mkdir(parents=True)
+    for path in src_dir.iterdir():
+        if not is_weight_file(path):
+            shutil.copy2(path, out_dir / path.name)
+    return out_dir
+
+
+def make_layout(
+    src_dir: Path,
+    out_dir: Path,
+    state_dict: Mapping[str, torch.Tensor],
+    layout: str,
+    max_shard_size: int | None = None,
+) -> Path:
+    """A complete checkpoint: ``src_dir``'s other files and ``state_dict`` (in-memory names) in ``layout``."""
+    copy_without_weights(src_dir, out_dir)
+    write_weights(state_dict, out_dir, layout, max_shard_size=max_shard_size)
+    return out_dir
+
+
+def weight_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
+

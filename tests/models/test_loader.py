@@ -1,0 +1,218 @@
+"""The checkpoint loader: every weight layout under canonical names, dtypes, prefixes, errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from factories import LAYOUTS, copy_without_weights, make_layout, module_state_dict, weight_files
+from hydrad.errors import CheckpointError
+from hydrad.models.loader import canonical_name, iter_weights, load_config
+
+# The canonical-name contract, written out independently of the loader's rules.
+_LAYER = r"language_model\.layers\.\d+\."
+CANONICAL = re.compile(
+    "|".join([
+        r"language_model\.embed_tokens\.weight",
+        _LAYER + r"self_attn\.[qkvo]_proj\.(weight|bias)",
+        _LAYER + r"mlp\.(gate|up|down)_proj\.weight",
+        _LAYER + r"(input_layernorm|post_attention_layernorm)\.weight",
+        r"language_model\.norm\.weight",
+        r"lm_head\.weight",
+        r"vision_tower\.(embeddings|pre_layrnorm|encoder\.layers\.\d+|post_layernorm)\.[\w.]+",
+        r"multi_modal_projector\.linear_[12]\.(weight|bias)",
+    ])
+)
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+LANGUAGE_PREFIXES = ("language_model.", "lm_head.")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llava_dir) -> dict[str, torch.Tensor]:
+    """transformers' in-memory state dict, without the leading ``model.``."""
+    return {name.removeprefix("model."): t for name, t in module_state_dict(tiny_llava_dir).items()}
+
+
+def _load(path: Path, dtype=torch.float32, prefixes=None) -> dict[str, torch.Tensor]:
+    loaded = {}
+    for name, tensor in iter_weights(path, dtype, prefixes):
+        assert name not in loaded, f"{name} yielded twice"
+        loaded[name] = tensor
+    return loaded
+
+
+def _assert_equal(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert sorted(loaded) == sorted(expected)
+    for name, tensor in expected.items():
+        assert loaded[name].dtype == tensor.dtype, name
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_layouts_are_distinct_on_disk(tiny_llava_layouts):
+    from safetensors import safe_open
+
+    assert set(tiny_llava_layouts) == set(LAYOUTS)
+    first_names = {}
+    for name, path in tiny_llava_layouts.items():
+        with safe_open(weight_files(path)[0], framework="pt") as f:
+            first_names[name] = set(f.keys())
+    assert any(n.startswith("vision_tower.vision_model.") for n in first_names["hub"])
+    assert any(n.startswith("vision_tower.encoder.") for n in first_names["hf5"])
+    assert all(n.startswith(("model.", "lm_head.")) for n in first_names["module"])
+    sharded = tiny_llava_layouts["hub-sharded"]
+    assert len(weight_files(sharded)) >= 2 and (sharded / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_yields_canonical_module_weights(tiny_llava_layouts, reference, layout):
+    loaded = _load(tiny_llava_layouts[layout])
+    _assert_equal(loaded, reference)
+    assert all(CANONICAL.fullmatch(name) for name in loaded), [n for n in loaded if not CANONICAL.fullmatch(n)]
+    assert {"language_model.embed_tokens.weight", "lm_head.weight", "vision_tower.pre_layrnorm.weight",
+            "vision_tower.encoder.layers.1.self_attn.q_proj.weight", "multi_modal_projector.linear_2.bias",
+            "language_model.layers.1.self_attn.k_proj.weight", "language_model.norm.weight"} <= loaded.keys()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_fixtures_load_in_transformers(tiny_llava_layouts, tiny_llava_dir, layout):
+    # Guards the fixtures themselves: each layout is one transformers reads as the same model.
+    expected = module_state_dict(tiny_llava_dir)
+    got = module_state_dict(tiny_llava_layouts[layout])
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], t) for name, t in expected.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cast_on_load(tiny_llava_layouts, reference, dtype):
+    loaded = _load(tiny_llava_layouts["hub-sharded"], dtype)
+    _assert_equal(loaded, {name: t.to(dtype) for name, t in reference.items()})
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+def test_half_precision_checkpoint_loads_as_float32(tmp_path, tiny_llava_dir, stored):
+    state_dict = {name: t.to(stored) for name, t in module_state_dict(tiny_llava_dir).items()}
+    path = make_layout(tiny_llava_dir, tmp_path / "half", state_dict, "hf5")
+    expected = {name.removeprefix("model."): t.float() for name, t in state_dict.items()}
+    _assert_equal(_load(path, torch.float32), expected)
+
+
+@pytest.mark.parametrize("prefixes", [VISION_PREFIXES, LANGUAGE_PREFIXES, ("multi_modal_projector.",)])
+def test_prefixes_select_weights(tiny_llava_layouts, reference, prefixes):
+    loaded = _load(tiny_llava_layouts["hub-sharded"], prefixes=prefixes)
+    _assert_equal(loaded, {name: t for name, t in reference.items() if name.startswith(prefixes)})
+
+
+def test_prefixes_skip_shards_without_reading_them(tmp_path, tiny_llava_layouts, reference):
+    path = tmp_path / "ckpt"
+    copy_without_weights(tiny_llava_layouts["hub-sharded"], path)
+    index_file = tiny_llava_layouts["hub-sharded"] / "model.safetensors.index.json"
+    (path / index_file.name).write_text(index_file.read_text())
+    weight_map = json.loads(index_file.read_text())["weight_map"]
+    language_only = {
+        shard for shard in set(weight_map.values())
+        if all(canonical_name(n).startswith(LANGUAGE_PREFIXES) for n, s in weight_map.items() if s == shard)
+    }
+    assert language_only, "the fixture should have a shard of language weights only"
+    for file in weight_files(tiny_llava_layouts["hub-sharded"]):
+        data = b"not a safetensors file" if file.name in language_only else file.read_bytes()
+        (path / file.name).write_bytes(data)
+
+    vision = _load(path, prefixes=VISION_PREFIXES)
+    _assert_equal(vision, {name: t for name, t in reference.items() if name.startswith(VISION_PREFIXES)})
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        _load(path)
+
+
+def test_tied_embeddings_yield_no_lm_head(tmp_path, tiny_llava_dir, reference):
+    path = tmp_path / "tied"
+    make_layout(tiny_llava_dir, path, module_state_dict(tiny_llava_dir), "hub")
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    loaded = _load(path)
+    assert "lm_head.weight" not in loaded
+    _assert_equal(loaded, {name: t for name, t in reference.items() if name != "lm_head.weight"})
+
+
+def test_load_config(tiny_llava_dir):
+    config = load_config(tiny_llava_dir)
+    assert config.model_type == "llava"
+    assert config.text_config.num_key_value_heads == 2
+    assert config.vision_feature_layer == -2
+
+
+def _with_config(tmp_path: Path, src: Path, **changes) -> Path:
+    path = copy_without_weights(src, tmp_path / "ckpt")
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("changes", "bad"),
+    [
+        ({"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]}, "qwen2_vl"),
+        ({"architectures": ["LlavaLlamaForCausalLM"]}, "LlavaLlamaForCausalLM"),
+    ],
+)
+def test_unsupported_architecture(tmp_path, tiny_llava_dir, changes, bad):
+    path = _with_config(tmp_path, tiny_llava_dir, **changes)
+    with pytest.raises(CheckpointError, match=re.escape(f"unsupported architecture '{bad}' (supported: llava)")):
+        load_config(path)
+    with pytest.raises(CheckpointError, match="unsupported architecture"):
+        _load(path)
+
+
+def test_missing_folder_and_config(tmp_path, tiny_llava_dir):
+    with pytest.raises(CheckpointError, match=re.escape(f"model folder {tmp_path / 'nope'} does not exist")):
+        _load(tmp_path / "nope")
+    path = copy_without_weights(tiny_llava_dir, tmp_path / "ckpt")
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: no config.json")):
+        load_config(path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json: not valid JSON"):
+        load_config(path)
+
+
+def test_no_weight_files(tmp_path, tiny_llava_dir):
+    path = copy_without_weights(tiny_llava_dir, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=re.escape(f"{path}: no weights (model.safetensors or")):
+        _load(path)
+    (path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="found pytorch_model.bin .only safetensors is supported"):
+        _load(path)
+
+
+def test_index_naming_a_missing_shard(tmp_path, tiny_llava_layouts):
+    src = tiny_llava_layouts["hub-sharded"]
+    path = copy_without_weights(src, tmp_path / "ckpt")
+    (path / "model.safetensors.index.json").write_text((src / "model.safetensors.index.json").read_text())
+    shards = weight_files(src)
+    for file in shards[:-1]:
+        (path / file.name).write_bytes(file.read_bytes())
+    with pytest.raises(CheckpointError, match=re.escape(f"names shard '{shards[-1].name}', which does not exist")):
+        _load(path, prefixes=VISION_PREFIXES)
+
+
+def test_unrecognised_tensor_name(tmp_path, tiny_llava_dir):
+    state_dict = module_state_dict(tiny_llava_dir)
+    path = make_layout(tiny_llava_dir, tmp_path / "ckpt", state_dict, "hf5")
+    tensors = {name: t.contiguous() for name, t in state_dict.items()}
+    tensors["text_model.encoder.weight"] = torch.zeros(2)
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: unrecognised tensor name 'text_model\.encoder\.weight'"):
+        _load(path, prefixes=VISION_PREFIXES)
+
+
+def test_canonical_name_drops_recomputed_buffers():
+    assert canonical_name("language_model.model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert canonical_name("vision_tower.vision_model.embeddings.position_ids") is None
+    assert canonical_name("vision_tower.vision_model.embeddings.position_embedding.weight") == (
+        "vision_tower.embeddings.position_embedding.weight")
