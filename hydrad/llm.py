@@ -34,7 +34,13 @@ class RequestOutput:
 
 
 class LLM:
-    """One engine in this process (deploy ``1EPD`` on ``cpu:1``)."""
+    """Offline inference over one deployment of instances.
+
+    ``deploy="1EPD"`` on ``devices="cpu:1"`` (the default) runs one engine; any other
+    deployment (``1E+1P+1D``, ``1EP+1D``, ``2EPD``, ...) runs one engine per device in
+    this process, taking turns, with stages migrating between them exactly as in the
+    daemon (where each instance is its own process).
+    """
 
     def __init__(
         self,
@@ -55,19 +61,20 @@ class LLM:
         max_num_seqs: int = 256,
         max_images_per_request: int = 8,
         dual_streams: bool = True,
+        router_policy: str = "round-robin",
         seed: int = 0,
     ):
+        import torch
+
         from hydrad.engine.core import EngineCore
         from hydrad.models.default import resolve_model_path
         from hydrad.processor import InputProcessor
+        from hydrad.server.deploy import plan_instances
 
-        if deploy.replace(" ", "").upper() != "1EPD":
-            raise ConfigError(f"deploy {deploy!r}: the in-process LLM runs one EPD instance ('1EPD')")
-        device = devices.strip().lower()
-        if device in ("cpu:1", "cpu", "auto"):
-            device = "cpu"
-        elif not device.startswith("cuda") or "," in device:
-            raise ConfigError(f"devices {devices!r}: the in-process LLM runs on one device (cpu:1 or cuda:N)")
+        num_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        instances = plan_instances(deploy, devices, num_cuda)
+        if len({device for _, device in instances if device != "cpu"}) > 1:
+            raise ConfigError("the in-process LLM runs on one GPU; use the daemon for several")
         model_path = resolve_model_path(model)
         self.config = EngineConfig(
             model=ModelConfig(path=str(model_path), dtype=dtype, max_model_len=max_model_len),
@@ -80,10 +87,17 @@ class LLM:
                 image_cache_memory_mb=image_cache_memory_mb,
             ),
             scheduler=SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs),
-            parallel=ParallelConfig(deploy="1EPD", devices=devices, dual_streams=dual_streams),
+            parallel=ParallelConfig(deploy=deploy, devices=devices, dual_streams=dual_streams),
             seed=seed,
         )
-        self.engine = EngineCore(self.config, role="EPD", device=device)
+        roles = [role for role, _ in instances]
+        device = instances[0][1]
+        if roles == ["EPD"]:
+            self.engine = EngineCore(self.config, role="EPD", device=device)
+        else:
+            from hydrad.engine.cluster import LocalCluster
+
+            self.engine = LocalCluster(self.config, roles, device=device, policy=router_policy)
         self.processor = InputProcessor(
             model_path, max_images_per_request=max_images_per_request, max_model_len=self.engine.max_model_len
         )

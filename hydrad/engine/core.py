@@ -1,7 +1,11 @@
 """One engine instance: model, caches, scheduler, runner — the loop body of a worker.
 
 The frontend (``hydrad.LLM`` in process, or the daemon through a worker process)
-adds requests, calls ``step()`` and receives per-request token diffs.
+adds requests, calls ``step()`` and receives per-request token diffs. An instance
+has a role, a non-empty subset of E (encode), P (prefill), D (decode): it loads
+only the weights and caches its stages need, and hands a request whose next stage
+it does not hold to another instance (``take_offers`` / ``add_migration`` /
+``release``), which pulls the blocks straight out of this instance's pools.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable
 
 import torch
@@ -16,23 +21,34 @@ import torch
 from hydrad.config import EngineConfig
 from hydrad.engine.attention import get_attn_backend
 from hydrad.engine.block_manager import BlockManager
-from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+from hydrad.engine.inputs import EngineRequest, EngineStats, ImageInput, MigrationOffer, RequestDelta
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
-from hydrad.engine.scheduler import Scheduler
+from hydrad.engine.scheduler import Pull, Scheduler
 from hydrad.engine.streams import StageStreams
 from hydrad.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+_LANGUAGE_PREFIXES = ("language_model.", "lm_head.")
+# Idle wait for a copy to finish when a step has nothing else to do.
+_PULL_POLL_SECS = 0.005
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def normalize_role(role: str) -> str:
+    stages = set(role.upper())
+    if not stages or stages - set("EPD"):
+        raise ConfigError(f"role {role!r}: a role is a non-empty subset of E, P, D")
+    return "".join(s for s in "EPD" if s in stages)
 
 
 def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
@@ -42,39 +58,66 @@ def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> i
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, *, role: str = "EPD", device: str = "cpu"):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        role: str = "EPD",
+        device: str = "cpu",
+        instance_id: int = 0,
+        shared_pools: bool = False,
+    ):
         from hydrad.models.default import resolve_model_path
         from hydrad.models.loader import iter_weights, load_config
         from hydrad.models.registry import get_model_class
 
-        if role != "EPD":
-            raise ConfigError(f"role {role!r}: only EPD instances are supported by this engine")
         self.config = config
-        self.role = role
+        self.role = normalize_role(role)
+        self.instance_id = instance_id
         self.device = torch.device(device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_path = resolve_model_path(config.model.path)
+        has_vision = "E" in self.role
+        has_language = "P" in self.role or "D" in self.role
+        has_kv = has_language
+        has_image_cache = "E" in self.role or "P" in self.role
 
         hf_config = load_config(self.model_path)
         model_cls = get_model_class(hf_config)
-        attn_backend = get_attn_backend(self.device)
-        attn_backend.check_block_size(config.cache.kv_block_size)
-        self.model = model_cls(hf_config, attn_backend=attn_backend, dtype=self.dtype, device=self.device)
-        self.model.load_weights(iter_weights(self.model_path, self.dtype))
+        attn_backend = None
+        if has_language:
+            attn_backend = get_attn_backend(self.device)
+            attn_backend.check_block_size(config.cache.kv_block_size)
+        self.model = model_cls(
+            hf_config,
+            load_vision=has_vision,
+            load_language=has_language,
+            attn_backend=attn_backend,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        prefixes = (_VISION_PREFIXES if has_vision else ()) + (_LANGUAGE_PREFIXES if has_language else ())
+        self.model.load_weights(iter_weights(self.model_path, self.dtype, prefixes=prefixes))
         self.model.eval()
 
-        text_config = hf_config.text_config
-        self.max_model_len = config.model.max_model_len or text_config.max_position_embeddings
+        self.max_model_len = config.model.max_model_len or hf_config.text_config.max_position_embeddings
         cache = config.cache
+        # Memory is split by role: a cache the role does not use gives its share to the other.
+        kv_mb = cache.kv_cache_memory_mb + (0 if has_image_cache else cache.image_cache_memory_mb)
+        image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
         kv_block_bytes = math.prod(self.model.kv_cache_shape(1, cache.kv_block_size)) * self.dtype.itemsize
-        num_kv_blocks = _num_blocks(cache.num_kv_blocks, cache.kv_cache_memory_mb, kv_block_bytes)
+        num_kv_blocks = _num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0
         image_block_size = cache.image_block_size or self.model.num_image_tokens_per_image
         image_block_bytes = image_block_size * self.model.image_hidden_size * self.dtype.itemsize
-        num_image_blocks = _num_blocks(cache.num_image_blocks, cache.image_cache_memory_mb, image_block_bytes)
+        num_image_blocks = (
+            _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes) if has_image_cache else 0
+        )
 
-        self.kv_manager = BlockManager(num_kv_blocks, cache.kv_block_size, "kv")
-        self.image_manager = BlockManager(num_image_blocks, image_block_size, "image")
-        self.scheduler = Scheduler(config.scheduler, self.kv_manager, self.image_manager, self.max_model_len)
+        self.kv_manager = BlockManager(num_kv_blocks, cache.kv_block_size, "kv") if has_kv else None
+        self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_manager, self.image_manager, self.max_model_len, role=self.role
+        )
         self.runner = ModelRunner(
             self.model,
             device=self.device,
@@ -84,12 +127,21 @@ class EngineCore:
             num_image_blocks=num_image_blocks,
             image_block_size=image_block_size,
             sampler=Sampler(config.seed),
+            shared=shared_pools,
         )
-        self.streams = StageStreams(self.device, config.parallel.dual_streams)
+        dual = config.parallel.dual_streams and has_vision and has_language
+        self.streams = StageStreams(self.device, dual)
         self.num_image_tokens_per_image = self.model.num_image_tokens_per_image
+
+        # Migration: peers' pools (attached once at start), the copy thread, events to send.
+        self.peers: dict[int, dict[str, torch.Tensor | None]] = {}
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="hydrad-copy")
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._inflight: list[tuple[Future, Pull]] = []
+        self._pulled: list[tuple[str, int]] = []
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks x %d tokens, %d image blocks x %d slots",
-            self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
+            "instance %d (%s) ready: %s on %s (%s), %d KV blocks x %d tokens, %d image blocks x %d slots",
+            instance_id, self.role, self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
             num_kv_blocks, cache.kv_block_size, num_image_blocks, image_block_size,
         )
 
@@ -114,10 +166,88 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def has_work(self) -> bool:
+        """Whether step() can advance anything (offered requests only wait for a target)."""
+        return self.scheduler.has_work()
+
+    # -- migration ----------------------------------------------------------------------------
+    def pools(self) -> dict[str, torch.Tensor | None]:
+        """This instance's cache pools, for peers to pull from (shared once at start)."""
+        return {"kv": self.runner.kv_cache, "image": self.runner.image_cache}
+
+    def attach_peer(self, instance_id: int, pools: dict[str, torch.Tensor | None]) -> None:
+        self.peers[instance_id] = pools
+
+    def add_migration(self, offer: MigrationOffer) -> None:
+        """Queue a request migrating in; it is pulled when this instance schedules it."""
+        if offer.source not in self.peers:
+            raise ValueError(f"instance {offer.source} is not attached as a peer")
+        self.scheduler.add(Request.from_offer(offer))
+
+    def release(self, req_ids: Iterable[str]) -> None:
+        """Targets have copied these requests' blocks: free them here."""
+        for req_id in req_ids:
+            self.scheduler.release(req_id)
+
+    def take_offers(self) -> list[MigrationOffer]:
+        offers = []
+        for req, kind in self.scheduler.new_offers:
+            offers.append(
+                MigrationOffer(
+                    req_id=req.req_id,
+                    source=self.instance_id,
+                    kind=kind,
+                    block_ids=[list(ids) for ids in req.image_block_ids] if kind == "image" else list(req.kv_block_ids),
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=list(req.output_token_ids),
+                    num_computed_tokens=req.num_computed_tokens,
+                    sampling_params=req.sampling_params,
+                    images=[ImageInput(None, image.offset, image.length) for image in req.images],
+                    eos_token_ids=tuple(sorted(req.eos_token_ids)),
+                    generator_state=req.generator.get_state() if req.generator is not None else None,
+                    timeline=dict(req.timeline),
+                )
+            )
+        self.scheduler.new_offers.clear()
+        return offers
+
+    def take_pulled(self) -> list[tuple[str, int]]:
+        """(req_id, source instance) of every copy finished since the last call."""
+        pulled, self._pulled = self._pulled, []
+        return pulled
+
+    def _copy(self, pull: Pull) -> None:
+        src_pool = self.peers[pull.source][pull.kind]
+        if self._copy_stream is None:
+            self.runner.copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self.runner.copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
+        self._copy_stream.synchronize()
+
+    def _collect_pulls(self, block: bool) -> None:
+        if block and self._inflight:
+            wait([f for f, _ in self._inflight], timeout=_PULL_POLL_SECS, return_when=FIRST_COMPLETED)
+        still = []
+        for future, pull in self._inflight:
+            if not future.done():
+                still.append((future, pull))
+                continue
+            future.result()  # a failed copy is a bug: let it surface
+            aborted = pull.req.finish_reason == "abort"
+            self.scheduler.finish_pull(pull.req)
+            if not aborted:
+                self._pulled.append((pull.req.req_id, pull.source))
+        self._inflight = still
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
+        self._collect_pulls(block=False)
         out = self.scheduler.schedule()
-        if out.is_empty:
+        for pull in out.pulls:
+            self._inflight.append((self._copier.submit(self._copy, pull), pull))
+        if not out.encodes and not out.chunks:
+            self._collect_pulls(block=True)
             return []
         vision = (lambda: self.runner.encode(out.encodes)) if out.encodes else None
         language = (lambda: self.runner.execute(out.chunks)) if out.chunks else None
@@ -146,15 +276,17 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler
+        kv, img = self.kv_manager, self.image_manager
         return EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting) + len(s.encoding),
-            kv_usage=self.kv_manager.usage,
-            image_usage=self.image_manager.usage,
-            num_kv_blocks_used=self.kv_manager.num_used_blocks,
-            num_image_blocks_used=self.image_manager.num_used_blocks,
+            num_running=len(s.running) + len(s.pulling),
+            num_waiting=len(s.waiting) + len(s.incoming) + len(s.encoding),
+            kv_usage=kv.usage if kv else 0.0,
+            image_usage=img.usage if img else 0.0,
+            num_kv_blocks_used=kv.num_used_blocks if kv else 0,
+            num_image_blocks_used=img.num_used_blocks if img else 0,
             num_preemptions=s.num_preemptions,
         )
 
     def shutdown(self) -> None:
         self.streams.shutdown()
+        self._copier.shutdown(wait=True)

@@ -27,6 +27,7 @@ class ModelRunner:
         num_image_blocks: int,
         image_block_size: int,
         sampler: Sampler,
+        shared: bool = False,
     ):
         self.model = model
         self.device = device
@@ -34,12 +35,33 @@ class ModelRunner:
         self.kv_block_size = kv_block_size
         self.image_block_size = image_block_size
         self.sampler = sampler
+        # A pool of 0 blocks is not allocated: the role does not use that cache.
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(model.kv_cache_shape(num_kv_blocks, kv_block_size), dtype=dtype, device=device)
+        self.kv_cache = self._pool(model.kv_cache_shape(num_kv_blocks, kv_block_size), shared) if num_kv_blocks else None
         # [num_blocks, block_size, hidden]: projected image features, the rows prefill reads
-        self.image_cache = torch.zeros(
-            (num_image_blocks, image_block_size, model.image_hidden_size), dtype=dtype, device=device
+        self.image_cache = (
+            self._pool((num_image_blocks, image_block_size, model.image_hidden_size), shared)
+            if num_image_blocks
+            else None
         )
+
+    def _pool(self, shape: tuple[int, ...], shared: bool) -> torch.Tensor:
+        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Other instances copy straight out of this pool (pull-based migration): on CPU it must
+        # live in shared memory; CUDA memory is exported through IPC handles by torch itself.
+        return pool.share_memory_() if shared and pool.device.type == "cpu" else pool
+
+    # -- migration ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def copy_in(self, kind: str, src_pool: torch.Tensor, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy blocks of another instance's pool into ours (same block size on both sides)."""
+        src = torch.tensor(src_block_ids, dtype=torch.long, device=src_pool.device)
+        dst = torch.tensor(dst_block_ids, dtype=torch.long, device=self.device)
+        if kind == "kv":
+            # blocks are dim 2 of [num_layers, 2, num_blocks, ...]
+            self.kv_cache.index_copy_(2, dst, src_pool.index_select(2, src).to(self.device))
+        else:
+            self.image_cache.index_copy_(0, dst, src_pool.index_select(0, src).to(self.device))
 
     # -- vision ------------------------------------------------------------------------------
     def _image_slots(self, block_ids: list[int], start: int, end: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from hydrad.engine.inputs import EngineRequest, ImageInput
+from hydrad.engine.inputs import EngineRequest, ImageInput, MigrationOffer
 from hydrad.sampling_params import SamplingParams
 
 
@@ -19,6 +19,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # holds nothing
     ENCODING = "encoding"  # admitted: images being encoded into the image cache
     RUNNING = "running"  # images encoded; prefilling or decoding over the KV cache
+    PULLING = "pulling"  # migrated in: blocks allocated here, copy from the source in flight
+    OFFERED = "offered"  # stage done here, next stage elsewhere: blocks held until pulled
     FINISHED = "finished"
 
 
@@ -30,7 +32,6 @@ class Request:
         self.sampling_params: SamplingParams = req.sampling_params
         self.images: list[ImageInput] = req.images
         self.eos_token_ids = frozenset(req.eos_token_ids)
-        self.arrival_time = req.arrival_time or time.monotonic()
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -38,16 +39,51 @@ class Request:
         self.kv_block_ids: list[int] = []
         # One list per image; emptied once prefill has read past that image.
         self.image_block_ids: list[list[int]] = [[] for _ in self.images]
+        # Preemption recomputes from the prompt: only possible where the images can be
+        # encoded again. Others get their whole KV reservation up front instead.
+        self.preemptible = True
         self.num_preemptions = 0
         self.finish_reason: str | None = None
-        # Per-stage accounting, see stage_times().
-        self.encode_exec = 0.0
-        self.prefill_exec = 0.0
-        self.decode_exec = 0.0
-        self.encode_done_time: float | None = None
-        self.first_token_time: float | None = None
+        # Monotonic timestamps (system-wide clock, so they survive migration) and exec seconds.
+        self.timeline: dict[str, float] = {
+            "arrival": req.arrival_time or time.monotonic(),
+            "encode_exec": 0.0,
+            "prefill_exec": 0.0,
+            "decode_exec": 0.0,
+        }
         # torch.Generator for seeded sampling, created by the sampler on first use.
         self.generator = None
+        # Set while migrating in: (kind, source instance, source block ids, num computed tokens).
+        self.pull: tuple[str, int, list, int] | None = None
+
+    @classmethod
+    def from_offer(cls, offer: MigrationOffer) -> "Request":
+        req = cls(
+            EngineRequest(
+                req_id=offer.req_id,
+                prompt_token_ids=offer.prompt_token_ids,
+                sampling_params=offer.sampling_params,
+                images=offer.images,
+                eos_token_ids=offer.eos_token_ids,
+            )
+        )
+        req.output_token_ids = list(offer.output_token_ids)
+        req.timeline = dict(offer.timeline)
+        req.pull = (offer.kind, offer.source, offer.block_ids, offer.num_computed_tokens)
+        if offer.generator_state is not None:
+            import torch
+
+            req.generator = torch.Generator()
+            req.generator.set_state(offer.generator_state)
+        return req
+
+    @property
+    def arrival_time(self) -> float:
+        return self.timeline["arrival"]
+
+    def mark(self, event: str, now: float | None = None) -> None:
+        """Record the first time ``event`` happened."""
+        self.timeline.setdefault(event, now if now is not None else time.monotonic())
 
     # -- token accounting --------------------------------------------------------------
     @property
@@ -61,6 +97,10 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
         n = self.num_prompt_tokens
@@ -95,19 +135,27 @@ class Request:
 
     # -- timing ----------------------------------------------------------------------------
     def stage_times(self, now: float) -> dict[str, float]:
-        """Queue time = time in the stage minus time in batches that ran it."""
-        encode_end = self.encode_done_time if self.images else self.arrival_time
-        encode_end = encode_end or now
-        first = self.first_token_time or now
-        times = {
-            "prefill_queue": max(0.0, first - encode_end - self.prefill_exec),
-            "prefill_exec": self.prefill_exec,
-            "decode_queue": max(0.0, now - first - self.decode_exec),
-            "decode_exec": self.decode_exec,
-        }
-        if self.images:
-            times["encode_queue"] = max(0.0, encode_end - self.arrival_time - self.encode_exec)
-            times["encode_exec"] = self.encode_exec
+        """Seconds per stage. Queue time = time in the stage minus time in batches that ran
+        it; migration = from the source's offer to the target's finished copy."""
+        t = self.timeline
+        times: dict[str, float] = {}
+        start = t["arrival"]
+        if self.images and "encode_done" in t:
+            times["encode_queue"] = max(0.0, t["encode_done"] - start - t["encode_exec"])
+            times["encode_exec"] = t["encode_exec"]
+            start = t["encode_done"]
+            if "image_pulled" in t:
+                times["encode_to_prefill_migration"] = t["image_pulled"] - start
+                start = t["image_pulled"]
+        first = t.get("first_token", now)
+        times["prefill_queue"] = max(0.0, first - start - t["prefill_exec"])
+        times["prefill_exec"] = t["prefill_exec"]
+        start = first
+        if "kv_pulled" in t:
+            times["prefill_to_decode_migration"] = t["kv_pulled"] - start
+            start = t["kv_pulled"]
+        times["decode_queue"] = max(0.0, now - start - t["decode_exec"])
+        times["decode_exec"] = t["decode_exec"]
         return times
 
     def __repr__(self) -> str:

@@ -87,8 +87,11 @@ def run_worker(engine: Engine, conn: Connection) -> None:
     live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
     draining = False
     while True:
+        busy = engine.has_unfinished_requests()
+        if draining and not busy:
+            return
         # Block for messages only when there is nothing to step.
-        timeout = 0 if engine.has_unfinished_requests() else None
+        timeout = 0 if busy else None
         while conn.poll(timeout):
             msg = conn.recv()
             timeout = 0
@@ -112,8 +115,6 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 draining = True
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
-        if draining and not engine.has_unfinished_requests():
-            return
         deltas = engine.step()
         if deltas:
             live.difference_update(d.req_id for d in deltas if d.finish_reason is not None)

@@ -1,0 +1,141 @@
+"""Every deployment of roles gives transformers' greedy tokens; migration leaks nothing.
+
+These run the instances in one process (``LocalCluster``), with the same engines,
+router and pull-based migration protocol the daemon runs across processes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hydrad import LLM, SamplingParams
+from hydrad.engine.request import RequestStatus
+
+MAX_TOKENS = 24
+
+DEPLOYMENTS = [
+    ("1E+1P+1D", "cpu:3"),
+    ("1EP+1D", "cpu:2"),
+    ("1ED+1P", "cpu:2"),
+    ("1E+1PD", "cpu:2"),
+    ("2EPD", "cpu:2"),
+    ("1E+1EP+1D", "cpu:3"),
+]
+
+
+def _assert_nothing_held(llm: LLM) -> None:
+    for engine in llm.engine.engines:
+        engine.scheduler.check_integrity()
+        assert not engine.has_unfinished_requests(), engine.scheduler.requests
+        if engine.kv_manager:
+            assert engine.kv_manager.num_used_blocks == 0
+        if engine.image_manager:
+            assert engine.image_manager.num_used_blocks == 0
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llava_dir, conversations):
+    from test_llm_correctness import _reference_tokens
+
+    return _reference_tokens(tiny_llava_dir, conversations)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    from test_llm_correctness import conversations as make
+
+    return make.__wrapped__()
+
+
+@pytest.mark.parametrize("deploy, devices", DEPLOYMENTS)
+def test_every_deployment_matches_transformers(tiny_llava_dir, deploy, devices, conversations, reference):
+    llm = LLM(str(tiny_llava_dir), deploy=deploy, devices=devices, token_budget=24)
+    outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.token_ids == ref, f"{deploy}: conversation {i}"
+    _assert_nothing_held(llm)
+    roles = [e.role for e in llm.engine.engines]
+    if "E" in roles:  # an encode-only instance must have handed its images on
+        assert any("encode_to_prefill_migration" in (o.stage_times or {}) for o in outs)
+    if "D" in roles:
+        assert any("prefill_to_decode_migration" in (o.stage_times or {}) for o in outs)
+
+
+def test_stress_small_caches_everywhere(tiny_llava_dir, conversations, reference):
+    """64 requests through E+P+D with caches far smaller than the load: all finish, right."""
+    llm = LLM(
+        str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3",
+        kv_block_size=4, num_kv_blocks=48, num_image_blocks=3, token_budget=32, image_budget=2,
+    )
+    convs = (conversations * 8)[:64]
+    outs = llm.chat(convs, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for i, out in enumerate(outs):
+        assert out.token_ids == reference[i % len(conversations)], f"request {i}"
+    _assert_nothing_held(llm)
+
+
+def test_seeded_sampling_survives_migration(tiny_llava_dir, conversations):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7)
+    single = LLM(str(tiny_llava_dir)).chat(conversations[:3], params)
+    split = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3").chat(conversations[:3], params)
+    assert [o.token_ids for o in single] == [o.token_ids for o in split]
+
+
+def _step_until(llm: LLM, engine, predicate, max_steps=500):
+    for _ in range(max_steps):
+        if predicate():
+            return
+        llm.engine.step_instance(engine)
+    raise AssertionError("condition never reached")
+
+
+@pytest.mark.parametrize(
+    "when", ["before-encode", "offered-by-E", "pulling-into-P", "mid-prefill", "offered-by-P", "mid-decode"]
+)
+def test_abort_at_every_stage_frees_every_instance(tiny_llava_dir, conversations, when):
+    llm = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3", token_budget=8)
+    e, p, d = llm.engine.engines
+    prompt = llm.processor.process_chat(conversations[0])
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    llm.engine.add_request(llm.processor.make_engine_request("r", prompt, params))
+
+    def status(engine):
+        r = engine.scheduler.requests.get("r")
+        return r.status if r else None
+
+    # Drive instance by instance so that every intermediate state can be caught.
+    plan = {
+        "before-encode": [],
+        "offered-by-E": [(e, lambda: status(e) is RequestStatus.OFFERED)],
+        "pulling-into-P": [(e, lambda: status(e) is RequestStatus.OFFERED), (p, lambda: status(p) is RequestStatus.PULLING)],
+        "mid-prefill": [(e, lambda: status(e) is RequestStatus.OFFERED),
+                        (p, lambda: status(p) is RequestStatus.RUNNING and p.scheduler.requests["r"].num_computed_tokens > 0)],
+        "offered-by-P": [(e, lambda: status(e) is RequestStatus.OFFERED), (p, lambda: status(p) is RequestStatus.OFFERED)],
+        "mid-decode": [(e, lambda: status(e) is RequestStatus.OFFERED), (p, lambda: status(p) is RequestStatus.OFFERED),
+                       (d, lambda: status(d) is RequestStatus.RUNNING and d.scheduler.requests["r"].num_output_tokens > 3)],
+    }[when]
+    copy_gate = threading.Event()
+    if when == "pulling-into-P":
+        # Hold the copy in flight so the abort lands while P's blocks are being written.
+        copy = p._copy
+        p._copy = lambda pull: (copy_gate.wait(10), copy(pull))
+    else:
+        copy_gate.set()
+    for engine, predicate in plan:
+        _step_until(llm, engine, predicate)
+    if when == "before-encode":
+        assert status(e) is RequestStatus.WAITING
+    held = sum(
+        (x.kv_manager.num_used_blocks if x.kv_manager else 0) + (x.image_manager.num_used_blocks if x.image_manager else 0)
+        for x in (e, p, d)
+    )
+    assert held > 0 or when == "before-encode"
+    llm.engine.abort_requests(["r"])
+    if when == "pulling-into-P":
+        assert p.kv_manager.num_used_blocks == 0 and p.image_manager.num_used_blocks > 0  # freed after the copy
+        copy_gate.set()
+    for _ in range(5):  # let in-flight copies land
+        llm.engine.step()
+    _assert_nothing_held(llm)
