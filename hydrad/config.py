@@ -88,8 +88,9 @@ class SLOConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    deploy: str = "1EPD"
-    devices: str = "cpu:1"
+    # "auto": one EPD instance per device; devices "auto": every visible GPU, else one CPU.
+    deploy: str = "auto"
+    devices: str = "auto"
     # Two executors (vision, language) per worker when the role holds E and P/D.
     dual_streams: bool = True
 

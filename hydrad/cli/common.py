@@ -33,7 +33,7 @@ def run_main(group: click.Group) -> None:
     except (HydradError, OSError) as e:
         if debug_enabled():
             raise
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

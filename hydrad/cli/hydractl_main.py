@@ -26,3 +26,7 @@ for _name in ("status", "bench"):
 
 def main() -> None:
     run_main(cli)
+
+
+if __name__ == "__main__":
+    main()

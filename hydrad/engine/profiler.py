@@ -168,39 +168,28 @@ class _Space:
 
 def _search_space(engine, role: str, context_len: int) -> _Space:
     kv, images = engine.kv_manager, engine.image_manager
-    image_hi = 0
+    image_hi = prefill_hi = max_decodes = 0
     if "E" in role:
         per_image = images.num_blocks_for(engine.model.num_image_tokens_per_image)
         image_hi = min(MAX_IMAGE_BUDGET, images.num_free_blocks // per_image)
         if image_hi == 0:
             raise ConfigError(f"the image cache has {images.num_free_blocks} free blocks: not one image fits")
-    max_decodes = token_hi = 0
-    if "P" in role or "D" in role:
-        if "D" in role:
-            # With prefill in the role, the heaviest step leaves one sequence to a prefill chunk.
-            seqs = engine.config.scheduler.max_num_seqs - ("P" in role)
-            max_decodes = min(seqs, kv.num_free_blocks // kv.num_blocks_for(context_len + 1))
-            if max_decodes == 0 and "P" not in role:
-                raise ConfigError(f"the KV cache has {kv.num_free_blocks} free blocks: "
-                                  f"not one decode at context {context_len} fits")
-        token_hi = min(MAX_TOKEN_BUDGET, engine.max_model_len)
-        if "P" not in role:
-            token_hi = min(token_hi, max_decodes)
-    space = _Space(role, context_len, max_decodes, token_hi, image_hi)
-    if token_hi:
-        # Probe sizes grow block by block, so "fits the free KV blocks" is itself a knee to find.
-        def blocks_of(n: int) -> int:
-            return _kv_blocks(kv, space.language_probe(n))
-
-        token_hi = search_budget(blocks_of, kv.num_free_blocks, 1, token_hi)
-        if blocks_of(token_hi) > kv.num_free_blocks:
-            raise ConfigError(f"the KV cache has {kv.num_free_blocks} free blocks: not one probe token fits")
-        space = dataclasses.replace(space, token_hi=token_hi)
-    return space
-
-
-def _kv_blocks(kv, probe: Probe) -> int:
-    return probe.num_decodes * kv.num_blocks_for(probe.context_len + 1) + kv.num_blocks_for(probe.num_prefill_tokens)
+    if "P" in role:
+        prefill_hi = min(MAX_TOKEN_BUDGET, engine.max_model_len, kv.num_free_blocks * kv.block_size)
+        if prefill_hi == 0:
+            raise ConfigError("the KV cache has no free block")
+    if "D" in role:
+        # The decodes share the pool with the largest prefill chunk the search may probe, and
+        # with prefill in the role the heaviest step leaves one sequence to that chunk.
+        room = kv.num_free_blocks - kv.num_blocks_for(prefill_hi)
+        seqs = engine.config.scheduler.max_num_seqs - ("P" in role)
+        max_decodes = min(seqs, room // kv.num_blocks_for(context_len + 1))
+        if max_decodes == 0 and "P" not in role:
+            raise ConfigError(
+                f"the KV cache has {kv.num_free_blocks} free blocks: not one decode at context {context_len} fits"
+            )
+    token_hi = prefill_hi if "P" in role else max_decodes
+    return _Space(role, context_len, max_decodes, token_hi, image_hi)
 
 
 # -- timing probes on the engine ---------------------------------------------------------------
@@ -226,8 +215,7 @@ class EngineTimer:
         self.pixel_values = torch.randn(3, side, side, generator=self.generator)
 
     def __call__(self, probe: Probe) -> float:
-        kv, images = self.engine.kv_manager, self.engine.image_manager
-        used = (kv.num_used_blocks, images.num_used_blocks)
+        used = self._num_used_blocks()
         with self._batch(probe) as (encodes, chunks):
             runner = self.engine.runner
             try:
@@ -236,9 +224,13 @@ class EngineTimer:
                 # A batch the device cannot hold is over any bound, and so is every larger one.
                 torch.cuda.empty_cache()
                 seconds = math.inf
-        if (kv.num_used_blocks, images.num_used_blocks) != used:
+        if self._num_used_blocks() != used:
             raise AssertionError(f"probe {probe} did not return its blocks")
         return seconds
+
+    def _num_used_blocks(self) -> tuple[int, int]:
+        pools = (self.engine.kv_manager, self.engine.image_manager)
+        return tuple(pool.num_used_blocks if pool is not None else 0 for pool in pools)
 
     def _median_seconds(self, run: Callable[[], object]) -> float:
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda device: None)
@@ -312,8 +304,8 @@ def _cache_key(engine, slo: SLOConfig, space: _Space) -> dict:
         "device": _device_name(engine.device),
         "role": space.role,
         "slo": {"ttft": slo.ttft, "tbt": slo.tbt, "alpha": slo.alpha},
-        "kv_block_size": engine.kv_manager.block_size,
-        "image_block_size": engine.image_manager.block_size,
+        "kv_block_size": engine.kv_manager.block_size if engine.kv_manager else None,
+        "image_block_size": engine.image_manager.block_size if engine.image_manager else None,
         # The search ranges follow from the pools and limits; a larger pool may allow larger budgets.
         "search": {"context_len": space.context_len, "max_decodes": space.max_decodes,
                    "token_hi": space.token_hi, "image_hi": space.image_hi},
@@ -342,23 +334,22 @@ def _load(path: Path, key: dict) -> Budgets | None:
 
 def _store(path: Path, key: dict, budgets: Budgets) -> None:
     fields = {k: v for k, v in dataclasses.asdict(budgets).items() if k != "measured"}
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Rename into place: a concurrent reader sees the old file or the new one, never half.
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            tmp = Path(f.name)
             json.dump({"key": key, "budgets": fields}, f, indent=2)
-        os.replace(f.name, path)
+        os.replace(tmp, path)
     except OSError as e:
+        # Serving goes on with the measured budgets; the next start measures again.
         logger.warning("could not write budgets cache %s: %s", path, e)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
 
 
 # -- derive ------------------------------------------------------------------------------------
-def _canonical_role(role: str) -> str:
-    if not role or set(role) - set("EPD") or len(set(role)) != len(role):
-        raise ConfigError(f"role must be a non-empty subset of E, P, D, got {role!r}")
-    return "".join(stage for stage in "EPD" if stage in role)
-
-
 def derive_budgets(
     engine,
     slo: SLOConfig,
@@ -373,11 +364,18 @@ def derive_budgets(
     unless ``force`` or absent. ``latency_fn(probe) -> seconds`` replaces measuring on the
     engine (its results are cached the same way); ``context_len`` is the decode context of the
     token probes, by default ``engine.max_model_len // 4``."""
-    role = _canonical_role(role)
+    from hydrad.engine.core import normalize_role
+
+    role = normalize_role(role)
+    if not set(role) <= set(engine.role):
+        raise ConfigError(f"a {engine.role} instance cannot run the stages of role {role}")
     if context_len is None:
         context_len = engine.max_model_len // 4
     if not 0 <= context_len < engine.max_model_len:
         raise ConfigError(f"context_len must be in [0, {engine.max_model_len}), got {context_len}")
+    if "D" not in role:
+        # No decodes are probed: keep the cache key independent of it.
+        context_len = 0
     bound = slo.tbt if "D" in role else slo.alpha * slo.ttft
     space = _search_space(engine, role, context_len)
     key = _cache_key(engine, slo, space)

@@ -1,0 +1,5 @@
+"""``python -m hydrad`` is ``hydrad``."""
+
+from hydrad.cli.hydrad_main import main
+
+main()

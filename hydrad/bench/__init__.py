@@ -1,0 +1,23 @@
+"""Benchmark client: SLO attainment and goodput of any OpenAI-compatible chat server.
+
+Modules: ``config`` (what to run), ``workloads`` and ``images`` (request contents),
+``arrivals`` (when to send), ``client`` (streaming and timestamps), ``metrics``
+(TTFT/TBT, SLO, goodput), ``runner`` (rates, sweeps, goodput search), ``plot``.
+"""
+
+from hydrad.bench.config import SLO, BenchConfig, GoodputSearch, sweep_rates
+from hydrad.bench.metrics import RequestResult, Summary
+from hydrad.bench.runner import Bench, BenchResult, RateRun, run_bench
+
+__all__ = [
+    "SLO",
+    "Bench",
+    "BenchConfig",
+    "BenchResult",
+    "GoodputSearch",
+    "RateRun",
+    "RequestResult",
+    "Summary",
+    "run_bench",
+    "sweep_rates",
+]

@@ -1,0 +1,184 @@
+"""Per-request latencies from stream timings, SLO attainment, and goodput.
+
+A request meets its SLO iff its TTFT <= the TTFT SLO and the 90th percentile of its
+inter-token gaps (TBT) <= the TBT SLO (HydraInfer §2.2). Attainment is met / sent:
+failed requests count as sent and not met. Goodput is the highest request rate with
+attainment >= 90%.
+
+Spreading a chunk's gap over its tokens: a chunk that carries k tokens and arrives
+g seconds after the previous one contributes k gaps of g/k. The token counts come,
+in order of preference, from
+
+1. per-chunk usage (cumulative ``completion_tokens`` in every chunk, as vLLM's
+   ``continuous_usage_stats`` sends it): exact counts;
+2. the final usage chunk, when it reports more tokens (C) than there were content
+   chunks (M): the first chunk holds one token, as a prefill emits one, and the
+   other C-1 tokens are spread as evenly as integers allow over the other M-1 chunks;
+3. otherwise one token per content chunk.
+
+Tokens that arrive together with the first one add gaps of zero, since they were
+observed at the same instant.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from hydrad.bench.config import SLO
+
+GOODPUT_ATTAINMENT = 0.9
+
+
+@dataclass
+class StreamRecord:
+    """What the client observed for one request; times are ``time.perf_counter()`` seconds."""
+
+    start: float
+    end: float = 0.0
+    # Arrival time of every chunk that carried a generated token (the role chunk carries none).
+    chunk_times: list[float] = field(default_factory=list)
+    # Tokens per content chunk from per-chunk usage; None where the server gave none.
+    chunk_tokens: list[int | None] = field(default_factory=list)
+    # From the final usage chunk.
+    completion_tokens: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    ttft: float | None
+    tbts: tuple[float, ...]
+    e2e: float | None
+    output_tokens: int
+    met_slo: bool
+    error: str | None
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tbts": list(self.tbts)}
+
+
+def chunk_token_counts(record: StreamRecord) -> list[int]:
+    """Tokens carried by each content chunk (rules 1-3 of the module docstring)."""
+    num_chunks = len(record.chunk_times)
+    if num_chunks == 0:
+        return []
+    if all(k is not None for k in record.chunk_tokens):
+        return list(record.chunk_tokens)
+    total = record.completion_tokens
+    if total is None or total <= num_chunks:
+        return [1] * num_chunks
+    if num_chunks == 1:
+        return [total]
+    rest, slots = total - 1, num_chunks - 1
+    return [1] + [(j * rest) // slots - ((j - 1) * rest) // slots for j in range(1, num_chunks)]
+
+
+def inter_token_gaps(record: StreamRecord) -> list[float]:
+    counts = chunk_token_counts(record)
+    if not counts:
+        return []
+    gaps = [0.0] * max(0, counts[0] - 1)
+    last = record.chunk_times[0]
+    for t, k in zip(record.chunk_times[1:], counts[1:]):
+        # A chunk with no new token leaves its time to the next chunk that has one.
+        if k > 0:
+            gaps.extend([(t - last) / k] * k)
+            last = t
+    return gaps
+
+
+def percentile(values: list[float] | tuple[float, ...], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def evaluate(record: StreamRecord, slo: SLO) -> RequestResult:
+    ttft = record.chunk_times[0] - record.start if record.chunk_times else None
+    gaps = inter_token_gaps(record)
+    output_tokens = record.completion_tokens
+    if output_tokens is None:
+        output_tokens = sum(chunk_token_counts(record))
+    tbt_p90 = percentile(gaps, 90)
+    met = (
+        record.error is None
+        and ttft is not None
+        and ttft <= slo.ttft
+        and (tbt_p90 is None or tbt_p90 <= slo.tbt)
+    )
+    return RequestResult(
+        ttft=ttft,
+        tbts=tuple(gaps),
+        e2e=record.end - record.start if record.end else None,
+        output_tokens=output_tokens,
+        met_slo=met,
+        error=record.error,
+    )
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One run's statistics over its successful requests; times in seconds."""
+
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    tbt_p50: float | None
+    tbt_p90: float | None
+    tbt_p99: float | None
+    e2e_p50: float | None
+    e2e_p90: float | None
+    e2e_p99: float | None
+    attainment: float
+    throughput_rps: float
+    output_tokens_per_s: float
+    # Set only on the headline summary of a sweep or a goodput search (per instance).
+    goodput_rps: float | None
+    errors: int
+    rate: float
+    num_requests: int
+    num_met: int
+    duration: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(results: list[RequestResult], rate: float, duration: float) -> Summary:
+    ok = [r for r in results if r.error is None]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    tbts = [gap for r in ok for gap in r.tbts]
+    e2es = [r.e2e for r in ok if r.e2e is not None]
+    num_met = sum(r.met_slo for r in results)
+    return Summary(
+        *(percentile(values, q) for values in (ttfts, tbts, e2es) for q in (50, 90, 99)),
+        attainment=num_met / len(results) if results else 0.0,
+        throughput_rps=len(ok) / duration if duration > 0 else 0.0,
+        output_tokens_per_s=sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
+        goodput_rps=None,
+        errors=len(results) - len(ok),
+        rate=rate,
+        num_requests=len(results),
+        num_met=num_met,
+        duration=duration,
+    )
+
+
+def goodput(points: list[tuple[float, float]]) -> float:
+    """The highest rate meeting the attainment target below the lowest rate that misses it.
+
+    ``points`` are (rate, attainment). A rate that passes above a failing one is noise
+    past the knee, not goodput. 0.0 when even the lowest rate misses.
+    """
+    best = 0.0
+    for rate, attainment in sorted(points):
+        if attainment < GOODPUT_ATTAINMENT:
+            break
+        best = rate
+    return best

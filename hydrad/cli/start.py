@@ -1,0 +1,57 @@
+"""``hydrad start``: run the daemon (workers + HTTP API) in the foreground."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.option("--model", "model_path", metavar="PATH", help="Checkpoint folder (default: the built-in model).")
+@click.option("--config", "config_file", metavar="FILE", envvar="HYDRAD_CONFIG", type=click.Path(dir_okay=False),
+              help="TOML config file (see etc/hydrad.toml); flags override it. Env: HYDRAD_CONFIG.")
+@click.option("--devices", metavar="SPEC", help="cpu:N, cuda:0,1 or auto (every GPU, else one CPU worker).")
+@click.option("--deploy", metavar="SPEC", help="Instances and roles, e.g. 2EPD; auto: one EPD per device.")
+@click.option("--host", help="Address to listen on (default 127.0.0.1).")
+@click.option("--port", type=int, help="Port to listen on (default 8000).")
+@click.option("--api-key", envvar="HYDRAD_API_KEY", help="Require this bearer key on /v1/*. Env: HYDRAD_API_KEY.")
+@click.option("--admin-token", envvar="HYDRAD_ADMIN_TOKEN",
+              help="Token opening /admin/* to non-loopback clients. Env: HYDRAD_ADMIN_TOKEN.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+def start(model_path, config_file, devices, deploy, host, port, api_key, admin_token, log_level) -> None:
+    """Start the daemon: one worker per device, then the OpenAI-compatible API."""
+    import asyncio
+    import dataclasses
+    import logging
+    import os
+
+    from hydrad.cli.common import console
+    from hydrad.config_file import load_config
+
+    flags = {
+        "model.path": model_path, "parallel.devices": devices, "parallel.deploy": deploy,
+        "server.host": host, "server.port": port, "server.api_key": api_key,
+        "server.admin_token": admin_token, "server.log_level": log_level,
+    }
+    config = load_config(config_file, {k: v for k, v in flags.items() if v is not None})
+    os.environ["HYDRAD_LOG_LEVEL"] = config.server.log_level  # workers read it
+    logging.basicConfig(level=config.server.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    from hydrad.models.default import resolve_model_path
+    from hydrad.server.daemon import serve
+    from hydrad.server.deploy import check_supported, plan_instances
+    from hydrad.server.supervisor import plan_specs
+
+    parallel = config.engine.parallel
+    instances = plan_instances(parallel.deploy, parallel.devices, torch.cuda.device_count())
+    check_supported([role for role, _ in instances])
+    # Resolved once here, so workers never race to build the default model.
+    model = dataclasses.replace(config.engine.model, path=str(resolve_model_path(config.engine.model.path)))
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
+    try:
+        from uvloop import run
+    except ImportError:  # uvloop is not built for every platform
+        run = asyncio.run
+    run(serve(config, plan_specs(instances), console))

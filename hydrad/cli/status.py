@@ -1,0 +1,91 @@
+"""``hydractl status``: instances and latency of a running daemon, as rich tables."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, envvar="HYDRAD_URL",
+              help="The daemon's base URL. Env: HYDRAD_URL.")
+@click.option("--admin-token", envvar="HYDRAD_ADMIN_TOKEN", help="Needed for non-loopback daemons. "
+              "Env: HYDRAD_ADMIN_TOKEN.")
+@click.option("--watch", is_flag=True, help="Refresh until interrupted.")
+@click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes.")
+def status(url: str, admin_token: str | None, watch: bool, interval: float) -> None:
+    """Show each instance (device, role, state, load, caches, tokens/s) and request latency."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    out = Console()
+    if not watch:
+        out.print(render(fetch_status(url, admin_token)))
+        return
+    with Live(render(fetch_status(url, admin_token)), console=out, auto_refresh=False) as live:
+        while True:
+            time.sleep(interval)
+            live.update(render(fetch_status(url, admin_token)), refresh=True)
+
+
+def fetch_status(url: str, admin_token: str | None) -> dict:
+    import json
+    import urllib.error
+    import urllib.request
+
+    from hydrad.errors import HydradError
+
+    request = urllib.request.Request(url.rstrip("/") + "/admin/status")
+    if admin_token:
+        request.add_header("Authorization", f"Bearer {admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.load(e)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise HydradError(f"{url}: HTTP {e.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise HydradError(f"cannot reach the daemon at {url}: {getattr(e, 'reason', e)}") from None
+
+
+def render(status: dict):
+    from rich.console import Group
+    from rich.table import Table
+
+    instances = Table(title=f"hydrad: {status['model']} (max_model_len {status['max_model_len']}, "
+                            f"up {_duration(status['uptime_seconds'])})")
+    for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "tok/s"):
+        instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True)
+    for i in status["instances"]:
+        state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
+        instances.add_row(str(i["id"]), i["device"], i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
+                          _pct(i["kv_usage"]), _pct(i["image_usage"]), f"{i['tokens_per_second']:.1f}")
+    r = status["requests"]
+    requests = Table(title=f"requests (last {r['window_seconds']:.0f} s)")
+    for name in ("in flight", "req/s", "TTFT p50", "TTFT p90", "TBT p50", "TBT p90"):
+        requests.add_column(name, justify="right", no_wrap=True)
+    requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
+                     _ms(r["tbt_p50"]), _ms(r["tbt_p90"]))
+    return Group(instances, requests)
+
+
+def _n(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{1000 * value:.1f} ms"
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    hours, m = divmod(minutes, 60)
+    return f"{hours}h{m:02d}m" if hours else f"{m}m{s:02d}s"

@@ -1,0 +1,177 @@
+"""The daemon's configuration file (``etc/hydrad.toml``) and its server section.
+
+The file has one table per config dataclass: ``[server]`` (with
+``[server.remote_images]``), ``[model]``, ``[cache]``, ``[scheduler]``,
+``[parallel]``, ``[slo]``, and a top-level ``seed``. Keys left out take the
+dataclass defaults; unknown keys and wrongly typed values are errors, so a typo
+never passes silently. Command-line flags override the file (``overrides``,
+dotted keys such as ``"server.port"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SLOConfig
+from hydrad.errors import ConfigError
+
+ROUTER_POLICIES = ("round-robin", "least-load", "random")
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class RemoteImageConfig:
+    # Fetch http(s) image URLs. Off by default: a daemon that fetches URLs given by
+    # clients can be made to reach hosts on its own network.
+    enabled: bool = False
+    max_bytes: int = 20 * 1024 * 1024
+    timeout: float = 10.0
+    # Host names allowed to serve images; empty: any host.
+    allowed_domains: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ConfigError(f"server.remote_images.max_bytes must be >= 1, got {self.max_bytes}")
+        if self.timeout <= 0:
+            raise ConfigError(f"server.remote_images.timeout must be > 0, got {self.timeout}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer key required on /v1/*; empty: no key.
+    api_key: str = ""
+    # Bearer token that opens /admin/* to non-loopback clients; empty: loopback only.
+    admin_token: str = ""
+    # Largest accepted request body (base64 images count here).
+    max_body_mb: int = 64
+    max_images_per_request: int = 8
+    # Images with more pixels are refused before they are decoded.
+    max_image_pixels: int = 40_000_000
+    # Threads running the Request Processor (chat template, tokenizer, images).
+    processor_threads: int = 2
+    router_policy: str = "least-load"
+    # On SIGTERM/SIGINT: seconds granted to in-flight requests before they are aborted.
+    shutdown_timeout: float = 30.0
+    # Seconds to wait for every worker to load weights and allocate caches.
+    worker_start_timeout: float = 600.0
+    log_level: str = "info"
+    remote_images: RemoteImageConfig = field(default_factory=RemoteImageConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "processor_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ConfigError(
+                f"server.router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}"
+            )
+        if self.shutdown_timeout < 0 or self.worker_start_timeout <= 0:
+            raise ConfigError("server.shutdown_timeout must be >= 0 and server.worker_start_timeout > 0")
+        if self.log_level not in _LOG_LEVELS:
+            raise ConfigError(f"server.log_level must be one of {', '.join(_LOG_LEVELS)}, got {self.log_level!r}")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+_SECTIONS: dict[str, type] = {
+    "server": ServerConfig,
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "slo": SLOConfig,
+}
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> DaemonConfig:
+    """Read ``path`` (None: defaults only), apply dotted-key ``overrides``, validate."""
+    raw: dict[str, Any] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    for key, value in (overrides or {}).items():
+        *parents, leaf = key.split(".")
+        table = raw
+        for p in parents:
+            table = table.setdefault(p, {})
+        table[leaf] = value
+    try:
+        return _build(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _build(raw: dict[str, Any]) -> DaemonConfig:
+    unknown = set(raw) - set(_SECTIONS) - {"seed"}
+    if unknown:
+        raise ConfigError(f"unknown section or key {sorted(unknown)[0]!r}")
+    parts = {name: _make(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
+    server = parts.pop("server")
+    seed = raw.get("seed", 0)
+    _check_type(seed, int, "seed")
+    return DaemonConfig(engine=EngineConfig(**parts, seed=seed), server=server)
+
+
+def _make(cls: type, table: Any, prefix: str) -> Any:
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{prefix}] must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(table) - names
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}.{sorted(unknown)[0]}")
+    kwargs = {}
+    for key, value in table.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _make(hint, value, f"{prefix}.{key}")
+        else:
+            _check_type(value, hint, f"{prefix}.{key}")
+            kwargs[key] = float(value) if hint is float else value
+    return cls(**kwargs)
+
+
+def _check_type(value: Any, hint: Any, name: str) -> None:
+    if _matches(value, hint):
+        return
+    expected = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+    raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, h) for h in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, list) and all(_matches(v, item) for v in value)
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)

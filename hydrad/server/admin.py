@@ -1,0 +1,71 @@
+"""The admin API (``GET /admin/status``), read by ``hydractl status``.
+
+Open to loopback clients; others need ``Authorization: Bearer <server.admin_token>``.
+Instance numbers are fresh: each call asks every worker for its ``EngineStats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import time
+
+from aiohttp import web
+
+from hydrad.engine.inputs import EngineStats
+from hydrad.server.client import WorkerClient, WorkerLost
+from hydrad.server.errors import APIError
+
+
+def check_admin_access(request: web.Request, admin_token: str) -> None:
+    try:
+        if request.remote and ipaddress.ip_address(request.remote).is_loopback:
+            return
+    except ValueError:
+        pass
+    given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    if admin_token and given and hmac.compare_digest(given, admin_token):
+        return
+    raise APIError(403, "the admin API accepts loopback connections or the admin token only")
+
+
+async def instance_stats(clients: list[WorkerClient], timeout: float = 2.0) -> list[EngineStats | None]:
+    """Fresh stats per instance; None for an instance that is down or does not answer."""
+
+    async def one(client: WorkerClient) -> EngineStats | None:
+        try:
+            return await client.get_stats(timeout)
+        except (WorkerLost, asyncio.TimeoutError):
+            return None
+
+    return list(await asyncio.gather(*(one(c) for c in clients)))
+
+
+def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *, model: str,
+                max_model_len: int, started: float, window: dict) -> dict:
+    instances = []
+    for client, s in zip(clients, stats):
+        instances.append({
+            "id": client.instance_id,
+            "device": client.device,
+            "role": client.role,
+            "pid": client.ready.pid if client.ready else None,
+            "state": "ready" if s is not None else ("unresponsive" if client.alive else "down"),
+            "num_inflight": client.num_inflight,
+            "num_running": s.num_running if s else None,
+            "num_waiting": s.num_waiting if s else None,
+            "kv_usage": s.kv_usage if s else None,
+            "image_usage": s.image_usage if s else None,
+            "num_kv_blocks_used": s.num_kv_blocks_used if s else None,
+            "num_image_blocks_used": s.num_image_blocks_used if s else None,
+            "num_preemptions": s.num_preemptions if s else None,
+            "tokens_per_second": client.tokens_per_second(),
+        })
+    return {
+        "model": model,
+        "max_model_len": max_model_len,
+        "uptime_seconds": time.monotonic() - started,
+        "instances": instances,
+        "requests": {"num_inflight": sum(c.num_inflight for c in clients), **window},
+    }

@@ -1,0 +1,174 @@
+"""The daemon's end of one worker pipe.
+
+Reading never blocks the event loop: the pipe's file descriptor is registered
+with ``loop.add_reader`` and drained whenever it is readable. Each request gets
+an ``asyncio.Queue`` that receives its ``RequestDelta``s, or an exception when
+the worker refuses the request or dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from hydrad.engine.inputs import EngineRequest, EngineStats
+from hydrad.errors import RequestError
+from hydrad.transport.messages import (
+    Abort,
+    AddRequest,
+    GetStats,
+    RequestRejected,
+    Shutdown,
+    StatsReply,
+    StepOutput,
+    WorkerFailed,
+    WorkerReady,
+)
+
+logger = logging.getLogger("hydrad.client")
+
+
+class WorkerLost(RuntimeError):
+    """The worker serving a request exited or failed."""
+
+
+RequestQueue = asyncio.Queue  # items: RequestDelta, or the exception that ended the request
+
+
+class WorkerClient:
+    def __init__(self, instance_id: int, role: str, device: str, conn: Connection):
+        self.instance_id = instance_id
+        self.role = role
+        self.device = device
+        self.conn = conn
+        self.alive = True
+        self.ready: WorkerReady | None = None
+        self.failure: str | None = None
+        self.on_lost: Callable[[WorkerClient], None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._ready_future: asyncio.Future[WorkerReady] = self._loop.create_future()
+        self._queues: dict[str, RequestQueue] = {}
+        self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
+        self._seq = itertools.count()
+        self._token_times: deque[tuple[float, int]] = deque()
+        self._loop.add_reader(conn.fileno(), self._on_readable)
+
+    # -- load, for the router --------------------------------------------------------------
+    @property
+    def num_inflight(self) -> int:
+        return len(self._queues)
+
+    def tokens_per_second(self, window: float = 10.0) -> float:
+        self._trim_token_times(time.monotonic() - window)
+        return sum(n for _, n in self._token_times) / window
+
+    # -- daemon -> worker ------------------------------------------------------------------
+    async def wait_ready(self) -> WorkerReady:
+        return await asyncio.shield(self._ready_future)
+
+    def add_request(self, request: EngineRequest) -> RequestQueue:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.instance_id} is down")
+        queue: RequestQueue = asyncio.Queue()
+        self._queues[request.req_id] = queue
+        self._send(AddRequest(request))
+        return queue
+
+    def abort(self, req_id: str) -> None:
+        if self._queues.pop(req_id, None) is not None and self.alive:
+            self._send(Abort((req_id,)))
+
+    async def get_stats(self, timeout: float = 2.0) -> EngineStats:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.instance_id} is down")
+        seq = next(self._seq)
+        waiter = self._stats_waiters[seq] = self._loop.create_future()
+        self._send(GetStats(seq))
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._stats_waiters.pop(seq, None)
+
+    def shutdown(self, finish_running: bool = False) -> None:
+        if self.alive:
+            try:
+                self._send(Shutdown(finish_running))
+            except WorkerLost:
+                pass  # already gone: nothing to stop
+
+    def close(self) -> None:
+        if not self.conn.closed:
+            self._loop.remove_reader(self.conn.fileno())
+            self.conn.close()
+
+    def _send(self, msg) -> None:
+        try:
+            self.conn.send(msg)
+        except OSError as e:  # broken pipe: the worker is gone
+            self._lost(f"pipe closed ({e})")
+            raise WorkerLost(f"worker {self.instance_id} is down") from None
+
+    # -- worker -> daemon ------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            while self.conn.poll():
+                self._dispatch(self.conn.recv())
+        except (EOFError, OSError):
+            self._lost("exited")
+
+    def _dispatch(self, msg) -> None:
+        if isinstance(msg, StepOutput):
+            now = time.monotonic()
+            self._token_times.append((now, sum(len(d.new_token_ids) for d in msg.deltas)))
+            self._trim_token_times(now - 60.0)
+            for delta in msg.deltas:
+                queue = self._queues.get(delta.req_id)
+                if queue is None:  # aborted by the daemon while this step ran
+                    continue
+                if delta.finish_reason is not None:
+                    del self._queues[delta.req_id]
+                queue.put_nowait(delta)
+        elif isinstance(msg, StatsReply):
+            waiter = self._stats_waiters.get(msg.seq)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg.stats)
+        elif isinstance(msg, RequestRejected):
+            queue = self._queues.pop(msg.req_id, None)
+            if queue is not None:
+                queue.put_nowait(RequestError(msg.message))
+        elif isinstance(msg, WorkerReady):
+            self.ready = msg
+            self._ready_future.set_result(msg)
+        elif isinstance(msg, WorkerFailed):
+            logger.error("worker %d failed: %s\n%s", self.instance_id, msg.message, msg.traceback)
+            self._lost(msg.message)
+        else:
+            logger.error("worker %d sent an unexpected %s", self.instance_id, type(msg).__name__)
+
+    def _lost(self, reason: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.failure = reason
+        self.close()
+        error = WorkerLost(f"worker {self.instance_id} ({self.device}) {reason}")
+        if not self._ready_future.done():
+            self._ready_future.set_exception(error)
+            self._ready_future.exception()  # retrieved here; wait_ready() re-raises it
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+        self._queues.clear()
+        for waiter in self._stats_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(error)
+        if self.on_lost is not None:
+            self.on_lost(self)
+
+    def _trim_token_times(self, since: float) -> None:
+        while self._token_times and self._token_times[0][0] < since:
+            self._token_times.popleft()

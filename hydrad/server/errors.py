@@ -1,0 +1,56 @@
+"""Errors as OpenAI-style JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from hydrad.errors import RequestError
+from hydrad.server.client import WorkerLost
+from hydrad.server.router import NoInstanceAvailable
+
+_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          413: "invalid_request_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An HTTP error with an explicit status (404 model, 401 key, ...)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+        self.code = code
+
+
+def exception_status(e: BaseException) -> int:
+    if isinstance(e, APIError):
+        return e.status
+    if isinstance(e, RequestError):
+        return 400
+    if isinstance(e, (WorkerLost, NoInstanceAvailable)):
+        return 503
+    if isinstance(e, web.HTTPException):
+        return e.status
+    return 500
+
+
+def error_body(status: int, e: BaseException | str) -> dict:
+    if isinstance(e, web.HTTPException):
+        message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
+    elif status >= 500 and not isinstance(e, (WorkerLost, NoInstanceAvailable, str)):
+        message = "internal server error"
+    else:
+        message = str(e)
+    if status == 400:
+        error_type = "invalid_request_error"
+    elif status >= 500:
+        error_type = _TYPES.get(status, "server_error")
+    else:
+        error_type = _TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": error_type, "param": getattr(e, "param", None),
+                      "code": getattr(e, "code", None)}}
+
+
+def error_response(e: BaseException) -> web.Response:
+    status = exception_status(e)
+    return web.json_response(error_body(status, e), status=status)

@@ -1,0 +1,125 @@
+"""Prometheus metrics (one registry per app) and the rolling window behind
+``hydractl status``'s rates and percentiles."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from hydrad.engine.inputs import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                    0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+STAGES = ("encode", "prefill", "decode")
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, m = self.registry, ["model_name"]
+        self._model = model_name
+        self.ttft = Histogram("hydrad_time_to_first_token_seconds", "Time to first token.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("hydrad_inter_token_latency_seconds", "Time between consecutive output tokens.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
+                             buckets=_E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("hydrad_stage_queue_time_seconds", "Time waiting for a stage, per request.",
+                                    m + ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.exec_time = Histogram("hydrad_stage_exec_time_seconds", "Time executing a stage, per request.",
+                                   m + ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.migration_time = Histogram("hydrad_migration_time_seconds", "Time moving a request between instances.",
+                                        m + ["edge"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("hydrad_requests_finished", "Finished requests by finish reason.",
+                                m + ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("hydrad_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
+        self.generation_tokens = Counter("hydrad_generation_tokens", "Generated tokens.", m, registry=r)
+        self.images = Counter("hydrad_images", "Images of finished requests.", m, registry=r)
+        labels = m + ["instance", "device", "role"]
+        self.up = Gauge("hydrad_instance_up", "1 while the instance's worker is alive.", labels, registry=r)
+        self.running = Gauge("hydrad_num_requests_running", "Requests running on the instance.", labels, registry=r)
+        self.waiting = Gauge("hydrad_num_requests_waiting", "Requests waiting on the instance.", labels, registry=r)
+        self.kv_usage = Gauge("hydrad_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", labels, registry=r)
+        self.image_usage = Gauge("hydrad_image_cache_usage_ratio", "Fraction of image-cache blocks in use.", labels,
+                                 registry=r)
+        self.window = RollingWindow()
+
+    def observe_first_token(self, ttft: float, num_tokens: int) -> None:
+        self.generation_tokens.labels(self._model).inc(num_tokens)
+        self.ttft.labels(self._model).observe(ttft)
+        self.window.add_ttft(ttft)
+
+    def observe_next_tokens(self, gap: float, num_tokens: int) -> None:
+        self.generation_tokens.labels(self._model).inc(num_tokens)
+        self.itl.labels(self._model).observe(gap)
+        self.window.add_tbt(gap)
+
+    def observe_finished(self, finish_reason: str, e2e: float, num_prompt_tokens: int, num_images: int,
+                         stage_times: dict[str, float] | None) -> None:
+        self.finished.labels(self._model, finish_reason).inc()
+        self.e2e.labels(self._model).observe(e2e)
+        self.prompt_tokens.labels(self._model).inc(num_prompt_tokens)
+        self.images.labels(self._model).inc(num_images)
+        self.window.add_finished()
+        for key, seconds in (stage_times or {}).items():
+            if key.endswith("_migration"):
+                self.migration_time.labels(self._model, key.removesuffix("_migration")).observe(seconds)
+                continue
+            stage, _, kind = key.rpartition("_")
+            if stage in STAGES and kind == "queue":
+                self.queue_time.labels(self._model, stage).observe(seconds)
+            elif stage in STAGES and kind == "exec":
+                self.exec_time.labels(self._model, stage).observe(seconds)
+
+    def set_instance(self, instance_id: int, device: str, role: str, stats: EngineStats | None) -> None:
+        labels = (self._model, str(instance_id), device, role)
+        self.up.labels(*labels).set(stats is not None)
+        if stats is None:
+            return
+        self.running.labels(*labels).set(stats.num_running)
+        self.waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_usage.labels(*labels).set(stats.kv_usage)
+        self.image_usage.labels(*labels).set(stats.image_usage)
+
+
+class RollingWindow:
+    """Recent finishes, TTFTs and TBTs (the last ``seconds``), for rates and percentiles."""
+
+    def __init__(self, seconds: float = 60.0, max_samples: int = 20_000):
+        self.seconds = seconds
+        self._finished: deque[float] = deque(maxlen=max_samples)
+        self._ttft: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._tbt: deque[tuple[float, float]] = deque(maxlen=max_samples)
+
+    def add_finished(self) -> None:
+        self._finished.append(time.monotonic())
+
+    def add_ttft(self, value: float) -> None:
+        self._ttft.append((time.monotonic(), value))
+
+    def add_tbt(self, value: float) -> None:
+        self._tbt.append((time.monotonic(), value))
+
+    def summary(self) -> dict[str, float | None]:
+        since = time.monotonic() - self.seconds
+        ttft = sorted(v for t, v in self._ttft if t >= since)
+        tbt = sorted(v for t, v in self._tbt if t >= since)
+        return {
+            "window_seconds": self.seconds,
+            "request_rate": sum(1 for t in self._finished if t >= since) / self.seconds,
+            "ttft_p50": percentile(ttft, 50),
+            "ttft_p90": percentile(ttft, 90),
+            "tbt_p50": percentile(tbt, 50),
+            "tbt_p90": percentile(tbt, 90),
+        }
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile of already sorted values; None when there are none."""
+    if not sorted_values:
+        return None
+    rank = max(1, -(-len(sorted_values) * q // 100))
+    return sorted_values[int(rank) - 1]

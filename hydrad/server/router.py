@@ -1,0 +1,53 @@
+"""Picks the entry instance of a request.
+
+A request with images enters at an instance holding E, a text-only one at an
+instance holding P. Among those that are alive, the policy decides:
+``round-robin``, ``least-load`` (fewest requests in flight from this daemon,
+ties broken round-robin) or ``random``. Plain Python, no device code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Protocol, Sequence
+
+
+class Instance(Protocol):
+    role: str
+    alive: bool
+
+    @property
+    def num_inflight(self) -> int: ...
+
+
+class NoInstanceAvailable(RuntimeError):
+    pass
+
+
+class Router:
+    def __init__(self, instances: Sequence[Instance], policy: str = "least-load", seed: int | None = None):
+        if policy not in ("round-robin", "least-load", "random"):
+            raise ValueError(f"unknown router policy {policy!r}")
+        self.instances = list(instances)
+        self.policy = policy
+        self._counter = itertools.count()
+        self._rng = random.Random(seed)
+
+    def select(self, has_images: bool):
+        """The entry instance of a new request."""
+        return self.select_stage("E" if has_images else "P")
+
+    def select_stage(self, stage: str):
+        """An instance holding ``stage`` (the entry, or the target of a migration)."""
+        candidates = [i for i in self.instances if i.alive and stage in i.role]
+        if not candidates:
+            raise NoInstanceAvailable(f"no live instance can take stage {stage}")
+        if self.policy == "random":
+            return self._rng.choice(candidates)
+        turn = next(self._counter)
+        # Rotate first so that equal loads (and round-robin) take turns.
+        rotated = candidates[turn % len(candidates) :] + candidates[: turn % len(candidates)]
+        if self.policy == "round-robin":
+            return rotated[0]
+        return min(rotated, key=lambda i: i.num_inflight)

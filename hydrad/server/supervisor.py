@@ -1,0 +1,128 @@
+"""Spawns one worker process per instance, waits until all are ready, stops them.
+
+Workers are started with ``torch.multiprocessing`` (spawn). Readiness (weights
+loaded, caches allocated) is shown as a progress display; a worker that fails
+to start stops the others and surfaces its error as one line. A worker that
+dies later is marked down (``/health`` turns 503) and its requests fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from hydrad.config import EngineConfig
+from hydrad.errors import HydradError
+from hydrad.server.client import WorkerClient, WorkerLost
+from hydrad.transport.messages import WorkerReady
+
+logger = logging.getLogger("hydrad.supervisor")
+
+
+class WorkerStartError(HydradError):
+    pass
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    instance_id: int
+    role: str
+    device: str
+    num_threads: int
+
+
+def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
+    """Number the (role, device) pairs and split the CPU cores among CPU workers."""
+    num_cpu = sum(1 for _, device in instances if device == "cpu")
+    threads = max(1, (os.cpu_count() or 1) // max(1, num_cpu))
+    return [InstanceSpec(i, role, device, threads) for i, (role, device) in enumerate(instances)]
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0):
+        self.config = config
+        self.specs = specs
+        self.start_timeout = start_timeout
+        self.clients: list[WorkerClient] = []
+        self._processes = []
+        self._stopping = False
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.clients) and all(c.alive for c in self.clients)
+
+    async def start(self, console: Console | None = None) -> list[WorkerReady]:
+        import torch.multiprocessing as mp
+
+        from hydrad.engine.worker import worker_main
+
+        ctx = mp.get_context("spawn")
+        for spec in self.specs:
+            parent, child = ctx.Pipe()
+            process = ctx.Process(
+                target=worker_main,
+                args=(spec.instance_id, spec.role, spec.device, self.config, child, spec.num_threads),
+                name=f"hydrad-worker-{spec.instance_id}",
+            )
+            process.start()
+            child.close()  # so the daemon sees EOF when the worker exits
+            self._processes.append(process)
+            client = WorkerClient(spec.instance_id, spec.role, spec.device, parent)
+            client.on_lost = self._on_lost
+            self.clients.append(client)
+        try:
+            return await asyncio.wait_for(self._wait_ready(console), self.start_timeout)
+        except (WorkerLost, asyncio.TimeoutError) as e:
+            await self.stop(timeout=5.0)
+            if isinstance(e, asyncio.TimeoutError):
+                raise WorkerStartError(f"workers not ready after {self.start_timeout:.0f} s") from None
+            failed = next(c for c in self.clients if not c.alive)
+            raise WorkerStartError(f"worker {failed.instance_id} ({failed.device}) failed to start: "
+                                   f"{failed.failure}") from None
+
+    async def _wait_ready(self, console: Console | None) -> list[WorkerReady]:
+        start = time.monotonic()
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console or Console(stderr=True), transient=False) as progress:
+            tasks = {c.instance_id: progress.add_task(f"worker {c.instance_id} {c.device} {c.role}: loading",
+                                                      total=1) for c in self.clients}
+
+            async def one(client: WorkerClient) -> WorkerReady:
+                ready = await client.wait_ready()
+                progress.update(tasks[client.instance_id], completed=1,
+                                description=f"worker {client.instance_id} {client.device} {client.role}: ready")
+                logger.info("worker %d (%s, %s, pid %d) ready in %.1f s", client.instance_id, client.device,
+                            client.role, ready.pid, ready.load_seconds)
+                return ready
+
+            readies = await asyncio.gather(*(one(c) for c in self.clients))
+        logger.info("%d worker(s) ready in %.1f s", len(readies), time.monotonic() - start)
+        return readies
+
+    def _on_lost(self, client: WorkerClient) -> None:
+        if client.ready is not None and not self._stopping:  # start-up failures are reported by start()
+            logger.error("worker %d (%s) is down: %s", client.instance_id, client.device, client.failure)
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        """Tell every worker to exit (aborting what is left), wait, then force the stragglers."""
+        self._stopping = True
+        for client in self.clients:
+            client.shutdown(finish_running=False)
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        for process in self._processes:
+            await loop.run_in_executor(None, process.join, max(0.0, deadline - time.monotonic()))
+        for process in self._processes:
+            if process.is_alive():
+                logger.warning("worker %s did not exit in %.0f s; killing it", process.name, timeout)
+                process.kill()
+                await loop.run_in_executor(None, process.join, 5.0)
+        for client in self.clients:
+            client.close()
+        logger.info("workers stopped")

@@ -1,0 +1,1 @@
+"""Typed messages between the daemon and its worker processes (see ``messages``)."""

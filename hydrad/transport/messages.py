@@ -1,0 +1,92 @@
+"""Every message that crosses the daemon <-> worker pipes, grouped by direction.
+
+Messages are small records of ids and diffs. A request travels to a worker once,
+in ``AddRequest`` (its pixel tensors in shared memory, so only handles are
+pickled); afterwards only ids (``Abort``) and per-step token diffs
+(``StepOutput``) cross. The pipes are ``torch.multiprocessing`` connections, whose
+pickler carries ``share_memory_()`` tensors as shared-memory handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+
+# -- daemon -> worker ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """Schedule a new request; its pixel tensors must already be in shared memory."""
+
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Drop these requests at once and free their blocks; no further deltas follow."""
+
+    req_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GetStats:
+    """Ask for an ``EngineStats`` snapshot; the reply carries the same ``seq``."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Exit. With ``finish_running`` the worker first runs its requests to the end;
+    without, it aborts them (reporting each with finish_reason ``"abort"``)."""
+
+    finish_running: bool = False
+
+
+# -- worker -> daemon ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Weights loaded and caches allocated: the worker takes requests from now on."""
+
+    instance_id: int
+    pid: int
+    max_model_len: int
+    load_seconds: float
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """The deltas of every request that advanced in one engine step."""
+
+    deltas: list[RequestDelta] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StatsReply:
+    seq: int
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class RequestRejected:
+    """The engine refused a request at admission (e.g. it can never fit the caches)."""
+
+    req_id: str
+    message: str
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    """The worker hit an unrecoverable error (at start or in a step) and is exiting."""
+
+    instance_id: int
+    message: str
+    traceback: str = ""
+
+
+DaemonToWorker = AddRequest | Abort | GetStats | Shutdown
+WorkerToDaemon = WorkerReady | StepOutput | StatsReply | RequestRejected | WorkerFailed

@@ -1,0 +1,142 @@
+"""A fake OpenAI-compatible chat server with exactly timed streams.
+
+Run as ``python fake_server.py``: it binds 127.0.0.1 on a free port and prints
+``PORT <n>``. It runs in its own process so the client under test cannot delay its
+timers. Each request's behaviour is read from ``key=value`` words in its prompt:
+
+  ttft=S        first token S seconds after the request arrives (default 0.05)
+  tbt=S         one token every S seconds after the first (default 0.01)
+  gapK=S        the gap between tokens K-1 and K (numbered from 0) is S instead of tbt
+  chunk=N       tokens after the first are sent N per chunk
+  empty=K,...   the chunks of tokens K (numbered from 0, K >= 1) carry no text: ``delta: {}``
+  usage=chunk   every chunk carries cumulative usage (vLLM's continuous_usage_stats)
+  fail=CODE     answer with HTTP CODE instead of a stream
+  knee=R        when the arrival rate over the last 4 requests exceeds R req/s,
+                the first token takes slow_ttft seconds instead (default 0.3)
+
+The role chunk is sent as soon as the request arrives, before any token.
+``GET /fake/requests`` returns what the requests since the last call asked for
+(each image as its data-URL header and length).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+_WINDOW = 4
+REQUESTS = web.AppKey("requests", list)
+ARRIVALS = web.AppKey("arrivals", list)
+
+
+def _directives(body: dict) -> dict[str, str]:
+    content = body["messages"][-1]["content"]
+    if isinstance(content, list):
+        content = " ".join(part.get("text", "") for part in content)
+    return dict(word.split("=", 1) for word in content.split() if "=" in word)
+
+
+def _chunk(delta: dict, usage: dict | None = None) -> bytes:
+    obj = {"id": "cmpl-fake", "object": "chat.completion.chunk", "model": "fake-model",
+           "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+    if usage is not None:
+        obj["usage"] = usage
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _observed_rate(arrivals: list[float]) -> float:
+    recent = arrivals[-(_WINDOW + 1):]
+    if len(recent) < 2 or recent[-1] == recent[0]:
+        return float("inf") if len(recent) >= 2 else 0.0
+    return (len(recent) - 1) / (recent[-1] - recent[0])
+
+
+def _describe(body: dict, authorization: str | None) -> dict:
+    content = body["messages"][-1]["content"]
+    parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
+    images = [p["image_url"]["url"] for p in parts if p.get("type") == "image_url"]
+    return {
+        **{k: v for k, v in body.items() if k != "messages"},
+        "authorization": authorization,
+        "text": " ".join(p["text"] for p in parts if p.get("type") == "text"),
+        "image_headers": [url.split(",", 1)[0] for url in images],
+        "image_bytes": [len(url) for url in images],
+    }
+
+
+async def requests(request: web.Request) -> web.Response:
+    seen = request.app[REQUESTS][:]
+    request.app[REQUESTS].clear()
+    return web.json_response(seen)
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    request.app[ARRIVALS].append(arrived)
+    body = await request.json()
+    request.app[REQUESTS].append(_describe(body, request.headers.get("Authorization")))
+    d = _directives(body)
+    if "fail" in d:
+        return web.json_response({"error": {"message": "injected failure"}}, status=int(d["fail"]))
+    ttft = float(d.get("ttft", 0.05))
+    if "knee" in d and _observed_rate(request.app[ARRIVALS]) > float(d["knee"]):
+        ttft = float(d.get("slow_ttft", 0.3))
+    tbt = float(d.get("tbt", 0.01))
+    per_chunk = int(d.get("chunk", 1))
+    chunk_usage = d.get("usage") == "chunk"
+    num_tokens = body["max_tokens"]
+
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_chunk({"role": "assistant", "content": ""}))
+
+    # Absolute deadlines, so sleep overshoot never accumulates into later gaps.
+    due = [arrived + ttft]
+    for k in range(1, num_tokens):
+        due.append(due[-1] + float(d.get(f"gap{k}", tbt)))
+    empty = {int(k) for k in d["empty"].split(",")} if "empty" in d else set()
+    groups = [[0]] + [list(range(i, min(i + per_chunk, num_tokens))) for i in range(1, num_tokens, per_chunk)]
+    for group in groups:
+        await asyncio.sleep(max(0.0, due[group[-1]] - time.perf_counter()))
+        usage = {"prompt_tokens": 1, "completion_tokens": group[-1] + 1} if chunk_usage else None
+        await resp.write(_chunk({} if group[0] in empty else {"content": " tok" * len(group)}, usage))
+    if body.get("stream_options", {}).get("include_usage"):
+        final = {"id": "cmpl-fake", "object": "chat.completion.chunk", "choices": [],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}}
+        await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+    # Like SGLang, close with an empty delta carrying the finish reason.
+    closing = json.loads(_chunk({})[len(b"data: "):])
+    closing["choices"][0]["finish_reason"] = "length"
+    await resp.write(b"data: " + json.dumps(closing).encode() + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    return resp
+
+
+def make_app() -> web.Application:
+    app = web.Application()
+    app[REQUESTS] = []
+    app[ARRIVALS] = []
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/fake/requests", requests)
+    return app
+
+
+async def serve() -> None:
+    runner = web.AppRunner(make_app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    print(f"PORT {runner.addresses[0][1]}", flush=True)
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(serve())

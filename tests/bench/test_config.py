@@ -1,0 +1,58 @@
+import pytest
+
+from hydrad.bench import SLO, BenchConfig, GoodputSearch, sweep_rates
+from hydrad.errors import ConfigError
+
+URL = "http://127.0.0.1:8000"
+SLO_ = SLO(ttft=1.0, tbt=0.1)
+
+
+def test_sweep_rates_include_both_ends():
+    assert sweep_rates(1, 2, 0.25) == (1.0, 1.25, 1.5, 1.75, 2.0)
+    assert sweep_rates(0.1, 0.3, 0.1) == (0.1, 0.2, 0.3)  # no float drift drops the last rate
+
+
+@pytest.mark.parametrize("args", [(0, 2, 1), (3, 2, 1), (1, 2, 0)])
+def test_bad_sweeps(args):
+    with pytest.raises(ConfigError):
+        sweep_rates(*args)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"url": "127.0.0.1:8000"},
+        {"num_requests": 10, "duration": 5.0},
+        {"num_requests": 0},
+        {"rates": ()},
+        {"search": GoodputSearch()},
+        {"rates": (0.0,)},
+        {"arrivals": "uniform"},
+        {"trace": "t.jsonl"},
+        {"instances": 0},
+        {"image_format": "gif"},
+    ],
+)
+def test_invalid_configs_raise_value_errors(overrides):
+    with pytest.raises(ValueError):
+        BenchConfig(**{"url": URL, "slo": SLO_, "rates": (1.0,), **overrides})
+
+
+@pytest.mark.parametrize("kwargs", [{"ttft": 0, "tbt": 1}, {"ttft": 1, "tbt": -1}])
+def test_slo_must_be_positive(kwargs):
+    with pytest.raises(ValueError):
+        SLO(**kwargs)
+
+
+def test_goodput_search_bounds():
+    search = GoodputSearch(start_rate=4.0)
+    assert (search.lower, search.upper) == (0.25, 1024.0)
+    with pytest.raises(ValueError):
+        GoodputSearch(start_rate=4.0, max_rate=2.0)
+    with pytest.raises(ValueError):
+        GoodputSearch(rel_tol=0)
+
+
+@pytest.mark.parametrize("url", [URL, URL + "/", URL + "/v1", URL + "/v1/"])
+def test_base_url_accepts_the_v1_suffix(url):
+    assert BenchConfig(url=url, slo=SLO_, rates=(1.0,)).base_url == URL

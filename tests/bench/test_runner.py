@@ -1,0 +1,149 @@
+"""The benchmark against a fake server whose latencies are known exactly."""
+
+import asyncio
+import json
+
+import pytest
+
+from hydrad.bench import SLO, Bench, GoodputSearch, run_bench
+from hydrad.bench.client import ServerError
+from hydrad.errors import ConfigError
+
+# Delays long enough that scheduling jitter on a busy machine stays well inside 5%.
+TTFT, TBT, NUM_TOKENS = 0.5, 0.5, 5
+
+
+def test_latency_percentiles_match_the_servers_delays(make_config, write_jsonl):
+    path = write_jsonl([{"prompt": f"ttft={TTFT} tbt={TBT}", "output_tokens": NUM_TOKENS}])
+    result = run_bench(make_config(workload=str(path), num_requests=8, rates=(40.0,)))
+    s = result.summary
+    for name, truth in (("ttft", TTFT), ("tbt", TBT), ("e2e", TTFT + (NUM_TOKENS - 1) * TBT)):
+        for q in (50, 90, 99):
+            assert getattr(s, f"{name}_p{q}") == pytest.approx(truth, rel=0.05), f"{name}_p{q}"
+    assert s.errors == 0 and s.num_requests == 8
+    assert all(len(r.tbts) == NUM_TOKENS - 1 and r.output_tokens == NUM_TOKENS for r in result.headline.results)
+
+
+@pytest.mark.parametrize("usage", ["final", "chunk"])
+def test_batched_chunks_are_spread_over_their_tokens(make_config, write_jsonl, usage):
+    # 13 tokens: the first alone, then 4 chunks of 3, one chunk every 3 * 0.1 s.
+    path = write_jsonl([{"prompt": f"ttft=0.05 tbt=0.1 chunk=3 usage={usage}", "output_tokens": 13}])
+    result = run_bench(make_config(workload=str(path), num_requests=3))
+    for r in result.headline.results:
+        assert r.output_tokens == 13 and len(r.tbts) == 12
+        # Each chunk's gap is shared equally by its three tokens.
+        assert all(r.tbts[i] == r.tbts[i + 1] == r.tbts[i + 2] for i in range(0, 12, 3))
+    assert result.summary.tbt_p50 == pytest.approx(0.1, rel=0.05)
+
+
+def test_tokens_without_text_still_count(make_config, write_jsonl):
+    path = write_jsonl([{"prompt": "ttft=0.05 tbt=0.05 empty=2,3", "output_tokens": 6}])
+    result = run_bench(make_config(workload=str(path), num_requests=2))
+    for r in result.headline.results:
+        assert r.error is None and r.output_tokens == 6
+        assert r.tbts == pytest.approx([0.05] * 5, abs=0.01)
+
+
+def test_attainment_is_exact_on_a_crafted_mix(make_config, write_jsonl):
+    rows = (
+        [{"prompt": "ttft=0.05 tbt=0.02", "output_tokens": 6}] * 6
+        + [{"prompt": "ttft=0.4 tbt=0.02", "output_tokens": 6}] * 2  # late first token
+        + [{"prompt": "ttft=0.05 tbt=0.1", "output_tokens": 6}] * 2  # slow decode
+        # One slow gap in 19 stays above the 90th percentile of the request's gaps...
+        + [{"prompt": "ttft=0.05 tbt=0.02 gap3=0.3", "output_tokens": 20}]
+        # ...three in 9 do not.
+        + [{"prompt": "ttft=0.05 tbt=0.02 gap3=0.3 gap4=0.3 gap5=0.3", "output_tokens": 10}]
+        + [{"prompt": "fail=500", "output_tokens": 4}]
+    )
+    path = write_jsonl(rows)
+    config = make_config(workload=str(path), num_requests=len(rows), slo=SLO(ttft=0.2, tbt=0.06))
+    result = run_bench(config)
+    s = result.summary
+    assert (s.num_requests, s.num_met, s.errors) == (13, 7, 1)
+    assert s.attainment == 7 / 13
+    assert sum(r.error is not None and "HTTP 500" in r.error for r in result.headline.results) == 1
+
+
+def test_requests_ask_for_exact_greedy_streams(make_config, fake_requests):
+    result = run_bench(make_config(workload="textcaps", num_requests=3, api_key="sk-test", seed=5))
+    sent = fake_requests()
+    assert result.model == "fake-model" and len(sent) == 3
+    spec_tokens = sorted(r.output_tokens for r in result.headline.results)
+    assert sorted(body["max_tokens"] for body in sent) == spec_tokens
+    for body in sent:
+        assert body["model"] == "fake-model" and body["stream"] is True and body["ignore_eos"] is True
+        assert body["temperature"] == 0 and body["stream_options"] == {"include_usage": True}
+        assert body["authorization"] == "Bearer sk-test"
+        assert body["image_headers"] == ["data:image/jpeg;base64"] and body["image_bytes"][0] > 50_000
+        assert 10 <= body["max_tokens"] <= 30
+
+
+def test_goodput_search_finds_the_knee(make_config, write_jsonl, tmp_path):
+    knee = 47.0
+    # Evenly spaced arrivals: the server's observed rate is the offered rate.
+    trace = tmp_path / "uniform.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i}) + "\n" for i in range(100)))
+    path = write_jsonl([{"prompt": f"knee={knee} ttft=0.02 tbt=0.01 slow_ttft=0.3", "output_tokens": 4}])
+    config = make_config(
+        workload=str(path), num_requests=16, rates=(), arrivals="trace", trace=str(trace), instances=2,
+        search=GoodputSearch(start_rate=20.0, rel_tol=0.1), slo=SLO(ttft=0.1, tbt=0.05),
+    )
+    result = run_bench(config)
+    assert 0.85 * knee <= result.goodput_total <= 1.05 * knee
+    assert result.summary.goodput_rps == result.goodput_total / 2
+    rates = [run.rate for run in result.runs]
+    assert min(rates) == 20.0 and any(not run.passes for run in result.runs)
+    doc = result.to_dict()
+    assert [entry["rate"] for entry in doc["sweep"]] == rates
+    assert doc["summary"]["rate"] == result.goodput_total and doc["summary"]["attainment"] >= 0.9
+
+
+def test_sweep_json_shape(make_config):
+    result = run_bench(make_config(rates=(20.0, 40.0), num_requests=3, api_key="secret"))
+    doc = json.loads(result.to_json())
+    assert set(doc) == {"config", "summary", "requests", "sweep", "interrupted"}
+    assert "api_key" not in doc["config"] and doc["config"]["model"] == "fake-model"
+    keys = {"ttft_p50", "ttft_p90", "ttft_p99", "tbt_p50", "tbt_p90", "tbt_p99", "e2e_p50", "e2e_p90", "e2e_p99",
+            "attainment", "throughput_rps", "output_tokens_per_s", "goodput_rps", "errors"}
+    assert keys <= set(doc["summary"])
+    assert doc["summary"]["goodput_rps"] == 40.0
+    assert [e["rate"] for e in doc["sweep"]] == [20.0, 40.0]
+    assert all(keys <= set(e["summary"]) and e["summary"]["goodput_rps"] is None for e in doc["sweep"])
+    request = doc["requests"][0]
+    assert {"ttft", "tbts", "e2e", "output_tokens", "met_slo", "error"} <= set(request)
+    assert doc["interrupted"] is False
+
+
+def test_single_rate_reports_no_goodput(make_config):
+    doc = run_bench(make_config(num_requests=2)).to_dict()
+    assert doc["summary"]["goodput_rps"] is None and "sweep" not in doc
+
+
+def test_cancelled_bench_keeps_what_finished(make_config, write_jsonl):
+    rows = [{"prompt": "ttft=0.01 tbt=0.01", "output_tokens": 2}] * 3 + [{"prompt": "ttft=5", "output_tokens": 2}]
+    bench = Bench(make_config(workload=str(write_jsonl(rows)), num_requests=4, rates=(100.0,)))
+
+    async def cancel_midway():
+        task = asyncio.create_task(bench.run())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_midway())
+    result = bench.result()
+    assert result.interrupted and result.runs[0].interrupted
+    assert result.summary.num_requests == 3 and result.summary.num_met == 3
+
+
+def test_trace_arrivals_from_the_workloads_own_timestamps(make_config, write_jsonl):
+    rows = [{"timestamp": t, "prompt": "ttft=0.01", "output_tokens": 2} for t in (0.0, 0.5, 1.0, 1.5)]
+    bench = Bench(make_config(workload=str(write_jsonl(rows)), arrivals="trace"))
+    assert bench.trace.timestamps == (0.0, 0.5, 1.0, 1.5)
+    with pytest.raises(ConfigError, match="trace arrivals need"):
+        Bench(make_config(arrivals="trace"))
+
+
+def test_unreachable_server_is_one_clear_error(make_config):
+    with pytest.raises(ServerError, match="cannot reach http://127.0.0.1:9"):
+        run_bench(make_config(url="http://127.0.0.1:9"))

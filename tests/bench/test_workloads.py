@@ -1,0 +1,125 @@
+import base64
+import io
+import numpy as np
+import pytest
+from PIL import Image
+
+from hydrad.bench.arrivals import Trace
+from hydrad.bench.images import file_data_url, image_data_url, synth_image
+from hydrad.bench.workloads import PROFILES, SynthImage, TraceTextWorkload, load_workload
+from hydrad.errors import ConfigError
+
+
+def decode(url: str) -> Image.Image:
+    return Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1])))
+
+
+@pytest.mark.parametrize("name", ["textcaps", "pope", "mme", "textvqa", "vizwiz"])
+def test_vision_profiles_send_one_image_within_their_ranges(name):
+    profile, workload = PROFILES[name], load_workload(name, seed=0)
+    for i in range(50):
+        spec = workload.request(i, salt=0)
+        assert len(spec.images) == 1
+        assert (spec.images[0].width, spec.images[0].height) in profile.image_sizes
+        assert profile.prompt_tokens[0] <= len(spec.prompt.split()) <= profile.prompt_tokens[1]
+        assert profile.output_tokens[0] <= spec.output_tokens <= profile.output_tokens[1]
+
+
+def test_text_profile_has_no_images():
+    assert all(not load_workload("text", 0).request(i, 0).images for i in range(20))
+
+
+def test_requests_are_deterministic_per_seed_and_fresh_per_salt():
+    a, b, c = load_workload("pope", 1), load_workload("pope", 1), load_workload("pope", 2)
+    assert [a.request(i, 0) for i in range(5)] == [b.request(i, 0) for i in range(5)]
+    assert [a.request(i, 0) for i in range(5)] != [c.request(i, 0) for i in range(5)]
+    assert a.request(0, 0).images != a.request(0, 1).images
+
+
+def test_mix_follows_its_weights():
+    workload = load_workload("mix:text=0.8,vizwiz=0.2", seed=0)
+    with_image = sum(bool(workload.request(i, 0).images) for i in range(1000))
+    assert 150 <= with_image <= 250
+
+
+@pytest.mark.parametrize("spec", ["nope", "mix:textcaps=0.5,nope=0.5", "mix:textcaps=-1", "mix:textcaps"])
+def test_bad_specs_are_config_errors(spec):
+    with pytest.raises(ConfigError):
+        load_workload(spec, 0)
+
+
+def test_jsonl_workload(tmp_path, write_jsonl):
+    Image.new("RGB", (32, 24), "red").save(tmp_path / "cat.png")
+    path = write_jsonl([
+        {"timestamp": 2.0, "prompt": "second", "output_tokens": 3, "images": ["cat.png"]},
+        {"timestamp": 0.5, "prompt_tokens": 7, "output_tokens": 5, "images": [{"width": 64, "height": 48}]},
+    ])
+    workload = load_workload(str(path), seed=0)
+    assert workload.timestamps == (0.5, 2.0)
+    first, second = workload.request(0, 0), workload.request(1, 0)
+    assert len(first.prompt.split()) == 7 and first.output_tokens == 5
+    assert isinstance(first.images[0], SynthImage) and (first.images[0].width, first.images[0].height) == (64, 48)
+    assert second.prompt == "second" and second.images == (str(tmp_path / "cat.png"),)
+    cycled = workload.request(2, 0)  # the first entry again, with freshly generated content
+    assert len(cycled.prompt.split()) == 7 and cycled.output_tokens == 5 and cycled.images != first.images
+    assert decode(file_data_url(second.images[0])).size == (32, 24)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt": "x"}, "output_tokens"),
+        ({"prompt": "x", "prompt_tokens": 3, "output_tokens": 1}, "exactly one"),
+        ({"prompt": "x", "output_tokens": 1, "images": ["missing.jpg"]}, "not found"),
+        ({"prompt": "x", "output_tokens": 1, "images": [{"width": 0, "height": 5}]}, "width"),
+        ({"prompt": "x", "output_tokens": 1, "timestamp": "soon"}, "timestamp"),
+    ],
+)
+def test_bad_jsonl_lines_name_the_line(write_jsonl, row, message):
+    path = write_jsonl([{"prompt": "ok", "output_tokens": 1}, row])
+    with pytest.raises(ConfigError, match=f"workload.jsonl:2: .*{message}"):
+        load_workload(str(path), 0)
+
+
+def test_unreadable_workload_file(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_workload(str(tmp_path / "absent.jsonl"), 0)
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    with pytest.raises(ConfigError, match="bad.jsonl:1: invalid JSON"):
+        load_workload(str(tmp_path / "bad.jsonl"), 0)
+
+
+def test_trace_lengths_and_shared_prefixes_for_text():
+    trace = Trace((0.0, 1.0, 2.0), input_lengths=(600, 1000, 5), output_lengths=(4, 0, 2),
+                  hash_ids=((7, 8), (7, 9), ()))
+    workload = load_workload("text", seed=0, trace=trace)
+    assert isinstance(workload, TraceTextWorkload)
+    a, b, c = (workload.request(i, 0).prompt.split() for i in range(3))
+    assert (len(a), len(b), len(c)) == (600, 1000, 5)
+    assert a[:512] == b[:512] and a[512:] != b[512:600]
+    assert [workload.request(i, 0).output_tokens for i in range(3)] == [4, 1, 2]
+
+
+def test_synthetic_images_are_photo_like_and_deterministic():
+    image = synth_image(1296, 968, seed=3)
+    pixels = np.asarray(image, dtype=np.float32)
+    assert image.size == (1296, 968) and image.mode == "RGB"
+    assert pixels.std() > 20  # not blank
+    assert np.abs(np.diff(pixels, axis=1)).mean() > 1  # grain, not flat fills
+    assert np.array_equal(pixels, np.asarray(synth_image(1296, 968, seed=3)))
+    assert not np.array_equal(pixels, np.asarray(synth_image(1296, 968, seed=4)))
+
+
+@pytest.mark.parametrize("fmt, pil_format", [("jpeg", "JPEG"), ("png", "PNG")])
+def test_data_urls_decode_to_the_requested_size(fmt, pil_format):
+    url = image_data_url(synth_image(640, 480, seed=0), fmt)
+    assert url.startswith(f"data:image/{fmt};base64,")
+    decoded = decode(url)
+    assert decoded.format == pil_format and decoded.size == (640, 480)
+
+
+def test_profiles_cover_the_five_datasets_and_text():
+    assert set(PROFILES) == {"textcaps", "pope", "mme", "textvqa", "vizwiz", "text"}
+    for profile in PROFILES.values():
+        assert profile.prompt_tokens[0] <= profile.prompt_tokens[1]
+        assert 1 <= profile.output_tokens[0] <= profile.output_tokens[1]

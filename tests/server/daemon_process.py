@@ -1,0 +1,114 @@
+"""Start ``hydrad start`` as a subprocess on a free loopback port, for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HYDRAD = ["-m", "hydrad"]
+HYDRACTL = ["-m", "hydrad.cli.hydractl_main"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Daemon:
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, *HYDRAD, "start", "--host", "127.0.0.1", "--port", str(self.port), *args],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None:
+                raise RuntimeError(f"hydrad exited with {self.process.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"hydrad not ready after {timeout} s:\n{self.log()}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class Response:
+    def __init__(self, status: int, body: bytes):
+        self.status_code = status
+        self.text = body.decode(errors="replace")
+
+    def json(self):
+        import json
+
+        return json.loads(self.text)
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None,
+         timeout: float = 30) -> Response:
+    """One request with the standard library; any status comes back as a Response."""
+    import urllib.error
+
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return Response(response.status, response.read())
+    except urllib.error.HTTPError as e:
+        return Response(e.code, e.read())
+
+
+def open_stream(url: str, body: bytes, headers: dict):
+    """POST and return (connection, response) once the first data line has arrived."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    conn.request("POST", parts.path, body=body, headers=headers)
+    response = conn.getresponse()
+    assert response.status == 200, response.read()
+    while not response.readline().startswith(b"data: {"):
+        pass
+    return conn, response

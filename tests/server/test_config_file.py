@@ -1,0 +1,69 @@
+from pathlib import Path
+
+import pytest
+
+from hydrad.config_file import DaemonConfig, RemoteImageConfig, ServerConfig, load_config
+from hydrad.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "hydrad.toml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_file_is_valid_and_matches_the_defaults():
+    config = load_config(REPO / "etc" / "hydrad.toml")
+    # The shipped file documents the defaults, except that it lets devices and deploy follow the machine.
+    assert config.server == ServerConfig()
+    assert config.engine.parallel.devices == "auto" and config.engine.parallel.deploy == "auto"
+    assert config.engine.model == DaemonConfig().engine.model
+    assert config.engine.cache == DaemonConfig().engine.cache
+    assert config.engine.scheduler == DaemonConfig().engine.scheduler
+
+
+def test_file_values_and_flag_overrides(tmp_path):
+    path = write(tmp_path, """
+seed = 3
+[server]
+port = 9000
+shutdown_timeout = 5
+[server.remote_images]
+enabled = true
+allowed_domains = ["example.com"]
+[model]
+path = "/models/x"
+[parallel]
+devices = "cpu:2"
+""")
+    config = load_config(path, {"server.port": 9100, "parallel.deploy": "2EPD"})
+    assert config.engine.seed == 3
+    assert config.server.port == 9100
+    assert config.server.shutdown_timeout == 5.0
+    assert config.server.remote_images == RemoteImageConfig(enabled=True, allowed_domains=["example.com"])
+    assert config.engine.model.path == "/models/x"
+    assert (config.engine.parallel.devices, config.engine.parallel.deploy) == ("cpu:2", "2EPD")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[server]\nprot = 1\n", "unknown key server.prot"),
+    ("[sever]\n", "unknown section or key 'sever'"),
+    ("[server]\nport = \"80\"\n", "server.port must be int"),
+    ("[server]\nport = 70000\n", "server.port must be in"),
+    ("[server]\nrouter_policy = \"fastest\"\n", "router_policy must be one of"),
+    ("[server.remote_images]\nallowed_domains = [1]\n", "allowed_domains must be list"),
+    ("[model]\nmax_model_len = 1\n", "max_model_len must be >= 2"),
+    ("[server\n", "invalid TOML"),
+])
+def test_errors_name_the_file_and_key(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config("/nonexistent/hydrad.toml")

@@ -1,0 +1,77 @@
+import pytest
+
+from hydrad.errors import RequestError
+from hydrad.server.protocol import parse_chat_request, parse_completion_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return parse_chat_request({"messages": MESSAGES, **fields})
+
+
+def test_chat_fields_become_sampling_params():
+    req = chat(model="m", max_completion_tokens=5, max_tokens=99, temperature=0, top_p=0.5, top_k=3, seed=1,
+               stop="x", ignore_eos=True, stream=True, stream_options={"include_usage": True},
+               return_token_ids=True)
+    assert (req.model, req.stream, req.include_usage, req.return_token_ids) == ("m", True, True, True)
+    params = req.options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed) == (5, 0.0, 0.5, 3, 1)
+    assert params.stop == ["x"] and params.ignore_eos
+
+
+def test_default_max_tokens_fills_the_context():
+    params = chat().options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+    assert params.max_tokens == 90
+
+
+@pytest.mark.parametrize("body, param", [
+    ([], None),
+    ({}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": ["hi"]}, "messages"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MESSAGES, "max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"messages": MESSAGES, "max_tokens": "5"}, "max_tokens"),
+    ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
+    ({"messages": MESSAGES, "stop": [1]}, "stop"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MESSAGES, "n": 2}, "n"),
+    ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
+    ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+])
+def test_chat_request_errors(body, param):
+    with pytest.raises(RequestError) as info:
+        parse_chat_request(body)
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"temperature": 2.5}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_tokens": 95}, "max_tokens"),
+    ({"max_completion_tokens": 95}, "max_completion_tokens"),
+])
+def test_sampling_range_errors(fields, param):
+    options = chat(**fields).options
+    with pytest.raises(RequestError) as info:
+        options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+    assert info.value.param == param
+
+
+def test_prompt_filling_the_context_is_refused():
+    with pytest.raises(RequestError, match="no room") as info:
+        chat().options.to_params(num_prompt_tokens=100, max_model_len=100, prompt_param="messages")
+    assert info.value.param == "messages"
+
+
+def test_completion_request():
+    req = parse_completion_request({"prompt": ["once upon"], "max_tokens": 3})
+    assert req.prompt == "once upon" and req.options.max_tokens == 3
+    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
+                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 2}, "best_of")]:
+        with pytest.raises(RequestError) as info:
+            parse_completion_request(body)
+        assert info.value.param == param

@@ -1,0 +1,155 @@
+"""The worker loop and the daemon's pipe client, with a fake engine in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import threading
+
+import pytest
+
+from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+from hydrad.engine.worker import run_worker
+from hydrad.errors import RequestError
+from hydrad.sampling_params import SamplingParams
+from hydrad.server.client import WorkerClient, WorkerLost
+from hydrad.transport.messages import AddRequest, GetStats, Shutdown, StatsReply, StepOutput
+
+
+class FakeEngine:
+    """Emits token 100+i at step i of each request; refuses prompts containing 0."""
+
+    max_model_len = 64
+
+    def __init__(self):
+        self.requests: dict[str, list] = {}
+
+    def add_request(self, req: EngineRequest) -> None:
+        if 0 in req.prompt_token_ids:
+            raise ValueError("token 0 is not allowed")
+        self.requests[req.req_id] = [req.sampling_params.max_tokens, 0]
+
+    def abort_requests(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.requests.pop(req_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestDelta]:
+        deltas = []
+        for req_id, state in list(self.requests.items()):
+            state[1] += 1
+            done = state[1] == state[0]
+            deltas.append(RequestDelta(req_id, [100 + state[1]], "length" if done else None,
+                                       stage_times={"decode_exec": 0.001} if done else None))
+            if done:
+                del self.requests[req_id]
+        return deltas
+
+    def get_stats(self) -> EngineStats:
+        n = len(self.requests)
+        return EngineStats(n, 0, n / 10, 0.0, n, 0, 0)
+
+
+def request(req_id: str, max_tokens: int, prompt=(1, 2)) -> EngineRequest:
+    return EngineRequest(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+
+
+def start_worker(engine):
+    daemon_end, worker_end = mp.Pipe()
+
+    def target():
+        try:
+            run_worker(engine, worker_end)
+        except EOFError:  # the daemon end closed: worker_main exits on this
+            pass
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return daemon_end, thread
+
+
+def recv_until(conn, kind):
+    while True:
+        msg = conn.recv()
+        if isinstance(msg, kind):
+            return msg
+
+
+def test_shutdown_finishing_running_requests():
+    conn, thread = start_worker(FakeEngine())
+    conn.send(AddRequest(request("a", 3)))
+    conn.send(Shutdown(finish_running=True))
+    tokens = []
+    while True:
+        msg = recv_until(conn, StepOutput)
+        tokens += msg.deltas[0].new_token_ids
+        if msg.deltas[0].finish_reason:
+            break
+    assert tokens == [101, 102, 103]
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_shutdown_aborting_running_requests():
+    engine = FakeEngine()
+    conn, thread = start_worker(engine)
+    conn.send(GetStats(0))  # parks the worker in poll() until the request and Shutdown arrive together
+    recv_until(conn, StatsReply)
+    conn.send(AddRequest(request("a", 1000)))
+    conn.send(Shutdown(finish_running=False))
+    deltas = []
+    while not any(d.finish_reason for d in deltas):
+        deltas += recv_until(conn, StepOutput).deltas
+    assert deltas[-1] == RequestDelta("a", [], "abort")
+    thread.join(5)
+    assert not thread.is_alive() and not engine.requests
+
+
+def test_worker_exits_when_the_daemon_end_closes():
+    conn, thread = start_worker(FakeEngine())
+    conn.close()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_client_streams_aborts_stats_and_rejects():
+    async def main():
+        engine = FakeEngine()
+        conn, thread = start_worker(engine)
+        client = WorkerClient(0, "EPD", "cpu", conn)
+        queue = client.add_request(request("a", 3))
+        got = [await queue.get() for _ in range(3)]
+        assert [d.new_token_ids[0] for d in got] == [101, 102, 103] and got[-1].finish_reason == "length"
+        assert client.num_inflight == 0 and client.tokens_per_second() > 0
+
+        client.add_request(request("long", 10_000))
+        assert (await client.get_stats()).num_running == 1
+        client.abort("long")
+        assert client.num_inflight == 0
+        for _ in range(50):
+            if (await client.get_stats()).num_running == 0:
+                break
+        assert (await client.get_stats()).kv_usage == 0.0
+
+        rejected = await client.add_request(request("bad", 3, prompt=(0,))).get()
+        assert isinstance(rejected, RequestError) and "token 0" in str(rejected)
+
+        pending = client.add_request(request("lost", 10_000))
+        client.shutdown(finish_running=False)
+        thread.join(5)
+        while True:
+            item = await asyncio.wait_for(pending.get(), 5)
+            if isinstance(item, Exception) or item.finish_reason:
+                break
+        assert isinstance(item, RequestDelta) and item.finish_reason == "abort"
+        for _ in range(100):  # the pipe's EOF marks the worker down
+            if not client.alive:
+                break
+            await asyncio.sleep(0.01)
+        assert not client.alive
+        with pytest.raises(WorkerLost):
+            client.add_request(request("late", 1))
+
+    asyncio.run(main())

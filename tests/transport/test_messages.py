@@ -1,0 +1,74 @@
+"""Every message type survives the pipe; pixel tensors travel as shared memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from hydrad.engine.inputs import EngineRequest, EngineStats, ImageInput, RequestDelta
+from hydrad.sampling_params import SamplingParams
+from hydrad.transport.messages import (
+    Abort,
+    AddRequest,
+    GetStats,
+    RequestRejected,
+    Shutdown,
+    StatsReply,
+    StepOutput,
+    WorkerFailed,
+    WorkerReady,
+)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    a, b = mp.get_context("spawn").Pipe()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def round_trip(pipe, msg):
+    a, b = pipe
+    a.send(msg)
+    return b.recv()
+
+
+def make_stats() -> EngineStats:
+    return EngineStats(num_running=3, num_waiting=1, kv_usage=0.25, image_usage=0.5, num_kv_blocks_used=7,
+                       num_image_blocks_used=2, num_preemptions=1)
+
+
+MESSAGES = [
+    Abort(("a", "b")),
+    GetStats(7),
+    Shutdown(),
+    Shutdown(finish_running=True),
+    WorkerReady(instance_id=1, pid=1234, max_model_len=2048, load_seconds=1.5),
+    StepOutput([RequestDelta("a", [5], num_prompt_tokens=9),
+                RequestDelta("b", [6, 7], "length", stage_times={"decode_exec": 0.1})]),
+    StatsReply(7, make_stats()),
+    RequestRejected("a", "too long"),
+    WorkerFailed(0, "RuntimeError: boom", "Traceback ..."),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(pipe, msg):
+    assert round_trip(pipe, msg) == msg
+
+
+def test_add_request_round_trip_shares_pixels(pipe):
+    pixels = torch.rand(3, 8, 8).share_memory_()
+    request = EngineRequest("r1", [1, 2, 3, 4], SamplingParams(max_tokens=4, temperature=0.0, stop=["x"]),
+                            [ImageInput(pixels, offset=1, length=2)], eos_token_ids=(2,), arrival_time=3.0)
+    got = round_trip(pipe, AddRequest(request)).request
+    assert (got.req_id, got.prompt_token_ids, got.eos_token_ids, got.arrival_time) == ("r1", [1, 2, 3, 4], (2,), 3.0)
+    assert got.sampling_params == request.sampling_params
+    image = got.images[0]
+    assert (image.offset, image.length) == (1, 2)
+    assert image.pixel_values.is_shared()
+    assert torch.equal(image.pixel_values, pixels)
+    pixels[0, 0, 0] = 42.0  # the same memory, not a copy
+    assert image.pixel_values[0, 0, 0].item() == 42.0
