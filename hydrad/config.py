@@ -63,6 +63,9 @@ class SchedulerConfig:
     image_budget: int = 4
     # Requests running at once on one instance.
     max_num_seqs: int = 256
+    # Measure τ_t and τ_e at instance start against the [slo] targets (cached on disk);
+    # when set, token_budget and image_budget above are not used.
+    derive_budgets: bool = True
 
     def __post_init__(self) -> None:
         if self.token_budget < 1:

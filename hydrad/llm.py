@@ -86,7 +86,9 @@ class LLM:
                 num_image_blocks=num_image_blocks,
                 image_cache_memory_mb=image_cache_memory_mb,
             ),
-            scheduler=SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs),
+            scheduler=SchedulerConfig(
+                token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs, derive_budgets=False
+            ),
             parallel=ParallelConfig(deploy=deploy, devices=devices, dual_streams=dual_streams),
             seed=seed,
         )

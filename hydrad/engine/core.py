@@ -274,6 +274,10 @@ class EngineCore:
             )
         return deltas
 
+    def set_budgets(self, budgets) -> None:
+        """Replace τ_t / τ_e (between steps only) with SLO-derived ``profiler.Budgets``."""
+        self.scheduler.config = budgets.apply(self.scheduler.config)
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler
         kv, img = self.kv_manager, self.image_manager

@@ -62,11 +62,17 @@ def worker_main(
         from hydrad.engine.core import EngineCore
 
         engine = EngineCore(config, role=role, device=device)
+        budgets = None
+        if config.scheduler.derive_budgets:
+            from hydrad.engine.profiler import derive_budgets
+
+            budgets = derive_budgets(engine, config.slo, role=engine.role)
+            engine.set_budgets(budgets)
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()
         return
-    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start))
+    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, budgets))
     try:
         run_worker(engine, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):

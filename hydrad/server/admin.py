@@ -61,6 +61,7 @@ def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
             "tokens_per_second": client.tokens_per_second(),
+            "budgets": client.ready.budgets.summary() if client.ready and client.ready.budgets else None,
         })
     return {
         "model": model,

@@ -56,6 +56,8 @@ class WorkerReady:
     pid: int
     max_model_len: int
     load_seconds: float
+    # SLO-derived τ_t / τ_e (hydrad.engine.profiler.Budgets), None when configured by hand.
+    budgets: object | None = None
 
 
 @dataclass(frozen=True)
