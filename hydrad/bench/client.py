@@ -80,16 +80,17 @@ def _carries_token(chunk: dict) -> bool:
         # Reasoning models stream part of their tokens as reasoning_content.
         if delta.get("content") or delta.get("reasoning_content"):
             return True
-        # An empty delta mid-stream is a token without text of its own (a special token, or
-        # bytes held back until a character completes). A bare role announcement or a closing
-        # finish_reason is not a token.
-        if "role" not in delta and choice.get("finish_reason") is None:
+        # Without text, a chunk still carries a token (a special token, or bytes held back until a
+        # character completes) unless it is a bare role announcement (role, no finish_reason) or
+        # a closing finish_reason (no role). A role with a finish_reason is a one-token answer.
+        if ("role" in delta) == (choice.get("finish_reason") is not None):
             return True
     return False
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
     completed = 0
+    choice_times: list[float] = []
     async for raw in resp.content:
         now = time.perf_counter()
         line = raw.strip()
@@ -97,7 +98,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> No
             continue
         data = line[len(b"data:"):].strip()
         if data == b"[DONE]":
-            return
+            break
         chunk = json.loads(data)
         if chunk.get("error"):
             error = chunk["error"]
@@ -105,12 +106,19 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> No
             return
         usage = chunk.get("usage") or {}
         cumulative = usage.get("completion_tokens")
+        if chunk.get("choices"):
+            choice_times.append(now)
         if _carries_token(chunk):
             record.chunk_times.append(now)
             record.chunk_tokens.append(cumulative - completed if cumulative is not None else None)
         if cumulative is not None:
             completed = cumulative
             record.completion_tokens = cumulative
+    if not record.chunk_times and record.completion_tokens:
+        # Tokens were generated but none had text, and the server sent only the role and
+        # closing chunks for them: those chunks are the only timing there is.
+        record.chunk_times = choice_times
+        record.chunk_tokens = [None] * len(choice_times)
 
 
 async def stream_chat(

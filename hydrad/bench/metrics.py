@@ -11,10 +11,13 @@ in order of preference, from
 
 1. per-chunk usage (cumulative ``completion_tokens`` in every chunk, as vLLM's
    ``continuous_usage_stats`` sends it): exact counts;
-2. the final usage chunk, when it reports more tokens (C) than there were content
+2. the final usage chunk, when it reports more tokens (C) than there were token
    chunks (M): the first chunk holds one token, as a prefill emits one, and the
    other C-1 tokens are spread as evenly as integers allow over the other M-1 chunks;
-3. otherwise one token per content chunk.
+3. otherwise one token per chunk.
+
+A token chunk is one that carries text or an empty mid-stream delta (see
+``client._carries_token``); the role announcement is not one.
 
 Tokens that arrive together with the first one add gaps of zero, since they were
 observed at the same instant.
@@ -38,7 +41,7 @@ class StreamRecord:
     end: float = 0.0
     # Arrival time of every chunk that carried a generated token (the role chunk carries none).
     chunk_times: list[float] = field(default_factory=list)
-    # Tokens per content chunk from per-chunk usage; None where the server gave none.
+    # Tokens per token chunk from per-chunk usage; None where the server gave none.
     chunk_tokens: list[int | None] = field(default_factory=list)
     # From the final usage chunk.
     completion_tokens: int | None = None
@@ -59,7 +62,7 @@ class RequestResult:
 
 
 def chunk_token_counts(record: StreamRecord) -> list[int]:
-    """Tokens carried by each content chunk (rules 1-3 of the module docstring)."""
+    """Tokens carried by each token chunk (rules 1-3 of the module docstring)."""
     num_chunks = len(record.chunk_times)
     if num_chunks == 0:
         return []

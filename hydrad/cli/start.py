@@ -41,12 +41,11 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
 
     from hydrad.models.default import resolve_model_path
     from hydrad.server.daemon import serve
-    from hydrad.server.deploy import check_supported, plan_instances
+    from hydrad.server.deploy import plan_instances
     from hydrad.server.supervisor import plan_specs
 
     parallel = config.engine.parallel
     instances = plan_instances(parallel.deploy, parallel.devices, torch.cuda.device_count())
-    check_supported([role for role, _ in instances])
     # Resolved once here, so workers never race to build the default model.
     model = dataclasses.replace(config.engine.model, path=str(resolve_model_path(config.engine.model.path)))
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))

@@ -65,12 +65,13 @@ class LocalCluster:
     def step_instance(self, engine: EngineCore) -> list[RequestDelta]:
         """One step of one instance, then relay its offers and finished pulls."""
         deltas = engine.step() if engine.has_work() else []
+        # Releases first: the source may be the target of this step's offers (ED+P).
+        for req_id, source in engine.take_pulled():
+            self.engines[source].release([req_id])
         for offer in engine.take_offers():
             target = self.router.select_stage(offer.next_stage).engine
             target.add_migration(offer)
             self._holders.setdefault(offer.req_id, set()).add(target.instance_id)
-        for req_id, source in engine.take_pulled():
-            self.engines[source].release([req_id])
         for delta in deltas:
             if delta.finish_reason is not None:
                 self._holders.pop(delta.req_id, None)

@@ -9,6 +9,7 @@ daemon never leaves workers behind.
 from __future__ import annotations
 
 import logging
+import pickle
 import os
 import signal
 import time
@@ -17,11 +18,14 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from hydrad.config import EngineConfig
-from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+from hydrad.engine.inputs import EngineRequest, EngineStats, MigrationOffer, RequestDelta
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
+    AttachPeers,
     GetStats,
+    Migrate,
+    Release,
     RequestRejected,
     Shutdown,
     StatsReply,
@@ -39,13 +43,37 @@ class Engine(Protocol):
     def add_request(self, req: EngineRequest) -> None: ...
     def abort_requests(self, req_ids) -> None: ...
     def step(self) -> list[RequestDelta]: ...
+    def has_work(self) -> bool: ...
     def has_unfinished_requests(self) -> bool: ...
     def get_stats(self) -> EngineStats: ...
     def shutdown(self) -> None: ...
+    # migration between instances
+    def attach_peer(self, instance_id: int, pools: dict) -> None: ...
+    def add_migration(self, offer: MigrationOffer) -> None: ...
+    def release(self, req_ids) -> None: ...
+    def take_offers(self) -> list[MigrationOffer]: ...
+    def take_pulled(self) -> list[tuple[str, int]]: ...
+
+
+def export_pools(engine, peer_ids: tuple[int, ...]) -> dict[int, bytes]:
+    """Pickle the engine's pools once per peer: each pickle hands out its shared-memory
+    file descriptors (or CUDA IPC handles) to exactly one receiver."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
+
+    pools = engine.pools()
+    return {peer: bytes(ForkingPickler.dumps(pools)) for peer in peer_ids}
 
 
 def worker_main(
-    instance_id: int, role: str, device: str, config: EngineConfig, conn: Connection, num_threads: int
+    instance_id: int,
+    role: str,
+    device: str,
+    config: EngineConfig,
+    conn: Connection,
+    num_threads: int,
+    peer_ids: tuple[int, ...] = (),
 ) -> None:
     """Process entry point (spawned by the daemon's supervisor)."""
     # Ctrl-C reaches the whole process group; the daemon decides when workers stop.
@@ -61,18 +89,19 @@ def worker_main(
         torch.set_num_threads(num_threads)
         from hydrad.engine.core import EngineCore
 
-        engine = EngineCore(config, role=role, device=device)
+        engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=bool(peer_ids))
         budgets = None
         if config.scheduler.derive_budgets:
             from hydrad.engine.profiler import derive_budgets
 
             budgets = derive_budgets(engine, config.slo, role=engine.role)
             engine.set_budgets(budgets)
+        pools = export_pools(engine, peer_ids) if peer_ids else {}
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()
         return
-    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, budgets))
+    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, budgets, pools))
     try:
         run_worker(engine, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -93,9 +122,9 @@ def run_worker(engine: Engine, conn: Connection) -> None:
     live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
     draining = False
     while True:
-        busy = engine.has_unfinished_requests()
-        if draining and not busy:
+        if draining and not engine.has_unfinished_requests():
             return
+        busy = engine.has_work()
         # Block for messages only when there is nothing to step.
         timeout = 0 if busy else None
         while conn.poll(timeout):
@@ -111,6 +140,19 @@ def run_worker(engine: Engine, conn: Connection) -> None:
             elif isinstance(msg, Abort):
                 engine.abort_requests(msg.req_ids)
                 live.difference_update(msg.req_ids)
+            elif isinstance(msg, Migrate):
+                try:
+                    engine.add_migration(msg.offer)
+                except ValueError as e:
+                    conn.send(RequestRejected(msg.offer.req_id, str(e)))
+                else:
+                    live.add(msg.offer.req_id)
+            elif isinstance(msg, Release):
+                engine.release(msg.req_ids)
+                live.difference_update(msg.req_ids)
+            elif isinstance(msg, AttachPeers):
+                for peer_id, blob in msg.pools.items():
+                    engine.attach_peer(peer_id, pickle.loads(blob))
             elif isinstance(msg, GetStats):
                 conn.send(StatsReply(msg.seq, engine.get_stats()))
             elif isinstance(msg, Shutdown):
@@ -121,7 +163,8 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 draining = True
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
-        deltas = engine.step()
-        if deltas:
+        deltas = engine.step() if busy else []
+        offers, pulled = engine.take_offers(), engine.take_pulled()
+        if deltas or offers or pulled:
             live.difference_update(d.req_id for d in deltas if d.finish_reason is not None)
-            conn.send(StepOutput(deltas))
+            conn.send(StepOutput(deltas, offers, pulled))

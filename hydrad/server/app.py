@@ -87,8 +87,10 @@ async def engine_ctx(app: web.Application):
     app[METRICS] = Metrics(processor.model_name)
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
+    router = Router(supervisor.clients, server.router_policy, seed=config.engine.seed)
+    supervisor.table.router = router  # it also picks the targets of migrations
     app[ENGINE] = EngineClient(
-        processor, Router(supervisor.clients, server.router_policy, seed=config.engine.seed), app[METRICS],
+        processor, router, app[METRICS],
         executor, server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
     )
     yield

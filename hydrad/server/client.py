@@ -2,8 +2,9 @@
 
 Reading never blocks the event loop: the pipe's file descriptor is registered
 with ``loop.add_reader`` and drained whenever it is readable. Each request gets
-an ``asyncio.Queue`` that receives its ``RequestDelta``s, or an exception when
-the worker refuses the request or dies.
+an ``asyncio.Queue`` (in the daemon-wide ``RequestTable``) that receives its
+``RequestDelta``s from whichever instance runs its current stage, or an
+exception when a worker refuses the request or dies.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Callable
 
 from hydrad.engine.inputs import EngineRequest, EngineStats
 from hydrad.errors import RequestError
+from hydrad.server.requests_table import RequestQueue, RequestTable
 from hydrad.transport.messages import (
-    Abort,
     AddRequest,
     GetStats,
     RequestRejected,
@@ -37,11 +38,8 @@ class WorkerLost(RuntimeError):
     """The worker serving a request exited or failed."""
 
 
-RequestQueue = asyncio.Queue  # items: RequestDelta, or the exception that ended the request
-
-
 class WorkerClient:
-    def __init__(self, instance_id: int, role: str, device: str, conn: Connection):
+    def __init__(self, instance_id: int, role: str, device: str, conn: Connection, table: RequestTable):
         self.instance_id = instance_id
         self.role = role
         self.device = device
@@ -52,7 +50,7 @@ class WorkerClient:
         self.on_lost: Callable[[WorkerClient], None] | None = None
         self._loop = asyncio.get_running_loop()
         self._ready_future: asyncio.Future[WorkerReady] = self._loop.create_future()
-        self._queues: dict[str, RequestQueue] = {}
+        self.table = table
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._seq = itertools.count()
         self._token_times: deque[tuple[float, int]] = deque()
@@ -61,7 +59,7 @@ class WorkerClient:
     # -- load, for the router --------------------------------------------------------------
     @property
     def num_inflight(self) -> int:
-        return len(self._queues)
+        return self.table.held_by(self)
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         self._trim_token_times(time.monotonic() - window)
@@ -74,14 +72,21 @@ class WorkerClient:
     def add_request(self, request: EngineRequest) -> RequestQueue:
         if not self.alive:
             raise WorkerLost(f"worker {self.instance_id} is down")
-        queue: RequestQueue = asyncio.Queue()
-        self._queues[request.req_id] = queue
+        queue = self.table.open(request.req_id, self)
         self._send(AddRequest(request))
         return queue
 
     def abort(self, req_id: str) -> None:
-        if self._queues.pop(req_id, None) is not None and self.alive:
-            self._send(Abort((req_id,)))
+        """Abort the request on every instance that holds a part of it."""
+        self.table.abort(req_id)
+
+    def send_quietly(self, msg) -> None:
+        """Send unless the worker is gone (its requests have failed already)."""
+        if self.alive:
+            try:
+                self._send(msg)
+            except WorkerLost:
+                pass
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         if not self.alive:
@@ -127,20 +132,18 @@ class WorkerClient:
             self._token_times.append((now, sum(len(d.new_token_ids) for d in msg.deltas)))
             self._trim_token_times(now - 60.0)
             for delta in msg.deltas:
-                queue = self._queues.get(delta.req_id)
-                if queue is None:  # aborted by the daemon while this step ran
-                    continue
-                if delta.finish_reason is not None:
-                    del self._queues[delta.req_id]
-                queue.put_nowait(delta)
+                self.table.deliver(delta)
+            # Releases first: the source may be the target of this step's offers (ED+P).
+            for req_id, source_id in msg.pulled:
+                self.table.on_pulled(self, req_id, source_id)
+            for offer in msg.offers:
+                self.table.on_offer(self, offer)
         elif isinstance(msg, StatsReply):
             waiter = self._stats_waiters.get(msg.seq)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.stats)
         elif isinstance(msg, RequestRejected):
-            queue = self._queues.pop(msg.req_id, None)
-            if queue is not None:
-                queue.put_nowait(RequestError(msg.message))
+            self.table.fail(msg.req_id, RequestError(msg.message))
         elif isinstance(msg, WorkerReady):
             self.ready = msg
             self._ready_future.set_result(msg)
@@ -160,9 +163,7 @@ class WorkerClient:
         if not self._ready_future.done():
             self._ready_future.set_exception(error)
             self._ready_future.exception()  # retrieved here; wait_ready() re-raises it
-        for queue in self._queues.values():
-            queue.put_nowait(error)
-        self._queues.clear()
+        self.table.lost(self, error)
         for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_exception(error)

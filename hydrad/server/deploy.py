@@ -13,10 +13,6 @@ from hydrad.errors import ConfigError
 
 STAGES = "EPD"
 _TERM = re.compile(r"(\d+)([A-Za-z]+)")
-# Roles the daemon can start today; the others parse, for specs written ahead.
-SUPPORTED_ROLES = frozenset({"EPD"})
-
-
 def parse_deploy(spec: str, num_devices: int | None = None) -> list[str]:
     """The role of each instance, in order. ``auto`` needs ``num_devices``."""
     spec = spec.strip()
@@ -48,12 +44,6 @@ def _normalize_role(role: str, spec: str) -> str:
     if len(set(role)) != len(role):
         raise ConfigError(f"deploy {spec!r}: repeated stage in role {role!r}")
     return "".join(s for s in STAGES if s in role)
-
-
-def check_supported(roles: list[str]) -> None:
-    for role in roles:
-        if role not in SUPPORTED_ROLES:
-            raise ConfigError(f"role {role} is not supported yet (this version starts EPD instances only)")
 
 
 def parse_devices(spec: str, num_cuda: int) -> list[str]:

@@ -20,7 +20,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
 from hydrad.server.client import WorkerClient, WorkerLost
-from hydrad.transport.messages import WorkerReady
+from hydrad.server.requests_table import RequestTable
+from hydrad.transport.messages import AttachPeers, WorkerReady
 
 logger = logging.getLogger("hydrad.supervisor")
 
@@ -50,6 +51,9 @@ class Supervisor:
         self.specs = specs
         self.start_timeout = start_timeout
         self.clients: list[WorkerClient] = []
+        self.table = RequestTable()
+        # Pools are shared between instances only when requests migrate between them.
+        self.migrates = any(spec.role != "EPD" for spec in specs)
         self._processes = []
         self._stopping = False
 
@@ -65,19 +69,23 @@ class Supervisor:
         ctx = mp.get_context("spawn")
         for spec in self.specs:
             parent, child = ctx.Pipe()
+            peer_ids = tuple(s.instance_id for s in self.specs if s is not spec) if self.migrates else ()
             process = ctx.Process(
                 target=worker_main,
-                args=(spec.instance_id, spec.role, spec.device, self.config, child, spec.num_threads),
+                args=(spec.instance_id, spec.role, spec.device, self.config, child, spec.num_threads, peer_ids),
                 name=f"hydrad-worker-{spec.instance_id}",
             )
             process.start()
             child.close()  # so the daemon sees EOF when the worker exits
             self._processes.append(process)
-            client = WorkerClient(spec.instance_id, spec.role, spec.device, parent)
+            client = WorkerClient(spec.instance_id, spec.role, spec.device, parent, self.table)
             client.on_lost = self._on_lost
             self.clients.append(client)
         try:
-            return await asyncio.wait_for(self._wait_ready(console), self.start_timeout)
+            readies = await asyncio.wait_for(self._wait_ready(console), self.start_timeout)
+            if self.migrates:
+                self._attach_peers(readies)
+            return readies
         except (WorkerLost, asyncio.TimeoutError) as e:
             await self.stop(timeout=5.0)
             if isinstance(e, asyncio.TimeoutError):
@@ -104,6 +112,13 @@ class Supervisor:
             readies = await asyncio.gather(*(one(c) for c in self.clients))
         logger.info("%d worker(s) ready in %.1f s", len(readies), time.monotonic() - start)
         return readies
+
+    def _attach_peers(self, readies: list[WorkerReady]) -> None:
+        """Hand every instance the pools of all others (pickled by each source for it)."""
+        for client in self.clients:
+            pools = {r.instance_id: r.pools[client.instance_id] for r in readies if r.instance_id != client.instance_id}
+            client.send_quietly(AttachPeers(pools))
+        logger.info("cache pools shared between %d instances for migration", len(self.clients))
 
     def _on_lost(self, client: WorkerClient) -> None:
         if client.ready is not None and not self._stopping:  # start-up failures are reported by start()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+from hydrad.engine.inputs import EngineRequest, EngineStats, MigrationOffer, RequestDelta
 
 # -- daemon -> worker ----------------------------------------------------------------------
 
@@ -45,6 +45,33 @@ class Shutdown:
     finish_running: bool = False
 
 
+@dataclass(frozen=True)
+class AttachPeers:
+    """Other instances' cache pools, exported once at start, for pull-based migration.
+
+    ``pools[instance_id]`` is that instance's ``{"kv": tensor, "image": tensor}``
+    pickled by torch's multiprocessing pickler for this receiver alone (shared
+    memory on CPU, CUDA IPC on GPU); the daemon forwards the bytes unopened.
+    """
+
+    pools: dict[int, bytes]
+
+
+@dataclass(frozen=True)
+class Migrate:
+    """Target side: queue this request at the head; pull its blocks when it is scheduled."""
+
+    offer: MigrationOffer
+
+
+@dataclass(frozen=True)
+class Release:
+    """Source side: these requests' blocks were copied by their target (or are no longer
+    wanted): free them."""
+
+    req_ids: tuple[str, ...]
+
+
 # -- worker -> daemon ----------------------------------------------------------------------
 
 
@@ -58,6 +85,9 @@ class WorkerReady:
     load_seconds: float
     # SLO-derived τ_t / τ_e (hydrad.engine.profiler.Budgets), None when configured by hand.
     budgets: object | None = None
+    # This instance's pools pickled once per peer (peer instance id -> bytes), when the
+    # deployment migrates requests between instances.
+    pools: dict[int, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -65,6 +95,10 @@ class StepOutput:
     """The deltas of every request that advanced in one engine step."""
 
     deltas: list[RequestDelta] = field(default_factory=list)
+    # Requests whose next stage runs elsewhere (the daemon picks the target).
+    offers: list[MigrationOffer] = field(default_factory=list)
+    # (req_id, source instance) of every pull finished in this step.
+    pulled: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ timers. Each request's behaviour is read from ``key=value`` words in its prompt:
   gapK=S        the gap between tokens K-1 and K (numbered from 0) is S instead of tbt
   chunk=N       tokens after the first are sent N per chunk
   empty=K,...   the chunks of tokens K (numbered from 0, K >= 1) carry no text: ``delta: {}``
+  silent=1      every token lacks text and only the role and closing chunks are sent
   usage=chunk   every chunk carries cumulative usage (vLLM's continuous_usage_stats)
   fail=CODE     answer with HTTP CODE instead of a stream
   knee=R        when the arrival rate over the last 4 requests exceeds R req/s,
@@ -103,6 +104,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         due.append(due[-1] + float(d.get(f"gap{k}", tbt)))
     empty = {int(k) for k in d["empty"].split(",")} if "empty" in d else set()
     groups = [[0]] + [list(range(i, min(i + per_chunk, num_tokens))) for i in range(1, num_tokens, per_chunk)]
+    if "silent" in d:
+        groups = []
+        await asyncio.sleep(max(0.0, due[-1] - time.perf_counter()))
     for group in groups:
         await asyncio.sleep(max(0.0, due[group[-1]] - time.perf_counter()))
         usage = {"prompt_tokens": 1, "completion_tokens": group[-1] + 1} if chunk_usage else None

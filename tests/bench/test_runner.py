@@ -44,6 +44,14 @@ def test_tokens_without_text_still_count(make_config, write_jsonl):
         assert r.tbts == pytest.approx([0.05] * 5, abs=0.01)
 
 
+def test_stream_of_textless_tokens_is_timed_by_its_role_and_closing_chunks(make_config, write_jsonl):
+    path = write_jsonl([{"prompt": "ttft=0.05 tbt=0.05 silent=1", "output_tokens": 5}])
+    result = run_bench(make_config(workload=str(path), num_requests=1))
+    (r,) = result.headline.results
+    assert r.error is None and r.output_tokens == 5 and len(r.tbts) == 4
+    assert sum(r.tbts) == pytest.approx(r.e2e, abs=0.02)  # the role chunk arrives at once
+
+
 def test_attainment_is_exact_on_a_crafted_mix(make_config, write_jsonl):
     rows = (
         [{"prompt": "ttft=0.05 tbt=0.02", "output_tokens": 6}] * 6

@@ -1,7 +1,7 @@
 import pytest
 
 from hydrad.errors import ConfigError
-from hydrad.server.deploy import check_supported, parse_deploy, parse_devices, plan_instances
+from hydrad.server.deploy import parse_deploy, parse_devices, plan_instances
 
 
 @pytest.mark.parametrize("spec, roles", [
@@ -32,12 +32,6 @@ def test_parse_deploy_errors(spec, message):
 
 def test_auto_deploy_is_one_epd_per_device():
     assert parse_deploy("auto", 3) == ["EPD"] * 3
-
-
-def test_only_epd_is_started():
-    check_supported(["EPD", "EPD"])
-    with pytest.raises(ConfigError, match="role E is not supported yet"):
-        check_supported(parse_deploy("1E+1PD"))
 
 
 @pytest.mark.parametrize("spec, num_cuda, devices", [
