@@ -37,9 +37,8 @@ class ResponseFormat:
 
     def chunk(self, out: Output, first: bool) -> dict:
         if self.chat:
-            delta = {"role": "assistant", "content": out.text} if first else {}
-            if out.text and not first:
-                delta["content"] = out.text
+            # Every token chunk carries "content", empty or not, so clients can time each token.
+            delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
         else:
             choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}

@@ -1,0 +1,82 @@
+"""End to end under load: 64 concurrent requests through 1E+1P+1D worker processes with
+small caches everywhere all finish right and leave no block held; ``hydractl bench``'s
+library runs against the same live daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import openai
+import pytest
+
+from daemon_process import Daemon, http
+from test_daemon_deployments import MAX_TOKENS, _blocks_held, _requests
+from test_daemon_deployments import reference  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_llava_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stress")
+    config = tmp / "hydrad.toml"
+    # Caches a few requests wide: the load only fits by queueing, pulling late and preempting.
+    config.write_text("""
+[cache]
+kv_block_size = 4
+num_kv_blocks = 64
+num_image_blocks = 3
+
+[scheduler]
+derive_budgets = false
+token_budget = 32
+image_budget = 2
+""")
+    d = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:3",
+                "--deploy", "1E+1P+1D"], tmp / "hydrad.log")
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def test_64_concurrent_requests_through_small_caches(daemon, reference):  # noqa: F811
+    client = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    requests = (_requests() * 13)[:64]
+
+    async def ask(messages):
+        stream = await client.chat.completions.create(
+            model=(await client.models.list()).data[0].id, messages=messages, max_tokens=MAX_TOKENS,
+            temperature=0, stream=True, extra_body={"return_token_ids": True},
+        )
+        tokens = []
+        async for chunk in stream:
+            if chunk.choices:
+                tokens += chunk.choices[0].model_extra.get("token_ids") or []
+        return tokens
+
+    async def main():
+        return await asyncio.gather(*(ask(api) for api, _, _ in requests))
+
+    got = asyncio.run(main())
+    for i, tokens in enumerate(got):
+        assert tokens == reference[i % len(reference)], f"request {i}"
+    deadline = time.monotonic() + 5
+    while any(_blocks_held(daemon)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _blocks_held(daemon) == [(0, 0)] * 3
+
+
+def test_bench_library_against_live_daemon(daemon):
+    from hydrad.bench.config import SLO, BenchConfig
+    from hydrad.bench.runner import run_bench
+
+    result = run_bench(BenchConfig(url=daemon.url, slo=SLO(ttft=30.0, tbt=5.0), workload="pope",
+                                   num_requests=8, rates=(8.0,), seed=1))
+    summary = result.summary
+    assert summary.errors == 0 and summary.num_requests == 8
+    assert summary.attainment == 1.0  # generous SLO: every request must meet it
+    assert all(r.output_tokens >= 1 and r.ttft is not None and r.ttft <= r.e2e for r in result.runs[0].results)
+    body = result.to_dict()
+    assert set(body["summary"]) >= {"ttft_p50", "tbt_p90", "e2e_p99", "attainment", "goodput_rps", "errors"}
+    # the daemon counted what the bench sent
+    assert 'finish_reason="length"' in http("GET", daemon.url + "/metrics").text
