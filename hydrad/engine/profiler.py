@@ -407,9 +407,12 @@ def derive_budgets(
         image_latency=image_latency,
         context_len=context_len if "D" in role else None,
     )
-    _store(path, key, budgets)
-    log = logger.info if budgets.within_bound else logger.warning
-    log("budgets of %s: %s", role, budgets.summary())
+    if budgets.within_bound:
+        _store(path, key, budgets)
+        logger.info("budgets of %s: %s", role, budgets.summary())
+    else:
+        # Most often a machine busy with other work while measuring: never keep such a result.
+        logger.warning("budgets of %s: %s; not cached, measured again at the next start", role, budgets.summary())
     return budgets
 
 

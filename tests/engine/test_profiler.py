@@ -221,6 +221,14 @@ def test_unreadable_cache_file_is_measured_again(engine, budgets_dir):
     json.loads(path.read_text())
 
 
+def test_a_result_over_the_bound_is_not_cached(engine, budgets_dir):
+    slow = lambda probe: 10.0  # noqa: E731  (every batch misses the SLO, e.g. a busy machine)
+    budgets = derive_budgets(engine, SLOConfig(ttft=1.0, tbt=0.1), role="EPD", latency_fn=slow)
+    assert not budgets.within_bound and budgets.token_budget == 16 and budgets.image_budget == 1
+    assert not list(budgets_dir.glob("*.json"))
+    assert derive_budgets(engine, SLOConfig(ttft=1.0, tbt=0.1), role="EPD", latency_fn=FakeLatency()).measured
+
+
 # -- measuring on the device --------------------------------------------------------------------
 def test_real_measurement_on_the_tiny_checkpoint(engine):
     generous = SLOConfig(ttft=60.0, tbt=30.0)
