@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -37,13 +36,3 @@ def run_main(group: click.Group) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
-
-
-def pass_errors(fn):
-    """Decorator kept for commands that want to add context to errors."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    return wrapper

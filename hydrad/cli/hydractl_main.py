@@ -1,12 +1,12 @@
-"""``hydractl``: operate a running hydrad daemon (status, bench, ...)."""
+"""``hydractl``: operate a running hydrad daemon (status, bench)."""
 
 from __future__ import annotations
 
-import importlib
-
 import click
 
+from hydrad.cli.bench import bench
 from hydrad.cli.common import run_main
+from hydrad.cli.status import status
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -15,13 +15,8 @@ def cli() -> None:
     """hydractl: operator CLI for a hydrad daemon."""
 
 
-# One module per command; each defines a click command of the same name.
-for _name in ("status", "bench"):
-    try:
-        _mod = importlib.import_module(f"hydrad.cli.{_name}")
-    except ImportError:
-        continue
-    cli.add_command(getattr(_mod, _name))
+cli.add_command(status)
+cli.add_command(bench)
 
 
 def main() -> None:

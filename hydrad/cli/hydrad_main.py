@@ -5,6 +5,8 @@ from __future__ import annotations
 import click
 
 from hydrad.cli.common import run_main
+from hydrad.cli.make_model import make_model
+from hydrad.cli.start import start
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -13,18 +15,8 @@ def cli() -> None:
     """hydrad: a serving daemon for vision-language models."""
 
 
-def _register() -> None:
-    from hydrad.cli import make_model
-
-    cli.add_command(make_model.make_model)
-    try:
-        from hydrad.cli import start
-    except ImportError:  # the daemon module lands separately
-        return
-    cli.add_command(start.start)
-
-
-_register()
+cli.add_command(start)
+cli.add_command(make_model)
 
 
 def main() -> None:

@@ -80,3 +80,41 @@ def test_bench_library_against_live_daemon(daemon):
     assert set(body["summary"]) >= {"ttft_p50", "tbt_p90", "e2e_p99", "attainment", "goodput_rps", "errors"}
     # the daemon counted what the bench sent
     assert 'finish_reason="length"' in http("GET", daemon.url + "/metrics").text
+
+
+def test_disconnects_at_every_stage_free_every_instance(daemon):
+    """Clients that leave before the first token (encode, E->P, prefill), right after it
+    (P->D) or mid-decode: every instance ends up holding no block."""
+    import aiohttp
+
+    api = [m for m, _, _ in _requests()]
+
+    async def leave_after(session, messages, num_chunks, delay):
+        body = {"model": "x", "messages": messages, "max_tokens": 200, "ignore_eos": True, "stream": True,
+                "temperature": 0}
+        models = await (await session.get(daemon.url + "/v1/models")).json()
+        body["model"] = models["data"][0]["id"]
+        async with session.post(daemon.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            seen = 0
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    seen += 1
+                if seen >= num_chunks:
+                    break
+            await asyncio.sleep(delay)
+        # leaving the block closes the connection mid-stream
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            jobs = [leave_after(session, api[i % len(api)], n, d)
+                    for i, (n, d) in enumerate([(0, 0.0), (0, 0.05), (1, 0.0), (1, 0.02), (5, 0.0), (20, 0.0)] * 3)]
+            await asyncio.gather(*jobs)
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while any(_blocks_held(daemon)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _blocks_held(daemon) == [(0, 0)] * 3
+    status = http("GET", daemon.url + "/admin/status").json()
+    assert all(i["num_running"] == 0 and i["num_waiting"] == 0 for i in status["instances"])
