@@ -13,6 +13,7 @@ from hydrad.engine.worker import run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
 from hydrad.server.client import WorkerClient, WorkerLost
+from hydrad.server.requests_table import RequestTable
 from hydrad.transport.messages import AddRequest, GetStats, Shutdown, StatsReply, StepOutput
 
 
@@ -35,6 +36,15 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def take_offers(self) -> list:
+        return []  # one EPD instance: nothing migrates
+
+    def take_pulled(self) -> list:
+        return []
 
     def step(self) -> list[RequestDelta]:
         deltas = []
@@ -70,8 +80,10 @@ def start_worker(engine):
     return daemon_end, thread
 
 
-def recv_until(conn, kind):
+def recv_until(conn, kind, timeout: float = 10.0):
     while True:
+        if not conn.poll(timeout):  # a worker thread that died must fail the test, not hang it
+            raise AssertionError(f"no {kind.__name__} within {timeout} s")
         msg = conn.recv()
         if isinstance(msg, kind):
             return msg
@@ -118,7 +130,7 @@ def test_client_streams_aborts_stats_and_rejects():
     async def main():
         engine = FakeEngine()
         conn, thread = start_worker(engine)
-        client = WorkerClient(0, "EPD", "cpu", conn)
+        client = WorkerClient(0, "EPD", "cpu", conn, RequestTable())
         queue = client.add_request(request("a", 3))
         got = [await queue.get() for _ in range(3)]
         assert [d.new_token_ids[0] for d in got] == [101, 102, 103] and got[-1].finish_reason == "length"
