@@ -252,9 +252,11 @@ def test_hydractl_status_shows_both_instances(daemon):
                          text=True, timeout=60, cwd=REPO, env={"PYTHONPATH": str(REPO), "COLUMNS": "120",
                                                                "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if "EPD" in line]
+    rows = [line for line in out.stdout.splitlines() if "EPD" in line and "│" in line]
     assert len(rows) == 2 and all("cpu" in r and "ready" in r for r in rows), out.stdout
     assert "TTFT p50" in out.stdout and "TBT p90" in out.stdout
+    # each instance measured its budgets against the SLO at start, and says so
+    assert out.stdout.count("tau_t") == 2 and out.stdout.count("tau_e") == 2, out.stdout
 
 
 # -- bad input: right status and error shape, then a good request still succeeds -----------------
