@@ -69,9 +69,9 @@ def rope_inv_freq(config) -> torch.Tensor:
 
 
 def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    # positions: [num_tokens] -> cos, sin: [num_tokens, head_dim], angles in fp32
+    # positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim] (broadcast over heads), angles in fp32
     freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -79,7 +79,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     # x: [num_tokens, num_heads, head_dim]; the two halves of head_dim form the rotated pairs
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    return x * cos + rotated * sin
 
 
 def head_dim_of(config) -> int:
@@ -109,12 +109,11 @@ class LlamaAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qkv = self.qkv_proj(x).unflatten(-1, (self.num_heads + 2 * self.num_kv_heads, self.head_dim))
+        # q and k rotate as one tensor: [num_tokens, num_heads + num_kv_heads, head_dim]
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]  # [num_tokens, num_kv_heads, head_dim]
         o = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale)  # [num_tokens, num_heads, head_dim]
         return self.o_proj(o.flatten(1))
 

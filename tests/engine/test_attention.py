@@ -2,6 +2,7 @@ import random
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hydrad.engine.attention import AttentionMetadata, get_attn_backend
 from hydrad.engine.attention.sdpa import SdpaBackend
@@ -25,10 +26,10 @@ def reference_attention(q, k, v, scale):
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
-def make_paged_batch(block_size, num_heads, num_kv_heads, dtype, seed=0):
+def make_paged_batch(block_size, num_heads, num_kv_heads, dtype, seed=0, seqs=SEQS):
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
-    blocks_per_seq = [-(-s // block_size) for _, s in SEQS]
+    blocks_per_seq = [-(-s // block_size) for _, s in seqs]
     num_blocks = sum(blocks_per_seq) + 3
     block_ids = rng.sample(range(num_blocks), sum(blocks_per_seq))  # shuffled, non-contiguous
     block_tables, start = [], 0
@@ -38,7 +39,7 @@ def make_paged_batch(block_size, num_heads, num_kv_heads, dtype, seed=0):
 
     kv_cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, HEAD_DIM, dtype=dtype)
     contexts, new_q, new_k, new_v = [], [], [], []
-    for (query_len, seq_len), table in zip(SEQS, block_tables):
+    for (query_len, seq_len), table in zip(seqs, block_tables):
         k = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
         v = torch.randn(seq_len, num_kv_heads, HEAD_DIM, generator=gen).to(dtype)
         q = torch.randn(query_len, num_heads, HEAD_DIM, generator=gen).to(dtype)
@@ -51,7 +52,7 @@ def make_paged_batch(block_size, num_heads, num_kv_heads, dtype, seed=0):
         new_k.append(k[seq_len - query_len :])
         new_v.append(v[seq_len - query_len :])
     meta = AttentionMetadata.build(
-        [q for q, _ in SEQS], [s for _, s in SEQS], block_tables, block_size, torch.device("cpu")
+        [q for q, _ in seqs], [s for _, s in seqs], block_tables, block_size, torch.device("cpu")
     )
     return kv_cache, meta, contexts, torch.cat(new_q), torch.cat(new_k), torch.cat(new_v)
 
@@ -63,7 +64,10 @@ def test_sdpa_paged_matches_dense_causal(block_size, num_heads, num_kv_heads, dt
     kv_cache, meta, contexts, q, k, v = make_paged_batch(block_size, num_heads, num_kv_heads, dtype)
     scale = HEAD_DIM**-0.5
 
-    out = SdpaBackend(torch.device("cpu")).forward(q, k, v, kv_cache, meta, scale)
+    # Every call must take torch's fused kernel (the math fallback is several times slower):
+    # with only that kernel allowed, SDPA raises instead of falling back.
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = SdpaBackend(torch.device("cpu")).forward(q, k, v, kv_cache, meta, scale)
 
     assert out.shape == q.shape and out.dtype == dtype
     starts = meta.query_start_loc.tolist()
@@ -77,6 +81,57 @@ def test_sdpa_paged_matches_dense_causal(block_size, num_heads, num_kv_heads, dt
         slots = table[positions // block_size].long() * block_size + positions % block_size
         cached = kv_cache.flatten(1, 2)[:, slots]
         assert torch.equal(cached[0], ctx_k) and torch.equal(cached[1], ctx_v)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_sdpa_whole_prompt_chunks_and_decodes_agree(block_size):
+    # One 40-token prompt attended three ways: whole (causal over its own keys, nothing read from
+    # the cache), as chunks of 15, 15, 10 after cached context (masked, keys gathered from the
+    # cache), and one decode per token (the padded decode batch).
+    seq_len, scale = 40, HEAD_DIM**-0.5
+    gen = torch.Generator().manual_seed(block_size)
+    q = torch.randn(seq_len, 4, HEAD_DIM, generator=gen)
+    k = torch.randn(seq_len, 2, HEAD_DIM, generator=gen)
+    v = torch.randn(seq_len, 2, HEAD_DIM, generator=gen)
+    num_blocks = -(-seq_len // block_size)
+    block_ids = random.Random(block_size).sample(range(num_blocks + 4), num_blocks)
+    backend = SdpaBackend(torch.device("cpu"))
+
+    def attend(bounds):
+        kv_cache = torch.zeros(2, num_blocks + 4, block_size, 2, HEAD_DIM)
+        outs = []
+        for start, end in zip(bounds, bounds[1:]):
+            meta = AttentionMetadata.build([end - start], [end], [block_ids], block_size, torch.device("cpu"))
+            assert (meta.decode_batch is None) == (end - start > 1)
+            outs.append(backend.forward(q[start:end], k[start:end], v[start:end], kv_cache, meta, scale))
+        return torch.cat(outs)
+
+    whole = attend([0, seq_len])
+    ref = reference_attention(q, k, v, scale)
+    torch.testing.assert_close(whole.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend([0, 15, 30, seq_len]), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attend(list(range(seq_len + 1))), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_metadata_prefill_chunks_and_decode_batch():
+    # Sequences: a decode at position 4, a whole 3-token prompt, a 2-token chunk after 3 cached
+    # tokens, a decode at position 0; blocks of 2.
+    tables = [[7, 2, 4], [1, 3], [6, 0, 5], [8]]
+    meta = AttentionMetadata.build([1, 3, 2, 1], [5, 3, 5, 1], tables, 2, torch.device("cpu"))
+
+    whole, chunk = meta.prefill_chunks
+    assert whole.tokens == slice(1, 4) and whole.block_ids is None and whole.mask is None
+    assert chunk.tokens == slice(4, 6) and chunk.block_ids.tolist() == [6, 0, 5]
+    # Query 0 sits at position 3 and sees keys 0 ... 3; query 1 sees all five.
+    assert torch.isinf(chunk.mask).tolist() == [[False] * 4 + [True], [False] * 5]
+
+    decodes = meta.decode_batch
+    assert decodes.token_ids.tolist() == [0, 6]
+    # Padded to the longer sequence's 3 blocks; the shorter one's extra slots are masked out.
+    assert decodes.block_ids.tolist() == [[7, 2, 4], [8, 0, 0]]
+    assert decodes.mask.shape == (2, 1, 1, 6)
+    assert torch.isinf(decodes.mask[:, 0, 0]).tolist() == [[False] * 5 + [True], [False] + [True] * 5]
+    assert not torch.isnan(decodes.mask).any() and decodes.mask.max() == 0
 
 
 def test_metadata_slot_mapping_and_offsets():

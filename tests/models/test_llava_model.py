@@ -3,6 +3,7 @@ import random
 import pytest
 import torch
 import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
 
 from hydrad.engine.attention import AttentionMetadata
@@ -186,7 +187,10 @@ def run_step(model, batch, kv_cache, block_size):
         [n for _, n in batch], [s.num_computed + n for s, n in batch], [s.block_ids for s, _ in batch],
         block_size, torch.device("cpu"),
     )
-    hidden = model(torch.cat(embeds), torch.cat(positions), kv_cache, meta)
+    # Whole prompts, chunks after cached context and decodes all take torch's fused attention
+    # kernel: with only that one allowed, a fallback to the slow math kernel raises.
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        hidden = model(torch.cat(embeds), torch.cat(positions), kv_cache, meta)
     logits = model.compute_logits(hidden)
     row = 0
     for s, n in batch:

@@ -1,7 +1,8 @@
 """Attention backends behind one interface, imported lazily by name.
 
 A backend's ``forward(q, k, v, kv_cache_layer, meta, scale)`` takes the new tokens'
-``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` and one layer's cache
+``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` (views into the fused projection's output: only the
+last dimension is contiguous) and one layer's cache
 ``[2, num_blocks, block_size, Hkv, D]``; it first writes k and v into the cache at
 ``meta.slot_mapping``, then returns ``[T, Hq, D]``: each sequence's queries attending
 causally over its whole paged context (query j of a sequence with query length q and

@@ -1,17 +1,18 @@
 """Paged attention with torch's ``scaled_dot_product_attention``: any device, and the reference in tests.
 
 Decodes (query length 1) of the whole batch run as one padded SDPA call with a key-padding
-mask; each prefill chunk runs as its own call over its gathered context.
+mask; each prefill chunk runs as its own call, over its own keys when nothing is cached
+before it, else over its context gathered from the cache. The gather indices and masks
+come from ``AttentionMetadata`` (built once per step). Every call passes 4-d tensors:
+torch's fused CPU kernel takes nothing else and would fall back to the slow math kernel.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.nn.functional as F
 
-from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.engine.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -43,63 +44,51 @@ class SdpaBackend:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
         write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
         out = torch.empty_like(q)
-        starts = list(accumulate(meta.query_lens_cpu, initial=0))
-        decode_ids = []
-        for b, (query_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if query_len == 1:
-                decode_ids.append(b)
-            elif query_len > 1:
-                tokens = slice(starts[b], starts[b] + query_len)
-                out[tokens] = self._prefill(q[tokens], k[tokens], v[tokens], kv_cache_layer, meta, b, scale)
-        if decode_ids:
-            self._decode(q, kv_cache_layer, meta, decode_ids, [starts[b] for b in decode_ids], scale, out)
+        for chunk in meta.prefill_chunks:
+            out[chunk.tokens] = self._prefill(q, k, v, kv_cache_layer, chunk, scale)
+        if meta.decode_batch is not None:
+            decodes = meta.decode_batch
+            out.index_copy_(0, decodes.token_ids, self._decode(q, kv_cache_layer, decodes, scale))
         return out
 
     @staticmethod
-    def _prefill(q, k, v, kv_cache_layer, meta, b, scale) -> torch.Tensor:
-        # q: [query_len, num_heads, head_dim]
-        query_len, seq_len = q.shape[0], meta.seq_lens_cpu[b]
-        if query_len == seq_len:
-            # No earlier context: attend over the chunk's own keys, no gather from the cache.
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
-            )
-            return o.transpose(0, 1)
-        num_blocks = -(-seq_len // meta.block_size)
-        blocks = meta.block_tables[b, :num_blocks]
-        # [2, seq_len, num_kv_heads, head_dim]
-        context = kv_cache_layer[:, blocks].flatten(1, 2)[:, :seq_len]
-        # Query j sits at position seq_len - query_len + j and sees keys 0 ... that position.
-        mask = torch.ones(query_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - query_len)
+    def _prefill(q, k, v, kv_cache_layer, chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        # -> [query_len, num_heads, head_dim]
+        t = chunk.tokens
+        if chunk.block_ids is None:
+            keys, values = k[t], v[t]
+        else:
+            seq_len = chunk.mask.shape[-1]
+            # [seq_len, num_kv_heads, head_dim] each
+            keys, values = kv_cache_layer.index_select(1, chunk.block_ids).flatten(1, 2)[:, :seq_len]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            context[0].transpose(0, 1),
-            context[1].transpose(0, 1),
-            attn_mask=mask,
+            q[t].transpose(0, 1)[None],  # [1, num_heads, query_len, head_dim]
+            keys.transpose(0, 1)[None],  # [1, num_kv_heads, seq_len, head_dim]
+            values.transpose(0, 1)[None],
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
             scale=scale,
             enable_gqa=True,
         )
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)
 
     @staticmethod
-    def _decode(q, kv_cache_layer, meta, seq_ids, token_ids, scale, out) -> None:
-        device = q.device
-        seq_ids_t = torch.tensor(seq_ids, device=device)
-        token_ids_t = torch.tensor(token_ids, device=device)
-        max_seq_len = max(meta.seq_lens_cpu[b] for b in seq_ids)
-        num_blocks = -(-max_seq_len // meta.block_size)
-        blocks = meta.block_tables[seq_ids_t, :num_blocks]  # [num_decodes, num_blocks]
-        # [2, num_decodes, max_seq_len, num_kv_heads, head_dim]; rows past a sequence's length are padding
-        context = kv_cache_layer[:, blocks].flatten(2, 3)[:, :, :max_seq_len]
-        # [num_decodes, 1, 1, max_seq_len]
-        mask = torch.arange(max_seq_len, device=device) < meta.seq_lens[seq_ids_t, None]
+    def _decode(q, kv_cache_layer, decodes: DecodeBatch, scale: float) -> torch.Tensor:
+        # -> [num_decodes, num_heads, head_dim]
+        num_decodes = decodes.block_ids.shape[0]
+        num_kv_heads = kv_cache_layer.shape[3]
+        # [2, num_decodes, num_blocks * block_size, num_kv_heads, head_dim]: one gather, of whole
+        # blocks (runs of contiguous memory), for every decode's keys and values
+        context = kv_cache_layer.index_select(1, decodes.block_ids.flatten())
+        context = context.unflatten(1, (num_decodes, -1)).flatten(2, 3)
+        # The query heads that share a KV head attend as the rows of one query over its keys: the
+        # kernel then reads each KV head once, not once per query head.
         o = F.scaled_dot_product_attention(
-            q[token_ids_t].unsqueeze(2),  # [num_decodes, num_heads, 1, head_dim]
-            context[0].transpose(1, 2),
+            # [num_decodes, num_kv_heads, num_heads / num_kv_heads, head_dim]
+            q.index_select(0, decodes.token_ids).unflatten(1, (num_kv_heads, -1)),
+            context[0].transpose(1, 2),  # [num_decodes, num_kv_heads, num_blocks * block_size, head_dim]
             context[1].transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=decodes.mask,
             scale=scale,
-            enable_gqa=True,
         )
-        out[token_ids_t] = o.squeeze(2)
-
+        return o.flatten(1, 2)
