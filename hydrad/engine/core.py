@@ -139,6 +139,9 @@ class EngineCore:
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._inflight: list[tuple[Future, Pull]] = []
         self._pulled: list[tuple[str, int]] = []
+        # Set when a step found nothing it could run (e.g. blocks held by offered requests):
+        # no step can do better until a request arrives, leaves or is released.
+        self._stalled = False
         logger.info(
             "instance %d (%s) ready: %s on %s (%s), %d KV blocks x %d tokens, %d image blocks x %d slots",
             instance_id, self.role, self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
@@ -158,17 +161,20 @@ class EngineCore:
             if not 0 <= image.offset <= image.offset + image.length <= req.num_prompt_tokens:
                 raise ValueError(f"image placeholder range {image.offset}+{image.length} is outside the prompt")
         self.scheduler.add(Request(req))
+        self._stalled = False
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
             self.scheduler.abort(req_id)
+        self._stalled = False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
     def has_work(self) -> bool:
-        """Whether step() can advance anything (offered requests only wait for a target)."""
-        return self.scheduler.has_work()
+        """Whether step() can advance anything: not when only offered requests remain (they
+        wait for a target), nor after a step that found nothing runnable and nothing changed."""
+        return bool(self._inflight) or (self.scheduler.has_work() and not self._stalled)
 
     # -- migration ----------------------------------------------------------------------------
     def pools(self) -> dict[str, torch.Tensor | None]:
@@ -183,11 +189,13 @@ class EngineCore:
         if offer.source not in self.peers:
             raise ValueError(f"instance {offer.source} is not attached as a peer")
         self.scheduler.add(Request.from_offer(offer))
+        self._stalled = False
 
     def release(self, req_ids: Iterable[str]) -> None:
         """Targets have copied these requests' blocks: free them here."""
         for req_id in req_ids:
             self.scheduler.release(req_id)
+        self._stalled = False
 
     def take_offers(self) -> list[MigrationOffer]:
         offers = []
@@ -247,6 +255,8 @@ class EngineCore:
         for pull in out.pulls:
             self._inflight.append((self._copier.submit(self._copy, pull), pull))
         if not out.encodes and not out.chunks:
+            if not self._inflight:
+                self._stalled = True
             self._collect_pulls(block=True)
             return []
         vision = (lambda: self.runner.encode(out.encodes)) if out.encodes else None

@@ -139,3 +139,28 @@ def test_abort_at_every_stage_frees_every_instance(tiny_llava_dir, conversations
     for _ in range(5):  # let in-flight copies land
         llm.engine.step()
     _assert_nothing_held(llm)
+
+
+def test_an_instance_waiting_for_a_release_does_not_spin(tiny_llava_dir, conversations):
+    """E's only image block is held by an offered request: E has nothing to run (its worker
+    sleeps on its pipe) until P pulls the blocks and E is told to release them."""
+    llm = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3", num_image_blocks=1)
+    e, p, _ = llm.engine.engines
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    for req_id in ("a", "b"):
+        prompt = llm.processor.process_chat(conversations[0])
+        llm.engine.add_request(llm.processor.make_engine_request(req_id, prompt, params))
+    e.step()  # encodes "a" and offers it; "b" waits for the image block
+    offers = e.take_offers()
+    assert [o.req_id for o in offers] == ["a"] and e.has_work()
+    assert e.step() == [] and not e.has_work()  # stalled: nothing changes until a release
+    p.add_migration(offers[0])
+    for _ in range(100):
+        p.step()
+        if (pulled := p.take_pulled()):
+            break
+    assert pulled == [("a", e.instance_id)]
+    e.release(["a"])
+    assert e.has_work()
+    e.step()
+    assert [o.req_id for o in e.take_offers()] == ["b"]
