@@ -81,10 +81,15 @@ class SLOConfig:
     ttft: float = 2.0
     tbt: float = 0.2
     alpha: float = 0.5
+    # KV context of the decodes in the batches that budgets are measured with, on instances
+    # that decode; None: a quarter of the model's context length.
+    decode_context_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.ttft <= 0 or self.tbt <= 0:
             raise ConfigError("slo.ttft and slo.tbt must be > 0 seconds")
+        if self.decode_context_len is not None and self.decode_context_len < 0:
+            raise ConfigError(f"slo.decode_context_len must be >= 0, got {self.decode_context_len}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"slo.alpha must be in (0, 1], got {self.alpha}")
 

@@ -370,7 +370,7 @@ def derive_budgets(
     if not set(role) <= set(engine.role):
         raise ConfigError(f"a {engine.role} instance cannot run the stages of role {role}")
     if context_len is None:
-        context_len = engine.max_model_len // 4
+        context_len = slo.decode_context_len if slo.decode_context_len is not None else engine.max_model_len // 4
     if not 0 <= context_len < engine.max_model_len:
         raise ConfigError(f"context_len must be in [0, {engine.max_model_len}), got {context_len}")
     if "D" not in role:

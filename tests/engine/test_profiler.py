@@ -135,6 +135,10 @@ def test_decode_context_shrinks_the_token_budget(engine):
     # (50.5 - 31 * 0.128) / 0.1 = 465.3.
     assert with_context.token_budget == 465
     assert with_context.token_latency <= slo.tbt
+    # The [slo] section sets the same context for every instance.
+    from_config = derive_budgets(engine, SLOConfig(tbt=0.0505, decode_context_len=0), role="PD",
+                                 latency_fn=FakeLatency(per_context_token=1e-6))
+    assert from_config.context_len == 0 and from_config.token_budget == 505
 
 
 def test_budget_floor_is_reported_when_the_slo_cannot_be_met(engine):
