@@ -60,7 +60,7 @@ class ServerConfig:
     max_image_pixels: int = 40_000_000
     # Threads running the Request Processor (chat template, tokenizer, images).
     processor_threads: int = 2
-    router_policy: str = "least-load"
+    router_policy: str = "round-robin"
     # On SIGTERM/SIGINT: seconds granted to in-flight requests before they are aborted.
     shutdown_timeout: float = 30.0
     # Seconds to wait for every worker to load weights and allocate caches.

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Below this temperature, logits / temperature overflow float32: sample greedily, as vLLM does.
+GREEDY_BELOW = 1e-5
+# torch.Generator seeds are 64-bit.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
 
 @dataclass
 class SamplingParams:
@@ -36,11 +41,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+        ):
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
         if len(self.stop) > 16:
             raise ValueError("at most 16 stop strings are allowed")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 
 import aiohttp
 
@@ -28,7 +29,7 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 
 def chat_payload(model: str, spec: RequestSpec, image_urls: list[str]) -> bytes:
-    """The request body: greedy, exactly ``spec.output_tokens`` tokens, usage in the stream."""
+    """The request body: greedy, exactly ``spec.output_tokens`` tokens, usage and token ids in the stream."""
     if image_urls:
         content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
         content.append({"type": "text", "text": spec.prompt})
@@ -40,6 +41,8 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str]) -> bytes:
         "max_tokens": spec.output_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
+        # Exact token counts per chunk where the server supports it (vLLM, hydrad).
+        "return_token_ids": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -74,23 +77,72 @@ async def resolve_model(session: aiohttp.ClientSession, base_url: str, api_key: 
         raise ServerError(f"{base_url}/v1/models lists no model; pass --model") from None
 
 
-def _carries_token(chunk: dict) -> bool:
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        # Reasoning models stream part of their tokens as reasoning_content.
-        if delta.get("content") or delta.get("reasoning_content"):
-            return True
-        # Without text, a chunk still carries a token (a special token, or bytes held back until a
-        # character completes) unless it is a bare role announcement (role, no finish_reason) or
-        # a closing finish_reason (no role). A role with a finish_reason is a one-token answer.
-        if ("role" in delta) == (choice.get("finish_reason") is not None):
-            return True
-    return False
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed chunk with choices, as read: when, and what it says about its tokens."""
+
+    time: float
+    # Judged from the delta alone (see carries_token); exact counts, when present, overrule it.
+    carries_token: bool
+    # Exact counts when the server sends them: the choice's ``token_ids`` (vLLM's and hydrad's
+    # ``return_token_ids``), the chunk's cumulative ``usage.completion_tokens`` (vLLM's
+    # ``continuous_usage_stats``).
+    num_token_ids: int | None = None
+    cumulative_tokens: int | None = None
+
+
+def carries_token(choice: dict) -> bool:
+    """Whether a chunk's choice carries a generated token, judged from its delta alone."""
+    delta = choice.get("delta") or {}
+    # Reasoning models stream part of their tokens as reasoning text.
+    if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+        return True
+    has_role, finishes = bool(delta.get("role")), choice.get("finish_reason") is not None
+    if has_role:
+        # An opening role chunk with empty content is a bare announcement (vLLM, SGLang,
+        # OpenAI); a role with a finish reason is a one-token answer.
+        return finishes
+    # With a finish reason and no content at all: a closing chunk (SGLang's empty delta). Empty
+    # content, or an empty delta mid-stream: a token without text of its own (a special token,
+    # or bytes held back until a character completes).
+    return not finishes or isinstance(delta.get("content"), str)
+
+
+def _exact_counts(chunks: list[Chunk]) -> list[int] | None:
+    """Tokens per chunk from ``token_ids`` or per-chunk usage, if every judged token chunk has them."""
+    judged = [c for c in chunks if c.carries_token]
+    if not judged:
+        return None
+    if all(c.num_token_ids is not None for c in judged):
+        return [c.num_token_ids or 0 for c in chunks]
+    if all(c.cumulative_tokens is not None for c in judged):
+        counts, previous = [], 0
+        for c in chunks:
+            counts.append(0 if c.cumulative_tokens is None else c.cumulative_tokens - previous)
+            previous = c.cumulative_tokens if c.cumulative_tokens is not None else previous
+        return counts
+    return None
+
+
+def token_chunks(chunks: list[Chunk], completion_tokens: int | None) -> tuple[list[float], list[int | None]]:
+    """Arrival times and token counts (None: unknown) of the chunks that carried generated tokens.
+
+    Exact counts decide on their own: a role chunk with ``token_ids`` carries the first token
+    (hydrad sends the role with it), one without carries none (vLLM sends it first). Otherwise
+    the chunks judged by their deltas carry the tokens; a stream whose tokens all lacked text
+    is timed by its role and closing chunks.
+    """
+    counts = _exact_counts(chunks)
+    if counts is not None:
+        return [c.time for c, k in zip(chunks, counts) if k > 0], [k for k in counts if k > 0]
+    judged = [c for c in chunks if c.carries_token]
+    if not judged and completion_tokens:
+        judged = chunks
+    return [c.time for c in judged], [None] * len(judged)
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
-    completed = 0
-    choice_times: list[float] = []
+    chunks: list[Chunk] = []
     async for raw in resp.content:
         now = time.perf_counter()
         line = raw.strip()
@@ -99,26 +151,20 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> No
         data = line[len(b"data:"):].strip()
         if data == b"[DONE]":
             break
-        chunk = json.loads(data)
-        if chunk.get("error"):
-            error = chunk["error"]
+        body = json.loads(data)
+        if body.get("error"):
+            error = body["error"]
             record.error = _short(error.get("message", str(error)) if isinstance(error, dict) else str(error))
-            return
-        usage = chunk.get("usage") or {}
-        cumulative = usage.get("completion_tokens")
-        if chunk.get("choices"):
-            choice_times.append(now)
-        if _carries_token(chunk):
-            record.chunk_times.append(now)
-            record.chunk_tokens.append(cumulative - completed if cumulative is not None else None)
+            break
+        cumulative = (body.get("usage") or {}).get("completion_tokens")
+        if body.get("choices"):
+            choice = body["choices"][0]
+            token_ids = choice.get("token_ids")
+            num_token_ids = len(token_ids) if isinstance(token_ids, list) else None
+            chunks.append(Chunk(now, carries_token(choice), num_token_ids, cumulative))
         if cumulative is not None:
-            completed = cumulative
             record.completion_tokens = cumulative
-    if not record.chunk_times and record.completion_tokens:
-        # Tokens were generated but none had text, and the server sent only the role and
-        # closing chunks for them: those chunks are the only timing there is.
-        record.chunk_times = choice_times
-        record.chunk_tokens = [None] * len(choice_times)
+    record.chunk_times, record.chunk_tokens = token_chunks(chunks, record.completion_tokens)
 
 
 async def stream_chat(

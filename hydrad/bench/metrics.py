@@ -9,15 +9,16 @@ Spreading a chunk's gap over its tokens: a chunk that carries k tokens and arriv
 g seconds after the previous one contributes k gaps of g/k. The token counts come,
 in order of preference, from
 
-1. per-chunk usage (cumulative ``completion_tokens`` in every chunk, as vLLM's
+1. per-chunk ``token_ids`` (``return_token_ids``, which vLLM and hydrad honour) or
+   per-chunk usage (cumulative ``completion_tokens`` in every chunk, as vLLM's
    ``continuous_usage_stats`` sends it): exact counts;
 2. the final usage chunk, when it reports more tokens (C) than there were token
    chunks (M): the first chunk holds one token, as a prefill emits one, and the
    other C-1 tokens are spread as evenly as integers allow over the other M-1 chunks;
 3. otherwise one token per chunk.
 
-A token chunk is one that carries text or an empty mid-stream delta (see
-``client._carries_token``); the role announcement is not one.
+Which chunks carry tokens is decided by ``client.token_chunks``: a bare role
+announcement and a closing chunk without content are not token chunks.
 
 Tokens that arrive together with the first one add gaps of zero, since they were
 observed at the same instant.
@@ -39,9 +40,9 @@ class StreamRecord:
 
     start: float
     end: float = 0.0
-    # Arrival time of every chunk that carried a generated token (the role chunk carries none).
+    # Arrival time of every chunk that carried a generated token.
     chunk_times: list[float] = field(default_factory=list)
-    # Tokens per token chunk from per-chunk usage; None where the server gave none.
+    # Tokens per token chunk from token ids or per-chunk usage; None where the server gave neither.
     chunk_tokens: list[int | None] = field(default_factory=list)
     # From the final usage chunk.
     completion_tokens: int | None = None

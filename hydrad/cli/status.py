@@ -14,19 +14,41 @@ import click
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes.")
 def status(url: str, admin_token: str | None, watch: bool, interval: float) -> None:
     """Show each instance (device, role, state, load, caches, tokens/s) and request latency."""
-    import time
-
     from rich.console import Console
-    from rich.live import Live
 
     out = Console()
     if not watch:
         out.print(render(fetch_status(url, admin_token)))
         return
-    with Live(render(fetch_status(url, admin_token)), console=out, auto_refresh=False) as live:
+    watch_status(lambda: fetch_status(url, admin_token), out, interval)
+
+
+def watch_status(fetch, out, interval: float, sleep=None) -> None:
+    """Redraw every ``interval`` seconds until interrupted: in place on a terminal, one
+    snapshot after another elsewhere (a pipe or a log file, where a live display would
+    print nothing before it ends). A daemon that stops answering (restarting) is shown
+    as such until it answers again."""
+    import time
+
+    from rich.live import Live
+
+    from hydrad.errors import HydradError
+
+    def snapshot():
+        try:
+            return render(fetch())
+        except HydradError as e:
+            return f"[red]{time.strftime('%H:%M:%S')} {e}[/]"
+
+    sleep = sleep or time.sleep
+    if not out.is_terminal:
         while True:
-            time.sleep(interval)
-            live.update(render(fetch_status(url, admin_token)), refresh=True)
+            out.print(snapshot())
+            sleep(interval)
+    with Live(snapshot(), console=out, auto_refresh=False) as live:
+        while True:
+            sleep(interval)
+            live.update(snapshot(), refresh=True)
 
 
 def fetch_status(url: str, admin_token: str | None) -> dict:

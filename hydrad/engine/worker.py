@@ -9,8 +9,8 @@ daemon never leaves workers behind.
 from __future__ import annotations
 
 import logging
-import pickle
 import os
+import pickle
 import signal
 import time
 import traceback

@@ -12,6 +12,7 @@ tokenizers and transformers load when a build starts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -333,7 +334,9 @@ def _publish(tmp_dir: Path, out_dir: Path, overwrite: bool) -> None:
         # Renaming onto an empty directory succeeds; onto a non-empty one it fails.
         os.replace(tmp_dir, out_dir)
         return
-    except OSError:
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+            raise CheckpointError(f"cannot move the built model into {out_dir}: {e.strerror}") from None
         if not overwrite:
             raise CheckpointError(f"{out_dir} was created by another process while building") from None
     # Move the old folder aside first so out_dir is never missing a file it claims to have.

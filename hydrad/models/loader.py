@@ -34,7 +34,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, ...]] = {
 # On-disk name -> canonical name; the first matching pattern wins, None drops the tensor.
 # Covers the llava-hf hub checkpoints (language_model.model.*, vision_tower.vision_model.*),
 # transformers 5 save_pretrained (language_model.model.*, vision_tower.*) and transformers'
-# in-memory module names (model.language_model.*, lm_head.*).
+# in-memory module names (model.language_model.*, lm_head.*; transformers 4 nests the tower's
+# weights one level deeper, model.vision_tower.vision_model.*).
 NAME_RULES: tuple[tuple[re.Pattern[str], str | None], ...] = tuple(
     (re.compile(pattern), replacement)
     for pattern, replacement in (
@@ -42,6 +43,7 @@ NAME_RULES: tuple[tuple[re.Pattern[str], str | None], ...] = tuple(
         (r"\.rotary_emb\.inv_freq$", None),
         (r"\.embeddings\.position_ids$", None),
         (r"^model\.language_model\.", "language_model."),
+        (r"^model\.vision_tower\.vision_model\.", "vision_tower."),
         (r"^model\.vision_tower\.", "vision_tower."),
         (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
         (r"^lm_head\.", "lm_head."),
@@ -165,6 +167,8 @@ def _read_index(index_file: Path) -> dict[Path, list[str]]:
         weight_map = json.loads(index_file.read_text())["weight_map"]
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index_file}: not a safetensors index ({type(e).__name__}: {e})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise CheckpointError(f"{index_file}: not a safetensors index (weight_map is not a name -> file map)")
     names_by_file: dict[Path, list[str]] = {}
     for name, shard in weight_map.items():
         names_by_file.setdefault(index_file.parent / shard, []).append(name)

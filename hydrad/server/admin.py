@@ -43,7 +43,9 @@ async def instance_stats(clients: list[WorkerClient], timeout: float = 2.0) -> l
 
 
 def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *, model: str,
-                max_model_len: int, started: float, window: dict) -> dict:
+                max_model_len: int, started: float, num_requests: int, window: dict) -> dict:
+    """``num_requests``: requests in flight; an instance's ``num_inflight`` also counts
+    those migrating to or from it, so the per-instance numbers may add up to more."""
     instances = []
     for client, s in zip(clients, stats):
         instances.append({
@@ -68,5 +70,5 @@ def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *,
         "max_model_len": max_model_len,
         "uptime_seconds": time.monotonic() - started,
         "instances": instances,
-        "requests": {"num_inflight": sum(c.num_inflight for c in clients), **window},
+        "requests": {"num_inflight": num_requests, **window},
     }

@@ -187,17 +187,17 @@ async def metrics(request: web.Request) -> web.Response:
     clients = request.app[SUPERVISOR].clients
     registry = request.app[METRICS]
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
-        registry.set_instance(client.instance_id, client.device, client.role, stats)
+        registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats)
     return web.Response(body=generate_latest(registry.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def admin_status(request: web.Request) -> web.Response:
     check_admin_access(request, request.app[CONFIG].server.admin_token)
-    clients = request.app[SUPERVISOR].clients
+    supervisor = request.app[SUPERVISOR]
     engine = request.app[ENGINE]
-    body = status_body(clients, await instance_stats(clients), model=engine.model_name,
+    body = status_body(supervisor.clients, await instance_stats(supervisor.clients), model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
-                       window=request.app[METRICS].window.summary())
+                       num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
     return web.json_response(body)
 
 

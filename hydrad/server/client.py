@@ -1,7 +1,12 @@
 """The daemon's end of one worker pipe.
 
-Reading never blocks the event loop: the pipe's file descriptor is registered
-with ``loop.add_reader`` and drained whenever it is readable. Each request gets
+Neither direction blocks the event loop: the pipe's file descriptor is
+registered with ``loop.add_reader`` and drained whenever it is readable, and
+messages to the worker are framed as ``Connection.send`` frames them but written
+without blocking, the rest queued until the socket takes it. A worker in a long
+step reads nothing; a burst of requests must then wait in the daemon's buffer,
+not stall every other stream (or deadlock against a worker blocked on sending
+its own output). Each request gets
 an ``asyncio.Queue`` (in the daemon-wide ``RequestTable``) that receives its
 ``RequestDelta``s from whichever instance runs its current stage, or an
 exception when a worker refuses the request or dies.
@@ -12,9 +17,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
+import socket
+import struct
 import time
 from collections import deque
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from hydrad.engine.inputs import EngineRequest, EngineStats
@@ -54,6 +63,11 @@ class WorkerClient:
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._seq = itertools.count()
         self._token_times: deque[tuple[float, int]] = deque()
+        # A second handle on the pipe's socket, for MSG_DONTWAIT writes: making the
+        # descriptor itself non-blocking would break Connection.recv on the read side.
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._outbox = bytearray()
+        self._writing = False
         self._loop.add_reader(conn.fileno(), self._on_readable)
 
     # -- load, for the router --------------------------------------------------------------
@@ -110,13 +124,37 @@ class WorkerClient:
         if not self.conn.closed:
             self._loop.remove_reader(self.conn.fileno())
             self.conn.close()
+        if self._sock.fileno() != -1:
+            self._loop.remove_writer(self._sock.fileno())
+            self._sock.close()
+        self._outbox.clear()
+        self._writing = False
 
     def _send(self, msg) -> None:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.instance_id} is down")
+        self._outbox += _frame(ForkingPickler.dumps(msg))
+        if not self._writing:
+            self._flush()
+        if not self.alive:  # broken pipe: the worker is gone
+            raise WorkerLost(f"worker {self.instance_id} is down")
+
+    def _flush(self) -> None:
+        """Write what the socket takes now; the writer callback does the rest."""
         try:
-            self.conn.send(msg)
-        except OSError as e:  # broken pipe: the worker is gone
+            while self._outbox:
+                del self._outbox[: self._sock.send(self._outbox, socket.MSG_DONTWAIT)]
+        except BlockingIOError:
+            if not self._writing:
+                self._loop.add_writer(self._sock.fileno(), self._flush)
+                self._writing = True
+            return
+        except OSError as e:
             self._lost(f"pipe closed ({e})")
-            raise WorkerLost(f"worker {self.instance_id} is down") from None
+            return
+        if self._writing:
+            self._loop.remove_writer(self._sock.fileno())
+            self._writing = False
 
     # -- worker -> daemon ------------------------------------------------------------------
     def _on_readable(self) -> None:
@@ -173,3 +211,10 @@ class WorkerClient:
     def _trim_token_times(self, since: float) -> None:
         while self._token_times and self._token_times[0][0] < since:
             self._token_times.popleft()
+
+
+def _frame(payload: bytes) -> bytes:
+    """``payload`` with the length header ``multiprocessing.Connection.recv`` expects."""
+    if len(payload) > 0x7FFFFFFF:
+        return struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
+    return struct.pack("!i", len(payload)) + payload

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
-from hydrad.server.app import ENGINE, make_app
+from hydrad.server.app import ENGINE, SUPERVISOR, make_app
 from hydrad.server.notify import sd_notify
 from hydrad.server.supervisor import InstanceSpec
 
@@ -52,7 +52,7 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
     logger.info("serving %s on %s", app[ENGINE].model_name, urls)
     sd_notify("READY=1\nSTATUS=serving")
     await stop_requested
-    inflight = app[ENGINE].num_inflight
+    inflight = len(app[SUPERVISOR].table)
     logger.info("shutting down: %d request(s) in flight, waiting up to %.0f s", inflight, server.shutdown_timeout)
     sd_notify(f"STOPPING=1\nSTATUS=draining {inflight} request(s)")
     await runner.cleanup()

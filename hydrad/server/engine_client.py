@@ -64,10 +64,6 @@ class EngineClient:
         self.http_session = http_session
         self.model_name = processor.model_name
 
-    @property
-    def num_inflight(self) -> int:
-        return sum(i.num_inflight for i in self.router.instances)
-
     async def prepare_chat(self, req_id: str, chat: ChatRequest) -> EngineRequest:
         messages = chat.messages
         if self.http_session is not None:

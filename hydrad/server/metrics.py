@@ -74,9 +74,11 @@ class Metrics:
             elif stage in STAGES and kind == "exec":
                 self.exec_time.labels(self._model, stage).observe(seconds)
 
-    def set_instance(self, instance_id: int, device: str, role: str, stats: EngineStats | None) -> None:
+    def set_instance(self, instance_id: int, device: str, role: str, alive: bool,
+                     stats: EngineStats | None) -> None:
+        """``stats`` None: the worker did not answer in time (down, or busy in a long step)."""
         labels = (self._model, str(instance_id), device, role)
-        self.up.labels(*labels).set(stats is not None)
+        self.up.labels(*labels).set(alive)
         if stats is None:
             return
         self.running.labels(*labels).set(stats.num_running)

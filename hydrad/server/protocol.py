@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hydrad.errors import RequestError
-from hydrad.sampling_params import SamplingParams
+from hydrad.sampling_params import SEED_RANGE, SamplingParams
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
@@ -129,13 +129,17 @@ def _common(body: dict, max_param: str) -> dict:
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop must be a string or an array of strings", "stop")
+    temperature = _get(body, "temperature", float, 1.0)
+    seed = _get(body, "seed", int, None)
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise RequestError(f"seed must be a 64-bit signed integer, got {seed}", "seed")
     options = SamplingOptions(
         max_tokens=_get(body, max_param, int, None),
         max_tokens_param=max_param,
-        temperature=_get(body, "temperature", float, 1.0),
+        temperature=temperature,
         top_p=_get(body, "top_p", float, 1.0),
         top_k=_get(body, "top_k", int, 0),
-        seed=_get(body, "seed", int, None),
+        seed=seed,
         stop=stop or [],
         ignore_eos=_get(body, "ignore_eos", bool, False),
     )

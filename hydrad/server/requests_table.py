@@ -34,6 +34,10 @@ class RequestTable:
         self.holders: dict[str, set[WorkerClient]] = {}
         self.router: Router | None = None
 
+    def __len__(self) -> int:
+        """Requests in flight (one migrating between instances counts once)."""
+        return len(self.queues)
+
     def held_by(self, client: WorkerClient) -> int:
         return sum(1 for holders in self.holders.values() if client in holders)
 

@@ -86,24 +86,30 @@ async def respond_stream(
     response = await open_event_stream(request)
     last = None
     try:
-        async for out in outputs:
-            # Chunks with nothing to show are skipped, except the first (role) and the last.
-            if last is not None and not out.text and out.finish_reason is None and not fmt.return_token_ids:
+        try:
+            async for out in outputs:
+                # Chunks with nothing to show are skipped, except the first (role) and the last.
+                if last is not None and not out.text and out.finish_reason is None and not fmt.return_token_ids:
+                    last = out
+                    continue
+                chunk = fmt.chunk(out, first=last is None)
+                if req.include_usage:
+                    chunk["usage"] = None
                 last = out
-                continue
-            chunk = fmt.chunk(out, first=last is None)
-            if req.include_usage:
-                chunk["usage"] = None
-            last = out
-            await send_event(response, chunk)
+                await send_event(response, chunk)
+        except ConnectionError:
+            raise
+        except Exception as e:  # the status line has gone out: report in the stream
+            status = exception_status(e)
+            if status >= 500:
+                logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
+            await send_event(response, error_body(status, e))
+        if req.include_usage:
+            await send_event(response, fmt.usage_chunk(usage_of(last)))
+        await send_done(response)
     except ConnectionError:
-        raise
-    except Exception as e:  # the status line has gone out: report in the stream
-        status = exception_status(e)
-        if status >= 500:
-            logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
-        await send_event(response, error_body(status, e))
-    if req.include_usage:
-        await send_event(response, fmt.usage_chunk(usage_of(last)))
-    await send_done(response)
+        # The client went away between two chunks. Raising would make aiohttp log a
+        # traceback and try to send a 500 on a dead connection; the caller's
+        # ``generate`` context aborts the request either way.
+        logger.debug("request %s: client disconnected mid-stream", fmt.req_id)
     return response

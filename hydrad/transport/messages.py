@@ -2,9 +2,10 @@
 
 Messages are small records of ids and diffs. A request travels to a worker once,
 in ``AddRequest`` (its pixel tensors in shared memory, so only handles are
-pickled); afterwards only ids (``Abort``) and per-step token diffs
-(``StepOutput``) cross. The pipes are ``torch.multiprocessing`` connections, whose
-pickler carries ``share_memory_()`` tensors as shared-memory handles.
+pickled); afterwards only ids (``Abort``, ``Release``), per-step token diffs
+(``StepOutput``) and migration offers (``Migrate``: block ids, not blocks)
+cross. Messages are pickled by torch's multiprocessing pickler, which carries
+``share_memory_()`` tensors as shared-memory handles.
 """
 
 from __future__ import annotations
@@ -124,5 +125,5 @@ class WorkerFailed:
     traceback: str = ""
 
 
-DaemonToWorker = AddRequest | Abort | GetStats | Shutdown
+DaemonToWorker = AddRequest | Abort | GetStats | Shutdown | AttachPeers | Migrate | Release
 WorkerToDaemon = WorkerReady | StepOutput | StatsReply | RequestRejected | WorkerFailed

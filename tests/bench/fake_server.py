@@ -9,13 +9,19 @@ timers. Each request's behaviour is read from ``key=value`` words in its prompt:
   gapK=S        the gap between tokens K-1 and K (numbered from 0) is S instead of tbt
   chunk=N       tokens after the first are sent N per chunk
   empty=K,...   the chunks of tokens K (numbered from 0, K >= 1) carry no text: ``delta: {}``
+                (with style=hydrad: ``"content": ""``, and K may be 0)
   silent=1      every token lacks text and only the role and closing chunks are sent
   usage=chunk   every chunk carries cumulative usage (vLLM's continuous_usage_stats)
+  token_ids=1   honour ``return_token_ids``: every token chunk lists its tokens' ids
+  style=hydrad  hydrad's stream shape: the role goes out with the first token, every
+                token chunk carries "content", the last one the finish_reason
   fail=CODE     answer with HTTP CODE instead of a stream
   knee=R        when the arrival rate over the last 4 requests exceeds R req/s,
                 the first token takes slow_ttft seconds instead (default 0.3)
 
-The role chunk is sent as soon as the request arrives, before any token.
+By default (vLLM's and SGLang's shape) a role chunk with empty content is sent as
+soon as the request arrives, before any token, and an empty delta with the finish
+reason closes the stream.
 ``GET /fake/requests`` returns what the requests since the last call asked for
 (each image as its data-URL header and length).
 """
@@ -40,9 +46,12 @@ def _directives(body: dict) -> dict[str, str]:
     return dict(word.split("=", 1) for word in content.split() if "=" in word)
 
 
-def _chunk(delta: dict, usage: dict | None = None) -> bytes:
-    obj = {"id": "cmpl-fake", "object": "chat.completion.chunk", "model": "fake-model",
-           "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+def _chunk(delta: dict, usage: dict | None = None, finish_reason: str | None = None,
+           token_ids: list[int] | None = None) -> bytes:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    obj = {"id": "cmpl-fake", "object": "chat.completion.chunk", "model": "fake-model", "choices": [choice]}
     if usage is not None:
         obj["usage"] = usage
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
@@ -94,9 +103,14 @@ async def chat(request: web.Request) -> web.StreamResponse:
     chunk_usage = d.get("usage") == "chunk"
     num_tokens = body["max_tokens"]
 
+    hydrad_style = d.get("style") == "hydrad"
+    send_ids = d.get("token_ids") == "1" and body.get("return_token_ids")
+
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(_chunk({"role": "assistant", "content": ""}))
+    if not hydrad_style:
+        await resp.write(_chunk({"role": "assistant", "content": ""}, {"prompt_tokens": 1, "completion_tokens": 0}
+                                if chunk_usage else None))
 
     # Absolute deadlines, so sleep overshoot never accumulates into later gaps.
     due = [arrived + ttft]
@@ -110,15 +124,20 @@ async def chat(request: web.Request) -> web.StreamResponse:
     for group in groups:
         await asyncio.sleep(max(0.0, due[group[-1]] - time.perf_counter()))
         usage = {"prompt_tokens": 1, "completion_tokens": group[-1] + 1} if chunk_usage else None
-        await resp.write(_chunk({} if group[0] in empty else {"content": " tok" * len(group)}, usage))
+        text = "" if group[0] in empty else " tok" * len(group)
+        ids = [7] * len(group) if send_ids else None
+        if not hydrad_style:
+            await resp.write(_chunk({"content": text} if text else {}, usage, token_ids=ids))
+            continue
+        delta = {"role": "assistant", "content": text} if group[0] == 0 else {"content": text}
+        await resp.write(_chunk(delta, usage, "length" if group[-1] == num_tokens - 1 else None, ids))
+    if not hydrad_style:
+        # Like SGLang, close with an empty delta carrying the finish reason.
+        await resp.write(_chunk({}, finish_reason="length"))
     if body.get("stream_options", {}).get("include_usage"):
         final = {"id": "cmpl-fake", "object": "chat.completion.chunk", "choices": [],
                  "usage": {"prompt_tokens": 1, "completion_tokens": num_tokens, "total_tokens": num_tokens + 1}}
         await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
-    # Like SGLang, close with an empty delta carrying the finish reason.
-    closing = json.loads(_chunk({})[len(b"data: "):])
-    closing["choices"][0]["finish_reason"] = "length"
-    await resp.write(b"data: " + json.dumps(closing).encode() + b"\n\n")
     await resp.write(b"data: [DONE]\n\n")
     return resp
 

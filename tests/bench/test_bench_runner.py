@@ -24,10 +24,10 @@ def test_latency_percentiles_match_the_servers_delays(make_config, write_jsonl):
     assert all(len(r.tbts) == NUM_TOKENS - 1 and r.output_tokens == NUM_TOKENS for r in result.headline.results)
 
 
-@pytest.mark.parametrize("usage", ["final", "chunk"])
-def test_batched_chunks_are_spread_over_their_tokens(make_config, write_jsonl, usage):
+@pytest.mark.parametrize("counts", ["usage=final", "usage=chunk", "token_ids=1"])
+def test_batched_chunks_are_spread_over_their_tokens(make_config, write_jsonl, counts):
     # 13 tokens: the first alone, then 4 chunks of 3, one chunk every 3 * 0.1 s.
-    path = write_jsonl([{"prompt": f"ttft=0.05 tbt=0.1 chunk=3 usage={usage}", "output_tokens": 13}])
+    path = write_jsonl([{"prompt": f"ttft=0.05 tbt=0.1 chunk=3 {counts}", "output_tokens": 13}])
     result = run_bench(make_config(workload=str(path), num_requests=3))
     for r in result.headline.results:
         assert r.output_tokens == 13 and len(r.tbts) == 12
@@ -50,6 +50,32 @@ def test_stream_of_textless_tokens_is_timed_by_its_role_and_closing_chunks(make_
     (r,) = result.headline.results
     assert r.error is None and r.output_tokens == 5 and len(r.tbts) == 4
     assert sum(r.tbts) == pytest.approx(r.e2e, abs=0.02)  # the role chunk arrives at once
+
+
+def test_hydrad_role_chunk_carries_the_first_token(make_config, write_jsonl):
+    # hydrad sends the role with the first token; here that token has no text of its own, so
+    # only its token ids tell the chunk from a bare role announcement.
+    path = write_jsonl([{"prompt": "style=hydrad token_ids=1 ttft=0.3 tbt=0.1 empty=0", "output_tokens": 4}])
+    (r,) = run_bench(make_config(workload=str(path), num_requests=1)).headline.results
+    assert r.error is None and r.output_tokens == 4
+    assert r.ttft == pytest.approx(0.3, abs=0.05)
+    assert r.tbts == pytest.approx([0.1] * 3, abs=0.03)
+
+
+def test_hydrad_last_chunk_without_text_times_the_last_token(make_config, write_jsonl):
+    path = write_jsonl([{"prompt": "style=hydrad ttft=0.05 tbt=0.05 gap4=0.3 empty=4", "output_tokens": 5}])
+    (r,) = run_bench(make_config(workload=str(path), num_requests=1)).headline.results
+    assert r.error is None and r.output_tokens == 5
+    assert r.tbts == pytest.approx([0.05, 0.05, 0.05, 0.3], abs=0.03)
+
+
+@pytest.mark.parametrize("counts", ["", "usage=chunk", "token_ids=1"])
+def test_role_chunk_before_any_token_is_not_the_first_token(make_config, write_jsonl, counts):
+    # vLLM's shape: a role chunk with empty content at once, then one chunk per token.
+    path = write_jsonl([{"prompt": f"ttft=0.3 tbt=0.1 empty=1 {counts}", "output_tokens": 3}])
+    (r,) = run_bench(make_config(workload=str(path), num_requests=1)).headline.results
+    assert r.error is None and r.ttft == pytest.approx(0.3, abs=0.05) and r.output_tokens == 3
+    assert r.tbts == pytest.approx([0.1, 0.1], abs=0.03)
 
 
 def test_attainment_is_exact_on_a_crafted_mix(make_config, write_jsonl):
@@ -81,6 +107,7 @@ def test_requests_ask_for_exact_greedy_streams(make_config, fake_requests):
     for body in sent:
         assert body["model"] == "fake-model" and body["stream"] is True and body["ignore_eos"] is True
         assert body["temperature"] == 0 and body["stream_options"] == {"include_usage": True}
+        assert body["return_token_ids"] is True
         assert body["authorization"] == "Bearer sk-test"
         assert body["image_headers"] == ["data:image/jpeg;base64"] and body["image_bytes"][0] > 50_000
         assert 10 <= body["max_tokens"] <= 30

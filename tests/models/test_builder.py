@@ -231,3 +231,14 @@ def test_resolve_model_path(tmp_path, tiny_llava_dir):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="is not a folder"):
         resolve_model_path(str(tmp_path / "file"))
+
+
+def test_failed_publish_names_its_cause_and_leaves_nothing(tmp_path, monkeypatch):
+    def refuse(src, dst):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    out = tmp_path / "model"
+    with pytest.raises(CheckpointError, match=re.escape(f"cannot move the built model into {out}: Permission denied")):
+        build_model(out, "llava", "tiny", progress=False)
+    assert list(tmp_path.iterdir()) == []

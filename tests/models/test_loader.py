@@ -216,3 +216,19 @@ def test_canonical_name_drops_recomputed_buffers():
     assert canonical_name("vision_tower.vision_model.embeddings.position_ids") is None
     assert canonical_name("vision_tower.vision_model.embeddings.position_embedding.weight") == (
         "vision_tower.embeddings.position_embedding.weight")
+
+
+def test_canonical_name_of_transformers_4_module_names():
+    # transformers 4 held the CLIP tower under vision_model; transformers 5 flattens it.
+    assert canonical_name("model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") == (
+        "vision_tower.encoder.layers.0.mlp.fc1.weight")
+    assert canonical_name("model.vision_tower.post_layernorm.bias") == "vision_tower.post_layernorm.bias"
+
+
+@pytest.mark.parametrize("weight_map", [["model-00001-of-00001.safetensors"], {"lm_head.weight": 3}])
+def test_malformed_index_is_one_line_naming_it(tmp_path, tiny_llava_dir, weight_map):
+    path = copy_without_weights(tiny_llava_dir, tmp_path / "ckpt")
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a safetensors index") as e:
+        _load(path)
+    assert "\n" not in str(e.value)

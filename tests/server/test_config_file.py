@@ -24,6 +24,30 @@ def test_shipped_file_is_valid_and_matches_the_defaults():
     assert config.engine.scheduler == DaemonConfig().engine.scheduler
 
 
+def test_shipped_file_documents_every_key():
+    """Each dataclass field appears in etc/hydrad.toml, set or commented out, in its table."""
+    import dataclasses
+    import re
+
+    from hydrad.config_file import _SECTIONS
+
+    text = (REPO / "etc" / "hydrad.toml").read_text()
+    tables = {"": ""}
+    current = ""
+    for line in text.splitlines():
+        if m := re.fullmatch(r"\[([\w.]+)\]", line.strip()):
+            current = m.group(1)
+            tables[current] = ""
+        tables[current] += line + "\n"
+    sections = {**_SECTIONS, "server.remote_images": RemoteImageConfig}
+    for name, cls in sections.items():
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or f.name == "remote_images":
+                continue
+            assert re.search(rf"^#? ?{f.name} = ", tables[name], re.M), f"{name}.{f.name} is not documented"
+    assert re.search(r"^seed = ", tables[""], re.M)
+
+
 def test_file_values_and_flag_overrides(tmp_path):
     path = write(tmp_path, """
 seed = 3

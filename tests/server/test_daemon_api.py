@@ -300,6 +300,7 @@ BAD = {
     "temperature_negative": (400, "temperature", {"temperature": -0.1}, {}),
     "top_p_zero": (400, "top_p", {"top_p": 0}, {}),
     "top_p_high": (400, "top_p", {"top_p": 1.01}, {}),
+    "seed_beyond_64_bits": (400, "seed", {"seed": 2**64, "temperature": 1.0}, {}),
     "unknown_model": (404, "model", {"model": "no-such-model"}, {}),
     "missing_api_key": (401, None, {}, {"Authorization": None}),
     "wrong_api_key": (401, None, {}, {"Authorization": "Bearer nope"}),

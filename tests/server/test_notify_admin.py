@@ -17,8 +17,10 @@ def test_sd_notify_sends_a_datagram(tmp_path, monkeypatch):
         assert server.recv(100) == b"READY=1"
 
 
-def test_sd_notify_without_systemd(monkeypatch):
+def test_sd_notify_without_systemd(monkeypatch, tmp_path):
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
+    assert not sd_notify("READY=1")
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))  # a stale socket path
     assert not sd_notify("READY=1")
 
 

@@ -40,6 +40,8 @@ def test_default_max_tokens_fills_the_context():
     ({"messages": MESSAGES, "n": 2}, "n"),
     ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
     ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": MESSAGES, "seed": 2**64}, "seed"),
+    ({"messages": MESSAGES, "seed": -(2**63) - 1}, "seed"),
 ])
 def test_chat_request_errors(body, param):
     with pytest.raises(RequestError) as info:
@@ -59,6 +61,22 @@ def test_sampling_range_errors(fields, param):
     with pytest.raises(RequestError) as info:
         options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
     assert info.value.param == param
+
+
+def test_values_that_would_fail_inside_the_worker_step():
+    """A worker's step raising kills the worker and every request on it: such values
+    must be refused (or made safe) at the door."""
+    import torch
+
+    from hydrad.engine.sampler import Sampler
+
+    sampler, logits = Sampler(), torch.randn(1, 50) * 20
+    for fields in ({"temperature": 1e-300, "seed": 2**63 - 1}, {"temperature": 5e-324, "seed": -(2**63)}):
+        params = chat(**fields).options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+        assert params.greedy
+        sampler.generator_for(params)
+        assert sampler.sample(logits, [params], [None]) == [int(logits.argmax())]
+    assert chat(temperature=0.5).options.temperature == 0.5
 
 
 def test_prompt_filling_the_context_is_refused():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import threading
+import time
 
 import pytest
 
@@ -14,7 +15,7 @@ from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
 from hydrad.server.client import WorkerClient, WorkerLost
 from hydrad.server.requests_table import RequestTable
-from hydrad.transport.messages import AddRequest, GetStats, Shutdown, StatsReply, StepOutput
+from hydrad.transport.messages import Abort, AddRequest, GetStats, Shutdown, StatsReply, StepOutput
 
 
 class FakeEngine:
@@ -163,5 +164,37 @@ def test_client_streams_aborts_stats_and_rejects():
         assert not client.alive
         with pytest.raises(WorkerLost):
             client.add_request(request("late", 1))
+
+    asyncio.run(main())
+
+
+def test_sends_to_a_busy_worker_never_block_the_event_loop():
+    """A worker in a long step reads nothing; the daemon must keep serving meanwhile."""
+
+    async def main():
+        daemon_end, worker_end = mp.Pipe()
+        client = WorkerClient(0, "EPD", "cpu", daemon_end, RequestTable())
+        received = []
+
+        def busy_worker():  # reads only after a long "step"
+            time.sleep(1.5)
+            while len(received) < 9:
+                received.append(worker_end.recv())
+
+        thread = threading.Thread(target=busy_worker, daemon=True)
+        thread.start()
+        start = time.monotonic()
+        for i in range(8):  # ~8 MB, far beyond what the socket buffers
+            client.add_request(request(f"r{i}", 1, prompt=range(1, 250_000)))
+        client.abort("r0")
+        assert time.monotonic() - start < 1.0
+        for _ in range(200):  # the loop's writer callback delivers the rest, in order
+            if len(received) == 9:
+                break
+            await asyncio.sleep(0.05)
+        assert [m.request.req_id for m in received[:8]] == [f"r{i}" for i in range(8)]
+        assert received[8] == Abort(("r0",)) and len(received[1].request.prompt_token_ids) == 249_999
+        client.close()
+        worker_end.close()
 
     asyncio.run(main())

@@ -6,12 +6,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hydrad.engine.inputs import EngineRequest, EngineStats, ImageInput, RequestDelta
+from hydrad.engine.inputs import EngineRequest, EngineStats, ImageInput, MigrationOffer, RequestDelta
 from hydrad.sampling_params import SamplingParams
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
+    AttachPeers,
     GetStats,
+    Migrate,
+    Release,
     RequestRejected,
     Shutdown,
     StatsReply,
@@ -51,6 +54,13 @@ MESSAGES = [
     StatsReply(7, make_stats()),
     RequestRejected("a", "too long"),
     WorkerFailed(0, "RuntimeError: boom", "Traceback ..."),
+    AttachPeers({1: b"pickled pools"}),
+    Migrate(MigrationOffer("a", 0, "kv", [3, 4], [1, 2, 3], [9], 3, SamplingParams(max_tokens=4), [], (2,), None,
+                           {"arrival": 1.0})),
+    Release(("a",)),
+    StepOutput([RequestDelta("a", [5])], offers=[MigrationOffer("b", 1, "image", [[0, 1]], [1], [], 0,
+                                                                SamplingParams(), [ImageInput(None, 0, 1)], (2,),
+                                                                None, {})], pulled=[("c", 0)]),
 ]
 
 

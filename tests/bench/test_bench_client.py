@@ -1,0 +1,53 @@
+"""How the client tells token chunks from role announcements and closing chunks."""
+
+import pytest
+
+from hydrad.bench.client import Chunk, carries_token, token_chunks
+
+
+def choice(delta, finish_reason=None):
+    return {"index": 0, "delta": delta, "finish_reason": finish_reason}
+
+
+@pytest.mark.parametrize(
+    "delta, finish_reason, expected",
+    [
+        ({"content": " a"}, None, True),
+        ({"reasoning_content": "hm"}, None, True),
+        ({"content": ""}, None, True),  # a token without text of its own, mid-stream
+        ({}, None, True),
+        ({"content": ""}, "length", True),  # the last token, without text (vLLM, hydrad)
+        ({"role": "assistant", "content": ""}, None, False),  # a bare role announcement
+        ({"role": "assistant", "content": "Hi"}, None, True),  # hydrad: the role with the first token
+        ({"role": "assistant", "content": ""}, "length", True),  # a one-token answer
+        ({}, "length", False),  # SGLang's closing chunk
+        ({"role": None, "content": None}, "length", False),  # the same, serialized with nulls
+        ({"role": None, "content": " a"}, None, True),
+    ],
+)
+def test_carries_token_judges_the_delta(delta, finish_reason, expected):
+    assert carries_token(choice(delta, finish_reason)) is expected
+
+
+def test_token_ids_decide_whether_a_role_chunk_carries_a_token():
+    hydrad = [Chunk(0.5, False, num_token_ids=1), Chunk(0.6, True, num_token_ids=2)]
+    assert token_chunks(hydrad, 3) == ([0.5, 0.6], [1, 2])
+    vllm = [Chunk(0.1, False), Chunk(0.5, True, num_token_ids=1), Chunk(0.6, True, num_token_ids=2)]
+    assert token_chunks(vllm, 3) == ([0.5, 0.6], [1, 2])
+
+
+def test_per_chunk_usage_gives_the_tokens_each_chunk_adds():
+    chunks = [Chunk(0.1, False, cumulative_tokens=0), Chunk(0.5, True, cumulative_tokens=1),
+              Chunk(0.6, True, cumulative_tokens=1), Chunk(0.8, True, cumulative_tokens=4)]
+    assert token_chunks(chunks, 4) == ([0.5, 0.8], [1, 3])
+
+
+def test_without_exact_counts_the_deltas_decide():
+    chunks = [Chunk(0.1, False), Chunk(0.5, True), Chunk(0.6, True), Chunk(0.7, False)]
+    assert token_chunks(chunks, 5) == ([0.5, 0.6], [None, None])
+
+
+def test_textless_stream_is_timed_by_its_role_and_closing_chunks():
+    chunks = [Chunk(0.1, False), Chunk(0.7, False)]
+    assert token_chunks(chunks, 5) == ([0.1, 0.7], [None, None])
+    assert token_chunks(chunks, None) == ([], [])

@@ -1,0 +1,114 @@
+"""The daemon's request table and migration relay, with recording stand-ins for workers."""
+
+from __future__ import annotations
+
+import asyncio
+
+from hydrad.engine.inputs import MigrationOffer, RequestDelta
+from hydrad.sampling_params import SamplingParams
+from hydrad.server.client import WorkerLost
+from hydrad.server.requests_table import RequestTable
+from hydrad.server.router import Router
+from hydrad.transport.messages import Abort, Migrate, Release
+
+
+class FakeClient:
+    def __init__(self, instance_id: int, role: str, table: RequestTable):
+        self.instance_id, self.role, self.table = instance_id, role, table
+        self.alive = True
+        self.sent: list = []
+
+    @property
+    def num_inflight(self) -> int:
+        return self.table.held_by(self)
+
+    def send_quietly(self, msg) -> None:
+        if self.alive:
+            self.sent.append(msg)
+
+
+def make_table(roles=("E", "P", "D")):
+    table = RequestTable()
+    clients = [FakeClient(i, role, table) for i, role in enumerate(roles)]
+    table.router = Router(clients, "round-robin")
+    return table, clients
+
+
+def offer(req_id: str, source: int, kind: str) -> MigrationOffer:
+    return MigrationOffer(req_id, source, kind, [[0]] if kind == "image" else [0], [1, 2], [], 0,
+                          SamplingParams(), [], (2,), None, {})
+
+
+def drain(queue: asyncio.Queue) -> list:
+    items = []
+    while not queue.empty():
+        items.append(queue.get_nowait())
+    return items
+
+
+def test_migration_relay_through_every_stage():
+    async def main():
+        table, (e, p, d) = make_table()
+        queue = table.open("r", e)
+        table.on_offer(e, offer("r", 0, "image"))
+        assert p.sent == [Migrate(offer("r", 0, "image"))]
+        assert len(table) == 1 and (e.num_inflight, p.num_inflight) == (1, 1)  # counted once in all
+        table.on_pulled(p, "r", 0)
+        assert e.sent == [Release(("r",))] and e.num_inflight == 0
+        table.deliver(RequestDelta("r", [7], num_prompt_tokens=2))
+        table.on_offer(p, offer("r", 1, "kv"))
+        table.on_pulled(d, "r", 1)
+        table.deliver(RequestDelta("r", [8], "length"))
+        assert [x.new_token_ids for x in drain(queue)] == [[7], [8]]
+        assert len(table) == 0 and not table.holders and all(c.num_inflight == 0 for c in (e, p, d))
+
+    asyncio.run(main())
+
+
+def test_offer_of_an_aborted_request_is_released():
+    async def main():
+        table, (e, p, _) = make_table()
+        table.open("r", e)
+        table.abort("r")  # the client left while E was encoding
+        table.on_offer(e, offer("r", 0, "image"))  # the offer crossed the Abort in the pipe
+        assert e.sent == [Abort(("r",)), Release(("r",))] and p.sent == []
+        assert len(table) == 0 and not table.holders
+
+    asyncio.run(main())
+
+
+def test_finish_in_the_step_that_reports_the_pull_still_releases_the_source():
+    async def main():
+        table, (_, p, d) = make_table()
+        table.open("r", p)
+        table.on_offer(p, offer("r", 1, "kv"))
+        table.deliver(RequestDelta("r", [9], "stop"))  # deltas are dispatched before pulls
+        table.on_pulled(d, "r", 1)
+        assert p.sent == [Release(("r",))] and not table.holders
+
+    asyncio.run(main())
+
+
+def test_a_lost_target_fails_the_request_and_frees_the_source():
+    async def main():
+        table, (e, p, _) = make_table()
+        queue = table.open("r", e)
+        table.on_offer(e, offer("r", 0, "image"))
+        p.alive = False
+        table.lost(p, WorkerLost("worker 1 (cpu) exited"))
+        assert e.sent == [Abort(("r",))]
+        assert isinstance(drain(queue)[-1], WorkerLost) and len(table) == 0 and not table.holders
+
+    asyncio.run(main())
+
+
+def test_no_live_target_fails_the_request():
+    async def main():
+        table, (e, p, _) = make_table()
+        queue = table.open("r", e)
+        p.alive = False
+        table.on_offer(e, offer("r", 0, "image"))
+        assert e.sent == [Abort(("r",))] and len(table) == 0
+        assert "stage P" in str(drain(queue)[-1])
+
+    asyncio.run(main())

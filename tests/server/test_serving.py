@@ -1,0 +1,79 @@
+"""Streamed response bodies, on a recording stand-in for aiohttp's StreamResponse."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from hydrad.server import serving
+from hydrad.server.engine_client import Output
+from hydrad.server.protocol import parse_chat_request
+from hydrad.server.serving import ResponseFormat, respond_stream
+
+
+class RecordingResponse:
+    """Keeps the SSE payloads written; after ``fail_after`` writes the client is gone."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.events: list = []
+        self.fail_after = fail_after
+
+    async def write(self, data: bytes) -> None:
+        if self.fail_after is not None and len(self.events) >= self.fail_after:
+            raise ConnectionResetError("Cannot write to closing transport")
+        payload = data.decode().removeprefix("data: ").strip()
+        self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+
+
+class Outputs:
+    def __init__(self, outs: list[Output]):
+        self.outs = outs
+        self.num_taken = 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Output:
+        if self.num_taken == len(self.outs):
+            raise StopAsyncIteration
+        self.num_taken += 1
+        return self.outs[self.num_taken - 1]
+
+
+OUTS = [Output("Hel", [1], None, 5, 1), Output("lo", [2], None, 5, 2), Output("!", [3], "length", 5, 3)]
+
+
+def stream(response: RecordingResponse, outputs: Outputs, monkeypatch):
+    async def open_event_stream(request):
+        return response
+
+    monkeypatch.setattr(serving, "open_event_stream", open_event_stream)
+    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "stream_options": {"include_usage": True}})
+    fmt = ResponseFormat(True, "chatcmpl-1", "m", return_token_ids=False)
+    return asyncio.run(respond_stream(None, fmt, req, outputs))
+
+
+def test_chunk_shapes_usage_and_done(monkeypatch):
+    response = RecordingResponse()
+    assert stream(response, Outputs(OUTS), monkeypatch) is response
+    *chunks, usage, done = response.events
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": "Hel"},
+                                                          {"content": "lo"}, {"content": "!"}]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
+    assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3,
+                                                         "total_tokens": 8}
+    assert done == "[DONE]"
+
+
+@pytest.mark.parametrize("fail_after", [1, 3, 4])  # mid-stream, at the usage chunk, at [DONE]
+def test_client_gone_ends_the_handler_quietly(monkeypatch, fail_after):
+    """No exception escapes to aiohttp (which would log a traceback and try a 500);
+    the caller's ``generate`` context then aborts the request."""
+    response, outputs = RecordingResponse(fail_after), Outputs(OUTS)
+    assert stream(response, outputs, monkeypatch) is response
+    assert len(response.events) == fail_after
+    assert outputs.num_taken == min(fail_after + 1, len(OUTS))

@@ -1,0 +1,103 @@
+"""``hydractl status --watch`` against a stand-in daemon that answers /admin/status."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from rich.console import Console
+
+from daemon_process import HYDRACTL, REPO
+from hydrad.cli.status import watch_status
+from hydrad.errors import HydradError
+
+
+def captured_status(n: int) -> dict:
+    """What /admin/status answered on a 1E+1P+1D daemon, with minute ``n`` of uptime."""
+    instance = {"device": "cpu", "num_inflight": 0, "num_running": n, "num_waiting": 0, "kv_usage": 0.1,
+                "image_usage": 0.0, "tokens_per_second": 12.5, "pid": 100}
+    budgets = "tau_t 512 tokens (80.0 ms), tau_e 2 images (90.0 ms); within TTFT*alpha 1000.0 ms (measured)"
+    return {
+        "model": "tiny-llava", "max_model_len": 512, "uptime_seconds": 60.0 * n,
+        "instances": [{**instance, "id": i, "role": role, "state": "ready", "budgets": budgets}
+                      for i, role in enumerate(("E", "P", "D"))],
+        "requests": {"num_inflight": n, "window_seconds": 60.0, "request_rate": 0.5, "ttft_p50": 0.2,
+                     "ttft_p90": 0.4, "tbt_p50": 0.02, "tbt_p90": 0.05},
+    }
+
+
+@pytest.fixture
+def status_server():
+    served = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            served.append(self.path)
+            body = json.dumps(captured_status(len(served))).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", served
+    server.shutdown()
+    server.server_close()
+
+
+def test_watch_prints_a_snapshot_per_interval_into_a_pipe(status_server):
+    url, served = status_server
+    process = subprocess.Popen([sys.executable, *HYDRACTL, "status", "--watch", "--interval", "0.2", "--url", url],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                               env={"PYTHONPATH": str(REPO), "COLUMNS": "120", "PATH": "/usr/bin:/bin"})
+    try:
+        deadline = time.monotonic() + 60
+        while len(served) < 4 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err
+    assert served[0] == "/admin/status" and len(served) >= 4
+    # one whole snapshot per refresh (the last answer may have come in as the signal did)
+    assert len(served) - 1 <= out.count("hydrad: tiny-llava") <= len(served), out
+    for n in (1, 2, 3):
+        assert f"up {n}m00s" in out
+    assert out.count("tau_t 512 tokens") == 3 * out.count("hydrad: tiny-llava")
+
+
+def test_watch_redraws_in_place_on_a_terminal_and_survives_a_restart():
+    answers = [captured_status(1), HydradError("cannot reach the daemon at http://x: refused"), captured_status(2)]
+
+    def fetch():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def sleep(_):
+        if not answers:
+            raise KeyboardInterrupt
+
+    buf = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        watch_status(fetch, Console(file=buf, force_terminal=True, width=120), 0.1, sleep=sleep)
+    out = buf.getvalue()
+    assert "up 1m00s" in out and "cannot reach the daemon" in out and "up 2m00s" in out
+    assert out.count("\x1b[2K") >= 2  # earlier frames were erased, not scrolled
+    assert out.index("up 1m00s") < out.index("cannot reach") < out.index("up 2m00s")
