@@ -111,7 +111,7 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run one conversation (a list of messages) or many (a list of such lists)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -123,7 +123,7 @@ class LLM:
         prompts: str | list[str],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Plain text prompts, no chat template."""
         prompts = [prompts] if isinstance(prompts, str) else prompts
@@ -147,10 +147,12 @@ class LLM:
         except Exception:
             self.engine.abort_requests(outputs)
             raise
-        progress = _progress(len(requests)) if use_tqdm else None
+        progress = _Progress(len(requests)) if use_tqdm else None
         unfinished = set(outputs)
         try:
             while unfinished:
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"the engine dropped {len(unfinished)} request(s) without finishing them")
                 for delta in self.engine.step():
                     out, detok = outputs[delta.req_id], detoks[delta.req_id]
                     out.token_ids.extend(delta.new_token_ids)
@@ -173,11 +175,15 @@ class LLM:
         return [outputs[r.req_id] for r in requests]
 
 
-class _progress:
+class _Progress:
+    """Requests finished out of submitted, on the terminal."""
+
     def __init__(self, total: int):
         from rich.progress import Progress
 
-        self._p = Progress(transient=True)
+        from hydrad.cli.common import console
+
+        self._p = Progress(console=console, transient=True)
         self._p.start()
         self._task = self._p.add_task("requests", total=total)
 
