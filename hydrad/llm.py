@@ -36,10 +36,11 @@ class RequestOutput:
 class LLM:
     """Offline inference over one deployment of instances.
 
-    ``deploy="1EPD"`` on ``devices="cpu:1"`` (the default) runs one engine; any other
-    deployment (``1E+1P+1D``, ``1EP+1D``, ``2EPD``, ...) runs one engine per device in
-    this process, taking turns, with stages migrating between them exactly as in the
-    daemon (where each instance is its own process).
+    ``deploy="1EPD"`` on ``devices="cpu:1"`` (the default) runs one engine in this
+    process. Any other deployment (``1E+1P+1D``, ``1EP+1D``, ``2EPD``, ...) runs one
+    worker process per device, as the daemon does, with stages migrating between them;
+    ``worker_processes=False`` runs those instances in this process instead, taking turns
+    (same engines, same migration protocol; useful to step and inspect them).
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class LLM:
         max_images_per_request: int = 8,
         dual_streams: bool = True,
         router_policy: str = "round-robin",
+        worker_processes: bool = True,
         seed: int = 0,
     ):
         import torch
@@ -73,8 +75,6 @@ class LLM:
 
         num_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         instances = plan_instances(deploy, devices, num_cuda)
-        if len({device for _, device in instances if device != "cpu"}) > 1:
-            raise ConfigError("the in-process LLM runs on one GPU; use the daemon for several")
         model_path = resolve_model_path(model)
         self.config = EngineConfig(
             model=ModelConfig(path=str(model_path), dtype=dtype, max_model_len=max_model_len),
@@ -96,9 +96,15 @@ class LLM:
         device = instances[0][1]
         if roles == ["EPD"]:
             self.engine = EngineCore(self.config, role="EPD", device=device)
+        elif worker_processes:
+            from hydrad.server.process_cluster import ProcessCluster
+
+            self.engine = ProcessCluster(self.config, instances, policy=router_policy)
         else:
             from hydrad.engine.cluster import LocalCluster
 
+            if len({d for _, d in instances}) > 1:
+                raise ConfigError("worker_processes=False runs every instance on one device")
             self.engine = LocalCluster(self.config, roles, device=device, policy=router_policy)
         self.processor = InputProcessor(
             model_path, max_images_per_request=max_images_per_request, max_model_len=self.engine.max_model_len
@@ -106,6 +112,16 @@ class LLM:
         self._ids = itertools.count()
 
     # -- public API ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any) and the engine's threads."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

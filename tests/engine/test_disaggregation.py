@@ -1,7 +1,9 @@
 """Every deployment of roles gives transformers' greedy tokens; migration leaks nothing.
 
-These run the instances in one process (``LocalCluster``), with the same engines,
-router and pull-based migration protocol the daemon runs across processes.
+These run the instances in one process (``worker_processes=False``: ``LocalCluster``), with
+the same engines, router and pull-based migration protocol that run across worker processes
+in the daemon and in ``LLM`` by default, so every intermediate state can be stepped to and
+inspected.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def conversations():
 
 @pytest.mark.parametrize("deploy, devices", DEPLOYMENTS)
 def test_every_deployment_matches_transformers(tiny_llava_dir, deploy, devices, conversations, reference):
-    llm = LLM(str(tiny_llava_dir), deploy=deploy, devices=devices, token_budget=24)
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy=deploy, devices=devices, token_budget=24)
     outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert out.token_ids == ref, f"{deploy}: conversation {i}"
@@ -66,7 +68,7 @@ def test_every_deployment_matches_transformers(tiny_llava_dir, deploy, devices, 
 def test_stress_small_caches_everywhere(tiny_llava_dir, conversations, reference):
     """64 requests through E+P+D with caches far smaller than the load: all finish, right."""
     llm = LLM(
-        str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3",
+        str(tiny_llava_dir), worker_processes=False, deploy="1E+1P+1D", devices="cpu:3",
         kv_block_size=4, num_kv_blocks=48, num_image_blocks=3, token_budget=32, image_budget=2,
     )
     convs = (conversations * 8)[:64]
@@ -79,7 +81,9 @@ def test_stress_small_caches_everywhere(tiny_llava_dir, conversations, reference
 def test_seeded_sampling_survives_migration(tiny_llava_dir, conversations):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7)
     single = LLM(str(tiny_llava_dir)).chat(conversations[:3], params)
-    split = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3").chat(conversations[:3], params)
+    # across worker processes: the generator's state travels with the request
+    with LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3") as llm:
+        split = llm.chat(conversations[:3], params)
     assert [o.token_ids for o in single] == [o.token_ids for o in split]
 
 
@@ -95,7 +99,7 @@ def _step_until(llm: LLM, engine, predicate, max_steps=500):
     "when", ["before-encode", "offered-by-E", "pulling-into-P", "mid-prefill", "offered-by-P", "mid-decode"]
 )
 def test_abort_at_every_stage_frees_every_instance(tiny_llava_dir, conversations, when):
-    llm = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3", token_budget=8)
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy="1E+1P+1D", devices="cpu:3", token_budget=8)
     e, p, d = llm.engine.engines
     prompt = llm.processor.process_chat(conversations[0])
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -144,7 +148,7 @@ def test_abort_at_every_stage_frees_every_instance(tiny_llava_dir, conversations
 def test_an_instance_waiting_for_a_release_does_not_spin(tiny_llava_dir, conversations):
     """E's only image block is held by an offered request: E has nothing to run (its worker
     sleeps on its pipe) until P pulls the blocks and E is told to release them."""
-    llm = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cpu:3", num_image_blocks=1)
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy="1E+1P+1D", devices="cpu:3", num_image_blocks=1)
     e, p, _ = llm.engine.engines
     params = SamplingParams(max_tokens=4, temperature=0.0)
     for req_id in ("a", "b"):

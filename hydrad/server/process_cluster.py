@@ -1,0 +1,115 @@
+"""The daemon's worker processes, driven synchronously: the engine of ``hydrad.LLM``
+for deployments of several instances.
+
+The supervisor, the worker pipes, the request table and the migration relay are
+the daemon's own; they run on a private event loop in a background thread, and
+``step()`` hands the caller every delta that has arrived since the last call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Iterable
+
+from hydrad.config import EngineConfig
+from hydrad.engine.inputs import EngineRequest, RequestDelta
+from hydrad.errors import RequestError
+from hydrad.server.client import WorkerLost
+from hydrad.server.router import Router
+from hydrad.server.supervisor import Supervisor, plan_specs
+
+# How long step() waits for a delta before it lets the caller look again.
+_POLL_SECS = 0.5
+
+
+class ProcessCluster:
+    def __init__(self, config: EngineConfig, instances: list[tuple[str, str]], *, policy: str = "round-robin"):
+        from hydrad.cli.common import console
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hydrad-workers", daemon=True)
+        self._thread.start()
+        try:
+            self.supervisor = self._call(self._create_supervisor(config, instances))
+            readies = self._call(self.supervisor.start(console))
+        except BaseException:
+            self._stop_loop()
+            raise
+        self.router = Router(self.supervisor.clients, policy, seed=config.seed)
+        self.supervisor.table.router = self.router
+        self.max_model_len = min(r.max_model_len for r in readies)
+        self._deltas: queue.SimpleQueue = queue.SimpleQueue()
+        # Requests submitted and not yet finished as seen by the caller (set only from its thread).
+        self._open: set[str] = set()
+
+    @staticmethod
+    async def _create_supervisor(config: EngineConfig, instances: list[tuple[str, str]]) -> Supervisor:
+        return Supervisor(config, plan_specs(instances))  # its futures belong to the private loop
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    # -- the engine interface ------------------------------------------------------------------
+    def add_request(self, req: EngineRequest) -> None:
+        for image in req.images:
+            image.pixel_values.share_memory_()  # crosses to the worker as a handle, not bytes
+        self._call(self._submit(req))
+        self._open.add(req.req_id)
+
+    async def _submit(self, req: EngineRequest) -> None:
+        entry = self.router.select(has_images=bool(req.images))
+        outputs = entry.add_request(req)
+        self._loop.create_task(self._forward(req.req_id, outputs))
+
+    async def _forward(self, req_id: str, outputs: asyncio.Queue) -> None:
+        while True:
+            item = await outputs.get()
+            self._deltas.put((req_id, item))
+            if isinstance(item, Exception) or item.finish_reason is not None:
+                return
+
+    def abort_requests(self, req_ids: Iterable[str]) -> None:
+        req_ids = [r for r in req_ids if r in self._open]
+        self._open.difference_update(req_ids)
+        if req_ids:
+            self._loop.call_soon_threadsafe(lambda: [self.supervisor.table.abort(r) for r in req_ids])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._open)
+
+    def step(self) -> list[RequestDelta]:
+        """The deltas that arrived since the last call (waiting briefly for the first)."""
+        try:
+            items = [self._deltas.get(timeout=_POLL_SECS)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                items.append(self._deltas.get_nowait())
+            except queue.Empty:
+                break
+        deltas = []
+        for req_id, item in items:
+            if req_id not in self._open:
+                continue  # aborted by the caller meanwhile
+            if isinstance(item, RequestError):
+                self.abort_requests([req_id])
+                raise ValueError(str(item))
+            if isinstance(item, (WorkerLost, Exception)):
+                self.abort_requests([req_id])
+                raise RuntimeError(f"request {req_id}: {item}")
+            if item.finish_reason is not None:
+                self._open.discard(req_id)
+            deltas.append(item)
+        return deltas
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._call(self.supervisor.stop())
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
