@@ -3,7 +3,8 @@
 The loop: take every pending message (blocking only while the engine is idle),
 run one engine step, send that step's deltas in one ``StepOutput``. The worker
 exits on ``Shutdown`` or when the daemon's end of the pipe closes, so a crashed
-daemon never leaves workers behind.
+daemon never leaves workers behind. A worker that fails sends ``WorkerFailed``
+and exits with status 1.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -100,7 +102,7 @@ def worker_main(
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()
-        return
+        sys.exit(1)
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, budgets, pools))
     try:
         run_worker(engine, conn)
@@ -112,6 +114,7 @@ def worker_main(
             conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         except OSError:
             pass
+        sys.exit(1)
     finally:
         engine.shutdown()
         conn.close()

@@ -24,12 +24,11 @@ from rich.console import Console
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import RequestError
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
-from hydrad.server.client import WorkerLost
 from hydrad.server.engine_client import EngineClient
-from hydrad.server.errors import APIError, error_response
+from hydrad.server.errors import UNAVAILABLE, APIError, error_response
 from hydrad.server.metrics import Metrics
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
-from hydrad.server.router import NoInstanceAvailable, Router
+from hydrad.server.router import Router
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
 from hydrad.server.supervisor import InstanceSpec, Supervisor
 
@@ -112,7 +111,7 @@ async def error_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         return error_response(e)
-    except (RequestError, APIError, WorkerLost, NoInstanceAvailable) as e:
+    except (RequestError, APIError, *UNAVAILABLE) as e:
         response = error_response(e)
         log = logger.warning if response.status >= 500 else logger.info
         log("%s %s -> %d: %s", request.method, request.path, response.status, e)

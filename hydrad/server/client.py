@@ -43,6 +43,10 @@ from hydrad.transport.messages import (
 logger = logging.getLogger("hydrad.client")
 
 
+# ``WorkerClient.failure`` when the pipe reached EOF without a ``WorkerFailed`` first.
+EXITED = "exited"
+
+
 class WorkerLost(RuntimeError):
     """The worker serving a request exited or failed."""
 
@@ -162,7 +166,7 @@ class WorkerClient:
             while self.conn.poll():
                 self._dispatch(self.conn.recv())
         except (EOFError, OSError):
-            self._lost("exited")
+            self._lost(EXITED)
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutput):
@@ -197,7 +201,7 @@ class WorkerClient:
         self.alive = False
         self.failure = reason
         self.close()
-        error = WorkerLost(f"worker {self.instance_id} ({self.device}) {reason}")
+        error = WorkerLost(f"worker {self.instance_id} ({self.device}, {self.role}) {reason}")
         if not self._ready_future.done():
             self._ready_future.set_exception(error)
             self._ready_future.exception()  # retrieved here; wait_ready() re-raises it

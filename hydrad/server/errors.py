@@ -6,10 +6,14 @@ from aiohttp import web
 
 from hydrad.errors import RequestError
 from hydrad.server.client import WorkerLost
+from hydrad.server.requests_table import ServiceStopping
 from hydrad.server.router import NoInstanceAvailable
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "invalid_request_error", 503: "service_unavailable"}
+
+# No instance can serve the request; the message says why.
+UNAVAILABLE = (WorkerLost, NoInstanceAvailable, ServiceStopping)
 
 
 class APIError(Exception):
@@ -27,7 +31,7 @@ def exception_status(e: BaseException) -> int:
         return e.status
     if isinstance(e, RequestError):
         return 400
-    if isinstance(e, (WorkerLost, NoInstanceAvailable)):
+    if isinstance(e, UNAVAILABLE):
         return 503
     if isinstance(e, web.HTTPException):
         return e.status
@@ -37,7 +41,7 @@ def exception_status(e: BaseException) -> int:
 def error_body(status: int, e: BaseException | str) -> dict:
     if isinstance(e, web.HTTPException):
         message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-    elif status >= 500 and not isinstance(e, (WorkerLost, NoInstanceAvailable, str)):
+    elif status >= 500 and not isinstance(e, (*UNAVAILABLE, str)):
         message = "internal server error"
     else:
         message = str(e)

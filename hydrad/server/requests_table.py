@@ -7,7 +7,8 @@ router picks a target holding the next stage, which is sent ``Migrate``; once th
 target has pulled the blocks (``StepOutput.pulled``) the source is sent
 ``Release``. Outputs (first token from the prefill instance, the rest from the
 decode instance) all land in the request's one queue. An abort reaches every
-instance that may hold a part of the request.
+instance that may hold a part of the request. When the daemon stops at once
+(``fail_all``), every request in flight fails and new ones are refused.
 """
 
 from __future__ import annotations
@@ -28,11 +29,16 @@ logger = logging.getLogger("hydrad.migration")
 RequestQueue = asyncio.Queue  # items: RequestDelta, or the exception that ended the request
 
 
+class ServiceStopping(RuntimeError):
+    """The daemon is stopping at once: the request failed or was refused."""
+
+
 class RequestTable:
     def __init__(self) -> None:
         self.queues: dict[str, RequestQueue] = {}
         self.holders: dict[str, set[WorkerClient]] = {}
         self.router: Router | None = None
+        self.stopping_reason: str | None = None
 
     def __len__(self) -> int:
         """Requests in flight (one migrating between instances counts once)."""
@@ -42,6 +48,8 @@ class RequestTable:
         return sum(1 for holders in self.holders.values() if client in holders)
 
     def open(self, req_id: str, entry: WorkerClient) -> RequestQueue:
+        if self.stopping_reason is not None:
+            raise ServiceStopping(self.stopping_reason)
         queue: RequestQueue = asyncio.Queue()
         self.queues[req_id] = queue
         self.holders[req_id] = {entry}
@@ -61,6 +69,15 @@ class RequestTable:
         if queue is not None:
             self.abort(req_id)
             queue.put_nowait(error)
+
+    def fail_all(self, reason: str) -> int:
+        """Fail every request in flight with ``ServiceStopping(reason)`` and refuse new
+        ones from now on; returns how many failed."""
+        self.stopping_reason = reason
+        req_ids = list(self.queues)
+        for req_id in req_ids:
+            self.fail(req_id, ServiceStopping(reason))
+        return len(req_ids)
 
     def abort(self, req_id: str) -> None:
         self.queues.pop(req_id, None)

@@ -17,6 +17,7 @@ from aiohttp import web
 from hydrad.server.engine_client import Output, OutputStream
 from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
+from hydrad.server.requests_table import ServiceStopping
 from hydrad.server.sse import open_event_stream, send_done, send_event
 
 logger = logging.getLogger("hydrad.server")
@@ -101,7 +102,7 @@ async def respond_stream(
             raise
         except Exception as e:  # the status line has gone out: report in the stream
             status = exception_status(e)
-            if status >= 500:
+            if status >= 500 and not isinstance(e, ServiceStopping):  # the daemon logged why it stops
                 logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
             await send_event(response, error_body(status, e))
         if req.include_usage:

@@ -3,7 +3,11 @@
 Workers are started with ``torch.multiprocessing`` (spawn). Readiness (weights
 loaded, caches allocated) is shown as a progress display; a worker that fails
 to start stops the others and surfaces its error as one line. A worker that
-dies later is marked down (``/health`` turns 503) and its requests fail.
+dies later is marked down (``/health`` turns 503), its requests fail, and one
+line says which worker it was and how it ended. If every stage (E, P, D) is
+still held by a live instance the daemon serves on, degraded; otherwise
+``failed`` is set and the daemon stops, so that its service manager
+restarts it whole.
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
-from hydrad.server.client import WorkerClient, WorkerLost
+from hydrad.server.client import EXITED, WorkerClient, WorkerLost
+from hydrad.server.notify import sd_notify
 from hydrad.server.requests_table import RequestTable
 from hydrad.transport.messages import AttachPeers, WorkerReady
 
@@ -45,6 +52,23 @@ def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
     return [InstanceSpec(i, role, device, threads) for i, (role, device) in enumerate(instances)]
 
 
+def describe_exit(exitcode: int | None) -> str:
+    """A process's ``exitcode`` in words (negative: the signal that killed it)."""
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with status {exitcode}"
+
+
+def missing_stages(roles: list[str]) -> list[str]:
+    """The stages (of E, P, D) that none of ``roles`` holds."""
+    return [stage for stage in "EPD" if not any(stage in role for role in roles)]
+
+
 class Supervisor:
     def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0):
         self.config = config
@@ -54,8 +78,13 @@ class Supervisor:
         self.table = RequestTable()
         # Pools are shared between instances only when requests migrate between them.
         self.migrates = any(spec.role != "EPD" for spec in specs)
-        self._processes = []
+        self._processes: dict[int, BaseProcess] = {}  # by instance id
         self._stopping = False
+        # Set once a worker has died and left some stage without a live instance;
+        # ``failure`` says which worker and how it ended.
+        self.failed = asyncio.Event()
+        self.failure: str | None = None
+        self._reports: set[asyncio.Task] = set()
 
     @property
     def healthy(self) -> bool:
@@ -77,7 +106,7 @@ class Supervisor:
             )
             process.start()
             child.close()  # so the daemon sees EOF when the worker exits
-            self._processes.append(process)
+            self._processes[spec.instance_id] = process
             client = WorkerClient(spec.instance_id, spec.role, spec.device, parent, self.table)
             client.on_lost = self._on_lost
             self.clients.append(client)
@@ -122,7 +151,32 @@ class Supervisor:
 
     def _on_lost(self, client: WorkerClient) -> None:
         if client.ready is not None and not self._stopping:  # start-up failures are reported by start()
-            logger.error("worker %d (%s) is down: %s", client.instance_id, client.device, client.failure)
+            task = asyncio.ensure_future(self._report_lost(client))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+
+    async def _report_lost(self, client: WorkerClient) -> None:
+        """One line on how the worker ended; ``failed`` if a stage lost its last instance."""
+        process = self._processes[client.instance_id]
+        # The pipe closes as the process ends; its exit status follows at once.
+        await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
+        why = describe_exit(process.exitcode)
+        if client.failure != EXITED:
+            why = f"{client.failure}; {why}"
+        down = f"worker {client.instance_id} ({client.device}, {client.role}, pid {process.pid}) is down: {why}"
+        live = [c for c in self.clients if c.alive]
+        missing = missing_stages([c.role for c in live])
+        if self._stopping:
+            logger.error("%s", down)
+        elif missing:
+            reason = f"{down}; no live instance holds stage {', '.join(missing)}"
+            logger.error("%s", reason)
+            if self.failure is None:
+                self.failure = reason
+                self.failed.set()
+        else:
+            logger.error("%s; serving degraded on %d of %d instance(s)", down, len(live), len(self.clients))
+            sd_notify(f"STATUS=degraded: worker {client.instance_id} is down")
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Tell every worker to exit (aborting what is left), wait, then force the stragglers."""
@@ -131,9 +185,9 @@ class Supervisor:
             client.shutdown(finish_running=False)
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout
-        for process in self._processes:
+        for process in self._processes.values():
             await loop.run_in_executor(None, process.join, max(0.0, deadline - time.monotonic()))
-        for process in self._processes:
+        for process in self._processes.values():
             if process.is_alive():
                 logger.warning("worker %s did not exit in %.0f s; killing it", process.name, timeout)
                 process.kill()

@@ -75,6 +75,27 @@ def pid_exists(pid: int) -> bool:
     return True
 
 
+def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``condition`` until it holds (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True
+
+
+def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
+    """No process of ``pids`` is left (workers exit shortly after their daemon)."""
+    wait_for(lambda: not any(pid_exists(p) for p in pids), timeout)
+    assert not any(pid_exists(p) for p in pids)
+
+
+def stream_events(text: str) -> list[str]:
+    """The ``data:`` payloads of a server-sent event stream."""
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
 class Response:
     def __init__(self, status: int, body: bytes):
         self.status_code = status

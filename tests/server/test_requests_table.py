@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from hydrad.engine.inputs import MigrationOffer, RequestDelta
 from hydrad.sampling_params import SamplingParams
 from hydrad.server.client import WorkerLost
-from hydrad.server.requests_table import RequestTable
+from hydrad.server.requests_table import RequestTable, ServiceStopping
 from hydrad.server.router import Router
 from hydrad.transport.messages import Abort, Migrate, Release
 
@@ -95,7 +97,7 @@ def test_a_lost_target_fails_the_request_and_frees_the_source():
         queue = table.open("r", e)
         table.on_offer(e, offer("r", 0, "image"))
         p.alive = False
-        table.lost(p, WorkerLost("worker 1 (cpu) exited"))
+        table.lost(p, WorkerLost("worker 1 (cpu, P) exited"))
         assert e.sent == [Abort(("r",))]
         assert isinstance(drain(queue)[-1], WorkerLost) and len(table) == 0 and not table.holders
 
@@ -110,5 +112,22 @@ def test_no_live_target_fails_the_request():
         table.on_offer(e, offer("r", 0, "image"))
         assert e.sent == [Abort(("r",))] and len(table) == 0
         assert "stage P" in str(drain(queue)[-1])
+
+    asyncio.run(main())
+
+
+def test_fail_all_ends_every_request_and_refuses_new_ones():
+    async def main():
+        table, (e, p, _) = make_table()
+        first, second = table.open("a", e), table.open("b", p)
+        table.on_offer(e, offer("a", 0, "image"))
+        assert table.fail_all("the daemon is stopping: second SIGTERM while draining") == 2
+        assert e.sent[-1] == Abort(("a",)) and p.sent[-1] == Abort(("b",))
+        for queue in (first, second):
+            error = drain(queue)[-1]
+            assert isinstance(error, ServiceStopping) and "second SIGTERM" in str(error)
+        assert len(table) == 0 and not table.holders
+        with pytest.raises(ServiceStopping, match="second SIGTERM"):
+            table.open("c", e)
 
     asyncio.run(main())

@@ -1,0 +1,92 @@
+"""How the supervisor words a worker's end and decides whether the daemon can serve on."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+
+from hydrad.server.client import EXITED
+from hydrad.server.supervisor import Supervisor, describe_exit, missing_stages, plan_specs
+
+
+@pytest.mark.parametrize("exitcode, words", [
+    (0, "exited with status 0"),
+    (1, "exited with status 1"),
+    (-signal.SIGKILL, "killed by SIGKILL"),
+    (-signal.SIGSEGV, "killed by SIGSEGV"),
+    (None, "still running"),
+])
+def test_describe_exit(exitcode, words):
+    assert describe_exit(exitcode) == words
+
+
+@pytest.mark.parametrize("live_roles, missing", [
+    (["EPD"], []),
+    (["EPD", "EPD"], []),
+    ([], ["E", "P", "D"]),
+    (["E"], ["P", "D"]),
+    (["E", "P"], ["D"]),
+    (["ED", "P"], []),
+    (["E", "EP"], ["D"]),
+])
+def test_missing_stages(live_roles, missing):
+    assert missing_stages(live_roles) == missing
+
+
+class FakeProcess:
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.exitcode: int | None = None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+class FakeClient:
+    def __init__(self, instance_id: int, role: str):
+        self.instance_id, self.role, self.device = instance_id, role, "cpu"
+        self.ready = object()
+        self.alive = True
+        self.failure: str | None = None
+
+
+def make_supervisor(roles: list[str]) -> Supervisor:
+    """A supervisor over stand-ins for started workers (pid 100 + instance id)."""
+    specs = plan_specs([(role, "cpu") for role in roles])
+    supervisor = Supervisor(None, specs)
+    supervisor.clients = [FakeClient(s.instance_id, s.role) for s in specs]
+    supervisor._processes = {s.instance_id: FakeProcess(100 + s.instance_id) for s in specs}
+    return supervisor
+
+
+async def lose(supervisor: Supervisor, instance_id: int, exitcode: int, failure: str = EXITED) -> None:
+    client = supervisor.clients[instance_id]
+    client.alive, client.failure = False, failure
+    supervisor._processes[instance_id].exitcode = exitcode
+    supervisor._on_lost(client)
+    await asyncio.gather(*supervisor._reports)
+
+
+def test_a_dead_instance_whose_stages_others_hold_leaves_the_daemon_serving(caplog):
+    async def main():
+        supervisor = make_supervisor(["E", "EP", "D"])
+        await lose(supervisor, 0, -signal.SIGKILL)
+        assert not supervisor.failed.is_set() and supervisor.failure is None
+        assert caplog.messages == ["worker 0 (cpu, E, pid 100) is down: killed by SIGKILL; "
+                                   "serving degraded on 2 of 3 instance(s)"]
+
+    asyncio.run(main())
+
+
+def test_a_stage_without_a_live_instance_fails_the_supervisor(caplog):
+    async def main():
+        supervisor = make_supervisor(["E", "P", "D"])
+        await lose(supervisor, 2, 1, failure="RuntimeError: boom")
+        assert supervisor.failed.is_set()
+        assert supervisor.failure == ("worker 2 (cpu, D, pid 102) is down: RuntimeError: boom; "
+                                      "exited with status 1; no live instance holds stage D")
+        assert caplog.messages == [supervisor.failure]
+
+    asyncio.run(main())
