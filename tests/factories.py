@@ -65,3 +65,13 @@ def make_layout(
 def weight_files(path: Path) -> list[Path]:
     return sorted(p for p in path.iterdir() if p.suffix == ".safetensors")
 
+
+# Every deployment method the tests run end to end: (deploy spec, devices).
+DEPLOYMENTS = [
+    ("1E+1P+1D", "cpu:3"),
+    ("1EP+1D", "cpu:2"),
+    ("1ED+1P", "cpu:2"),
+    ("1E+1PD", "cpu:2"),
+    ("2EPD", "cpu:2"),
+    ("1E+1EP+1D", "cpu:3"),
+]

@@ -103,10 +103,13 @@ class Request:
         return self.num_prompt_tokens + self.sampling_params.max_tokens
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without joining the two lists (hot path)."""
         n = self.num_prompt_tokens
         if end <= n:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def num_missing_tokens(self) -> int:

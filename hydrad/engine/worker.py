@@ -133,23 +133,22 @@ def run_worker(engine: Engine, conn: Connection) -> None:
         while conn.poll(timeout):
             msg = conn.recv()
             timeout = 0
-            if isinstance(msg, AddRequest):
+            if isinstance(msg, (AddRequest, Migrate)):
+                # A new request, or one migrating in: either may not fit this instance.
+                req_id, admit, payload = (
+                    (msg.request.req_id, engine.add_request, msg.request)
+                    if isinstance(msg, AddRequest)
+                    else (msg.offer.req_id, engine.add_migration, msg.offer)
+                )
                 try:
-                    engine.add_request(msg.request)
+                    admit(payload)
                 except ValueError as e:
-                    conn.send(RequestRejected(msg.request.req_id, str(e)))
+                    conn.send(RequestRejected(req_id, str(e)))
                 else:
-                    live.add(msg.request.req_id)
+                    live.add(req_id)
             elif isinstance(msg, Abort):
                 engine.abort_requests(msg.req_ids)
                 live.difference_update(msg.req_ids)
-            elif isinstance(msg, Migrate):
-                try:
-                    engine.add_migration(msg.offer)
-                except ValueError as e:
-                    conn.send(RequestRejected(msg.offer.req_id, str(e)))
-                else:
-                    live.add(msg.offer.req_id)
             elif isinstance(msg, Release):
                 engine.release(msg.req_ids)
                 live.difference_update(msg.req_ids)

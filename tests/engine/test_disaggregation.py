@@ -11,20 +11,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+from factories import DEPLOYMENTS
 
 from hydrad import LLM, SamplingParams
 from hydrad.engine.request import RequestStatus
 
 MAX_TOKENS = 24
 
-DEPLOYMENTS = [
-    ("1E+1P+1D", "cpu:3"),
-    ("1EP+1D", "cpu:2"),
-    ("1ED+1P", "cpu:2"),
-    ("1E+1PD", "cpu:2"),
-    ("2EPD", "cpu:2"),
-    ("1E+1EP+1D", "cpu:3"),
-]
 
 
 def _assert_nothing_held(llm: LLM) -> None:

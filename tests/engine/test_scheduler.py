@@ -225,3 +225,12 @@ def test_block_manager_detects_double_free_and_leaks():
     with pytest.raises(RuntimeError, match="not allocated"):
         m.free(ids[:1])
     assert m.can_allocate(4) and not m.can_allocate(5)
+
+
+def test_token_ids_span_prompt_and_output():
+    r = make_request("t", num_prompt=4)
+    r.output_token_ids = [90, 91, 92]
+    everything = r.prompt_token_ids + r.output_token_ids
+    for start in range(len(everything)):
+        for end in range(start, len(everything) + 1):
+            assert r.token_ids(start, end) == everything[start:end]

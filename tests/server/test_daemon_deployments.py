@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
+from factories import DEPLOYMENTS
 
 from daemon_process import Daemon, http
 from test_daemon_api import JPEG, PNG, data_url, reference_tokens
@@ -16,14 +17,6 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 10
 
-DEPLOYMENTS = [
-    ("1E+1P+1D", "cpu:3"),
-    ("1EP+1D", "cpu:2"),
-    ("1ED+1P", "cpu:2"),
-    ("1E+1PD", "cpu:2"),
-    ("2EPD", "cpu:2"),
-    ("1E+1EP+1D", "cpu:3"),
-]
 
 
 def _requests():
