@@ -1,15 +1,15 @@
 """The daemon's end of one worker pipe.
 
-Neither direction blocks the event loop: the pipe's file descriptor is
-registered with ``loop.add_reader`` and drained whenever it is readable, and
-messages to the worker are framed as ``Connection.send`` frames them but written
-without blocking, the rest queued until the socket takes it. A worker in a long
-step reads nothing; a burst of requests must then wait in the daemon's buffer,
-not stall every other stream (or deadlock against a worker blocked on sending
-its own output). Each request gets
+Messages travel over a ``WorkerLink`` (``hydrad.transport.link``): an asyncio
+protocol that reads whatever bytes arrive, cuts them into whole frames, and
+buffers writes in the transport, so neither direction ever blocks the event
+loop and a message that arrives in pieces is never mistaken for a dead worker.
+A worker in a long step reads nothing; a burst of requests then waits in the
+transport's buffer instead of stalling every other stream. Each request gets
 an ``asyncio.Queue`` (in the daemon-wide ``RequestTable``) that receives its
 ``RequestDelta``s from whichever instance runs its current stage, or an
-exception when a worker refuses the request or dies.
+exception when a worker refuses the request or dies. A worker is lost when its
+pipe reaches EOF (it exited) or fails, or when it reports ``WorkerFailed``.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import socket
-import struct
 import time
 from collections import deque
 from multiprocessing.connection import Connection
-from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from hydrad.engine.inputs import EngineRequest, EngineStats
@@ -39,6 +35,7 @@ from hydrad.transport.messages import (
     WorkerFailed,
     WorkerReady,
 )
+from hydrad.transport.link import EOF, LinkClosed, WorkerLink
 
 logger = logging.getLogger("hydrad.client")
 
@@ -52,11 +49,10 @@ class WorkerLost(RuntimeError):
 
 
 class WorkerClient:
-    def __init__(self, instance_id: int, role: str, device: str, conn: Connection, table: RequestTable):
+    def __init__(self, instance_id: int, role: str, device: str, table: RequestTable):
         self.instance_id = instance_id
         self.role = role
         self.device = device
-        self.conn = conn
         self.alive = True
         self.ready: WorkerReady | None = None
         self.failure: str | None = None
@@ -67,12 +63,11 @@ class WorkerClient:
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._seq = itertools.count()
         self._token_times: deque[tuple[float, int]] = deque()
-        # A second handle on the pipe's socket, for MSG_DONTWAIT writes: making the
-        # descriptor itself non-blocking would break Connection.recv on the read side.
-        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
-        self._outbox = bytearray()
-        self._writing = False
-        self._loop.add_reader(conn.fileno(), self._on_readable)
+        self.link: WorkerLink | None = None
+
+    async def connect(self, conn: Connection) -> None:
+        """Take over the daemon's end of the worker's pipe."""
+        self.link = await WorkerLink.open(conn, self._dispatch, self._on_link_closed)
 
     # -- load, for the router --------------------------------------------------------------
     @property
@@ -125,48 +120,20 @@ class WorkerClient:
                 pass  # already gone: nothing to stop
 
     def close(self) -> None:
-        if not self.conn.closed:
-            self._loop.remove_reader(self.conn.fileno())
-            self.conn.close()
-        if self._sock.fileno() != -1:
-            self._loop.remove_writer(self._sock.fileno())
-            self._sock.close()
-        self._outbox.clear()
-        self._writing = False
+        if self.link is not None:
+            self.link.close()
 
     def _send(self, msg) -> None:
-        if not self.alive:
+        if not self.alive or self.link is None:
             raise WorkerLost(f"worker {self.instance_id} is down")
-        self._outbox += _frame(ForkingPickler.dumps(msg))
-        if not self._writing:
-            self._flush()
-        if not self.alive:  # broken pipe: the worker is gone
-            raise WorkerLost(f"worker {self.instance_id} is down")
-
-    def _flush(self) -> None:
-        """Write what the socket takes now; the writer callback does the rest."""
         try:
-            while self._outbox:
-                del self._outbox[: self._sock.send(self._outbox, socket.MSG_DONTWAIT)]
-        except BlockingIOError:
-            if not self._writing:
-                self._loop.add_writer(self._sock.fileno(), self._flush)
-                self._writing = True
-            return
-        except OSError as e:
-            self._lost(f"pipe closed ({e})")
-            return
-        if self._writing:
-            self._loop.remove_writer(self._sock.fileno())
-            self._writing = False
+            self.link.send(msg)
+        except LinkClosed:
+            raise WorkerLost(f"worker {self.instance_id} is down") from None
 
     # -- worker -> daemon ------------------------------------------------------------------
-    def _on_readable(self) -> None:
-        try:
-            while self.conn.poll():
-                self._dispatch(self.conn.recv())
-        except (EOFError, OSError):
-            self._lost(EXITED)
+    def _on_link_closed(self, reason: str) -> None:
+        self._lost(EXITED if reason == EOF else reason)
 
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutput):
@@ -216,9 +183,3 @@ class WorkerClient:
         while self._token_times and self._token_times[0][0] < since:
             self._token_times.popleft()
 
-
-def _frame(payload: bytes) -> bytes:
-    """``payload`` with the length header ``multiprocessing.Connection.recv`` expects."""
-    if len(payload) > 0x7FFFFFFF:
-        return struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
-    return struct.pack("!i", len(payload)) + payload

@@ -107,8 +107,9 @@ class Supervisor:
             process.start()
             child.close()  # so the daemon sees EOF when the worker exits
             self._processes[spec.instance_id] = process
-            client = WorkerClient(spec.instance_id, spec.role, spec.device, parent, self.table)
+            client = WorkerClient(spec.instance_id, spec.role, spec.device, self.table)
             client.on_lost = self._on_lost
+            await client.connect(parent)
             self.clients.append(client)
         try:
             readies = await asyncio.wait_for(self._wait_ready(console), self.start_timeout)
@@ -160,9 +161,9 @@ class Supervisor:
         process = self._processes[client.instance_id]
         # The pipe closes as the process ends; its exit status follows at once.
         await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
-        why = describe_exit(process.exitcode)
-        if client.failure != EXITED:
-            why = f"{client.failure}; {why}"
+        # Which came first: the pipe's EOF (the process exited or is exiting) or a reported failure.
+        link = "pipe reached EOF" if client.failure == EXITED else client.failure
+        why = f"{link}; process {describe_exit(process.exitcode)}"
         down = f"worker {client.instance_id} ({client.device}, {client.role}, pid {process.pid}) is down: {why}"
         live = [c for c in self.clients if c.alive]
         missing = missing_stages([c.role for c in live])

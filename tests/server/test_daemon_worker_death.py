@@ -38,8 +38,8 @@ def test_one_dead_instance_of_2epd_leaves_the_daemon_serving_degraded(tiny_llava
             assert reply.json()["usage"]["completion_tokens"] == 8
         assert [i["state"] for i in instances(daemon)] == ["down", "ready"]
         assert daemon.process.poll() is None
-        assert (f"worker {victim['id']} (cpu, EPD, pid {victim['pid']}) is down: killed by SIGKILL; "
-                "serving degraded on 1 of 2 instance(s)") in daemon.log()
+        assert (f"worker {victim['id']} (cpu, EPD, pid {victim['pid']}) is down: pipe reached EOF; "
+                "process killed by SIGKILL; serving degraded on 1 of 2 instance(s)") in daemon.log()
         assert daemon.stop() == 0, daemon.log()
         assert_gone([survivor["pid"]])
     finally:
@@ -61,7 +61,7 @@ def test_a_stage_without_a_live_instance_stops_the_daemon(tiny_llava_dir, tmp_pa
         assert daemon.process.wait(15) != 0, daemon.log()
         assert time.monotonic() - start < 10
         assert_gone([i["pid"] for i in workers])
-        assert (f"worker 1 (cpu, PD, pid {pd['pid']}) is down: killed by SIGKILL; "
+        assert (f"worker 1 (cpu, PD, pid {pd['pid']}) is down: pipe reached EOF; process killed by SIGKILL; "
                 "no live instance holds stage P, D\n") in daemon.log()
         assert "stopping now: " in daemon.log()
     finally:

@@ -74,8 +74,8 @@ def test_a_dead_instance_whose_stages_others_hold_leaves_the_daemon_serving(capl
         supervisor = make_supervisor(["E", "EP", "D"])
         await lose(supervisor, 0, -signal.SIGKILL)
         assert not supervisor.failed.is_set() and supervisor.failure is None
-        assert caplog.messages == ["worker 0 (cpu, E, pid 100) is down: killed by SIGKILL; "
-                                   "serving degraded on 2 of 3 instance(s)"]
+        assert caplog.messages == ["worker 0 (cpu, E, pid 100) is down: pipe reached EOF; process killed by "
+                                   "SIGKILL; serving degraded on 2 of 3 instance(s)"]
 
     asyncio.run(main())
 
@@ -86,7 +86,7 @@ def test_a_stage_without_a_live_instance_fails_the_supervisor(caplog):
         await lose(supervisor, 2, 1, failure="RuntimeError: boom")
         assert supervisor.failed.is_set()
         assert supervisor.failure == ("worker 2 (cpu, D, pid 102) is down: RuntimeError: boom; "
-                                      "exited with status 1; no live instance holds stage D")
+                                      "process exited with status 1; no live instance holds stage D")
         assert caplog.messages == [supervisor.failure]
 
     asyncio.run(main())

@@ -131,7 +131,8 @@ def test_client_streams_aborts_stats_and_rejects():
     async def main():
         engine = FakeEngine()
         conn, thread = start_worker(engine)
-        client = WorkerClient(0, "EPD", "cpu", conn, RequestTable())
+        client = WorkerClient(0, "EPD", "cpu", RequestTable())
+        await client.connect(conn)
         queue = client.add_request(request("a", 3))
         got = [await queue.get() for _ in range(3)]
         assert [d.new_token_ids[0] for d in got] == [101, 102, 103] and got[-1].finish_reason == "length"
@@ -173,7 +174,8 @@ def test_sends_to_a_busy_worker_never_block_the_event_loop():
 
     async def main():
         daemon_end, worker_end = mp.Pipe()
-        client = WorkerClient(0, "EPD", "cpu", daemon_end, RequestTable())
+        client = WorkerClient(0, "EPD", "cpu", RequestTable())
+        await client.connect(daemon_end)
         received = []
 
         def busy_worker():  # reads only after a long "step"
@@ -188,7 +190,7 @@ def test_sends_to_a_busy_worker_never_block_the_event_loop():
             client.add_request(request(f"r{i}", 1, prompt=range(1, 250_000)))
         client.abort("r0")
         assert time.monotonic() - start < 1.0
-        for _ in range(200):  # the loop's writer callback delivers the rest, in order
+        for _ in range(200):  # the transport delivers the rest, in order
             if len(received) == 9:
                 break
             await asyncio.sleep(0.05)
