@@ -7,19 +7,36 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
-from hydrad.engine.inputs import EngineRequest
+from hydrad.engine.inputs import EngineRequest, TokenLogprobs
 from hydrad.errors import ConfigError
-from hydrad.sampling_params import SamplingParams
+from hydrad.sampling_params import SEED_RANGE, SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` completions of a request."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    # One entry per token, when SamplingParams.logprobs is set.
+    logprobs: list[TokenLogprobs] | None = None
+    stage_times: dict[str, float] | None = None
 
 
 @dataclass
 class RequestOutput:
+    """A request's result; ``token_ids``, ``text``, ``finish_reason`` and ``logprobs`` are its
+    first completion's, ``outputs`` holds all ``n``."""
+
     req_id: str
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -27,10 +44,13 @@ class RequestOutput:
     finish_reason: str | None = None
     num_images: int = 0
     stage_times: dict[str, float] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
-        return self.finish_reason is not None
+        return all(o.finish_reason is not None for o in self.outputs) if self.outputs else \
+            self.finish_reason is not None
 
 
 class LLM:
@@ -152,43 +172,82 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        requests: list[EngineRequest] = [
-            self.processor.make_engine_request(f"llm-{next(self._ids)}", prompt, p) for prompt, p in zip(prompts, params)
-        ]
-        outputs = {r.req_id: RequestOutput(r.req_id, r.prompt_token_ids, num_images=len(r.images)) for r in requests}
-        detoks = {r.req_id: IncrementalDetokenizer(self.processor.tokenizer, r.sampling_params) for r in requests}
+        outputs: list[RequestOutput] = []
+        # Engine request id -> (the completion it fills, its detokenizer); n > 1 runs n requests.
+        completions: dict[str, tuple[CompletionOutput, IncrementalDetokenizer]] = {}
+        requests: list[EngineRequest] = []
+        for prompt, p in zip(prompts, params):
+            req_id = f"llm-{next(self._ids)}"
+            out = RequestOutput(req_id, prompt.prompt_token_ids, num_images=len(prompt.images))
+            for i, child in enumerate(_choices(p)):
+                request = self.processor.make_engine_request(f"{req_id}-{i}" if p.n > 1 else req_id, prompt, child)
+                completion = CompletionOutput(i, logprobs=[] if child.logprobs is not None else None)
+                out.outputs.append(completion)
+                completions[request.req_id] = (completion, IncrementalDetokenizer(self.processor.tokenizer, child))
+                requests.append(request)
+            outputs.append(out)
         try:
             for r in requests:
                 self.engine.add_request(r)
         except Exception:
-            self.engine.abort_requests(outputs)
+            self.engine.abort_requests(completions)
             raise
         progress = _Progress(len(requests)) if use_tqdm else None
-        unfinished = set(outputs)
+        unfinished = set(completions)
         try:
             while unfinished:
                 if not self.engine.has_unfinished_requests():
                     raise RuntimeError(f"the engine dropped {len(unfinished)} request(s) without finishing them")
-                for delta in self.engine.step():
-                    out, detok = outputs[delta.req_id], detoks[delta.req_id]
-                    out.token_ids.extend(delta.new_token_ids)
-                    detok.add_tokens(delta.new_token_ids)
-                    if detok.stopped and delta.finish_reason is None:
-                        self.engine.abort_requests([delta.req_id])
-                        delta.finish_reason = "stop"
-                    if delta.finish_reason is not None:
-                        out.finish_reason = delta.finish_reason
-                        out.stage_times = delta.stage_times
-                        detok.flush()
-                        out.text = detok.text
-                        unfinished.discard(delta.req_id)
-                        if progress:
-                            progress.advance()
+                step = self.engine.step()
+                for i, (req_id, token_id) in enumerate(zip(step.req_ids, step.token_ids)):
+                    if req_id not in unfinished:
+                        continue
+                    completion, detok = completions[req_id]
+                    completion.token_ids.append(token_id)
+                    if completion.logprobs is not None and step.logprobs is not None:
+                        completion.logprobs.append(step.logprobs[i])
+                    detok.add_tokens([token_id])
+                    if detok.stopped:
+                        self.engine.abort_requests([req_id])
+                        self._finish(req_id, completion, detok, "stop", None, unfinished, progress)
+                for finished in step.finished:
+                    if finished.req_id in unfinished:
+                        completion, detok = completions[finished.req_id]
+                        self._finish(finished.req_id, completion, detok, finished.finish_reason,
+                                     finished.stage_times, unfinished, progress)
         finally:
             self.engine.abort_requests(unfinished)
             if progress:
                 progress.close()
-        return [outputs[r.req_id] for r in requests]
+        for out in outputs:
+            first = out.outputs[0]
+            out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
+            out.logprobs, out.stage_times = first.logprobs, first.stage_times
+        return outputs
+
+    @staticmethod
+    def _finish(req_id, completion: CompletionOutput, detok: IncrementalDetokenizer, reason: str, stage_times,
+                unfinished: set, progress) -> None:
+        completion.finish_reason = reason
+        completion.stage_times = stage_times
+        detok.flush()
+        completion.text = detok.text
+        unfinished.discard(req_id)
+        if progress:
+            progress.advance()
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """``n`` independent requests for ``n`` completions; a seeded request's i-th uses seed + i."""
+    if params.n == 1:
+        return [params]
+    choices = []
+    for i in range(params.n):
+        seed = params.seed
+        if seed is not None:
+            seed = SEED_RANGE[0] + (seed + i - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0] + 1)
+        choices.append(dataclasses.replace(params, n=1, seed=seed))
+    return choices
 
 
 class _Progress:

@@ -1,32 +1,73 @@
-"""Per-request sampling options (the shape users know from vLLM)."""
+"""Per-request sampling options (the shape users know from vLLM and the OpenAI API)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Below this temperature, logits / temperature overflow float32: sample greedily, as vLLM does.
 GREEDY_BELOW = 1e-5
 # torch.Generator seeds are 64-bit.
 SEED_RANGE = (-(2**63), 2**63 - 1)
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value > hi or value < lo or (lo_open and value == lo):
+        raise ValueError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+def _integer(name: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
 
 
 @dataclass
 class SamplingParams:
     """How to sample one request's output.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those
-    filters. ``seed`` makes sampling reproducible per request, independent of batching.
+    ``temperature == 0`` means greedy. ``top_k <= 0``, ``top_p == 1`` and ``min_p == 0``
+    disable those filters. ``seed`` makes sampling reproducible per request, independent
+    of batching. The filters apply in the order transformers applies its warpers:
+    logit bias and penalties, temperature, top-k, top-p, min-p.
+
+    * ``repetition_penalty`` (transformers' and vLLM's): logits of tokens seen in the
+      prompt or the output are divided by it when positive, multiplied when negative.
+    * ``presence_penalty``, ``frequency_penalty`` (OpenAI's): ``logit -= frequency *
+      count + presence * (count > 0)`` over the tokens generated so far.
+    * ``logit_bias``: token id -> value in [-100, 100] added to its logit.
+    * ``min_tokens``: EOS and the stop token ids cannot be sampled before this many tokens.
+    * ``logprobs``: None, or how many most likely tokens to report with each sampled
+      token (0: the sampled token's only). They are log-probabilities of the model's raw
+      distribution (before penalties, temperature and filters), as vLLM reports by default.
+    * ``n``: independent completions of the same prompt.
     """
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -35,19 +76,44 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= float(self.temperature) <= 2.0:
-            raise ValueError(f"temperature must be in [0, 2], got {self.temperature!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        self.temperature = _number("temperature", self.temperature, 0.0, 2.0)
+        self.top_p = _number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
             raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disables it), got {self.top_k!r}")
+        self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None and (
-            not isinstance(self.seed, int) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]
         ):
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed!r}")
-        if len(self.stop) > 16:
-            raise ValueError("at most 16 stop strings are allowed")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        for token_id in self.stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, 10.0, lo_open=True)
+        self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        if self.logit_bias:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS_ENTRIES} token ids to values")
+            bias = {}
+            for token, value in self.logit_bias.items():
+                token_id = int(token) if isinstance(token, str) and token.lstrip("-").isdigit() else token
+                if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids, got {token!r}")
+                bias[token_id] = _number(f"logit_bias[{token_id}]", value, *LOGIT_BIAS_RANGE)
+            self.logit_bias = bias
+        else:
+            self.logit_bias = None
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.logprobs is not None:
+            self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        self.n = _integer("n", self.n, 1, MAX_N)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -86,7 +86,8 @@ def render(status: dict):
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
         instances.add_row(str(i["id"]), i["device"], i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
                           _pct(i["kv_usage"]), _pct(i["image_usage"]), f"{i['tokens_per_second']:.1f}")
-    budget_lines = [f"#{i['id']} {i['role']}: {i['budgets']}" for i in status["instances"] if i.get("budgets")]
+    budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}; {i['latency_model']}"
+                    for i in status["instances"] if i.get("latency_model")]
     r = status["requests"]
     requests = Table(title=f"requests (last {r['window_seconds']:.0f} s)")
     for name in ("in flight", "req/s", "TTFT p50", "TTFT p90", "TBT p50", "TBT p90"):
@@ -94,7 +95,7 @@ def render(status: dict):
     requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
                      _ms(r["tbt_p50"]), _ms(r["tbt_p90"]))
     if budget_lines:
-        return Group(instances, "SLO-derived budgets:\n  " + "\n  ".join(budget_lines), requests)
+        return Group(instances, "latency models:\n  " + "\n  ".join(budget_lines), requests)
     return Group(instances, requests)
 
 

@@ -13,8 +13,19 @@ from typing import Iterable
 
 from hydrad.config import EngineConfig
 from hydrad.engine.core import EngineCore
-from hydrad.engine.inputs import EngineRequest, RequestDelta
+from hydrad.engine.inputs import EngineOutput, EngineRequest
 from hydrad.server.router import Router
+
+
+def merge_outputs(into: EngineOutput, output: EngineOutput) -> None:
+    """Append ``output``'s columns to ``into`` (logprobs kept aligned with the tokens)."""
+    if output.logprobs is not None and into.logprobs is None:
+        into.logprobs = [None] * len(into.req_ids)
+    into.req_ids += output.req_ids
+    into.token_ids += output.token_ids
+    if into.logprobs is not None:
+        into.logprobs += output.logprobs if output.logprobs is not None else [None] * len(output.req_ids)
+    into.finished += output.finished
 
 
 class _Handle:
@@ -56,15 +67,15 @@ class LocalCluster:
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines)
 
-    def step(self) -> list[RequestDelta]:
-        deltas: list[RequestDelta] = []
+    def step(self) -> EngineOutput:
+        merged = EngineOutput()
         for engine in self.engines:
-            deltas += self.step_instance(engine)
-        return deltas
+            merge_outputs(merged, self.step_instance(engine))
+        return merged
 
-    def step_instance(self, engine: EngineCore) -> list[RequestDelta]:
+    def step_instance(self, engine: EngineCore) -> EngineOutput:
         """One step of one instance, then relay its offers and finished pulls."""
-        deltas = engine.step() if engine.has_work() else []
+        output = engine.step() if engine.has_work() else EngineOutput()
         # Releases first: the source may be the target of this step's offers (ED+P).
         for req_id, source in engine.take_pulled():
             self.engines[source].release([req_id])
@@ -72,10 +83,9 @@ class LocalCluster:
             target = self.router.select_stage(offer.next_stage).engine
             target.add_migration(offer)
             self._holders.setdefault(offer.req_id, set()).add(target.instance_id)
-        for delta in deltas:
-            if delta.finish_reason is not None:
-                self._holders.pop(delta.req_id, None)
-        return deltas
+        for finished in output.finished:
+            self._holders.pop(finished.req_id, None)
+        return output
 
     def shutdown(self) -> None:
         for engine in self.engines:

@@ -21,7 +21,16 @@ import torch
 from hydrad.config import EngineConfig
 from hydrad.engine.attention import get_attn_backend
 from hydrad.engine.block_manager import BlockManager
-from hydrad.engine.inputs import EngineRequest, EngineStats, ImageInput, MigrationOffer, RequestDelta
+from hydrad.engine.inputs import (
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishedRequest,
+    ImageInput,
+    MigrationOffer,
+    StepTiming,
+)
+from hydrad.engine.latency_model import LatencyModel
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
@@ -126,9 +135,12 @@ class EngineCore:
             kv_block_size=cache.kv_block_size,
             num_image_blocks=num_image_blocks,
             image_block_size=image_block_size,
-            sampler=Sampler(config.seed),
+            sampler=Sampler(config.seed, self.device),
             shared=shared_pools,
+            max_blocks_per_seq=-(-self.max_model_len // cache.kv_block_size),
+            vocab_size=hf_config.text_config.vocab_size,
         )
+        self.vocab_size = hf_config.text_config.vocab_size
         dual = config.parallel.dual_streams and has_vision and has_language
         self.streams = StageStreams(self.device, dual)
         self.num_image_tokens_per_image = self.model.num_image_tokens_per_image
@@ -160,8 +172,17 @@ class EngineCore:
         for image in req.images:
             if not 0 <= image.offset <= image.offset + image.length <= req.num_prompt_tokens:
                 raise ValueError(f"image placeholder range {image.offset}+{image.length} is outside the prompt")
+        self._check_token_ids(req)
         self.scheduler.add(Request(req))
         self._stalled = False
+
+    def _check_token_ids(self, req: EngineRequest) -> None:
+        """Token ids the sampler indexes by must exist (checked here, not in a step)."""
+        params = req.sampling_params
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} names token {bad[0]}, the vocabulary has {self.vocab_size} tokens")
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:
@@ -249,44 +270,43 @@ class EngineCore:
         self._inflight = still
 
     # -- the step ------------------------------------------------------------------------------
-    def step(self) -> list[RequestDelta]:
+    def step(self) -> EngineOutput:
         self._collect_pulls(block=False)
         out = self.scheduler.schedule()
+        if out.dropped and self.runner.batch is not None:
+            self.runner.drop(out.dropped)
         for pull in out.pulls:
             self._inflight.append((self._copier.submit(self._copy, pull), pull))
         if not out.encodes and not out.chunks:
             if not self._inflight:
                 self._stalled = True
             self._collect_pulls(block=True)
-            return []
+            return EngineOutput()
         vision = (lambda: self.runner.encode(out.encodes)) if out.encodes else None
         language = (lambda: self.runner.execute(out.chunks)) if out.chunks else None
         (_, encode_secs), (sampled, language_secs) = self.streams.run(vision, language)
+        timing = StepTiming(out.predicted_vision, encode_secs, out.predicted_language, language_secs)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step: %d images, %d tokens in %d chunks; vision %.1f ms (predicted %.1f), language %.1f ms "
+                         "(predicted %.1f)", len(out.encodes), out.num_tokens, len(out.chunks), 1e3 * encode_secs,
+                         1e3 * out.predicted_vision, 1e3 * language_secs, 1e3 * out.predicted_language)
         if out.encodes:
             self.scheduler.update_after_encode(out, encode_secs)
         if not out.chunks:
-            return []
-        now = time.monotonic()
-        deltas = []
-        for step in self.scheduler.update_after_language(out, sampled, language_secs):
-            req = step.req
-            if step.new_token_id is None:
-                continue
-            finished = req.finish_reason is not None
-            deltas.append(
-                RequestDelta(
-                    req_id=req.req_id,
-                    new_token_ids=[step.new_token_id],
-                    finish_reason=req.finish_reason,
-                    num_prompt_tokens=req.num_prompt_tokens if req.num_output_tokens == 1 else None,
-                    stage_times=req.stage_times(now) if finished else None,
-                )
-            )
-        return deltas
+            return EngineOutput(timing=timing)
+        result = self.scheduler.update_after_language(out, sampled.token_ids, language_secs)
+        logprobs = None
+        if sampled.logprobs is not None:
+            logprobs = [sampled.logprobs[i] for i in result.sample_index]
+        finished = []
+        if result.finished:
+            now = time.monotonic()
+            finished = [FinishedRequest(r.req_id, r.finish_reason, r.stage_times(now)) for r in result.finished]
+        return EngineOutput(result.req_ids, result.token_ids, logprobs, finished, timing)
 
-    def set_budgets(self, budgets) -> None:
-        """Replace τ_t / τ_e (between steps only) with SLO-derived ``profiler.Budgets``."""
-        self.scheduler.config = budgets.apply(self.scheduler.config)
+    def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
+        """Fill steps by predicted latency up to ``bound`` seconds (between steps only)."""
+        self.scheduler.set_latency_model(model, bound)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler

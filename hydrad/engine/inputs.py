@@ -48,11 +48,60 @@ class RequestDelta:
     new_token_ids: list[int]
     # None while running; "stop" (EOS / stop token), "length" (max_tokens / context), "abort".
     finish_reason: str | None = None
-    # Prompt tokens, filled once with the first delta so a frontend can report usage.
-    num_prompt_tokens: int | None = None
+    # One entry per new token, when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
     # With the final delta: seconds spent per stage, keys "<stage>_queue" / "<stage>_exec"
     # for stage in encode, prefill, decode (and "<a>_to_<b>_migration" across instances).
     stage_times: dict[str, float] | None = None
+
+
+@dataclass
+class TokenLogprobs:
+    """The sampled token's log-probability and rank, and the most likely tokens."""
+
+    logprob: float
+    rank: int  # 1 for the most likely token
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class FinishedRequest:
+    """A request that ended in a step, with or without a last token."""
+
+    req_id: str
+    # "stop" (EOS / stop token), "length" (max_tokens / context), "abort".
+    finish_reason: str
+    # Seconds per stage, keys "<stage>_queue" / "<stage>_exec" for stage in encode,
+    # prefill, decode (and "<a>_to_<b>_migration" across instances).
+    stage_times: dict[str, float] | None = None
+
+
+@dataclass
+class StepTiming:
+    """Predicted (latency model) and measured seconds of one step's vision and language work."""
+
+    predicted_vision: float
+    vision: float
+    predicted_language: float
+    language: float
+
+
+@dataclass
+class EngineOutput:
+    """What one engine step produced, as columns: ``token_ids[i]`` is the new token of
+    request ``req_ids[i]`` (one per request per step), ``logprobs[i]`` its log-probabilities
+    when any request of the step asked for them. ``finished`` lists the requests that
+    ended in this step (a finishing request's last token is in the columns)."""
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    finished: list[FinishedRequest] = field(default_factory=list)
+    timing: StepTiming | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.req_ids or self.finished)
 
 
 @dataclass

@@ -8,11 +8,13 @@ time on two executors.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
-from hydrad.engine.sampler import Sampler
+from hydrad.engine.sampler import Sampler, SamplerOutput
 
 
 class ModelRunner:
@@ -28,6 +30,8 @@ class ModelRunner:
         image_block_size: int,
         sampler: Sampler,
         shared: bool = False,
+        max_blocks_per_seq: int = 0,
+        vocab_size: int = 0,
     ):
         self.model = model
         self.device = device
@@ -35,6 +39,8 @@ class ModelRunner:
         self.kv_block_size = kv_block_size
         self.image_block_size = image_block_size
         self.sampler = sampler
+        # Rows of the requests running language steps (only instances with a KV cache).
+        self.batch = InputBatch(max_blocks_per_seq, vocab_size, sampler, device) if num_kv_blocks else None
         # A pool of 0 blocks is not allocated: the role does not use that cache.
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = self._pool(model.kv_cache_shape(num_kv_blocks, kv_block_size), shared) if num_kv_blocks else None
@@ -92,50 +98,69 @@ class ModelRunner:
                 flat_cache[slots] = feats.to(self.dtype)
 
     # -- language -----------------------------------------------------------------------------
+    def drop(self, reqs) -> None:
+        """These requests left the running set: free their batch rows."""
+        for req in reqs:
+            self.batch.remove(req)
+
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[Request, int]]) -> dict[str, int]:
-        """Run prefill chunks and decodes in one flattened forward; return the token sampled
-        for every request that has caught up with its tokens."""
-        token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        query_lens, seq_lens, block_tables = [], [], []
+    def execute(self, chunks: list[tuple[Request, int]]) -> SamplerOutput:
+        """Run prefill chunks and decodes in one flattened forward; sample one token for
+        every request whose chunk reaches the end of its tokens, in chunk order."""
+        batch = self.batch
+        num_blocks = batch.num_blocks
+        rows, starts, query_lens, token_ids = [], [], [], []
         mm_dst, mm_src = [], []
-        sample_rows, sample_reqs = [], []
+        sample_rows, sample_pos, sample_reqs = [], [], []
         offset = 0
         for req, num_new in chunks:
+            row = req.row
+            if row < 0:
+                row = batch.add(req)
+            if len(req.kv_block_ids) != num_blocks[row]:
+                batch.sync_blocks(row, req.kv_block_ids)
             start = req.num_computed_tokens
             end = start + num_new
-            token_ids.extend(req.token_ids(start, end))
-            positions.append(torch.arange(start, end))
+            rows.append(row)
+            starts.append(start)
             query_lens.append(num_new)
-            seq_lens.append(end)
-            block_tables.append(req.kv_block_ids)
-            for i, image in enumerate(req.images):
-                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
-                if lo < hi:
-                    mm_src.append(self._image_slots(req.image_block_ids[i], lo - image.offset, hi - image.offset))
-                    mm_dst.append(torch.arange(lo - start, hi - start) + offset)
-            if end == req.num_tokens:
-                sample_rows.append(offset + num_new - 1)
-                sample_reqs.append(req)
+            if num_new == 1 and start >= req.num_prompt_tokens:
+                token_ids.append(req.output_token_ids[start - req.num_prompt_tokens])
+            else:
+                token_ids.extend(req.token_ids(start, end))
+            if req.num_held_images:
+                self._place_images(req, start, end, offset, mm_dst, mm_src)
             offset += num_new
+            if end == req.num_tokens:
+                sample_rows.append(row)
+                sample_pos.append(offset - 1)
+                sample_reqs.append(req)
 
         device = self.device
+        rows_np = np.array(rows, dtype=np.int64)
+        query_lens_np = np.array(query_lens, dtype=np.int64)
+        seq_lens = np.array(starts, dtype=np.int64) + query_lens_np
+        max_num_blocks = -(-int(seq_lens.max()) // self.kv_block_size)
+        meta = AttentionMetadata.build(query_lens_np, seq_lens, batch.block_table[rows_np, :max_num_blocks],
+                                       self.kv_block_size, device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if mm_dst:
             flat_cache = self.image_cache.view(-1, self.image_cache.shape[-1])
             embeds[torch.cat(mm_dst).to(device)] = flat_cache[torch.cat(mm_src).to(device)].to(embeds.dtype)
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.kv_block_size, device)
-        hidden = self.model(embeds, torch.cat(positions).to(device), self.kv_cache, meta)
+        hidden = self.model(embeds, meta.positions, self.kv_cache, meta)
         if not sample_reqs:
-            return {}
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-        params = [r.sampling_params for r in sample_reqs]
-        generators = []
-        for req in sample_reqs:
-            if not req.sampling_params.greedy and req.generator is None:
-                req.generator = self.sampler.generator_for(req.sampling_params)
-            generators.append(req.generator)
-        sampled = self.sampler.sample(logits, params, generators)
-        return {req.req_id: tok for req, tok in zip(sample_reqs, sampled)}
+            return SamplerOutput([])
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_pos, device=device)])
+        sample_rows_np = np.array(sample_rows, dtype=np.int64)
+        out = self.sampler.sample(logits, batch.sampling_metadata(sample_rows_np, sample_reqs))
+        batch.add_sampled(sample_rows_np, out.token_ids)
+        return out
+
+    def _place_images(self, req: Request, start: int, end: int, offset: int, mm_dst: list, mm_src: list) -> None:
+        """Image-cache rows of the image tokens in [start, end) and where they go in the batch."""
+        for i, image in enumerate(req.images):
+            lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+            if lo < hi:
+                mm_src.append(self._image_slots(req.image_block_ids[i], lo - image.offset, hi - image.offset))
+                mm_dst.append(torch.arange(lo - start, hi - start) + offset)

@@ -1,36 +1,26 @@
-"""SLO-derived scheduler budgets (HydraInfer §4): τ_e and τ_t from measured batch latency.
+"""Fitting an instance's latency model on its device (``hydrad.engine.latency_model``).
 
-At worker start each budget is the largest batch whose latency on this device stays
-within the instance's bound:
+At worker start, a designed set of probe batches runs through the engine's own runner
+(vision and language work through the same dual-stream executor as real steps, sampled
+rows through the real sampler at the API's default temperature), and the model's
+coefficients are fitted to their measured times by least squares on relative error. A
+second, randomized set of probes that the fit never sees measures the model's error;
+the result is cached on disk per model, dtype, device, thread count and the parts the
+role uses, so a restart loads it in milliseconds.
 
-* roles that decode (D, ED, PD, EPD): ``slo.tbt`` — every step carries the decodes;
-* the others (E, P, EP): ``slo.alpha * slo.ttft``, the share of the TTFT one batch may take.
-
-τ_e (roles with E) counts images per encode batch, τ_t (roles with P or D) tokens per
-language batch. The scheduler fills a step with every running decode before any prefill,
-so the heaviest batch a token budget of n admits is as many decodes as can run, topped up
-with prefill tokens. Those decodes are probed at a long context (``context_len``, by default
-a quarter of ``max_model_len``): a decode's attention reads its whole KV context, and
-probing empty-context decodes (as HydraInfer's profiler does) overestimates τ_t for exactly
-the instances whose TBT it is meant to protect.
-
-Probes are batches of synthetic requests run through the engine's own runner over blocks
-borrowed from its pools and returned afterwards; the scheduler is never involved. A probe's
-latency is the median of a few timed runs after one warm-up run, so that one-off costs
-(allocator growth, kernel selection) and scheduling noise do not break the monotonicity the
-binary search relies on. Results are cached on disk per model, device, role, SLO and cache
-layout, so a restart does not measure again.
+A probe's time is the median of a few timed runs after a warm-up run. Probes borrow
+blocks from the engine's pools and give them back; the scheduler is never involved.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import math
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -41,165 +31,159 @@ from pathlib import Path
 
 import torch
 
-from hydrad.config import SchedulerConfig, SLOConfig
+from hydrad.config import SLOConfig
 from hydrad.engine.inputs import EngineRequest, ImageInput
+from hydrad.engine.latency_model import FitError, LatencyModel, StepShape, fit_least_squares
 from hydrad.engine.request import Request
 from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MIN_TOKEN_BUDGET = 16
-MAX_TOKEN_BUDGET = 16384
-MAX_IMAGE_BUDGET = 64
-# Bump when the probe batches or the file layout change: older files then miss.
-_CACHE_VERSION = 1
+# Bump when the probes, the features or the file layout change: older files then miss.
+_CACHE_VERSION = 3
+_REPEATS = 2
+
+
+def latency_bound(slo: SLOConfig, role: str) -> float:
+    """The step bound of a role: TBT for roles that decode (every step carries decodes),
+    the share alpha of the TTFT one batch may take otherwise."""
+    return slo.tbt if "D" in role else slo.alpha * slo.ttft
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One batch shape to time: images to encode, or prefill tokens plus decodes."""
+    """One batch to time: image tokens per image, (context, tokens) per prefill chunk,
+    context per decode (its cached tokens)."""
 
-    num_images: int = 0
-    num_prefill_tokens: int = 0
-    num_decodes: int = 0
-    # KV context each decode attends over (its tokens before the one it computes).
-    context_len: int = 0
+    images: tuple[int, ...] = ()
+    prefills: tuple[tuple[int, int], ...] = ()
+    decodes: tuple[int, ...] = ()
+
+    def shape(self) -> StepShape:
+        return StepShape.of(images=list(self.images), prefills=list(self.prefills),
+                            decodes=[c + 1 for c in self.decodes])
 
     @property
-    def kind(self) -> str:
-        return "encode" if self.num_images else "language"
+    def has_vision(self) -> bool:
+        return bool(self.images)
 
     @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decodes
-
-
-LatencyFn = Callable[[Probe], float]
+    def has_language(self) -> bool:
+        return bool(self.prefills or self.decodes)
 
 
 @dataclass(frozen=True)
-class Budgets:
-    """The budgets of one instance and the batch latencies they were chosen at."""
+class Limits:
+    """How large a probe this engine can hold."""
 
-    # None: the role has no stage that uses this budget.
-    token_budget: int | None
-    image_budget: int | None
-    # False: loaded from the disk cache.
-    measured: bool
-    # Seconds: slo.tbt for roles that decode, slo.alpha * slo.ttft otherwise.
-    latency_bound: float
-    role: str
-    # Seconds, the probe latency at the chosen budget.
-    token_latency: float | None = None
-    image_latency: float | None = None
-    # Context of the decodes in the token probes (None for roles without D).
-    context_len: int | None = None
+    image_tokens: int  # tokens of one image (0: no vision part)
+    max_images: int
+    kv_tokens: int  # KV slots in the pool (0: no language part)
+    max_model_len: int
+    max_seqs: int
+    block_size: int
 
-    @property
-    def bound_name(self) -> str:
-        return "TBT" if "D" in self.role else "alpha*TTFT"
-
-    @property
-    def within_bound(self) -> bool:
-        """False when even the smallest budget misses the bound: the SLO cannot be met here."""
-        return all(t is None or t <= self.latency_bound for t in (self.token_latency, self.image_latency))
-
-    def apply(self, config: SchedulerConfig) -> SchedulerConfig:
-        """``config`` with the budgets this role uses replaced by the derived ones."""
-        changes = {}
-        if self.token_budget is not None:
-            changes["token_budget"] = self.token_budget
-        if self.image_budget is not None:
-            changes["image_budget"] = self.image_budget
-        return dataclasses.replace(config, **changes)
-
-    def summary(self) -> str:
-        parts = []
-        if self.token_budget is not None:
-            parts.append(f"tau_t {self.token_budget} tokens ({self.token_latency * 1e3:.1f} ms)")
-        if self.image_budget is not None:
-            parts.append(f"tau_e {self.image_budget} images ({self.image_latency * 1e3:.1f} ms)")
-        verdict = "within" if self.within_bound else "OVER"
-        origin = "measured" if self.measured else "cached"
-        return f"{', '.join(parts)}; {verdict} {self.bound_name} {self.latency_bound * 1e3:.1f} ms ({origin})"
+    def kv_fits(self, probe: Probe) -> bool:
+        bs = self.block_size
+        need = sum(-(-(c + 1) // bs) for c in probe.decodes) + sum(-(-(c + q) // bs) for c, q in probe.prefills)
+        return need * bs <= self.kv_tokens and len(probe.decodes) + len(probe.prefills) <= self.max_seqs
 
 
-def search_budget(latency_of: Callable[[int], float], bound: float, lo: int, hi: int) -> int:
-    """The largest n in [lo, hi] with ``latency_of(n) <= bound``, for a non-decreasing
-    ``latency_of``; ``lo`` when even ``lo`` is over. Each n is evaluated at most once."""
-    if lo > hi:
-        raise ValueError(f"empty search range [{lo}, {hi}]")
-    if latency_of(lo) > bound or lo == hi:
-        return lo
-    # Generous SLOs end here, after two probes.
-    if latency_of(hi) <= bound:
-        return hi
-    good, bad = lo, hi
-    while bad - good > 1:
-        mid = (good + bad) // 2
-        if latency_of(mid) <= bound:
-            good = mid
-        else:
-            bad = mid
-    return good
+def design_probes(limits: Limits, seed: int = 0) -> tuple[list[Probe], list[Probe]]:
+    """(probes to fit on, held-out probes to measure the error on)."""
+    fit: list[Probe] = []
+    check: list[Probe] = []
+    rng = random.Random(seed)
+    if limits.image_tokens:
+        t = limits.image_tokens
+        fit += [Probe(images=(t,) * n) for n in (1, 2, 4) if n <= limits.max_images]
+        check += [Probe(images=(t,) * n) for n in (3,) if n <= limits.max_images]
+    if limits.kv_tokens:
+        top = max(32, limits.max_model_len // 4)
+        mid, low = max(16, top // 3), max(8, top // 12)
+        chunk = min(512, limits.max_model_len // 2)
+        language = [
+            Probe(decodes=(low,)),
+            Probe(decodes=(low,) * 16),
+            Probe(decodes=(low,) * 64),
+            Probe(decodes=(top,) * 8),
+            Probe(decodes=(top,) * 32),
+            Probe(prefills=((0, max(8, chunk // 16)),)),
+            Probe(prefills=((0, max(8, chunk // 4)),)),
+            Probe(prefills=((0, chunk),)),
+            Probe(prefills=((mid, max(8, chunk // 4)),)),
+            Probe(prefills=((top, max(8, chunk // 2)),)),
+            Probe(decodes=(mid,) * 16, prefills=((0, max(8, chunk // 2)),)),
+        ]
+        fit += [_shrink(p, limits) for p in language]
+        for _ in range(6):
+            num_decodes = rng.randint(0, 48)
+            context = rng.randint(low, top)
+            prefill = rng.choice((0, rng.randint(8, chunk)))
+            decodes = tuple(max(1, int(context * rng.uniform(0.5, 1.5))) for _ in range(num_decodes))
+            prefills = ((rng.randint(0, mid), prefill),) if prefill or not decodes else ()
+            check.append(_shrink(Probe(prefills=prefills or ((0, 16),), decodes=decodes), limits))
+        if limits.image_tokens:  # vision and language together: how much they overlap
+            t = limits.image_tokens
+            fit += [_shrink(Probe(images=(t,) * min(2, limits.max_images), decodes=(mid,) * 16), limits),
+                    _shrink(Probe(images=(t,), prefills=((0, max(8, chunk // 4)),)), limits)]
+            check += [_shrink(Probe(images=(t,), decodes=(low,) * 8, prefills=((0, max(8, chunk // 8)),)), limits)]
+    return fit, check
 
 
-def _max_probes(lo: int, hi: int) -> int:
-    return 1 if lo == hi else 2 + (hi - lo - 1).bit_length()
+def _shrink(probe: Probe, limits: Limits) -> Probe:
+    """The probe, halved until the pools hold it."""
+    while not limits.kv_fits(probe):
+        decodes = tuple(max(1, c // 2) for c in probe.decodes[: max(1, len(probe.decodes) // 2)]) \
+            if probe.decodes else ()
+        prefills = tuple((c // 2, max(1, q // 2)) for c, q in probe.prefills)
+        shrunk = Probe(probe.images, prefills, decodes)
+        if shrunk == probe:
+            raise ConfigError("the KV cache is too small to measure a single decode")
+        probe = shrunk
+    return probe
 
 
-# -- probe shapes and how far they fit ----------------------------------------------------------
-@dataclass(frozen=True)
-class _Space:
-    """The probes of one role on one engine, and the largest that fit its pools."""
-
-    role: str
-    context_len: int
-    max_decodes: int
-    token_hi: int
-    image_hi: int
-
-    def language_probe(self, num_tokens: int) -> Probe:
-        num_decodes = min(num_tokens, self.max_decodes)
-        return Probe(num_prefill_tokens=num_tokens - num_decodes, num_decodes=num_decodes,
-                     context_len=self.context_len)
-
-
-def _search_space(engine, role: str, context_len: int) -> _Space:
-    kv, images = engine.kv_manager, engine.image_manager
-    image_hi = prefill_hi = max_decodes = 0
-    if "E" in role:
-        per_image = images.num_blocks_for(engine.model.num_image_tokens_per_image)
-        image_hi = min(MAX_IMAGE_BUDGET, images.num_free_blocks // per_image)
-        if image_hi == 0:
-            raise ConfigError(f"the image cache has {images.num_free_blocks} free blocks: not one image fits")
-    if "P" in role:
-        prefill_hi = min(MAX_TOKEN_BUDGET, engine.max_model_len, kv.num_free_blocks * kv.block_size)
-        if prefill_hi == 0:
-            raise ConfigError("the KV cache has no free block")
-    if "D" in role:
-        # The decodes share the pool with the largest prefill chunk the search may probe, and
-        # with prefill in the role the heaviest step leaves one sequence to that chunk.
-        room = kv.num_free_blocks - kv.num_blocks_for(prefill_hi)
-        seqs = engine.config.scheduler.max_num_seqs - ("P" in role)
-        max_decodes = min(seqs, room // kv.num_blocks_for(context_len + 1))
-        if max_decodes == 0 and "P" not in role:
-            raise ConfigError(
-                f"the KV cache has {kv.num_free_blocks} free blocks: not one decode at context {context_len} fits"
-            )
-    token_hi = prefill_hi if "P" in role else max_decodes
-    return _Space(role, context_len, max_decodes, token_hi, image_hi)
+def fit_model(fit: list[tuple[Probe, float]], check: list[tuple[Probe, float]], meta: dict) -> LatencyModel:
+    """Coefficients from timed probes; the error from the held-out ones."""
+    alone = [(p, t) for p, t in fit if p.has_vision != p.has_language]
+    vision = [(p.shape().vision_features(), t) for p, t in alone if p.has_vision]
+    language = [(p.shape().language_features(), t) for p, t in alone if p.has_language]
+    coef = {}
+    if vision:
+        rows = [f for f, _ in vision]
+        if len({t for p, _ in alone for t in p.images}) == 1:
+            # Every image has the same token count (LLaVA-1.5): the per-token terms cannot be
+            # told from the per-image one, so the per-image term carries them.
+            rows = [f[:2] + [0.0, 0.0] for f in rows]
+        coef.update(zip(("v_fixed", "v_image", "v_token", "v_token2"),
+                        fit_least_squares(rows, [t for _, t in vision])))
+    if language:
+        coef.update(zip(("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx"),
+                        fit_least_squares([f for f, _ in language], [t for _, t in language])))
+    model = LatencyModel(**coef)
+    both = [(p, t) for p, t in fit if p.has_vision and p.has_language]
+    overlap = 1.0
+    if both:
+        shares = []
+        for probe, seconds in both:
+            v, lang = model.vision_seconds(probe.shape()), model.language_seconds(probe.shape())
+            shares.append((seconds - max(v, lang)) / max(min(v, lang), 1e-9))
+        overlap = min(2.0, max(0.0, statistics.median(shares)))
+    errors = [abs(LatencyModel(**coef, overlap=overlap).step_seconds(p.shape()) - t) / t for p, t in check]
+    error = FitError(statistics.median(errors), max(errors), len(errors)) if errors else None
+    return LatencyModel(**coef, overlap=overlap, meta=meta, error=error)
 
 
 # -- timing probes on the engine ---------------------------------------------------------------
-_GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+_SAMPLED = SamplingParams(max_tokens=1, temperature=1.0)  # the API's default: sampled rows
 
 
 class EngineTimer:
     """Times probes with the engine's runner over blocks borrowed from its pools."""
 
-    def __init__(self, engine, *, repeats: int = 3, seed: int = 0):
+    def __init__(self, engine, *, repeats: int = _REPEATS, seed: int = 0):
         from hydrad.models.loader import load_config
 
         if repeats < 1:
@@ -208,7 +192,6 @@ class EngineTimer:
         self.repeats = repeats
         hf_config = load_config(engine.model_path)
         self.vocab_size = hf_config.text_config.vocab_size
-        self.num_image_tokens = engine.model.num_image_tokens_per_image
         side = hf_config.vision_config.image_size
         self.generator = torch.Generator().manual_seed(seed)
         # Content does not change the cost of a dense forward; one image serves every slot.
@@ -217,11 +200,13 @@ class EngineTimer:
     def __call__(self, probe: Probe) -> float:
         used = self._num_used_blocks()
         with self._batch(probe) as (encodes, chunks):
-            runner = self.engine.runner
+            runner, streams = self.engine.runner, self.engine.streams
+            vision = (lambda: runner.encode(encodes)) if encodes else None
+            language = (lambda: runner.execute(chunks)) if chunks else None
             try:
-                seconds = self._median_seconds(lambda: runner.encode(encodes) if encodes else runner.execute(chunks))
+                seconds = self._median_seconds(lambda: streams.run(vision, language))
             except torch.OutOfMemoryError:
-                # A batch the device cannot hold is over any bound, and so is every larger one.
+                # A batch the device cannot hold is over any bound.
                 torch.cuda.empty_cache()
                 seconds = math.inf
         if self._num_used_blocks() != used:
@@ -244,10 +229,10 @@ class EngineTimer:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def _request(self, req_id: str, num_prompt: int, num_output: int = 0, images=()) -> Request:
+    def _request(self, name: str, num_prompt: int, num_output: int = 0, images=()) -> Request:
         token_ids = torch.randint(self.vocab_size, (num_prompt + num_output,), generator=self.generator).tolist()
-        req = Request(EngineRequest(f"probe-{req_id}", token_ids[:num_prompt], _GREEDY, images=list(images)))
-        req.output_token_ids = token_ids[num_prompt:]
+        req = Request(EngineRequest(f"probe-{name}", token_ids[:num_prompt], _SAMPLED, images=list(images)))
+        req.set_output(token_ids[num_prompt:])
         return req
 
     @contextmanager
@@ -256,28 +241,33 @@ class EngineTimer:
         reqs: list[Request] = []
         encodes, chunks = [], []
         try:
-            if probe.num_images:
-                length = self.num_image_tokens
-                images = [ImageInput(self.pixel_values, i * length, length) for i in range(probe.num_images)]
-                req = self._request("encode", probe.num_images * length, images=images)
+            if probe.images:
+                offset, images = 0, []
+                for length in probe.images:
+                    images.append(ImageInput(self.pixel_values, offset, length))
+                    offset += length
+                req = self._request("encode", offset, images=images)
                 reqs.append(req)
-                for i in range(probe.num_images):
+                for i, length in enumerate(probe.images):
                     req.image_block_ids[i] = image_pool.allocate(image_pool.num_blocks_for(length))
                     encodes.append((req, i))
             # Decodes first, as the scheduler orders a step.
-            for i in range(probe.num_decodes):
-                req = self._request(f"decode-{i}", probe.context_len, num_output=1)
+            for i, context in enumerate(probe.decodes):
+                req = self._request(f"decode-{i}", context, num_output=1)
                 reqs.append(req)
-                req.num_computed_tokens = probe.context_len
-                req.kv_block_ids = kv.allocate(kv.num_blocks_for(probe.context_len + 1))
+                req.num_computed_tokens = context
+                req.kv_block_ids = kv.allocate(kv.num_blocks_for(context + 1))
                 chunks.append((req, 1))
-            if probe.num_prefill_tokens:
-                req = self._request("prefill", probe.num_prefill_tokens)
+            for i, (context, tokens) in enumerate(probe.prefills):
+                req = self._request(f"prefill-{i}", context + tokens)
                 reqs.append(req)
-                req.kv_block_ids = kv.allocate(kv.num_blocks_for(probe.num_prefill_tokens))
-                chunks.append((req, probe.num_prefill_tokens))
+                req.num_computed_tokens = context
+                req.kv_block_ids = kv.allocate(kv.num_blocks_for(context + tokens))
+                chunks.append((req, tokens))
             yield encodes, chunks
         finally:
+            if self.engine.runner.batch is not None:
+                self.engine.runner.drop(reqs)
             for req in reqs:
                 if req.kv_block_ids:
                     kv.free(req.kv_block_ids)
@@ -286,29 +276,43 @@ class EngineTimer:
                         image_pool.free(block_ids)
 
 
+def engine_limits(engine) -> Limits:
+    kv, images = engine.kv_manager, engine.image_manager
+    image_tokens = engine.model.num_image_tokens_per_image if "E" in engine.role else 0
+    max_images = images.num_free_blocks // images.num_blocks_for(image_tokens) if image_tokens else 0
+    if image_tokens and max_images < 1:
+        raise ConfigError(f"the image cache has {images.num_free_blocks} free blocks: not one image fits")
+    has_language = "P" in engine.role or "D" in engine.role
+    return Limits(
+        image_tokens=image_tokens,
+        max_images=min(max_images, 8),
+        kv_tokens=kv.num_free_blocks * kv.block_size if has_language else 0,
+        max_model_len=engine.max_model_len,
+        max_seqs=max(engine.config.scheduler.max_num_seqs, 64),
+        block_size=kv.block_size if kv is not None else 16,
+    )
+
+
 # -- the disk cache ---------------------------------------------------------------------------
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"
     # CPU latency scales with the threads the worker was given.
     return f"{device.type}:{platform.machine()}:{torch.get_num_threads()}threads"
 
 
-def _cache_key(engine, slo: SLOConfig, space: _Space) -> dict:
+def cache_key(engine, limits: Limits) -> dict:
     config_json = (Path(engine.model_path) / "config.json").read_bytes()
     return {
         "version": _CACHE_VERSION,
         "model": str(Path(engine.model_path).resolve()),
         "config_sha256": hashlib.sha256(config_json).hexdigest(),
         "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": _device_name(engine.device),
-        "role": space.role,
-        "slo": {"ttft": slo.ttft, "tbt": slo.tbt, "alpha": slo.alpha},
-        "kv_block_size": engine.kv_manager.block_size if engine.kv_manager else None,
-        "image_block_size": engine.image_manager.block_size if engine.image_manager else None,
-        # The search ranges follow from the pools and limits; a larger pool may allow larger budgets.
-        "search": {"context_len": space.context_len, "max_decodes": space.max_decodes,
-                   "token_hi": space.token_hi, "image_hi": space.image_hi},
+        "device": device_name(engine.device),
+        "parts": ("vision" if limits.image_tokens else "") + ("+language" if limits.kv_tokens else ""),
+        "dual_streams": engine.streams.enabled,
+        "kv_block_size": limits.block_size,
+        "image_tokens": limits.image_tokens,
     }
 
 
@@ -316,129 +320,77 @@ def cache_path(key: dict) -> Path:
     from hydrad.models.default import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "budgets" / f"{Path(key['model']).name}-{key['role']}-{digest}.json"
+    return cache_dir() / "latency" / f"{Path(key['model']).name}-{key['parts'].strip('+')}-{digest}.json"
 
 
-def _load(path: Path, key: dict) -> Budgets | None:
+def load_cached(path: Path, key: dict) -> LatencyModel | None:
     try:
-        data = json.loads(path.read_text())
-        if data["key"] != key:
-            return None
-        return Budgets(**data["budgets"], measured=False)
+        model = LatencyModel.load(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("ignoring unreadable budgets cache %s: %s", path, e)
+        logger.warning("ignoring unreadable latency model %s: %s", path, e)
         return None
+    return model if model.meta.get("key") == key else None
 
 
-def _store(path: Path, key: dict, budgets: Budgets) -> None:
-    fields = {k: v for k, v in dataclasses.asdict(budgets).items() if k != "measured"}
+def store(path: Path, model: LatencyModel) -> None:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # Rename into place: a concurrent reader sees the old file or the new one, never half.
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             tmp = Path(f.name)
-            json.dump({"key": key, "budgets": fields}, f, indent=2)
+            json.dump(model.to_json(), f, indent=2)
         os.replace(tmp, path)
     except OSError as e:
-        # Serving goes on with the measured budgets; the next start measures again.
-        logger.warning("could not write budgets cache %s: %s", path, e)
+        logger.warning("could not write latency model %s: %s", path, e)
         if tmp is not None:
             tmp.unlink(missing_ok=True)
 
 
-# -- derive ------------------------------------------------------------------------------------
-def derive_budgets(
-    engine,
-    slo: SLOConfig,
-    *,
-    role: str,
-    force: bool = False,
-    latency_fn: LatencyFn | None = None,
-    context_len: int | None = None,
-    repeats: int = 3,
-) -> Budgets:
-    """The budgets of an instance with ``role`` on ``engine``'s device, from the disk cache
-    unless ``force`` or absent. ``latency_fn(probe) -> seconds`` replaces measuring on the
-    engine (its results are cached the same way); ``context_len`` is the decode context of the
-    token probes, by default ``engine.max_model_len // 4``."""
-    from hydrad.engine.core import normalize_role
-
-    role = normalize_role(role)
-    if not set(role) <= set(engine.role):
-        raise ConfigError(f"a {engine.role} instance cannot run the stages of role {role}")
-    if context_len is None:
-        context_len = slo.decode_context_len if slo.decode_context_len is not None else engine.max_model_len // 4
-    if not 0 <= context_len < engine.max_model_len:
-        raise ConfigError(f"context_len must be in [0, {engine.max_model_len}), got {context_len}")
-    if "D" not in role:
-        # No decodes are probed: keep the cache key independent of it.
-        context_len = 0
-    bound = slo.tbt if "D" in role else slo.alpha * slo.ttft
-    space = _search_space(engine, role, context_len)
-    key = _cache_key(engine, slo, space)
+# -- fit ---------------------------------------------------------------------------------------
+def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], float] | None = None,
+                      show_progress: bool = True) -> LatencyModel:
+    """The latency model of ``engine``'s instance, from the disk cache unless ``force`` or
+    absent. ``timer(probe) -> seconds`` replaces measuring on the engine."""
+    limits = engine_limits(engine)
+    key = cache_key(engine, limits)
     path = cache_path(key)
-    if not force and (cached := _load(path, key)) is not None:
-        logger.info("budgets of %s from %s: %s", role, path, cached.summary())
+    if not force and timer is None and (cached := load_cached(path, key)) is not None:
+        logger.info("latency model from %s: %s", path, cached.summary())
         return cached
-
-    if latency_fn is None:
+    if timer is None:
         if engine.has_unfinished_requests():
-            raise RuntimeError("budgets are measured on an idle engine")
-        latency_fn = EngineTimer(engine, repeats=repeats)
-    token_budget = image_budget = token_latency = image_latency = None
-    with _progress() as progress:
-        if space.image_hi:
-            image_budget, image_latency = _search(progress, f"{role} tau_e", "images",
-                                                  lambda n: Probe(num_images=n), latency_fn, bound, 1, space.image_hi)
-        if space.token_hi:
-            lo = min(MIN_TOKEN_BUDGET, space.token_hi)
-            token_budget, token_latency = _search(progress, f"{role} tau_t", "tokens",
-                                                  space.language_probe, latency_fn, bound, lo, space.token_hi)
-    budgets = Budgets(
-        token_budget=token_budget,
-        image_budget=image_budget,
-        measured=True,
-        latency_bound=bound,
-        role=role,
-        token_latency=token_latency,
-        image_latency=image_latency,
-        context_len=context_len if "D" in role else None,
-    )
-    if budgets.within_bound:
-        _store(path, key, budgets)
-        logger.info("budgets of %s: %s", role, budgets.summary())
-    else:
-        # Most often a machine busy with other work while measuring: never keep such a result.
-        logger.warning("budgets of %s: %s; not cached, measured again at the next start", role, budgets.summary())
-    return budgets
+            raise RuntimeError("the latency model is measured on an idle engine")
+        timer = EngineTimer(engine)
+    fit_probes, check_probes = design_probes(limits)
+    start = time.monotonic()
+    measured = []
+    with _progress(show_progress, len(fit_probes) + len(check_probes)) as advance:
+        for probe in fit_probes + check_probes:
+            measured.append((probe, timer(probe)))
+            advance()
+    fit = measured[: len(fit_probes)]
+    check = measured[len(fit_probes):]
+    meta = {"key": key, "image_tokens": limits.image_tokens, "seconds": round(time.monotonic() - start, 2),
+            "probes": [{"images": list(p.images), "prefills": [list(x) for x in p.prefills],
+                        "decodes": list(p.decodes), "seconds": t} for p, t in measured]}
+    model = fit_model(fit, check, meta)
+    store(path, model)
+    logger.info("latency model fitted in %.1f s: %s", time.monotonic() - start, model.summary())
+    return model
 
 
 @contextmanager
-def _progress():
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
+    if not show:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hydrad.cli.common import console
-
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as progress:
-        yield progress
-
-
-def _search(progress, label: str, unit: str, make_probe: Callable[[int], Probe], latency_fn: LatencyFn,
-            bound: float, lo: int, hi: int) -> tuple[int, float]:
-    total = _max_probes(lo, hi)
-    task = progress.add_task(label, total=total)
-    seen: dict[int, float] = {}
-
-    def latency_of(n: int) -> float:
-        progress.update(task, description=f"{label}: {n} {unit}")
-        seen[n] = latency_fn(make_probe(n))
-        progress.advance(task)
-        return seen[n]
-
-    n = search_budget(latency_of, bound, lo, hi)
-    progress.update(task, completed=total, description=f"{label} = {n} {unit}")
-    return n, seen[n]
+    with Progress(TextColumn("latency model"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("probes", total=total)
+        yield lambda: progress.advance(task)

@@ -29,9 +29,15 @@ class Request:
         self.req_id = req.req_id
         self.prompt_token_ids = list(req.prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        # Prompt + output: kept as a number, read several times per request per step.
+        self.num_tokens = self.num_prompt_tokens
         self.sampling_params: SamplingParams = req.sampling_params
         self.images: list[ImageInput] = req.images
         self.eos_token_ids = frozenset(req.eos_token_ids)
+        # Token ids that finish the request: EOS unless ignore_eos, and the stop token ids.
+        params = req.sampling_params
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -39,6 +45,12 @@ class Request:
         self.kv_block_ids: list[int] = []
         # One list per image; emptied once prefill has read past that image.
         self.image_block_ids: list[list[int]] = [[] for _ in self.images]
+        # Images whose blocks are still held (prefill has not read past them).
+        self.num_held_images = 0
+        # The runner's persistent batch row while the request runs language steps (-1: none).
+        self.row = -1
+        # The scheduler step that last scheduled it (guards it against preemption in that step).
+        self.scheduled_step = -1
         # Preemption recomputes from the prompt: only possible where the images can be
         # encoded again. Others get their whole KV reservation up front instead.
         self.preemptible = True
@@ -67,7 +79,7 @@ class Request:
                 eos_token_ids=offer.eos_token_ids,
             )
         )
-        req.output_token_ids = list(offer.output_token_ids)
+        req.set_output(offer.output_token_ids)
         req.timeline = dict(offer.timeline)
         req.pull = (offer.kind, offer.source, offer.block_ids, offer.num_computed_tokens)
         if offer.generator_state is not None:
@@ -86,13 +98,13 @@ class Request:
         self.timeline.setdefault(event, now if now is not None else time.monotonic())
 
     # -- token accounting --------------------------------------------------------------
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.num_tokens += 1
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def set_output(self, token_ids) -> None:
+        self.output_token_ids = list(token_ids)
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -117,7 +129,7 @@ class Request:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_missing_tokens == 1 and self.num_output_tokens > 0
+        return self.num_tokens - self.num_computed_tokens == 1 and self.num_tokens > self.num_prompt_tokens
 
     # -- images ----------------------------------------------------------------------------
     @property
@@ -135,6 +147,9 @@ class Request:
             for i, img in enumerate(self.images)
             if self.image_block_ids[i] and img.offset + img.length <= self.num_computed_tokens
         ]
+
+    def image_tokens(self, index: int) -> int:
+        return self.images[index].length
 
     # -- timing ----------------------------------------------------------------------------
     def stage_times(self, now: float) -> dict[str, float]:

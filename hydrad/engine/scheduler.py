@@ -1,10 +1,12 @@
-"""Stage-level scheduling (HydraInfer, Algorithm 1), with pull-based migration.
+"""Stage-level scheduling (HydraInfer, Algorithm 1), context-aware, with pull-based migration.
 
-Each step fills one batch, in this order, within a token budget τ_t and an image
-budget τ_e:
+Each step fills one batch, in this order, while the step's *predicted* latency stays
+within the instance's bound (``StepBudget``: TBT for roles that decode, alpha * TTFT
+otherwise; ``token_budget``/``image_budget`` are hard caps on top):
 
-1. every running decode (one token each);
-2. unfinished prefill chunks (a chunk may stop anywhere, inside image tokens too);
+1. running decodes (one token each, at their own KV context);
+2. unfinished prefill chunks, each cut to the largest size that fits (a chunk may
+   stop anywhere, inside image tokens too);
 3. unfinished encodes (images of admitted requests);
 4. requests migrating in from another instance (the head of the queue): blocks are
    allocated here and the copy from the source's pool is handed to the copy thread;
@@ -12,12 +14,17 @@ budget τ_e:
    encoding (image blocks for all their images are taken at once, so two requests
    can never each hold half of what they need), text-only ones straight to prefill.
 
-A request's prefill starts only after all its images are encoded. A stage this
-instance does not hold is offered to another instance: the request keeps its blocks
-until the target has pulled them. When the KV pool runs dry, the latest-arrived
-running request not yet in this batch is preempted: it gives back everything and
-is recomputed later from its prompt and the tokens it has produced. The scheduler
-imports no torch: it is tested with synthetic outputs.
+The first unit of work of an empty step is always admitted, so a step makes progress
+even when the bound cannot be met. A request's prefill starts only after all its
+images are encoded. A stage this instance does not hold is offered to another
+instance: the request keeps its blocks until the target has pulled them. When the KV
+pool runs dry, the latest-admitted running request not yet in this batch is
+preempted: it gives back everything and is recomputed later from its prompt and the
+tokens it has produced.
+
+Queues are insertion-ordered dicts, so leaving one is O(1) and a step costs a pass
+over the requests it schedules. The scheduler imports no torch: it is tested with
+synthetic outputs and synthetic latency models.
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ from dataclasses import dataclass, field
 
 from hydrad.config import SchedulerConfig
 from hydrad.engine.block_manager import BlockManager
+from hydrad.engine.latency_model import LatencyModel, StepBudget
 from hydrad.engine.request import Request, RequestStatus
+
+_RUNNING = RequestStatus.RUNNING
 
 
 @dataclass
@@ -50,6 +60,12 @@ class SchedulerOutput:
     chunks: list[tuple[Request, int]] = field(default_factory=list)
     pulls: list[Pull] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Requests that left the running set since the last schedule (finished, aborted,
+    # preempted, offered): the runner drops their batch rows before this step.
+    dropped: list[Request] = field(default_factory=list)
+    # Predicted seconds of the vision and the language work (0 without a latency model).
+    predicted_vision: float = 0.0
+    predicted_language: float = 0.0
 
     @property
     def is_empty(self) -> bool:
@@ -61,11 +77,15 @@ class SchedulerOutput:
 
 
 @dataclass
-class FinishedStep:
-    """What a language step did to one request: the sampled token, if any."""
+class LanguageResult:
+    """What one language step produced, as columns: one new token per listed request."""
 
-    req: Request
-    new_token_id: int | None
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    # Index of each emitted token in the runner's sampled list (for its logprobs).
+    sample_index: list[int] = field(default_factory=list)
+    # Requests that finished in this step (their finish_reason is set).
+    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -82,23 +102,42 @@ class Scheduler:
         self.images = image_manager
         self.max_model_len = max_model_len
         self.role = role
+        self.can_decode = "D" in role
+        self.can_prefill = "P" in role
         self.waiting: deque[Request] = deque()
         self.incoming: deque[Request] = deque()  # migrating in, not yet admitted
-        self.encoding: list[Request] = []
-        self.running: list[Request] = []
-        self.pulling: list[Request] = []
+        self.encoding: dict[str, Request] = {}
+        # Every running request, in admission order (the preemption order); the same
+        # requests split by what their next step is.
+        self.running: dict[str, Request] = {}
+        self.decoding: dict[str, Request] = {}
+        self.prefilling: dict[str, Request] = {}
+        self.pulling: dict[str, Request] = {}
         self.offered: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
         # (request, kind) offered since the engine last looked; the engine drains it.
         self.new_offers: list[tuple[Request, str]] = []
         self.num_preemptions = 0
+        self._dropped: list[Request] = []
+        self._step = 0
+        self.latency_model: LatencyModel | None = None
+        self.latency_bound = 0.0
+        # Smallest prefill chunk an empty step takes when nothing fits the bound.
+        self.min_chunk = kv_manager.block_size if kv_manager is not None else 1
+
+    def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
+        """Fill steps by predicted latency up to ``bound`` seconds (None: caps only)."""
+        if model is not None and bound <= 0:
+            raise ValueError(f"latency bound must be > 0 seconds, got {bound}")
+        self.latency_model = model
+        self.latency_bound = bound
 
     # -- admission ---------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
         """Refuse (ValueError) a request that could never run here, even alone."""
         if req.images and "E" not in self.role and req.pull is None:
             raise ValueError(f"a {self.role} instance cannot encode images")
-        if not req.images and "P" not in self.role and req.pull is None:
+        if not req.images and not self.can_prefill and req.pull is None:
             raise ValueError(f"a {self.role} instance cannot prefill")
         if self.kv is not None:
             need = self.kv.num_blocks_for(min(self.max_model_len, req.max_num_tokens))
@@ -152,55 +191,65 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        token_budget = self.config.token_budget
-        image_budget = self.config.image_budget
-        scheduled: set[str] = set()
-
-        token_budget = self._schedule_decodes(out, token_budget, scheduled)
-        token_budget = self._schedule_prefills(out, token_budget, scheduled)
-        for req in self.encoding:
-            image_budget = self._schedule_images(req, image_budget, out)
+        self._step += 1
+        # Requests that leave the running set while this step is built (preempted) are
+        # dropped before it runs too: one may be admitted again within this very step.
+        out = SchedulerOutput(dropped=self._dropped)
+        bound = self.latency_bound if self.latency_model is not None else 0.0
+        budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
+        self._schedule_decodes(out, budget)
+        self._schedule_prefills(out, budget)
+        for req in list(self.encoding.values()):
+            self._schedule_images(req, budget, out)
         self._admit_incoming(out)
         if not self.incoming:
-            self._admit_new(out, token_budget, image_budget, scheduled)
+            self._admit_new(out, budget)
+        out.predicted_vision, out.predicted_language = budget.vision, budget.language
+        self._dropped = []
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> int:
-        for req in list(self.running):
-            if budget == 0:
-                break
-            if req.status is not RequestStatus.RUNNING or not req.is_decode:
+    def _schedule_decodes(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        chunks = out.chunks
+        step = self._step
+        bs = self.kv.block_size if self.kv is not None else 0
+        for req in list(self.decoding.values()):
+            if req.status is not _RUNNING:  # preempted earlier in this pass
                 continue
-            if self._reserve_kv(req, req.num_computed_tokens + 1, out, scheduled):
-                out.chunks.append((req, 1))
-                scheduled.add(req.req_id)
-                budget -= 1
-        return budget
-
-    def _schedule_prefills(self, out: SchedulerOutput, budget: int, scheduled: set[str]) -> int:
-        for req in list(self.running):
-            if budget == 0:
+            num_slots = req.num_computed_tokens + 1
+            if not budget.add_decode(num_slots):
                 break
-            if req.status is not RequestStatus.RUNNING or req.req_id in scheduled:
+            if num_slots > len(req.kv_block_ids) * bs and not self._reserve_kv(req, num_slots, out):
+                budget.undo_decode(num_slots)  # not run after all
+                continue
+            chunks.append((req, 1))
+            req.scheduled_step = step
+
+    def _schedule_prefills(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        for req in list(self.prefilling.values()):
+            if budget.tokens_left < 1:
+                return
+            if req.status is not _RUNNING:
                 continue
             if not req.preemptible and not req.kv_block_ids:
                 # It cannot be recomputed here, so it never waits on KV mid-way: reserve it all.
-                if not self._reserve_kv(req, self._full_len(req), out, scheduled):
+                if not self._reserve_kv(req, self._full_len(req), out):
                     continue
-            num_new = self._fit_chunk(req, min(req.num_missing_tokens, budget), out, scheduled)
+            want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
+                                      self.min_chunk)
+            if want == 0:
+                return
+            num_new = self._fit_chunk(req, want, out)
             if num_new == 0:
                 continue
+            budget.add_prefill(req.num_computed_tokens, num_new)
             out.chunks.append((req, num_new))
-            scheduled.add(req.req_id)
-            budget -= num_new
-        return budget
+            req.scheduled_step = self._step
 
-    def _schedule_images(self, req: Request, budget: int, out: SchedulerOutput) -> int:
-        end = min(req.num_images, req.num_encoded_images + budget)
-        for index in range(req.num_encoded_images, end):
+    def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput) -> None:
+        for index in range(req.num_encoded_images + _num_scheduled(out, req), req.num_images):
+            if not budget.add_image(req.image_tokens(index)):
+                return
             out.encodes.append((req, index))
-        return budget - max(0, end - req.num_encoded_images)
 
     def _admit_incoming(self, out: SchedulerOutput) -> None:
         """Migrating requests go first; a target never pulls what it has no room for."""
@@ -211,8 +260,7 @@ class Scheduler:
                 need = self._image_blocks_needed(req)
                 if not self.images.can_allocate(need):
                     return
-                for i, image in enumerate(req.images):
-                    req.image_block_ids[i] = self.images.allocate(self.images.num_blocks_for(image.length))
+                self._allocate_images(req)
                 src = [b for ids in src_block_ids for b in ids]
                 dst = [b for ids in req.image_block_ids for b in ids]
             else:
@@ -226,37 +274,38 @@ class Scheduler:
                 dst = req.kv_block_ids[: len(src)]
             self.incoming.popleft()
             req.status = RequestStatus.PULLING
-            self.pulling.append(req)
+            self.pulling[req.req_id] = req
             out.pulls.append(Pull(req, kind, source, src, dst))
 
-    def _admit_new(self, out: SchedulerOutput, token_budget: int, image_budget: int, scheduled: set[str]) -> None:
+    def _admit_new(self, out: SchedulerOutput, budget: StepBudget) -> None:
         while self.waiting and len(self.running) + len(self.encoding) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.images:
-                need = self._image_blocks_needed(req)
-                if image_budget == 0 or not self.images.can_allocate(need):
+                if not self.images.can_allocate(self._image_blocks_needed(req)):
+                    return
+                if not budget.add_image(req.image_tokens(0)):
                     return
                 self.waiting.popleft()
-                for i, img in enumerate(req.images):
-                    req.image_block_ids[i] = self.images.allocate(self.images.num_blocks_for(img.length))
+                self._allocate_images(req)
                 req.status = RequestStatus.ENCODING
-                self.encoding.append(req)
-                image_budget = self._schedule_images(req, image_budget, out)
+                self.encoding[req.req_id] = req
+                out.encodes.append((req, 0))
+                self._schedule_images(req, budget, out)
             else:
-                num_new = min(req.num_missing_tokens, token_budget)
-                if num_new == 0 or not self.kv.can_allocate(self.kv.num_blocks_for(num_new)):
+                want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
+                                          self.min_chunk)
+                if want == 0 or not self.kv.can_allocate(self.kv.num_blocks_for(want)):
                     return
                 self.waiting.popleft()
-                req.status = RequestStatus.RUNNING
-                self.running.append(req)
-                self.kv.grow(req.kv_block_ids, num_new)
-                out.chunks.append((req, num_new))
-                scheduled.add(req.req_id)
-                token_budget -= num_new
+                self._start_running(req)
+                self.kv.grow(req.kv_block_ids, want)
+                budget.add_prefill(0, want)
+                out.chunks.append((req, want))
+                req.scheduled_step = self._step
 
     def finish_pull(self, req: Request) -> None:
         """The copy into req's blocks is done: it runs its next stage here."""
-        self.pulling.remove(req)
+        del self.pulling[req.req_id]
         kind, _, _, num_computed = req.pull
         req.pull = None
         if req.status is RequestStatus.FINISHED:  # aborted while copying
@@ -264,22 +313,22 @@ class Scheduler:
             return
         if kind == "image":
             req.num_encoded_images = req.num_images
+            req.num_held_images = req.num_images
             req.preemptible = self._can_recompute(req)
             req.mark("image_pulled")
         else:
             req.num_computed_tokens = num_computed
             req.mark("kv_pulled")
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        self._start_running(req)
 
     # -- KV pressure ---------------------------------------------------------------------
     def _can_recompute(self, req: Request) -> bool:
-        return "P" in self.role and (not req.images or "E" in self.role)
+        return self.can_prefill and (not req.images or "E" in self.role)
 
     def _full_len(self, req: Request) -> int:
         return min(self.max_model_len, req.max_num_tokens)
 
-    def _fit_chunk(self, req: Request, num_new: int, out: SchedulerOutput, scheduled: set[str]) -> int:
+    def _fit_chunk(self, req: Request, num_new: int, out: SchedulerOutput) -> int:
         """Grow req's KV blocks for up to num_new tokens; shrink the chunk to what fits, and
         preempt later requests only when not a single token fits."""
         bs = self.kv.block_size
@@ -289,21 +338,22 @@ class Scheduler:
                 num_new = min(num_new, room)
                 self.kv.grow(req.kv_block_ids, req.num_computed_tokens + num_new)
                 return num_new
-            if not self._preempt_victim(req, out, scheduled):
+            if not self._preempt_victim(req, out):
                 return 0
 
-    def _reserve_kv(self, req: Request, num_slots: int, out: SchedulerOutput, scheduled: set[str]) -> bool:
+    def _reserve_kv(self, req: Request, num_slots: int, out: SchedulerOutput) -> bool:
         while not self.kv.grow(req.kv_block_ids, num_slots):
-            if self._preempt_victim(req, out, scheduled):
+            if self._preempt_victim(req, out):
                 continue
             if req.preemptible and req.is_decode:
                 self._preempt(req, out)
             return False
         return True
 
-    def _preempt_victim(self, req: Request, out: SchedulerOutput, scheduled: set[str]) -> bool:
-        for victim in reversed(self.running):
-            if victim is not req and victim.preemptible and victim.req_id not in scheduled:
+    def _preempt_victim(self, req: Request, out: SchedulerOutput) -> bool:
+        step = self._step
+        for victim in reversed(self.running.values()):
+            if victim is not req and victim.preemptible and victim.scheduled_step != step:
                 self._preempt(victim, out)
                 return True
         return False
@@ -327,74 +377,110 @@ class Scheduler:
             req.timeline["encode_exec"] += exec_time
             if req.images_done and req.status is RequestStatus.ENCODING:
                 req.mark("encode_done", now)
-                if "P" in self.role:
-                    self.encoding.remove(req)
-                    req.status = RequestStatus.RUNNING
-                    self.running.append(req)
+                req.num_held_images = req.num_images
+                if self.can_prefill:
+                    del self.encoding[req.req_id]
+                    self._start_running(req)
                 else:
                     self._offer(req, "image")
 
-    def update_after_language(
-        self, out: SchedulerOutput, sampled: dict[str, int], exec_time: float = 0.0
-    ) -> list[FinishedStep]:
-        """Advance every chunk; append the sampled token of each request that caught up."""
-        now = time.monotonic()
-        steps = []
-        for req, num_new in out.chunks:
-            if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the batch ran
-            req.timeline["decode_exec" if req.is_decode else "prefill_exec"] += exec_time
-            req.num_computed_tokens += num_new
-            for i in req.images_fully_read():
-                self.images.free(req.image_block_ids[i])
-                req.image_block_ids[i] = []
-            if req.num_computed_tokens < req.num_tokens:
-                steps.append(FinishedStep(req, None))
-                continue
-            token_id = sampled[req.req_id]
-            req.output_token_ids.append(token_id)
-            req.mark("first_token", now)
-            reason = self._finish_reason(req, token_id)
-            if reason is not None:
-                self._remove(req)
-                self._finish(req, reason)
-            elif "D" not in self.role:
-                self._offer(req, "kv")
-            steps.append(FinishedStep(req, token_id))
-        return steps
+    def update_after_language(self, out: SchedulerOutput, sampled: list[int], exec_time: float = 0.0
+                              ) -> LanguageResult:
+        """Advance every chunk; append the sampled token of each request that caught up.
 
-    def _finish_reason(self, req: Request, token_id: int) -> str | None:
-        params = req.sampling_params
-        if not params.ignore_eos and token_id in req.eos_token_ids:
-            return "stop"
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        ``sampled`` holds one token per chunk that completes its request's tokens, in chunk
+        order (the runner samples exactly those rows)."""
+        now = time.monotonic()
+        result = LanguageResult()
+        req_ids, token_ids, sample_index = result.req_ids, result.token_ids, result.sample_index
+        index = -1
+        max_model_len = self.max_model_len
+        decoding, prefilling = self.decoding, self.prefilling
+        for req, num_new in out.chunks:
+            computed = req.num_computed_tokens + num_new
+            samples = computed == req.num_tokens
+            if samples:
+                index += 1
+            if req.status is not _RUNNING:
+                continue  # aborted while the batch ran
+            timeline = req.timeline
+            if num_new == 1 and req.num_tokens > req.num_prompt_tokens:
+                timeline["decode_exec"] += exec_time
+            else:
+                timeline["prefill_exec"] += exec_time
+            req.num_computed_tokens = computed
+            if req.num_held_images:
+                self._free_read_images(req)
+            if not samples:
+                continue
+            token_id = sampled[index]
+            req.append_token(token_id)
+            if "first_token" not in timeline:
+                timeline["first_token"] = now
+            req_ids.append(req.req_id)
+            token_ids.append(token_id)
+            sample_index.append(index)
+            params = req.sampling_params
+            if token_id in req.stop_ids:
+                reason = "stop"
+            elif req.num_tokens - req.num_prompt_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
+                reason = "length"
+            else:
+                if not self.can_decode:
+                    self._offer(req, "kv")
+                elif req.req_id in prefilling:
+                    del prefilling[req.req_id]
+                    decoding[req.req_id] = req
+                continue
+            self._remove(req)
+            self._finish(req, reason)
+            result.finished.append(req)
+        return result
+
+    def _free_read_images(self, req: Request) -> None:
+        for i in req.images_fully_read():
+            self.images.free(req.image_block_ids[i])
+            req.image_block_ids[i] = []
+            req.num_held_images -= 1
 
     def _offer(self, req: Request, kind: str) -> None:
-        (self.encoding if req.status is RequestStatus.ENCODING else self.running).remove(req)
+        self._leave_queue(req)
         req.status = RequestStatus.OFFERED
         req.mark(f"{kind}_offered")
         self.offered[req.req_id] = req
         self.new_offers.append((req, kind))
 
     # -- bookkeeping -------------------------------------------------------------------------
+    def _start_running(self, req: Request) -> None:
+        req.status = _RUNNING
+        self.running[req.req_id] = req
+        (self.decoding if req.is_decode else self.prefilling)[req.req_id] = req
+
+    def _allocate_images(self, req: Request) -> None:
+        for i in range(req.num_images):
+            req.image_block_ids[i] = self.images.allocate(self.images.num_blocks_for(req.image_tokens(i)))
+
     def _image_blocks_needed(self, req: Request) -> int:
-        return sum(self.images.num_blocks_for(img.length) for img in req.images)
+        return sum(self.images.num_blocks_for(req.image_tokens(i)) for i in range(req.num_images))
+
+    def _leave_queue(self, req: Request) -> None:
+        """Take req out of the queue of its status (it keeps its blocks)."""
+        status = req.status
+        if status is _RUNNING:
+            del self.running[req.req_id]
+            if self.decoding.pop(req.req_id, None) is None:
+                del self.prefilling[req.req_id]
+            self._dropped.append(req)
+        elif status is RequestStatus.ENCODING:
+            del self.encoding[req.req_id]
+        elif status is RequestStatus.WAITING:
+            (self.incoming if req.pull is not None else self.waiting).remove(req)
+        elif status is RequestStatus.OFFERED:
+            del self.offered[req.req_id]
 
     def _remove(self, req: Request) -> None:
         """Take req out of its queue and give back every block it holds."""
-        queue = {
-            RequestStatus.WAITING: self.incoming if req.pull is not None else self.waiting,
-            RequestStatus.ENCODING: self.encoding,
-            RequestStatus.RUNNING: self.running,
-        }.get(req.status)
-        if queue is not None:
-            queue.remove(req)
-        elif req.status is RequestStatus.OFFERED:
-            del self.offered[req.req_id]
+        self._leave_queue(req)
         self._free_blocks(req)
 
     def _free_blocks(self, req: Request) -> None:
@@ -405,6 +491,7 @@ class Scheduler:
             if block_ids:
                 self.images.free(block_ids)
                 req.image_block_ids[i] = []
+        req.num_held_images = 0
 
     def _finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
@@ -413,24 +500,41 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Every block is free or held by exactly one request; queues match statuses."""
-        holders = list(self.requests.values()) + [r for r in self.pulling if r.status is RequestStatus.FINISHED]
+        aborted_pulls = [r for r in self.pulling.values() if r.status is RequestStatus.FINISHED]
+        holders = list(self.requests.values()) + aborted_pulls
         if self.kv is not None:
             self.kv.check_integrity([r.kv_block_ids for r in holders])
         if self.images is not None:
             self.images.check_integrity([b for r in holders for b in r.image_block_ids])
         queues = {
             RequestStatus.WAITING: list(self.waiting) + list(self.incoming),
-            RequestStatus.ENCODING: self.encoding,
-            RequestStatus.RUNNING: self.running,
-            RequestStatus.PULLING: [r for r in self.pulling if r.status is not RequestStatus.FINISHED],
+            RequestStatus.ENCODING: list(self.encoding.values()),
+            RequestStatus.RUNNING: list(self.running.values()),
+            RequestStatus.PULLING: [r for r in self.pulling.values() if r.status is not RequestStatus.FINISHED],
             RequestStatus.OFFERED: list(self.offered.values()),
         }
         queued = [r.req_id for q in queues.values() for r in q]
         if sorted(queued) != sorted(self.requests):
             raise AssertionError("scheduler queues and the request table disagree")
+        if sorted(self.running) != sorted([*self.decoding, *self.prefilling]):
+            raise AssertionError("running is not exactly decoding + prefilling")
+        for r in self.decoding.values():
+            if not r.is_decode:
+                raise AssertionError(f"{r} sits in the decoding queue")
         for status, queue in queues.items():
             for r in queue:
                 if r.status is not status:
                     raise AssertionError(f"{r} sits in the {status.value} queue")
                 if status is RequestStatus.WAITING and (r.kv_block_ids or any(r.image_block_ids)):
                     raise AssertionError(f"waiting {r} holds blocks")
+                held = sum(1 for ids in r.image_block_ids if ids)
+                if status is RequestStatus.RUNNING and held != r.num_held_images:
+                    raise AssertionError(f"{r} holds {held} image block lists, counts {r.num_held_images}")
+
+
+def _num_scheduled(out: SchedulerOutput, req: Request) -> int:
+    """Images of ``req`` already in this step's encodes (only the admission path adds some
+    before ``_schedule_images`` runs for it)."""
+    if not out.encodes or out.encodes[-1][0] is not req:
+        return 0
+    return sum(1 for r, _ in out.encodes if r is req)

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from hydrad.config import EngineConfig
-from hydrad.engine.inputs import EngineRequest, EngineStats, MigrationOffer, RequestDelta
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest, MigrationOffer
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
@@ -44,7 +44,7 @@ class Engine(Protocol):
 
     def add_request(self, req: EngineRequest) -> None: ...
     def abort_requests(self, req_ids) -> None: ...
-    def step(self) -> list[RequestDelta]: ...
+    def step(self) -> EngineOutput: ...
     def has_work(self) -> bool: ...
     def has_unfinished_requests(self) -> bool: ...
     def get_stats(self) -> EngineStats: ...
@@ -92,18 +92,19 @@ def worker_main(
         from hydrad.engine.core import EngineCore
 
         engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=bool(peer_ids))
-        budgets = None
+        model = bound = None
         if config.scheduler.derive_budgets:
-            from hydrad.engine.profiler import derive_budgets
+            from hydrad.engine.profiler import fit_latency_model, latency_bound
 
-            budgets = derive_budgets(engine, config.slo, role=engine.role)
-            engine.set_budgets(budgets)
+            model, bound = fit_latency_model(engine), latency_bound(config.slo, engine.role)
+            engine.set_latency_model(model, bound)
         pools = export_pools(engine, peer_ids) if peer_ids else {}
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()
         sys.exit(1)
-    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, budgets, pools))
+    conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
+                          pools))
     try:
         run_worker(engine, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -160,13 +161,13 @@ def run_worker(engine: Engine, conn: Connection) -> None:
             elif isinstance(msg, Shutdown):
                 if not msg.finish_running and live:
                     engine.abort_requests(list(live))
-                    conn.send(StepOutput([RequestDelta(r, [], "abort") for r in sorted(live)]))
+                    conn.send(StepOutput(EngineOutput(finished=[FinishedRequest(r, "abort") for r in sorted(live)])))
                     live.clear()
                 draining = True
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
-        deltas = engine.step() if busy else []
+        output = engine.step() if busy else EngineOutput()
         offers, pulled = engine.take_offers(), engine.take_pulled()
-        if deltas or offers or pulled:
-            live.difference_update(d.req_id for d in deltas if d.finish_reason is not None)
-            conn.send(StepOutput(deltas, offers, pulled))
+        if output or output.timing is not None or offers or pulled:
+            live.difference_update(f.req_id for f in output.finished)
+            conn.send(StepOutput(output, offers, pulled))

@@ -42,6 +42,19 @@ async def instance_stats(clients: list[WorkerClient], timeout: float = 2.0) -> l
     return list(await asyncio.gather(*(one(c) for c in clients)))
 
 
+def _latency(ready) -> dict:
+    """The instance's latency model: its bound, a one-line summary and its held-out error."""
+    model = ready.latency_model if ready is not None else None
+    if model is None:
+        return {"latency_model": None, "latency_bound": None, "latency_error": None}
+    error = model.error
+    return {
+        "latency_model": model.summary(),
+        "latency_bound": ready.latency_bound,
+        "latency_error": {"median": error.median, "max": error.max, "num_probes": error.num_probes} if error else None,
+    }
+
+
 def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *, model: str,
                 max_model_len: int, started: float, num_requests: int, window: dict) -> dict:
     """``num_requests``: requests in flight; an instance's ``num_inflight`` also counts
@@ -63,7 +76,7 @@ def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
             "tokens_per_second": client.tokens_per_second(),
-            "budgets": client.ready.budgets.summary() if client.ready and client.ready.budgets else None,
+            **_latency(client.ready),
         })
     return {
         "model": model,

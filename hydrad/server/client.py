@@ -57,6 +57,8 @@ class WorkerClient:
         self.ready: WorkerReady | None = None
         self.failure: str | None = None
         self.on_lost: Callable[[WorkerClient], None] | None = None
+        # Called with every step's predicted and measured times (for the metrics).
+        self.on_step_timing: Callable[[WorkerClient, object], None] | None = None
         self._loop = asyncio.get_running_loop()
         self._ready_future: asyncio.Future[WorkerReady] = self._loop.create_future()
         self.table = table
@@ -138,10 +140,11 @@ class WorkerClient:
     def _dispatch(self, msg) -> None:
         if isinstance(msg, StepOutput):
             now = time.monotonic()
-            self._token_times.append((now, sum(len(d.new_token_ids) for d in msg.deltas)))
+            self._token_times.append((now, len(msg.output.token_ids)))
             self._trim_token_times(now - 60.0)
-            for delta in msg.deltas:
-                self.table.deliver(delta)
+            if msg.output.timing is not None and self.on_step_timing is not None:
+                self.on_step_timing(self, msg.output.timing)
+            self.table.deliver_output(msg.output)
             # Releases first: the source may be the target of this step's offers (ED+P).
             for req_id, source_id in msg.pulled:
                 self.table.on_pulled(self, req_id, source_id)

@@ -14,7 +14,7 @@ import threading
 from typing import Iterable
 
 from hydrad.config import EngineConfig
-from hydrad.engine.inputs import EngineRequest, RequestDelta
+from hydrad.engine.inputs import EngineOutput, EngineRequest, FinishedRequest
 from hydrad.errors import RequestError
 from hydrad.server.client import WorkerLost
 from hydrad.server.router import Router
@@ -79,18 +79,18 @@ class ProcessCluster:
     def has_unfinished_requests(self) -> bool:
         return bool(self._open)
 
-    def step(self) -> list[RequestDelta]:
-        """The deltas that arrived since the last call (waiting briefly for the first)."""
+    def step(self) -> EngineOutput:
+        """The tokens that arrived since the last call (waiting briefly for the first)."""
         try:
             items = [self._deltas.get(timeout=_POLL_SECS)]
         except queue.Empty:
-            return []
+            return EngineOutput()
         while True:
             try:
                 items.append(self._deltas.get_nowait())
             except queue.Empty:
                 break
-        deltas = []
+        output = EngineOutput()
         for req_id, item in items:
             if req_id not in self._open:
                 continue  # aborted by the caller meanwhile
@@ -100,10 +100,19 @@ class ProcessCluster:
             if isinstance(item, (WorkerLost, Exception)):
                 self.abort_requests([req_id])
                 raise RuntimeError(f"request {req_id}: {item}")
+            for i, token_id in enumerate(item.new_token_ids):
+                output.req_ids.append(req_id)
+                output.token_ids.append(token_id)
+                if item.logprobs is not None:
+                    if output.logprobs is None:
+                        output.logprobs = [None] * (len(output.req_ids) - 1)
+                    output.logprobs.append(item.logprobs[i])
+                elif output.logprobs is not None:
+                    output.logprobs.append(None)
             if item.finish_reason is not None:
                 self._open.discard(req_id)
-            deltas.append(item)
-        return deltas
+                output.finished.append(FinishedRequest(req_id, item.finish_reason, item.stage_times))
+        return output
 
     def shutdown(self) -> None:
         if self._thread.is_alive():

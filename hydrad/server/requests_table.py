@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from hydrad.engine.inputs import MigrationOffer, RequestDelta
+from hydrad.engine.inputs import EngineOutput, MigrationOffer, RequestDelta
 from hydrad.transport.messages import Abort, Migrate, Release
 
 if TYPE_CHECKING:
@@ -62,6 +62,20 @@ class RequestTable:
         if delta.finish_reason is not None:
             self._close(delta.req_id)
         queue.put_nowait(delta)
+
+    def deliver_output(self, output: EngineOutput) -> None:
+        """Hand one step's columns to the requests' queues."""
+        finished = {f.req_id: f for f in output.finished} if output.finished else {}
+        logprobs = output.logprobs
+        for i, req_id in enumerate(output.req_ids):
+            end = finished.pop(req_id, None) if finished else None
+            self.deliver(RequestDelta(
+                req_id, [output.token_ids[i]], end.finish_reason if end else None,
+                [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None,
+                end.stage_times if end else None,
+            ))
+        for end in finished.values():  # ended without a new token (aborted)
+            self.deliver(RequestDelta(end.req_id, [], end.finish_reason, None, end.stage_times))
 
     def fail(self, req_id: str, error: Exception) -> None:
         """End a request with an error; the instances still holding it drop it."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydrad.engine.inputs import EngineRequest, EngineStats, MigrationOffer, RequestDelta
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, MigrationOffer
 
 # -- daemon -> worker ----------------------------------------------------------------------
 
@@ -84,8 +84,10 @@ class WorkerReady:
     pid: int
     max_model_len: int
     load_seconds: float
-    # SLO-derived τ_t / τ_e (hydrad.engine.profiler.Budgets), None when configured by hand.
-    budgets: object | None = None
+    # The fitted latency model (hydrad.engine.latency_model.LatencyModel) and the step
+    # bound it fills steps to; None when steps are sized by fixed budgets only.
+    latency_model: object | None = None
+    latency_bound: float | None = None
     # This instance's pools pickled once per peer (peer instance id -> bytes), when the
     # deployment migrates requests between instances.
     pools: dict[int, bytes] = field(default_factory=dict)
@@ -93,9 +95,9 @@ class WorkerReady:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """The deltas of every request that advanced in one engine step."""
+    """One engine step: its tokens as columns (``EngineOutput``), migrations, timing."""
 
-    deltas: list[RequestDelta] = field(default_factory=list)
+    output: EngineOutput = field(default_factory=EngineOutput)
     # Requests whose next stage runs elsewhere (the daemon picks the target).
     offers: list[MigrationOffer] = field(default_factory=list)
     # (req_id, source instance) of every pull finished in this step.

@@ -150,7 +150,7 @@ def test_an_instance_waiting_for_a_release_does_not_spin(tiny_llava_dir, convers
     e.step()  # encodes "a" and offers it; "b" waits for the image block
     offers = e.take_offers()
     assert [o.req_id for o in offers] == ["a"] and e.has_work()
-    assert e.step() == [] and not e.has_work()  # stalled: nothing changes until a release
+    assert not e.step() and not e.has_work()  # stalled: nothing changes until a release
     p.add_migration(offers[0])
     for _ in range(100):
         p.step()

@@ -1,34 +1,34 @@
-"""SLO-derived budgets: the binary search, the probe batches per role, the disk cache,
-and one real measurement on the tiny checkpoint."""
+"""The latency model: fitting on designed probes, its held-out error, the probes per role,
+the disk cache, and real measurements on the tiny checkpoint checked against measured steps."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import random
-from contextlib import contextmanager
+import statistics
+import time
 
 import pytest
 
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SLOConfig
-from hydrad.engine.profiler import MIN_TOKEN_BUDGET, Probe, derive_budgets, search_budget
-from hydrad.errors import ConfigError
+from hydrad.engine.inputs import EngineRequest
+from hydrad.engine.latency_model import LatencyModel, StepShape, fit_least_squares
+from hydrad.engine.profiler import Probe, design_probes, engine_limits, fit_latency_model, fit_model, latency_bound
+from hydrad.sampling_params import SamplingParams
 
 ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
 MAX_MODEL_LEN = 512
-CONTEXT_LEN = MAX_MODEL_LEN // 4
-MAX_NUM_SEQS = 32
-NUM_KV_BLOCKS = 512
-NUM_IMAGE_BLOCKS = 40  # the tiny model's image fills one 16-slot block: 40 images fit
+TRUE = LatencyModel(v_fixed=0.002, v_image=0.01, l_fixed=0.003, l_prefill=2e-4, l_attn=1e-4, l_decode=5e-4,
+                    l_ctx=2e-4, overlap=0.8)
 
 
-def make_engine(model_dir, role="EPD"):
+def make_engine(model_dir, role="EPD", **cache):
     from hydrad.engine.core import EngineCore
 
     config = EngineConfig(
         model=ModelConfig(path=str(model_dir), max_model_len=MAX_MODEL_LEN),
-        cache=CacheConfig(kv_block_size=16, num_kv_blocks=NUM_KV_BLOCKS, num_image_blocks=NUM_IMAGE_BLOCKS),
-        scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
+        cache=CacheConfig(kv_block_size=16, num_kv_blocks=cache.get("num_kv_blocks", 512),
+                          num_image_blocks=cache.get("num_image_blocks", 40)),
+        scheduler=SchedulerConfig(max_num_seqs=64),
     )
     return EngineCore(config, role=role)
 
@@ -41,227 +41,118 @@ def engine(tiny_llava_dir):
 
 
 @pytest.fixture(autouse=True)
-def budgets_dir(tmp_path, monkeypatch):
-    """A fresh cache per test, so no test sees another's budgets."""
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh cache per test, so no test sees another's models."""
     monkeypatch.setenv("HYDRAD_CACHE_DIR", str(tmp_path))
-    return tmp_path / "budgets"
+    return tmp_path / "latency"
 
 
-class FakeLatency:
-    """Linear in batch size, decodes paying per context token; records every probe."""
+class Synthetic:
+    """A timer that answers with a known model (plus optional noise); records every probe."""
 
-    def __init__(self, per_image=0.01, per_token=1e-4, per_context_token=0.0):
-        self.per_image, self.per_token, self.per_context_token = per_image, per_token, per_context_token
-        self.probes: list[Probe] = []
+    def __init__(self, model=TRUE, noise=0.0):
+        self.model, self.noise, self.probes = model, noise, []
 
     def __call__(self, probe: Probe) -> float:
         self.probes.append(probe)
-        if probe.kind == "encode":
-            return self.per_image * probe.num_images
-        return self.per_token * probe.num_tokens + self.per_context_token * probe.num_decodes * probe.context_len
+        seconds = self.model.step_seconds(probe.shape())
+        return seconds * (1 + self.noise * ((len(self.probes) * 7919) % 11 - 5) / 5)
 
 
-def _assert_all_free(engine):
-    for pool in (engine.kv_manager, engine.image_manager):
-        if pool is not None:
-            assert pool.num_used_blocks == 0
-            pool.check_integrity([])
+def test_least_squares_recovers_known_coefficients_and_keeps_them_non_negative():
+    rows = [[1, n, n * n] for n in range(1, 12)]
+    assert fit_least_squares(rows, [0.5 + 0.1 * n + 0.01 * n * n for n in range(1, 12)]) == \
+        pytest.approx([0.5, 0.1, 0.01], rel=1e-6)
+    # A term the data would make negative is dropped, not fitted below zero.
+    coef = fit_least_squares([[1, n] for n in range(1, 8)], [1.0 - 0.001 * n for n in range(1, 8)])
+    assert all(c >= 0 for c in coef)
 
 
-# -- the search ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("lo,hi", [(1, 1), (1, 2), (16, 512), (1, 64), (16, 16384), (7, 1000)])
-def test_search_finds_the_exact_knee_with_few_probes(lo, hi):
-    rng = random.Random(hi)
-    knees = {lo, hi, lo + 1, hi - 1, (lo + hi) // 2} | {rng.randint(lo, hi) for _ in range(20)}
-    for knee in sorted(k for k in knees if lo <= k <= hi):
-        calls = []
-
-        def latency_of(n):
-            calls.append(n)
-            return 1.0 + (n > knee) + n * 1e-6  # a step at the knee on a slow ramp
-
-        assert search_budget(latency_of, 1.5, lo, hi) == knee
-        assert len(calls) == len(set(calls)) <= 2 + (hi - lo).bit_length()
-        assert all(lo <= n <= hi for n in calls)
-
-
-def test_search_returns_lo_when_even_lo_is_over():
-    assert search_budget(lambda n: 2.0, 1.0, 16, 512) == 16
-    with pytest.raises(ValueError):
-        search_budget(lambda n: 0.0, 1.0, 5, 4)
-
-
-# -- roles, bounds and probe batches -----------------------------------------------------------
 @pytest.mark.parametrize("role", ROLES)
-def test_each_role_gets_its_budgets_and_bound(engine, role):
-    slo = SLOConfig(ttft=1.0, tbt=0.1, alpha=0.5)
-    fake = FakeLatency()
-    budgets = derive_budgets(engine, slo, role=role, latency_fn=fake)
-    assert budgets.measured and budgets.role == role and budgets.within_bound
-    assert budgets.latency_bound == (0.1 if "D" in role else 0.5)
-    assert (budgets.image_budget is None) == ("E" not in role)
-    assert (budgets.token_budget is None) == (role == "E")
-    language = [p for p in fake.probes if p.kind == "language"]
-    if "D" in role:
-        assert all(p.num_decodes > 0 and p.context_len == CONTEXT_LEN for p in language)
-        assert budgets.context_len == CONTEXT_LEN
-    else:
-        assert all(p.num_decodes == 0 for p in language)
-    if role in ("D", "ED"):
-        # Nothing prefills here: the batch is all decodes, so max_num_seqs bounds it (3.2 ms < 0.1 s).
-        assert all(p.num_prefill_tokens == 0 for p in language)
-        assert budgets.token_budget == MAX_NUM_SEQS
-    _assert_all_free(engine)
-
-
-def test_prefill_budgets_are_exact_knees(engine):
-    fake = FakeLatency(per_image=0.03, per_token=0.0021)
-    budgets = derive_budgets(engine, SLOConfig(ttft=1.0, alpha=0.5), role="EP", latency_fn=fake)
-    # 0.5 s / 0.03 s per image = 16.7; 0.5 s / 2.1 ms per token = 238.1
-    assert (budgets.image_budget, budgets.token_budget) == (16, 238)
-    assert budgets.image_latency == pytest.approx(16 * 0.03)
-    assert budgets.token_latency == pytest.approx(238 * 0.0021)
-    assert len(fake.probes) <= 2 * (2 + 9)
-
-
-def test_decode_context_shrinks_the_token_budget(engine):
-    slo = SLOConfig(tbt=0.0505)
-    with_context = derive_budgets(engine, slo, role="PD", latency_fn=FakeLatency(per_context_token=1e-6))
-    empty = derive_budgets(engine, slo, role="PD", latency_fn=FakeLatency(per_context_token=1e-6), context_len=0)
-    assert empty.context_len == 0 and with_context.context_len == CONTEXT_LEN
-    # Without context every token costs 0.1 ms: 505 tokens fit in 50.5 ms.
-    assert empty.token_budget == 505
-    # At context 128 each of the 31 decodes (one sequence left to prefill) costs 0.128 ms more:
-    # (50.5 - 31 * 0.128) / 0.1 = 465.3.
-    assert with_context.token_budget == 465
-    assert with_context.token_latency <= slo.tbt
-    # The [slo] section sets the same context for every instance.
-    from_config = derive_budgets(engine, SLOConfig(tbt=0.0505, decode_context_len=0), role="PD",
-                                 latency_fn=FakeLatency(per_context_token=1e-6))
-    assert from_config.context_len == 0 and from_config.token_budget == 505
-
-
-def test_budget_floor_is_reported_when_the_slo_cannot_be_met(engine):
-    budgets = derive_budgets(engine, SLOConfig(tbt=1e-3), role="EPD", latency_fn=FakeLatency(per_image=1.0))
-    assert (budgets.image_budget, budgets.token_budget) == (1, MIN_TOKEN_BUDGET)
-    assert not budgets.within_bound
-    assert "OVER" in budgets.summary()
-
-
-@contextmanager
-def _free_blocks(engine, num_kv: int, num_image: int):
-    """Shrink the engine's pools to ``num_kv`` / ``num_image`` free blocks for the duration."""
-    kv, images = engine.kv_manager, engine.image_manager
-    held_kv, held_images = kv.allocate(kv.num_free_blocks - num_kv), images.allocate(images.num_free_blocks - num_image)
+def test_each_role_probes_its_parts_and_fits_the_true_model(engine, role):
+    engine.role = role  # the probes follow the role's parts
     try:
-        yield
+        timer = Synthetic()
+        model = fit_latency_model(engine, timer=timer, show_progress=False)
     finally:
-        kv.free(held_kv)
-        images.free(held_images)
-    _assert_all_free(engine)
+        engine.role = "EPD"
+    vision, language = "E" in role, "P" in role or "D" in role
+    assert any(p.has_vision for p in timer.probes) == vision
+    assert any(p.has_language for p in timer.probes) == language
+    if vision:
+        assert (model.v_fixed + model.v_image) == pytest.approx(TRUE.v_fixed + TRUE.v_image, rel=1e-6)
+    if language:
+        for name in ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx"):
+            assert getattr(model, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    if vision and language:
+        assert model.overlap == pytest.approx(TRUE.overlap, rel=1e-6)
+    assert model.error.median < 1e-6 and model.error.num_probes >= 1
 
 
-def test_search_is_capped_by_what_the_pools_hold(engine):
-    with _free_blocks(engine, num_kv=10, num_image=3):
-        prefill = derive_budgets(engine, SLOConfig(), role="EP", latency_fn=FakeLatency(0.0, 0.0))
-        assert (prefill.image_budget, prefill.token_budget) == (3, 10 * 16)
-        # One decode at context 128 takes 9 of the 10 free blocks.
-        assert derive_budgets(engine, SLOConfig(), role="D", latency_fn=FakeLatency(0.0, 0.0)).token_budget == 1
-        with pytest.raises(ConfigError, match="not one decode"):
-            derive_budgets(engine, SLOConfig(), role="D", latency_fn=FakeLatency(), context_len=MAX_MODEL_LEN - 1)
-    with _free_blocks(engine, num_kv=50, num_image=3):
-        # A 512-token prefill chunk takes 32 blocks; the other 18 hold two decodes beside it.
-        fake = FakeLatency(0.0, 0.0)
-        assert derive_budgets(engine, SLOConfig(), role="PD", latency_fn=fake).token_budget == MAX_MODEL_LEN
-        assert max(p.num_decodes for p in fake.probes) == 2
+def test_held_out_error_is_reported_and_noise_shows_in_it(engine):
+    model = fit_latency_model(engine, timer=Synthetic(noise=0.1), show_progress=False)
+    assert 0.0 < model.error.median <= model.error.max < 0.5
+    assert "held-out probes" in model.summary()
 
 
-def test_invalid_arguments_are_refused(engine):
-    for role in ("", "X", "EPX"):
-        with pytest.raises(ConfigError):
-            derive_budgets(engine, SLOConfig(), role=role, latency_fn=FakeLatency())
-    with pytest.raises(ConfigError):
-        derive_budgets(engine, SLOConfig(), role="D", latency_fn=FakeLatency(), context_len=MAX_MODEL_LEN)
+def test_probes_fit_the_pools(tiny_llava_dir):
+    small = make_engine(tiny_llava_dir, num_kv_blocks=48, num_image_blocks=2)
+    limits = engine_limits(small)
+    fit, check = design_probes(limits)
+    assert fit and check
+    for probe in fit + check:
+        assert limits.kv_fits(probe) and len(probe.images) <= limits.max_images
+    fit_latency_model(small, show_progress=False)  # real probes fit as designed
+    small.shutdown()
 
 
-# -- the disk cache -----------------------------------------------------------------------------
-def test_cache_is_written_reused_keyed_and_forced(engine, budgets_dir):
-    slo = SLOConfig(ttft=1.0, tbt=0.1)
-    fake = FakeLatency()
-    first = derive_budgets(engine, slo, role="EPD", latency_fn=fake)
-    (path,) = budgets_dir.glob("*.json")
-    assert json.loads(path.read_text())["key"]["role"] == "EPD"
-    num_probes = len(fake.probes)
-    assert num_probes > 0
-
-    again = derive_budgets(engine, slo, role="EPD", latency_fn=fake)
-    assert len(fake.probes) == num_probes
-    assert not again.measured
-    assert again == dataclasses.replace(first, measured=False)
-
-    derive_budgets(engine, SLOConfig(ttft=1.0, tbt=0.2), role="EPD", latency_fn=fake)
-    assert len(fake.probes) > num_probes
-    num_probes = len(fake.probes)
-    derive_budgets(engine, slo, role="EP", latency_fn=fake)
-    assert len(fake.probes) > num_probes
-    num_probes = len(fake.probes)
-    # EP probes no decodes, so their context is not part of its key.
-    assert not derive_budgets(engine, slo, role="EP", latency_fn=fake, context_len=7).measured
-    assert len(fake.probes) == num_probes
-    assert len(list(budgets_dir.glob("*.json"))) == 3
-
-    forced = derive_budgets(engine, slo, role="EPD", latency_fn=fake, force=True)
-    assert len(fake.probes) > num_probes and forced.measured
+def test_cache_is_written_reused_and_keyed(engine, cache_dir):
+    first = fit_latency_model(engine, show_progress=False)
+    files = list(cache_dir.glob("*.json"))
+    assert len(files) == 1
+    body = json.loads(files[0].read_text())
+    assert body["version"] == 1 and set(body["coefficients"]) >= {"l_decode", "v_image", "overlap"}
+    start = time.monotonic()
+    again = fit_latency_model(engine, show_progress=False)
+    assert time.monotonic() - start < 0.5 and again == first
+    files[0].write_text("{not json")
+    assert fit_latency_model(engine, show_progress=False) is not None  # measured again, not crashed
+    assert LatencyModel.load(files[0]) is not None
 
 
-def test_unreadable_cache_file_is_measured_again(engine, budgets_dir):
-    fake = FakeLatency()
-    derive_budgets(engine, SLOConfig(), role="P", latency_fn=fake)
-    (path,) = budgets_dir.glob("*.json")
-    path.write_text("{not json")
-    num_probes = len(fake.probes)
-    assert derive_budgets(engine, SLOConfig(), role="P", latency_fn=fake).measured
-    assert len(fake.probes) > num_probes
-    json.loads(path.read_text())
+def test_bound_per_role():
+    slo = SLOConfig(ttft=2.0, tbt=0.1, alpha=0.5)
+    assert [latency_bound(slo, r) for r in ("E", "P", "EP", "D", "PD", "EPD")] == [1.0, 1.0, 1.0, 0.1, 0.1, 0.1]
 
 
-def test_a_result_over_the_bound_is_not_cached(engine, budgets_dir):
-    slow = lambda probe: 10.0  # noqa: E731  (every batch misses the SLO, e.g. a busy machine)
-    budgets = derive_budgets(engine, SLOConfig(ttft=1.0, tbt=0.1), role="EPD", latency_fn=slow)
-    assert not budgets.within_bound and budgets.token_budget == 16 and budgets.image_budget == 1
-    assert not list(budgets_dir.glob("*.json"))
-    assert derive_budgets(engine, SLOConfig(ttft=1.0, tbt=0.1), role="EPD", latency_fn=FakeLatency()).measured
+def test_fit_model_uses_only_single_part_probes_for_the_parts():
+    probes = [Probe(images=(16,)), Probe(images=(16, 16)), Probe(decodes=(10,)), Probe(decodes=(10,) * 4),
+              Probe(prefills=((0, 32),)), Probe(prefills=((64, 32),)), Probe(decodes=(100,) * 4)]
+    timed = [(p, TRUE.step_seconds(p.shape())) for p in probes]
+    model = fit_model(timed, timed[:2], {})
+    assert model.overlap == 1.0  # no probe had both parts
+    assert model.step_seconds(StepShape.of(images=[16] * 3)) == pytest.approx(
+        TRUE.step_seconds(StepShape.of(images=[16] * 3)))
 
 
-# -- measuring on the device --------------------------------------------------------------------
-def test_real_measurement_on_the_tiny_checkpoint(engine):
-    generous = SLOConfig(ttft=60.0, tbt=30.0)
-    budgets = derive_budgets(engine, generous, role="EPD", repeats=1)
-    assert budgets.measured and budgets.within_bound
-    # Every probe is far under 30 s, so each search ends at the top of its range.
-    assert budgets.image_budget == NUM_IMAGE_BLOCKS
-    assert budgets.token_budget == MAX_MODEL_LEN
-    assert 0 < budgets.token_latency <= generous.tbt and 0 < budgets.image_latency <= generous.tbt
-    _assert_all_free(engine)
-    assert derive_budgets(engine, generous, role="EPD").measured is False
-
-    impossible = derive_budgets(engine, SLOConfig(tbt=1e-9), role="EPD", repeats=1)
-    assert (impossible.image_budget, impossible.token_budget) == (1, MIN_TOKEN_BUDGET)
-    assert not impossible.within_bound
-    _assert_all_free(engine)
-
-
-@pytest.mark.parametrize("role", ["E", "D"])
-def test_real_measurement_on_single_stage_instances(tiny_llava_dir, role):
-    engine = make_engine(tiny_llava_dir, role)
-    try:
-        budgets = derive_budgets(engine, SLOConfig(ttft=60.0, tbt=30.0), role=role, repeats=1)
-        if role == "E":
-            assert (budgets.image_budget, budgets.token_budget) == (NUM_IMAGE_BLOCKS, None)
-        else:
-            assert (budgets.image_budget, budgets.token_budget) == (None, MAX_NUM_SEQS)
-        _assert_all_free(engine)
-        with pytest.raises(ConfigError, match="cannot run"):
-            derive_budgets(engine, SLOConfig(), role="EPD", latency_fn=FakeLatency())
-    finally:
-        engine.shutdown()
+def test_real_fit_on_the_tiny_checkpoint_predicts_measured_steps(tiny_llava_dir):
+    """Fit on the device, then time real engine steps of decode batches and prefills the
+    probes never ran: the model predicts them within a stated tolerance."""
+    engine = make_engine(tiny_llava_dir, num_kv_blocks=1024)
+    start = time.monotonic()
+    model = fit_latency_model(engine, force=True, show_progress=False)
+    assert time.monotonic() - start < 10  # seconds on the tiny model, with room for a busy machine
+    assert model.error is not None and model.error.median < 0.5
+    engine.set_latency_model(model, bound=10.0)  # predicts every step; the bound does not bind
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for i in range(24):
+        engine.add_request(EngineRequest(f"r{i}", [5 + (i * 7 + j) % 60 for j in range(40 + 5 * i)], params))
+    ratios = []
+    while engine.has_unfinished_requests():
+        out = engine.step()
+        t = out.timing
+        if t is not None and t.language > 0.002:
+            ratios.append(t.predicted_language / t.language)
+    engine.shutdown()
+    # The median step within a factor 1.5 either way (CPU timing on a shared machine is noisy).
+    assert 1 / 1.5 < statistics.median(ratios) < 1.5, sorted(ratios)

@@ -44,6 +44,9 @@ def run_step(s: Scheduler, token=7):
     """One step with synthetic model outputs; checks the invariants the engine relies on."""
     out = s.schedule()
     s.check_integrity()
+    # A request preempted while this step was built may run again in it: the runner must
+    # drop its old batch row before the step, so it is among this step's dropped.
+    assert all(any(d is r for d in out.dropped) for r in out.preempted)
     assert sum(n for _, n in out.chunks) <= s.config.token_budget
     assert len(out.encodes) <= s.config.image_budget
     for req, n in out.chunks:
@@ -56,10 +59,11 @@ def run_step(s: Scheduler, token=7):
     for req, index in out.encodes:
         assert req.image_block_ids[index]
     s.update_after_encode(out)
-    sampled = {r.req_id: token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens}
-    steps = s.update_after_language(out, sampled)
+    # One sampled token per chunk that completes its request's tokens, in chunk order.
+    sampled = [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens]
+    result = s.update_after_language(out, sampled)
     s.check_integrity()
-    return out, steps
+    return out, result
 
 
 def run_to_completion(s: Scheduler, reqs, max_steps=10_000):
@@ -229,7 +233,7 @@ def test_block_manager_detects_double_free_and_leaks():
 
 def test_token_ids_span_prompt_and_output():
     r = make_request("t", num_prompt=4)
-    r.output_token_ids = [90, 91, 92]
+    r.set_output([90, 91, 92])
     everything = r.prompt_token_ids + r.output_token_ids
     for start in range(len(everything)):
         for end in range(start, len(everything) + 1):

@@ -68,14 +68,16 @@ def test_values_that_would_fail_inside_the_worker_step():
     must be refused (or made safe) at the door."""
     import torch
 
-    from hydrad.engine.sampler import Sampler
+    from hydrad.engine.sampler import Sampler, SamplingMetadata
 
     sampler, logits = Sampler(), torch.randn(1, 50) * 20
     for fields in ({"temperature": 1e-300, "seed": 2**63 - 1}, {"temperature": 5e-324, "seed": -(2**63)}):
         params = chat(**fields).options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
         assert params.greedy
-        sampler.generator_for(params)
-        assert sampler.sample(logits, [params], [None]) == [int(logits.argmax())]
+        sampler.generator_for(params.seed)
+        meta = SamplingMetadata.greedy(1)
+        meta.temperature[:] = params.temperature
+        assert sampler.sample(logits, meta).token_ids == [int(logits.argmax())]
     assert chat(temperature=0.5).options.temperature == 0.5
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from hydrad.engine.inputs import MigrationOffer, RequestDelta
+from hydrad.engine.inputs import EngineOutput, FinishedRequest, MigrationOffer, RequestDelta, TokenLogprobs
 from hydrad.sampling_params import SamplingParams
 from hydrad.server.client import WorkerLost
 from hydrad.server.requests_table import RequestTable, ServiceStopping
@@ -57,7 +57,7 @@ def test_migration_relay_through_every_stage():
         assert len(table) == 1 and (e.num_inflight, p.num_inflight) == (1, 1)  # counted once in all
         table.on_pulled(p, "r", 0)
         assert e.sent == [Release(("r",))] and e.num_inflight == 0
-        table.deliver(RequestDelta("r", [7], num_prompt_tokens=2))
+        table.deliver(RequestDelta("r", [7]))
         table.on_offer(p, offer("r", 1, "kv"))
         table.on_pulled(d, "r", 1)
         table.deliver(RequestDelta("r", [8], "length"))
@@ -129,5 +129,25 @@ def test_fail_all_ends_every_request_and_refuses_new_ones():
         assert len(table) == 0 and not table.holders
         with pytest.raises(ServiceStopping, match="second SIGTERM"):
             table.open("c", e)
+
+    asyncio.run(main())
+
+
+def test_step_columns_reach_each_request_in_order_with_logprobs_and_ends():
+    async def main():
+        table, (e, _, _) = make_table()
+        a, b, c = (table.open(r, e) for r in "abc")
+        lp = TokenLogprobs(-0.1, 1, [5], [-0.1])
+        table.deliver_output(EngineOutput(["a", "b"], [5, 6], [lp, None]))
+        table.deliver_output(EngineOutput(["b", "a"], [7, 8], None,
+                                          [FinishedRequest("a", "length", {"decode_exec": 0.1}),
+                                           FinishedRequest("c", "abort")]))
+        got_a, got_b, got_c = drain(a), drain(b), drain(c)
+        assert [(x.new_token_ids, x.finish_reason) for x in got_a] == [([5], None), ([8], "length")]
+        assert got_a[0].logprobs == [lp] and got_a[1].logprobs is None
+        assert got_a[1].stage_times == {"decode_exec": 0.1}
+        assert [x.new_token_ids for x in got_b] == [[6], [7]] and got_b[-1].finish_reason is None
+        assert [(x.new_token_ids, x.finish_reason) for x in got_c] == [([], "abort")]
+        assert set(table.queues) == {"b"}
 
     asyncio.run(main())

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hydrad.engine.inputs import EngineRequest, EngineStats, RequestDelta
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest, RequestDelta
 from hydrad.engine.worker import run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
@@ -47,16 +47,16 @@ class FakeEngine:
     def take_pulled(self) -> list:
         return []
 
-    def step(self) -> list[RequestDelta]:
-        deltas = []
+    def step(self) -> EngineOutput:
+        out = EngineOutput()
         for req_id, state in list(self.requests.items()):
             state[1] += 1
-            done = state[1] == state[0]
-            deltas.append(RequestDelta(req_id, [100 + state[1]], "length" if done else None,
-                                       stage_times={"decode_exec": 0.001} if done else None))
-            if done:
+            out.req_ids.append(req_id)
+            out.token_ids.append(100 + state[1])
+            if state[1] == state[0]:
+                out.finished.append(FinishedRequest(req_id, "length", {"decode_exec": 0.001}))
                 del self.requests[req_id]
-        return deltas
+        return out
 
     def get_stats(self) -> EngineStats:
         n = len(self.requests)
@@ -97,8 +97,8 @@ def test_shutdown_finishing_running_requests():
     tokens = []
     while True:
         msg = recv_until(conn, StepOutput)
-        tokens += msg.deltas[0].new_token_ids
-        if msg.deltas[0].finish_reason:
+        tokens += msg.output.token_ids
+        if msg.output.finished:
             break
     assert tokens == [101, 102, 103]
     thread.join(5)
@@ -112,10 +112,10 @@ def test_shutdown_aborting_running_requests():
     recv_until(conn, StatsReply)
     conn.send(AddRequest(request("a", 1000)))
     conn.send(Shutdown(finish_running=False))
-    deltas = []
-    while not any(d.finish_reason for d in deltas):
-        deltas += recv_until(conn, StepOutput).deltas
-    assert deltas[-1] == RequestDelta("a", [], "abort")
+    finished = []
+    while not finished:
+        finished += recv_until(conn, StepOutput).output.finished
+    assert finished == [FinishedRequest("a", "abort")]
     thread.join(5)
     assert not thread.is_alive() and not engine.requests
 

@@ -6,7 +6,17 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from hydrad.engine.inputs import EngineRequest, EngineStats, ImageInput, MigrationOffer, RequestDelta
+from hydrad.engine.inputs import (
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    FinishedRequest,
+    ImageInput,
+    MigrationOffer,
+    StepTiming,
+    TokenLogprobs,
+)
+from hydrad.engine.latency_model import FitError, LatencyModel
 from hydrad.sampling_params import SamplingParams
 from hydrad.transport.messages import (
     Abort,
@@ -49,8 +59,12 @@ MESSAGES = [
     Shutdown(),
     Shutdown(finish_running=True),
     WorkerReady(instance_id=1, pid=1234, max_model_len=2048, load_seconds=1.5),
-    StepOutput([RequestDelta("a", [5], num_prompt_tokens=9),
-                RequestDelta("b", [6, 7], "length", stage_times={"decode_exec": 0.1})]),
+    StepOutput(EngineOutput(["a", "b"], [5, 6], [None, TokenLogprobs(-0.5, 2, [7], [-0.1])],
+                            [FinishedRequest("b", "length", {"decode_exec": 0.1}), FinishedRequest("c", "abort")],
+                            StepTiming(0.01, 0.012, 0.02, 0.019))),
+    WorkerReady(instance_id=1, pid=1234, max_model_len=2048, load_seconds=1.5,
+                latency_model=LatencyModel(l_fixed=0.001, l_decode=1e-4, meta={"key": {"a": 1}},
+                                           error=FitError(0.05, 0.1, 6)), latency_bound=0.1),
     StatsReply(7, make_stats()),
     RequestRejected("a", "too long"),
     WorkerFailed(0, "RuntimeError: boom", "Traceback ..."),
@@ -58,7 +72,7 @@ MESSAGES = [
     Migrate(MigrationOffer("a", 0, "kv", [3, 4], [1, 2, 3], [9], 3, SamplingParams(max_tokens=4), [], (2,), None,
                            {"arrival": 1.0})),
     Release(("a",)),
-    StepOutput([RequestDelta("a", [5])], offers=[MigrationOffer("b", 1, "image", [[0, 1]], [1], [], 0,
+    StepOutput(EngineOutput(["a"], [5]), offers=[MigrationOffer("b", 1, "image", [[0, 1]], [1], [], 0,
                                                                 SamplingParams(), [ImageInput(None, 0, 1)], (2,),
                                                                 None, {})], pulled=[("c", 0)]),
 ]

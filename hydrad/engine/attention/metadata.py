@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -49,6 +50,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length after this step (computed + new tokens)
     block_tables: torch.Tensor  # [B, max_num_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset of each new token
+    positions: torch.Tensor  # [num_tokens] int64, each new token's position in its sequence
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     max_query_len: int
@@ -60,45 +62,58 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
+        query_lens,
+        seq_lens,
+        block_tables,
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        if not len(query_lens) == len(seq_lens) == len(block_tables):
+        """``query_lens``, ``seq_lens``: one per sequence; ``block_tables``: [B, max_num_blocks]
+        (a 2-d array padded with any block id, or a list of block-id lists)."""
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64)
+        if isinstance(block_tables, np.ndarray):
+            table = block_tables.astype(np.int64, copy=False)
+            num_blocks = None
+        else:
+            num_blocks = np.array([len(b) for b in block_tables], dtype=np.int64)
+            table = np.zeros((len(block_tables), int(num_blocks.max(initial=0))), dtype=np.int64)
+            for b, blocks in enumerate(block_tables):
+                table[b, : len(blocks)] = blocks
+        if not len(query_lens) == len(seq_lens) == table.shape[0]:
             raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
-        for b, (q, s, blocks) in enumerate(zip(query_lens, seq_lens, block_tables)):
-            if not 0 <= q <= s:
-                raise ValueError(f"sequence {b}: query_len {q} must be in [0, seq_len {s}]")
-            if len(blocks) * block_size < s:
-                raise ValueError(f"sequence {b}: {len(blocks)} blocks of {block_size} cannot hold {s} tokens")
-
-        max_num_blocks = max((len(blocks) for blocks in block_tables), default=0)
-        # [B, max_num_blocks]
-        padded = [blocks + [0] * (max_num_blocks - len(blocks)) for blocks in block_tables]
-        table = torch.tensor(padded, dtype=torch.int64).view(len(block_tables), max_num_blocks)
+        if ((query_lens < 0) | (query_lens > seq_lens)).any():
+            b = int(np.argmax((query_lens < 0) | (query_lens > seq_lens)))
+            raise ValueError(f"sequence {b}: query_len {query_lens[b]} must be in [0, seq_len {seq_lens[b]}]")
+        capacity = (num_blocks if num_blocks is not None else table.shape[1]) * block_size
+        if (capacity < seq_lens).any():
+            b = int(np.argmax(capacity < seq_lens))
+            raise ValueError(f"sequence {b}: its blocks of {block_size} cannot hold {seq_lens[b]} tokens")
 
         # Position of every new token in its sequence, and the sequence it belongs to.
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64)
-        seq_ids = torch.repeat_interleave(torch.arange(len(query_lens)), query_lens_t)  # [num_tokens]
-        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=query_start[1:])
-        positions = torch.arange(int(query_start[-1])) - query_start[seq_ids] + (seq_lens_t - query_lens_t)[seq_ids]
+        query_start = np.zeros(len(query_lens) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        if num_tokens == len(query_lens) and (query_lens == 1).all():  # decodes only
+            seq_ids = np.arange(num_tokens)
+            positions = seq_lens - 1
+        else:
+            seq_ids = np.repeat(np.arange(len(query_lens)), query_lens)
+            positions = np.arange(num_tokens) - query_start[seq_ids] + (seq_lens - query_lens)[seq_ids]
         slot_mapping = table[seq_ids, positions // block_size] * block_size + positions % block_size
-
+        table_t = torch.from_numpy(table)
         return cls(
-            query_start_loc=query_start.to(device=device, dtype=torch.int32),
-            seq_lens=seq_lens_t.to(device=device, dtype=torch.int32),
-            block_tables=table.to(device=device, dtype=torch.int32),
-            slot_mapping=slot_mapping.to(device),
-            query_lens_cpu=list(query_lens),
-            seq_lens_cpu=list(seq_lens),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
+            query_start_loc=torch.from_numpy(query_start).to(device=device, dtype=torch.int32),
+            seq_lens=torch.from_numpy(seq_lens).to(device=device, dtype=torch.int32),
+            block_tables=table_t.to(device=device, dtype=torch.int32),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
+            positions=torch.from_numpy(positions).to(device),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
             block_size=block_size,
-            block_tables_cpu=table,
+            block_tables_cpu=table_t,
         )
 
     @property
@@ -133,22 +148,20 @@ class AttentionMetadata:
 
     @cached_property
     def decode_batch(self) -> DecodeBatch | None:
-        seq_ids, token_ids, start = [], [], 0
-        for b, query_len in enumerate(self.query_lens_cpu):
-            if query_len == 1:
-                seq_ids.append(b)
-                token_ids.append(start)
-            start += query_len
-        if not seq_ids:
+        query_lens = np.asarray(self.query_lens_cpu)
+        is_decode = query_lens == 1
+        if not is_decode.any():
             return None
-        lens = torch.tensor([self.seq_lens_cpu[b] for b in seq_ids])
+        seq_ids = np.flatnonzero(is_decode)
+        token_ids = (np.cumsum(query_lens) - 1)[seq_ids]
+        lens = torch.tensor(np.asarray(self.seq_lens_cpu)[seq_ids])
         max_num_blocks = -(-int(lens.max()) // self.block_size)
         # [num_decodes, max_num_blocks * block_size]
         visible = torch.arange(max_num_blocks * self.block_size) < lens[:, None]
         device = self.device
         return DecodeBatch(
-            token_ids=torch.tensor(token_ids, device=device),
-            block_ids=self.block_tables_cpu[seq_ids, :max_num_blocks].to(device),
+            token_ids=torch.from_numpy(token_ids).to(device),
+            block_ids=self.block_tables_cpu[torch.from_numpy(seq_ids), :max_num_blocks].to(device),
             mask=_additive_mask(visible[:, None, None, :], device),
         )
 

@@ -1,0 +1,160 @@
+"""The persistent rows of the requests that run language steps on this instance.
+
+A request gets a row when it first runs a language step here and keeps it until it
+leaves the running set (finished, aborted, preempted, offered). The row holds what
+does not change from step to step — the KV block table (extended as blocks are
+added), the sampling settings, the request's generator and penalty slot — so that a
+step gathers its inputs with a few array operations instead of rebuilding them
+request by request.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hydrad.engine.request import Request
+from hydrad.engine.sampler import PenaltyCache, Sampler, SamplingMetadata
+
+_INITIAL_ROWS = 64
+
+
+class InputBatch:
+    def __init__(self, max_blocks_per_row: int, vocab_size: int, sampler: Sampler, device: torch.device):
+        self.max_blocks_per_row = max_blocks_per_row
+        self.vocab_size = vocab_size
+        self.sampler = sampler
+        self.penalties = PenaltyCache(vocab_size, device)
+        sampler.penalties = self.penalties
+        self.capacity = 0
+        self._free: list[int] = []
+        self.block_table = np.zeros((0, max_blocks_per_row), dtype=np.int64)
+        # Blocks of each row copied into block_table so far (a Python list: read per request per step).
+        self.num_blocks: list[int] = []
+        self.temperature = np.zeros(0, dtype=np.float32)
+        self.top_k = np.zeros(0, dtype=np.int64)
+        self.top_p = np.zeros(0, dtype=np.float32)
+        self.min_p = np.zeros(0, dtype=np.float32)
+        self.repetition_penalty = np.zeros(0, dtype=np.float32)
+        self.presence_penalty = np.zeros(0, dtype=np.float32)
+        self.frequency_penalty = np.zeros(0, dtype=np.float32)
+        self.penalty_slot = np.zeros(0, dtype=np.int64)
+        self.num_logprobs = np.zeros(0, dtype=np.int64)
+        self.min_tokens = np.zeros(0, dtype=np.int64)
+        self.generators: list[torch.Generator | None] = []
+        # Per row: (token ids, values) of its logit bias, and the ids min_tokens masks.
+        self.bias: list[tuple[list[int], list[float]] | None] = []
+        self.stop_ids: list[list[int]] = []
+        self.num_rows_used = 0
+        self._grow(_INITIAL_ROWS)
+
+    # -- rows ------------------------------------------------------------------------------
+    def add(self, req: Request) -> int:
+        """Give ``req`` a row and record its settings (ValueError if they do not fit the model)."""
+        params = req.sampling_params
+        if params.logit_bias:
+            bad = [t for t in params.logit_bias if t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias names token {bad[0]}, the vocabulary has {self.vocab_size} tokens")
+        if not self._free:
+            self._grow(2 * self.capacity)
+        row = self._free.pop()
+        req.row = row
+        self.num_rows_used += 1
+        self.num_blocks[row] = 0
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.presence_penalty[row] = params.presence_penalty
+        self.frequency_penalty[row] = params.frequency_penalty
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self.min_tokens[row] = params.min_tokens
+        self.stop_ids[row] = sorted(req.stop_ids)
+        self.bias[row] = (list(params.logit_bias), list(params.logit_bias.values())) if params.logit_bias else None
+        if params.seed is not None and not params.greedy and req.generator is None:
+            req.generator = self.sampler.generator_for(params.seed)
+        self.generators[row] = req.generator if params.seed is not None else None
+        self.penalty_slot[row] = (self.penalties.allocate(req.prompt_token_ids, req.output_token_ids)
+                                  if params.has_penalties else -1)
+        return row
+
+    def remove(self, req: Request) -> None:
+        row = req.row
+        if row < 0:
+            return
+        req.row = -1
+        if self.penalty_slot[row] >= 0:
+            self.penalties.free(int(self.penalty_slot[row]))
+            self.penalty_slot[row] = -1
+        self.generators[row] = None
+        self.bias[row] = None
+        self._free.append(row)
+        self.num_rows_used -= 1
+
+    def sync_blocks(self, row: int, block_ids: list[int]) -> None:
+        """Copy the blocks added to a request since the last step into its row."""
+        known = self.num_blocks[row]
+        if len(block_ids) > self.max_blocks_per_row:
+            raise ValueError(f"{len(block_ids)} KV blocks exceed the {self.max_blocks_per_row} a row holds")
+        self.block_table[row, known: len(block_ids)] = block_ids[known:]
+        self.num_blocks[row] = len(block_ids)
+
+    # -- sampling ----------------------------------------------------------------------------
+    def sampling_metadata(self, rows: np.ndarray, reqs: list[Request]) -> SamplingMetadata:
+        """Settings of the rows that sample this step (``reqs`` in the same order)."""
+        generators = []
+        if any(self.generators[r] is not None for r in rows.tolist()):
+            generators = [(i, self.generators[r]) for i, r in enumerate(rows.tolist()) if self.generators[r] is not None]
+        meta = SamplingMetadata(
+            temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
+            min_p=self.min_p[rows], repetition_penalty=self.repetition_penalty[rows],
+            presence_penalty=self.presence_penalty[rows], frequency_penalty=self.frequency_penalty[rows],
+            penalty_slots=self.penalty_slot[rows], num_logprobs=self.num_logprobs[rows], generators=generators,
+        )
+        bias = [(i, self.bias[r]) for i, r in enumerate(rows.tolist()) if self.bias[r] is not None]
+        if bias:
+            meta.bias = ([i for i, (ids, _) in bias for _ in ids], [t for _, (ids, _) in bias for t in ids],
+                         [v for _, (_, values) in bias for v in values])
+        if self.min_tokens[rows].any():
+            mask_rows, mask_ids = [], []
+            for i, req in enumerate(reqs):
+                if req.num_output_tokens < req.sampling_params.min_tokens:
+                    ids = self.stop_ids[int(rows[i])]
+                    mask_rows += [i] * len(ids)
+                    mask_ids += ids
+            if mask_rows:
+                meta.min_tokens_mask = (mask_rows, mask_ids)
+        return meta
+
+    def add_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
+        """Count the sampled tokens of rows with penalty state."""
+        slots = self.penalty_slot[rows]
+        with_state = slots >= 0
+        if with_state.any():
+            device = self.penalties.device
+            self.penalties.add_tokens(torch.from_numpy(slots[with_state]).to(device),
+                                      torch.tensor(np.asarray(token_ids)[with_state], device=device))
+
+    def _grow(self, capacity: int) -> None:
+        old = self.capacity
+        if capacity <= old:
+            return
+
+        def grown(array: np.ndarray, fill) -> np.ndarray:
+            new = np.full((capacity, *array.shape[1:]), fill, dtype=array.dtype)
+            new[:old] = array
+            return new
+
+        self.block_table = grown(self.block_table, 0)
+        for name, fill in (("temperature", 1.0), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0),
+                           ("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                           ("penalty_slot", -1), ("num_logprobs", -1), ("min_tokens", 0)):
+            setattr(self, name, grown(getattr(self, name), fill))
+        self.num_blocks += [0] * (capacity - old)
+        self.generators += [None] * (capacity - old)
+        self.bias += [None] * (capacity - old)
+        self.stop_ids += [[] for _ in range(capacity - old)]
+        self._free.extend(range(capacity - 1, old - 1, -1))
+        self.capacity = capacity

@@ -1,0 +1,318 @@
+"""The latency model of an instance: predicted seconds of one step from what it holds.
+
+One model, three users: the scheduler fills each step up to its SLO bound with it
+(Algorithm 1 made context-aware), the simulator replays traces with it, and the
+planner searches deployments with it. It is linear in a few features of the step,
+with separate vision and language parts:
+
+    vision   = v_fixed + v_image * images + v_token * image_tokens + v_token2 * sum(tokens_i^2)
+    language = l_fixed + l_prefill * prefill_tokens + l_attn * prefill_pairs / 1e3
+               + l_decode * decodes + l_ctx * decode_context / 1e3
+    step     = max(vision, language) + overlap * min(vision, language)
+
+``prefill_pairs`` counts the (query, key) pairs of the prefill chunks' attention, a
+chunk of q tokens after c cached ones reading q*c + q(q+1)/2 pairs; ``decode_context``
+is the total KV context the decodes read. The fixed parts count only when the step
+has work of that kind. ``overlap`` is how much of the shorter part the longer one
+does not hide: 0 when vision and language run fully in parallel (two CUDA streams),
+about 1 when they share the same cores (two threads on a CPU).
+
+The coefficients are fitted by least squares on relative error to probe batches run
+through the real runner (``hydrad.engine.profiler``), and saved as JSON (format in
+``docs/latency-model.md``). This module imports no torch: the scheduler and the
+planner take the model as plain numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+VISION_TERMS = ("v_fixed", "v_image", "v_token", "v_token2")
+LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step holds, in the model's features."""
+
+    num_images: int = 0
+    num_image_tokens: int = 0
+    image_tokens_sq: int = 0  # sum over images of tokens^2
+    num_prefill_tokens: int = 0
+    prefill_pairs: int = 0
+    num_decodes: int = 0
+    decode_context: int = 0
+
+    @staticmethod
+    def of(*, images: list[int] = (), prefills: list[tuple[int, int]] = (), decodes: list[int] = ()) -> StepShape:
+        """``images``: tokens per image; ``prefills``: (context before, chunk tokens);
+        ``decodes``: context each decode reads (its tokens before the new one, plus one)."""
+        return StepShape(
+            num_images=len(images),
+            num_image_tokens=sum(images),
+            image_tokens_sq=sum(t * t for t in images),
+            num_prefill_tokens=sum(q for _, q in prefills),
+            prefill_pairs=sum(prefill_pairs(c, q) for c, q in prefills),
+            num_decodes=len(decodes),
+            decode_context=sum(decodes),
+        )
+
+    def vision_features(self) -> list[float]:
+        if not self.num_images:
+            return [0.0] * len(VISION_TERMS)
+        return [1.0, self.num_images, self.num_image_tokens, self.image_tokens_sq / 1e3]
+
+    def language_features(self) -> list[float]:
+        if not self.num_prefill_tokens and not self.num_decodes:
+            return [0.0] * len(LANGUAGE_TERMS)
+        return [1.0, self.num_prefill_tokens, self.prefill_pairs / 1e3, self.num_decodes, self.decode_context / 1e3]
+
+
+def prefill_pairs(context: int, num_tokens: int) -> int:
+    """(query, key) pairs read by a chunk of ``num_tokens`` after ``context`` cached tokens."""
+    return num_tokens * context + num_tokens * (num_tokens + 1) // 2
+
+
+@dataclass(frozen=True)
+class FitError:
+    """Relative prediction error on probes the model was not fitted on."""
+
+    median: float
+    max: float
+    num_probes: int
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    v_fixed: float = 0.0
+    v_image: float = 0.0
+    v_token: float = 0.0
+    v_token2: float = 0.0
+    l_fixed: float = 0.0
+    l_prefill: float = 0.0
+    l_attn: float = 0.0
+    l_decode: float = 0.0
+    l_ctx: float = 0.0
+    overlap: float = 1.0
+    # Where and how it was measured; the cache key of the file it is stored in.
+    meta: dict = field(default_factory=dict, compare=False)
+    error: FitError | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in (*VISION_TERMS, *LANGUAGE_TERMS):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"latency model coefficient {name} must be finite and >= 0, got {value}")
+        if not 0.0 <= self.overlap <= 2.0:
+            raise ValueError(f"latency model overlap must be in [0, 2], got {self.overlap}")
+
+    # -- prediction ------------------------------------------------------------------------
+    def vision_seconds(self, shape: StepShape) -> float:
+        if not shape.num_images:
+            return 0.0
+        return (self.v_fixed + self.v_image * shape.num_images + self.v_token * shape.num_image_tokens
+                + self.v_token2 * shape.image_tokens_sq / 1e3)
+
+    def language_seconds(self, shape: StepShape) -> float:
+        if not shape.num_prefill_tokens and not shape.num_decodes:
+            return 0.0
+        return (self.l_fixed + self.l_prefill * shape.num_prefill_tokens + self.l_attn * shape.prefill_pairs / 1e3
+                + self.l_decode * shape.num_decodes + self.l_ctx * shape.decode_context / 1e3)
+
+    def combine(self, vision: float, language: float) -> float:
+        return max(vision, language) + self.overlap * min(vision, language)
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return self.combine(self.vision_seconds(shape), self.language_seconds(shape))
+
+    def max_language(self, vision: float, bound: float) -> float:
+        """The largest language time a step with ``vision`` seconds of vision work may
+        hold and stay within ``bound`` (negative when the vision work alone is over)."""
+        if vision <= 0.0:
+            return bound
+        # language >= vision: language + overlap * vision <= bound
+        longer = bound - self.overlap * vision
+        if longer >= vision:
+            return longer
+        # language < vision: vision + overlap * language <= bound
+        if self.overlap == 0.0:
+            return vision if vision <= bound else -1.0
+        return (bound - vision) / self.overlap
+
+    # -- persistence -------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        body = {"version": FORMAT_VERSION, "coefficients": {k: getattr(self, k) for k in
+                                                            (*VISION_TERMS, *LANGUAGE_TERMS, "overlap")}}
+        body["meta"] = dict(self.meta)
+        body["error"] = asdict(self.error) if self.error is not None else None
+        return body
+
+    @classmethod
+    def from_json(cls, body: dict) -> LatencyModel:
+        if body.get("version") != FORMAT_VERSION:
+            raise ValueError(f"latency model format {body.get('version')!r}, expected {FORMAT_VERSION}")
+        error = body.get("error")
+        return cls(**body["coefficients"], meta=body.get("meta") or {},
+                   error=FitError(**error) if error else None)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyModel:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def summary(self) -> str:
+        parts = []
+        if self.v_fixed or self.v_image or self.v_token:
+            per_image = self.v_image + self.v_token * self.meta.get("image_tokens", 0)
+            parts.append(f"encode {1e3 * self.v_fixed:.1f} ms + {1e3 * per_image:.1f} ms/image")
+        if self.l_fixed or self.l_prefill or self.l_decode:
+            parts.append(f"step {1e3 * self.l_fixed:.1f} ms + {1e6 * self.l_prefill:.0f} us/prefill token"
+                         f" + {1e6 * self.l_decode:.0f} us/decode + {1e6 * self.l_ctx:.1f} us/1k ctx")
+        if self.error is not None:
+            parts.append(f"error median {100 * self.error.median:.1f}%, max {100 * self.error.max:.1f}% "
+                         f"on {self.error.num_probes} held-out probes")
+        return "; ".join(parts)
+
+
+class StepBudget:
+    """The step the scheduler is building, against its latency bound and hard caps.
+
+    Each ``add_*`` admits one unit of work if the predicted step stays within
+    ``bound``; the first unit of an empty step is always admitted (a step must make
+    progress even when the bound cannot be met). Without a model only the caps bind.
+    """
+
+    def __init__(self, model: LatencyModel | None, bound: float, token_cap: int, image_cap: int):
+        self.model = model
+        self.bound = bound
+        self.tokens_left = token_cap
+        self.images_left = image_cap
+        self._image_cap = image_cap
+        self.vision = 0.0
+        self.language = 0.0
+        self.empty = True
+        self._num_language_units = 0
+        if model is not None:
+            self._decode_cost = model.l_decode
+            self._ctx_cost = model.l_ctx / 1e3
+            # Largest language time with no vision work, refined when images join.
+            self._language_room = model.max_language(0.0, bound)
+
+    def predicted(self) -> float:
+        return self.model.combine(self.vision, self.language) if self.model is not None else 0.0
+
+    def add_decode(self, context: int) -> bool:
+        """One decode reading ``context`` tokens of KV (its cached tokens plus the new one)."""
+        if self.tokens_left < 1:
+            return False
+        if self.model is not None:
+            cost = self._decode_cost + self._ctx_cost * context
+            if self.language == 0.0:
+                cost += self.model.l_fixed
+            if self.language + cost > self._language_room and not self.empty:
+                return False
+            self.language += cost
+        self.tokens_left -= 1
+        self.empty = False
+        self._num_language_units += 1
+        return True
+
+    def undo_decode(self, context: int) -> None:
+        """Take back the last ``add_decode`` (the decode could not get its KV block)."""
+        self.tokens_left += 1
+        self._num_language_units -= 1
+        if self.model is not None:
+            if self._num_language_units == 0:
+                self.language = 0.0
+            else:
+                self.language -= self._decode_cost + self._ctx_cost * context
+        self.empty = self._num_language_units == 0 and self.vision == 0.0 and self.images_left == self._image_cap
+
+    def fit_prefill(self, context: int, num_tokens: int, min_tokens: int = 1) -> int:
+        """The largest chunk (<= ``num_tokens``) of a prefill after ``context`` cached tokens
+        that fits; at least ``min_tokens`` in an empty step; 0 when none fits."""
+        n = min(num_tokens, self.tokens_left)
+        if n < 1:
+            return 0
+        if self.model is not None:
+            m = self.model
+            room = self._language_room - self.language - (m.l_fixed if self.language == 0.0 else 0.0)
+            a, b = m.l_prefill, m.l_attn / 1e3
+            # cost(q) = a*q + b*(q*c + q(q+1)/2) <= room, increasing in q
+            if room <= 0:
+                fit = 0
+            elif b > 0:
+                lin = a + b * (context + 0.5)
+                fit = int((-lin + math.sqrt(lin * lin + 2.0 * b * room)) / b)
+            elif a > 0:
+                fit = int(room / a)
+            else:
+                fit = n
+            fit = min(n, max(0, fit))
+            while fit > 0 and a * fit + b * prefill_pairs(context, fit) > room:
+                fit -= 1  # float rounding at the edge
+            if fit == 0 and self.empty:
+                fit = min(n, max(1, min_tokens))
+            n = fit
+        return n
+
+    def add_prefill(self, context: int, num_tokens: int) -> None:
+        """Account a chunk returned by ``fit_prefill``."""
+        if self.model is not None:
+            m = self.model
+            self.language += (m.l_fixed if self.language == 0.0 else 0.0) + m.l_prefill * num_tokens \
+                + m.l_attn * prefill_pairs(context, num_tokens) / 1e3
+        self.tokens_left -= num_tokens
+        self.empty = False
+        self._num_language_units += 1
+
+    def add_image(self, num_tokens: int) -> bool:
+        """One image of ``num_tokens`` image tokens to encode."""
+        if self.images_left < 1:
+            return False
+        if self.model is not None:
+            m = self.model
+            vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.v_image + m.v_token * num_tokens \
+                + m.v_token2 * num_tokens * num_tokens / 1e3
+            if m.combine(vision, self.language) > self.bound and not self.empty:
+                return False
+            self.vision = vision
+            self._language_room = m.max_language(vision, self.bound)
+        self.images_left -= 1
+        self.empty = False
+        return True
+
+
+def fit_least_squares(rows: list[list[float]], seconds: list[float]) -> list[float]:
+    """Non-negative coefficients minimizing the relative error of ``rows @ coef`` to
+    ``seconds``: weighted least squares, dropping terms that come out negative."""
+    import numpy as np
+
+    x = np.asarray(rows, dtype=np.float64)
+    t = np.asarray(seconds, dtype=np.float64)
+    if x.ndim != 2 or len(t) != x.shape[0] or not len(t):
+        raise ValueError("one row of features per measured time is needed")
+    if (t <= 0).any():
+        raise ValueError("measured times must be > 0")
+    w = 1.0 / t
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
+    coef = np.zeros(x.shape[1])
+    while active:
+        sub = x[:, active] * w[:, None]
+        scale = np.linalg.norm(sub, axis=0)
+        scale[scale == 0] = 1.0
+        sol, *_ = np.linalg.lstsq(sub / scale, t * w, rcond=None)
+        sol = sol / scale
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        # Drop the most negative term and solve again (an active-set step of NNLS).
+        active.pop(int(np.argmin(sol)))
+    return [float(c) for c in coef]

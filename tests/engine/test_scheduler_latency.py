@@ -1,0 +1,170 @@
+"""Algorithm 1 made context-aware: steps filled by a synthetic latency model up to the bound.
+
+The scheduler never builds a step predicted over its bound, except one minimal unit of
+progress when nothing fits; it fills steps up to the bound (the next unit would not
+fit); long decode contexts take more of the bound than short ones; and every earlier
+guarantee (integrity after every step, preemption, abort) holds with the model on.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hydrad.engine.latency_model import LatencyModel, StepShape, prefill_pairs
+from hydrad.engine.request import RequestStatus
+from hydrad.engine.scheduler import Scheduler
+from test_scheduler import make_request, make_scheduler
+
+# Seconds: 2 ms per step, 0.1 ms per prefill token, 0.2 ms per decode, 0.05 ms per 1k KV
+# tokens a decode reads, attention 0.02 ms per 1k query-key pairs; 5 ms per image.
+MODEL = LatencyModel(v_fixed=0.001, v_image=0.004, v_token=0.0, l_fixed=0.002, l_prefill=1e-4, l_attn=2e-5,
+                     l_decode=2e-4, l_ctx=5e-5, overlap=1.0)
+
+
+def scheduler_with(model=MODEL, bound=0.05, **kwargs) -> Scheduler:
+    kwargs.setdefault("token_budget", 100_000)
+    kwargs.setdefault("image_budget", 100)
+    kwargs.setdefault("num_kv_blocks", 4096)
+    s = make_scheduler(**kwargs)
+    s.set_latency_model(model, bound)
+    return s
+
+
+def shape_of(out) -> StepShape:
+    images = [req.images[i].length for req, i in out.encodes]
+    decodes, prefills = [], []
+    for req, n in out.chunks:
+        if n == 1 and req.num_tokens > req.num_prompt_tokens and req.num_computed_tokens == req.num_tokens - 1:
+            decodes.append(req.num_computed_tokens + 1)
+        else:
+            prefills.append((req.num_computed_tokens, n))
+    return StepShape.of(images=images, prefills=prefills, decodes=decodes)
+
+
+def is_minimal(out, s: Scheduler) -> bool:
+    """One unit of work: one decode, one image, or one chunk of at most min_chunk tokens."""
+    units = len(out.encodes) + len(out.chunks)
+    return units == 1 and (not out.chunks or out.chunks[0][1] <= s.min_chunk)
+
+
+def step(s: Scheduler, token: int = 7):
+    out = s.schedule()
+    s.check_integrity()
+    predicted = s.latency_model.step_seconds(shape_of(out))
+    assert predicted == pytest.approx(s.latency_model.combine(out.predicted_vision, out.predicted_language))
+    assert predicted <= s.latency_bound * (1 + 1e-9) or is_minimal(out, s), (predicted, out.chunks, out.encodes)
+    s.update_after_encode(out)
+    s.update_after_language(out, [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    s.check_integrity()
+    return out, predicted
+
+
+def test_a_long_prompt_is_chunked_to_the_largest_chunk_that_fits():
+    s = scheduler_with(bound=0.05)
+    r = make_request("r", num_prompt=2000, max_tokens=2)
+    s.add(r)
+    out, predicted = step(s)
+    (req, n), = out.chunks
+    # l_fixed + a*n + b*pairs(0, n) <= bound, and n + 1 would not be
+    cost = lambda q: MODEL.l_fixed + MODEL.l_prefill * q + MODEL.l_attn * prefill_pairs(0, q) / 1e3  # noqa: E731
+    assert cost(n) <= 0.05 < cost(n + 1)
+    out, _ = step(s)  # the next chunk reads the first one's KV: attention makes it smaller
+    assert 0 < out.chunks[0][1] < n
+
+
+def test_decodes_at_long_context_leave_less_room_for_prefill():
+    rooms = []
+    for context in (16, 3000):
+        s = scheduler_with(bound=0.03, kv_block_size=16, num_kv_blocks=8192)
+        decodes = [make_request(f"d{i}", num_prompt=context, max_tokens=1000) for i in range(20)]
+        for r in decodes:
+            s.add(r)
+        while not all(r.num_output_tokens for r in decodes):
+            step(s)
+        s.add(make_request("p", num_prompt=1000, max_tokens=2))
+        out, _ = step(s)
+        assert [r for r, n in out.chunks if n == 1] == decodes  # every decode, then prefill
+        rooms.append(sum(n for r, n in out.chunks if r.req_id == "p"))
+    assert rooms[0] > rooms[1] > 0
+
+
+def test_decodes_beyond_the_bound_wait_and_one_always_runs():
+    s = scheduler_with(bound=0.0035)  # l_fixed + 7 decodes at short context
+    reqs = [make_request(i, num_prompt=4, max_tokens=30) for i in range(12)]
+    for r in reqs:
+        s.add(r)
+    for _ in range(200):
+        if not s.num_unfinished:
+            break
+        out, predicted = step(s)
+        assert out.chunks or out.encodes
+    assert not s.num_unfinished
+    s2 = scheduler_with(bound=1e-6)  # nothing fits: one minimal unit per step still runs
+    r = make_request("x", num_prompt=40, max_tokens=3)
+    s2.add(r)
+    for _ in range(100):
+        if not s2.num_unfinished:
+            break
+        step(s2)
+    assert r.finish_reason == "length"
+
+
+def test_encodes_fill_the_rest_of_the_step():
+    s = scheduler_with(bound=0.02, num_image_blocks=64, image_block_size=16)
+    reqs = [make_request(i, num_prompt=30, images=[(2, 16)], max_tokens=2) for i in range(10)]
+    for r in reqs:
+        s.add(r)
+    out, predicted = step(s)
+    # 1 ms fixed + 4 ms per image within 20 ms: four images, a fifth would be over
+    assert len(out.encodes) == 4
+    assert MODEL.vision_seconds(StepShape.of(images=[16] * 5)) > 0.02
+
+
+def test_hard_caps_still_bind_under_the_model():
+    s = scheduler_with(bound=10.0, token_budget=24, image_budget=1, num_image_blocks=8, image_block_size=16)
+    for i in range(4):
+        s.add(make_request(i, num_prompt=40, images=[(0, 16)] if i % 2 else [], max_tokens=4))
+    for _ in range(60):
+        if not s.num_unfinished:
+            break
+        out, _ = step(s)
+        assert out.num_tokens <= 24 and len(out.encodes) <= 1
+    assert not s.num_unfinished
+
+
+@pytest.mark.parametrize("bound", [0.004, 0.02, 0.2])
+def test_randomized_mix_under_the_model_keeps_every_guarantee(bound):
+    rng = random.Random(int(bound * 1000))
+    s = scheduler_with(bound=bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
+                       token_budget=10_000, image_budget=10)
+    reqs = []
+    for i in range(40):
+        images = [(1, 8)] if rng.random() < 0.4 else []
+        reqs.append(make_request(i, num_prompt=rng.randint(12, 60), images=images, max_tokens=rng.randint(1, 16)))
+    pending, aborted = list(reqs), set()
+    for _ in range(20_000):
+        if pending and rng.random() < 0.3:
+            s.add(pending.pop(0))
+        if s.num_unfinished and rng.random() < 0.03:
+            victim = rng.choice(list(s.requests.values()))
+            s.abort(victim.req_id)
+            aborted.add(victim.req_id)
+            s.check_integrity()
+        if not pending and not s.num_unfinished:
+            break
+        step(s)
+    assert not s.num_unfinished and s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
+    assert s.num_preemptions > 0 or bound < 0.01
+    for r in reqs:
+        assert r.status is RequestStatus.FINISHED
+        if r.req_id not in aborted:
+            assert r.num_output_tokens == r.sampling_params.max_tokens
+
+
+def test_without_a_model_only_the_caps_bind():
+    s = make_scheduler(token_budget=16)
+    s.add(make_request("a", num_prompt=100, max_tokens=2))
+    out = s.schedule()
+    assert out.chunks[0][1] == 16 and out.predicted_language == 0.0
