@@ -89,6 +89,12 @@ class VisionLanguageModel(nn.Module):
         """One ``[num_image_tokens_i, hidden]`` matrix per image, in order (batched internally)."""
         raise NotImplementedError
 
+    def num_vision_patches(self, image: ImageInput) -> int:
+        """How many patch positions the vision tower runs over for ``image`` (it needs only the
+        image's layout, not its pixels): the cost of encoding it, as the latency model should count
+        it; an image's ``length`` (its tokens in the language model) is what prefill costs."""
+        raise NotImplementedError
+
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
         """Split the HF processor's image outputs per image: pixels, layout and ``length`` (its

@@ -84,6 +84,11 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
                 features[i] = feats  # [num_image_tokens, hidden]
         return features
 
+    def num_vision_patches(self, image: ImageInput) -> int:
+        # One crop: its patches and the CLS token.
+        vision = self.hf_config.vision_config
+        return (vision.image_size // vision.patch_size) ** 2 + 1
+
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
         pixel_values = processor_output["pixel_values"]  # [num_images, 3, H, W]

@@ -121,6 +121,11 @@ class LlavaNextForConditionalGeneration(VisionLanguageModel):
         grid = torch.cat((grid, newline), dim=1)  # [unpadded rows, unpadded columns + 1, hidden]
         return torch.cat((base, grid.flatten(0, 1)))
 
+    def num_vision_patches(self, image: ImageInput) -> int:
+        # The base image and every tile, each its patches and the CLS token.
+        rows, cols = anyres_grid(self.hf_config, image.image_size)
+        return (1 + rows * cols) * (self.patches_per_side**2 + 1)
+
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
         # pixel_values: [num_images, max crops, 3, H, W], zero crops padding the images with fewer

@@ -120,6 +120,11 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         t, h, w = grid_thw
         return t * h * w // self.spatial_merge_size**2
 
+    def num_vision_patches(self, image: ImageInput) -> int:
+        # Every patch before the merge (4 per token); attention spans one image (or window).
+        t, h, w = image.grid_thw
+        return t * h * w
+
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
         grids = [tuple(int(n) for n in grid) for grid in processor_output["image_grid_thw"].tolist()]

@@ -45,6 +45,12 @@ def test_each_image_lands_in_its_blocks(tiny_checkpoint, arch):
                          num_image_blocks=sum(needed) + 3, image_block_size=block_size, sampler=Sampler(0))
     runner.encode(encodes)
 
+    # The encode cost the latency model counts: the patch positions the tower ran over.
+    tower_inputs = {"llava": lambda im: 17, "llava-next": lambda im: im.pixel_values.shape[0] * 17,
+                    "qwen2-vl": lambda im: im.pixel_values.shape[0]}[arch]
+    assert [model.num_vision_patches(req.images[i]) for req, i in encodes] == [
+        tower_inputs(req.images[i]) for req, i in encodes]
+
     flat = runner.image_cache.view(-1, model.image_hidden_size)
     for req, i in encodes:
         image = req.images[i]
