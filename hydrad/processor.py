@@ -2,16 +2,21 @@
 
 It applies the checkpoint's chat template, decodes and checks images, runs the
 checkpoint's own image processor and tokenizer (so prompts match transformers
-exactly), and finds where each image's placeholder tokens sit in the prompt.
-It holds no model weights; the daemon runs it in a thread pool, off the event loop.
+exactly), splits the image outputs per image, and finds where each image's placeholder
+tokens sit in the prompt; images of one prompt may have different numbers of tokens
+(LLaVA-NeXT, Qwen2-VL). For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D
+positions, once. It holds no model weights; the daemon runs it in a thread pool, off the
+event loop.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from PIL import Image
 
 from hydrad.engine.inputs import EngineRequest, ImageInput
@@ -26,6 +31,10 @@ _ROLES = ("system", "developer", "user", "assistant")
 class ProcessedPrompt:
     prompt_token_ids: list[int]
     images: list[ImageInput] = field(default_factory=list)
+    # M-RoPE models: [3, num_prompt_tokens] positions and the delta of generated tokens
+    # (None for a text-only prompt: the flat arange).
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
 
     @property
     def num_image_tokens(self) -> int:
@@ -41,21 +50,21 @@ class InputProcessor:
         max_image_pixels: int = 40_000_000,
         max_model_len: int | None = None,
     ):
-        from transformers import AutoProcessor
-
+        from hydrad.models.hf_processor import load_hf_processor
         from hydrad.models.loader import load_config
+        from hydrad.models.registry import get_model_class
 
         self.model_path = Path(model_path)
         self.model_name = self.model_path.name
-        hf_config = load_config(self.model_path)
+        self.hf_config = hf_config = load_config(self.model_path)
+        self.model_cls = get_model_class(hf_config)
         self.max_model_len = max_model_len or hf_config.text_config.max_position_embeddings
         self.max_images_per_request = max_images_per_request
         self.max_image_pixels = max_image_pixels
-        self.processor = AutoProcessor.from_pretrained(self.model_path)
+        self.processor = load_hf_processor(self.model_path, hf_config.model_type)
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
-        eos = {self.tokenizer.eos_token_id, getattr(hf_config.text_config, "eos_token_id", None)}
-        self.eos_token_ids = tuple(sorted(t for t in eos if isinstance(t, int)))
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer, hf_config)
         # transformers' processors are not safe to call from several threads at once.
         self._lock = threading.Lock()
 
@@ -130,26 +139,35 @@ class InputProcessor:
 
     # -- tokens ---------------------------------------------------------------------------------
     def _tokenize(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
-        with self._lock:
-            out = self.processor(text=text, images=images or None, return_tensors="pt")
+        try:
+            with self._lock:
+                out = self.processor(text=text, images=images or None, return_tensors="pt")
+        except ValueError as e:
+            if images:
+                # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
+                raise RequestError(f"could not process the images: {e}", param="messages") from None
+            if self.processor.image_token in text:
+                # transformers 5's processors refuse placeholders without images themselves.
+                raise RequestError("the prompt contains image placeholder tokens but no image", param="messages") from None
+            raise
         token_ids = out["input_ids"][0].tolist()
         if not images:
             if self.image_token_id in token_ids:
                 raise RequestError("the prompt contains image placeholder tokens but no image", param="messages")
             return ProcessedPrompt(token_ids)
-        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if not positions or len(positions) % len(images):
-            raise RequestError(
-                f"the prompt holds {len(positions)} image placeholders for {len(images)} images", param="messages"
+        inputs = self.model_cls.image_inputs(self.hf_config, out)
+        offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
+        for image, offset in zip(inputs, offsets):
+            image.offset = offset
+        prompt = ProcessedPrompt(token_ids, inputs)
+        if self.model_cls.uses_mrope:
+            from hydrad.models.qwen2_vl import get_mrope_positions
+
+            prompt.mrope_positions, prompt.mrope_delta = get_mrope_positions(
+                token_ids, self.image_token_id, [image.grid_thw for image in inputs],
+                self.hf_config.vision_config.spatial_merge_size,
             )
-        per_image = len(positions) // len(images)
-        inputs = []
-        for k, pixel_values in enumerate(out["pixel_values"]):
-            run = positions[k * per_image : (k + 1) * per_image]
-            if run[-1] - run[0] + 1 != per_image:
-                raise RequestError("image placeholder tokens are not contiguous", param="messages")
-            inputs.append(ImageInput(pixel_values=pixel_values, offset=run[0], length=per_image))
-        return ProcessedPrompt(token_ids, inputs)
+        return prompt
 
     def make_engine_request(self, req_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> EngineRequest:
         num_prompt = len(prompt.prompt_token_ids)
@@ -166,4 +184,40 @@ class InputProcessor:
             sampling_params=params,
             images=prompt.images,
             eos_token_ids=self.eos_token_ids,
+            mrope_positions=prompt.mrope_positions,
+            mrope_delta=prompt.mrope_delta,
         )
+
+
+def find_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]) -> list[int]:
+    """The offset of each image's placeholder run: image k takes the next ``lengths[k]``
+    placeholders, which must be contiguous. Runs are told apart by their lengths, so two images
+    whose runs touch are still found."""
+    positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
+    if len(positions) != sum(lengths):
+        raise RequestError(
+            f"the prompt holds {len(positions)} image placeholders for {len(lengths)} images of "
+            f"{sum(lengths)} image tokens",
+            param="messages",
+        )
+    offsets, consumed = [], 0
+    for length in lengths:
+        run = positions[consumed : consumed + length]
+        if run[-1] - run[0] + 1 != length:
+            raise RequestError("image placeholder tokens are not contiguous", param="messages")
+        offsets.append(run[0])
+        consumed += length
+    return offsets
+
+
+def _eos_token_ids(model_path: Path, tokenizer, hf_config) -> tuple[int, ...]:
+    # Generation stops at the tokenizer's EOS, the model's, and those of generation_config.json
+    # (Qwen2-VL's list <|im_end|> and <|endoftext|>), as transformers' generate does.
+    eos = [tokenizer.eos_token_id, getattr(hf_config.text_config, "eos_token_id", None)]
+    generation_config = model_path / "generation_config.json"
+    if generation_config.is_file():
+        from transformers import GenerationConfig
+
+        eos.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    flat = [t for item in eos for t in (item if isinstance(item, list) else [item])]
+    return tuple(sorted({t for t in flat if isinstance(t, int)}))

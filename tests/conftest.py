@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import LAYOUTS, make_layout, make_tiny_llava, module_state_dict
+from factories import LAYOUTS, make_layout, make_tiny, make_tiny_llava, module_state_dict
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -34,3 +34,18 @@ def tiny_llava_layouts(tmp_path_factory: pytest.TempPathFactory, tiny_llava_dir:
         name: make_layout(tiny_llava_dir, root / name, state_dict, layout, max_shard_size)
         for name, (layout, max_shard_size) in LAYOUTS.items()
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_checkpoint(arch, layout="hf5")``: a tiny checkpoint (seed 0) of ``arch`` with its weights
+    named as ``layout`` names them, built once per session."""
+    built: dict[tuple[str, str], Path] = {}
+    root = tmp_path_factory.mktemp("tiny-checkpoints")
+
+    def get(arch: str, layout: str = "hf5") -> Path:
+        if (arch, layout) not in built:
+            built[arch, layout] = make_tiny(root / f"{arch}-{layout}", arch, layout=layout)
+        return built[arch, layout]
+
+    return get

@@ -24,11 +24,23 @@ def make_tiny_llava(out_dir: Path, seed: int = 0) -> Path:
     return build_model(out_dir, "llava", "tiny", seed, progress=False)
 
 
+def make_tiny(out_dir: Path, arch: str, seed: int = 0, layout: str = "hf5") -> Path:
+    """A tiny checkpoint of ``arch`` (a ``hydrad make-model --arch`` name) as ``hydrad make-model`` writes it."""
+    return build_model(out_dir, arch, "tiny", seed, layout=layout, progress=False)
+
+
+def hf_model(path: Path):
+    """transformers' model of the checkpoint at ``path`` (its config's architecture), in eval mode."""
+    import transformers
+
+    from hydrad.models.loader import load_config
+
+    return getattr(transformers, load_config(path).architectures[0]).from_pretrained(path).eval()
+
+
 def module_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as transformers holds them in memory (``model.language_model.*``, ...)."""
-    from transformers import LlavaForConditionalGeneration
-
-    return dict(LlavaForConditionalGeneration.from_pretrained(path).state_dict())
+    return dict(hf_model(path).state_dict())
 
 
 def canonical_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -55,10 +67,11 @@ def make_layout(
     state_dict: Mapping[str, torch.Tensor],
     layout: str,
     max_shard_size: int | None = None,
+    model_type: str = "llava",
 ) -> Path:
     """A complete checkpoint: ``src_dir``'s other files and ``state_dict`` (in-memory names) in ``layout``."""
     copy_without_weights(src_dir, out_dir)
-    write_weights(state_dict, out_dir, layout, max_shard_size=max_shard_size)
+    write_weights(state_dict, out_dir, layout, max_shard_size=max_shard_size, model_type=model_type)
     return out_dir
 
 

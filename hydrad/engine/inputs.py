@@ -17,12 +17,19 @@ from hydrad.sampling_params import SamplingParams
 class ImageInput:
     """One image of a request, preprocessed, and where its tokens sit in the prompt."""
 
-    # [3, H, W], the image processor's output for this image (model dtype not applied yet);
+    # The image processor's output for this image (model dtype not applied yet): LLaVA-1.5
+    # [3, H, W]; LLaVA-NeXT [num_tiles, 3, H, W] (the resized whole image, then the tiles);
+    # Qwen2-VL [num_patches, channels * temporal_patch * patch * patch].
     # None once encoded elsewhere (a migrated request carries only the placement).
     pixel_values: torch.Tensor | None
     # First placeholder position in the prompt and the number of placeholders (= image tokens).
     offset: int
     length: int
+    # What a variable-resolution encoder needs besides the pixels, as plain ints (they travel in
+    # messages): LLaVA-NeXT's original (height, width), which fixes the tile grid and the unpadding;
+    # Qwen2-VL's patch grid (t, h, w) before the 2x2 merge.
+    image_size: tuple[int, int] | None = None
+    grid_thw: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -34,6 +41,12 @@ class EngineRequest:
     # Token ids that end generation unless ignore_eos (the model's EOS and any extras).
     eos_token_ids: tuple[int, ...] = ()
     arrival_time: float = 0.0
+    # M-RoPE models (Qwen2-VL): the prompt's positions, [3, num_prompt_tokens] int64, computed once
+    # from its token and image layout; None means the flat arange in all three (a text-only
+    # prompt). A token at sequence index i >= num_prompt_tokens (generated) sits at i + mrope_delta
+    # in all three.
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

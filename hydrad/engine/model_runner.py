@@ -78,24 +78,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def encode(self, encodes: list[tuple[Request, int]]) -> None:
-        """Encode the listed images and write their features into their image-cache blocks."""
+        """Encode the listed images and write their features into their image-cache blocks.
+
+        The model batches them as its family can (one tower call for LLaVA-1.5's equal crops,
+        for LLaVA-NeXT's tiles, for Qwen2-VL's patches) and returns one feature matrix per image.
+        """
         flat_cache = self.image_cache.view(-1, self.image_cache.shape[-1])
-        by_shape: dict[tuple, list[tuple[Request, int]]] = {}
-        for req, index in encodes:
-            by_shape.setdefault(tuple(req.images[index].pixel_values.shape), []).append((req, index))
-        for group in by_shape.values():
-            pixel_values = torch.stack([req.images[i].pixel_values for req, i in group])
-            features = self.model.encode_images(pixel_values.to(self.device, self.dtype))
-            # features: [num_images, num_image_tokens, hidden]
-            for (req, index), feats in zip(group, features):
-                image = req.images[index]
-                if feats.shape[0] != image.length:
-                    raise ValueError(
-                        f"request {req.req_id}: image {index} has {image.length} placeholder tokens "
-                        f"but encodes to {feats.shape[0]}"
-                    )
-                slots = self._image_slots(req.image_block_ids[index], 0, image.length).to(self.device)
-                flat_cache[slots] = feats.to(self.dtype)
+        features = self.model.encode_images([req.images[index] for req, index in encodes])
+        for (req, index), feats in zip(encodes, features):
+            # feats: [num_image_tokens, hidden]
+            image = req.images[index]
+            if feats.shape[0] != image.length:
+                raise ValueError(
+                    f"request {req.req_id}: image {index} has {image.length} placeholder tokens "
+                    f"but encodes to {feats.shape[0]}"
+                )
+            slots = self._image_slots(req.image_block_ids[index], 0, image.length).to(self.device)
+            flat_cache[slots] = feats.to(self.dtype)
 
     # -- language -----------------------------------------------------------------------------
     def drop(self, reqs) -> None:

@@ -1,9 +1,11 @@
 """Build complete Hugging Face checkpoints with random weights, offline.
 
-A built folder holds config.json, generation_config.json, safetensors weights,
-a byte-level BPE tokenizer trained on a built-in text, and the processor files,
-and loads with ``LlavaForConditionalGeneration`` / ``AutoProcessor`` /
-``AutoTokenizer``. Weights are a function of the seed only.
+A built folder holds config.json (with ``architectures``), generation_config.json,
+safetensors weights, a byte-level BPE tokenizer trained on a built-in text, and the
+processor files, and loads with the architecture's transformers class and
+``AutoTokenizer`` (and ``AutoProcessor``, or ``hydrad.models.hf_processor`` for the Qwen
+families, whose stock processor wants torchvision). Weights are a function of the seed only.
+What each architecture and size is lives in ``builder_archs``.
 
 Importing this module is cheap (the CLI reads ``ARCHS`` and ``SIZES``); torch,
 tokenizers and transformers load when a build starts.
@@ -19,88 +21,26 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hydrad.errors import CheckpointError
+from hydrad.models.builder_archs import ARCH_SPECS, TokenizerSpec, make_config, make_processor
 
 if TYPE_CHECKING:
     import torch
 
-ARCHS = ("llava",)
+ARCHS = tuple(ARCH_SPECS)
+SIZES = ("tiny", "small")
 
-UNK, BOS, EOS, PAD, IMAGE = "<unk>", "<s>", "</s>", "<pad>", "<image>"
-SPECIAL_TOKENS = (UNK, BOS, EOS, PAD, IMAGE)
-
-# LLaVA-1.5's conversation format (vicuna_v1): "[system ]USER: <image>\n<text> ASSISTANT: <reply></s>".
-# Images come before the text of a turn, as in LLaVA's training data. Every tag strips the
-# whitespace around it, so the layout below is free; the one newline is an expression.
-LLAVA_CHAT_TEMPLATE = """
-{%- macro render(content) -%}
-    {%- if content is string -%}
-        {{- content -}}
-    {%- else -%}
-        {%- for part in content if part['type'] in ('image', 'image_url') -%}
-            {{- '<image>' + '\\n' -}}
-        {%- endfor -%}
-        {%- for part in content if part['type'] == 'text' -%}
-            {{- (' ' if not loop.first else '') + part['text'] -}}
-        {%- endfor -%}
-    {%- endif -%}
-{%- endmacro -%}
-{%- for message in messages -%}
-    {%- if message['role'] == 'system' -%}
-        {{- render(message['content']) + ' ' -}}
-    {%- elif message['role'] == 'user' -%}
-        {{- 'USER: ' + render(message['content']) + ' ' -}}
-    {%- elif message['role'] == 'assistant' -%}
-        {{- 'ASSISTANT: ' + render(message['content']) + '</s>' -}}
-    {%- else -%}
-        {{- raise_exception('unsupported role: ' + message['role']) -}}
-    {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- 'ASSISTANT:' -}}
-{%- endif -%}
-"""
-
-
-@dataclass(frozen=True)
-class LlavaSize:
-    vocab_size: int
-    vision: Mapping[str, int]
-    text: Mapping[str, int]
-
-
-SIZES: dict[str, LlavaSize] = {
-    # Whole folder well under 1 MB; 16 image tokens per image.
-    "tiny": LlavaSize(
-        vocab_size=512,
-        vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    image_size=56, patch_size=14),
-        text=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=2048),
-    ),
-    # Large enough that batching and caching costs show in benchmarks; 256 image tokens.
-    "small": LlavaSize(
-        vocab_size=4096,
-        vision=dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                    image_size=224, patch_size=14),
-        text=dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=4096),
-    ),
-}
-
-# How each on-disk layout names a tensor, as renames of transformers' in-memory module names
-# (first matching rule wins). "hf5" is what transformers 5 ``save_pretrained`` writes, "hub" is
-# the llava-hf checkpoints on the Hugging Face hub, "module" the in-memory names unchanged.
-WEIGHT_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
+_LLAVA_LAYOUTS = {
+    # What transformers 5 save_pretrained writes.
     "hf5": (
         (r"^model\.language_model\.", "language_model.model."),
         (r"^lm_head\.", "language_model.lm_head."),
         (r"^model\.", ""),
     ),
+    # The llava-hf checkpoints on the Hugging Face hub: the CLIP tower one level deeper.
     "hub": (
         (r"^model\.language_model\.", "language_model.model."),
         (r"^lm_head\.", "language_model.lm_head."),
@@ -109,15 +49,31 @@ WEIGHT_LAYOUTS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
     "module": (),
 }
+# The Qwen hub checkpoints and transformers 5 save_pretrained name the weights alike.
+_QWEN_HUB = (
+    (r"^model\.language_model\.", "model."),
+    (r"^model\.visual\.", "visual."),
+)
+_QWEN_LAYOUTS = {"hf5": _QWEN_HUB, "hub": _QWEN_HUB, "module": ()}
+
+# model_type -> layout -> how the layout names a tensor, as renames of transformers' in-memory
+# module names (first matching rule wins); "module" is the in-memory names unchanged.
+WEIGHT_LAYOUTS: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
+    "llava": _LLAVA_LAYOUTS,
+    "llava_next": _LLAVA_LAYOUTS,
+    "qwen2_vl": _QWEN_LAYOUTS,
+    "qwen2_5_vl": _QWEN_LAYOUTS,
+}
+LAYOUTS = ("hub", "hf5", "module")
 DEFAULT_LAYOUT = "hf5"
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def layout_name(name: str, layout: str) -> str:
+def layout_name(name: str, layout: str, model_type: str = "llava") -> str:
     """The on-disk name of the in-memory tensor ``name`` in ``layout``."""
-    for pattern, replacement in WEIGHT_LAYOUTS[layout]:
+    for pattern, replacement in WEIGHT_LAYOUTS[model_type][layout]:
         renamed, n = re.subn(pattern, replacement, name, count=1)
         if n:
             return renamed
@@ -129,8 +85,9 @@ def write_weights(
     out_dir: str | os.PathLike,
     layout: str = DEFAULT_LAYOUT,
     max_shard_size: int | None = None,
+    model_type: str = "llava",
 ) -> list[Path]:
-    """Write a state dict (transformers' in-memory names) as safetensors in ``layout``.
+    """Write a state dict (transformers' in-memory names) of a ``model_type`` model as safetensors in ``layout``.
 
     With ``max_shard_size`` (bytes) the tensors are split, in order, into
     ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``;
@@ -138,10 +95,10 @@ def write_weights(
     """
     from safetensors.torch import save_file
 
-    if layout not in WEIGHT_LAYOUTS:
-        raise ValueError(f"unknown weight layout {layout!r} (known: {', '.join(WEIGHT_LAYOUTS)})")
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown weight layout {layout!r} (known: {', '.join(LAYOUTS)})")
     out_dir = Path(out_dir)
-    tensors = {layout_name(k, layout): v.detach().contiguous() for k, v in state_dict.items()}
+    tensors = {layout_name(k, layout, model_type): v.detach().contiguous() for k, v in state_dict.items()}
     shards = list(_split_shards(tensors, max_shard_size))
     if len(shards) == 1:
         path = out_dir / SAFETENSORS_FILE
@@ -176,8 +133,9 @@ def _split_shards(
     yield shard
 
 
-def train_tokenizer(vocab_size: int, chat_template: str = LLAVA_CHAT_TEMPLATE):
-    """A byte-level BPE tokenizer trained on the built-in text; ``<s>`` starts every encoding."""
+def train_tokenizer(vocab_size: int, spec: TokenizerSpec = ARCH_SPECS["llava"].tokenizer):
+    """A byte-level BPE tokenizer trained on the built-in text, with ``spec``'s special tokens and
+    chat template; ``spec.bos`` (if any) starts every encoding."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -188,90 +146,36 @@ def train_tokenizer(vocab_size: int, chat_template: str = LLAVA_CHAT_TEMPLATE):
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(spec.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator([TRAINING_TEXT], trainer=trainer)
-    bos_id = bpe.token_to_id(BOS)
-    bpe.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
+    if spec.bos is not None:
+        bos_id = bpe.token_to_id(spec.bos)
+        bpe.post_processor = processors.TemplateProcessing(
+            single=f"{spec.bos} $A", pair=f"{spec.bos} $A {spec.bos} $B", special_tokens=[(spec.bos, bos_id)]
+        )
     return PreTrainedTokenizerFast(
         tokenizer_object=bpe,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        pad_token=PAD,
-        extra_special_tokens={"image_token": IMAGE},
-        chat_template=chat_template,
+        bos_token=spec.bos,
+        eos_token=spec.eos,
+        unk_token=spec.unk,
+        pad_token=spec.pad,
+        extra_special_tokens={"image_token": spec.image, **spec.extra},
+        chat_template=spec.chat_template,
     )
 
 
-def llava_config(size: str, tokenizer):
-    """The ``LlavaConfig`` of a built-in size, with ids taken from ``tokenizer``."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
-
-    spec = SIZES[size]
-    vision = CLIPVisionConfig(**spec.vision, projection_dim=spec.vision["hidden_size"])
-    text = LlamaConfig(
-        **spec.text,
-        # Ids the tokenizer never emits decode to "", so the LM's vocabulary is exactly the tokenizer's.
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    num_patches = (spec.vision["image_size"] // spec.vision["patch_size"]) ** 2
-    return LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=tokenizer.convert_tokens_to_ids(IMAGE),
-        image_seq_length=num_patches,
-        vision_feature_layer=-2,
-        vision_feature_select_strategy="default",
-        projector_hidden_act="gelu",
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
-
-
-def llava_processor(size: str, tokenizer):
-    from transformers import LlavaProcessor
-
-    try:
-        # The PIL backend needs no torchvision and saves as "CLIPImageProcessor", so the folder
-        # loads with either backend; naming it avoids transformers' fallback warning.
-        from transformers import CLIPImageProcessorPil as CLIPImageProcessor
-    except ImportError:
-        from transformers import CLIPImageProcessor
-
-    vision = SIZES[size].vision
-    side = vision["image_size"]
-    image_processor = CLIPImageProcessor(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
-    # With CLIP and the "default" strategy the tower emits one CLS token on top of the patches,
-    # which the processor must count or the prompt gets one placeholder too few.
-    return LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=vision["patch_size"],
-        vision_feature_select_strategy="default",
-        num_additional_image_tokens=1,
-        chat_template=tokenizer.chat_template,
-    )
-
-
-def random_llava(config, seed: int):
-    """A randomly initialised ``LlavaForConditionalGeneration``; a function of (config, seed) only."""
+def random_model(config, seed: int):
+    """A randomly initialised transformers model of ``config``'s architecture; a function of (config, seed) only."""
     import torch
-    from transformers import LlavaForConditionalGeneration
+    import transformers
 
+    model_cls = getattr(transformers, config.architectures[0])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return LlavaForConditionalGeneration(config).eval()
+        return model_cls(config).eval()
 
 
 def build_model(
@@ -280,10 +184,12 @@ def build_model(
     size: str = "tiny",
     seed: int = 0,
     *,
+    layout: str = DEFAULT_LAYOUT,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Build a checkpoint into ``out_dir`` and return its path.
+    """Build a checkpoint of ``arch`` (one of ``ARCHS``) into ``out_dir``, weights named as
+    ``layout`` names them, and return its path.
 
     The folder is assembled beside ``out_dir`` and renamed into place, so a reader
     never sees a half-written checkpoint and concurrent builders cannot mix files.
@@ -293,6 +199,8 @@ def build_model(
         raise CheckpointError(f"cannot build unknown architecture {arch!r} (supported: {', '.join(ARCHS)})")
     if size not in SIZES:
         raise CheckpointError(f"unknown model size {size!r} (sizes: {', '.join(SIZES)})")
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"unknown weight layout {layout!r} (layouts: {', '.join(LAYOUTS)})")
     out_dir = Path(out_dir).expanduser().absolute()
     if not overwrite and _is_non_empty(out_dir):
         raise CheckpointError(f"{out_dir} already exists and is not empty")
@@ -301,7 +209,7 @@ def build_model(
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
         with _steps(f"building {arch} {size} (seed {seed})", 4, progress) as step:
-            _build_into(tmp_dir, size, seed, step)
+            _build_into(tmp_dir, arch, size, seed, layout, step)
         # mkdtemp makes the folder private; the result is a shareable cache entry.
         tmp_dir.chmod(0o755)
         for path in tmp_dir.iterdir():
@@ -312,21 +220,24 @@ def build_model(
     return out_dir
 
 
-def _build_into(out_dir: Path, size: str, seed: int, step) -> None:
+def _build_into(out_dir: Path, arch: str, size: str, seed: int, layout: str, step) -> None:
     from transformers import GenerationConfig
 
+    from hydrad.models.hf_processor import save_hf_processor
+
+    spec = ARCH_SPECS[arch]
     step("training the tokenizer")
-    tokenizer = train_tokenizer(SIZES[size].vocab_size)
+    tokenizer = train_tokenizer(spec.sizes[size].vocab_size, spec.tokenizer)
     step("initialising weights")
-    config = llava_config(size, tokenizer)
-    model = random_llava(config, seed)
+    config = make_config(arch, size, tokenizer)
+    model = random_model(config, seed)
     step("writing weights")
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
-    write_weights(model.state_dict(), out_dir)
+    write_weights(model.state_dict(), out_dir, layout, model_type=spec.model_type)
     step("writing the tokenizer and processor")
     tokenizer.save_pretrained(out_dir)
-    llava_processor(size, tokenizer).save_pretrained(out_dir)
+    save_hf_processor(make_processor(arch, size, tokenizer), out_dir)
 
 
 def _publish(tmp_dir: Path, out_dir: Path, overwrite: bool) -> None:

@@ -1,9 +1,14 @@
-"""Llama-family decoders (Llama, Vicuna, Mistral, Qwen2) over flattened batches and a paged KV cache.
+"""Llama-family decoders (Llama, Vicuna, Mistral, Qwen2, Qwen2-VL's) over flattened batches and a paged KV cache.
 
 A batch is the new tokens of many sequences laid end to end (prefill chunks and decodes
 mixed); attention finds each sequence's context through ``AttentionMetadata``. The
 projections that read the same input are fused (``qkv_proj``, ``gate_up_proj``); the
 checkpoint keeps them apart, and ``STACKED_PARAMS`` says where each part goes.
+
+Positions are ``[num_tokens]``, or ``[3, num_tokens]`` for the decoders of Qwen2-VL and
+Qwen2.5-VL (M-RoPE): there each token has a temporal, a height and a width position, and
+the rotary frequencies are split into three sections (``mrope_section``) that rotate by
+one of the three each.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ STACKED_PARAMS = {
     "up_proj": ("gate_up_proj", 1),
 }
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Qwen2 puts a bias on q/k/v (not on o) without saying so in its config.
-_QKV_BIAS_MODEL_TYPES = ("qwen2",)
+_QKV_BIAS_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Decoders whose rotary embedding is M-RoPE (3-D positions), sections in rope_parameters["mrope_section"].
+_MROPE_MODEL_TYPES = ("qwen2_vl_text", "qwen2_5_vl_text")
 
 
 class MergedLinear(nn.Linear):
@@ -68,9 +75,36 @@ def rope_inv_freq(config) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
 
 
-def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    # positions: [num_tokens] -> cos, sin: [num_tokens, 1, head_dim] (broadcast over heads), angles in fp32
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+def mrope_section_of(config) -> tuple[int, ...] | None:
+    """The M-RoPE sections (temporal, height, width) of a decoder config; None for 1-D RoPE."""
+    if config.model_type not in _MROPE_MODEL_TYPES:
+        return None
+    rope = getattr(config, "rope_parameters", None) or {}
+    section = rope.get("mrope_section")
+    if not section or len(section) != 3:
+        raise CheckpointError(f"{config.model_type}: rope_parameters needs a 3-part mrope_section, got {section!r}")
+    if sum(section) != head_dim_of(config) // 2:
+        raise CheckpointError(
+            f"{config.model_type}: mrope_section {list(section)} must sum to head_dim / 2 = {head_dim_of(config) // 2}"
+        )
+    return tuple(section)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, mrope_section: tuple[int, ...] | None = None
+):
+    # positions: [num_tokens], or [3, num_tokens] with mrope_section
+    # -> cos, sin: [num_tokens, 1, head_dim] (broadcast over heads), angles in fp32
+    if mrope_section is None:
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [num_tokens, head_dim // 2]
+    else:
+        if positions.dim() == 1:
+            # A text-only sequence: its three positions are equal.
+            positions = positions.expand(3, -1)
+        by_axis = positions.float()[..., None] * inv_freq  # [3, num_tokens, head_dim // 2]
+        # Frequency section i turns with position axis i: temporal, then height, then width.
+        sections = by_axis.split(list(mrope_section), dim=-1)
+        freqs = torch.cat([section[i] for i, section in enumerate(sections)], dim=-1)
     angles = torch.cat((freqs, freqs), dim=-1)[:, None]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -146,6 +180,18 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _check_full_attention(config) -> None:
+    # Sliding-window layers would need their own mask; every layer here attends over the whole context.
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        raise CheckpointError(f"{config.model_type}: sliding-window attention layers are not supported")
+    window = getattr(config, "sliding_window", None) if config.model_type == "mistral" else None
+    if window is not None and window < config.max_position_embeddings:
+        raise CheckpointError(
+            f"mistral: sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{config.max_position_embeddings}) is not supported"
+        )
+
+
 class LlamaModel(nn.Module):
     """The decoder stack without the LM head: embeddings in, final-normed hidden states out."""
 
@@ -156,6 +202,8 @@ class LlamaModel(nn.Module):
                 f"language model type {config.model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        _check_full_attention(config)
+        self.mrope_section = mrope_section_of(config)
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -171,9 +219,11 @@ class LlamaModel(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens]
+        # inputs_embeds: [num_tokens, hidden]; positions: [num_tokens], or [3, num_tokens] with M-RoPE
         # kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
+        if positions.dim() == 2 and self.mrope_section is None:
+            raise ValueError("3-D positions given to a decoder without M-RoPE")
+        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype, self.mrope_section)
         h = inputs_embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv_cache[i], meta)

@@ -8,10 +8,16 @@ Canonical names (the contract the model code relies on)::
     language_model.layers.{i}.{input_layernorm,post_attention_layernorm}.weight
     language_model.norm.weight
     lm_head.weight                          (absent when the embeddings are tied)
-    vision_tower.<CLIPVisionModel names: embeddings.*, pre_layrnorm.*, encoder.layers.*, post_layernorm.*>
+    vision_tower.*                          LLaVA, LLaVA-NeXT: CLIPVisionModel names (embeddings.*,
+                                            pre_layrnorm.*, encoder.layers.*, post_layernorm.*);
+                                            Qwen2(.5)-VL: the vision transformer's names, merger
+                                            included (patch_embed.*, blocks.*, merger.*)
     multi_modal_projector.linear_{1,2}.{weight,bias}
+    multi_modal_projector.image_newline     (LLaVA-NeXT)
 
-They are transformers' in-memory names without the leading ``model.``.
+Every vision weight starts with ``vision_tower.`` or ``multi_modal_projector.`` and every
+language weight with ``language_model.`` or ``lm_head.``, whatever the family, so an instance
+reads only the part its role needs by prefix.
 """
 
 from __future__ import annotations
@@ -29,31 +35,60 @@ from hydrad.errors import CheckpointError
 # model_type -> the architectures (config.json "architectures") hydrad serves for it.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, ...]] = {
     "llava": ("LlavaForConditionalGeneration",),
+    "llava_next": ("LlavaNextForConditionalGeneration",),
+    "qwen2_vl": ("Qwen2VLForConditionalGeneration",),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration",),
 }
 
-# On-disk name -> canonical name; the first matching pattern wins, None drops the tensor.
-# Covers the llava-hf hub checkpoints (language_model.model.*, vision_tower.vision_model.*),
+
+def _rules(*pairs: tuple[str, str | None]) -> tuple[tuple[re.Pattern[str], str | None], ...]:
+    return tuple((re.compile(pattern), replacement) for pattern, replacement in pairs)
+
+
+# Buffers that older exporters saved; the models recompute them.
+_RECOMPUTED = (
+    (r"\.rotary_emb\.inv_freq$", None),
+    (r"\.rotary_pos_emb\.inv_freq$", None),
+    (r"\.embeddings\.position_ids$", None),
+)
+# LLaVA: the llava-hf hub checkpoints (language_model.model.*, vision_tower.vision_model.*),
 # transformers 5 save_pretrained (language_model.model.*, vision_tower.*) and transformers'
 # in-memory module names (model.language_model.*, lm_head.*; transformers 4 nests the tower's
 # weights one level deeper, model.vision_tower.vision_model.*).
-NAME_RULES: tuple[tuple[re.Pattern[str], str | None], ...] = tuple(
-    (re.compile(pattern), replacement)
-    for pattern, replacement in (
-        # Buffers that older exporters saved; the model recomputes them.
-        (r"\.rotary_emb\.inv_freq$", None),
-        (r"\.embeddings\.position_ids$", None),
-        (r"^model\.language_model\.", "language_model."),
-        (r"^model\.vision_tower\.vision_model\.", "vision_tower."),
-        (r"^model\.vision_tower\.", "vision_tower."),
-        (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
-        (r"^lm_head\.", "lm_head."),
-        (r"^language_model\.model\.", "language_model."),
-        (r"^language_model\.lm_head\.", "lm_head."),
-        (r"^vision_tower\.vision_model\.", "vision_tower."),
-        (r"^vision_tower\.", "vision_tower."),
-        (r"^multi_modal_projector\.", "multi_modal_projector."),
-    )
+_LLAVA = (
+    *_RECOMPUTED,
+    (r"^model\.language_model\.", "language_model."),
+    (r"^model\.vision_tower\.vision_model\.", "vision_tower."),
+    (r"^model\.vision_tower\.", "vision_tower."),
+    (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
+    (r"^lm_head\.", "lm_head."),
+    (r"^language_model\.model\.", "language_model."),
+    (r"^language_model\.lm_head\.", "lm_head."),
+    (r"^vision_tower\.vision_model\.", "vision_tower."),
+    (r"^vision_tower\.", "vision_tower."),
+    (r"^multi_modal_projector\.", "multi_modal_projector."),
 )
+# Qwen2-VL / Qwen2.5-VL: the Qwen hub checkpoints and transformers 5 save_pretrained (model.*
+# for the decoder, visual.*, lm_head.*) and transformers' in-memory module names
+# (model.language_model.*, model.visual.*), which some checkpoints saved with transformers 4 carry.
+_QWEN2_VL = (
+    *_RECOMPUTED,
+    (r"^model\.language_model\.", "language_model."),
+    (r"^model\.visual\.", "vision_tower."),
+    (r"^visual\.", "vision_tower."),
+    (r"^lm_head\.", "lm_head."),
+    (r"^model\.", "language_model."),
+)
+
+# model_type -> (on-disk name pattern, canonical prefix); the first matching pattern wins, None
+# drops the tensor.
+NAME_RULES: dict[str, tuple[tuple[re.Pattern[str], str | None], ...]] = {
+    "llava": _rules(*_LLAVA),
+    # The newline row is applied after the projector, so it is loaded with it.
+    "llava_next": _rules((r"^(model\.)?image_newline$", "multi_modal_projector.image_newline"), *_LLAVA),
+    "qwen2_vl": _rules(*_QWEN2_VL),
+    "qwen2_5_vl": _rules(*_QWEN2_VL),
+}
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -63,12 +98,13 @@ class UnknownTensorName(LookupError):
     """An on-disk tensor name that no rule of ``NAME_RULES`` maps."""
 
 
-def canonical_name(name: str) -> str | None:
-    """The canonical name of an on-disk tensor name; None for tensors hydrad does not load.
+def canonical_name(model_type: str, name: str) -> str | None:
+    """The canonical name of an on-disk tensor name of a ``model_type`` checkpoint; None for
+    tensors hydrad does not load.
 
     Raises ``UnknownTensorName`` for a name no rule covers.
     """
-    for pattern, replacement in NAME_RULES:
+    for pattern, replacement in NAME_RULES[model_type]:
         match = pattern.search(name)
         if match is None:
             continue
@@ -93,11 +129,13 @@ def load_config(path: str | os.PathLike):
     if not isinstance(raw, dict):
         raise CheckpointError(f"{config_file}: expected a JSON object")
 
-    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    supported = ", ".join(arch for archs in SUPPORTED_ARCHITECTURES.values() for arch in archs)
     model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or ()
     if model_type not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(f"{config_file}: unsupported architecture {model_type!r} (supported: {supported})")
-    for arch in raw.get("architectures") or ():
+        named = ", ".join(map(repr, architectures)) or repr(model_type)
+        raise CheckpointError(f"{config_file}: unsupported architecture {named} (supported: {supported})")
+    for arch in architectures:
         if arch not in SUPPORTED_ARCHITECTURES[model_type]:
             raise CheckpointError(f"{config_file}: unsupported architecture {arch!r} (supported: {supported})")
     return AutoConfig.from_pretrained(path, local_files_only=True)
@@ -115,8 +153,9 @@ def iter_weights(
     every shard found before the first tensor is yielded, so most damage fails up front.
     """
     path = _checkpoint_dir(path)
-    tied = bool(getattr(load_config(path), "tie_word_embeddings", False))
-    plan = _plan(path)
+    config = load_config(path)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    plan = _plan(path, config.model_type)
     for file, names in plan.items():
         wanted = {
             name: canonical
@@ -140,7 +179,7 @@ def _read_file(file: Path, wanted: dict[str, str], dtype: torch.dtype) -> Iterat
             yield canonical, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
-def _plan(path: Path) -> dict[Path, dict[str, str | None]]:
+def _plan(path: Path, model_type: str) -> dict[Path, dict[str, str | None]]:
     """Weight file -> {on-disk name: canonical name or None}, all names validated."""
     index_file = path / WEIGHTS_INDEX
     single_file = path / WEIGHTS_FILE
@@ -156,7 +195,7 @@ def _plan(path: Path) -> dict[Path, dict[str, str | None]]:
     plan: dict[Path, dict[str, str | None]] = {}
     for file, names in names_by_file.items():
         try:
-            plan[file] = {name: canonical_name(name) for name in names}
+            plan[file] = {name: canonical_name(model_type, name) for name in names}
         except UnknownTensorName as e:
             raise CheckpointError(f"{file}: unrecognised tensor name {e.args[0]!r}") from None
     return plan

@@ -9,6 +9,9 @@ from hydrad.errors import CheckpointError
 # model_type -> (module, class); imported only when asked for.
 MODELS = {
     "llava": ("hydrad.models.llava", "LlavaForConditionalGeneration"),
+    "llava_next": ("hydrad.models.llava_next", "LlavaNextForConditionalGeneration"),
+    "qwen2_vl": ("hydrad.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "qwen2_5_vl": ("hydrad.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
 }
 
 

@@ -121,7 +121,7 @@ def test_build_refuses_non_empty_folder_unless_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
-@pytest.mark.parametrize(("arch", "size", "message"), [("qwen2_vl", "tiny", "architecture 'qwen2_vl'"),
+@pytest.mark.parametrize(("arch", "size", "message"), [("qwen3-vl", "tiny", "architecture 'qwen3-vl'"),
                                                         ("llava", "huge", "size 'huge'")])
 def test_build_rejects_unknown_arch_and_size(tmp_path, arch, size, message):
     with pytest.raises(CheckpointError, match=message):
@@ -242,3 +242,95 @@ def test_failed_publish_names_its_cause_and_leaves_nothing(tmp_path, monkeypatch
     with pytest.raises(CheckpointError, match=re.escape(f"cannot move the built model into {out}: Permission denied")):
         build_model(out, "llava", "tiny", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+ARCHITECTURES = {
+    "llava": "LlavaForConditionalGeneration",
+    "llava-next": "LlavaNextForConditionalGeneration",
+    "qwen2-vl": "Qwen2VLForConditionalGeneration",
+    "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
+}
+# Head sizes vLLM's CPU attention supports: the small models must run there too.
+CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128)
+
+
+def test_every_architecture_is_buildable():
+    from hydrad.models.builder import ARCHS
+
+    assert set(ARCHS) == set(ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_tiny_checkpoint_of_every_arch_loads_in_transformers(tiny_checkpoint, arch):
+    from transformers import AutoTokenizer
+
+    from factories import hf_model
+    from hydrad.models.hf_processor import load_hf_processor
+
+    path = tiny_checkpoint(arch)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["architectures"] == [ARCHITECTURES[arch]]
+    assert _folder_bytes(path) < 1_200_000
+    model = hf_model(path)
+    assert type(model).__name__ == ARCHITECTURES[arch]
+    assert 100_000 < sum(p.numel() for p in model.parameters()) < 400_000
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert model.config.text_config.vocab_size == len(tokenizer)
+    processor = load_hf_processor(path, raw["model_type"])
+    # The folder names transformers' own processor class, as a hub checkpoint does.
+    assert json.loads((path / "processor_config.json").read_text())["processor_class"] in (
+        "LlavaProcessor", "LlavaNextProcessor", "Qwen2VLProcessor", "Qwen2_5_VLProcessor")
+    prompt = processor.apply_chat_template([_user_turn("What is shown?", 2)], add_generation_prompt=True)
+    images = [Image.new("RGB", (90, 60), (200, 30, 40)), Image.new("RGB", (40, 100), (20, 30, 240))]
+    inputs = processor(text=prompt, images=images, return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    assert logits.shape[-1] == len(tokenizer)
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_hf5_layout_is_what_transformers_saves(tmp_path, tiny_checkpoint, arch):
+    from factories import hf_model
+
+    hf_model(tiny_checkpoint(arch)).save_pretrained(tmp_path / "saved")
+    assert _weights(tmp_path / "saved").keys() == _weights(tiny_checkpoint(arch, "hf5")).keys()
+
+
+def test_hub_layouts(tiny_checkpoint):
+    next_names = _weights(tiny_checkpoint("llava-next", "hub")).keys()
+    assert "image_newline" in next_names
+    assert any(n.startswith("vision_tower.vision_model.encoder.") for n in next_names)
+    assert any(n.startswith("language_model.model.layers.") for n in next_names)
+    # The Qwen hub checkpoints name the weights as transformers 5 saves them.
+    qwen_names = _weights(tiny_checkpoint("qwen2-vl", "hub")).keys()
+    assert qwen_names == _weights(tiny_checkpoint("qwen2-vl", "hf5")).keys()
+    assert {n.split(".")[0] for n in qwen_names} == {"model", "visual", "lm_head"}
+    assert "model.layers.0.self_attn.q_proj.bias" in qwen_names and "visual.merger.mlp.0.weight" in qwen_names
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_small_configs_suit_cpu_benchmarks(arch):
+    from hydrad.models.builder import train_tokenizer
+    from hydrad.models.builder_archs import ARCH_SPECS, make_config
+
+    spec = ARCH_SPECS[arch]
+    assert spec.sizes["small"].vocab_size == 4096
+    config = make_config(arch, "small", train_tokenizer(512, spec.tokenizer))
+    text = config.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    assert head_dim in CPU_HEAD_DIMS
+    assert (text.hidden_size, text.num_hidden_layers, text.num_key_value_heads) == (512, 8, 2)
+    if arch.startswith("qwen"):
+        assert sum(text.rope_parameters["mrope_section"]) == head_dim // 2
+
+
+def test_make_model_cli_arch_and_layout(tmp_path, tiny_checkpoint):
+    out = tmp_path / "qwen"
+    result = CliRunner().invoke(cli, ["make-model", str(out), "--arch", "qwen2.5-vl", "--layout", "hub"])
+    assert result.exit_code == 0, result.output
+    assert "qwen2.5-vl tiny (seed 0, hub layout)" in result.output
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+    weights = _weights(out)
+    assert all(torch.equal(weights[name], t) for name, t in _weights(tiny_checkpoint("qwen2.5-vl", "hub")).items())
+    refused = CliRunner().invoke(cli, ["make-model", str(tmp_path / "x"), "--layout", "module"])
+    assert refused.exit_code == 2 and "Invalid value for '--layout'" in refused.output

@@ -3,10 +3,11 @@ import random
 import pytest
 import torch
 import transformers
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from paged_greedy import PagedSequence, run_greedy, shuffled_blocks
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
 
 from hydrad.engine.attention import AttentionMetadata
+from hydrad.engine.inputs import ImageInput
 from hydrad.errors import CheckpointError
 from hydrad.models.llava import LlavaForConditionalGeneration
 from hydrad.models.registry import get_model_class
@@ -59,11 +60,15 @@ def make_prompt(seed: int, num_images: int, num_text: int) -> tuple[torch.Tensor
     return torch.cat(pieces), pixels
 
 
+def image_inputs(pixels: torch.Tensor) -> list[ImageInput]:
+    return [ImageInput(pixel_values=p, offset=-1, length=16) for p in pixels]
+
+
 def prompt_embeds(model: LlavaForConditionalGeneration, ids: torch.Tensor, pixels: torch.Tensor) -> torch.Tensor:
     # The placeholder rows take the image features, in order, as transformers does.
     embeds = model.embed_tokens(ids)
     if len(pixels):
-        embeds[ids == IMAGE_TOKEN] = model.encode_images(pixels).flatten(0, 1)
+        embeds[ids == IMAGE_TOKEN] = torch.cat(model.encode_images(image_inputs(pixels)))
     return embeds
 
 
@@ -82,7 +87,7 @@ def test_encode_images_matches_transformers(feature_layer, strategy):
 
     with torch.no_grad():
         ref = torch.stack(hf.get_image_features(pixels, feature_layer, strategy).pooler_output)
-    features = ours.encode_images(pixels)
+    features = torch.stack(ours.encode_images(image_inputs(pixels)))
 
     assert features.shape == (3, ours.num_image_tokens_per_image, ours.image_hidden_size)
     assert ours.num_image_tokens_per_image == (16 if strategy == "default" else 17)
@@ -117,23 +122,6 @@ def hf_greedy(hf, ids: torch.Tensor, pixels: torch.Tensor) -> tuple[list[int], t
     return out[len(ids) :].tolist(), logits
 
 
-class PagedSequence:
-    """One request's state in the test's tiny scheduler: prompt rows, blocks, outputs."""
-
-    def __init__(self, embeds: torch.Tensor, block_ids: list[int], start_step: int):
-        self.embeds = embeds  # prompt rows, then one row per generated token
-        self.num_prompt = len(embeds)
-        self.block_ids = block_ids
-        self.start_step = start_step
-        self.num_computed = 0
-        self.new_tokens: list[int] = []
-        self.logits: dict[int, torch.Tensor] = {}  # position -> logit row
-
-    @property
-    def done(self) -> bool:
-        return len(self.new_tokens) == NUM_NEW_TOKENS
-
-
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_paged_chunked_batches_match_transformers(llava_pair, block_size):
     hf, ours = llava_pair
@@ -141,68 +129,19 @@ def test_paged_chunked_batches_match_transformers(llava_pair, block_size):
     prompts = [make_prompt(10, 1, 13), make_prompt(11, 0, 9), make_prompt(12, 2, 20), make_prompt(13, 1, 2)]
     refs = [hf_greedy(hf, ids, pixels) for ids, pixels in prompts]
 
-    # Shuffled, non-contiguous block ids from one pool.
-    blocks_needed = [-(-(len(ids) + NUM_NEW_TOKENS) // block_size) for ids, _ in prompts]
-    num_blocks = sum(blocks_needed) + 5
-    pool = rng.sample(range(num_blocks), sum(blocks_needed))
-    seqs = []
-    for i, (ids, pixels) in enumerate(prompts):
-        block_ids, pool = pool[: blocks_needed[i]], pool[blocks_needed[i] :]
-        seqs.append(PagedSequence(prompt_embeds(ours, ids, pixels), block_ids, start_step=3 * i))
+    tables, num_blocks = shuffled_blocks([len(ids) + NUM_NEW_TOKENS for ids, _ in prompts], block_size, rng)
+    seqs = [
+        PagedSequence(prompt_embeds(ours, ids, pixels), block_ids, NUM_NEW_TOKENS, start_step=3 * i)
+        for i, ((ids, pixels), block_ids) in enumerate(zip(prompts, tables))
+    ]
     kv_cache = torch.zeros(ours.kv_cache_shape(num_blocks, block_size))
-
-    token_budget, step, num_mixed_steps = 7, 0, 0
-    while not all(s.done for s in seqs):
-        # Decodes first, then prefill chunks within the budget; chunk ends fall inside image runs.
-        batch, budget = [], token_budget
-        for s in seqs:
-            if s.num_computed >= s.num_prompt and not s.done:
-                batch.append((s, 1))
-                budget -= 1
-        for s in seqs:
-            if step >= s.start_step and s.num_computed < s.num_prompt and budget > 0:
-                n = min(budget, s.num_prompt - s.num_computed)
-                batch.append((s, n))
-                budget -= n
-        num_decodes = sum(s.num_computed >= s.num_prompt for s, _ in batch)
-        num_mixed_steps += 0 < num_decodes < len(batch)
-        rng.shuffle(batch)
-        run_step(ours, batch, kv_cache, block_size)
-        step += 1
-    assert num_mixed_steps > 0
+    assert run_greedy(ours, seqs, kv_cache, block_size, token_budget=7, rng=rng) > 0
 
     for b, (s, (ref_tokens, ref_logits)) in enumerate(zip(seqs, refs)):
         assert s.new_tokens == ref_tokens, f"sequence {b}"
         assert sorted(s.logits) == list(range(len(ref_logits)))
         logits = torch.stack([s.logits[p] for p in sorted(s.logits)])
         torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4, msg=f"sequence {b}")
-
-
-def run_step(model, batch, kv_cache, block_size):
-    embeds, positions = [], []
-    for s, n in batch:
-        embeds.append(s.embeds[s.num_computed : s.num_computed + n])
-        positions.append(torch.arange(s.num_computed, s.num_computed + n))
-    meta = AttentionMetadata.build(
-        [n for _, n in batch], [s.num_computed + n for s, n in batch], [s.block_ids for s, _ in batch],
-        block_size, torch.device("cpu"),
-    )
-    # Whole prompts, chunks after cached context and decodes all take torch's fused attention
-    # kernel: with only that one allowed, a fallback to the slow math kernel raises.
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        hidden = model(torch.cat(embeds), torch.cat(positions), kv_cache, meta)
-    logits = model.compute_logits(hidden)
-    row = 0
-    for s, n in batch:
-        for p in range(s.num_computed, s.num_computed + n):
-            s.logits[p] = logits[row]
-            row += 1
-        s.num_computed += n
-        if s.num_computed >= s.num_prompt:
-            token = int(logits[row - 1].argmax())
-            s.new_tokens.append(token)
-            if not s.done:
-                s.embeds = torch.cat([s.embeds, model.embed_tokens(torch.tensor([token]))])
 
 
 def test_load_weights_reports_missing_and_unexpected(llava_pair):

@@ -115,7 +115,7 @@ def test_prefixes_skip_shards_without_reading_them(tmp_path, tiny_llava_layouts,
     weight_map = json.loads(index_file.read_text())["weight_map"]
     language_only = {
         shard for shard in set(weight_map.values())
-        if all(canonical_name(n).startswith(LANGUAGE_PREFIXES) for n, s in weight_map.items() if s == shard)
+        if all(canonical_name("llava", n).startswith(LANGUAGE_PREFIXES) for n, s in weight_map.items() if s == shard)
     }
     assert language_only, "the fixture should have a shard of language weights only"
     for file in weight_files(tiny_llava_layouts["hub-sharded"]):
@@ -154,16 +154,23 @@ def _with_config(tmp_path: Path, src: Path, **changes) -> Path:
     return path
 
 
+SUPPORTED = ("LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, Qwen2VLForConditionalGeneration, "
+             "Qwen2_5_VLForConditionalGeneration")
+
+
 @pytest.mark.parametrize(
     ("changes", "bad"),
     [
-        ({"model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"]}, "qwen2_vl"),
-        ({"architectures": ["LlavaLlamaForCausalLM"]}, "LlavaLlamaForCausalLM"),
+        ({"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"]},
+         "'Qwen3VLForConditionalGeneration'"),
+        ({"model_type": "idefics3", "architectures": []}, "'idefics3'"),
+        ({"architectures": ["LlavaLlamaForCausalLM"]}, "'LlavaLlamaForCausalLM'"),
+        ({"model_type": "qwen2_vl", "architectures": ["Qwen2VLModel"]}, "'Qwen2VLModel'"),
     ],
 )
 def test_unsupported_architecture(tmp_path, tiny_llava_dir, changes, bad):
     path = _with_config(tmp_path, tiny_llava_dir, **changes)
-    with pytest.raises(CheckpointError, match=re.escape(f"unsupported architecture '{bad}' (supported: llava)")):
+    with pytest.raises(CheckpointError, match=re.escape(f"unsupported architecture {bad} (supported: {SUPPORTED})")):
         load_config(path)
     with pytest.raises(CheckpointError, match="unsupported architecture"):
         _load(path)
@@ -212,17 +219,18 @@ def test_unrecognised_tensor_name(tmp_path, tiny_llava_dir):
 
 
 def test_canonical_name_drops_recomputed_buffers():
-    assert canonical_name("language_model.model.layers.0.self_attn.rotary_emb.inv_freq") is None
-    assert canonical_name("vision_tower.vision_model.embeddings.position_ids") is None
-    assert canonical_name("vision_tower.vision_model.embeddings.position_embedding.weight") == (
+    assert canonical_name("llava", "language_model.model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert canonical_name("llava", "vision_tower.vision_model.embeddings.position_ids") is None
+    assert canonical_name("llava", "vision_tower.vision_model.embeddings.position_embedding.weight") == (
         "vision_tower.embeddings.position_embedding.weight")
+    assert canonical_name("qwen2_vl", "visual.rotary_pos_emb.inv_freq") is None
 
 
 def test_canonical_name_of_transformers_4_module_names():
     # transformers 4 held the CLIP tower under vision_model; transformers 5 flattens it.
-    assert canonical_name("model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") == (
+    assert canonical_name("llava", "model.vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight") == (
         "vision_tower.encoder.layers.0.mlp.fc1.weight")
-    assert canonical_name("model.vision_tower.post_layernorm.bias") == "vision_tower.post_layernorm.bias"
+    assert canonical_name("llava", "model.vision_tower.post_layernorm.bias") == "vision_tower.post_layernorm.bias"
 
 
 @pytest.mark.parametrize("weight_map", [["model-00001-of-00001.safetensors"], {"lm_head.weight": 3}])
@@ -232,3 +240,74 @@ def test_malformed_index_is_one_line_naming_it(tmp_path, tiny_llava_dir, weight_
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: not a safetensors index") as e:
         _load(path)
     assert "\n" not in str(e.value)
+
+
+# In-memory module name -> canonical name for the newer families, written out independently of
+# the loader's rules: the vision side under vision_tower. / multi_modal_projector., the decoder
+# under language_model.
+_MODULE_TO_CANONICAL = {
+    "llava_next": ((r"^model\.image_newline$", "multi_modal_projector.image_newline"), (r"^model\.", "")),
+    "qwen2_vl": ((r"^model\.visual\.", "vision_tower."), (r"^model\.language_model\.", "language_model.")),
+}
+_MODULE_TO_CANONICAL["qwen2_5_vl"] = _MODULE_TO_CANONICAL["qwen2_vl"]
+NEW_ARCHS = {"llava-next": "llava_next", "qwen2-vl": "qwen2_vl", "qwen2.5-vl": "qwen2_5_vl"}
+
+
+def _expected_canonical(model_type: str, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    expected = {}
+    for name, tensor in state_dict.items():
+        for pattern, replacement in _MODULE_TO_CANONICAL[model_type]:
+            name, n = re.subn(pattern, replacement, name)
+            if n:
+                break
+        expected[name] = tensor
+    return expected
+
+
+@pytest.fixture(scope="module")
+def new_arch_references(tiny_checkpoint) -> dict[str, dict[str, torch.Tensor]]:
+    return {arch: _expected_canonical(model_type, module_state_dict(tiny_checkpoint(arch)))
+            for arch, model_type in NEW_ARCHS.items()}
+
+
+@pytest.mark.parametrize("layout", ["hub", "hf5", "module", "hub-sharded"])
+@pytest.mark.parametrize("arch", list(NEW_ARCHS))
+def test_new_archs_every_layout_yields_canonical_weights(tmp_path, tiny_checkpoint, new_arch_references, arch, layout):
+    if layout == "hub-sharded":
+        src = tiny_checkpoint(arch)
+        path = make_layout(src, tmp_path / "sharded", module_state_dict(src), "hub", 300_000, NEW_ARCHS[arch])
+        assert len(weight_files(path)) >= 2
+    else:
+        path = tiny_checkpoint(arch, layout)
+    loaded = _load(path)
+    _assert_equal(loaded, new_arch_references[arch])
+    vision = {n for n in loaded if n.startswith(VISION_PREFIXES)}
+    language = {n for n in loaded if n.startswith(LANGUAGE_PREFIXES)}
+    assert vision and language and vision | language == loaded.keys()
+    assert "language_model.layers.1.self_attn.q_proj.weight" in loaded and "lm_head.weight" in loaded
+    if arch == "llava-next":
+        assert "multi_modal_projector.image_newline" in vision
+    else:
+        assert {"vision_tower.merger.mlp.2.weight", "language_model.layers.0.self_attn.v_proj.bias"} <= loaded.keys()
+
+
+def test_tied_qwen_yields_no_lm_head(tmp_path, tiny_checkpoint, new_arch_references):
+    # Qwen2-VL-2B ties its embeddings (and its checkpoint holds no lm_head).
+    path = tmp_path / "tied"
+    src = tiny_checkpoint("qwen2-vl")
+    state_dict = {n: t for n, t in module_state_dict(src).items() if n != "lm_head.weight"}
+    make_layout(src, path, state_dict, "hub", model_type="qwen2_vl")
+    config = json.loads((path / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (path / "config.json").write_text(json.dumps(config))
+    reference = {n: t for n, t in new_arch_references["qwen2-vl"].items() if n != "lm_head.weight"}
+    _assert_equal(_load(path), reference)
+
+
+def test_new_archs_reject_names_of_another_family(tmp_path, tiny_checkpoint):
+    # A LLaVA weight in a Qwen checkpoint names no Qwen module.
+    src = tiny_checkpoint("qwen2-vl")
+    state_dict = dict(module_state_dict(src), **{"multi_modal_projector.linear_1.weight": torch.zeros(2)})
+    path = make_layout(src, tmp_path / "mixed", state_dict, "hub", model_type="qwen2_vl")
+    with pytest.raises(CheckpointError, match="unrecognised tensor name 'multi_modal_projector.linear_1.weight'"):
+        _load(path)

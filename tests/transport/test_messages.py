@@ -96,3 +96,19 @@ def test_add_request_round_trip_shares_pixels(pipe):
     assert torch.equal(image.pixel_values, pixels)
     pixels[0, 0, 0] = 42.0  # the same memory, not a copy
     assert image.pixel_values[0, 0, 0].item() == 42.0
+
+
+def test_add_request_round_trip_carries_variable_resolution_fields(pipe):
+    # A Qwen2-VL request: the image's patch grid and the prompt's M-RoPE positions cross with it.
+    pixels = torch.rand(16, 1176).share_memory_()
+    positions = torch.arange(30).expand(3, -1).clone()
+    positions[1:, 10:14] = torch.tensor([[10, 10, 11, 11], [10, 11, 10, 11]])
+    request = EngineRequest("q1", list(range(30)), SamplingParams(max_tokens=4),
+                            [ImageInput(pixels, offset=10, length=4, grid_thw=(1, 4, 4))],
+                            mrope_positions=positions, mrope_delta=-2)
+    got = round_trip(pipe, AddRequest(request)).request
+    assert got.images[0].grid_thw == (1, 4, 4) and got.images[0].image_size is None
+    assert torch.equal(got.mrope_positions, positions) and got.mrope_delta == -2
+    next_image = round_trip(pipe, AddRequest(EngineRequest(
+        "n1", [1, 2, 3], SamplingParams(), [ImageInput(pixels, 0, 2, image_size=(480, 640))]))).request.images[0]
+    assert next_image.image_size == (480, 640)
