@@ -3,7 +3,10 @@
 Text is decoded over a sliding window (``prefix_offset`` … end) so each step costs
 a few tokens, and so tokenizers that drop a leading space at the start of a decode
 still yield the right text. A tail that could be the start of a stop string is held
-back until it is known not to be one.
+back until it is known not to be one, and so are the bytes of a character whose
+last byte has not come yet. When the request finishes, ``flush`` gives the rest:
+the whole text then equals the tokenizer's decode of the token ids (up to a stop
+string), with U+FFFD for a character left unfinished, as ``decode`` gives it.
 """
 
 from __future__ import annotations
@@ -35,18 +38,22 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.token_ids.extend(token_ids)
+        self._decode_new(final=False)
+        end = len(self.text) if self.stopped else max(self._emitted, len(self.text) - self._hold)
+        return self._take(end)
+
+    def _decode_new(self, final: bool) -> None:
         prefix = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.token_ids[self._prefix_offset :])
-        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it.
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+        # An incomplete UTF-8 sequence decodes to U+FFFD: wait for the rest of it, unless no
+        # more tokens will come; then the text is what a full decode gives, U+FFFD included.
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
             new_text = full[len(prefix) :]
             search_from = max(0, len(self.text) - self._hold)
             self.text += new_text
             self._prefix_offset = max(0, len(self.token_ids) - _WINDOW)
             self._read_offset = len(self.token_ids)
             self._check_stop(search_from)
-        end = len(self.text) if self.stopped else max(self._emitted, len(self.text) - self._hold)
-        return self._take(end)
 
     def _check_stop(self, search_from: int) -> None:
         hits = [(self.text.find(s, search_from), s) for s in self.stop]
@@ -63,5 +70,9 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """The held-back tail, once the request has finished."""
+        """The rest of the text once the request has finished: the tail held back for stop
+        strings and the bytes of an unfinished character. Then ``text`` is the decode of
+        all the tokens (up to a stop string)."""
+        if not self.stopped:
+            self._decode_new(final=True)
         return self._take(len(self.text))

@@ -51,3 +51,25 @@ def test_no_stop_match_emits_everything(tokenizer):
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     d, pieces = _stream(tokenizer, SamplingParams(stop=["not in there"]), ids)
     assert not d.stopped and "".join(pieces) == TEXT
+
+
+def test_unfinished_last_character_is_flushed_as_the_decode_gives_it(tokenizer):
+    # "🙂" is four bytes; drop the token that carries its last bytes.
+    ids = tokenizer.encode("ok 🙂", add_special_tokens=False)
+    ids = next(ids[:n] for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    d, pieces = _stream(tokenizer, SamplingParams(), ids)
+    assert "\ufffd" not in "".join(pieces[:-1])  # held back while more tokens could complete it
+    assert "".join(pieces) == d.text == tokenizer.decode(ids, skip_special_tokens=True)
+    assert d.text.endswith("\ufffd")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_any_token_sequence_streams_to_its_full_decode(tokenizer, seed):
+    """What a random model emits: any ids, special tokens and stray UTF-8 bytes included."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(100):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 40))]
+        d, pieces = _stream(tokenizer, SamplingParams(), ids, step=rng.choice([1, 2, 3]))
+        assert "".join(pieces) == d.text == tokenizer.decode(ids, skip_special_tokens=True), ids
