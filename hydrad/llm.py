@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -16,7 +15,7 @@ from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
 from hydrad.errors import ConfigError
-from hydrad.sampling_params import SEED_RANGE, SamplingParams
+from hydrad.sampling_params import SamplingParams, split_choices
 
 
 @dataclass
@@ -179,7 +178,7 @@ class LLM:
         for prompt, p in zip(prompts, params):
             req_id = f"llm-{next(self._ids)}"
             out = RequestOutput(req_id, prompt.prompt_token_ids, num_images=len(prompt.images))
-            for i, child in enumerate(_choices(p)):
+            for i, child in enumerate(split_choices(p)):
                 request = self.processor.make_engine_request(f"{req_id}-{i}" if p.n > 1 else req_id, prompt, child)
                 completion = CompletionOutput(i, logprobs=[] if child.logprobs is not None else None)
                 out.outputs.append(completion)
@@ -235,19 +234,6 @@ class LLM:
         unfinished.discard(req_id)
         if progress:
             progress.advance()
-
-
-def _choices(params: SamplingParams) -> list[SamplingParams]:
-    """``n`` independent requests for ``n`` completions; a seeded request's i-th uses seed + i."""
-    if params.n == 1:
-        return [params]
-    choices = []
-    for i in range(params.n):
-        seed = params.seed
-        if seed is not None:
-            seed = SEED_RANGE[0] + (seed + i - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0] + 1)
-        choices.append(dataclasses.replace(params, n=1, seed=seed))
-    return choices
 
 
 class _Progress:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # Below this temperature, logits / temperature overflow float32: sample greedily, as vLLM does.
 GREEDY_BELOW = 1e-5
@@ -61,6 +61,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Leave special tokens out of the text (the token ids always hold them).
+    skip_special_tokens: bool = True
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -117,3 +119,16 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def split_choices(params: SamplingParams) -> list[SamplingParams]:
+    """``n`` independent requests for ``n`` completions; a seeded request's i-th uses seed + i."""
+    if params.n == 1:
+        return [params]
+    choices = []
+    for i in range(params.n):
+        seed = params.seed
+        if seed is not None:
+            seed = SEED_RANGE[0] + (seed + i - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0] + 1)
+        choices.append(replace(params, n=1, seed=seed))
+    return choices

@@ -88,3 +88,37 @@ DEPLOYMENTS = [
     ("2EPD", "cpu:2"),
     ("1E+1EP+1D", "cpu:3"),
 ]
+
+
+class RecordingSink:
+    """A request sink that records what reaches it: ("token", id, logprobs),
+    ("finish", reason, stage_times) and ("error", exception)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_token(self, token_id, logprobs) -> None:
+        self.events.append(("token", token_id, logprobs))
+
+    def on_finish(self, finish_reason, stage_times) -> None:
+        self.events.append(("finish", finish_reason, stage_times))
+
+    def on_error(self, error) -> None:
+        self.events.append(("error", error))
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e[1] for e in self.events if e[0] == "token"]
+
+    @property
+    def ended(self) -> tuple | None:
+        return next((e for e in self.events if e[0] in ("finish", "error")), None)
+
+    async def until_ended(self, timeout: float = 5.0) -> tuple:
+        import asyncio
+
+        for _ in range(int(timeout / 0.01)):
+            if self.ended is not None:
+                return self.ended
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"no end within {timeout} s: {self.events}")

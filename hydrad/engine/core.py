@@ -36,7 +36,7 @@ from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
 from hydrad.engine.scheduler import Pull, Scheduler
 from hydrad.engine.streams import StageStreams
-from hydrad.errors import ConfigError
+from hydrad.errors import ConfigError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class EngineCore:
         for name, ids in (("logit_bias", params.logit_bias or ()), ("stop_token_ids", params.stop_token_ids)):
             bad = [t for t in ids if t >= self.vocab_size]
             if bad:
-                raise ValueError(f"{name} names token {bad[0]}, the vocabulary has {self.vocab_size} tokens")
+                raise RequestError(f"{name} names token {bad[0]}, the vocabulary has {self.vocab_size} tokens", name)
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

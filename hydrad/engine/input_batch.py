@@ -133,9 +133,7 @@ class InputBatch:
         slots = self.penalty_slot[rows]
         with_state = slots >= 0
         if with_state.any():
-            device = self.penalties.device
-            self.penalties.add_tokens(torch.from_numpy(slots[with_state]).to(device),
-                                      torch.tensor(np.asarray(token_ids)[with_state], device=device))
+            self.penalties.add_tokens(slots[with_state].tolist(), np.asarray(token_ids)[with_state].tolist())
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity

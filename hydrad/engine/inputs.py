@@ -54,24 +54,10 @@ class EngineRequest:
 
 
 @dataclass
-class RequestDelta:
-    """What one step produced for one request: new tokens and, at the end, why it finished."""
-
-    req_id: str
-    new_token_ids: list[int]
-    # None while running; "stop" (EOS / stop token), "length" (max_tokens / context), "abort".
-    finish_reason: str | None = None
-    # One entry per new token, when the request asked for logprobs.
-    logprobs: list[TokenLogprobs] | None = None
-    # With the final delta: seconds spent per stage, keys "<stage>_queue" / "<stage>_exec"
-    # for stage in encode, prefill, decode (and "<a>_to_<b>_migration" across instances).
-    stage_times: dict[str, float] | None = None
-
-
-@dataclass
 class TokenLogprobs:
     """The sampled token's log-probability and rank, and the most likely tokens."""
 
+    token_id: int
     logprob: float
     rank: int  # 1 for the most likely token
     top_token_ids: list[int]

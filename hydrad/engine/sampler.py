@@ -74,64 +74,96 @@ class SamplerOutput:
 
 
 class PenaltyCache:
-    """Per-request token counts on the device, for the penalties: a slot per request.
+    """Per-request penalty state on the device, sparse over the vocabulary.
 
-    A slot holds the counts of the tokens generated so far and which tokens the prompt
-    holds; it is filled once when the request starts running here and updated after
-    every step (``add_tokens``), never rebuilt from the token lists.
+    A slot lists the distinct tokens its request has seen (prompt and output), each with
+    how often it was generated; it is filled once when the request starts running here
+    and updated after every step (``add_tokens``), never rebuilt from the token lists.
+    Penalizing a step gathers and scatters only those tokens' logits: a request sees a
+    few hundred or thousand distinct tokens, far fewer than a vocabulary holds.
     """
 
     def __init__(self, vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
         self.device = device
-        self.counts = torch.zeros((0, vocab_size), dtype=torch.int32, device=device)
-        self.in_prompt = torch.zeros((0, vocab_size), dtype=torch.bool, device=device)
+        self.ids = torch.zeros((0, 0), dtype=torch.long, device=device)  # [slots, width]
+        self.counts = torch.zeros((0, 0), dtype=torch.int32, device=device)  # [slots, width]
+        # Per slot: token id -> its column (the number of columns in use is its length).
+        self.columns: list[dict[int, int]] = []
         self._free: list[int] = []
 
     def allocate(self, prompt_token_ids: list[int], output_token_ids: list[int]) -> int:
         if not self._free:
-            self._grow()
+            self._grow(slots=max(8, 2 * len(self.columns)))
         slot = self._free.pop()
+        counts: dict[int, int] = dict.fromkeys(prompt_token_ids, 0)
+        for token_id in output_token_ids:
+            counts[token_id] = counts.get(token_id, 0) + 1
+        self._grow(width=len(counts))
+        self.columns[slot] = {token_id: col for col, token_id in enumerate(counts)}
         self.counts[slot].zero_()
-        self.in_prompt[slot].zero_()
-        if prompt_token_ids:
-            self.in_prompt[slot, torch.tensor(prompt_token_ids, device=self.device)] = True
-        if output_token_ids:
-            ids = torch.tensor(output_token_ids, device=self.device)
-            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        if counts:
+            self.ids[slot, : len(counts)] = torch.tensor(list(counts), device=self.device)
+            self.counts[slot, : len(counts)] = torch.tensor(list(counts.values()), device=self.device)
         return slot
 
     def free(self, slot: int) -> None:
+        self.columns[slot] = {}
         self._free.append(slot)
 
-    def add_tokens(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
-        self.counts.index_put_((slots, token_ids), torch.ones_like(slots, dtype=torch.int32), accumulate=True)
+    def add_tokens(self, slots: list[int], token_ids: list[int]) -> None:
+        """Count one generated token per listed slot."""
+        new_slots, new_cols, new_ids, cols = [], [], [], []
+        for slot, token_id in zip(slots, token_ids):
+            columns = self.columns[slot]
+            col = columns.get(token_id)
+            if col is None:
+                col = columns[token_id] = len(columns)
+                new_slots.append(slot)
+                new_cols.append(col)
+                new_ids.append(token_id)
+            cols.append(col)
+        if new_slots:
+            self._grow(width=max(new_cols) + 1)
+            self.ids[torch.tensor(new_slots), torch.tensor(new_cols)] = torch.tensor(new_ids, device=self.device)
+        index = (torch.tensor(slots, device=self.device), torch.tensor(cols, device=self.device))
+        self.counts.index_put_(index, torch.ones(len(slots), dtype=torch.int32, device=self.device), accumulate=True)
 
-    def _grow(self) -> None:
-        old = self.counts.shape[0]
-        new = max(8, 2 * old)
-        counts = torch.zeros((new, self.vocab_size), dtype=torch.int32, device=self.device)
-        in_prompt = torch.zeros((new, self.vocab_size), dtype=torch.bool, device=self.device)
-        counts[:old] = self.counts
-        in_prompt[:old] = self.in_prompt
-        self.counts, self.in_prompt = counts, in_prompt
-        self._free.extend(range(new - 1, old - 1, -1))
+    def penalize(self, logits: torch.Tensor, rows: torch.Tensor, slots: list[int], repetition: torch.Tensor,
+                 presence: torch.Tensor, frequency: torch.Tensor) -> None:
+        """Apply the penalties to ``logits[rows]`` in place; ``slots`` and the penalties are one
+        per row: transformers' RepetitionPenaltyLogitsProcessor over every seen token, then
+        OpenAI's ``logit -= count * frequency + (count > 0) * presence`` over generated ones."""
+        num_seen = torch.tensor([len(self.columns[s]) for s in slots], device=self.device)
+        width = int(num_seen.max()) if len(slots) else 0
+        if width == 0:
+            return
+        slots_t = torch.tensor(slots, device=self.device)
+        valid = torch.arange(width, device=self.device)[None, :] < num_seen[:, None]  # [rows, width]
+        flat_rows = rows[:, None].expand(-1, width)[valid]
+        flat_ids = self.ids[slots_t, :width][valid]
+        counts = self.counts[slots_t, :width][valid].to(logits.dtype)
+        per_row = lambda values: values[:, None].expand(-1, width)[valid]  # noqa: E731
+        values = logits[flat_rows, flat_ids]
+        rep = per_row(repetition)
+        values = torch.where(values < 0, values * rep, values / rep)
+        values = values - counts * per_row(frequency) - (counts > 0).to(logits.dtype) * per_row(presence)
+        logits[flat_rows, flat_ids] = values
 
-
-def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor,
-                    repetition: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> torch.Tensor:
-    """Penalized ``logits`` [rows, vocab]; ``counts``/``in_prompt`` are the rows' slots,
-    the penalties one per row."""
-    seen = counts > 0
-    if (repetition != 1.0).any():
-        # transformers' RepetitionPenaltyLogitsProcessor, over prompt and output tokens
-        rep = repetition[:, None]
-        penalized = torch.where(logits < 0, logits * rep, logits / rep)
-        logits = torch.where(seen | in_prompt, penalized, logits)
-    if (frequency != 0.0).any() or (presence != 0.0).any():
-        # OpenAI: logit -= count * frequency_penalty + (count > 0) * presence_penalty
-        logits = logits - counts * frequency[:, None] - seen * presence[:, None]
-    return logits
+    def _grow(self, slots: int = 0, width: int = 0) -> None:
+        old_slots, old_width = self.ids.shape
+        new_slots, new_width = max(slots, old_slots), old_width
+        while new_width < width:
+            new_width = max(64, 2 * new_width)
+        if (new_slots, new_width) == (old_slots, old_width):
+            return
+        ids = torch.zeros((new_slots, new_width), dtype=torch.long, device=self.device)
+        counts = torch.zeros((new_slots, new_width), dtype=torch.int32, device=self.device)
+        ids[:old_slots, :old_width] = self.ids
+        counts[:old_slots, :old_width] = self.counts
+        self.ids, self.counts = ids, counts
+        self.columns += [{} for _ in range(new_slots - old_slots)]
+        self._free.extend(range(new_slots - 1, old_slots - 1, -1))
 
 
 def sorted_keep_counts(sorted_logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -220,14 +252,11 @@ class Sampler:
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
-        cache: PenaltyCache = self.penalties
         rows_np = np.flatnonzero(meta.penalty_slots >= 0)
-        rows = _index(rows_np, logits.device)
-        slots = _index(meta.penalty_slots[rows_np], logits.device)
         f32 = lambda a: torch.from_numpy(a[rows_np]).to(logits.device)  # noqa: E731
-        logits[rows] = apply_penalties(logits[rows], cache.counts[slots], cache.in_prompt[slots],
-                                       f32(meta.repetition_penalty), f32(meta.presence_penalty),
-                                       f32(meta.frequency_penalty))
+        self.penalties.penalize(logits, _index(rows_np, logits.device), meta.penalty_slots[rows_np].tolist(),
+                                f32(meta.repetition_penalty), f32(meta.presence_penalty),
+                                f32(meta.frequency_penalty))
 
     def _uniforms(self, rows: np.ndarray, meta: SamplingMetadata, device: torch.device) -> torch.Tensor:
         """One uniform per sampled row: the request's own generator for seeded rows."""
@@ -244,42 +273,36 @@ class Sampler:
         # logits: [num_sampled, vocab], the sampled rows only
         device = logits.device
         vocab = logits.shape[-1]
-        temperature = meta.temperature[rows]
-        if (temperature != 1.0).any():
-            logits = logits / torch.from_numpy(temperature).to(device)[:, None]
         uniform = self._uniforms(rows, meta, device)
-        top_k, top_p, min_p = meta.top_k[rows], meta.top_p[rows], meta.min_p[rows]
+        temperature, top_k, top_p, min_p = meta.temperature[rows], meta.top_k[rows], meta.top_p[rows], meta.min_p[rows]
         with_k = (top_k > 0) & (top_k < vocab)
         with_p = ~with_k & (top_p < 1.0)
         plain = ~with_k & ~with_p
         tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         t = lambda a, m: torch.from_numpy(a[m]).to(device)  # noqa: E731
         if with_k.any():
+            # A positive temperature keeps the order: take the top k, then scale only those.
             idx = _index(np.flatnonzero(with_k), device)
             k = t(top_k, with_k)
             values, ids = logits[idx].topk(int(k.max()), dim=-1)
+            values = values / t(temperature, with_k)[:, None]
             past_k = torch.arange(values.shape[-1], device=device)[None, :] >= k[:, None]
             values = values.masked_fill(past_k, float("-inf"))
             tokens[idx] = _draw_sorted(values, ids, t(top_p, with_k), t(min_p, with_k), uniform[idx])
         if with_p.any():
-            idx_np = np.flatnonzero(with_p)
-            tokens[_index(idx_np, device)] = self._draw_top_p(logits[_index(idx_np, device)], t(top_p, with_p),
-                                                              t(min_p, with_p), uniform[_index(idx_np, device)])
+            idx = _index(np.flatnonzero(with_p), device)
+            tokens[idx] = self._draw_top_p(logits[idx] / t(temperature, with_p)[:, None], t(top_p, with_p),
+                                           t(min_p, with_p), uniform[idx])
         if plain.any():
-            idx = _index(np.flatnonzero(plain), device) if not plain.all() else None
-            # One fused pass for the probabilities, one for their running sum.
-            probs = torch.softmax(logits if idx is None else logits[idx], dim=-1)
-            mp = min_p[plain]
-            if (mp > 0).any():
-                top = probs.max(dim=-1, keepdim=True).values
-                probs = probs.masked_fill(probs < torch.from_numpy(mp).to(device)[:, None] * top, 0.0)
-            cum = torch.cumsum(probs, dim=-1)
+            idx = None if plain.all() else _index(np.flatnonzero(plain), device)
+            x = logits if idx is None else logits[idx]
+            temp = temperature[plain]
+            if (temp != 1.0).any():
+                x = x / torch.from_numpy(temp).to(device)[:, None]
+            drawn = _draw_unsorted(x, t(min_p, plain), uniform if idx is None else uniform[idx])
             if idx is None:
-                pos = torch.searchsorted(cum, (uniform * cum[:, -1])[:, None], right=True)[:, 0]
-                tokens[:] = pos.clamp_(max=vocab - 1)
-                return tokens
-            pos = torch.searchsorted(cum, (uniform[idx] * cum[:, -1])[:, None], right=True)[:, 0]
-            tokens[idx] = pos.clamp_(max=vocab - 1)
+                return drawn
+            tokens[idx] = drawn
         return tokens
 
     def _draw_top_p(self, logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -300,6 +323,30 @@ class Sampler:
         values, ids = logits[rest].sort(dim=-1, descending=True)
         tokens[rest] = _draw_sorted(values, ids, top_p[rest], min_p[rest], uniform[rest])
         return tokens
+
+
+# Inverse CDF over the whole vocabulary in two levels: which block of this many tokens,
+# then which token in it; the running sum covers the block sums and one block per row.
+_BLOCK = 128
+
+
+def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row from ``softmax(logits)`` (after min-p), by inverse CDF."""
+    rows, vocab = logits.shape
+    weights = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)  # the largest weighs 1
+    if (min_p > 0).any():
+        weights = weights.masked_fill(weights < min_p[:, None], 0.0)
+    pad = -vocab % _BLOCK
+    if pad:
+        weights = torch.nn.functional.pad(weights, (0, pad))
+    blocks = weights.view(rows, -1, _BLOCK)  # [rows, num_blocks, block]
+    block_cum = torch.cumsum(blocks.sum(-1), dim=-1)  # [rows, num_blocks]
+    target = uniform * block_cum[:, -1]
+    block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].clamp_(max=block_cum.shape[1] - 1)
+    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inner = torch.cumsum(blocks[torch.arange(rows, device=logits.device), block], dim=-1) + before[:, None]
+    pos = torch.searchsorted(inner, target[:, None], right=True)[:, 0].clamp_(max=_BLOCK - 1)
+    return (block * _BLOCK + pos).clamp_(max=vocab - 1)
 
 
 def allowed_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -330,11 +377,12 @@ def _logprobs(raw: torch.Tensor, rows: np.ndarray, num_logprobs: np.ndarray, tok
     ranks = (raw > chosen_lp[:, None]).sum(-1) + 1
     k = int(num_logprobs[rows].max())
     top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
-    chosen_lp, ranks = chosen_lp.tolist(), ranks.tolist()
+    chosen_lp, ranks, chosen = chosen_lp.tolist(), ranks.tolist(), chosen.tolist()
     top_lp = top_lp.tolist() if top_lp is not None else None
     top_ids = top_ids.tolist() if top_ids is not None else None
     out: list[TokenLogprobs | None] = [None] * num_rows
     for i, row in enumerate(rows.tolist()):
         n = int(num_logprobs[row])
-        out[row] = TokenLogprobs(chosen_lp[i], ranks[i], top_ids[i][:n] if n else [], top_lp[i][:n] if n else [])
+        out[row] = TokenLogprobs(chosen[i], chosen_lp[i], ranks[i], top_ids[i][:n] if n else [],
+                                 top_lp[i][:n] if n else [])
     return out

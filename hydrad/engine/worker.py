@@ -144,7 +144,7 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 try:
                     admit(payload)
                 except ValueError as e:
-                    conn.send(RequestRejected(req_id, str(e)))
+                    conn.send(RequestRejected(req_id, str(e), getattr(e, "param", None)))
                 else:
                     live.add(req_id)
             elif isinstance(msg, Abort):

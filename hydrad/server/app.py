@@ -84,6 +84,8 @@ async def engine_ctx(app: web.Application):
         raise
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
     app[METRICS] = Metrics(processor.model_name)
+    for client in supervisor.clients:
+        client.on_step_timing = lambda c, timing: app[METRICS].observe_step(c.instance_id, timing)
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
     router = Router(supervisor.clients, server.router_policy, seed=config.engine.seed)
@@ -143,8 +145,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = _engine_for(request, chat)
     req_id = f"chatcmpl-{uuid.uuid4().hex}"
     prepared = await engine.prepare_chat(req_id, chat)
-    return await _respond(request, engine, chat, ResponseFormat(True, req_id, engine.model_name,
-                                                                chat.return_token_ids), prepared, arrival)
+    return await _respond(request, engine, chat, ResponseFormat(True, req_id, engine.model_name, chat.return_token_ids,
+                                                                engine.token_text), prepared, arrival)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -153,13 +155,13 @@ async def completions(request: web.Request) -> web.StreamResponse:
     engine = _engine_for(request, req)
     req_id = f"cmpl-{uuid.uuid4().hex}"
     prepared = await engine.prepare_completion(req_id, req)
-    return await _respond(request, engine, req, ResponseFormat(False, req_id, engine.model_name,
-                                                               req.return_token_ids), prepared, arrival)
+    return await _respond(request, engine, req, ResponseFormat(False, req_id, engine.model_name, req.return_token_ids,
+                                                               engine.token_text), prepared, arrival)
 
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared,
                    arrival: float) -> web.StreamResponse:
-    async with engine.generate(prepared, arrival) as outputs:
+    async with engine.generate(prepared, arrival, req.user) as outputs:
         if req.stream:
             return await respond_stream(request, fmt, req, outputs)
         return await respond_whole(fmt, outputs)

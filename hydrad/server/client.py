@@ -6,9 +6,9 @@ buffers writes in the transport, so neither direction ever blocks the event
 loop and a message that arrives in pieces is never mistaken for a dead worker.
 A worker in a long step reads nothing; a burst of requests then waits in the
 transport's buffer instead of stalling every other stream. Each request gets
-an ``asyncio.Queue`` (in the daemon-wide ``RequestTable``) that receives its
-``RequestDelta``s from whichever instance runs its current stage, or an
-exception when a worker refuses the request or dies. A worker is lost when its
+a sink (in the daemon-wide ``RequestTable``) that receives its tokens from
+whichever instance runs its current stage, or an exception when a worker
+refuses the request or dies. A worker is lost when its
 pipe reaches EOF (it exited) or fails, or when it reports ``WorkerFailed``.
 """
 
@@ -24,7 +24,7 @@ from typing import Callable
 
 from hydrad.engine.inputs import EngineRequest, EngineStats
 from hydrad.errors import RequestError
-from hydrad.server.requests_table import RequestQueue, RequestTable
+from hydrad.server.requests_table import RequestSink, RequestTable
 from hydrad.transport.messages import (
     AddRequest,
     GetStats,
@@ -84,12 +84,12 @@ class WorkerClient:
     async def wait_ready(self) -> WorkerReady:
         return await asyncio.shield(self._ready_future)
 
-    def add_request(self, request: EngineRequest) -> RequestQueue:
+    def add_request(self, request: EngineRequest, sink: RequestSink) -> None:
+        """Send ``request``; its outputs go to ``sink`` from whichever instance runs it."""
         if not self.alive:
             raise WorkerLost(f"worker {self.instance_id} is down")
-        queue = self.table.open(request.req_id, self)
+        self.table.open(request.req_id, self, sink)
         self._send(AddRequest(request))
-        return queue
 
     def abort(self, req_id: str) -> None:
         """Abort the request on every instance that holds a part of it."""
@@ -155,7 +155,7 @@ class WorkerClient:
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.stats)
         elif isinstance(msg, RequestRejected):
-            self.table.fail(msg.req_id, RequestError(msg.message))
+            self.table.fail(msg.req_id, RequestError(msg.message, msg.param))
         elif isinstance(msg, WorkerReady):
             self.ready = msg
             self._ready_future.set_result(msg)

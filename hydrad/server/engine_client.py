@@ -3,10 +3,13 @@
 ``prepare_*`` runs the Request Processor in a thread pool (chat template,
 tokenizer, image decoding and preprocessing, pixel tensors moved to shared
 memory), so a burst of large images never stalls token streaming. ``generate``
-sends the request to the instance the router picks and turns its deltas into
-text (stop strings included), records metrics, and writes one log line per
-finished request. Leaving the iteration early (client gone) aborts the request
-on its worker, which frees its blocks at once.
+sends a request's ``n`` completions to the instances the router picks and returns
+a ``RequestStream``. Each completion is a ``ChoiceStream``, the request table's sink
+for it: it is fed synchronously while a step's output is read (detokenization, stop
+strings, metrics happen there, for all of a step's requests in one pass), and queues
+``Output``s; the HTTP handler wakes once per step and takes everything queued.
+Closing the stream early (client gone) aborts the unfinished completions on their
+workers, which free their blocks at once.
 """
 
 from __future__ import annotations
@@ -14,17 +17,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import aiohttp
 
 from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
-from hydrad.engine.inputs import EngineRequest, RequestDelta
+from hydrad.engine.inputs import EngineRequest, TokenLogprobs
 from hydrad.processor import InputProcessor, ProcessedPrompt
+from hydrad.sampling_params import split_choices
 from hydrad.server.client import WorkerClient
 from hydrad.server.images_remote import fetch_remote_images
 from hydrad.server.metrics import Metrics
@@ -36,13 +39,14 @@ logger = logging.getLogger("hydrad.requests")
 
 @dataclass
 class Output:
-    """What one step added to a request's output."""
+    """One generated token of one completion, or the end of that completion."""
 
-    text: str
-    token_ids: list[int]
+    index: int  # which of the n completions
+    text: str  # the text this token makes visible (may be empty)
+    token_ids: list[int]  # the token (empty for an end without a token)
     finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
+    logprobs: TokenLogprobs | None = None
+    num_output_tokens: int = 0  # tokens of this completion so far
 
 
 class EngineClient:
@@ -64,8 +68,16 @@ class EngineClient:
         self.max_model_len = max_model_len
         self.http_session = http_session
         self.model_name = processor.model_name
+        self._token_text: dict[int, str] = {}
 
-    async def prepare_chat(self, req_id: str, chat: ChatRequest) -> EngineRequest:
+    def token_text(self, token_id: int) -> str:
+        """A token's own text (special tokens included), for log-probabilities."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.processor.tokenizer.decode([token_id])
+        return text
+
+    async def prepare_chat(self, req_id: str, chat: ChatRequest) -> list[EngineRequest]:
         messages = chat.messages
         if self.http_session is not None:
             messages = await fetch_remote_images(
@@ -74,119 +86,192 @@ class EngineClient:
             )
         return await self._prepare(req_id, lambda: self.processor.process_chat(messages), chat.options, "messages")
 
-    async def prepare_completion(self, req_id: str, req: CompletionRequest) -> EngineRequest:
+    async def prepare_completion(self, req_id: str, req: CompletionRequest) -> list[EngineRequest]:
         return await self._prepare(req_id, lambda: self.processor.process_prompt(req.prompt), req.options, "prompt")
 
     async def _prepare(
         self, req_id: str, process: Callable[[], ProcessedPrompt], options: SamplingOptions, prompt_param: str
-    ) -> EngineRequest:
-        def build() -> EngineRequest:
+    ) -> list[EngineRequest]:
+        """One engine request per completion (``n`` of them, sharing the prompt's tensors)."""
+
+        def build() -> list[EngineRequest]:
             prompt = process()
             params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
-            request = self.processor.make_engine_request(req_id, prompt, params)
-            for image in request.images:
+            choices = split_choices(params)
+            requests = [self.processor.make_engine_request(f"{req_id}-{i}" if len(choices) > 1 else req_id,
+                                                           prompt, p) for i, p in enumerate(choices)]
+            for image in requests[0].images:
                 image.pixel_values.share_memory_()
-            return request
+            return requests
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, build)
 
-    def generate(self, request: EngineRequest, arrival: float) -> OutputStream:
-        """Send ``request`` to an instance; its outputs stream from the returned object.
-        Use it as ``async with``: leaving early aborts the request on its worker."""
-        instance = self.router.select(has_images=bool(request.images))
-        request.arrival_time = time.monotonic()
-        queue = instance.add_request(request)
-        return OutputStream(self, request, instance, queue, arrival)
+    def generate(self, requests: list[EngineRequest], arrival: float, user: str | None = None) -> RequestStream:
+        """Send a request's completions to instances; their outputs stream from the returned
+        object. Use it as ``async with``: leaving early aborts what has not finished."""
+        stream = RequestStream(self, requests[0].num_prompt_tokens, arrival, user)
+        try:
+            for index, request in enumerate(requests):
+                instance = self.router.select(has_images=bool(request.images))
+                request.arrival_time = time.monotonic()
+                choice = ChoiceStream(stream, index, request, instance)
+                stream.choices.append(choice)
+                instance.add_request(request, choice)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
 
 
-class OutputStream:
-    """The outputs of one request, until one carries a finish_reason."""
+class RequestStream:
+    """The outputs of one HTTP request's completions, taken by the handler in batches."""
 
-    def __init__(self, client: EngineClient, request: EngineRequest, instance: WorkerClient,
-                 queue: asyncio.Queue, arrival: float):
+    def __init__(self, client: EngineClient, num_prompt_tokens: int, arrival: float, user: str | None):
         self.client = client
-        self.request = request
-        self.instance = instance
-        self.queue = queue
+        self.num_prompt_tokens = num_prompt_tokens
         self.arrival = arrival
-        self.detokenizer = IncrementalDetokenizer(client.processor.tokenizer, request.sampling_params)
-        self.num_output_tokens = 0
+        self.user = user
+        self.choices: list[ChoiceStream] = []
+        self._ready: list[Output] = []
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future | None = None
         self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.finish_reason: str | None = None
-        self.stage_times: dict[str, float] | None = None
-        self._pending: deque[RequestDelta] = deque()  # the rest of a delta that carried several tokens
 
-    async def __aenter__(self) -> OutputStream:
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self.choices)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices)
+
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc_info) -> None:
         self.close()
 
-    def __aiter__(self) -> OutputStream:
+    def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> Output:
-        """One output per generated token (its text may be empty: a special token, or bytes
-        of a character not yet complete), so clients that time chunks see every token."""
-        if self.finish_reason is not None:
-            raise StopAsyncIteration
-        delta = self._pending.popleft() if self._pending else await self._receive()
-        self.num_output_tokens += len(delta.new_token_ids)
-        text = self.detokenizer.add_tokens(delta.new_token_ids)
-        finish_reason, self.stage_times = delta.finish_reason, delta.stage_times
-        if self.detokenizer.stopped and finish_reason is None:
-            self.instance.abort(self.request.req_id)
-            finish_reason = "stop"
-            self._pending.clear()
-        elif finish_reason is not None and not self.detokenizer.stopped:
-            text += self.detokenizer.flush()
-            if self.detokenizer.stopped:  # the last character completed a stop string
-                finish_reason = "stop"
-        out = Output(text, delta.new_token_ids, finish_reason, self.request.num_prompt_tokens,
-                     self.num_output_tokens)
-        if finish_reason is not None:
-            self._finish(finish_reason)
-        return out
+    async def __anext__(self) -> list[Output]:
+        """Everything produced since the last call (at least one output), in order; raises
+        the error that ended a completion. Stops once every completion has ended."""
+        while not self._ready:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            if self.finished:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        ready, self._ready = self._ready, []
+        return ready
 
-    async def _receive(self) -> RequestDelta:
-        """The next delta from the engine; one carrying several tokens is split into one per
-        token (the finish reason and stage times go with the last)."""
-        delta = await self.queue.get()
-        if isinstance(delta, Exception):
-            self._finish("error")
-            raise delta
-        metrics, now = self.client.metrics, time.monotonic()
-        if delta.new_token_ids:
-            if self.first_token_time is None:
-                self.first_token_time = now
-                metrics.observe_first_token(now - self.arrival, len(delta.new_token_ids))
-            else:
-                metrics.observe_next_tokens(now - self.last_token_time, len(delta.new_token_ids))
-            self.last_token_time = now
-        ids = delta.new_token_ids
-        if len(ids) <= 1:
-            return delta
-        parts = [replace(delta, new_token_ids=[t], finish_reason=None, stage_times=None) for t in ids[:-1]]
-        parts.append(replace(delta, new_token_ids=ids[-1:]))
-        self._pending.extend(parts[1:])
-        return parts[0]
+    def _push(self, output: Output) -> None:
+        self._ready.append(output)
+        self._wake()
+
+    def _fail(self, error: Exception) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def close(self) -> None:
-        """Abort the request on its worker unless it has finished (client gone, error)."""
+        """Abort every completion that has not finished (client gone, error)."""
+        for choice in self.choices:
+            choice.close()
+
+
+class ChoiceStream:
+    """The request table's sink for one completion: detokenizes and records metrics as
+    tokens arrive, and queues the outputs on its request's stream."""
+
+    def __init__(self, parent: RequestStream, index: int, request: EngineRequest, instance: WorkerClient):
+        self.parent = parent
+        self.index = index
+        self.request = request
+        self.instance = instance
+        self.detokenizer = IncrementalDetokenizer(parent.client.processor.tokenizer, request.sampling_params)
+        self.metrics = parent.client.metrics
+        self.num_output_tokens = 0
+        self.last_token_time: float | None = None
+        self.finish_reason: str | None = None
+        self.stage_times: dict[str, float] | None = None
+
+    # -- RequestSink ---------------------------------------------------------------------------
+    def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        if self.finish_reason is not None:
+            return
+        now = time.monotonic()
+        parent = self.parent
+        if self.last_token_time is None:
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+            self.metrics.observe_first_token(now - parent.arrival, 1)
+        else:
+            self.metrics.observe_next_tokens(now - self.last_token_time, 1)
+        self.last_token_time = now
+        self.num_output_tokens += 1
+        detok = self.detokenizer
+        text = detok.add_token(token_id)
+        if detok.stopped:
+            self.instance.abort(self.request.req_id)
+            self._end(Output(self.index, text, [token_id], "stop", logprobs, self.num_output_tokens))
+            return
+        parent._push(Output(self.index, text, [token_id], None, logprobs, self.num_output_tokens))
+
+    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None) -> None:
+        if self.finish_reason is not None:
+            return
+        self.stage_times = stage_times
+        text = self.detokenizer.flush()
+        if self.detokenizer.stopped:  # the last character completed a stop string
+            finish_reason = "stop"
+        # A finish comes in the same step as the last token, whose output the handler has not
+        # taken yet: the finish (and the text the last token completes) goes with it, so a
+        # stream has one chunk per token. Otherwise (an abort) it is an output of its own.
+        last = next((o for o in reversed(self.parent._ready) if o.index == self.index), None)
+        if last is None or last.finish_reason is not None:
+            self._end(Output(self.index, text, [], finish_reason, None, self.num_output_tokens))
+            return
+        last.text += text
+        last.finish_reason = finish_reason
+        self._finish(finish_reason)
+        self.parent._wake()
+
+    def on_error(self, error: Exception) -> None:
+        if self.finish_reason is None:
+            self._finish("error")
+            self.parent._fail(error)
+
+    # -- ending ----------------------------------------------------------------------------------
+    def _end(self, output: Output) -> None:
+        self._finish(output.finish_reason)
+        self.parent._push(output)
+
+    def close(self) -> None:
         if self.finish_reason is None:
             self.instance.abort(self.request.req_id)
             self._finish("abort")
 
     def _finish(self, finish_reason: str) -> None:
         self.finish_reason = finish_reason
-        req, e2e = self.request, time.monotonic() - self.arrival
-        self.client.metrics.observe_finished(finish_reason, e2e, req.num_prompt_tokens, len(req.images),
-                                             self.stage_times)
-        ttft = f"{self.first_token_time - self.arrival:.3f}s" if self.first_token_time is not None else "-"
+        req, parent = self.request, self.parent
+        e2e = time.monotonic() - parent.arrival
+        self.metrics.observe_finished(finish_reason, e2e, req.num_prompt_tokens, len(req.images), self.stage_times)
+        ttft = f"{parent.first_token_time - parent.arrival:.3f}s" if parent.first_token_time is not None else "-"
         stages = "".join(f" {k}={v:.3f}s" for k, v in sorted((self.stage_times or {}).items()))
+        user = f" user={parent.user!r}" if parent.user else ""
         logger.info(
-            "finished %s instance=%d prompt_tokens=%d output_tokens=%d images=%d ttft=%s e2e=%.3fs finish=%s%s",
+            "finished %s instance=%d prompt_tokens=%d output_tokens=%d images=%d ttft=%s e2e=%.3fs finish=%s%s%s",
             req.req_id, self.instance.instance_id, req.num_prompt_tokens, self.num_output_tokens,
-            len(req.images), ttft, e2e, finish_reason, stages,
+            len(req.images), ttft, e2e, finish_reason, user, stages,
         )

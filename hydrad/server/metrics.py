@@ -13,6 +13,7 @@ from hydrad.engine.inputs import EngineStats
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                     0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 STAGES = ("encode", "prefill", "decode")
 
 
@@ -45,6 +46,14 @@ class Metrics:
         self.kv_usage = Gauge("hydrad_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", labels, registry=r)
         self.image_usage = Gauge("hydrad_image_cache_usage_ratio", "Fraction of image-cache blocks in use.", labels,
                                  registry=r)
+        step_labels = m + ["instance", "stage"]
+        self.step_time = Histogram("hydrad_step_seconds", "Measured time of an engine step's work, per stage "
+                                   "(vision: encode, language: prefill and decode).", step_labels,
+                                   buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_prediction = Histogram(
+            "hydrad_step_prediction_ratio", "Latency-model prediction of a step's time divided by its measured "
+            "time (1 is exact), per instance and stage.", step_labels, buckets=_RATIO_BUCKETS, registry=r)
+        self._step_children: dict[tuple[int, str], tuple] = {}
         self.window = RollingWindow()
 
     def observe_first_token(self, ttft: float, num_tokens: int) -> None:
@@ -73,6 +82,22 @@ class Metrics:
                 self.queue_time.labels(self._model, stage).observe(seconds)
             elif stage in STAGES and kind == "exec":
                 self.exec_time.labels(self._model, stage).observe(seconds)
+
+    def observe_step(self, instance_id: int, timing) -> None:
+        """One step's measured times and, when the instance has a latency model, its predictions."""
+        for stage, measured, predicted in (("vision", timing.vision, timing.predicted_vision),
+                                           ("language", timing.language, timing.predicted_language)):
+            if measured <= 0:
+                continue
+            key = (instance_id, stage)
+            children = self._step_children.get(key)
+            if children is None:
+                labels = (self._model, str(instance_id), stage)
+                children = self._step_children[key] = (self.step_time.labels(*labels),
+                                                       self.step_prediction.labels(*labels))
+            children[0].observe(measured)
+            if predicted > 0:
+                children[1].observe(predicted / measured)
 
     def set_instance(self, instance_id: int, device: str, role: str, alive: bool,
                      stats: EngineStats | None) -> None:

@@ -16,7 +16,6 @@ from typing import Iterable
 from hydrad.config import EngineConfig
 from hydrad.engine.inputs import EngineOutput, EngineRequest, FinishedRequest
 from hydrad.errors import RequestError
-from hydrad.server.client import WorkerLost
 from hydrad.server.router import Router
 from hydrad.server.supervisor import Supervisor, plan_specs
 
@@ -60,15 +59,7 @@ class ProcessCluster:
 
     async def _submit(self, req: EngineRequest) -> None:
         entry = self.router.select(has_images=bool(req.images))
-        outputs = entry.add_request(req)
-        self._loop.create_task(self._forward(req.req_id, outputs))
-
-    async def _forward(self, req_id: str, outputs: asyncio.Queue) -> None:
-        while True:
-            item = await outputs.get()
-            self._deltas.put((req_id, item))
-            if isinstance(item, Exception) or item.finish_reason is not None:
-                return
+        entry.add_request(req, _Forward(req.req_id, self._deltas))
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
         req_ids = [r for r in req_ids if r in self._open]
@@ -91,27 +82,24 @@ class ProcessCluster:
             except queue.Empty:
                 break
         output = EngineOutput()
-        for req_id, item in items:
+        for req_id, kind, value, extra in items:
             if req_id not in self._open:
                 continue  # aborted by the caller meanwhile
-            if isinstance(item, RequestError):
+            if kind == "error":
                 self.abort_requests([req_id])
-                raise ValueError(str(item))
-            if isinstance(item, (WorkerLost, Exception)):
-                self.abort_requests([req_id])
-                raise RuntimeError(f"request {req_id}: {item}")
-            for i, token_id in enumerate(item.new_token_ids):
+                if isinstance(value, RequestError):
+                    raise ValueError(str(value))
+                raise RuntimeError(f"request {req_id}: {value}")
+            if kind == "token":
+                if extra is not None and output.logprobs is None:
+                    output.logprobs = [None] * len(output.req_ids)
                 output.req_ids.append(req_id)
-                output.token_ids.append(token_id)
-                if item.logprobs is not None:
-                    if output.logprobs is None:
-                        output.logprobs = [None] * (len(output.req_ids) - 1)
-                    output.logprobs.append(item.logprobs[i])
-                elif output.logprobs is not None:
-                    output.logprobs.append(None)
-            if item.finish_reason is not None:
+                output.token_ids.append(value)
+                if output.logprobs is not None:
+                    output.logprobs.append(extra)
+            else:
                 self._open.discard(req_id)
-                output.finished.append(FinishedRequest(req_id, item.finish_reason, item.stage_times))
+                output.finished.append(FinishedRequest(req_id, value, extra))
         return output
 
     def shutdown(self) -> None:
@@ -122,3 +110,20 @@ class ProcessCluster:
     def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+
+
+class _Forward:
+    """The request table's sink for one request: hands its outputs to the caller's thread."""
+
+    def __init__(self, req_id: str, outputs: queue.SimpleQueue):
+        self.req_id = req_id
+        self.outputs = outputs
+
+    def on_token(self, token_id, logprobs) -> None:
+        self.outputs.put((self.req_id, "token", token_id, logprobs))
+
+    def on_finish(self, finish_reason, stage_times) -> None:
+        self.outputs.put((self.req_id, "finish", finish_reason, stage_times))
+
+    def on_error(self, error) -> None:
+        self.outputs.put((self.req_id, "error", error, None))

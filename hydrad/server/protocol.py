@@ -8,27 +8,35 @@ problem raises ``RequestError`` naming the offending parameter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SEED_RANGE, SamplingParams
 
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-
 
 @dataclass
 class SamplingOptions:
-    """Sampling fields as sent; ``max_tokens`` None means "up to the context length"."""
+    """Sampling fields as sent; ``max_tokens`` None means "up to the context length".
+    ``params`` are the other ``SamplingParams`` keyword arguments, validated by it."""
 
     max_tokens: int | None
     max_tokens_param: str
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    ignore_eos: bool
+    params: dict[str, Any]
+    # SamplingParams field -> the request field it came from, where the names differ.
+    param_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        return self.params.get("n", 1)
+
+    def __getattr__(self, name: str) -> Any:
+        params = self.__dict__.get("params", {})
+        if name in params:
+            return params[name]
+        if name in _SAMPLING_DEFAULTS:
+            return _SAMPLING_DEFAULTS[name]
+        raise AttributeError(name)
 
     def to_params(self, num_prompt_tokens: int, max_model_len: int, prompt_param: str) -> SamplingParams:
         max_tokens = self.max_tokens
@@ -48,15 +56,26 @@ class SamplingOptions:
                 self.max_tokens_param,
             )
         try:
-            return SamplingParams(
-                max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                seed=self.seed, stop=self.stop, ignore_eos=self.ignore_eos,
-            )
+            return SamplingParams(max_tokens=max_tokens, **self.params)
         except ValueError as e:
-            param = str(e).split(" ", 1)[0]
-            if param == "max_tokens":
-                param = self.max_tokens_param
-            raise RequestError(str(e), param if param in _SAMPLING_FIELDS | {self.max_tokens_param} else None)
+            message, param = str(e), self._param_of(str(e))
+            first = message.split(" ", 1)[0]
+            if param and first in self.param_names:  # say it in the request's own words
+                message = param + message[len(first):]
+            raise RequestError(message, param) from None
+
+    def _param_of(self, message: str) -> str | None:
+        """The request field a SamplingParams error is about (its first word)."""
+        name = message.split(" ", 1)[0].split("[", 1)[0]
+        if name == "max_tokens":
+            return self.max_tokens_param
+        if name == "at" and "stop strings" in message:
+            return "stop"
+        return self.param_names.get(name, name if name in _SAMPLING_DEFAULTS else None)
+
+
+_SAMPLING_DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_factory()
+                      for f in fields(SamplingParams)}
 
 
 @dataclass
@@ -67,6 +86,8 @@ class GenerateRequest:
     include_usage: bool
     continuous_usage: bool  # usage in every chunk (``stream_options.continuous_usage_stats``)
     return_token_ids: bool
+    # The end user the client names (OpenAI's ``user``): written to the request's log line.
+    user: str | None
 
 
 @dataclass
@@ -79,8 +100,21 @@ class CompletionRequest(GenerateRequest):
     prompt: str
 
 
+# Fields every generation endpoint takes (the OpenAI API, and vLLM's extensions).
+_COMMON_FIELDS = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
+    "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
+    "min_tokens", "ignore_eos", "return_token_ids", "stop_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens", "user",
+}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                                 "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     body = _object(body)
+    _refuse_unknown(body, _CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:
         raise RequestError("'messages' is a required property", "messages")
@@ -89,31 +123,62 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not all(isinstance(m, dict) for m in messages):
         raise RequestError("each message must be an object", "messages")
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    _refuse_unsupported(body)
-    return ChatRequest(messages=messages, **_common(body, max_param))
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise RequestError(f"{name} (tool and function calling) is not supported", name)
+    for name in ("tool_choice", "function_call"):
+        if body.get(name) not in (None, "none"):
+            raise RequestError(f"{name} is not supported (no tools are served)", name)
+    response_format = body.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise RequestError(f"response_format {kind or response_format!r} is not supported: structured output "
+                               "(json_object, json_schema) is not served; only {'type': 'text'}", "response_format")
+    common = _common(body, max_param)
+    logprobs = _get(body, "logprobs", bool, False)
+    top_logprobs = _get(body, "top_logprobs", int, None)
+    if top_logprobs is not None and not logprobs:
+        raise RequestError("top_logprobs needs logprobs to be true", "top_logprobs")
+    if logprobs:
+        common["options"].params["logprobs"] = 0 if top_logprobs is None else top_logprobs
+        if top_logprobs is not None:
+            common["options"].param_names["logprobs"] = "top_logprobs"
+    return ChatRequest(messages=messages, **common)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     body = _object(body)
+    _refuse_unknown(body, _COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise RequestError("'prompt' must be a non-empty string", "prompt")
-    _refuse_unsupported(body)
     if body.get("echo"):
         raise RequestError("echo is not supported", "echo")
     if body.get("suffix"):
         raise RequestError("suffix is not supported", "suffix")
     if _get(body, "best_of", int, 1) != 1:
         raise RequestError("only best_of=1 is supported", "best_of")
-    return CompletionRequest(prompt=prompt, **_common(body, "max_tokens"))
+    common = _common(body, "max_tokens")
+    logprobs = _get(body, "logprobs", int, None)
+    if logprobs is not None:
+        common["options"].params["logprobs"] = logprobs
+    return CompletionRequest(prompt=prompt, **common)
 
 
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body
+
+
+def _refuse_unknown(body: dict, known: set[str]) -> None:
+    """Every field either works or is refused by name: none is silently ignored."""
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"unknown or unsupported parameter {unknown[0]!r}", unknown[0])
 
 
 def _common(body: dict, max_param: str) -> dict:
@@ -133,35 +198,32 @@ def _common(body: dict, max_param: str) -> dict:
         stop = [stop]
     if stop is not None and not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
         raise RequestError("stop must be a string or an array of strings", "stop")
-    temperature = _get(body, "temperature", float, 1.0)
     seed = _get(body, "seed", int, None)
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise RequestError(f"seed must be a 64-bit signed integer, got {seed}", "seed")
-    options = SamplingOptions(
-        max_tokens=_get(body, max_param, int, None),
-        max_tokens_param=max_param,
-        temperature=temperature,
-        top_p=_get(body, "top_p", float, 1.0),
-        top_k=_get(body, "top_k", int, 0),
-        seed=seed,
-        stop=stop or [],
-        ignore_eos=_get(body, "ignore_eos", bool, False),
-    )
+    stop_token_ids = body.get("stop_token_ids")
+    if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+        raise RequestError("stop_token_ids must be an array of integers", "stop_token_ids")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and not isinstance(logit_bias, dict):
+        raise RequestError("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    params: dict[str, Any] = {"stop": stop or [], "stop_token_ids": stop_token_ids or [], "seed": seed}
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                       ("repetition_penalty", float), ("presence_penalty", float), ("frequency_penalty", float),
+                       ("min_tokens", int), ("n", int), ("ignore_eos", bool), ("include_stop_str_in_output", bool),
+                       ("skip_special_tokens", bool)):
+        value = _get(body, name, kind, None)
+        if value is not None:
+            params[name] = value
+    if logit_bias:
+        params["logit_bias"] = logit_bias
+    options = SamplingOptions(max_tokens=_get(body, max_param, int, None), max_tokens_param=max_param, params=params)
     if options.max_tokens is not None and options.max_tokens < 1:
         raise RequestError(f"{max_param} must be at least 1, got {options.max_tokens}", max_param)
     return dict(model=model, options=options, stream=stream, include_usage=include_usage,
-                continuous_usage=continuous_usage, return_token_ids=_get(body, "return_token_ids", bool, False))
-
-
-def _refuse_unsupported(body: dict) -> None:
-    if _get(body, "n", int, 1) != 1:
-        raise RequestError("only n=1 is supported", "n")
-    for name in ("logprobs", "top_logprobs", "tools", "functions", "logit_bias"):
-        if body.get(name):
-            raise RequestError(f"{name} is not supported", name)
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _get(body, name, float, 0.0) != 0.0:
-            raise RequestError(f"{name} is not supported (only 0)", name)
+                continuous_usage=continuous_usage, return_token_ids=_get(body, "return_token_ids", bool, False),
+                user=_get(body, "user", str, None))
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}

@@ -6,18 +6,18 @@ does not hold the next one, that instance offers it (``StepOutput.offers``). The
 router picks a target holding the next stage, which is sent ``Migrate``; once the
 target has pulled the blocks (``StepOutput.pulled``) the source is sent
 ``Release``. Outputs (first token from the prefill instance, the rest from the
-decode instance) all land in the request's one queue. An abort reaches every
-instance that may hold a part of the request. When the daemon stops at once
-(``fail_all``), every request in flight fails and new ones are refused.
+decode instance) all go to the request's one ``RequestSink``, called synchronously
+while a step's columns are read, so a step reaches all its requests in one pass. An
+abort reaches every instance that may hold a part of the request. When the daemon
+stops at once (``fail_all``), every request in flight fails and new ones are refused.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from hydrad.engine.inputs import EngineOutput, MigrationOffer, RequestDelta
+from hydrad.engine.inputs import EngineOutput, MigrationOffer, TokenLogprobs
 from hydrad.transport.messages import Abort, Migrate, Release
 
 if TYPE_CHECKING:
@@ -26,7 +26,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("hydrad.migration")
 
-RequestQueue = asyncio.Queue  # items: RequestDelta, or the exception that ended the request
+
+class RequestSink(Protocol):
+    """Where one request's outputs go. Called on the event loop, in step order; after
+    ``on_finish`` or ``on_error`` nothing more comes."""
+
+    def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None: ...
+    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None) -> None: ...
+    def on_error(self, error: Exception) -> None: ...
 
 
 class ServiceStopping(RuntimeError):
@@ -35,76 +42,67 @@ class ServiceStopping(RuntimeError):
 
 class RequestTable:
     def __init__(self) -> None:
-        self.queues: dict[str, RequestQueue] = {}
+        self.sinks: dict[str, RequestSink] = {}
         self.holders: dict[str, set[WorkerClient]] = {}
         self.router: Router | None = None
         self.stopping_reason: str | None = None
 
     def __len__(self) -> int:
         """Requests in flight (one migrating between instances counts once)."""
-        return len(self.queues)
+        return len(self.sinks)
 
     def held_by(self, client: WorkerClient) -> int:
         return sum(1 for holders in self.holders.values() if client in holders)
 
-    def open(self, req_id: str, entry: WorkerClient) -> RequestQueue:
+    def open(self, req_id: str, entry: WorkerClient, sink: RequestSink) -> None:
         if self.stopping_reason is not None:
             raise ServiceStopping(self.stopping_reason)
-        queue: RequestQueue = asyncio.Queue()
-        self.queues[req_id] = queue
+        self.sinks[req_id] = sink
         self.holders[req_id] = {entry}
-        return queue
-
-    def deliver(self, delta: RequestDelta) -> None:
-        queue = self.queues.get(delta.req_id)
-        if queue is None:  # aborted by the daemon while the step ran
-            return
-        if delta.finish_reason is not None:
-            self._close(delta.req_id)
-        queue.put_nowait(delta)
 
     def deliver_output(self, output: EngineOutput) -> None:
-        """Hand one step's columns to the requests' queues."""
-        finished = {f.req_id: f for f in output.finished} if output.finished else {}
+        """Hand one step's columns to the requests' sinks, in one pass."""
+        sinks = self.sinks
         logprobs = output.logprobs
+        token_ids = output.token_ids
         for i, req_id in enumerate(output.req_ids):
-            end = finished.pop(req_id, None) if finished else None
-            self.deliver(RequestDelta(
-                req_id, [output.token_ids[i]], end.finish_reason if end else None,
-                [logprobs[i]] if logprobs is not None and logprobs[i] is not None else None,
-                end.stage_times if end else None,
-            ))
-        for end in finished.values():  # ended without a new token (aborted)
-            self.deliver(RequestDelta(end.req_id, [], end.finish_reason, None, end.stage_times))
+            sink = sinks.get(req_id)
+            if sink is not None:  # else aborted by the daemon while the step ran
+                sink.on_token(token_ids[i], logprobs[i] if logprobs is not None else None)
+        for end in output.finished:
+            sink = sinks.get(end.req_id)
+            if sink is not None:
+                self._close(end.req_id)
+                sink.on_finish(end.finish_reason, end.stage_times)
 
     def fail(self, req_id: str, error: Exception) -> None:
         """End a request with an error; the instances still holding it drop it."""
-        queue = self.queues.get(req_id)
-        if queue is not None:
+        sink = self.sinks.get(req_id)
+        if sink is not None:
             self.abort(req_id)
-            queue.put_nowait(error)
+            sink.on_error(error)
 
     def fail_all(self, reason: str) -> int:
         """Fail every request in flight with ``ServiceStopping(reason)`` and refuse new
         ones from now on; returns how many failed."""
         self.stopping_reason = reason
-        req_ids = list(self.queues)
+        req_ids = list(self.sinks)
         for req_id in req_ids:
             self.fail(req_id, ServiceStopping(reason))
         return len(req_ids)
 
     def abort(self, req_id: str) -> None:
-        self.queues.pop(req_id, None)
+        self.sinks.pop(req_id, None)
         for client in self.holders.pop(req_id, ()):
             client.send_quietly(Abort((req_id,)))
 
     def _close(self, req_id: str) -> None:
-        del self.queues[req_id]
+        del self.sinks[req_id]
         self.holders.pop(req_id, None)
 
     # -- migration relay -----------------------------------------------------------------
     def on_offer(self, source: WorkerClient, offer: MigrationOffer) -> None:
-        if offer.req_id not in self.queues:  # gone meanwhile: the source must not keep it
+        if offer.req_id not in self.sinks:  # gone meanwhile: the source must not keep it
             source.send_quietly(Release((offer.req_id,)))
             return
         try:

@@ -1,22 +1,33 @@
 """OpenAI response bodies for chat and text completions, whole or streamed.
 
 Streaming follows OpenAI and vLLM: one chunk per generated token (empty
-content while its text is incomplete), the assistant ``role`` with the first
-token, ``finish_reason`` with the last, then (with
+content while its text is incomplete), the assistant ``role`` with a
+completion's first token, ``finish_reason`` with its last, then (with
 ``stream_options.include_usage``) a usage chunk with no choices, then
 ``data: [DONE]``. With ``continuous_usage_stats`` as well, every chunk carries
-the usage so far (vLLM's extension). ``return_token_ids`` adds each choice's output token ids
-(vLLM's extension), which lets clients check tokens exactly.
+the usage so far (vLLM's extension). ``return_token_ids`` adds each choice's
+output token ids (vLLM's extension), which lets clients check tokens exactly.
+With ``n`` > 1 the completions' chunks interleave, told apart by ``index``.
+
+Log-probabilities are those of the model's raw distribution (before penalties,
+temperature and filters), as vLLM reports them by default; each token is named
+by its own decoded text, with its UTF-8 bytes.
+
+The handler wakes once per engine step and writes everything that step produced
+for the request in one write; the common chunk (text only) is framed from
+prebuilt bytes.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 from aiohttp import web
 
-from hydrad.server.engine_client import Output, OutputStream
+from hydrad.engine.inputs import TokenLogprobs
+from hydrad.server.engine_client import Output, RequestStream
 from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
 from hydrad.server.requests_table import ServiceStopping
@@ -24,80 +35,137 @@ from hydrad.server.sse import open_event_stream, send_done, send_event
 
 logger = logging.getLogger("hydrad.server")
 
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
 
 class ResponseFormat:
     """The shape of one request's response: chat or text completion."""
 
-    def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool):
+    def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None):
         self.chat = chat
         self.req_id = req_id
         self.model = model
         self.return_token_ids = return_token_ids
+        # token id -> its own text, for log-probabilities
+        self.token_text = token_text or (lambda token_id: str(token_id))
         self.created = int(time.time())
+        self.object = "chat.completion.chunk" if chat else "text_completion"
+        envelope = _dumps({"id": req_id, "object": self.object, "created": self.created, "model": model})
+        # b'data: {"id":...,"model":"...","choices":[{"index":' — then the index and the rest.
+        self._prefix = ("data: " + envelope[:-1] + ',"choices":[{"index":').encode()
+        self._text_key = ',"delta":{"content":' if chat else ',"text":'
+        self._suffix = '},"logprobs":null,"finish_reason":null}]}\n\n' if chat else \
+            ',"logprobs":null,"finish_reason":null}]}\n\n'
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.req_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
+    def chunk_bytes(self, out: Output, first: bool, usage: dict | None, include_usage: bool) -> bytes:
+        """The SSE event of one output; plain text chunks are framed from prebuilt bytes."""
+        if not first and out.finish_reason is None and out.logprobs is None and not self.return_token_ids \
+                and not include_usage:
+            return self._prefix + (str(out.index) + self._text_key + _dumps(out.text) + self._suffix).encode()
+        chunk = self.chunk(out, first)
+        if include_usage:
+            chunk["usage"] = usage
+        return b"data: " + _dumps(chunk).encode() + b"\n\n"
+
     def chunk(self, out: Output, first: bool) -> dict:
+        logprobs = self.logprobs([out.logprobs], out.text) if out.logprobs is not None else None
         if self.chat:
             # Every token chunk carries "content", empty or not, so clients can time each token.
             delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+            choice = {"index": out.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids
-        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        return self._envelope(self.object, [choice])
 
     def usage_chunk(self, usage: dict) -> dict:
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body = self._envelope(self.object, [])
         body["usage"] = usage
         return body
 
-    def whole(self, text: str, token_ids: list[int], finish_reason: str | None, usage: dict) -> dict:
+    def whole(self, choices: list[dict], usage: dict) -> dict:
+        """``choices``: one ``{"text", "token_ids", "finish_reason", "logprobs"}`` per completion."""
+        out = []
+        for index, c in enumerate(choices):
+            logprobs = self.logprobs(c["logprobs"], c["text"]) if c["logprobs"] is not None else None
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
+                          "logprobs": logprobs, "finish_reason": c["finish_reason"]}
+            else:
+                choice = {"index": index, "text": c["text"], "logprobs": logprobs,
+                          "finish_reason": c["finish_reason"]}
+            if self.return_token_ids:
+                choice["token_ids"] = c["token_ids"]
+            out.append(choice)
+        body = self._envelope("chat.completion" if self.chat else "text_completion", out)
+        body["usage"] = usage
+        return body
+
+    def logprobs(self, entries: list[TokenLogprobs], text: str) -> dict:
+        """The ``logprobs`` of a choice: OpenAI's chat shape (``content``) or the legacy
+        completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+        name = self.token_text
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        if self.return_token_ids:
-            choice["token_ids"] = token_ids
-        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
-        body["usage"] = usage
-        return body
+            def item(token_id: int, logprob: float) -> dict:
+                token = name(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [
+                {**item(e.token_id, e.logprob),
+                 "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
+                for e in entries
+            ]}
+        tokens = [name(e.token_id) for e in entries]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{name(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries],
+                "text_offset": offsets}
 
 
-def usage_of(out: Output | None) -> dict:
-    prompt = out.num_prompt_tokens if out else 0
-    completion = out.num_output_tokens if out else 0
+def usage_of(stream: RequestStream) -> dict:
+    prompt, completion = stream.num_prompt_tokens, stream.num_output_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def respond_whole(fmt: ResponseFormat, outputs: OutputStream) -> web.Response:
-    text, token_ids, last = [], [], None
-    async for out in outputs:
-        text.append(out.text)
-        token_ids += out.token_ids
-        last = out
-    return web.json_response(fmt.whole("".join(text), token_ids, last.finish_reason if last else None,
-                                       usage_of(last)))
+async def respond_whole(fmt: ResponseFormat, stream: RequestStream) -> web.Response:
+    choices = [{"text": [], "token_ids": [], "finish_reason": None, "logprobs": None} for _ in stream.choices]
+    async for batch in stream:
+        for out in batch:
+            c = choices[out.index]
+            c["text"].append(out.text)
+            c["token_ids"] += out.token_ids
+            if out.logprobs is not None:
+                c["logprobs"] = (c["logprobs"] or []) + [out.logprobs]
+            if out.finish_reason is not None:
+                c["finish_reason"] = out.finish_reason
+    for c in choices:
+        c["text"] = "".join(c["text"])
+    return web.json_response(fmt.whole(choices, usage_of(stream)), dumps=_dumps)
 
 
 async def respond_stream(
-    request: web.Request, fmt: ResponseFormat, req: GenerateRequest, outputs: OutputStream
+    request: web.Request, fmt: ResponseFormat, req: GenerateRequest, stream: RequestStream
 ) -> web.StreamResponse:
     response = await open_event_stream(request)
-    last = None
+    started = [False] * len(stream.choices)
     try:
         try:
-            async for out in outputs:
+            async for batch in stream:
                 # One chunk per token, even one without text yet (a special token, part of a
                 # character): clients that time chunks (vllm bench serve) count on it.
-                chunk = fmt.chunk(out, first=last is None)
-                if req.include_usage:
-                    chunk["usage"] = usage_of(out) if req.continuous_usage else None
-                last = out
-                await send_event(response, chunk)
+                events = []
+                for out in batch:
+                    usage = usage_of(stream) if req.continuous_usage else None
+                    events.append(fmt.chunk_bytes(out, not started[out.index], usage, req.include_usage))
+                    started[out.index] = True
+                await response.write(b"".join(events))
         except ConnectionError:
             raise
         except Exception as e:  # the status line has gone out: report in the stream
@@ -106,7 +174,7 @@ async def respond_stream(
                 logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
             await send_event(response, error_body(status, e))
         if req.include_usage:
-            await send_event(response, fmt.usage_chunk(usage_of(last)))
+            await send_event(response, fmt.usage_chunk(usage_of(stream)))
         await send_done(response)
     except ConnectionError:
         # The client went away between two chunks. Raising would make aiohttp log a

@@ -116,6 +116,8 @@ class RequestRejected:
 
     req_id: str
     message: str
+    # The request field at fault, when known.
+    param: str | None = None
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hydrad.engine.sampler import PenaltyCache, Sampler, SamplingMetadata, allowed_tokens, apply_penalties
+from hydrad.engine.sampler import PenaltyCache, Sampler, SamplingMetadata, allowed_tokens
 
 VOCAB = 300
 
@@ -68,27 +68,34 @@ def test_repetition_penalty_equals_transformers_and_openai_penalties_follow_the_
     prompts = [torch.randint(VOCAB, (n,), generator=generator) for n in (5, 20, 1, 50, 7, 3)]
     outputs = [torch.randint(VOCAB, (n,), generator=generator) for n in (0, 4, 9, 30, 2, 1)]
     cache = PenaltyCache(VOCAB, torch.device("cpu"))
-    slots = torch.tensor([cache.allocate(p.tolist(), o.tolist()) for p, o in zip(prompts, outputs)])
+    slots = [cache.allocate(p.tolist(), o.tolist()) for p, o in zip(prompts, outputs)]
     repetition = torch.tensor([1.0, 1.3, 0.7, 2.0, 1.0, 1.1])
     presence = torch.tensor([0.0, 0.5, -1.0, 0.0, 2.0, 0.3])
     frequency = torch.tensor([0.0, 0.2, 0.0, -0.5, 1.0, 0.3])
+    every_row = torch.arange(rows)
 
-    only_repetition = apply_penalties(logits, cache.counts[slots], cache.in_prompt[slots], repetition,
-                                      torch.zeros(rows), torch.zeros(rows))
+    only_repetition = logits.clone()
+    cache.penalize(only_repetition, every_row, slots, repetition, torch.zeros(rows), torch.zeros(rows))
     for row in range(rows):
         seen = torch.cat([prompts[row], outputs[row]])[None]
         expected = RepetitionPenaltyLogitsProcessor(float(repetition[row]))(seen, logits[row][None].clone())[0]
         assert torch.equal(only_repetition[row], expected)
 
-    everything = apply_penalties(logits, cache.counts[slots], cache.in_prompt[slots], repetition, presence, frequency)
+    everything = logits.clone()
+    cache.penalize(everything, every_row, slots, repetition, presence, frequency)
     for row in range(rows):
         counts = torch.bincount(outputs[row], minlength=VOCAB).float()
         expected = only_repetition[row] - counts * frequency[row] - (counts > 0).float() * presence[row]
         torch.testing.assert_close(everything[row], expected)
 
-    # Counts move with the sampled tokens, never rebuilt from lists.
-    cache.add_tokens(slots[:2], torch.tensor([7, 7]))
-    assert int(cache.counts[slots[0], 7]) == int((outputs[0] == 7).sum()) + 1
+    # Counts move with the sampled tokens, never rebuilt from the lists; new tokens join.
+    fresh = next(t for t in range(VOCAB) if t not in prompts[0].tolist())
+    cache.add_tokens([slots[0], slots[0], slots[1]], [fresh, fresh, 7])
+    after = logits.clone()
+    cache.penalize(after, every_row[:1], slots[:1], torch.tensor([1.0]), torch.tensor([0.0]), torch.tensor([1.0]))
+    assert float(after[0, fresh]) == pytest.approx(float(logits[0, fresh]) - 2.0)
+    cache.free(slots[0])
+    assert cache.allocate([1], []) == slots[0]  # a freed slot is reused, empty
 
 
 def metadata(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=()) -> SamplingMetadata:
@@ -156,3 +163,23 @@ def test_logprobs_of_the_raw_distribution_with_rank_and_top_tokens():
     assert out.token_ids == [0]
     assert lp.logprob == pytest.approx(float(raw[0])) and lp.rank == 3
     assert lp.top_token_ids == [1, 2] and lp.top_logprobs == pytest.approx(raw[[1, 2]].tolist())
+
+
+@pytest.mark.parametrize("min_p", [0.0, 0.3])
+def test_unfiltered_draws_across_vocabulary_blocks_match_the_distribution(min_p):
+    """The inverse CDF finds the block, then the token in it: mass spread over tokens in
+    different 128-token blocks (first and last token included) is drawn in proportion."""
+    vocab, copies, rounds = 384, 2000, 20
+    hot = torch.tensor([0, 5, 130, 131, 260, 383])
+    logits_row = torch.full((vocab,), -1e9)
+    logits_row[hot] = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.2])
+    sampler = Sampler(seed=7)
+    counts = np.zeros(vocab)
+    for _ in range(rounds):
+        counts += np.bincount(sampler.sample(logits_row.repeat(copies, 1), metadata(copies, min_p=min_p)).token_ids,
+                              minlength=vocab)
+    probs = torch.softmax(logits_row, dim=-1)
+    probs[probs < min_p * probs.max()] = 0
+    probs = (probs / probs.sum()).numpy()
+    assert counts[probs == 0].sum() == 0
+    assert np.abs(counts / counts.sum() - probs).max() < 0.012

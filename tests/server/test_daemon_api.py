@@ -302,6 +302,11 @@ def test_metrics(daemon, client, model_name):
         assert name in text, name
     for stage in ("prefill", "decode"):
         assert f'stage="{stage}"' in text
+    # the latency model's prediction against each step's measured time, per instance and stage
+    assert 'hydrad_step_prediction_ratio_count{instance="' in text and 'stage="language"' in text
+    counts = [float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("hydrad_step_prediction_ratio_count") and 'stage="language"' in line]
+    assert counts and sum(counts) > 0
     for instance in ("0", "1"):
         assert f'hydrad_kv_cache_usage_ratio{{device="cpu",instance="{instance}"' in text
         assert f'hydrad_num_requests_running{{device="cpu",instance="{instance}"' in text
@@ -367,6 +372,20 @@ BAD = {
     "top_p_zero": (400, "top_p", {"top_p": 0}, {}),
     "top_p_high": (400, "top_p", {"top_p": 1.01}, {}),
     "seed_beyond_64_bits": (400, "seed", {"seed": 2**64, "temperature": 1.0}, {}),
+    "n_zero": (400, "n", {"n": 0}, {}),
+    "n_too_many": (400, "n", {"n": 17}, {}),
+    "min_p_high": (400, "min_p", {"min_p": 1.5}, {}),
+    "repetition_penalty_zero": (400, "repetition_penalty", {"repetition_penalty": 0}, {}),
+    "presence_penalty_high": (400, "presence_penalty", {"presence_penalty": 2.5}, {}),
+    "frequency_penalty_low": (400, "frequency_penalty", {"frequency_penalty": -2.5}, {}),
+    "logit_bias_value": (400, "logit_bias", {"logit_bias": {"5": 150}}, {}),
+    "logit_bias_token_outside_vocab": (400, "logit_bias", {"logit_bias": {"99999999": 1}}, {}),
+    "min_tokens_over_max": (400, "min_tokens", {"min_tokens": 5}, {}),
+    "top_logprobs_high": (400, "top_logprobs", {"logprobs": True, "top_logprobs": 21}, {}),
+    "top_logprobs_without_logprobs": (400, "top_logprobs", {"top_logprobs": 2}, {}),
+    "response_format_json": (400, "response_format", {"response_format": {"type": "json_object"}}, {}),
+    "tools": (400, "tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
+    "unknown_field": (400, "frobnicate", {"frobnicate": 1}, {}),
     "unknown_model": (404, "model", {"model": "no-such-model"}, {}),
     "missing_api_key": (401, None, {}, {"Authorization": None}),
     "wrong_api_key": (401, None, {}, {"Authorization": "Bearer nope"}),
@@ -406,3 +425,56 @@ def test_openai_client_sees_typed_errors(client, model_name):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}], max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0).models.list()
+
+
+# -- sampling options over HTTP -----------------------------------------------------------------
+
+
+def test_n_completions_whole_and_streamed(client, model_name):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, n=3, seed=11,
+                                           extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert len({c.message.content for c in reply.choices}) > 1  # independent samples
+    assert reply.usage.completion_tokens == 18 and reply.usage.prompt_tokens > 0
+    stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=6, n=3, seed=11,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+    tokens, finishes, usage = {0: [], 1: [], 2: []}, {}, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for c in chunk.choices:
+            tokens[c.index] += c.model_extra.get("token_ids") or []
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert {i: len(t) for i, t in tokens.items()} == {0: 6, 1: 6, 2: 6}
+    assert finishes == {0: "length", 1: "length", 2: "length"} and usage.completion_tokens == 18
+
+
+def test_chat_logprobs_whole_and_streamed(client, model_name, reference):
+    messages = [{"role": "user", "content": "Name three colours."}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        # greedy: the sampled token is the most likely one
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == entry.top_logprobs[0].logprob
+        assert entry.bytes == list(entry.token.encode())
+    stream = client.chat.completions.create(model=model_name, messages=messages, max_tokens=5, temperature=0,
+                                            logprobs=True, stream=True)
+    streamed = [lp for chunk in stream for c in chunk.choices if c.logprobs for lp in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(e.top_logprobs == [] for e in streamed)
+
+
+def test_completion_logprobs_in_the_legacy_shape(client, model_name):
+    reply = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=4, temperature=0,
+                                      logprobs=2)
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens).startswith(reply.choices[0].text[:1]) or reply.choices[0].text == ""

@@ -1,4 +1,6 @@
-"""``OutputStream``: engine deltas become one output per token, with the text the tokens decode to."""
+"""Request and choice streams: tokens fed by the request table become one output per
+token, with the text they decode to, for each of ``n`` completions; the handler takes
+everything a step produced in one batch."""
 
 from __future__ import annotations
 
@@ -7,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from hydrad.engine.inputs import EngineRequest, RequestDelta
+from hydrad.engine.inputs import EngineRequest
 from hydrad.sampling_params import SamplingParams
-from hydrad.server.engine_client import OutputStream
+from hydrad.server.engine_client import ChoiceStream, RequestStream
 from hydrad.server.metrics import Metrics
 
 
@@ -20,48 +22,92 @@ def tokenizer(tiny_llava_dir):
     return AutoTokenizer.from_pretrained(tiny_llava_dir)
 
 
-def outputs_of(tokenizer, deltas: list[RequestDelta], params: SamplingParams | None = None):
-    """Run ``deltas`` through an OutputStream; return its outputs and what it aborted."""
+def make_stream(tokenizer, n=1, params: SamplingParams | None = None):
     aborted = []
     metrics = Metrics("m")
     client = SimpleNamespace(metrics=metrics, processor=SimpleNamespace(tokenizer=tokenizer))
     instance = SimpleNamespace(instance_id=0, abort=aborted.append)
-    request = EngineRequest("r", [1, 2, 3], params or SamplingParams(max_tokens=100))
+    stream = RequestStream(client, num_prompt_tokens=3, arrival=0.0, user=None)
+    for i in range(n):
+        request = EngineRequest(f"r-{i}", [1, 2, 3], params or SamplingParams(max_tokens=100))
+        stream.choices.append(ChoiceStream(stream, i, request, instance))
+    return stream, aborted, metrics
 
+
+def collect(stream: RequestStream) -> list[list]:
     async def run():
-        queue = asyncio.Queue()
-        for delta in deltas:
-            queue.put_nowait(delta)
-        return [out async for out in OutputStream(client, request, instance, queue, arrival=0.0)]
+        return [batch async for batch in stream]
 
-    return asyncio.run(run()), aborted, metrics
+    return asyncio.run(run())
 
 
-def test_a_delta_with_several_tokens_gives_one_output_per_token(tokenizer):
+def test_each_token_gives_one_output_and_the_finish_rides_on_the_last(tokenizer):
     ids = tokenizer.encode("fox jumps over", add_special_tokens=False)
-    assert len(ids) >= 3
-    deltas = [RequestDelta("r", ids[:1]), RequestDelta("r", ids[1:], "length", stage_times={"decode_exec": 1.0})]
-    outs, aborted, metrics = outputs_of(tokenizer, deltas)
-    assert [o.token_ids for o in outs] == [[t] for t in ids]
-    assert [o.finish_reason for o in outs] == [None] * (len(ids) - 1) + ["length"]
-    assert [o.num_output_tokens for o in outs] == list(range(1, len(ids) + 1))
-    assert "".join(o.text for o in outs) == "fox jumps over" and not aborted
+    stream, aborted, metrics = make_stream(tokenizer)
+    choice = stream.choices[0]
+    for t in ids:
+        choice.on_token(t, None)
+    choice.on_finish("length", {"decode_exec": 1.0})
+    (batch,) = collect(stream)  # everything queued before the handler woke: one batch
+    assert [o.token_ids for o in batch] == [[t] for t in ids]
+    assert [o.finish_reason for o in batch] == [None] * (len(ids) - 1) + ["length"]
+    assert [o.num_output_tokens for o in batch] == list(range(1, len(ids) + 1))
+    assert "".join(o.text for o in batch) == "fox jumps over" and not aborted
     generated = metrics.registry.get_sample_value("hydrad_generation_tokens_total", {"model_name": "m"})
-    assert generated == len(ids)
+    assert generated == len(ids) and stream.num_output_tokens == len(ids)
 
 
-def test_a_stop_string_inside_a_delta_ends_the_outputs_there(tokenizer):
+def test_a_stop_string_ends_the_outputs_there_and_aborts(tokenizer):
     ids = tokenizer.encode("fox jumps over the dog", add_special_tokens=False)
-    outs, aborted, _ = outputs_of(tokenizer, [RequestDelta("r", ids)],
-                                  SamplingParams(max_tokens=100, stop=["over"]))
+    stream, aborted, _ = make_stream(tokenizer, params=SamplingParams(max_tokens=100, stop=["over"]))
+    for t in ids:
+        stream.choices[0].on_token(t, None)
+    outs = [o for batch in collect(stream) for o in batch]
     assert "".join(o.text for o in outs) == "fox jumps "
-    assert outs[-1].finish_reason == "stop" and len(outs) < len(ids) and aborted == ["r"]
+    assert outs[-1].finish_reason == "stop" and len(outs) < len(ids) and aborted == ["r-0"]
 
 
 def test_an_unfinished_last_character_ends_the_text_as_the_decode_does(tokenizer):
     ids = tokenizer.encode("ok 🙂", add_special_tokens=False)
     ids = next(ids[:n] for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
-    deltas = [RequestDelta("r", [t]) for t in ids[:-1]] + [RequestDelta("r", ids[-1:], "length")]
-    outs, _, _ = outputs_of(tokenizer, deltas)
-    assert len(outs) == len(ids)
+    stream, _, _ = make_stream(tokenizer)
+    for t in ids:
+        stream.choices[0].on_token(t, None)
+    stream.choices[0].on_finish("length", None)
+    outs = [o for batch in collect(stream) for o in batch]
+    assert len([o for o in outs if o.token_ids]) == len(ids)
     assert "".join(o.text for o in outs) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_n_completions_interleave_and_end_independently(tokenizer):
+    stream, aborted, _ = make_stream(tokenizer, n=2)
+    a, b = stream.choices
+    a.on_token(10, None)
+    b.on_token(11, None)
+    b.on_finish("stop", None)
+    a.on_token(12, None)
+
+    async def run():
+        first = await stream.__anext__()
+        a.on_finish("length", None)
+        rest = [batch async for batch in stream]
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert [(o.index, o.token_ids, o.finish_reason) for o in first] == [(0, [10], None), (1, [11], "stop"),
+                                                                       (0, [12], None)]
+    assert [(o.index, o.finish_reason) for batch in rest for o in batch] == [(0, "length")]
+    assert stream.num_output_tokens == 3 and stream.finished and not aborted
+
+
+def test_an_error_surfaces_once_and_closing_aborts_what_is_left(tokenizer):
+    stream, aborted, _ = make_stream(tokenizer, n=2)
+    stream.choices[0].on_error(RuntimeError("worker 0 (cpu, EPD) exited"))
+
+    async def run():
+        with pytest.raises(RuntimeError, match="exited"):
+            await stream.__anext__()
+
+    asyncio.run(run())
+    stream.close()
+    assert aborted == ["r-1"]  # the failed one is gone already; the other is aborted

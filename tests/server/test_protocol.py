@@ -51,9 +51,17 @@ def test_default_max_tokens_fills_the_context():
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": MESSAGES, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
      "stream_options.continuous_usage_stats"),
-    ({"messages": MESSAGES, "n": 2}, "n"),
-    ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
-    ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": MESSAGES, "n": "2"}, "n"),
+    ({"messages": MESSAGES, "logprobs": 3}, "logprobs"),
+    ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": MESSAGES, "logit_bias": [1, 2]}, "logit_bias"),
+    ({"messages": MESSAGES, "stop_token_ids": ["a"]}, "stop_token_ids"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"messages": MESSAGES, "best_of": 2}, "best_of"),
+    ({"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
     ({"messages": MESSAGES, "seed": 2**64}, "seed"),
     ({"messages": MESSAGES, "seed": -(2**63) - 1}, "seed"),
 ])
@@ -93,6 +101,36 @@ def test_values_that_would_fail_inside_the_worker_step():
         meta.temperature[:] = params.temperature
         assert sampler.sample(logits, meta).token_ids == [int(logits.argmax())]
     assert chat(temperature=0.5).options.temperature == 0.5
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 0}, "n"), ({"n": 17}, "n"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 11}, "repetition_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"top_p": 0}, "top_p"), ({"top_k": -5}, "top_k"), ({"temperature": 3}, "temperature"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+])
+def test_every_sampling_field_is_range_checked_and_named(fields, param):
+    with pytest.raises(RequestError) as info:
+        chat(**fields).options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+    assert info.value.param == param and str(info.value).startswith(param.split(".")[0]), str(info.value)
+
+
+def test_new_sampling_fields_reach_the_params():
+    req = chat(n=3, min_p=0.1, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=-0.5,
+               logit_bias={"7": -100, "9": 2.5}, min_tokens=4, logprobs=True, top_logprobs=5, stop_token_ids=[3],
+               skip_special_tokens=False, user="alice", tool_choice="none", response_format={"type": "text"})
+    params = req.options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+    assert (params.n, params.min_p, params.repetition_penalty, params.presence_penalty,
+            params.frequency_penalty) == (3, 0.1, 1.2, 0.5, -0.5)
+    assert params.logit_bias == {7: -100.0, 9: 2.5} and params.min_tokens == 4 and params.logprobs == 5
+    assert params.stop_token_ids == [3] and not params.skip_special_tokens and req.user == "alice"
+    assert chat(logprobs=True).options.to_params(10, 100, "messages").logprobs == 0
+    assert parse_completion_request({"prompt": "x", "logprobs": 2}).options.to_params(10, 100, "prompt").logprobs == 2
 
 
 def test_prompt_filling_the_context_is_refused():

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from hydrad.engine.inputs import EngineOutput, FinishedRequest, MigrationOffer, RequestDelta, TokenLogprobs
+from factories import RecordingSink
+from hydrad.engine.inputs import EngineOutput, FinishedRequest, MigrationOffer, TokenLogprobs
 from hydrad.sampling_params import SamplingParams
 from hydrad.server.client import WorkerLost
 from hydrad.server.requests_table import RequestTable, ServiceStopping
@@ -41,27 +42,26 @@ def offer(req_id: str, source: int, kind: str) -> MigrationOffer:
                           SamplingParams(), [], (2,), None, {})
 
 
-def drain(queue: asyncio.Queue) -> list:
-    items = []
-    while not queue.empty():
-        items.append(queue.get_nowait())
-    return items
+def opened(table: RequestTable, req_id: str, entry) -> RecordingSink:
+    sink = RecordingSink()
+    table.open(req_id, entry, sink)
+    return sink
 
 
 def test_migration_relay_through_every_stage():
     async def main():
         table, (e, p, d) = make_table()
-        queue = table.open("r", e)
+        sink = opened(table, "r", e)
         table.on_offer(e, offer("r", 0, "image"))
         assert p.sent == [Migrate(offer("r", 0, "image"))]
         assert len(table) == 1 and (e.num_inflight, p.num_inflight) == (1, 1)  # counted once in all
         table.on_pulled(p, "r", 0)
         assert e.sent == [Release(("r",))] and e.num_inflight == 0
-        table.deliver(RequestDelta("r", [7]))
+        table.deliver_output(EngineOutput(["r"], [7]))
         table.on_offer(p, offer("r", 1, "kv"))
         table.on_pulled(d, "r", 1)
-        table.deliver(RequestDelta("r", [8], "length"))
-        assert [x.new_token_ids for x in drain(queue)] == [[7], [8]]
+        table.deliver_output(EngineOutput(["r"], [8], finished=[FinishedRequest("r", "length")]))
+        assert sink.tokens == [7, 8] and sink.ended == ("finish", "length", None)
         assert len(table) == 0 and not table.holders and all(c.num_inflight == 0 for c in (e, p, d))
 
     asyncio.run(main())
@@ -70,7 +70,7 @@ def test_migration_relay_through_every_stage():
 def test_offer_of_an_aborted_request_is_released():
     async def main():
         table, (e, p, _) = make_table()
-        table.open("r", e)
+        opened(table, "r", e)
         table.abort("r")  # the client left while E was encoding
         table.on_offer(e, offer("r", 0, "image"))  # the offer crossed the Abort in the pipe
         assert e.sent == [Abort(("r",)), Release(("r",))] and p.sent == []
@@ -82,9 +82,10 @@ def test_offer_of_an_aborted_request_is_released():
 def test_finish_in_the_step_that_reports_the_pull_still_releases_the_source():
     async def main():
         table, (_, p, d) = make_table()
-        table.open("r", p)
+        opened(table, "r", p)
         table.on_offer(p, offer("r", 1, "kv"))
-        table.deliver(RequestDelta("r", [9], "stop"))  # deltas are dispatched before pulls
+        # tokens and ends are dispatched before pulls
+        table.deliver_output(EngineOutput(["r"], [9], finished=[FinishedRequest("r", "stop")]))
         table.on_pulled(d, "r", 1)
         assert p.sent == [Release(("r",))] and not table.holders
 
@@ -94,12 +95,12 @@ def test_finish_in_the_step_that_reports_the_pull_still_releases_the_source():
 def test_a_lost_target_fails_the_request_and_frees_the_source():
     async def main():
         table, (e, p, _) = make_table()
-        queue = table.open("r", e)
+        sink = opened(table, "r", e)
         table.on_offer(e, offer("r", 0, "image"))
         p.alive = False
         table.lost(p, WorkerLost("worker 1 (cpu, P) exited"))
         assert e.sent == [Abort(("r",))]
-        assert isinstance(drain(queue)[-1], WorkerLost) and len(table) == 0 and not table.holders
+        assert isinstance(sink.ended[1], WorkerLost) and len(table) == 0 and not table.holders
 
     asyncio.run(main())
 
@@ -107,11 +108,11 @@ def test_a_lost_target_fails_the_request_and_frees_the_source():
 def test_no_live_target_fails_the_request():
     async def main():
         table, (e, p, _) = make_table()
-        queue = table.open("r", e)
+        sink = opened(table, "r", e)
         p.alive = False
         table.on_offer(e, offer("r", 0, "image"))
         assert e.sent == [Abort(("r",))] and len(table) == 0
-        assert "stage P" in str(drain(queue)[-1])
+        assert "stage P" in str(sink.ended[1])
 
     asyncio.run(main())
 
@@ -119,16 +120,16 @@ def test_no_live_target_fails_the_request():
 def test_fail_all_ends_every_request_and_refuses_new_ones():
     async def main():
         table, (e, p, _) = make_table()
-        first, second = table.open("a", e), table.open("b", p)
+        first, second = opened(table, "a", e), opened(table, "b", p)
         table.on_offer(e, offer("a", 0, "image"))
         assert table.fail_all("the daemon is stopping: second SIGTERM while draining") == 2
         assert e.sent[-1] == Abort(("a",)) and p.sent[-1] == Abort(("b",))
-        for queue in (first, second):
-            error = drain(queue)[-1]
+        for sink in (first, second):
+            error = sink.ended[1]
             assert isinstance(error, ServiceStopping) and "second SIGTERM" in str(error)
         assert len(table) == 0 and not table.holders
         with pytest.raises(ServiceStopping, match="second SIGTERM"):
-            table.open("c", e)
+            table.open("c", e, RecordingSink())
 
     asyncio.run(main())
 
@@ -136,18 +137,15 @@ def test_fail_all_ends_every_request_and_refuses_new_ones():
 def test_step_columns_reach_each_request_in_order_with_logprobs_and_ends():
     async def main():
         table, (e, _, _) = make_table()
-        a, b, c = (table.open(r, e) for r in "abc")
-        lp = TokenLogprobs(-0.1, 1, [5], [-0.1])
+        a, b, c = (opened(table, r, e) for r in "abc")
+        lp = TokenLogprobs(5, -0.1, 1, [5], [-0.1])
         table.deliver_output(EngineOutput(["a", "b"], [5, 6], [lp, None]))
         table.deliver_output(EngineOutput(["b", "a"], [7, 8], None,
                                           [FinishedRequest("a", "length", {"decode_exec": 0.1}),
                                            FinishedRequest("c", "abort")]))
-        got_a, got_b, got_c = drain(a), drain(b), drain(c)
-        assert [(x.new_token_ids, x.finish_reason) for x in got_a] == [([5], None), ([8], "length")]
-        assert got_a[0].logprobs == [lp] and got_a[1].logprobs is None
-        assert got_a[1].stage_times == {"decode_exec": 0.1}
-        assert [x.new_token_ids for x in got_b] == [[6], [7]] and got_b[-1].finish_reason is None
-        assert [(x.new_token_ids, x.finish_reason) for x in got_c] == [([], "abort")]
-        assert set(table.queues) == {"b"}
+        assert a.events == [("token", 5, lp), ("token", 8, None), ("finish", "length", {"decode_exec": 0.1})]
+        assert b.events == [("token", 6, None), ("token", 7, None)]
+        assert c.events == [("finish", "abort", None)]
+        assert set(table.sinks) == {"b"}
 
     asyncio.run(main())

@@ -23,26 +23,40 @@ class RecordingResponse:
     async def write(self, data: bytes) -> None:
         if self.fail_after is not None and len(self.events) >= self.fail_after:
             raise ConnectionResetError("Cannot write to closing transport")
-        payload = data.decode().removeprefix("data: ").strip()
-        self.events.append(payload if payload == "[DONE]" else json.loads(payload))
+        for event in data.decode().split("\n\n"):
+            payload = event.removeprefix("data: ").strip()
+            if payload:
+                self.events.append(payload if payload == "[DONE]" else json.loads(payload))
 
 
 class Outputs:
+    """A stand-in for ``RequestStream``: one completion, one output per batch."""
+
     def __init__(self, outs: list[Output]):
         self.outs = outs
         self.num_taken = 0
+        self.choices = [None]
+        self.num_prompt_tokens = 5
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outs[: self.num_taken])
 
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> Output:
+    async def __anext__(self) -> list[Output]:
         if self.num_taken == len(self.outs):
             raise StopAsyncIteration
         self.num_taken += 1
-        return self.outs[self.num_taken - 1]
+        return [self.outs[self.num_taken - 1]]
 
 
-OUTS = [Output("Hel", [1], None, 5, 1), Output("lo", [2], None, 5, 2), Output("!", [3], "length", 5, 3)]
+def out(text, token, finish=None, n=0):
+    return Output(0, text, [token], finish, None, n)
+
+
+OUTS = [out("Hel", 1, None, 1), out("lo", 2, None, 2), out("!", 3, "length", 3)]
 
 
 def stream(response: RecordingResponse, outputs: Outputs, monkeypatch, continuous_usage: bool = False):
@@ -83,8 +97,8 @@ def test_client_gone_ends_the_handler_quietly(monkeypatch, fail_after):
 def test_every_token_gets_a_chunk_even_without_text(monkeypatch):
     """A special token or part of a character has no text yet; its chunk still goes out, with
     empty content, so clients that time chunks see one chunk per token."""
-    outs = [Output("", [7], None, 5, 1), Output("a", [8], None, 5, 2), Output("", [9], None, 5, 3),
-            Output("", [10], None, 5, 4), Output("\u00e9", [11], "length", 5, 5)]
+    outs = [out("", 7, None, 1), out("a", 8, None, 2), out("", 9, None, 3), out("", 10, None, 4),
+            out("\u00e9", 11, "length", 5)]
     response = RecordingResponse()
     stream(response, Outputs(outs), monkeypatch)
     chunks = [e for e in response.events if e != "[DONE]" and e["choices"]]

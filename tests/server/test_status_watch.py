@@ -23,10 +23,11 @@ def captured_status(n: int) -> dict:
     """What /admin/status answered on a 1E+1P+1D daemon, with minute ``n`` of uptime."""
     instance = {"device": "cpu", "num_inflight": 0, "num_running": n, "num_waiting": 0, "kv_usage": 0.1,
                 "image_usage": 0.0, "tokens_per_second": 12.5, "pid": 100}
-    budgets = "tau_t 512 tokens (80.0 ms), tau_e 2 images (90.0 ms); within TTFT*alpha 1000.0 ms (measured)"
+    model = "encode 4.0 ms + 2.0 ms/image; step 1.5 ms + 30 us/prefill token + 250 us/decode + 9.0 us/1k ctx"
     return {
         "model": "tiny-llava", "max_model_len": 512, "uptime_seconds": 60.0 * n,
-        "instances": [{**instance, "id": i, "role": role, "state": "ready", "budgets": budgets}
+        "instances": [{**instance, "id": i, "role": role, "state": "ready", "latency_model": model,
+                       "latency_bound": 0.1}
                       for i, role in enumerate(("E", "P", "D"))],
         "requests": {"num_inflight": n, "window_seconds": 60.0, "request_rate": 0.5, "ttft_p50": 0.2,
                      "ttft_p90": 0.4, "tbt_p50": 0.02, "tbt_p90": 0.05},
@@ -86,7 +87,7 @@ def test_watch_prints_a_snapshot_per_interval_into_a_pipe(status_server, inherit
     assert len(served) - 1 <= out.count("hydrad: tiny-llava") <= len(served), out
     for n in (1, 2, 3):
         assert f"up {n}m00s" in out
-    assert out.count("tau_t 512 tokens") == 3 * out.count("hydrad: tiny-llava")
+    assert out.count("steps up to 100.0 ms; encode 4.0 ms") == 3 * out.count("hydrad: tiny-llava")
 
 
 def test_watch_redraws_in_place_on_a_terminal_and_survives_a_restart():

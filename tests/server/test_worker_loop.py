@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest, RequestDelta
+from factories import RecordingSink
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.worker import run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
@@ -133,12 +134,13 @@ def test_client_streams_aborts_stats_and_rejects():
         conn, thread = start_worker(engine)
         client = WorkerClient(0, "EPD", "cpu", RequestTable())
         await client.connect(conn)
-        queue = client.add_request(request("a", 3))
-        got = [await queue.get() for _ in range(3)]
-        assert [d.new_token_ids[0] for d in got] == [101, 102, 103] and got[-1].finish_reason == "length"
+        sink = RecordingSink()
+        client.add_request(request("a", 3), sink)
+        assert (await sink.until_ended())[:2] == ("finish", "length")
+        assert sink.tokens == [101, 102, 103]
         assert client.num_inflight == 0 and client.tokens_per_second() > 0
 
-        client.add_request(request("long", 10_000))
+        client.add_request(request("long", 10_000), RecordingSink())
         assert (await client.get_stats()).num_running == 1
         client.abort("long")
         assert client.num_inflight == 0
@@ -147,24 +149,23 @@ def test_client_streams_aborts_stats_and_rejects():
                 break
         assert (await client.get_stats()).kv_usage == 0.0
 
-        rejected = await client.add_request(request("bad", 3, prompt=(0,))).get()
-        assert isinstance(rejected, RequestError) and "token 0" in str(rejected)
+        rejected = RecordingSink()
+        client.add_request(request("bad", 3, prompt=(0,)), rejected)
+        error = (await rejected.until_ended())[1]
+        assert isinstance(error, RequestError) and "token 0" in str(error)
 
-        pending = client.add_request(request("lost", 10_000))
+        pending = RecordingSink()
+        client.add_request(request("lost", 10_000), pending)
         client.shutdown(finish_running=False)
         thread.join(5)
-        while True:
-            item = await asyncio.wait_for(pending.get(), 5)
-            if isinstance(item, Exception) or item.finish_reason:
-                break
-        assert isinstance(item, RequestDelta) and item.finish_reason == "abort"
+        assert (await pending.until_ended())[:2] == ("finish", "abort")
         for _ in range(100):  # the pipe's EOF marks the worker down
             if not client.alive:
                 break
             await asyncio.sleep(0.01)
         assert not client.alive
         with pytest.raises(WorkerLost):
-            client.add_request(request("late", 1))
+            client.add_request(request("late", 1), RecordingSink())
 
     asyncio.run(main())
 
@@ -187,7 +188,7 @@ def test_sends_to_a_busy_worker_never_block_the_event_loop():
         thread.start()
         start = time.monotonic()
         for i in range(8):  # ~8 MB, far beyond what the socket buffers
-            client.add_request(request(f"r{i}", 1, prompt=range(1, 250_000)))
+            client.add_request(request(f"r{i}", 1, prompt=range(1, 250_000)), RecordingSink())
         client.abort("r0")
         assert time.monotonic() - start < 1.0
         for _ in range(200):  # the transport delivers the rest, in order

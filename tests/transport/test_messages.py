@@ -59,7 +59,7 @@ MESSAGES = [
     Shutdown(),
     Shutdown(finish_running=True),
     WorkerReady(instance_id=1, pid=1234, max_model_len=2048, load_seconds=1.5),
-    StepOutput(EngineOutput(["a", "b"], [5, 6], [None, TokenLogprobs(-0.5, 2, [7], [-0.1])],
+    StepOutput(EngineOutput(["a", "b"], [5, 6], [None, TokenLogprobs(6, -0.5, 2, [7], [-0.1])],
                             [FinishedRequest("b", "length", {"decode_exec": 0.1}), FinishedRequest("c", "abort")],
                             StepTiming(0.01, 0.012, 0.02, 0.019))),
     WorkerReady(instance_id=1, pid=1234, max_model_len=2048, load_seconds=1.5,
