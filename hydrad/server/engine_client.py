@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import aiohttp
 
 from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
-from hydrad.engine.inputs import EngineRequest
+from hydrad.engine.inputs import EngineRequest, RequestDelta
 from hydrad.processor import InputProcessor, ProcessedPrompt
 from hydrad.server.client import WorkerClient
 from hydrad.server.images_remote import fetch_remote_images
@@ -114,6 +115,7 @@ class OutputStream:
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None
         self.stage_times: dict[str, float] | None = None
+        self._pending: deque[RequestDelta] = deque()  # the rest of a delta that carried several tokens
 
     async def __aenter__(self) -> OutputStream:
         return self
@@ -125,8 +127,31 @@ class OutputStream:
         return self
 
     async def __anext__(self) -> Output:
+        """One output per generated token (its text may be empty: a special token, or bytes
+        of a character not yet complete), so clients that time chunks see every token."""
         if self.finish_reason is not None:
             raise StopAsyncIteration
+        delta = self._pending.popleft() if self._pending else await self._receive()
+        self.num_output_tokens += len(delta.new_token_ids)
+        text = self.detokenizer.add_tokens(delta.new_token_ids)
+        finish_reason, self.stage_times = delta.finish_reason, delta.stage_times
+        if self.detokenizer.stopped and finish_reason is None:
+            self.instance.abort(self.request.req_id)
+            finish_reason = "stop"
+            self._pending.clear()
+        elif finish_reason is not None and not self.detokenizer.stopped:
+            text += self.detokenizer.flush()
+            if self.detokenizer.stopped and finish_reason == "length":  # the last character made a stop string
+                finish_reason = "stop"
+        out = Output(text, delta.new_token_ids, finish_reason, self.request.num_prompt_tokens,
+                     self.num_output_tokens)
+        if finish_reason is not None:
+            self._finish(finish_reason)
+        return out
+
+    async def _receive(self) -> RequestDelta:
+        """The next delta from the engine; one carrying several tokens is split into one per
+        token (the finish reason and stage times go with the last)."""
         delta = await self.queue.get()
         if isinstance(delta, Exception):
             self._finish("error")
@@ -139,19 +164,13 @@ class OutputStream:
             else:
                 metrics.observe_next_tokens(now - self.last_token_time, len(delta.new_token_ids))
             self.last_token_time = now
-        self.num_output_tokens += len(delta.new_token_ids)
-        text = self.detokenizer.add_tokens(delta.new_token_ids)
-        finish_reason, self.stage_times = delta.finish_reason, delta.stage_times
-        if self.detokenizer.stopped and finish_reason is None:
-            self.instance.abort(self.request.req_id)
-            finish_reason = "stop"
-        elif finish_reason is not None and not self.detokenizer.stopped:
-            text += self.detokenizer.flush()
-        out = Output(text, delta.new_token_ids, finish_reason, self.request.num_prompt_tokens,
-                     self.num_output_tokens)
-        if finish_reason is not None:
-            self._finish(finish_reason)
-        return out
+        ids = delta.new_token_ids
+        if len(ids) <= 1:
+            return delta
+        parts = [replace(delta, new_token_ids=[t], finish_reason=None, stage_times=None) for t in ids[:-1]]
+        parts.append(replace(delta, new_token_ids=ids[-1:]))
+        self._pending.extend(parts[1:])
+        return parts[0]
 
     def close(self) -> None:
         """Abort the request on its worker unless it has finished (client gone, error)."""

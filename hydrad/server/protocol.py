@@ -1,9 +1,10 @@
 """Validation of OpenAI-style request bodies into typed requests and ``SamplingParams``.
 
 Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``,
-``ignore_eos``, ``return_token_ids``). Message contents (roles, content parts,
-images) are validated by the Request Processor; everything else here. Every
-problem raises ``RequestError`` naming the offending parameter.
+``ignore_eos``, ``return_token_ids``, ``stream_options.continuous_usage_stats``).
+Message contents (roles, content parts, images) are validated by the Request
+Processor; everything else here. Every problem raises ``RequestError`` naming the
+offending parameter.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class GenerateRequest:
     options: SamplingOptions
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # usage in every chunk (``stream_options.continuous_usage_stats``)
     return_token_ids: bool
 
 
@@ -124,6 +126,9 @@ def _common(body: dict, max_param: str) -> dict:
     if stream_options is not None and not isinstance(stream_options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
     include_usage = _get(stream_options or {}, "include_usage", bool, False, "stream_options.include_usage")
+    # vLLM's extension: usage so far in every chunk, only together with include_usage (as vLLM).
+    continuous_usage = _get(stream_options or {}, "continuous_usage_stats", bool, False,
+                            "stream_options.continuous_usage_stats") and include_usage
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -146,7 +151,7 @@ def _common(body: dict, max_param: str) -> dict:
     if options.max_tokens is not None and options.max_tokens < 1:
         raise RequestError(f"{max_param} must be at least 1, got {options.max_tokens}", max_param)
     return dict(model=model, options=options, stream=stream, include_usage=include_usage,
-                return_token_ids=_get(body, "return_token_ids", bool, False))
+                continuous_usage=continuous_usage, return_token_ids=_get(body, "return_token_ids", bool, False))
 
 
 def _refuse_unsupported(body: dict) -> None:

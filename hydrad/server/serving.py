@@ -1,9 +1,11 @@
 """OpenAI response bodies for chat and text completions, whole or streamed.
 
-Streaming follows OpenAI and vLLM: the assistant ``role`` goes out with the
-first token, the last content chunk carries ``finish_reason``, then (with
+Streaming follows OpenAI and vLLM: one chunk per generated token (empty
+content while its text is incomplete), the assistant ``role`` with the first
+token, ``finish_reason`` with the last, then (with
 ``stream_options.include_usage``) a usage chunk with no choices, then
-``data: [DONE]``. ``return_token_ids`` adds each choice's output token ids
+``data: [DONE]``. With ``continuous_usage_stats`` as well, every chunk carries
+the usage so far (vLLM's extension). ``return_token_ids`` adds each choice's output token ids
 (vLLM's extension), which lets clients check tokens exactly.
 """
 
@@ -89,13 +91,11 @@ async def respond_stream(
     try:
         try:
             async for out in outputs:
-                # Chunks with nothing to show are skipped, except the first (role) and the last.
-                if last is not None and not out.text and out.finish_reason is None and not fmt.return_token_ids:
-                    last = out
-                    continue
+                # One chunk per token, even one without text yet (a special token, part of a
+                # character): clients that time chunks (vllm bench serve) count on it.
                 chunk = fmt.chunk(out, first=last is None)
                 if req.include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = usage_of(out) if req.continuous_usage else None
                 last = out
                 await send_event(response, chunk)
         except ConnectionError:

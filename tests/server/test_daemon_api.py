@@ -183,6 +183,71 @@ def test_stop_string_truncates(client, model_name):
     assert resp.choices[0].text == text[: text.index(stop)]
 
 
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llava_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_llava_dir)
+
+
+def token_chunks(stream) -> list:
+    """The choices of the chunks that carry tokens (not the usage chunk)."""
+    return [c.choices[0] for c in stream if c.choices]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_forced_stream_has_one_chunk_per_token(client, model_name, chat):
+    """Tokens without text of their own (special tokens, part of a character) still get a
+    chunk, with empty content: 16 tokens, 16 chunks, as vLLM sends them."""
+    common = dict(model=model_name, max_tokens=16, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    for i in range(3):
+        if chat:
+            choices = token_chunks(client.chat.completions.create(
+                messages=[{"role": "user", "content": f"count {i}"}], **common))
+            texts = [c.delta.content for c in choices]
+        else:
+            choices = token_chunks(client.completions.create(prompt=f"count {i}", **common))
+            texts = [c.text for c in choices]
+        assert len(choices) == 16 and all(isinstance(t, str) for t in texts), texts
+        assert [c.finish_reason for c in choices] == [None] * 15 + ["length"]
+
+
+def unfinished_character_case(client, model_name, tokenizer) -> tuple[str, list[int]]:
+    """A prompt and a greedy output length whose last token stops inside a UTF-8 character."""
+    for i in range(20):
+        prompt = f"story {i}"
+        resp = client.completions.create(model=model_name, prompt=prompt, max_tokens=48, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        ids = resp.choices[0].token_ids
+        for n in range(1, len(ids) + 1):
+            if tokenizer.decode(ids[:n], skip_special_tokens=True).endswith("\ufffd"):
+                return prompt, ids[:n]
+    pytest.fail("no greedy output of the tiny model ends inside a character")
+
+
+def test_text_is_the_decode_of_the_tokens_when_the_last_character_is_unfinished(client, model_name, tokenizer):
+    prompt, ids = unfinished_character_case(client, model_name, tokenizer)
+    expected = tokenizer.decode(ids, skip_special_tokens=True)
+    assert expected.endswith("\ufffd")
+    common = dict(model=model_name, prompt=prompt, max_tokens=len(ids), temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    whole = client.completions.create(**common).choices[0]
+    assert whole.token_ids == ids and whole.text == expected
+    choices = token_chunks(client.completions.create(stream=True, **common))
+    assert [t for c in choices for t in c.token_ids] == ids
+    assert "".join(c.text for c in choices) == expected
+
+
+def test_continuous_usage_stats_count_tokens_per_chunk(client, model_name):
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert [c.usage.completion_tokens for c in chunks if c.choices] == [1, 2, 3, 4, 5, 6]
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 6
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1
+
+
 def test_16_concurrent_streams(daemon, model_name):
     async def one(client, i):
         stream = await client.chat.completions.create(

@@ -20,6 +20,18 @@ def test_chat_fields_become_sampling_params():
     assert params.stop == ["x"] and params.ignore_eos
 
 
+@pytest.mark.parametrize("stream_options, include, continuous", [
+    (None, False, False),
+    ({"include_usage": True}, True, False),
+    ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+    # As vLLM: usage in every chunk only together with the final usage.
+    ({"continuous_usage_stats": True}, False, False),
+])
+def test_stream_options(stream_options, include, continuous):
+    req = chat(stream=True, stream_options=stream_options)
+    assert (req.include_usage, req.continuous_usage) == (include, continuous)
+
+
 def test_default_max_tokens_fills_the_context():
     params = chat().options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
     assert params.max_tokens == 90
@@ -37,6 +49,8 @@ def test_default_max_tokens_fills_the_context():
     ({"messages": MESSAGES, "temperature": "hot"}, "temperature"),
     ({"messages": MESSAGES, "stop": [1]}, "stop"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"messages": MESSAGES, "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+     "stream_options.continuous_usage_stats"),
     ({"messages": MESSAGES, "n": 2}, "n"),
     ({"messages": MESSAGES, "logprobs": True}, "logprobs"),
     ({"messages": MESSAGES, "presence_penalty": 0.5}, "presence_penalty"),

@@ -45,13 +45,14 @@ class Outputs:
 OUTS = [Output("Hel", [1], None, 5, 1), Output("lo", [2], None, 5, 2), Output("!", [3], "length", 5, 3)]
 
 
-def stream(response: RecordingResponse, outputs: Outputs, monkeypatch):
+def stream(response: RecordingResponse, outputs: Outputs, monkeypatch, continuous_usage: bool = False):
     async def open_event_stream(request):
         return response
 
     monkeypatch.setattr(serving, "open_event_stream", open_event_stream)
     req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "stream": True,
-                              "stream_options": {"include_usage": True}})
+                              "stream_options": {"include_usage": True,
+                                                 "continuous_usage_stats": continuous_usage}})
     fmt = ResponseFormat(True, "chatcmpl-1", "m", return_token_ids=False)
     return asyncio.run(respond_stream(None, fmt, req, outputs))
 
@@ -77,3 +78,25 @@ def test_client_gone_ends_the_handler_quietly(monkeypatch, fail_after):
     assert stream(response, outputs, monkeypatch) is response
     assert len(response.events) == fail_after
     assert outputs.num_taken == min(fail_after + 1, len(OUTS))
+
+
+def test_every_token_gets_a_chunk_even_without_text(monkeypatch):
+    """A special token or part of a character has no text yet; its chunk still goes out, with
+    empty content, so clients that time chunks see one chunk per token."""
+    outs = [Output("", [7], None, 5, 1), Output("a", [8], None, 5, 2), Output("", [9], None, 5, 3),
+            Output("", [10], None, 5, 4), Output("\u00e9", [11], "length", 5, 5)]
+    response = RecordingResponse()
+    stream(response, Outputs(outs), monkeypatch)
+    chunks = [e for e in response.events if e != "[DONE]" and e["choices"]]
+    assert [c["choices"][0]["delta"] for c in chunks] == [
+        {"role": "assistant", "content": ""}, {"content": "a"}, {"content": ""}, {"content": ""},
+        {"content": "\u00e9"}]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(monkeypatch):
+    response = RecordingResponse()
+    stream(response, Outputs(OUTS), monkeypatch, continuous_usage=True)
+    *chunks, final, done = response.events
+    assert [c["usage"] for c in chunks] == [
+        {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n} for n in (1, 2, 3)]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3 and done == "[DONE]"
