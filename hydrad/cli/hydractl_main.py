@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import click
 
 from hydrad.cli.bench import bench
@@ -20,6 +22,10 @@ cli.add_command(bench)
 
 
 def main() -> None:
+    # ``status --watch`` and ``bench`` run until Ctrl-C. A shell without job control starts
+    # background commands with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
+    # such a hydractl could never be interrupted. Take SIGINT back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     run_main(cli)
 
 

@@ -58,11 +58,19 @@ def status_server():
     server.server_close()
 
 
-def test_watch_prints_a_snapshot_per_interval_into_a_pipe(status_server):
+def ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+# A shell without job control starts background commands with SIGINT ignored (a CI
+# script's `cmd &`); Ctrl-C must stop the watch all the same.
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+def test_watch_prints_a_snapshot_per_interval_into_a_pipe(status_server, inherited):
     url, served = status_server
     process = subprocess.Popen([sys.executable, *HYDRACTL, "status", "--watch", "--interval", "0.2", "--url", url],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               env={"PYTHONPATH": str(REPO), "COLUMNS": "120", "PATH": "/usr/bin:/bin"})
+                               env={"PYTHONPATH": str(REPO), "COLUMNS": "120", "PATH": "/usr/bin:/bin"},
+                               preexec_fn=ignore_sigint if inherited == "ignored" else None)
     try:
         deadline = time.monotonic() + 60
         while len(served) < 4 and process.poll() is None and time.monotonic() < deadline:
