@@ -89,13 +89,21 @@ class Chunk:
     # ``continuous_usage_stats``).
     num_token_ids: int | None = None
     cumulative_tokens: int | None = None
+    # Characters of generated text: what apportions a final usage over the chunks that lack counts.
+    num_chars: int = 0
+
+
+def text_of(choice: dict) -> str:
+    """The generated text a chunk's choice carries (reasoning models stream part of it as reasoning)."""
+    delta = choice.get("delta") or {}
+    return "".join(delta.get(k) or "" for k in ("reasoning_content", "reasoning", "content")
+                   if isinstance(delta.get(k), str))
 
 
 def carries_token(choice: dict) -> bool:
     """Whether a chunk's choice carries a generated token, judged from its delta alone."""
     delta = choice.get("delta") or {}
-    # Reasoning models stream part of their tokens as reasoning text.
-    if delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"):
+    if text_of(choice):
         return True
     has_role, finishes = bool(delta.get("role")), choice.get("finish_reason") is not None
     if has_role:
@@ -124,8 +132,11 @@ def _exact_counts(chunks: list[Chunk]) -> list[int] | None:
     return None
 
 
-def token_chunks(chunks: list[Chunk], completion_tokens: int | None) -> tuple[list[float], list[int | None]]:
-    """Arrival times and token counts (None: unknown) of the chunks that carried generated tokens.
+def token_chunks(
+    chunks: list[Chunk], completion_tokens: int | None
+) -> tuple[list[float], list[int | None], list[int]]:
+    """Arrival times, token counts (None: unknown) and text lengths of the chunks that carried
+    generated tokens.
 
     Exact counts decide on their own: a role chunk with ``token_ids`` carries the first token
     (hydrad sends the role with it), one without carries none (vLLM sends it first). Otherwise
@@ -134,11 +145,12 @@ def token_chunks(chunks: list[Chunk], completion_tokens: int | None) -> tuple[li
     """
     counts = _exact_counts(chunks)
     if counts is not None:
-        return [c.time for c, k in zip(chunks, counts) if k > 0], [k for k in counts if k > 0]
+        kept = [(c, k) for c, k in zip(chunks, counts) if k > 0]
+        return [c.time for c, _ in kept], [k for _, k in kept], [c.num_chars for c, _ in kept]
     judged = [c for c in chunks if c.carries_token]
     if not judged and completion_tokens:
         judged = chunks
-    return [c.time for c in judged], [None] * len(judged)
+    return [c.time for c in judged], [None] * len(judged), [c.num_chars for c in judged]
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
@@ -161,10 +173,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> No
             choice = body["choices"][0]
             token_ids = choice.get("token_ids")
             num_token_ids = len(token_ids) if isinstance(token_ids, list) else None
-            chunks.append(Chunk(now, carries_token(choice), num_token_ids, cumulative))
+            chunks.append(Chunk(now, carries_token(choice), num_token_ids, cumulative, len(text_of(choice))))
         if cumulative is not None:
             record.completion_tokens = cumulative
-    record.chunk_times, record.chunk_tokens = token_chunks(chunks, record.completion_tokens)
+    record.chunk_times, record.chunk_tokens, record.chunk_chars = token_chunks(chunks, record.completion_tokens)
 
 
 async def stream_chat(

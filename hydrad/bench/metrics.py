@@ -13,9 +13,17 @@ in order of preference, from
    per-chunk usage (cumulative ``completion_tokens`` in every chunk, as vLLM's
    ``continuous_usage_stats`` sends it): exact counts;
 2. the final usage chunk, when it reports more tokens (C) than there were token
-   chunks (M): the first chunk holds one token, as a prefill emits one, and the
-   other C-1 tokens are spread as evenly as integers allow over the other M-1 chunks;
+   chunks (M): every chunk holds at least one token and the other C-M go to the
+   chunks whose text is longer than one token's worth (C tokens share the text's
+   length), in proportion to the excess, by largest remainders. When the texts
+   tell nothing apart (all alike), the first chunk holds one token, as a prefill
+   emits one, and the other C-1 are spread as evenly as integers allow over the
+   other M-1 chunks;
 3. otherwise one token per chunk.
+
+Counts from rule 1, or rule 3 when the final usage equals the number of chunks,
+are exact; the others are estimates, and the request says so
+(``token_counts: "estimated"``).
 
 Which chunks carry tokens is decided by ``client.token_chunks``: a bare role
 announcement and a closing chunk without content are not token chunks.
@@ -44,6 +52,8 @@ class StreamRecord:
     chunk_times: list[float] = field(default_factory=list)
     # Tokens per token chunk from token ids or per-chunk usage; None where the server gave neither.
     chunk_tokens: list[int | None] = field(default_factory=list)
+    # Characters of text per token chunk.
+    chunk_chars: list[int] = field(default_factory=list)
     # From the final usage chunk.
     completion_tokens: int | None = None
     error: str | None = None
@@ -57,9 +67,19 @@ class RequestResult:
     output_tokens: int
     met_slo: bool
     error: str | None
+    # "exact": the server gave the tokens of every chunk (or one per chunk, as its usage
+    # confirms); "estimated": apportioned from the final usage, or assumed one per chunk.
+    token_counts: str = "exact"
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tbts": list(self.tbts)}
+
+
+def counts_are_exact(record: StreamRecord) -> bool:
+    """Whether ``chunk_token_counts`` knows the tokens of every chunk rather than estimating them."""
+    if all(k is not None for k in record.chunk_tokens):
+        return True
+    return record.completion_tokens == len(record.chunk_times)
 
 
 def chunk_token_counts(record: StreamRecord) -> list[int]:
@@ -74,8 +94,30 @@ def chunk_token_counts(record: StreamRecord) -> list[int]:
         return [1] * num_chunks
     if num_chunks == 1:
         return [total]
+    by_text = _apportion_by_text(total, record.chunk_chars)
+    if by_text is not None:
+        return by_text
     rest, slots = total - 1, num_chunks - 1
     return [1] + [(j * rest) // slots - ((j - 1) * rest) // slots for j in range(1, num_chunks)]
+
+
+def _apportion_by_text(total: int, chars: list[int]) -> list[int] | None:
+    """``total`` tokens over chunks of ``chars`` characters: one each, and the rest where the
+    text is longer than one token's worth; None when the texts tell nothing apart."""
+    if not chars or sum(chars) == 0:
+        return None
+    chars_per_token = sum(chars) / total
+    excess = [max(0.0, c / chars_per_token - 1) for c in chars]
+    if sum(excess) == 0 or len(set(excess)) == 1:
+        return None
+    extra = total - len(chars)
+    quotas = [extra * e / sum(excess) for e in excess]
+    counts = [1 + int(q) for q in quotas]
+    # Largest remainders first; ties to the earlier chunk.
+    by_remainder = sorted(range(len(chars)), key=lambda i: (-(quotas[i] - int(quotas[i])), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def inter_token_gaps(record: StreamRecord) -> list[float]:
@@ -123,6 +165,7 @@ def evaluate(record: StreamRecord, slo: SLO) -> RequestResult:
         output_tokens=output_tokens,
         met_slo=met,
         error=record.error,
+        token_counts="exact" if counts_are_exact(record) else "estimated",
     )
 
 
@@ -145,6 +188,8 @@ class Summary:
     # Set only on the headline summary of a sweep or a goodput search (per instance).
     goodput_rps: float | None
     errors: int
+    # Successful requests whose tokens per chunk were estimated (see RequestResult.token_counts).
+    estimated_token_counts: int
     rate: float
     num_requests: int
     num_met: int
@@ -167,6 +212,7 @@ def summarize(results: list[RequestResult], rate: float, duration: float) -> Sum
         output_tokens_per_s=sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
         goodput_rps=None,
         errors=len(results) - len(ok),
+        estimated_token_counts=sum(r.token_counts == "estimated" for r in ok),
         rate=rate,
         num_requests=len(results),
         num_met=num_met,

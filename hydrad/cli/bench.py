@@ -102,6 +102,11 @@ def _report(result) -> None:
     errors = [r.error for run in result.runs for r in run.results if r.error]
     if errors:
         console.print(f"[yellow]{len(errors)} requests failed; first error:[/] {errors[0]}", highlight=False)
+    s = result.summary
+    if s.estimated_token_counts:
+        console.print(f"[yellow]{s.estimated_token_counts} of {s.num_requests - s.errors} requests: tokens per "
+                      "chunk estimated[/] (the server sent neither token ids nor usage per chunk; TBTs of "
+                      "chunks that carried several tokens are approximate)", highlight=False)
 
 
 @click.command("bench")

@@ -8,6 +8,7 @@ timers. Each request's behaviour is read from ``key=value`` words in its prompt:
   tbt=S         one token every S seconds after the first (default 0.01)
   gapK=S        the gap between tokens K-1 and K (numbered from 0) is S instead of tbt
   chunk=N       tokens after the first are sent N per chunk
+  pair=K,...    token K (K >= 1) is sent in one chunk with the token after it
   empty=K,...   the chunks of tokens K (numbered from 0, K >= 1) carry no text: ``delta: {}``
                 (with style=hydrad: ``"content": ""``, and K may be 0)
   silent=1      every token lacks text and only the role and closing chunks are sent
@@ -118,6 +119,9 @@ async def chat(request: web.Request) -> web.StreamResponse:
         due.append(due[-1] + float(d.get(f"gap{k}", tbt)))
     empty = {int(k) for k in d["empty"].split(",")} if "empty" in d else set()
     groups = [[0]] + [list(range(i, min(i + per_chunk, num_tokens))) for i in range(1, num_tokens, per_chunk)]
+    for k in sorted((int(k) for k in d["pair"].split(",")), reverse=True) if "pair" in d else ():
+        i = next(i for i, g in enumerate(groups) if k in g)
+        groups[i : i + 2] = [groups[i] + groups[i + 1]]
     if "silent" in d:
         groups = []
         await asyncio.sleep(max(0.0, due[-1] - time.perf_counter()))

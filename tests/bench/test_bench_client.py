@@ -2,7 +2,7 @@
 
 import pytest
 
-from hydrad.bench.client import Chunk, carries_token, token_chunks
+from hydrad.bench.client import Chunk, carries_token, text_of, token_chunks
 
 
 def choice(delta, finish_reason=None):
@@ -30,24 +30,29 @@ def test_carries_token_judges_the_delta(delta, finish_reason, expected):
 
 
 def test_token_ids_decide_whether_a_role_chunk_carries_a_token():
-    hydrad = [Chunk(0.5, False, num_token_ids=1), Chunk(0.6, True, num_token_ids=2)]
-    assert token_chunks(hydrad, 3) == ([0.5, 0.6], [1, 2])
+    hydrad = [Chunk(0.5, False, num_token_ids=1), Chunk(0.6, True, num_token_ids=2, num_chars=5)]
+    assert token_chunks(hydrad, 3) == ([0.5, 0.6], [1, 2], [0, 5])
     vllm = [Chunk(0.1, False), Chunk(0.5, True, num_token_ids=1), Chunk(0.6, True, num_token_ids=2)]
-    assert token_chunks(vllm, 3) == ([0.5, 0.6], [1, 2])
+    assert token_chunks(vllm, 3) == ([0.5, 0.6], [1, 2], [0, 0])
 
 
 def test_per_chunk_usage_gives_the_tokens_each_chunk_adds():
     chunks = [Chunk(0.1, False, cumulative_tokens=0), Chunk(0.5, True, cumulative_tokens=1),
               Chunk(0.6, True, cumulative_tokens=1), Chunk(0.8, True, cumulative_tokens=4)]
-    assert token_chunks(chunks, 4) == ([0.5, 0.8], [1, 3])
+    assert token_chunks(chunks, 4) == ([0.5, 0.8], [1, 3], [0, 0])
 
 
 def test_without_exact_counts_the_deltas_decide():
-    chunks = [Chunk(0.1, False), Chunk(0.5, True), Chunk(0.6, True), Chunk(0.7, False)]
-    assert token_chunks(chunks, 5) == ([0.5, 0.6], [None, None])
+    chunks = [Chunk(0.1, False), Chunk(0.5, True, num_chars=3), Chunk(0.6, True, num_chars=7), Chunk(0.7, False)]
+    assert token_chunks(chunks, 5) == ([0.5, 0.6], [None, None], [3, 7])
 
 
 def test_textless_stream_is_timed_by_its_role_and_closing_chunks():
     chunks = [Chunk(0.1, False), Chunk(0.7, False)]
-    assert token_chunks(chunks, 5) == ([0.1, 0.7], [None, None])
-    assert token_chunks(chunks, None) == ([], [])
+    assert token_chunks(chunks, 5) == ([0.1, 0.7], [None, None], [0, 0])
+    assert token_chunks(chunks, None) == ([], [], [])
+
+
+def test_text_of_a_choice_includes_reasoning():
+    delta = {"role": "assistant", "reasoning_content": "hm ", "content": "yes"}
+    assert text_of(choice(delta)) == "hm yes" and text_of(choice({"content": None})) == ""

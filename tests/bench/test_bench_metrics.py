@@ -15,12 +15,13 @@ from hydrad.bench.metrics import (
 SLO_ = SLO(ttft=0.5, tbt=0.1)
 
 
-def make_record(chunk_times, start=0.0, chunk_tokens=None, completion_tokens=None, error=None):
+def make_record(chunk_times, start=0.0, chunk_tokens=None, completion_tokens=None, error=None, chunk_chars=None):
     return StreamRecord(
         start=start,
         end=chunk_times[-1] if chunk_times else start + 1.0,
         chunk_times=list(chunk_times),
         chunk_tokens=list(chunk_tokens) if chunk_tokens is not None else [None] * len(chunk_times),
+        chunk_chars=list(chunk_chars) if chunk_chars is not None else [4] * len(chunk_times),
         completion_tokens=completion_tokens,
         error=error,
     )
@@ -37,6 +38,32 @@ def test_final_usage_spreads_extra_tokens_over_later_chunks():
     record = make_record([1.0, 1.2, 1.4, 1.7], completion_tokens=8)
     assert chunk_token_counts(record) == [1, 2, 2, 3]
     assert inter_token_gaps(record) == pytest.approx([0.1] * 7)
+
+
+def test_final_usage_goes_to_the_chunks_with_more_text():
+    # 6 tokens in 5 chunks; the fourth chunk has twice the text: it carried two tokens.
+    record = make_record([1.0, 1.1, 1.2, 1.4, 1.5], completion_tokens=6, chunk_chars=[4, 4, 4, 8, 4])
+    assert chunk_token_counts(record) == [1, 1, 1, 2, 1]
+    assert inter_token_gaps(record) == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.1])
+    result = evaluate(record, SLO_)
+    assert result.token_counts == "estimated" and result.output_tokens == 6
+
+
+@pytest.mark.parametrize("chars, total, expected", [
+    # 3 characters per token: 1, 3, 0 and 2 tokens' worth, but the textless chunk holds one too
+    ([3, 9, 0, 6], 6, [1, 2, 1, 2]),
+    ([2, 20, 2, 11], 8, [1, 4, 1, 2]),
+    ([5, 1, 1, 1], 5, [2, 1, 1, 1]),  # a first chunk with several tokens gets them too
+])
+def test_extra_tokens_are_apportioned_by_text_length(chars, total, expected):
+    record = make_record([1.0, 1.1, 1.2, 1.3], completion_tokens=total, chunk_chars=chars)
+    assert chunk_token_counts(record) == expected and sum(expected) == total
+
+
+def test_counts_are_exact_from_the_server_or_when_the_usage_matches_the_chunks():
+    assert evaluate(make_record([1.0, 1.1], chunk_tokens=[1, 2]), SLO_).token_counts == "exact"
+    assert evaluate(make_record([1.0, 1.1], completion_tokens=2), SLO_).token_counts == "exact"
+    assert evaluate(make_record([1.0, 1.1]), SLO_).token_counts == "estimated"
 
 
 def test_per_chunk_usage_gives_exact_counts():

@@ -36,6 +36,19 @@ def test_batched_chunks_are_spread_over_their_tokens(make_config, write_jsonl, c
     assert result.summary.tbt_p50 == pytest.approx(0.1, rel=0.05)
 
 
+def test_a_chunk_with_two_tokens_gets_both_without_per_chunk_counts(make_config, write_jsonl):
+    # 8 tokens in 7 chunks, tokens 3 and 4 together; only the final usage says there were 8.
+    path = write_jsonl([{"prompt": "ttft=0.05 tbt=0.1 pair=3", "output_tokens": 8}])
+    result = run_bench(make_config(workload=str(path), num_requests=2))
+    for r in result.headline.results:
+        assert r.error is None and r.output_tokens == 8
+        assert r.tbts == pytest.approx([0.1] * 7, abs=0.03)  # not one doubled gap
+        assert r.token_counts == "estimated"
+    doc = result.to_dict()
+    assert doc["summary"]["estimated_token_counts"] == 2
+    assert {r["token_counts"] for r in doc["requests"]} == {"estimated"}
+
+
 def test_tokens_without_text_still_count(make_config, write_jsonl):
     path = write_jsonl([{"prompt": "ttft=0.05 tbt=0.05 empty=2,3", "output_tokens": 6}])
     result = run_bench(make_config(workload=str(path), num_requests=2))
