@@ -10,6 +10,7 @@ import io
 import json
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -46,8 +47,11 @@ def test_aiperf_profile_streams_chat_with_images(daemon, model_name, tiny_llava_
     ]
     # aiperf's offline mode looks the tokenizer up in the hub cache and refuses a local
     # folder; a local folder is read from disk without it, so nothing is fetched either way.
-    env = tool_env(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None)
-    run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    # It leaves dataset files and socket folders in the temp directory: give it one of its
+    # own, short (its IPC socket paths must stay under the 107-character limit).
+    with tempfile.TemporaryDirectory(prefix="aiperf-") as tmp:
+        env = tool_env(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, TMPDIR=tmp)
+        run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out_dir / "profile_export_aiperf.json").read_text())
     hydrad = hydrad_counts()
