@@ -233,7 +233,7 @@ class ChoiceStream:
             return
         self.stage_times = stage_times
         text = self.detokenizer.flush()
-        if self.detokenizer.stopped:  # the last character completed a stop string
+        if self.detokenizer.stopped and finish_reason == "length":  # the last character made a stop string
             finish_reason = "stop"
         # A finish comes in the same step as the last token, whose output the handler has not
         # taken yet: the finish (and the text the last token completes) goes with it, so a

@@ -1,9 +1,11 @@
 """Validation of OpenAI-style request bodies into typed requests and ``SamplingParams``.
 
-Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``,
-``ignore_eos``, ``return_token_ids``, ``stream_options.continuous_usage_stats``). Message contents (roles, content parts,
-images) are validated by the Request Processor; everything else here. Every
-problem raises ``RequestError`` naming the offending parameter.
+Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``return_token_ids``, ``stream_options.continuous_usage_stats``). Message contents
+(roles, content parts, images) are validated by the Request Processor; everything
+else here. Every problem raises ``RequestError`` naming the offending parameter, and
+a field that is not served is refused by name rather than ignored.
 """
 
 from __future__ import annotations

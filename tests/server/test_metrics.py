@@ -53,3 +53,21 @@ def test_rolling_window_summary():
     summary = window.summary()
     assert summary["request_rate"] == 0.3
     assert (summary["ttft_p50"], summary["ttft_p90"], summary["tbt_p50"]) == (0.2, 0.3, None)
+
+
+def test_every_metric_is_documented_with_its_unit():
+    """docs/daemon.md's metrics table lists exactly the metrics hydrad exposes, each with a unit."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "daemon.md").read_text()
+    section = doc.split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    units = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        name = re.match(r"`(hydrad_\w+)", cells[0]) if cells else None
+        if name:
+            units[name.group(1)] = cells[2]
+    exposed = {f.name + "_total" if f.type == "counter" else f.name for f in Metrics("m").registry.collect()}
+    assert set(units) == exposed
+    assert all(units.values()), units

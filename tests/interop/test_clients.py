@@ -1,0 +1,158 @@
+"""The ecosystem's clients, unmodified, against a real daemon on the tiny model: NVIDIA's
+aiperf, guidellm and the official ``openai`` client. Each must finish without errors,
+and what it reports (requests, output tokens, mean TTFT) must agree with hydrad's own
+``/metrics`` counters for the same requests."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import openai
+import pytest
+from interop_support import assert_ttft_agrees, tool_env
+from PIL import Image
+
+pytestmark = pytest.mark.slow
+
+NUM_REQUESTS = 12  # per benchmark tool
+OUTPUT_TOKENS = 8
+MAX_TOKENS = 10  # openai client
+NUM_OPENAI_REQUESTS = 4  # of each kind
+
+
+# -- aiperf ------------------------------------------------------------------------------------
+
+def test_aiperf_profile_streams_chat_with_images(daemon, model_name, tiny_llava_dir, hydrad_counts, tmp_path):
+    out_dir = tmp_path / "aiperf"
+    command = [
+        sys.executable, "-m", "aiperf", "profile",
+        "--url", daemon.url, "--model", model_name, "--endpoint-type", "chat", "--streaming",
+        "--tokenizer", str(tiny_llava_dir),
+        "--request-count", str(NUM_REQUESTS), "--concurrency", "2", "--random-seed", "7",
+        "--prompt-input-tokens-mean", "24", "--prompt-input-tokens-stddev", "0",
+        "--prompt-output-tokens-mean", str(OUTPUT_TOKENS), "--prompt-output-tokens-stddev", "0",
+        "--image-batch-size", "1", "--image-width-mean", "64", "--image-height-mean", "48",
+        "--extra-inputs", "ignore_eos:true",
+        # Token counts from hydrad's usage (per chunk too) rather than re-tokenizing the text:
+        # the text of arbitrary tokens does not always re-tokenize to as many tokens.
+        "--use-server-token-count", "--per-chunk-usage",
+        "--no-gpu-telemetry", "--ui-type", "none", "--output-artifact-dir", str(out_dir),
+    ]
+    # aiperf's offline mode looks the tokenizer up in the hub cache and refuses a local
+    # folder; a local folder is read from disk without it, so nothing is fetched either way.
+    # It leaves dataset files and socket folders in the temp directory: give it one of its
+    # own, short (its IPC socket paths must stay under the 107-character limit).
+    with tempfile.TemporaryDirectory(prefix="aiperf-") as tmp:
+        env = tool_env(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, TMPDIR=tmp)
+        run = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    report = json.loads((out_dir / "profile_export_aiperf.json").read_text())
+    hydrad = hydrad_counts()
+
+    assert not report["was_cancelled"] and report["error_summary"] == []
+    assert report["request_count"]["avg"] == NUM_REQUESTS == hydrad.requests and hydrad.failed == 0
+    assert report["num_images"]["sum"] == NUM_REQUESTS
+    assert report["output_sequence_length"]["sum"] == NUM_REQUESTS * OUTPUT_TOKENS == hydrad.generation_tokens
+    assert report["time_to_first_token"]["unit"] == "ms" and report["time_to_first_token"]["count"] == NUM_REQUESTS
+    assert_ttft_agrees(report["time_to_first_token"]["avg"] / 1000, hydrad)
+
+
+# -- guidellm ----------------------------------------------------------------------------------
+
+def test_guidellm_poisson_text_and_images(daemon, tiny_llava_dir, hydrad_counts, tmp_path):
+    report_path = tmp_path / "guidellm.json"
+    command = [
+        sys.executable, "-m", "guidellm", "run",
+        "--backend", f"kind=openai_http,target={daemon.url},request_format=/v1/chat/completions",
+        "--profile", "kind=poisson,rate=4",
+        "--constraint", f"kind=max_requests,count={NUM_REQUESTS}",
+        "--data", f"kind=synthetic_text,prompt_tokens=24,output_tokens={OUTPUT_TOKENS}",
+        "--data", "kind=synthetic_image,width=64,height=48",
+        "--tokenizer", f"kind=huggingface_auto,model={tiny_llava_dir}",
+        "--seed", "kind=static,value=7",
+        "--output", f"kind=json,path={report_path}",
+        "--disable-console-interactive",
+    ]
+    run = subprocess.run(command, env=tool_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (benchmark,) = json.loads(report_path.read_text())["benchmarks"]
+    metrics = benchmark["metrics"]
+    hydrad = hydrad_counts()
+
+    assert metrics["request_totals"] == {"successful": NUM_REQUESTS, "errored": 0, "incomplete": 0,
+                                         "total": NUM_REQUESTS}
+    assert hydrad.requests == NUM_REQUESTS and hydrad.failed == 0
+    sent = [json.loads(r["request_args"])["body"] for r in benchmark["requests"]["successful"]]
+    assert all(any(part["type"] == "image_url" for part in body["messages"][-1]["content"]) for body in sent)
+    output_tokens = metrics["output_token_count"]["successful"]
+    assert output_tokens["total_sum"] == NUM_REQUESTS * OUTPUT_TOKENS == hydrad.generation_tokens
+    assert metrics["time_to_first_token_ms"]["successful"]["count"] == NUM_REQUESTS
+    assert_ttft_agrees(metrics["time_to_first_token_ms"]["successful"]["mean"] / 1000, hydrad)
+
+
+# -- the openai client -------------------------------------------------------------------------
+
+def image_url(seed: int) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def messages(i: int) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(i)}},
+                                         {"type": "text", "text": f"What is in picture {i}?"}]}]
+
+
+@pytest.fixture(scope="module")
+def client(daemon, model_name):
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+    # The client's first request sets it up (imports, connection pool): tens of ms that are
+    # not the server's. Module-scoped, so before the tests take hydrad's counters.
+    client.chat.completions.create(model=model_name, messages=messages(99), max_tokens=1)
+    return client
+
+
+def test_streamed_chat_with_images(client, model_name, hydrad_counts):
+    ttfts, completion_tokens = [], 0
+    for i in range(NUM_OPENAI_REQUESTS):
+        start = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=model_name, messages=messages(i), max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = []
+        for chunk in stream:
+            if chunk.choices and not chunks:
+                ttfts.append(time.perf_counter() - start)
+            chunks.append(chunk)
+        content, usage = [c for c in chunks if c.choices], chunks[-1].usage
+        # One chunk per token, the role with the first, the finish reason with the last.
+        assert len(content) == usage.completion_tokens == MAX_TOKENS
+        assert content[0].choices[0].delta.role == "assistant"
+        assert [c.choices[0].finish_reason for c in content] == [None] * (MAX_TOKENS - 1) + ["length"]
+        completion_tokens += usage.completion_tokens
+    hydrad = hydrad_counts()
+    assert hydrad.requests == NUM_OPENAI_REQUESTS and hydrad.failed == 0
+    assert hydrad.generation_tokens == completion_tokens
+    assert_ttft_agrees(sum(ttfts) / len(ttfts), hydrad)
+
+
+def test_whole_chat_with_images(client, model_name, hydrad_counts):
+    completion_tokens = 0
+    for i in range(NUM_OPENAI_REQUESTS):
+        resp = client.chat.completions.create(model=model_name, messages=messages(i), max_tokens=MAX_TOKENS,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        assert resp.choices[0].message.role == "assistant" and resp.choices[0].finish_reason == "length"
+        assert isinstance(resp.choices[0].message.content, str)
+        assert resp.usage.completion_tokens == MAX_TOKENS and resp.usage.prompt_tokens > 0
+        completion_tokens += resp.usage.completion_tokens
+    hydrad = hydrad_counts()
+    assert hydrad.requests == NUM_OPENAI_REQUESTS and hydrad.failed == 0
+    assert hydrad.generation_tokens == completion_tokens
