@@ -35,7 +35,9 @@ from hydrad.server.sse import open_event_stream, send_done, send_event
 
 logger = logging.getLogger("hydrad.server")
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# Non-ASCII is escaped: a raw U+2028, U+0085 or the like inside a JSON line is a line
+# break to clients that split SSE streams with str.splitlines.
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 class ResponseFormat:

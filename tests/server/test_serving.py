@@ -114,3 +114,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(monkeypatch)
     assert [c["usage"] for c in chunks] == [
         {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n} for n in (1, 2, 3)]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3 and done == "[DONE]"
+
+
+def test_text_that_some_readers_take_for_a_line_break_is_escaped(monkeypatch):
+    """U+2028, U+0085, form feed and the like inside a token's text must not split the
+    event: each ``data:`` line parses on its own even when split by ``str.splitlines``."""
+    weird = "a\u2028b\x85c\x0cd\x1ce\u2029f\r"
+    response = RecordingResponse()
+    stream(response, Outputs([out(weird, 1, None, 1), out(weird, 2, "length", 2)]), monkeypatch)
+
+    class Raw(RecordingResponse):
+        async def write(self, data: bytes) -> None:
+            self.events += [line for line in data.decode().splitlines() if line]
+
+    raw = Raw()
+    stream(raw, Outputs([out(weird, 1, None, 1), out(weird, 2, "length", 2)]), monkeypatch)
+    for line in raw.events:
+        assert line.startswith("data: ")
+        payload = line.removeprefix("data: ")
+        if payload != "[DONE]":
+            json.loads(payload)
+    assert [e["choices"][0]["delta"]["content"] for e in response.events[:2]] == [weird, weird]
