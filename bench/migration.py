@@ -92,9 +92,9 @@ async def run_one(router, request) -> dict:
 
 async def run_deployment(args, config, processor, progress: Progress) -> dict[int, list[dict]]:
     """Stage times of every measured request, per concurrency level."""
-    from hydrad.server.deploy import plan_instances
-    from hydrad.server.router import Router
-    from hydrad.server.supervisor import Supervisor, plan_specs
+    from hydrad.cluster.deploy import plan_instances
+    from hydrad.cluster.router import Router
+    from hydrad.cluster.supervisor import Supervisor, plan_specs
 
     specs = plan_specs(plan_instances("1E+1P+1D", "cpu:3", 0))
     supervisor = Supervisor(config, specs)

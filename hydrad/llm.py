@@ -90,7 +90,7 @@ class LLM:
         from hydrad.engine.core import EngineCore
         from hydrad.models.default import resolve_model_path
         from hydrad.processor import InputProcessor
-        from hydrad.server.deploy import plan_instances
+        from hydrad.cluster.deploy import plan_instances
 
         num_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
         instances = plan_instances(deploy, devices, num_cuda)
@@ -116,11 +116,12 @@ class LLM:
         if roles == ["EPD"]:
             self.engine = EngineCore(self.config, role="EPD", device=device)
         elif worker_processes:
-            from hydrad.server.process_cluster import ProcessCluster
+            from hydrad.cluster.process import ProcessCluster
+            from hydrad.console import console
 
-            self.engine = ProcessCluster(self.config, instances, policy=router_policy)
+            self.engine = ProcessCluster(self.config, instances, policy=router_policy, console=console)
         else:
-            from hydrad.engine.cluster import LocalCluster
+            from hydrad.cluster.local import LocalCluster
 
             if len({d for _, d in instances}) > 1:
                 raise ConfigError("worker_processes=False runs every instance on one device")
@@ -242,7 +243,7 @@ class _Progress:
     def __init__(self, total: int):
         from rich.progress import Progress
 
-        from hydrad.cli.common import console
+        from hydrad.console import console
 
         self._p = Progress(console=console, transient=True)
         self._p.start()

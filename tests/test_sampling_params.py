@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hydrad.engine.sampler import Sampler
+from hydrad.engine.sampler import Sampler, SamplingMetadata
 from hydrad.sampling_params import SamplingParams
 
 
@@ -29,19 +29,23 @@ def test_stop_accepts_one_string_and_drops_empty_ones():
     assert SamplingParams(stop=["", "a"]).stop == ["a"]
 
 
+def meta_for(params: SamplingParams, rows: int = 1) -> SamplingMetadata:
+    meta = SamplingMetadata.greedy(rows)
+    meta.temperature[:], meta.top_k[:], meta.top_p[:] = params.temperature, params.top_k, params.top_p
+    return meta
+
+
 def test_tiny_temperature_is_greedy_instead_of_overflowing():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     params = SamplingParams(temperature=1e-300)
     assert params.greedy
-    assert Sampler().sample(logits, [params], [torch.Generator().manual_seed(0)]) == [1]
+    assert Sampler().sample(logits, meta_for(params)).token_ids == [1]
 
 
 def test_top_k_and_top_p_restrict_the_candidates():
-    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]])
-    sampler = Sampler()
-    for seed in range(20):
-        gen = torch.Generator().manual_seed(seed)
-        assert sampler.sample(logits, [SamplingParams(temperature=1.0, top_k=2)], [gen])[0] in (0, 1)
-        gen = torch.Generator().manual_seed(seed)
-        # softmax: p0 ~ 0.73, so top_p=0.5 keeps token 0 alone
-        assert sampler.sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [gen])[0] == 0
+    logits = torch.tensor([[5.0, 4.0, 0.0, -1.0]]).repeat(200, 1)
+    sampler = Sampler(seed=3)
+    top_k = sampler.sample(logits, meta_for(SamplingParams(temperature=1.0, top_k=2), 200)).token_ids
+    assert set(top_k) == {0, 1}
+    # softmax: p0 ~ 0.73, so top_p=0.5 keeps token 0 alone
+    assert set(sampler.sample(logits, meta_for(SamplingParams(temperature=1.0, top_p=0.5), 200)).token_ids) == {0}

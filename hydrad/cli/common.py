@@ -6,9 +6,8 @@ import os
 import sys
 
 import click
-from rich.console import Console
 
-console = Console(stderr=True)
+from hydrad.console import console  # noqa: F401  (the CLI's console is the library's)
 
 
 def debug_enabled() -> bool:

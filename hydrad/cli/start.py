@@ -41,8 +41,8 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
 
     from hydrad.models.default import resolve_model_path
     from hydrad.server.daemon import serve
-    from hydrad.server.deploy import plan_instances
-    from hydrad.server.supervisor import plan_specs
+    from hydrad.cluster.deploy import plan_instances
+    from hydrad.cluster.supervisor import plan_specs
 
     parallel = config.engine.parallel
     instances = plan_instances(parallel.deploy, parallel.devices, torch.cuda.device_count())

@@ -13,28 +13,26 @@ from __future__ import annotations
 import logging
 import math
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Iterable
 
 import torch
 
 from hydrad.config import EngineConfig
-from hydrad.engine.attention import get_attn_backend
+from hydrad.models.attention import get_attn_backend
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import (
     EngineOutput,
     EngineRequest,
     EngineStats,
     FinishedRequest,
-    ImageInput,
-    MigrationOffer,
     StepTiming,
 )
 from hydrad.engine.latency_model import LatencyModel
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
-from hydrad.engine.scheduler import Pull, Scheduler
+from hydrad.engine.migration import MigrationOffer, PullCopier, Pulled, offer_for
+from hydrad.engine.scheduler import Scheduler
 from hydrad.engine.streams import StageStreams
 from hydrad.errors import ConfigError, RequestError
 
@@ -43,8 +41,6 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 _LANGUAGE_PREFIXES = ("language_model.", "lm_head.")
-# Idle wait for a copy to finish when a step has nothing else to do.
-_PULL_POLL_SECS = 0.005
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -145,12 +141,9 @@ class EngineCore:
         self.streams = StageStreams(self.device, dual)
         self.num_image_tokens_per_image = self.model.num_image_tokens_per_image
 
-        # Migration: peers' pools (attached once at start), the copy thread, events to send.
-        self.peers: dict[int, dict[str, torch.Tensor | None]] = {}
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="hydrad-copy")
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._inflight: list[tuple[Future, Pull]] = []
-        self._pulled: list[tuple[str, int]] = []
+        # Migration: peers' pools (attached once at start), the copy thread, pulls to report.
+        self.copier = PullCopier(self.device, self.runner.copy_in)
+        self._pulled: list[Pulled] = []
         # Set when a step found nothing it could run (e.g. blocks held by offered requests):
         # no step can do better until a request arrives, leaves or is released.
         self._stalled = False
@@ -195,7 +188,7 @@ class EngineCore:
     def has_work(self) -> bool:
         """Whether step() can advance anything: not when only offered requests remain (they
         wait for a target), nor after a step that found nothing runnable and nothing changed."""
-        return bool(self._inflight) or (self.scheduler.has_work() and not self._stalled)
+        return self.copier.busy or (self.scheduler.has_work() and not self._stalled)
 
     # -- migration ----------------------------------------------------------------------------
     def pools(self) -> dict[str, torch.Tensor | None]:
@@ -203,11 +196,11 @@ class EngineCore:
         return {"kv": self.runner.kv_cache, "image": self.runner.image_cache}
 
     def attach_peer(self, instance_id: int, pools: dict[str, torch.Tensor | None]) -> None:
-        self.peers[instance_id] = pools
+        self.copier.peers[instance_id] = pools
 
     def add_migration(self, offer: MigrationOffer) -> None:
         """Queue a request migrating in; it is pulled when this instance schedules it."""
-        if offer.source not in self.peers:
+        if offer.source not in self.copier.peers:
             raise ValueError(f"instance {offer.source} is not attached as a peer")
         self.scheduler.add(Request.from_offer(offer))
         self._stalled = False
@@ -219,55 +212,22 @@ class EngineCore:
         self._stalled = False
 
     def take_offers(self) -> list[MigrationOffer]:
-        offers = []
-        for req, kind in self.scheduler.new_offers:
-            offers.append(
-                MigrationOffer(
-                    req_id=req.req_id,
-                    source=self.instance_id,
-                    kind=kind,
-                    block_ids=[list(ids) for ids in req.image_block_ids] if kind == "image" else list(req.kv_block_ids),
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=list(req.output_token_ids),
-                    num_computed_tokens=req.num_computed_tokens,
-                    sampling_params=req.sampling_params,
-                    images=[ImageInput(None, image.offset, image.length) for image in req.images],
-                    eos_token_ids=tuple(sorted(req.eos_token_ids)),
-                    generator_state=req.generator.get_state() if req.generator is not None else None,
-                    timeline=dict(req.timeline),
-                )
-            )
+        """Requests whose next stage runs elsewhere, offered since the last call."""
+        offers = [offer_for(req, kind, self.instance_id) for req, kind in self.scheduler.new_offers]
         self.scheduler.new_offers.clear()
         return offers
 
-    def take_pulled(self) -> list[tuple[str, int]]:
-        """(req_id, source instance) of every copy finished since the last call."""
+    def take_pulled(self) -> list[Pulled]:
+        """Every copy finished since the last call."""
         pulled, self._pulled = self._pulled, []
         return pulled
 
-    def _copy(self, pull: Pull) -> None:
-        src_pool = self.peers[pull.source][pull.kind]
-        if self._copy_stream is None:
-            self.runner.copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
-            return
-        with torch.cuda.stream(self._copy_stream):
-            self.runner.copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
-        self._copy_stream.synchronize()
-
     def _collect_pulls(self, block: bool) -> None:
-        if block and self._inflight:
-            wait([f for f, _ in self._inflight], timeout=_PULL_POLL_SECS, return_when=FIRST_COMPLETED)
-        still = []
-        for future, pull in self._inflight:
-            if not future.done():
-                still.append((future, pull))
-                continue
-            future.result()  # a failed copy is a bug: let it surface
+        for pull in self.copier.finished(block):
             aborted = pull.req.finish_reason == "abort"
             self.scheduler.finish_pull(pull.req)
             if not aborted:
-                self._pulled.append((pull.req.req_id, pull.source))
-        self._inflight = still
+                self._pulled.append(Pulled(pull.req.req_id, pull.source))
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> EngineOutput:
@@ -276,9 +236,9 @@ class EngineCore:
         if out.dropped and self.runner.batch is not None:
             self.runner.drop(out.dropped)
         for pull in out.pulls:
-            self._inflight.append((self._copier.submit(self._copy, pull), pull))
+            self.copier.start(pull)
         if not out.encodes and not out.chunks:
-            if not self._inflight:
+            if not self.copier.busy:
                 self._stalled = True
             self._collect_pulls(block=True)
             return EngineOutput()
@@ -323,4 +283,4 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.streams.shutdown()
-        self._copier.shutdown(wait=True)
+        self.copier.shutdown()

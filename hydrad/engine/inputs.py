@@ -10,26 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hydrad.models.inputs import ImageInput  # noqa: F401  (part of the engine's inputs too)
 from hydrad.sampling_params import SamplingParams
-
-
-@dataclass
-class ImageInput:
-    """One image of a request, preprocessed, and where its tokens sit in the prompt."""
-
-    # The image processor's output for this image (model dtype not applied yet): LLaVA-1.5
-    # [3, H, W]; LLaVA-NeXT [num_tiles, 3, H, W] (the resized whole image, then the tiles);
-    # Qwen2-VL [num_patches, channels * temporal_patch * patch * patch].
-    # None once encoded elsewhere (a migrated request carries only the placement).
-    pixel_values: torch.Tensor | None
-    # First placeholder position in the prompt and the number of placeholders (= image tokens).
-    offset: int
-    length: int
-    # What a variable-resolution encoder needs besides the pixels, as plain ints (they travel in
-    # messages): LLaVA-NeXT's original (height, width), which fixes the tile grid and the unpadding;
-    # Qwen2-VL's patch grid (t, h, w) before the 2x2 merge.
-    image_size: tuple[int, int] | None = None
-    grid_thw: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -112,33 +94,3 @@ class EngineStats:
     num_kv_blocks_used: int
     num_image_blocks_used: int
     num_preemptions: int
-
-
-@dataclass
-class MigrationOffer:
-    """A request whose next stage runs on another instance (pull-based migration).
-
-    The source keeps the blocks until the target has copied them and says so; the
-    target allocates its own blocks when it schedules the request, then copies
-    ``block_ids`` straight out of the source's pool.
-    """
-
-    req_id: str
-    source: int  # instance id of the source
-    kind: str  # "image" (encode -> prefill) or "kv" (prefill -> decode)
-    # kind "image": one block list per image; kind "kv": the KV blocks of num_computed_tokens.
-    block_ids: list
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    images: list[ImageInput]  # placements only (pixel_values None)
-    eos_token_ids: tuple[int, ...]
-    # Seeded sampling continues where it stopped: torch.Generator.get_state().
-    generator_state: torch.Tensor | None
-    # Monotonic timestamps (system-wide clock) and exec seconds so far, for the latency breakdown.
-    timeline: dict[str, float]
-
-    @property
-    def next_stage(self) -> str:
-        return "P" if self.kind == "image" else "D"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler, SamplerOutput

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 import time
 
-from hydrad.engine.inputs import EngineRequest, ImageInput, MigrationOffer
+from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.sampling_params import SamplingParams
 
 
@@ -69,7 +69,8 @@ class Request:
         self.pull: tuple[str, int, list, int] | None = None
 
     @classmethod
-    def from_offer(cls, offer: MigrationOffer) -> "Request":
+    def from_offer(cls, offer) -> "Request":
+        """The request a ``migration.MigrationOffer`` describes, as its target holds it."""
         req = cls(
             EngineRequest(
                 req_id=offer.req_id,

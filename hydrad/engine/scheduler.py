@@ -36,20 +36,10 @@ from dataclasses import dataclass, field
 from hydrad.config import SchedulerConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.latency_model import LatencyModel, StepBudget
+from hydrad.engine.migration import Pull
 from hydrad.engine.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass
-class Pull:
-    """Copy ``src_block_ids`` of instance ``source``'s pool into our ``dst_block_ids``."""
-
-    req: Request
-    kind: str  # "image" or "kv"
-    source: int
-    src_block_ids: list[int]
-    dst_block_ids: list[int]
 
 
 @dataclass

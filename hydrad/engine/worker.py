@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
@@ -20,7 +19,8 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from hydrad.config import EngineConfig
-from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest, MigrationOffer
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
+from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
@@ -54,18 +54,7 @@ class Engine(Protocol):
     def add_migration(self, offer: MigrationOffer) -> None: ...
     def release(self, req_ids) -> None: ...
     def take_offers(self) -> list[MigrationOffer]: ...
-    def take_pulled(self) -> list[tuple[str, int]]: ...
-
-
-def export_pools(engine, peer_ids: tuple[int, ...]) -> dict[int, bytes]:
-    """Pickle the engine's pools once per peer: each pickle hands out its shared-memory
-    file descriptors (or CUDA IPC handles) to exactly one receiver."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
-
-    pools = engine.pools()
-    return {peer: bytes(ForkingPickler.dumps(pools)) for peer in peer_ids}
+    def take_pulled(self) -> list[Pulled]: ...
 
 
 def worker_main(
@@ -98,7 +87,7 @@ def worker_main(
 
             model, bound = fit_latency_model(engine), latency_bound(config.slo, engine.role)
             engine.set_latency_model(model, bound)
-        pools = export_pools(engine, peer_ids) if peer_ids else {}
+        pools = export_pools(engine.pools(), peer_ids) if peer_ids else {}
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()
@@ -155,7 +144,7 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 live.difference_update(msg.req_ids)
             elif isinstance(msg, AttachPeers):
                 for peer_id, blob in msg.pools.items():
-                    engine.attach_peer(peer_id, pickle.loads(blob))
+                    engine.attach_peer(peer_id, import_pools(blob))
             elif isinstance(msg, GetStats):
                 conn.send(StatsReply(msg.seq, engine.get_stats()))
             elif isinstance(msg, Shutdown):

@@ -19,9 +19,9 @@ from torch import nn
 from torch.nn import functional as F
 from transformers.initialization import no_init_weights
 
-from hydrad.engine.attention import get_attn_backend
-from hydrad.engine.attention.metadata import AttentionMetadata
-from hydrad.engine.inputs import ImageInput
+from hydrad.models.attention import get_attn_backend
+from hydrad.models.attention.metadata import AttentionMetadata
+from hydrad.models.inputs import ImageInput
 from hydrad.models.llama import STACKED_PARAMS, LlamaModel, ParamLoader, head_dim_of, load_weight_groups
 
 VISION_PARTS = ("vision_tower", "multi_modal_projector")

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.errors import CheckpointError
 
 # Checkpoint module name -> (our fused module name, shard index).

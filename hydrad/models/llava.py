@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers.activations import ACT2FN
 
-from hydrad.engine.inputs import ImageInput
+from hydrad.models.inputs import ImageInput
 from hydrad.errors import CheckpointError
 from hydrad.models.interface import VisionLanguageModel
 

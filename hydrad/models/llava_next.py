@@ -21,7 +21,7 @@ from torch import nn
 from transformers import AutoModel
 from transformers.image_processing_utils import select_best_resolution
 
-from hydrad.engine.inputs import ImageInput
+from hydrad.models.inputs import ImageInput
 from hydrad.errors import CheckpointError
 from hydrad.models.interface import VisionLanguageModel
 from hydrad.models.llava import LlavaMultiModalProjector, clip_features

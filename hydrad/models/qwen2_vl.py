@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from hydrad.engine.inputs import ImageInput
+from hydrad.models.inputs import ImageInput
 from hydrad.models.interface import VisionLanguageModel
 
 # model_type -> (module, class) of transformers' vision transformer (patch embedding to merger).

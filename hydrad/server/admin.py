@@ -14,7 +14,7 @@ import time
 from aiohttp import web
 
 from hydrad.engine.inputs import EngineStats
-from hydrad.server.client import WorkerClient, WorkerLost
+from hydrad.cluster.worker_client import WorkerClient, WorkerLost
 from hydrad.server.errors import APIError
 
 

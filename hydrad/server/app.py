@@ -27,10 +27,10 @@ from hydrad.server.admin import check_admin_access, instance_stats, status_body
 from hydrad.server.engine_client import EngineClient
 from hydrad.server.errors import UNAVAILABLE, APIError, error_response
 from hydrad.server.metrics import Metrics
+from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
-from hydrad.server.router import Router
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
-from hydrad.server.supervisor import InstanceSpec, Supervisor
+from hydrad.cluster.supervisor import InstanceSpec, Supervisor
 
 logger = logging.getLogger("hydrad.server")
 
@@ -74,7 +74,9 @@ async def engine_ctx(app: web.Application):
         model_path, max_images_per_request=server.max_images_per_request,
         max_image_pixels=server.max_image_pixels, max_model_len=config.engine.model.max_model_len,
     ))
-    supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout)
+    supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
+                            router_policy=server.router_policy)
+    supervisor.on_degraded = lambda status: sd_notify(f"STATUS={status}")
     try:
         readies = await supervisor.start(app[CONSOLE])
         processor = await processor_future
@@ -88,10 +90,8 @@ async def engine_ctx(app: web.Application):
         client.on_step_timing = lambda c, timing: app[METRICS].observe_step(c.instance_id, timing)
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
-    router = Router(supervisor.clients, server.router_policy, seed=config.engine.seed)
-    supervisor.table.router = router  # it also picks the targets of migrations
     app[ENGINE] = EngineClient(
-        processor, router, app[METRICS],
+        processor, supervisor.router, supervisor.table, app[METRICS],
         executor, server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
     )
     yield

@@ -24,7 +24,7 @@ from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
 from hydrad.server.app import ENGINE, SUPERVISOR, make_app
 from hydrad.server.notify import sd_notify
-from hydrad.server.supervisor import InstanceSpec
+from hydrad.cluster.supervisor import InstanceSpec
 
 logger = logging.getLogger("hydrad.daemon")
 

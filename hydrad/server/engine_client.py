@@ -28,11 +28,12 @@ from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
 from hydrad.processor import InputProcessor, ProcessedPrompt
 from hydrad.sampling_params import split_choices
-from hydrad.server.client import WorkerClient
+from hydrad.cluster.worker_client import WorkerClient
 from hydrad.server.images_remote import fetch_remote_images
 from hydrad.server.metrics import Metrics
 from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptions
-from hydrad.server.router import Router
+from hydrad.cluster.requests import RequestTable
+from hydrad.cluster.router import Router
 
 logger = logging.getLogger("hydrad.requests")
 
@@ -54,6 +55,7 @@ class EngineClient:
         self,
         processor: InputProcessor,
         router: Router,
+        table: RequestTable,
         metrics: Metrics,
         executor: Executor,
         config: ServerConfig,
@@ -62,6 +64,7 @@ class EngineClient:
     ):
         self.processor = processor
         self.router = router
+        self.table = table
         self.metrics = metrics
         self.executor = executor
         self.config = config
@@ -223,7 +226,7 @@ class ChoiceStream:
         detok = self.detokenizer
         text = detok.add_token(token_id)
         if detok.stopped:
-            self.instance.abort(self.request.req_id)
+            parent.client.table.abort(self.request.req_id)
             self._end(Output(self.index, text, [token_id], "stop", logprobs, self.num_output_tokens))
             return
         parent._push(Output(self.index, text, [token_id], None, logprobs, self.num_output_tokens))
@@ -259,7 +262,7 @@ class ChoiceStream:
 
     def close(self) -> None:
         if self.finish_reason is None:
-            self.instance.abort(self.request.req_id)
+            self.parent.client.table.abort(self.request.req_id)
             self._finish("abort")
 
     def _finish(self, finish_reason: str) -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from hydrad.errors import RequestError
-from hydrad.server.client import WorkerLost
-from hydrad.server.requests_table import ServiceStopping
-from hydrad.server.router import NoInstanceAvailable
+from hydrad.cluster.worker_client import WorkerLost
+from hydrad.cluster.requests import ServiceStopping
+from hydrad.cluster.router import NoInstanceAvailable
 
 _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           413: "invalid_request_error", 503: "service_unavailable"}

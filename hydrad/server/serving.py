@@ -30,7 +30,7 @@ from hydrad.engine.inputs import TokenLogprobs
 from hydrad.server.engine_client import Output, RequestStream
 from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
-from hydrad.server.requests_table import ServiceStopping
+from hydrad.cluster.requests import ServiceStopping
 from hydrad.server.sse import open_event_stream, send_done, send_event
 
 logger = logging.getLogger("hydrad.server")

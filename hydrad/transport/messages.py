@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, MigrationOffer
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats
+from hydrad.engine.migration import MigrationOffer, Pulled
 
 # -- daemon -> worker ----------------------------------------------------------------------
 
@@ -100,8 +101,8 @@ class StepOutput:
     output: EngineOutput = field(default_factory=EngineOutput)
     # Requests whose next stage runs elsewhere (the daemon picks the target).
     offers: list[MigrationOffer] = field(default_factory=list)
-    # (req_id, source instance) of every pull finished in this step.
-    pulled: list[tuple[str, int]] = field(default_factory=list)
+    # Every pull finished in this step.
+    pulled: list[Pulled] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

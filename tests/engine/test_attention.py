@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hydrad.engine.attention import AttentionMetadata, get_attn_backend
-from hydrad.engine.attention.sdpa import SdpaBackend
+from hydrad.models.attention import AttentionMetadata, get_attn_backend
+from hydrad.models.attention.sdpa import SdpaBackend
 from hydrad.errors import ConfigError
 
 HEAD_DIM = 16

@@ -14,6 +14,7 @@ import pytest
 from factories import DEPLOYMENTS
 
 from hydrad import LLM, SamplingParams
+from hydrad.engine.migration import Pulled
 from hydrad.engine.request import RequestStatus
 
 MAX_TOKENS = 24
@@ -116,8 +117,8 @@ def test_abort_at_every_stage_frees_every_instance(tiny_llava_dir, conversations
     copy_gate = threading.Event()
     if when == "pulling-into-P":
         # Hold the copy in flight so the abort lands while P's blocks are being written.
-        copy = p._copy
-        p._copy = lambda pull: (copy_gate.wait(10), copy(pull))
+        copy = p.copier._copy
+        p.copier._copy = lambda pull: (copy_gate.wait(10), copy(pull))
     else:
         copy_gate.set()
     for engine, predicate in plan:
@@ -156,7 +157,7 @@ def test_an_instance_waiting_for_a_release_does_not_spin(tiny_llava_dir, convers
         p.step()
         if (pulled := p.take_pulled()):
             break
-    assert pulled == [("a", e.instance_id)]
+    assert pulled == [Pulled("a", e.instance_id)]
     e.release(["a"])
     assert e.has_work()
     e.step()

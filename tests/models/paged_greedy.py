@@ -13,7 +13,7 @@ import random
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hydrad.engine.attention import AttentionMetadata
+from hydrad.models.attention import AttentionMetadata
 from hydrad.models.qwen2_vl import mrope_positions_slice
 
 

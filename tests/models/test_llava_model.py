@@ -6,7 +6,7 @@ import transformers
 from paged_greedy import PagedSequence, run_greedy, shuffled_blocks
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
 
-from hydrad.engine.attention import AttentionMetadata
+from hydrad.models.attention import AttentionMetadata
 from hydrad.engine.inputs import ImageInput
 from hydrad.errors import CheckpointError
 from hydrad.models.llava import LlavaForConditionalGeneration

@@ -11,7 +11,7 @@ from factories import hf_model
 from paged_greedy import run_greedy
 from vlm_cases import conversations, num_cuts_inside_images, hf_greedy, hf_inputs, image, load_ours, paged_sequences, text
 
-from hydrad.engine.attention import AttentionMetadata
+from hydrad.models.attention import AttentionMetadata
 from hydrad.errors import CheckpointError
 from hydrad.models.llava_next import LlavaNextForConditionalGeneration, num_image_tokens
 from hydrad.models.loader import canonical_name, load_config

@@ -12,11 +12,11 @@ from hydrad.engine.inputs import (
     EngineStats,
     FinishedRequest,
     ImageInput,
-    MigrationOffer,
     StepTiming,
     TokenLogprobs,
 )
 from hydrad.engine.latency_model import FitError, LatencyModel
+from hydrad.engine.migration import MigrationOffer, Pulled
 from hydrad.sampling_params import SamplingParams
 from hydrad.transport.messages import (
     Abort,
@@ -74,7 +74,7 @@ MESSAGES = [
     Release(("a",)),
     StepOutput(EngineOutput(["a"], [5]), offers=[MigrationOffer("b", 1, "image", [[0, 1]], [1], [], 0,
                                                                 SamplingParams(), [ImageInput(None, 0, 1)], (2,),
-                                                                None, {})], pulled=[("c", 0)]),
+                                                                None, {})], pulled=[Pulled("c", 0)]),
 ]
 
 

@@ -7,8 +7,8 @@ import signal
 
 import pytest
 
-from hydrad.server.client import EXITED
-from hydrad.server.supervisor import Supervisor, describe_exit, missing_stages, plan_specs
+from hydrad.cluster.worker_client import EXITED
+from hydrad.cluster.supervisor import Supervisor, describe_exit, missing_stages, plan_specs
 
 
 @pytest.mark.parametrize("exitcode, words", [

@@ -19,15 +19,16 @@ import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from typing import Callable
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from hydrad.cluster.requests import RequestTable
+from hydrad.cluster.router import Router
+from hydrad.cluster.worker_client import EXITED, WorkerClient, WorkerLost
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
-from hydrad.server.client import EXITED, WorkerClient, WorkerLost
-from hydrad.server.notify import sd_notify
-from hydrad.server.requests_table import RequestTable
 from hydrad.transport.messages import AttachPeers, WorkerReady
 
 logger = logging.getLogger("hydrad.supervisor")
@@ -70,12 +71,17 @@ def missing_stages(roles: list[str]) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0):
+    def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0,
+                 router_policy: str = "round-robin"):
         self.config = config
         self.specs = specs
         self.start_timeout = start_timeout
         self.clients: list[WorkerClient] = []
-        self.table = RequestTable()
+        # The router sees the clients list itself: a worker restarted in place is seen at once.
+        self.router = Router(self.clients, router_policy, seed=config.seed if config is not None else None)
+        self.table = RequestTable(self.router)
+        # Called with a one-line status when the daemon goes on serving degraded.
+        self.on_degraded: Callable[[str], None] | None = None
         # Pools are shared between instances only when requests migrate between them.
         self.migrates = any(spec.role != "EPD" for spec in specs)
         self._processes: dict[int, BaseProcess] = {}  # by instance id
@@ -177,7 +183,8 @@ class Supervisor:
                 self.failed.set()
         else:
             logger.error("%s; serving degraded on %d of %d instance(s)", down, len(live), len(self.clients))
-            sd_notify(f"STATUS=degraded: worker {client.instance_id} is down")
+            if self.on_degraded is not None:
+                self.on_degraded(f"degraded: worker {client.instance_id} is down")
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Tell every worker to exit (aborting what is left), wait, then force the stragglers."""

@@ -7,33 +7,43 @@ import asyncio
 import pytest
 
 from factories import RecordingSink
-from hydrad.engine.inputs import EngineOutput, FinishedRequest, MigrationOffer, TokenLogprobs
+from hydrad.engine.inputs import EngineOutput, FinishedRequest, TokenLogprobs
+from hydrad.engine.migration import MigrationOffer, Pulled
 from hydrad.sampling_params import SamplingParams
-from hydrad.server.client import WorkerLost
-from hydrad.server.requests_table import RequestTable, ServiceStopping
-from hydrad.server.router import Router
+from hydrad.cluster.worker_client import WorkerLost
+from hydrad.cluster.requests import RequestTable, ServiceStopping
+from hydrad.cluster.router import Router
 from hydrad.transport.messages import Abort, Migrate, Release
 
 
 class FakeClient:
-    def __init__(self, instance_id: int, role: str, table: RequestTable):
-        self.instance_id, self.role, self.table = instance_id, role, table
+    """An instance that records the messages the relay would send it."""
+
+    def __init__(self, instance_id: int, role: str):
+        self.instance_id, self.role = instance_id, role
         self.alive = True
         self.sent: list = []
+        self.table: RequestTable | None = None
 
     @property
     def num_inflight(self) -> int:
         return self.table.held_by(self)
 
-    def send_quietly(self, msg) -> None:
-        if self.alive:
-            self.sent.append(msg)
+    def migrate(self, offer) -> None:
+        self.sent.append(Migrate(offer))
+
+    def release(self, req_ids) -> None:
+        self.sent.append(Release(tuple(req_ids)))
+
+    def abort(self, req_ids) -> None:
+        self.sent.append(Abort(tuple(req_ids)))
 
 
 def make_table(roles=("E", "P", "D")):
-    table = RequestTable()
-    clients = [FakeClient(i, role, table) for i, role in enumerate(roles)]
-    table.router = Router(clients, "round-robin")
+    clients = [FakeClient(i, role) for i, role in enumerate(roles)]
+    table = RequestTable(Router(clients, "round-robin"))
+    for client in clients:
+        client.table = table
     return table, clients
 
 
@@ -55,14 +65,14 @@ def test_migration_relay_through_every_stage():
         table.on_offer(e, offer("r", 0, "image"))
         assert p.sent == [Migrate(offer("r", 0, "image"))]
         assert len(table) == 1 and (e.num_inflight, p.num_inflight) == (1, 1)  # counted once in all
-        table.on_pulled(p, "r", 0)
+        table.on_pulled(p, Pulled("r", 0))
         assert e.sent == [Release(("r",))] and e.num_inflight == 0
         table.deliver_output(EngineOutput(["r"], [7]))
         table.on_offer(p, offer("r", 1, "kv"))
-        table.on_pulled(d, "r", 1)
+        table.on_pulled(d, Pulled("r", 1))
         table.deliver_output(EngineOutput(["r"], [8], finished=[FinishedRequest("r", "length")]))
         assert sink.tokens == [7, 8] and sink.ended == ("finish", "length", None)
-        assert len(table) == 0 and not table.holders and all(c.num_inflight == 0 for c in (e, p, d))
+        assert len(table) == 0 and not table.relay.holders and all(c.num_inflight == 0 for c in (e, p, d))
 
     asyncio.run(main())
 
@@ -74,7 +84,7 @@ def test_offer_of_an_aborted_request_is_released():
         table.abort("r")  # the client left while E was encoding
         table.on_offer(e, offer("r", 0, "image"))  # the offer crossed the Abort in the pipe
         assert e.sent == [Abort(("r",)), Release(("r",))] and p.sent == []
-        assert len(table) == 0 and not table.holders
+        assert len(table) == 0 and not table.relay.holders
 
     asyncio.run(main())
 
@@ -86,8 +96,8 @@ def test_finish_in_the_step_that_reports_the_pull_still_releases_the_source():
         table.on_offer(p, offer("r", 1, "kv"))
         # tokens and ends are dispatched before pulls
         table.deliver_output(EngineOutput(["r"], [9], finished=[FinishedRequest("r", "stop")]))
-        table.on_pulled(d, "r", 1)
-        assert p.sent == [Release(("r",))] and not table.holders
+        table.on_pulled(d, Pulled("r", 1))
+        assert p.sent == [Release(("r",))] and not table.relay.holders
 
     asyncio.run(main())
 
@@ -100,7 +110,7 @@ def test_a_lost_target_fails_the_request_and_frees_the_source():
         p.alive = False
         table.lost(p, WorkerLost("worker 1 (cpu, P) exited"))
         assert e.sent == [Abort(("r",))]
-        assert isinstance(sink.ended[1], WorkerLost) and len(table) == 0 and not table.holders
+        assert isinstance(sink.ended[1], WorkerLost) and len(table) == 0 and not table.relay.holders
 
     asyncio.run(main())
 
@@ -127,7 +137,7 @@ def test_fail_all_ends_every_request_and_refuses_new_ones():
         for sink in (first, second):
             error = sink.ended[1]
             assert isinstance(error, ServiceStopping) and "second SIGTERM" in str(error)
-        assert len(table) == 0 and not table.holders
+        assert len(table) == 0 and not table.relay.holders
         with pytest.raises(ServiceStopping, match="second SIGTERM"):
             table.open("c", e, RecordingSink())
 

@@ -1,7 +1,7 @@
 import pytest
 
 from hydrad.errors import ConfigError
-from hydrad.server.deploy import parse_deploy, parse_devices, plan_instances
+from hydrad.cluster.deploy import parse_deploy, parse_devices, plan_instances
 
 
 @pytest.mark.parametrize("spec, roles", [

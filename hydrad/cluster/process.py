@@ -1,5 +1,5 @@
-"""The daemon's worker processes, driven synchronously: the engine of ``hydrad.LLM``
-for deployments of several instances.
+"""Worker processes driven synchronously: the engine of ``hydrad.LLM`` for deployments
+of several instances.
 
 The supervisor, the worker pipes, the request table and the migration relay are
 the daemon's own; they run on a private event loop in a background thread, and
@@ -13,39 +13,37 @@ import queue
 import threading
 from typing import Iterable
 
+from hydrad.cluster.supervisor import Supervisor, plan_specs
 from hydrad.config import EngineConfig
 from hydrad.engine.inputs import EngineOutput, EngineRequest, FinishedRequest
 from hydrad.errors import RequestError
-from hydrad.server.router import Router
-from hydrad.server.supervisor import Supervisor, plan_specs
 
 # How long step() waits for a delta before it lets the caller look again.
 _POLL_SECS = 0.5
 
 
 class ProcessCluster:
-    def __init__(self, config: EngineConfig, instances: list[tuple[str, str]], *, policy: str = "round-robin"):
-        from hydrad.cli.common import console
-
+    def __init__(self, config: EngineConfig, instances: list[tuple[str, str]], *, policy: str = "round-robin",
+                 console=None):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="hydrad-workers", daemon=True)
         self._thread.start()
         try:
-            self.supervisor = self._call(self._create_supervisor(config, instances))
+            self.supervisor = self._call(self._create_supervisor(config, instances, policy))
             readies = self._call(self.supervisor.start(console))
         except BaseException:
             self._stop_loop()
             raise
-        self.router = Router(self.supervisor.clients, policy, seed=config.seed)
-        self.supervisor.table.router = self.router
+        self.router = self.supervisor.router
         self.max_model_len = min(r.max_model_len for r in readies)
         self._deltas: queue.SimpleQueue = queue.SimpleQueue()
         # Requests submitted and not yet finished as seen by the caller (set only from its thread).
         self._open: set[str] = set()
 
     @staticmethod
-    async def _create_supervisor(config: EngineConfig, instances: list[tuple[str, str]]) -> Supervisor:
-        return Supervisor(config, plan_specs(instances))  # its futures belong to the private loop
+    async def _create_supervisor(config: EngineConfig, instances: list[tuple[str, str]], policy: str) -> Supervisor:
+        # Created on the private loop: its futures belong to it.
+        return Supervisor(config, plan_specs(instances), router_policy=policy)
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

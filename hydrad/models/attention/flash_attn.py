@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from hydrad.engine.attention.metadata import AttentionMetadata
-from hydrad.engine.attention.sdpa import write_kv_cache
+from hydrad.models.attention.metadata import AttentionMetadata
+from hydrad.models.attention.sdpa import write_kv_cache
 from hydrad.errors import ConfigError
 
 # flash-attn 2's paged kernels take pages (KV-cache blocks) of a multiple of this many tokens.

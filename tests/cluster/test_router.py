@@ -2,7 +2,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from hydrad.server.router import NoInstanceAvailable, Router
+from hydrad.cluster.router import NoInstanceAvailable, Router
 
 
 @dataclass(eq=False)

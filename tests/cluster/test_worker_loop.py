@@ -14,8 +14,9 @@ from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, Finis
 from hydrad.engine.worker import run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
-from hydrad.server.client import WorkerClient, WorkerLost
-from hydrad.server.requests_table import RequestTable
+from hydrad.cluster.worker_client import WorkerClient, WorkerLost
+from hydrad.cluster.requests import RequestTable
+from hydrad.cluster.router import Router
 from hydrad.transport.messages import Abort, AddRequest, GetStats, Shutdown, StatsReply, StepOutput
 
 
@@ -132,7 +133,10 @@ def test_client_streams_aborts_stats_and_rejects():
     async def main():
         engine = FakeEngine()
         conn, thread = start_worker(engine)
-        client = WorkerClient(0, "EPD", "cpu", RequestTable())
+        clients: list = []
+        table = RequestTable(Router(clients, "round-robin"))
+        client = WorkerClient(0, "EPD", "cpu", table)
+        clients.append(client)
         await client.connect(conn)
         sink = RecordingSink()
         client.add_request(request("a", 3), sink)
@@ -142,7 +146,7 @@ def test_client_streams_aborts_stats_and_rejects():
 
         client.add_request(request("long", 10_000), RecordingSink())
         assert (await client.get_stats()).num_running == 1
-        client.abort("long")
+        table.abort("long")
         assert client.num_inflight == 0
         for _ in range(50):
             if (await client.get_stats()).num_running == 0:
@@ -175,7 +179,7 @@ def test_sends_to_a_busy_worker_never_block_the_event_loop():
 
     async def main():
         daemon_end, worker_end = mp.Pipe()
-        client = WorkerClient(0, "EPD", "cpu", RequestTable())
+        client = WorkerClient(0, "EPD", "cpu", RequestTable(Router([], "round-robin")))
         await client.connect(daemon_end)
         received = []
 
@@ -189,7 +193,7 @@ def test_sends_to_a_busy_worker_never_block_the_event_loop():
         start = time.monotonic()
         for i in range(8):  # ~8 MB, far beyond what the socket buffers
             client.add_request(request(f"r{i}", 1, prompt=range(1, 250_000)), RecordingSink())
-        client.abort("r0")
+        client.abort(("r0",))
         assert time.monotonic() - start < 1.0
         for _ in range(200):  # the transport delivers the rest, in order
             if len(received) == 9:

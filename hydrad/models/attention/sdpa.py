@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hydrad.engine.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from hydrad.models.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -17,15 +17,15 @@ import importlib.util
 
 import torch
 
-from hydrad.engine.attention.metadata import AttentionMetadata
+from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.errors import ConfigError
 
 __all__ = ["AttentionMetadata", "get_attn_backend", "BACKENDS"]
 
 # name -> (module, class)
 BACKENDS = {
-    "sdpa": ("hydrad.engine.attention.sdpa", "SdpaBackend"),
-    "flash_attn": ("hydrad.engine.attention.flash_attn", "FlashAttnBackend"),
+    "sdpa": ("hydrad.models.attention.sdpa", "SdpaBackend"),
+    "flash_attn": ("hydrad.models.attention.flash_attn", "FlashAttnBackend"),
 }
 
 

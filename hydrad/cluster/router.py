@@ -14,6 +14,7 @@ from typing import Protocol, Sequence
 
 
 class Instance(Protocol):
+    instance_id: int
     role: str
     alive: bool
 
@@ -29,10 +30,15 @@ class Router:
     def __init__(self, instances: Sequence[Instance], policy: str = "least-load", seed: int | None = None):
         if policy not in ("round-robin", "least-load", "random"):
             raise ValueError(f"unknown router policy {policy!r}")
-        self.instances = list(instances)
+        # Held, not copied: an instance restarted or redeployed in place is seen at once.
+        self.instances = instances if isinstance(instances, list) else list(instances)
         self.policy = policy
         self._counter = itertools.count()
         self._rng = random.Random(seed)
+
+    def instance(self, instance_id: int):
+        """The instance with this id, or None."""
+        return next((i for i in self.instances if i.instance_id == instance_id), None)
 
     def select(self, has_images: bool):
         """The entry instance of a new request."""

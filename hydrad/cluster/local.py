@@ -1,20 +1,22 @@
 """Several instances in one process, with migration relayed between them.
 
-This is the in-process counterpart of the daemon: the same engines, the same
-router, the same pull-based migration protocol (offer → the router picks a target →
-the target pulls when it schedules the request → the source releases), with the
-pools passed by reference instead of through shared memory. ``hydrad.LLM`` uses it
-for deployments of several instances; the instances take turns in one process.
+This is the in-process counterpart of the daemon: the same engines, the same router,
+the same migration relay (offer → the router picks a target → the target pulls when
+it schedules the request → the source releases), with the pools passed by reference
+instead of through shared memory. ``hydrad.LLM`` uses it for deployments of several
+instances when ``worker_processes=False``; the instances take turns in one process.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
+from hydrad.cluster.relay import MigrationRelay
+from hydrad.cluster.router import Router
 from hydrad.config import EngineConfig
 from hydrad.engine.core import EngineCore
 from hydrad.engine.inputs import EngineOutput, EngineRequest
-from hydrad.server.router import Router
+from hydrad.engine.migration import MigrationOffer
 
 
 def merge_outputs(into: EngineOutput, output: EngineOutput) -> None:
@@ -28,18 +30,31 @@ def merge_outputs(into: EngineOutput, output: EngineOutput) -> None:
     into.finished += output.finished
 
 
-class _Handle:
-    """What the router sees of an in-process instance."""
+class LocalInstance:
+    """An in-process engine as the router and the relay see it."""
 
-    def __init__(self, engine: EngineCore):
+    def __init__(self, engine: EngineCore, relay_of):
         self.engine = engine
-        self.role = engine.role
+        self.instance_id = engine.instance_id
         self.alive = True
-        self.index = engine.instance_id
+        self._relay_of = relay_of
+
+    @property
+    def role(self) -> str:
+        return self.engine.role
 
     @property
     def num_inflight(self) -> int:
-        return self.engine.scheduler.num_unfinished
+        return self._relay_of().held_by(self)
+
+    def migrate(self, offer: MigrationOffer) -> None:
+        self.engine.add_migration(offer)
+
+    def release(self, req_ids: tuple[str, ...]) -> None:
+        self.engine.release(req_ids)
+
+    def abort(self, req_ids: tuple[str, ...]) -> None:
+        self.engine.abort_requests(req_ids)
 
 
 class LocalCluster:
@@ -49,42 +64,39 @@ class LocalCluster:
             for peer in self.engines:
                 if peer is not engine:
                     engine.attach_peer(peer.instance_id, peer.pools())
-        self.router = Router([_Handle(e) for e in self.engines], policy=policy, seed=config.seed)
+        self.instances = [LocalInstance(e, lambda: self.relay) for e in self.engines]
+        self.router = Router(self.instances, policy=policy, seed=config.seed)
+        self.relay = MigrationRelay(self.router)
         self.max_model_len = min(e.max_model_len for e in self.engines)
-        # req_id -> instances that may hold a part of it (for aborts)
-        self._holders: dict[str, set[int]] = {}
 
     def add_request(self, req: EngineRequest) -> None:
-        entry = self.router.select(has_images=bool(req.images)).engine
-        entry.add_request(req)
-        self._holders[req.req_id] = {entry.instance_id}
+        entry = self.router.select(has_images=bool(req.images))
+        entry.engine.add_request(req)
+        self.relay.open(req.req_id, entry)
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
-        for req_id in req_ids:
-            for i in self._holders.pop(req_id, ()):
-                self.engines[i].abort_requests([req_id])
+        self.relay.abort(list(req_ids))
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.engines)
 
     def step(self) -> EngineOutput:
         merged = EngineOutput()
-        for engine in self.engines:
-            merge_outputs(merged, self.step_instance(engine))
+        for instance in self.instances:
+            merge_outputs(merged, self.step_instance(instance.engine))
         return merged
 
     def step_instance(self, engine: EngineCore) -> EngineOutput:
         """One step of one instance, then relay its offers and finished pulls."""
+        instance = self.instances[engine.instance_id]
         output = engine.step() if engine.has_work() else EngineOutput()
         # Releases first: the source may be the target of this step's offers (ED+P).
-        for req_id, source in engine.take_pulled():
-            self.engines[source].release([req_id])
+        for pulled in engine.take_pulled():
+            self.relay.on_pulled(instance, pulled)
         for offer in engine.take_offers():
-            target = self.router.select_stage(offer.next_stage).engine
-            target.add_migration(offer)
-            self._holders.setdefault(offer.req_id, set()).add(target.instance_id)
+            self.relay.on_offer(instance, offer)
         for finished in output.finished:
-            self._holders.pop(finished.req_id, None)
+            self.relay.close(finished.req_id)
         return output
 
     def shutdown(self) -> None:

@@ -24,10 +24,14 @@ from typing import Callable
 
 from hydrad.engine.inputs import EngineRequest, EngineStats
 from hydrad.errors import RequestError
-from hydrad.server.requests_table import RequestSink, RequestTable
+from hydrad.cluster.requests import RequestSink, RequestTable
+from hydrad.engine.migration import MigrationOffer
 from hydrad.transport.messages import (
+    Abort,
     AddRequest,
     GetStats,
+    Migrate,
+    Release,
     RequestRejected,
     Shutdown,
     StatsReply,
@@ -91,9 +95,16 @@ class WorkerClient:
         self.table.open(request.req_id, self, sink)
         self._send(AddRequest(request))
 
-    def abort(self, req_id: str) -> None:
-        """Abort the request on every instance that holds a part of it."""
-        self.table.abort(req_id)
+    # -- the relay's Instance interface ------------------------------------------------------
+    def migrate(self, offer: MigrationOffer) -> None:
+        self.send_quietly(Migrate(offer))
+
+    def release(self, req_ids: tuple[str, ...]) -> None:
+        self.send_quietly(Release(tuple(req_ids)))
+
+    def abort(self, req_ids: tuple[str, ...]) -> None:
+        """Drop these requests on this worker (the table aborts a request everywhere)."""
+        self.send_quietly(Abort(tuple(req_ids)))
 
     def send_quietly(self, msg) -> None:
         """Send unless the worker is gone (its requests have failed already)."""
@@ -146,8 +157,8 @@ class WorkerClient:
                 self.on_step_timing(self, msg.output.timing)
             self.table.deliver_output(msg.output)
             # Releases first: the source may be the target of this step's offers (ED+P).
-            for req_id, source_id in msg.pulled:
-                self.table.on_pulled(self, req_id, source_id)
+            for pulled in msg.pulled:
+                self.table.on_pulled(self, pulled)
             for offer in msg.offers:
                 self.table.on_offer(self, offer)
         elif isinstance(msg, StatsReply):

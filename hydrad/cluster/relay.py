@@ -1,0 +1,98 @@
+"""The migration relay: which instances hold each request, and the hand-offs between them.
+
+The engine side of pull-based migration is ``hydrad.engine.migration``. Here: when an
+instance offers a request whose next stage it does not hold, the router picks a live
+target holding that stage and the target is handed the offer (it pulls when it
+schedules the request); when a target reports a finished pull, the source is told to
+release its blocks. An abort reaches every instance that may hold a part of the
+request. The same relay serves the in-process cluster (instances are engines) and the
+daemon (instances are worker pipes): it only calls ``Instance`` methods.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Iterable, Protocol
+
+from hydrad.cluster.router import NoInstanceAvailable, Router
+from hydrad.engine.migration import MigrationOffer, Pulled
+
+
+class Instance(Protocol):
+    """What the router and the relay see of an instance."""
+
+    instance_id: int
+    role: str
+    alive: bool
+
+    def migrate(self, offer: MigrationOffer) -> None: ...
+    def release(self, req_ids: tuple[str, ...]) -> None: ...
+    def abort(self, req_ids: tuple[str, ...]) -> None: ...
+
+
+class MigrationRelay:
+    def __init__(self, router: Router):
+        self.router = router
+        self.holders: dict[str, set[Instance]] = {}
+        self._num_held: dict[int, int] = defaultdict(int)  # instance id -> requests it holds a part of
+
+    def __len__(self) -> int:
+        return len(self.holders)
+
+    def is_open(self, req_id: str) -> bool:
+        return req_id in self.holders
+
+    def held_by(self, instance: Instance) -> int:
+        """Requests in flight that ``instance`` holds a part of (O(1), for least-load routing)."""
+        return self._num_held[instance.instance_id]
+
+    def requests_held_by(self, instance: Instance) -> list[str]:
+        return [req_id for req_id, holders in self.holders.items() if instance in holders]
+
+    # -- a request's life --------------------------------------------------------------------
+    def open(self, req_id: str, entry: Instance) -> None:
+        self.holders[req_id] = {entry}
+        self._num_held[entry.instance_id] += 1
+
+    def close(self, req_id: str) -> set[Instance]:
+        """The request ended: forget it; returns the instances that held a part of it."""
+        holders = self.holders.pop(req_id, set())
+        for instance in holders:
+            self._num_held[instance.instance_id] -= 1
+        return holders
+
+    def abort(self, req_ids: Iterable[str]) -> None:
+        """End requests everywhere: every instance holding a part drops it and frees its blocks."""
+        for req_id in req_ids:
+            for instance in self.close(req_id):
+                if instance.alive:
+                    instance.abort((req_id,))
+
+    # -- migration ---------------------------------------------------------------------------
+    def on_offer(self, source: Instance, offer: MigrationOffer) -> None:
+        """Hand ``offer`` to a target; raises ``NoInstanceAvailable`` when no live instance
+        holds the next stage (the caller fails the request)."""
+        holders = self.holders.get(offer.req_id)
+        if holders is None:  # gone meanwhile (aborted): the source must not keep it
+            source.release((offer.req_id,))
+            return
+        target = self.router.select_stage(offer.next_stage)
+        if target not in holders:
+            holders.add(target)
+            self._num_held[target.instance_id] += 1
+        target.migrate(offer)
+
+    def on_pulled(self, target: Instance, pulled: Pulled) -> None:
+        """The target has the blocks: the source lets them go."""
+        source = self.router.instance(pulled.source)
+        if source is None:
+            return
+        holders = self.holders.get(pulled.req_id)
+        if holders is not None and source in holders and source is not target:
+            holders.discard(source)
+            self._num_held[source.instance_id] -= 1
+        if source.alive:
+            source.release((pulled.req_id,))
+
+
+__all__ = ["Instance", "MigrationRelay", "NoInstanceAvailable"]

@@ -1,0 +1,108 @@
+"""The request table: where each request's outputs go, over the migration relay.
+
+A request enters at one instance; each time a stage finishes on an instance that
+does not hold the next one, that instance offers it and the relay hands it on
+(``hydrad.cluster.relay``). Outputs (first token from the prefill instance, the rest
+from the decode instance) all go to the request's one ``RequestSink``, called
+synchronously while a step's columns are read, so a step reaches all its requests in
+one pass. When the daemon stops at once (``fail_all``), every request in flight fails
+and new ones are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from hydrad.cluster.relay import Instance, MigrationRelay
+from hydrad.cluster.router import NoInstanceAvailable, Router
+from hydrad.engine.inputs import EngineOutput, TokenLogprobs
+from hydrad.engine.migration import MigrationOffer, Pulled
+
+logger = logging.getLogger("hydrad.migration")
+
+
+class RequestSink(Protocol):
+    """Where one request's outputs go. Called on the event loop, in step order; after
+    ``on_finish`` or ``on_error`` nothing more comes."""
+
+    def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None: ...
+    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None) -> None: ...
+    def on_error(self, error: Exception) -> None: ...
+
+
+class ServiceStopping(RuntimeError):
+    """The daemon is stopping at once: the request failed or was refused."""
+
+
+class RequestTable:
+    def __init__(self, router: Router):
+        self.router = router
+        self.relay = MigrationRelay(router)
+        self.sinks: dict[str, RequestSink] = {}
+        self.stopping_reason: str | None = None
+
+    def __len__(self) -> int:
+        """Requests in flight (one migrating between instances counts once)."""
+        return len(self.sinks)
+
+    def held_by(self, instance: Instance) -> int:
+        return self.relay.held_by(instance)
+
+    def open(self, req_id: str, entry: Instance, sink: RequestSink) -> None:
+        if self.stopping_reason is not None:
+            raise ServiceStopping(self.stopping_reason)
+        self.sinks[req_id] = sink
+        self.relay.open(req_id, entry)
+
+    def deliver_output(self, output: EngineOutput) -> None:
+        """Hand one step's columns to the requests' sinks, in one pass."""
+        sinks = self.sinks
+        logprobs = output.logprobs
+        token_ids = output.token_ids
+        for i, req_id in enumerate(output.req_ids):
+            sink = sinks.get(req_id)
+            if sink is not None:  # else aborted by the daemon while the step ran
+                sink.on_token(token_ids[i], logprobs[i] if logprobs is not None else None)
+        for end in output.finished:
+            sink = sinks.pop(end.req_id, None)
+            if sink is not None:
+                self.relay.close(end.req_id)
+                sink.on_finish(end.finish_reason, end.stage_times)
+
+    def fail(self, req_id: str, error: Exception) -> None:
+        """End a request with an error; the instances still holding it drop it."""
+        sink = self.sinks.get(req_id)
+        if sink is not None:
+            self.abort(req_id)
+            sink.on_error(error)
+
+    def fail_all(self, reason: str) -> int:
+        """Fail every request in flight with ``ServiceStopping(reason)`` and refuse new
+        ones from now on; returns how many failed."""
+        self.stopping_reason = reason
+        req_ids = list(self.sinks)
+        for req_id in req_ids:
+            self.fail(req_id, ServiceStopping(reason))
+        return len(req_ids)
+
+    def abort(self, req_id: str) -> None:
+        """End a request everywhere (client gone, stop string): no output follows."""
+        self.sinks.pop(req_id, None)
+        self.relay.abort((req_id,))
+
+    # -- migration, through the relay -------------------------------------------------------------
+    def on_offer(self, source: Instance, offer: MigrationOffer) -> None:
+        try:
+            self.relay.on_offer(source, offer)
+        except NoInstanceAvailable as e:
+            logger.error("request %s: no target for stage %s: %s", offer.req_id, offer.next_stage, e)
+            self.fail(offer.req_id, e)
+
+    def on_pulled(self, target: Instance, pulled: Pulled) -> None:
+        self.relay.on_pulled(target, pulled)
+
+    def lost(self, instance: Instance, error: Exception) -> None:
+        """An instance died: every request it held fails (the others drop their parts)."""
+        for req_id in self.relay.requests_held_by(instance):
+            self.fail(req_id, error)

@@ -1,0 +1,30 @@
+"""An image as a model family takes it: preprocessed pixels and its place in the prompt.
+
+Defined with the models (each family says what its images carry) and part of what a
+frontend hands the engine (``hydrad.engine.inputs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ImageInput:
+    """One image of a request, preprocessed, and where its tokens sit in the prompt."""
+
+    # The image processor's output for this image (model dtype not applied yet): LLaVA-1.5
+    # [3, H, W]; LLaVA-NeXT [num_tiles, 3, H, W] (the resized whole image, then the tiles);
+    # Qwen2-VL [num_patches, channels * temporal_patch * patch * patch].
+    # None once encoded elsewhere (a migrated request carries only the placement).
+    pixel_values: torch.Tensor | None
+    # First placeholder position in the prompt and the number of placeholders (= image tokens).
+    offset: int
+    length: int
+    # What a variable-resolution encoder needs besides the pixels, as plain ints (they travel in
+    # messages): LLaVA-NeXT's original (height, width), which fixes the tile grid and the unpadding;
+    # Qwen2-VL's patch grid (t, h, w) before the 2x2 merge.
+    image_size: tuple[int, int] | None = None
+    grid_thw: tuple[int, int, int] | None = None
