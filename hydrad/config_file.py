@@ -65,6 +65,11 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     # Seconds to wait for every worker to load weights and allocate caches.
     worker_start_timeout: float = 600.0
+    # A worker that dies is restarted with its role; after this many restarts of one worker
+    # within worker_restart_window seconds it is a crash loop and is not restarted again.
+    # 0: never restart (a worker that dies stays down).
+    worker_restart_limit: int = 3
+    worker_restart_window: float = 300.0
     log_level: str = "info"
     remote_images: RemoteImageConfig = field(default_factory=RemoteImageConfig)
 
@@ -78,6 +83,8 @@ class ServerConfig:
             raise ConfigError(
                 f"server.router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}"
             )
+        if self.worker_restart_limit < 0 or self.worker_restart_window <= 0:
+            raise ConfigError("server.worker_restart_limit must be >= 0 and server.worker_restart_window > 0")
         if self.shutdown_timeout < 0 or self.worker_start_timeout <= 0:
             raise ConfigError("server.shutdown_timeout must be >= 0 and server.worker_start_timeout > 0")
         if self.log_level not in _LOG_LEVELS:

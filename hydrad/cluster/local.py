@@ -44,6 +44,10 @@ class LocalInstance:
         return self.engine.role
 
     @property
+    def accepting(self) -> bool:
+        return self.alive
+
+    @property
     def num_inflight(self) -> int:
         return self._relay_of().held_by(self)
 

@@ -23,7 +23,8 @@ class Instance(Protocol):
 
     instance_id: int
     role: str
-    alive: bool
+    alive: bool  # its link is up (it may still be starting)
+    accepting: bool  # it takes new work
 
     def migrate(self, offer: MigrationOffer) -> None: ...
     def release(self, req_ids: tuple[str, ...]) -> None: ...
@@ -35,6 +36,9 @@ class MigrationRelay:
         self.router = router
         self.holders: dict[str, set[Instance]] = {}
         self._num_held: dict[int, int] = defaultdict(int)  # instance id -> requests it holds a part of
+        # Offers handed to a target that has not pulled yet: req_id -> (source, target, offer).
+        # The source still holds the blocks, so if the target dies the offer can go elsewhere.
+        self.in_flight: dict[str, tuple[Instance, Instance, MigrationOffer]] = {}
 
     def __len__(self) -> int:
         return len(self.holders)
@@ -56,6 +60,7 @@ class MigrationRelay:
 
     def close(self, req_id: str) -> set[Instance]:
         """The request ended: forget it; returns the instances that held a part of it."""
+        self.in_flight.pop(req_id, None)
         holders = self.holders.pop(req_id, set())
         for instance in holders:
             self._num_held[instance.instance_id] -= 1
@@ -80,10 +85,25 @@ class MigrationRelay:
         if target not in holders:
             holders.add(target)
             self._num_held[target.instance_id] += 1
+        self.in_flight[offer.req_id] = (source, target, offer)
         target.migrate(offer)
+
+    def take_back(self, req_id: str, target: Instance) -> tuple[Instance, MigrationOffer] | None:
+        """``target`` died before pulling ``req_id``: forget it as a holder and return the
+        (source, offer) to hand on again, if the source still holds the blocks."""
+        entry = self.in_flight.get(req_id)
+        if entry is None or entry[1] is not target or not entry[0].alive:
+            return None
+        del self.in_flight[req_id]
+        holders = self.holders.get(req_id)
+        if holders is not None and target in holders:
+            holders.discard(target)
+            self._num_held[target.instance_id] -= 1
+        return entry[0], entry[2]
 
     def on_pulled(self, target: Instance, pulled: Pulled) -> None:
         """The target has the blocks: the source lets them go."""
+        self.in_flight.pop(pulled.req_id, None)
         source = self.router.instance(pulled.source)
         if source is None:
             return

@@ -41,6 +41,10 @@ class RequestTable:
         self.relay = MigrationRelay(router)
         self.sinks: dict[str, RequestSink] = {}
         self.stopping_reason: str | None = None
+        # While an instance is being restarted (or a deployment changed), an offer whose next
+        # stage has no live instance waits here instead of failing: (source, offer).
+        self.hold_offers = False
+        self._parked: list[tuple[Instance, MigrationOffer]] = []
 
     def __len__(self) -> int:
         """Requests in flight (one migrating between instances counts once)."""
@@ -96,13 +100,33 @@ class RequestTable:
         try:
             self.relay.on_offer(source, offer)
         except NoInstanceAvailable as e:
+            if self.hold_offers:
+                logger.info("request %s waits for an instance holding stage %s", offer.req_id, offer.next_stage)
+                self._parked.append((source, offer))
+                return
             logger.error("request %s: no target for stage %s: %s", offer.req_id, offer.next_stage, e)
             self.fail(offer.req_id, e)
+
+    def retry_parked(self) -> None:
+        """Hand the waiting offers on again (an instance came back); those that still find
+        no target fail unless offers are held."""
+        parked, self._parked = self._parked, []
+        for source, offer in parked:
+            if source.alive:
+                self.on_offer(source, offer)
+            else:  # the source died meanwhile: its requests have failed already
+                self.fail(offer.req_id, NoInstanceAvailable(f"instance {source.instance_id} is gone"))
 
     def on_pulled(self, target: Instance, pulled: Pulled) -> None:
         self.relay.on_pulled(target, pulled)
 
     def lost(self, instance: Instance, error: Exception) -> None:
-        """An instance died: every request it held fails (the others drop their parts)."""
+        """An instance died: every request it held fails (the others drop their parts),
+        except those it was about to pull: their source still has the blocks, so they go
+        to another target (or wait for one)."""
         for req_id in self.relay.requests_held_by(instance):
-            self.fail(req_id, error)
+            handed_back = self.relay.take_back(req_id, instance)
+            if handed_back is not None:
+                self.on_offer(*handed_back)
+            else:
+                self.fail(req_id, error)

@@ -16,7 +16,8 @@ from typing import Protocol, Sequence
 class Instance(Protocol):
     instance_id: int
     role: str
-    alive: bool
+    # Takes new work (alive and started).
+    accepting: bool
 
     @property
     def num_inflight(self) -> int: ...
@@ -46,7 +47,7 @@ class Router:
 
     def select_stage(self, stage: str):
         """An instance holding ``stage`` (the entry, or the target of a migration)."""
-        candidates = [i for i in self.instances if i.alive and stage in i.role]
+        candidates = [i for i in self.instances if i.accepting and stage in i.role]
         if not candidates:
             raise NoInstanceAvailable(f"no live instance can take stage {stage}")
         if self.policy == "random":

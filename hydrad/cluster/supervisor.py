@@ -1,12 +1,18 @@
-"""Spawns one worker process per instance, waits until all are ready, stops them.
+"""Spawns one worker process per instance, watches them, restarts the ones that die.
 
-Workers are started with ``torch.multiprocessing`` (spawn). Readiness (weights
-loaded, caches allocated) is shown as a progress display; a worker that fails
-to start stops the others and surfaces its error as one line. A worker that
-dies later is marked down (``/health`` turns 503), its requests fail, and one
-line says which worker it was and how it ended. If every stage (E, P, D) is
-still held by a live instance the daemon serves on, degraded; otherwise
-``failed`` is set and the daemon stops, so that its service manager
+Workers are started with ``torch.multiprocessing`` (spawn). Readiness (weights loaded,
+caches allocated) is shown as a progress display; a worker that fails to start at
+daemon start stops the others and surfaces its error as one line.
+
+A worker that dies later (killed, crashed, out of memory) is noticed when its pipe
+reaches EOF — at once — and one line says which worker it was and how it ended. Only
+the requests it held fail; offers waiting for a stage it held wait for it
+(``RequestTable.hold_offers``). It is restarted with its role after a short backoff,
+its pools are shared again with every live peer (and theirs with it), and it takes
+requests again; ``/health`` is 503 meanwhile. A worker restarted ``restart_limit``
+times within ``restart_window`` seconds is in a crash loop and stays down: if every
+stage (E, P, D) is still held by a live instance the daemon serves on, degraded;
+otherwise ``failed`` is set and the daemon stops, so that its service manager
 restarts it whole.
 """
 
@@ -17,6 +23,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Callable
@@ -29,9 +36,13 @@ from hydrad.cluster.router import Router
 from hydrad.cluster.worker_client import EXITED, WorkerClient, WorkerLost
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
-from hydrad.transport.messages import AttachPeers, WorkerReady
+from hydrad.transport.messages import WorkerReady
 
 logger = logging.getLogger("hydrad.supervisor")
+
+# Seconds before the first restart of a worker, doubled for each further one.
+_FIRST_BACKOFF = 0.5
+_MAX_BACKOFF = 8.0
 
 
 class WorkerStartError(HydradError):
@@ -44,6 +55,14 @@ class InstanceSpec:
     role: str
     device: str
     num_threads: int
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Restart a dead worker unless it was restarted ``limit`` times within ``window`` seconds."""
+
+    limit: int = 3
+    window: float = 300.0
 
 
 def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
@@ -72,55 +91,48 @@ def missing_stages(roles: list[str]) -> list[str]:
 
 class Supervisor:
     def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0,
-                 router_policy: str = "round-robin"):
+                 router_policy: str = "round-robin", restart: RestartPolicy | None = None):
         self.config = config
-        self.specs = specs
+        self.specs = list(specs)
         self.start_timeout = start_timeout
+        self.restart = restart or RestartPolicy()
         self.clients: list[WorkerClient] = []
         # The router sees the clients list itself: a worker restarted in place is seen at once.
         self.router = Router(self.clients, router_policy, seed=config.seed if config is not None else None)
         self.table = RequestTable(self.router)
-        # Called with a one-line status when the daemon goes on serving degraded.
-        self.on_degraded: Callable[[str], None] | None = None
+        # Called with a one-line status when the daemon goes on serving degraded or recovers.
+        self.on_status: Callable[[str], None] | None = None
+        # Called with every new worker client (at start and at each restart), to wire it up.
+        self.on_client: Callable[[WorkerClient], None] | None = None
         # Pools are shared between instances only when requests migrate between them.
         self.migrates = any(spec.role != "EPD" for spec in specs)
         self._processes: dict[int, BaseProcess] = {}  # by instance id
         self._stopping = False
-        # Set once a worker has died and left some stage without a live instance;
-        # ``failure`` says which worker and how it ended.
+        self._restart_times: dict[int, deque[float]] = {}
+        self.restarting: set[int] = set()
+        # Instance id -> why it is not restarted any more.
+        self.crash_loops: dict[int, str] = {}
+        self.num_restarts: dict[int, int] = {spec.instance_id: 0 for spec in specs}
+        # Set once a stage is left without a live instance for good; ``failure`` says why.
         self.failed = asyncio.Event()
         self.failure: str | None = None
-        self._reports: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def healthy(self) -> bool:
-        return bool(self.clients) and all(c.alive for c in self.clients)
+        return bool(self.clients) and all(c.accepting for c in self.clients)
 
+    def process(self, instance_id: int) -> BaseProcess | None:
+        return self._processes.get(instance_id)
+
+    # -- start -----------------------------------------------------------------------------------
     async def start(self, console: Console | None = None) -> list[WorkerReady]:
-        import torch.multiprocessing as mp
-
-        from hydrad.engine.worker import worker_main
-
-        ctx = mp.get_context("spawn")
         for spec in self.specs:
-            parent, child = ctx.Pipe()
-            peer_ids = tuple(s.instance_id for s in self.specs if s is not spec) if self.migrates else ()
-            process = ctx.Process(
-                target=worker_main,
-                args=(spec.instance_id, spec.role, spec.device, self.config, child, spec.num_threads, peer_ids),
-                name=f"hydrad-worker-{spec.instance_id}",
-            )
-            process.start()
-            child.close()  # so the daemon sees EOF when the worker exits
-            self._processes[spec.instance_id] = process
-            client = WorkerClient(spec.instance_id, spec.role, spec.device, self.table)
-            client.on_lost = self._on_lost
-            await client.connect(parent)
-            self.clients.append(client)
+            self.clients.append(await self._spawn(spec))
         try:
             readies = await asyncio.wait_for(self._wait_ready(console), self.start_timeout)
             if self.migrates:
-                self._attach_peers(readies)
+                self._attach_all(readies)
             return readies
         except (WorkerLost, asyncio.TimeoutError) as e:
             await self.stop(timeout=5.0)
@@ -129,6 +141,31 @@ class Supervisor:
             failed = next(c for c in self.clients if not c.alive)
             raise WorkerStartError(f"worker {failed.instance_id} ({failed.device}) failed to start: "
                                    f"{failed.failure}") from None
+
+    async def _spawn(self, spec: InstanceSpec) -> WorkerClient:
+        """Start the worker process of ``spec``; its client is connected, not yet ready."""
+        import torch.multiprocessing as mp
+
+        from hydrad.engine.worker import worker_main
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        peer_ids = tuple(s.instance_id for s in self.specs if s.instance_id != spec.instance_id) \
+            if self.migrates else ()
+        process = ctx.Process(
+            target=worker_main,
+            args=(spec.instance_id, spec.role, spec.device, self.config, child, spec.num_threads, peer_ids),
+            name=f"hydrad-worker-{spec.instance_id}",
+        )
+        process.start()
+        child.close()  # so the daemon sees EOF when the worker exits
+        self._processes[spec.instance_id] = process
+        client = WorkerClient(spec.instance_id, spec.role, spec.device, self.table)
+        client.on_lost = self._on_lost
+        if self.on_client is not None:
+            self.on_client(client)
+        await client.connect(parent)
+        return client
 
     async def _wait_ready(self, console: Console | None) -> list[WorkerReady]:
         start = time.monotonic()
@@ -149,21 +186,40 @@ class Supervisor:
         logger.info("%d worker(s) ready in %.1f s", len(readies), time.monotonic() - start)
         return readies
 
-    def _attach_peers(self, readies: list[WorkerReady]) -> None:
+    def _attach_all(self, readies: list[WorkerReady]) -> None:
         """Hand every instance the pools of all others (pickled by each source for it)."""
         for client in self.clients:
-            pools = {r.instance_id: r.pools[client.instance_id] for r in readies if r.instance_id != client.instance_id}
-            client.send_quietly(AttachPeers(pools))
+            client.attach_peers({r.instance_id: r.pools[client.instance_id] for r in readies
+                                 if r.instance_id != client.instance_id})
         logger.info("cache pools shared between %d instances for migration", len(self.clients))
 
+    async def share_pools(self, client: WorkerClient) -> None:
+        """Exchange pools between ``client`` (new, or with new pools) and every live peer."""
+        if not self.migrates:
+            return
+        peers = [c for c in self.clients if c is not client and c.alive]
+        mine = await asyncio.gather(*(client.export_pools_for(p.instance_id) for p in peers))
+        theirs = await asyncio.gather(*(p.export_pools_for(client.instance_id) for p in peers))
+        client.attach_peers({p.instance_id: blob for p, blob in zip(peers, theirs)})
+        for peer, blob in zip(peers, mine):
+            peer.attach_peers({client.instance_id: blob})
+
+    # -- a worker dies ------------------------------------------------------------------------------
     def _on_lost(self, client: WorkerClient) -> None:
         if client.ready is not None and not self._stopping:  # start-up failures are reported by start()
-            task = asyncio.ensure_future(self._report_lost(client))
-            self._reports.add(task)
-            task.add_done_callback(self._reports.discard)
+            if self.restart.limit > 0:
+                # From this moment offers for its stages wait for the restart instead of failing.
+                self.restarting.add(client.instance_id)
+                self.table.hold_offers = True
+            self._spawn_task(self._handle_lost(client))
 
-    async def _report_lost(self, client: WorkerClient) -> None:
-        """One line on how the worker ended; ``failed`` if a stage lost its last instance."""
+    def _spawn_task(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _handle_lost(self, client: WorkerClient) -> None:
+        """One line on how the worker ended, then restart it (or give up, and say why)."""
         process = self._processes[client.instance_id]
         # The pipe closes as the process ends; its exit status follows at once.
         await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
@@ -171,24 +227,92 @@ class Supervisor:
         link = "pipe reached EOF" if client.failure == EXITED else client.failure
         why = f"{link}; process {describe_exit(process.exitcode)}"
         down = f"worker {client.instance_id} ({client.device}, {client.role}, pid {process.pid}) is down: {why}"
-        live = [c for c in self.clients if c.alive]
-        missing = missing_stages([c.role for c in live])
         if self._stopping:
             logger.error("%s", down)
-        elif missing:
-            reason = f"{down}; no live instance holds stage {', '.join(missing)}"
+            return
+        for peer in self.clients:
+            if peer is not client and peer.alive:
+                peer.detach_peer(client.instance_id)
+        spec = self.specs[client.instance_id]
+        if client.instance_id in self.restarting:
+            logger.error("%s; restarting it", down)
+            self._status(f"restarting worker {spec.instance_id}")
+            await self._restart(spec, down)
+            return
+        self._give_up(spec, down)
+
+    async def _restart(self, spec: InstanceSpec, down: str) -> None:
+        """Restart ``spec``'s worker until it is ready, backing off, or declare a crash loop."""
+        times = self._restart_times.setdefault(spec.instance_id, deque())
+        self.restarting.add(spec.instance_id)
+        self.table.hold_offers = True
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                while times and times[0] < now - self.restart.window:
+                    times.popleft()
+                if len(times) >= self.restart.limit:
+                    self._give_up(spec, f"{down}; crash loop: restarted {len(times)} times within "
+                                        f"{self.restart.window:.0f} s, not restarting it again")
+                    return
+                await asyncio.sleep(min(_MAX_BACKOFF, _FIRST_BACKOFF * 2 ** len(times)))
+                times.append(time.monotonic())
+                self.num_restarts[spec.instance_id] += 1
+                client = await self._spawn(spec)
+                self.clients[spec.instance_id] = client
+                try:
+                    ready = await asyncio.wait_for(client.wait_ready(), self.start_timeout)
+                    await self.share_pools(client)
+                except (WorkerLost, asyncio.TimeoutError) as e:
+                    if isinstance(e, asyncio.TimeoutError):
+                        reason = f"not ready after {self.start_timeout:.0f} s"
+                    else:
+                        reason = client.failure or str(e)
+                    logger.error("worker %d failed to restart: %s", spec.instance_id, reason)
+                    down = f"worker {spec.instance_id} ({spec.device}, {spec.role}) failed to restart: {reason}"
+                    await self._reap(spec.instance_id, client)
+                    continue
+                logger.info("worker %d (%s, %s, pid %d) restarted in %.1f s", spec.instance_id, spec.device,
+                            spec.role, ready.pid, ready.load_seconds)
+                self._status("serving" if self.healthy else "degraded")
+                return
+        finally:
+            self.restarting.discard(spec.instance_id)
+            self.table.hold_offers = bool(self.restarting)
+            self.table.retry_parked()
+
+    async def _reap(self, instance_id: int, client: WorkerClient) -> None:
+        """Make sure a worker that failed is gone (it may hang half-started)."""
+        client.close()
+        process = self._processes[instance_id]
+        if process.is_alive():
+            process.kill()
+        await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
+
+    def _give_up(self, spec: InstanceSpec, reason: str) -> None:
+        self.crash_loops[spec.instance_id] = reason
+        live = [c for c in self.clients if c.accepting]
+        missing = missing_stages([c.role for c in live])
+        if missing:
+            reason = f"{reason}; no live instance holds stage {', '.join(missing)}"
             logger.error("%s", reason)
             if self.failure is None:
                 self.failure = reason
                 self.failed.set()
-        else:
-            logger.error("%s; serving degraded on %d of %d instance(s)", down, len(live), len(self.clients))
-            if self.on_degraded is not None:
-                self.on_degraded(f"degraded: worker {client.instance_id} is down")
+            return
+        logger.error("%s; serving degraded on %d of %d instance(s)", reason, len(live), len(self.clients))
+        self._status(f"degraded: worker {spec.instance_id} is down")
 
+    def _status(self, status: str) -> None:
+        if self.on_status is not None:
+            self.on_status(status)
+
+    # -- stop ------------------------------------------------------------------------------------------
     async def stop(self, timeout: float = 10.0) -> None:
         """Tell every worker to exit (aborting what is left), wait, then force the stragglers."""
         self._stopping = True
+        for task in list(self._tasks):
+            task.cancel()
         for client in self.clients:
             client.shutdown(finish_running=False)
         loop = asyncio.get_running_loop()

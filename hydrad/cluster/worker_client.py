@@ -29,8 +29,12 @@ from hydrad.engine.migration import MigrationOffer
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
+    AttachPeers,
+    DetachPeer,
+    ExportPools,
     GetStats,
     Migrate,
+    PoolsExported,
     Release,
     RequestRejected,
     Shutdown,
@@ -67,6 +71,7 @@ class WorkerClient:
         self._ready_future: asyncio.Future[WorkerReady] = self._loop.create_future()
         self.table = table
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
+        self._pool_waiters: dict[int, asyncio.Future[bytes]] = {}
         self._seq = itertools.count()
         self._token_times: deque[tuple[float, int]] = deque()
         self.link: WorkerLink | None = None
@@ -76,6 +81,11 @@ class WorkerClient:
         self.link = await WorkerLink.open(conn, self._dispatch, self._on_link_closed)
 
     # -- load, for the router --------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        """Takes new work: alive and started (a restarting worker is alive before it is ready)."""
+        return self.alive and self.ready is not None
+
     @property
     def num_inflight(self) -> int:
         return self.table.held_by(self)
@@ -125,6 +135,23 @@ class WorkerClient:
         finally:
             self._stats_waiters.pop(seq, None)
 
+    async def export_pools_for(self, peer_id: int, timeout: float = 30.0) -> bytes:
+        """This worker's pools pickled for ``peer_id`` alone (to hand to that peer)."""
+        if not self.alive:
+            raise WorkerLost(f"worker {self.instance_id} is down")
+        waiter = self._pool_waiters[peer_id] = self._loop.create_future()
+        self._send(ExportPools(peer_id))
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._pool_waiters.pop(peer_id, None)
+
+    def attach_peers(self, pools: dict[int, bytes]) -> None:
+        self.send_quietly(AttachPeers(pools))
+
+    def detach_peer(self, peer_id: int) -> None:
+        self.send_quietly(DetachPeer(peer_id))
+
     def shutdown(self, finish_running: bool = False) -> None:
         if self.alive:
             try:
@@ -165,6 +192,10 @@ class WorkerClient:
             waiter = self._stats_waiters.get(msg.seq)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.stats)
+        elif isinstance(msg, PoolsExported):
+            waiter = self._pool_waiters.get(msg.peer_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(msg.blob)
         elif isinstance(msg, RequestRejected):
             self.table.fail(msg.req_id, RequestError(msg.message, msg.param))
         elif isinstance(msg, WorkerReady):
@@ -186,12 +217,13 @@ class WorkerClient:
         if not self._ready_future.done():
             self._ready_future.set_exception(error)
             self._ready_future.exception()  # retrieved here; wait_ready() re-raises it
-        self.table.lost(self, error)
-        for waiter in self._stats_waiters.values():
-            if not waiter.done():
-                waiter.set_exception(error)
+        # The supervisor first (it decides whether offers wait for a restart), then the requests.
         if self.on_lost is not None:
             self.on_lost(self)
+        self.table.lost(self, error)
+        for waiter in [*self._stats_waiters.values(), *self._pool_waiters.values()]:
+            if not waiter.done():
+                waiter.set_exception(error)
 
     def _trim_token_times(self, since: float) -> None:
         while self._token_times and self._token_times[0][0] < since:

@@ -198,6 +198,9 @@ class EngineCore:
     def attach_peer(self, instance_id: int, pools: dict[str, torch.Tensor | None]) -> None:
         self.copier.peers[instance_id] = pools
 
+    def detach_peer(self, instance_id: int) -> None:
+        self.copier.peers.pop(instance_id, None)
+
     def add_migration(self, offer: MigrationOffer) -> None:
         """Queue a request migrating in; it is pulled when this instance schedules it."""
         if offer.source not in self.copier.peers:

@@ -25,8 +25,11 @@ from hydrad.transport.messages import (
     Abort,
     AddRequest,
     AttachPeers,
+    DetachPeer,
+    ExportPools,
     GetStats,
     Migrate,
+    PoolsExported,
     Release,
     RequestRejected,
     Shutdown,
@@ -41,6 +44,7 @@ logger = logging.getLogger("hydrad.worker")
 
 class Engine(Protocol):
     max_model_len: int
+    instance_id: int
 
     def add_request(self, req: EngineRequest) -> None: ...
     def abort_requests(self, req_ids) -> None: ...
@@ -51,6 +55,8 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
     # migration between instances
     def attach_peer(self, instance_id: int, pools: dict) -> None: ...
+    def detach_peer(self, instance_id: int) -> None: ...
+    def pools(self) -> dict: ...
     def add_migration(self, offer: MigrationOffer) -> None: ...
     def release(self, req_ids) -> None: ...
     def take_offers(self) -> list[MigrationOffer]: ...
@@ -145,6 +151,11 @@ def run_worker(engine: Engine, conn: Connection) -> None:
             elif isinstance(msg, AttachPeers):
                 for peer_id, blob in msg.pools.items():
                     engine.attach_peer(peer_id, import_pools(blob))
+            elif isinstance(msg, ExportPools):
+                blob = export_pools(engine.pools(), (msg.peer_id,))[msg.peer_id]
+                conn.send(PoolsExported(engine.instance_id, msg.peer_id, blob))
+            elif isinstance(msg, DetachPeer):
+                engine.detach_peer(msg.peer_id)
             elif isinstance(msg, GetStats):
                 conn.send(StatsReply(msg.seq, engine.get_stats()))
             elif isinstance(msg, Shutdown):

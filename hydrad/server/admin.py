@@ -55,18 +55,29 @@ def _latency(ready) -> dict:
     }
 
 
-def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *, model: str,
+def _state(client: WorkerClient, stats: EngineStats | None, supervisor) -> str:
+    if client.instance_id in supervisor.crash_loops:
+        return "crash loop"
+    if client.instance_id in supervisor.restarting:
+        return "restarting"
+    if stats is not None:
+        return "ready"
+    return "unresponsive" if client.alive else "down"
+
+
+def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
                 max_model_len: int, started: float, num_requests: int, window: dict) -> dict:
     """``num_requests``: requests in flight; an instance's ``num_inflight`` also counts
     those migrating to or from it, so the per-instance numbers may add up to more."""
     instances = []
-    for client, s in zip(clients, stats):
+    for client, s in zip(supervisor.clients, stats):
         instances.append({
             "id": client.instance_id,
             "device": client.device,
             "role": client.role,
             "pid": client.ready.pid if client.ready else None,
-            "state": "ready" if s is not None else ("unresponsive" if client.alive else "down"),
+            "state": _state(client, s, supervisor),
+            "restarts": supervisor.num_restarts.get(client.instance_id, 0),
             "num_inflight": client.num_inflight,
             "num_running": s.num_running if s else None,
             "num_waiting": s.num_waiting if s else None,
@@ -75,7 +86,7 @@ def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *,
             "num_kv_blocks_used": s.num_kv_blocks_used if s else None,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
-            "tokens_per_second": client.tokens_per_second(),
+            "tokens_per_second": client.tokens_per_second() if client.accepting else 0.0,
             **_latency(client.ready),
         })
     return {

@@ -30,7 +30,7 @@ from hydrad.server.metrics import Metrics
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
-from hydrad.cluster.supervisor import InstanceSpec, Supervisor
+from hydrad.cluster.supervisor import InstanceSpec, RestartPolicy, Supervisor
 
 logger = logging.getLogger("hydrad.server")
 
@@ -75,8 +75,12 @@ async def engine_ctx(app: web.Application):
         max_image_pixels=server.max_image_pixels, max_model_len=config.engine.model.max_model_len,
     ))
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
-                            router_policy=server.router_policy)
-    supervisor.on_degraded = lambda status: sd_notify(f"STATUS={status}")
+                            router_policy=server.router_policy,
+                            restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window))
+    supervisor.on_status = lambda status: sd_notify(f"STATUS={status}")
+    # Every worker client, the restarted ones too, reports its steps' times to the metrics.
+    supervisor.on_client = lambda client: setattr(
+        client, "on_step_timing", lambda c, timing: app[METRICS].observe_step(c.instance_id, timing))
     try:
         readies = await supervisor.start(app[CONSOLE])
         processor = await processor_future
@@ -86,8 +90,6 @@ async def engine_ctx(app: web.Application):
         raise
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
     app[METRICS] = Metrics(processor.model_name)
-    for client in supervisor.clients:
-        client.on_step_timing = lambda c, timing: app[METRICS].observe_step(c.instance_id, timing)
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
     app[ENGINE] = EngineClient(
@@ -178,9 +180,12 @@ async def models(request: web.Request) -> web.Response:
 
 async def health(request: web.Request) -> web.Response:
     supervisor = request.app[SUPERVISOR]
-    down = [c.instance_id for c in supervisor.clients if not c.alive]
+    down = [c.instance_id for c in supervisor.clients if not c.accepting]
     if down:
-        return web.json_response({"status": "unhealthy", "instances_down": down}, status=503)
+        body = {"status": "unhealthy", "instances_down": down,
+                "restarting": sorted(supervisor.restarting),
+                "crash_loop": {str(i): reason for i, reason in sorted(supervisor.crash_loops.items())}}
+        return web.json_response(body, status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -196,7 +201,7 @@ async def admin_status(request: web.Request) -> web.Response:
     check_admin_access(request, request.app[CONFIG].server.admin_token)
     supervisor = request.app[SUPERVISOR]
     engine = request.app[ENGINE]
-    body = status_body(supervisor.clients, await instance_stats(supervisor.clients), model=engine.model_name,
+    body = status_body(supervisor, await instance_stats(supervisor.clients), model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
                        num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
     return web.json_response(body)

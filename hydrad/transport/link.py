@@ -114,7 +114,10 @@ class WorkerLink(asyncio.Protocol):
         return False  # let the transport close itself
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed(EOF if exc is None else f"pipe failed: {exc}")
+        # A worker killed with bytes unread in its socket resets it instead of closing it
+        # cleanly: its end is gone either way.
+        gone = exc is None or isinstance(exc, (ConnectionResetError, BrokenPipeError))
+        self._closed(EOF if gone else f"pipe failed: {exc}")
 
     def _fail(self, reason: str) -> None:
         logger.error("worker pipe: %s", reason)

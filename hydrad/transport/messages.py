@@ -60,6 +60,21 @@ class AttachPeers:
 
 
 @dataclass(frozen=True)
+class ExportPools:
+    """Pickle this instance's cache pools for instance ``peer_id`` (a peer that was
+    restarted or changed its pools) and send them back in ``PoolsExported``."""
+
+    peer_id: int
+
+
+@dataclass(frozen=True)
+class DetachPeer:
+    """Instance ``peer_id`` is gone: drop its pools (nothing is pulled from it any more)."""
+
+    peer_id: int
+
+
+@dataclass(frozen=True)
 class Migrate:
     """Target side: queue this request at the head; pull its blocks when it is scheduled."""
 
@@ -106,6 +121,15 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class PoolsExported:
+    """This instance's pools, pickled for ``peer_id`` alone (answer to ``ExportPools``)."""
+
+    instance_id: int
+    peer_id: int
+    blob: bytes
+
+
+@dataclass(frozen=True)
 class StatsReply:
     seq: int
     stats: EngineStats
@@ -130,5 +154,6 @@ class WorkerFailed:
     traceback: str = ""
 
 
-DaemonToWorker = AddRequest | Abort | GetStats | Shutdown | AttachPeers | Migrate | Release
-WorkerToDaemon = WorkerReady | StepOutput | StatsReply | RequestRejected | WorkerFailed
+DaemonToWorker = (AddRequest | Abort | GetStats | Shutdown | AttachPeers | ExportPools | DetachPeer | Migrate
+                  | Release)
+WorkerToDaemon = WorkerReady | StepOutput | StatsReply | PoolsExported | RequestRejected | WorkerFailed

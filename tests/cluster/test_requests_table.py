@@ -26,6 +26,10 @@ class FakeClient:
         self.table: RequestTable | None = None
 
     @property
+    def accepting(self) -> bool:
+        return self.alive
+
+    @property
     def num_inflight(self) -> int:
         return self.table.held_by(self)
 
@@ -102,7 +106,7 @@ def test_finish_in_the_step_that_reports_the_pull_still_releases_the_source():
     asyncio.run(main())
 
 
-def test_a_lost_target_fails_the_request_and_frees_the_source():
+def test_a_lost_target_and_no_other_fails_the_request_and_frees_the_source():
     async def main():
         table, (e, p, _) = make_table()
         sink = opened(table, "r", e)
@@ -110,6 +114,19 @@ def test_a_lost_target_fails_the_request_and_frees_the_source():
         p.alive = False
         table.lost(p, WorkerLost("worker 1 (cpu, P) exited"))
         assert e.sent == [Abort(("r",))]
+        assert "stage P" in str(sink.ended[1]) and len(table) == 0 and not table.relay.holders
+
+    asyncio.run(main())
+
+
+def test_a_lost_instance_fails_what_it_had_pulled():
+    async def main():
+        table, (e, p, _) = make_table()
+        sink = opened(table, "r", e)
+        table.on_offer(e, offer("r", 0, "image"))
+        table.on_pulled(p, Pulled("r", 0))  # P has the blocks; E released them
+        p.alive = False
+        table.lost(p, WorkerLost("worker 1 (cpu, P) exited"))
         assert isinstance(sink.ended[1], WorkerLost) and len(table) == 0 and not table.relay.holders
 
     asyncio.run(main())
@@ -157,5 +174,28 @@ def test_step_columns_reach_each_request_in_order_with_logprobs_and_ends():
         assert b.events == [("token", 6, None), ("token", 7, None)]
         assert c.events == [("finish", "abort", None)]
         assert set(table.sinks) == {"b"}
+
+    asyncio.run(main())
+
+
+def test_an_offer_to_a_target_that_dies_before_pulling_goes_elsewhere_or_waits():
+    async def main():
+        table, (e, p, d) = make_table(("P", "D", "D"))
+        sink = opened(table, "r", e)
+        table.on_offer(e, offer("r", 0, "kv"))
+        first = p if p.sent else d
+        first.alive = False
+        table.lost(first, WorkerLost("worker exited"))
+        other = d if first is p else p
+        assert other.sent == [Migrate(offer("r", 0, "kv"))] and sink.ended is None
+        # the only decode instance dies too, while offers are held (a restart is under way)
+        table.hold_offers = True
+        other.alive = False
+        table.lost(other, WorkerLost("worker exited"))
+        assert sink.ended is None and len(table) == 1
+        other.alive = True
+        table.hold_offers = False
+        table.retry_parked()
+        assert other.sent[-1] == Migrate(offer("r", 0, "kv")) and sink.ended is None
 
     asyncio.run(main())

@@ -9,7 +9,8 @@ from hydrad.cluster.router import NoInstanceAvailable, Router
 class FakeInstance:
     role: str
     num_inflight: int = 0
-    alive: bool = True
+    accepting: bool = True
+    instance_id: int = 0
 
 
 def picks(router, n, has_images=False):
@@ -17,7 +18,7 @@ def picks(router, n, has_images=False):
 
 
 def test_round_robin_skips_dead_instances():
-    instances = [FakeInstance("EPD"), FakeInstance("EPD", alive=False), FakeInstance("EPD")]
+    instances = [FakeInstance("EPD"), FakeInstance("EPD", accepting=False), FakeInstance("EPD")]
     assert picks(Router(instances, "round-robin"), 4) == [0, 2, 0, 2]
 
 
@@ -44,4 +45,4 @@ def test_entry_stage_depends_on_images():
 
 def test_no_live_instance():
     with pytest.raises(NoInstanceAvailable):
-        Router([FakeInstance("EPD", alive=False)]).select(False)
+        Router([FakeInstance("EPD", accepting=False)]).select(False)

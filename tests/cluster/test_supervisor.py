@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from hydrad.cluster.worker_client import EXITED
-from hydrad.cluster.supervisor import Supervisor, describe_exit, missing_stages, plan_specs
+from hydrad.cluster.supervisor import RestartPolicy, Supervisor, describe_exit, missing_stages, plan_specs
 
 
 @pytest.mark.parametrize("exitcode, words", [
@@ -51,11 +51,18 @@ class FakeClient:
         self.alive = True
         self.failure: str | None = None
 
+    @property
+    def accepting(self) -> bool:
+        return self.alive
+
+    def detach_peer(self, peer_id: int) -> None:
+        pass
+
 
 def make_supervisor(roles: list[str]) -> Supervisor:
     """A supervisor over stand-ins for started workers (pid 100 + instance id)."""
     specs = plan_specs([(role, "cpu") for role in roles])
-    supervisor = Supervisor(None, specs)
+    supervisor = Supervisor(None, specs, restart=RestartPolicy(limit=0))  # restarts: tests/server
     supervisor.clients = [FakeClient(s.instance_id, s.role) for s in specs]
     supervisor._processes = {s.instance_id: FakeProcess(100 + s.instance_id) for s in specs}
     return supervisor
@@ -66,7 +73,7 @@ async def lose(supervisor: Supervisor, instance_id: int, exitcode: int, failure:
     client.alive, client.failure = False, failure
     supervisor._processes[instance_id].exitcode = exitcode
     supervisor._on_lost(client)
-    await asyncio.gather(*supervisor._reports)
+    await asyncio.gather(*supervisor._tasks)
 
 
 def test_a_dead_instance_whose_stages_others_hold_leaves_the_daemon_serving(caplog):

@@ -209,3 +209,19 @@ def test_a_failing_handler_does_not_close_the_link(loop_name):
         assert await asyncio.wait_for(closed, 10) == EOF
 
     run(loop_name, main())
+
+
+@pytest.mark.parametrize("loop_name", LOOPS)
+def test_a_peer_gone_with_unread_bytes_counts_as_eof(loop_name):
+    """Closing an end that has unread data resets the socket (ECONNRESET): still the
+    worker's end going away, not a failure of the pipe."""
+    async def main():
+        daemon_end, worker_end = mp.Pipe()
+        received, closed = [], asyncio.get_running_loop().create_future()
+        link = await WorkerLink.open(daemon_end, received.append, closed.set_result)
+        link.send(("unread", b"z" * 100_000))  # the worker never reads this
+        await asyncio.sleep(0.05)
+        worker_end.close()
+        assert await asyncio.wait_for(closed, 10) == EOF
+
+    run(loop_name, main())
