@@ -36,7 +36,8 @@ class CacheConfig:
     # Number of KV blocks; None: derived from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
     kv_cache_memory_mb: int = 512
-    # Image-token slots per image-cache block; None: one image's tokens (576 for LLaVA-1.5/336px).
+    # Image-token slots per image-cache block; None: the family's default (one image's tokens for
+    # LLaVA-1.5, 576 at 336 px; 64 for the families whose images vary in size).
     image_block_size: int | None = None
     # Number of image blocks; None: derived from image_cache_memory_mb.
     num_image_blocks: int | None = None

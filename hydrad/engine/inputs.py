@@ -30,6 +30,10 @@ class ImageInput:
     # Qwen2-VL's patch grid (t, h, w) before the 2x2 merge.
     image_size: tuple[int, int] | None = None
     grid_thw: tuple[int, int, int] | None = None
+    # What encoding it costs: the patch positions the vision tower runs over (the family's
+    # ``num_vision_patches``), filled by the processor so that the scheduler and the latency model
+    # read a plain number; 0 when unknown (the image is then costed by its tokens alone).
+    num_patches: int = 0
 
 
 @dataclass
@@ -146,12 +150,16 @@ class MigrationOffer:
     output_token_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
-    images: list[ImageInput]  # placements only (pixel_values None)
+    images: list[ImageInput]  # placements and layouts only (pixel_values None)
     eos_token_ids: tuple[int, ...]
     # Seeded sampling continues where it stopped: torch.Generator.get_state().
     generator_state: torch.Tensor | None
     # Monotonic timestamps (system-wide clock) and exec seconds so far, for the latency breakdown.
     timeline: dict[str, float]
+    # M-RoPE models: the prompt's positions and the generated tokens' delta, as computed once by
+    # the processor (``EngineRequest.mrope_positions``); they travel, never recomputed.
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
 
     @property
     def next_stage(self) -> str:

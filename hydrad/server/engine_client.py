@@ -85,6 +85,8 @@ class EngineClient:
             request = self.processor.make_engine_request(req_id, prompt, params)
             for image in request.images:
                 image.pixel_values.share_memory_()
+            if request.mrope_positions is not None:
+                request.mrope_positions.share_memory_()
             return request
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, build)
