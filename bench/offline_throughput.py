@@ -21,11 +21,16 @@ console = Console()
 
 
 def run_transformers(path: str, convs, max_tokens: int, batched: bool) -> tuple[float, int]:
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    """transformers' model of the checkpoint's architecture, with the checkpoint's processor."""
+    import transformers
 
-    processor = AutoProcessor.from_pretrained(path)
+    from hydrad.models.hf_processor import load_hf_processor
+    from hydrad.models.loader import load_config
+
+    config = load_config(path)
+    processor = load_hf_processor(path, config.model_type)
     processor.tokenizer.padding_side = "left"
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = getattr(transformers, config.architectures[0]).from_pretrained(path, dtype=torch.float32).eval()
     prompts, images = [], []
     for conv in convs:
         content = conv[0]["content"]

@@ -8,6 +8,10 @@ vocabulary, so the sampler's arithmetic is not counted here (``bench/sampler.py`
 measures that).
 
     python bench/step_overhead.py --decodes 64 256 1024 --out step_overhead.json
+
+``--arch qwen2-vl`` measures a decoder with M-RoPE: every request then carries 3-D prompt
+positions and a position delta, as requests with images do, so each step builds its
+positions from them.
 """
 
 from __future__ import annotations
@@ -66,8 +70,12 @@ def measure(model_dir: str, num_decodes: int, params, steps: int) -> dict:
     from hydrad.engine.inputs import EngineRequest
 
     engine = make_engine(model_dir, num_decodes)
+    mrope = {}
+    if engine.model.uses_mrope:
+        # What a prompt with an image carries: its own positions, generated tokens shifted by a delta.
+        mrope = {"mrope_positions": torch.arange(24).expand(3, -1).clone(), "mrope_delta": -5}
     for i in range(num_decodes):
-        engine.add_request(EngineRequest(f"r{i}", [5 + (i + j) % 50 for j in range(24)], params))
+        engine.add_request(EngineRequest(f"r{i}", [5 + (i + j) % 50 for j in range(24)], params, **mrope))
     while engine.scheduler.prefilling or engine.scheduler.waiting:  # every request decoding
         engine.step()
     scheduler, runner = engine.scheduler, engine.runner
@@ -103,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decodes", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--arch", default="llava", help="the tiny checkpoint's architecture (make-model --arch)")
     parser.add_argument("--out")
     args = parser.parse_args()
     settings = {
@@ -112,7 +121,7 @@ def main() -> None:
     }
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_model(Path(tmp) / "tiny", "llava", "tiny", 0, progress=False))
+        model_dir = str(build_model(Path(tmp) / "tiny", args.arch, "tiny", 0, progress=False))
         for num_decodes in args.decodes:
             for name, params in settings.items():
                 row = {"decodes": num_decodes, "sampling": name, **measure(model_dir, num_decodes, params, args.steps)}

@@ -36,7 +36,8 @@ class CacheConfig:
     # Number of KV blocks; None: derived from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
     kv_cache_memory_mb: int = 512
-    # Image-token slots per image-cache block; None: one image's tokens (576 for LLaVA-1.5/336px).
+    # Image-token slots per image-cache block; None: the family's default (one image's tokens for
+    # LLaVA-1.5, 576 at 336 px; 64 for the families whose images vary in size).
     image_block_size: int | None = None
     # Number of image blocks; None: derived from image_cache_memory_mb.
     num_image_blocks: int | None = None
@@ -99,8 +100,17 @@ class ParallelConfig:
     # "auto": one EPD instance per device; devices "auto": every visible GPU, else one CPU.
     deploy: str = "auto"
     devices: str = "auto"
-    # Two executors (vision, language) per worker when the role holds E and P/D.
-    dual_streams: bool = True
+    # Vision and language work of a step at the same time, when the role holds E and P/D:
+    # "auto" on CUDA (two streams), not on CPU (two threads there compete for the same cores);
+    # true / false force it.
+    dual_streams: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dual_streams not in (True, False, "auto"):
+            raise ConfigError(f"parallel.dual_streams must be true, false or \"auto\", got {self.dual_streams!r}")
+
+    def dual_streams_on(self, device_type: str) -> bool:
+        return device_type == "cuda" if self.dual_streams == "auto" else bool(self.dual_streams)
 
 
 @dataclass(frozen=True)

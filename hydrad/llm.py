@@ -80,7 +80,7 @@ class LLM:
         image_budget: int = 4,
         max_num_seqs: int = 256,
         max_images_per_request: int = 8,
-        dual_streams: bool = True,
+        dual_streams: bool | str = "auto",
         router_policy: str = "round-robin",
         worker_processes: bool = True,
         seed: int = 0,

@@ -1,4 +1,5 @@
-"""Reusable builders for tests: tiny checkpoints and the same weights in every on-disk layout."""
+"""Reusable builders for tests: tiny checkpoints and the same weights in every on-disk layout;
+conversations with images of many sizes and transformers' greedy references for them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 from hydrad.models.builder import SAFETENSORS_INDEX, build_model, write_weights
 
@@ -122,3 +125,109 @@ class RecordingSink:
                 return self.ended
             await asyncio.sleep(0.01)
         raise AssertionError(f"no end within {timeout} s: {self.events}")
+
+
+# -- conversations and transformers' references ---------------------------------------------------
+# The images are noise of many sizes and aspect ratios, so each one has its own number of image
+# tokens (LLaVA-NeXT: its tile grid and unpadding; Qwen2-VL: its resized patch grid). References
+# run transformers on the checkpoint's own processor outputs, one conversation at a time.
+NUM_NEW_TOKENS = 8
+
+
+def noise(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image(width: int, height: int, seed: int) -> dict:
+    return {"type": "image", "image": noise(width, height, seed)}
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+def conversations() -> list[list[dict]]:
+    """Two images of different aspect ratios in one turn, one image after text, text only, multi-turn."""
+    return [
+        [{"role": "user", "content": [image(100, 60, 1), text("Compare these two:"), image(60, 150, 2)]}],
+        [{"role": "user", "content": [text("What is this?"), image(200, 200, 3)]}],
+        [{"role": "user", "content": "Tell me a story about a brave little robot."}],
+        [
+            {"role": "system", "content": "You are a terse assistant."},
+            {"role": "user", "content": [image(300, 90, 4), text("What is in the picture?")]},
+            {"role": "assistant", "content": "A long red bus."},
+            {"role": "user", "content": "And its colour?"},
+        ],
+        [{"role": "user", "content": [image(30, 20, 5), image(90, 140, 6), text("Two images, side by side.")]}],
+    ]
+
+
+def hf_inputs(hf_processor, conversation: list[dict]) -> dict[str, torch.Tensor]:
+    """The checkpoint's processor outputs for ``conversation`` (images as parts of the messages)."""
+    images, messages = [], []
+    for message in conversation:
+        content = message["content"]
+        if isinstance(content, str):
+            content = [text(content)]
+        parts = []
+        for part in content:
+            if part["type"] == "image":
+                images.append(part["image"])
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        messages.append({"role": message["role"], "content": parts})
+    prompt = hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return dict(hf_processor(text=prompt, images=images or None, return_tensors="pt"))
+
+
+def hf_greedy(hf, inputs: dict[str, torch.Tensor], num_new_tokens: int = NUM_NEW_TOKENS):
+    """transformers' greedy continuation, and its logits at every position of prompt + continuation
+    but the last: the prompt's from one forward, the continuation's as ``generate`` computed them."""
+    with torch.no_grad():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+        prompt_logits = hf(**inputs).logits[0]
+    num_prompt = inputs["input_ids"].shape[1]
+    # out.logits[k] (raw, before min_new_tokens masks EOS) predicts new token k from the token before it.
+    logits = torch.cat([prompt_logits, *(step[:1] for step in out.logits[1:])])
+    return out.sequences[0, num_prompt:].tolist(), logits
+
+
+def mixed_conversations() -> list[list[dict]]:
+    """``conversations()`` and four more: a tall image, a short text-only prompt, an image in a
+    later turn of a conversation that had one before, a tiny image under a long text."""
+    return conversations() + [
+        [{"role": "user", "content": [image(40, 300, 7), text("Describe this tall picture.")]}],
+        [{"role": "user", "content": "Hi"}],
+        [
+            {"role": "user", "content": [image(120, 120, 8), text("What is this?")]},
+            {"role": "assistant", "content": "A square."},
+            {"role": "user", "content": [text("And this one?"), image(250, 100, 9)]},
+        ],
+        [{"role": "user", "content": [image(20, 20, 10), text("A tiny image. " * 12)]}],
+    ]
+
+
+def hf_greedy_logprobs(hf, inputs: dict[str, torch.Tensor], num_new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of exactly ``num_new_tokens`` (EOS suppressed, as
+    ``SamplingParams(min_tokens=...)`` does) and the log-probability of each new token under the raw
+    logits. Position errors that leave the tokens of a tiny random model unchanged still move these."""
+    with torch.no_grad():
+        out = hf.generate(**inputs, do_sample=False, max_new_tokens=num_new_tokens, min_new_tokens=num_new_tokens,
+                          pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logprobs
+
+
+def hf_references(path: Path, conversations: list[list[dict]],
+                  num_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """``hf_greedy_logprobs`` of every conversation on the checkpoint at ``path``."""
+    from hydrad.models.hf_processor import load_hf_processor
+    from hydrad.models.loader import load_config
+
+    hf = hf_model(path)
+    processor = load_hf_processor(path, load_config(path).model_type)
+    return [hf_greedy_logprobs(hf, hf_inputs(processor, conv), num_new_tokens) for conv in conversations]

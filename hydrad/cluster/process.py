@@ -52,6 +52,8 @@ class ProcessCluster:
     def add_request(self, req: EngineRequest) -> None:
         for image in req.images:
             image.pixel_values.share_memory_()  # crosses to the worker as a handle, not bytes
+        if req.mrope_positions is not None:
+            req.mrope_positions.share_memory_()
         self._call(self._submit(req))
         self._open.add(req.req_id)
 

@@ -10,6 +10,7 @@ it does not hold to another instance (``take_offers`` / ``add_migration`` /
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -87,7 +88,7 @@ class EngineCore:
         has_kv = has_language
         has_image_cache = "E" in self.role or "P" in self.role
 
-        hf_config = load_config(self.model_path)
+        self.hf_config = hf_config = load_config(self.model_path)
         model_cls = get_model_class(hf_config)
         attn_backend = None
         if has_language:
@@ -112,7 +113,9 @@ class EngineCore:
         image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
         kv_block_bytes = math.prod(self.model.kv_cache_shape(1, cache.kv_block_size)) * self.dtype.itemsize
         num_kv_blocks = _num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0
-        image_block_size = cache.image_block_size or self.model.num_image_tokens_per_image
+        # An image takes as many blocks as its tokens need (the family's default: one LLaVA-1.5
+        # image per block, 64 slots for the families whose images vary in size).
+        image_block_size = cache.image_block_size or self.model.default_image_block_size
         image_block_bytes = image_block_size * self.model.image_hidden_size * self.dtype.itemsize
         num_image_blocks = (
             _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes) if has_image_cache else 0
@@ -137,9 +140,8 @@ class EngineCore:
             vocab_size=hf_config.text_config.vocab_size,
         )
         self.vocab_size = hf_config.text_config.vocab_size
-        dual = config.parallel.dual_streams and has_vision and has_language
+        dual = config.parallel.dual_streams_on(self.device.type) and has_vision and has_language
         self.streams = StageStreams(self.device, dual)
-        self.num_image_tokens_per_image = self.model.num_image_tokens_per_image
 
         # Migration: peers' pools (attached once at start), the copy thread, pulls to report.
         self.copier = PullCopier(self.device, self.runner.copy_in)
@@ -165,6 +167,12 @@ class EngineCore:
         for image in req.images:
             if not 0 <= image.offset <= image.offset + image.length <= req.num_prompt_tokens:
                 raise ValueError(f"image placeholder range {image.offset}+{image.length} is outside the prompt")
+        if req.mrope_positions is not None and tuple(req.mrope_positions.shape) != (3, req.num_prompt_tokens):
+            raise ValueError(f"mrope_positions has shape {tuple(req.mrope_positions.shape)}, expected "
+                             f"(3, {req.num_prompt_tokens})")
+        if self.model.uses_mrope and req.images and req.mrope_positions is None:
+            # A flat arange would be wrong from the first image on: the processor computes them.
+            raise ValueError("a request with images to an M-RoPE model needs its mrope_positions")
         self._check_token_ids(req)
         self.scheduler.add(Request(req))
         self._stalled = False

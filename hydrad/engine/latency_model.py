@@ -5,13 +5,19 @@ One model, three users: the scheduler fills each step up to its SLO bound with i
 planner searches deployments with it. It is linear in a few features of the step,
 with separate vision and language parts:
 
-    vision   = v_fixed + v_image * images + v_token * image_tokens + v_token2 * sum(tokens_i^2)
+    vision   = v_fixed + v_image * images + v_patch * patches + v_patch2 * sum(patches_i^2) / 1e3
+               + v_token * image_tokens
     language = l_fixed + l_prefill * prefill_tokens + l_attn * prefill_pairs / 1e3
                + l_decode * decodes + l_ctx * decode_context / 1e3
     step     = max(vision, language) + overlap * min(vision, language)
 
-``prefill_pairs`` counts the (query, key) pairs of the prefill chunks' attention, a
-chunk of q tokens after c cached ones reading q*c + q(q+1)/2 pairs; ``decode_context``
+An image's encode cost follows its *patches*, the positions the vision tower runs
+over (``ImageInput.num_patches``: LLaVA-NeXT's tiles and base image, Qwen2-VL's
+patches before the 2x2 merge), with a square term for towers whose layers attend over
+a whole image; its tokens in the language model (what prefill reads) add the
+projector's or merger's share. ``prefill_pairs`` counts the (query, key) pairs of the
+prefill chunks' attention, a chunk of q tokens after c cached ones reading
+q*c + q(q+1)/2 pairs; ``decode_context``
 is the total KV context the decodes read. The fixed parts count only when the step
 has work of that kind. ``overlap`` is how much of the shorter part the longer one
 does not hide: 0 when vision and language run fully in parallel (two CUDA streams),
@@ -30,9 +36,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-VISION_TERMS = ("v_fixed", "v_image", "v_token", "v_token2")
+VISION_TERMS = ("v_fixed", "v_image", "v_patch", "v_patch2", "v_token")
 LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -40,21 +46,24 @@ class StepShape:
     """What one step holds, in the model's features."""
 
     num_images: int = 0
+    num_patches: int = 0  # over images, the positions the vision tower runs over
+    patches_sq: int = 0  # sum over images of patches^2
     num_image_tokens: int = 0
-    image_tokens_sq: int = 0  # sum over images of tokens^2
     num_prefill_tokens: int = 0
     prefill_pairs: int = 0
     num_decodes: int = 0
     decode_context: int = 0
 
     @staticmethod
-    def of(*, images: list[int] = (), prefills: list[tuple[int, int]] = (), decodes: list[int] = ()) -> StepShape:
-        """``images``: tokens per image; ``prefills``: (context before, chunk tokens);
+    def of(*, images: list[tuple[int, int]] = (), prefills: list[tuple[int, int]] = (),
+           decodes: list[int] = ()) -> StepShape:
+        """``images``: (patches, tokens) per image; ``prefills``: (context before, chunk tokens);
         ``decodes``: context each decode reads (its tokens before the new one, plus one)."""
         return StepShape(
             num_images=len(images),
-            num_image_tokens=sum(images),
-            image_tokens_sq=sum(t * t for t in images),
+            num_patches=sum(p for p, _ in images),
+            patches_sq=sum(p * p for p, _ in images),
+            num_image_tokens=sum(t for _, t in images),
             num_prefill_tokens=sum(q for _, q in prefills),
             prefill_pairs=sum(prefill_pairs(c, q) for c, q in prefills),
             num_decodes=len(decodes),
@@ -64,7 +73,7 @@ class StepShape:
     def vision_features(self) -> list[float]:
         if not self.num_images:
             return [0.0] * len(VISION_TERMS)
-        return [1.0, self.num_images, self.num_image_tokens, self.image_tokens_sq / 1e3]
+        return [1.0, self.num_images, self.num_patches, self.patches_sq / 1e3, self.num_image_tokens]
 
     def language_features(self) -> list[float]:
         if not self.num_prefill_tokens and not self.num_decodes:
@@ -90,8 +99,9 @@ class FitError:
 class LatencyModel:
     v_fixed: float = 0.0
     v_image: float = 0.0
+    v_patch: float = 0.0
+    v_patch2: float = 0.0
     v_token: float = 0.0
-    v_token2: float = 0.0
     l_fixed: float = 0.0
     l_prefill: float = 0.0
     l_attn: float = 0.0
@@ -114,8 +124,13 @@ class LatencyModel:
     def vision_seconds(self, shape: StepShape) -> float:
         if not shape.num_images:
             return 0.0
-        return (self.v_fixed + self.v_image * shape.num_images + self.v_token * shape.num_image_tokens
-                + self.v_token2 * shape.image_tokens_sq / 1e3)
+        return (self.v_fixed + self.v_image * shape.num_images + self.v_patch * shape.num_patches
+                + self.v_patch2 * shape.patches_sq / 1e3 + self.v_token * shape.num_image_tokens)
+
+    def image_seconds(self, num_patches: int, num_tokens: int) -> float:
+        """What one image adds to a step's vision work (the fixed part not included)."""
+        return (self.v_image + self.v_patch * num_patches + self.v_patch2 * num_patches * num_patches / 1e3
+                + self.v_token * num_tokens)
 
     def language_seconds(self, shape: StepShape) -> float:
         if not shape.num_prefill_tokens and not shape.num_decodes:
@@ -168,9 +183,12 @@ class LatencyModel:
 
     def summary(self) -> str:
         parts = []
-        if self.v_fixed or self.v_image or self.v_token:
-            per_image = self.v_image + self.v_token * self.meta.get("image_tokens", 0)
-            parts.append(f"encode {1e3 * self.v_fixed:.1f} ms + {1e3 * per_image:.1f} ms/image")
+        images = self.meta.get("images") or []
+        if images and any(getattr(self, name) for name in VISION_TERMS):
+            # The per-image cost at the smallest and the largest image the probes encoded.
+            costs = sorted(1e3 * self.image_seconds(p, t) for p, t in images)
+            per_image = f"{costs[0]:.1f}" if costs[-1] - costs[0] < 0.05 else f"{costs[0]:.1f}-{costs[-1]:.1f}"
+            parts.append(f"encode {1e3 * self.v_fixed:.1f} ms + {per_image} ms/image")
         if self.l_fixed or self.l_prefill or self.l_decode:
             parts.append(f"step {1e3 * self.l_fixed:.1f} ms + {1e6 * self.l_prefill:.0f} us/prefill token"
                          f" + {1e6 * self.l_decode:.0f} us/decode + {1e6 * self.l_ctx:.1f} us/1k ctx")
@@ -272,14 +290,14 @@ class StepBudget:
         self.empty = False
         self._num_language_units += 1
 
-    def add_image(self, num_tokens: int) -> bool:
-        """One image of ``num_tokens`` image tokens to encode."""
+    def add_image(self, num_patches: int, num_tokens: int) -> bool:
+        """One image to encode: ``num_patches`` positions through the vision tower (its
+        ``ImageInput.num_patches``), ``num_tokens`` image tokens out."""
         if self.images_left < 1:
             return False
         if self.model is not None:
             m = self.model
-            vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.v_image + m.v_token * num_tokens \
-                + m.v_token2 * num_tokens * num_tokens / 1e3
+            vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.image_seconds(num_patches, num_tokens)
             if m.combine(vision, self.language) > self.bound and not self.empty:
                 return False
             self.vision = vision

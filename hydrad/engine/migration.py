@@ -17,6 +17,7 @@ handles on GPU. The relay between instances is ``hydrad.cluster.relay``.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -52,12 +53,16 @@ class MigrationOffer:
     output_token_ids: list[int]
     num_computed_tokens: int
     sampling_params: SamplingParams
-    images: list[ImageInput]  # placements only (pixel_values None)
+    images: list[ImageInput]  # placements and layouts only (pixel_values None)
     eos_token_ids: tuple[int, ...]
     # Seeded sampling continues where it stopped: torch.Generator.get_state().
     generator_state: torch.Tensor | None
     # Monotonic timestamps (system-wide clock) and exec seconds so far, for the latency breakdown.
     timeline: dict[str, float]
+    # M-RoPE models: the prompt's positions and the generated tokens' delta, as computed once by
+    # the processor (``EngineRequest.mrope_positions``); they travel, never recomputed.
+    mrope_positions: torch.Tensor | None = None
+    mrope_delta: int = 0
 
     @property
     def next_stage(self) -> str:
@@ -94,10 +99,13 @@ def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
         output_token_ids=list(req.output_token_ids),
         num_computed_tokens=req.num_computed_tokens,
         sampling_params=req.sampling_params,
-        images=[ImageInput(None, image.offset, image.length) for image in req.images],
+        # The layout (grid, size, patches) stays: the target schedules by it.
+        images=[dataclasses.replace(image, pixel_values=None) for image in req.images],
         eos_token_ids=tuple(sorted(req.eos_token_ids)),
         generator_state=req.generator.get_state() if req.generator is not None else None,
         timeline=dict(req.timeline),
+        mrope_positions=req.mrope_positions,
+        mrope_delta=req.mrope_delta,
     )
 
 

@@ -15,6 +15,7 @@ from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler, SamplerOutput
+from hydrad.models.qwen2_vl import mrope_positions_slice
 
 
 class ModelRunner:
@@ -39,6 +40,8 @@ class ModelRunner:
         self.kv_block_size = kv_block_size
         self.image_block_size = image_block_size
         self.sampler = sampler
+        # Qwen2-VL's decoder rotates by 3-D positions that the requests carry (M-RoPE).
+        self.uses_mrope = model.uses_mrope
         # Rows of the requests running language steps (only instances with a KV cache).
         self.batch = InputBatch(max_blocks_per_seq, vocab_size, sampler, device) if num_kv_blocks else None
         # A pool of 0 blocks is not allocated: the role does not use that cache.
@@ -147,7 +150,10 @@ class ModelRunner:
         if mm_dst:
             flat_cache = self.image_cache.view(-1, self.image_cache.shape[-1])
             embeds[torch.cat(mm_dst).to(device)] = flat_cache[torch.cat(mm_src).to(device)].to(embeds.dtype)
-        hidden = self.model(embeds, meta.positions, self.kv_cache, meta)
+        positions = meta.positions
+        if self.uses_mrope:
+            positions = self._mrope_positions(chunks, starts, query_lens_np).to(device)
+        hidden = self.model(embeds, positions, self.kv_cache, meta)
         if not sample_reqs:
             return SamplerOutput([])
         logits = self.model.compute_logits(hidden[torch.tensor(sample_pos, device=device)])
@@ -155,6 +161,28 @@ class ModelRunner:
         out = self.sampler.sample(logits, batch.sampling_metadata(sample_rows_np, sample_reqs))
         batch.add_sampled(sample_rows_np, out.token_ids)
         return out
+
+    @staticmethod
+    def _mrope_positions(chunks: list[tuple[Request, int]], starts: list[int], query_lens: np.ndarray) -> torch.Tensor:
+        """The step's M-RoPE positions from what each request carries (never from the sequence
+        index alone): [num_tokens] when every token's three positions are equal (text-only prompts
+        and generated tokens: sequence index + delta), else [3, num_tokens], where the chunks
+        through a prompt with images take that prompt's own positions."""
+        num_tokens = int(query_lens.sum())
+        starts_np = np.array(starts, dtype=np.int64)
+        deltas = np.fromiter((req.mrope_delta for req, _ in chunks), dtype=np.int64, count=len(chunks))
+        first_token = np.cumsum(query_lens) - query_lens
+        flat = torch.from_numpy(np.arange(num_tokens) + np.repeat(starts_np + deltas - first_token, query_lens))
+        positions = None
+        for (req, num_new), start, offset in zip(chunks, starts, first_token.tolist()):
+            if req.mrope_positions is None or start >= req.num_prompt_tokens:
+                continue
+            if positions is None:
+                positions = flat.expand(3, -1).clone()
+            # A chunk through the prompt (and, recomputed after preemption, its generated tokens).
+            positions[:, offset : offset + num_new] = mrope_positions_slice(
+                req.mrope_positions, req.mrope_delta, start, start + num_new)
+        return flat if positions is None else positions
 
     def _place_images(self, req: Request, start: int, end: int, offset: int, mm_dst: list, mm_src: list) -> None:
         """Image-cache rows of the image tokens in [start, end) and where they go in the batch."""

@@ -10,10 +10,14 @@ role uses, so a restart loads it in milliseconds.
 
 A probe's time is the median of a few timed runs after a warm-up run. Probes borrow
 blocks from the engine's pools and give them back; the scheduler is never involved.
+Probe images are synthetic pictures of a few sizes passed through the checkpoint's own
+image processor, so each family's images take the shapes (tiles, patch grids) and costs
+that requests' images take; sizes that come out alike are probed once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -29,11 +33,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hydrad.config import SLOConfig
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.engine.latency_model import FitError, LatencyModel, StepShape, fit_least_squares
+from hydrad.engine.latency_model import VISION_TERMS, FitError, LatencyModel, StepShape, fit_least_squares
 from hydrad.engine.request import Request
 from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
@@ -41,8 +46,14 @@ from hydrad.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # Bump when the probes, the features or the file layout change: older files then miss.
-_CACHE_VERSION = 3
+_CACHE_VERSION = 4
 _REPEATS = 2
+# (width, height) in pixels of the probe pictures: from a thumbnail to a large photo. The image
+# processor resizes them as it resizes requests' images (LLaVA-1.5: all to one crop; LLaVA-NeXT:
+# to its tile grids; Qwen2-VL: within [min_pixels, max_pixels]).
+PROBE_PICTURE_SIZES = ((64, 64), (224, 168), (448, 448), (672, 336), (336, 1008), (1024, 768))
+# Most images one probe encodes.
+_MAX_PROBE_IMAGES = 8
 
 
 def latency_bound(slo: SLOConfig, role: str) -> float:
@@ -53,10 +64,10 @@ def latency_bound(slo: SLOConfig, role: str) -> float:
 
 @dataclass(frozen=True)
 class Probe:
-    """One batch to time: image tokens per image, (context, tokens) per prefill chunk,
+    """One batch to time: (patches, tokens) per image, (context, tokens) per prefill chunk,
     context per decode (its cached tokens)."""
 
-    images: tuple[int, ...] = ()
+    images: tuple[tuple[int, int], ...] = ()
     prefills: tuple[tuple[int, int], ...] = ()
     decodes: tuple[int, ...] = ()
 
@@ -77,8 +88,10 @@ class Probe:
 class Limits:
     """How large a probe this engine can hold."""
 
-    image_tokens: int  # tokens of one image (0: no vision part)
-    max_images: int
+    # (patches, tokens) of the probe images, smallest first ((): no vision part)
+    images: tuple[tuple[int, int], ...]
+    image_blocks: int  # free image-cache blocks
+    image_block_size: int
     kv_tokens: int  # KV slots in the pool (0: no language part)
     max_model_len: int
     max_seqs: int
@@ -89,16 +102,25 @@ class Limits:
         need = sum(-(-(c + 1) // bs) for c in probe.decodes) + sum(-(-(c + q) // bs) for c, q in probe.prefills)
         return need * bs <= self.kv_tokens and len(probe.decodes) + len(probe.prefills) <= self.max_seqs
 
+    def images_fit(self, probe: Probe) -> bool:
+        need = sum(-(-tokens // self.image_block_size) for _, tokens in probe.images)
+        return need <= self.image_blocks and len(probe.images) <= _MAX_PROBE_IMAGES
+
 
 def design_probes(limits: Limits, seed: int = 0) -> tuple[list[Probe], list[Probe]]:
     """(probes to fit on, held-out probes to measure the error on)."""
     fit: list[Probe] = []
     check: list[Probe] = []
     rng = random.Random(seed)
-    if limits.image_tokens:
-        t = limits.image_tokens
-        fit += [Probe(images=(t,) * n) for n in (1, 2, 4) if n <= limits.max_images]
-        check += [Probe(images=(t,) * n) for n in (3,) if n <= limits.max_images]
+    kinds = limits.images
+    if kinds:
+        smallest, largest, middle = kinds[0], kinds[-1], kinds[len(kinds) // 2]
+        # One image of every size (per-patch, per-patch^2 and per-token costs), and more of the
+        # smallest (the fixed cost apart from the per-image one).
+        vision = [Probe(images=(k,)) for k in kinds] + [Probe(images=(smallest,) * n) for n in (2, 4)]
+        fit += [p for p in (_fit_images(p, limits) for p in vision) if p.images]
+        held_out = [Probe(images=(smallest,) * 3)] + ([Probe(images=(middle, largest))] if len(kinds) > 1 else [])
+        check += [p for p in (_fit_images(p, limits) for p in held_out) if p.images]
     if limits.kv_tokens:
         top = max(32, limits.max_model_len // 4)
         mid, low = max(16, top // 3), max(8, top // 12)
@@ -124,12 +146,19 @@ def design_probes(limits: Limits, seed: int = 0) -> tuple[list[Probe], list[Prob
             decodes = tuple(max(1, int(context * rng.uniform(0.5, 1.5))) for _ in range(num_decodes))
             prefills = ((rng.randint(0, mid), prefill),) if prefill or not decodes else ()
             check.append(_shrink(Probe(prefills=prefills or ((0, 16),), decodes=decodes), limits))
-        if limits.image_tokens:  # vision and language together: how much they overlap
-            t = limits.image_tokens
-            fit += [_shrink(Probe(images=(t,) * min(2, limits.max_images), decodes=(mid,) * 16), limits),
+        if kinds:  # vision and language together: how much they overlap
+            t = kinds[len(kinds) // 2]
+            fit += [_shrink(_fit_images(Probe(images=(t,) * 2, decodes=(mid,) * 16), limits), limits),
                     _shrink(Probe(images=(t,), prefills=((0, max(8, chunk // 4)),)), limits)]
             check += [_shrink(Probe(images=(t,), decodes=(low,) * 8, prefills=((0, max(8, chunk // 8)),)), limits)]
     return fit, check
+
+
+def _fit_images(probe: Probe, limits: Limits) -> Probe:
+    """The probe with its last images dropped until the image cache holds them."""
+    while probe.images and not limits.images_fit(probe):
+        probe = Probe(probe.images[:-1], probe.prefills, probe.decodes)
+    return probe
 
 
 def _shrink(probe: Probe, limits: Limits) -> Probe:
@@ -152,13 +181,13 @@ def fit_model(fit: list[tuple[Probe, float]], check: list[tuple[Probe, float]], 
     language = [(p.shape().language_features(), t) for p, t in alone if p.has_language]
     coef = {}
     if vision:
+        # Terms the probes cannot tell from earlier ones are left to those: with one image size
+        # (LLaVA-1.5) the per-image term carries every per-patch and per-token cost; where tokens
+        # are a fixed share of patches (Qwen2-VL: 4 patches a token) the per-patch term carries both.
         rows = [f for f, _ in vision]
-        if len({t for p, _ in alone for t in p.images}) == 1:
-            # Every image has the same token count (LLaVA-1.5): the per-token terms cannot be
-            # told from the per-image one, so the per-image term carries them.
-            rows = [f[:2] + [0.0, 0.0] for f in rows]
-        coef.update(zip(("v_fixed", "v_image", "v_token", "v_token2"),
-                        fit_least_squares(rows, [t for _, t in vision])))
+        keep = _independent_columns(rows)
+        rows = [[x if j in keep else 0.0 for j, x in enumerate(row)] for row in rows]
+        coef.update(zip(VISION_TERMS, fit_least_squares(rows, [t for _, t in vision])))
     if language:
         coef.update(zip(("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx"),
                         fit_least_squares([f for f, _ in language], [t for _, t in language])))
@@ -176,6 +205,17 @@ def fit_model(fit: list[tuple[Probe, float]], check: list[tuple[Probe, float]], 
     return LatencyModel(**coef, overlap=overlap, meta=meta, error=error)
 
 
+def _independent_columns(rows: list[list[float]]) -> set[int]:
+    """Indices of the columns that, taken in order, each add to the rank of the columns before."""
+    x = np.asarray(rows, dtype=np.float64)
+    x = x / np.maximum(np.abs(x).max(axis=0), 1e-300)  # rank on a common scale
+    keep: list[int] = []
+    for j in range(x.shape[1]):
+        if np.linalg.matrix_rank(x[:, keep + [j]], tol=1e-9) > len(keep):
+            keep.append(j)
+    return set(keep)
+
+
 # -- timing probes on the engine ---------------------------------------------------------------
 _SAMPLED = SamplingParams(max_tokens=1, temperature=1.0)  # the API's default: sampled rows
 
@@ -183,19 +223,19 @@ _SAMPLED = SamplingParams(max_tokens=1, temperature=1.0)  # the API's default: s
 class EngineTimer:
     """Times probes with the engine's runner over blocks borrowed from its pools."""
 
-    def __init__(self, engine, *, repeats: int = _REPEATS, seed: int = 0):
-        from hydrad.models.loader import load_config
-
+    def __init__(self, engine, *, images: list[ImageInput] | None = None, repeats: int = _REPEATS, seed: int = 0):
+        """``images``: the probe images (``probe_images``; made here when the role encodes and
+        none are given)."""
         if repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {repeats}")
         self.engine = engine
         self.repeats = repeats
-        hf_config = load_config(engine.model_path)
-        self.vocab_size = hf_config.text_config.vocab_size
-        side = hf_config.vision_config.image_size
+        self.vocab_size = engine.hf_config.text_config.vocab_size
         self.generator = torch.Generator().manual_seed(seed)
-        # Content does not change the cost of a dense forward; one image serves every slot.
-        self.pixel_values = torch.randn(3, side, side, generator=self.generator)
+        if images is None:
+            images = probe_images(engine) if "E" in engine.role else []
+        # Content does not change the cost of a dense forward: one image per (patches, tokens).
+        self.images = {(image.num_patches, image.length): image for image in images}
 
     def __call__(self, probe: Probe) -> float:
         used = self._num_used_blocks()
@@ -243,13 +283,13 @@ class EngineTimer:
         try:
             if probe.images:
                 offset, images = 0, []
-                for length in probe.images:
-                    images.append(ImageInput(self.pixel_values, offset, length))
-                    offset += length
+                for kind in probe.images:
+                    images.append(dataclasses.replace(self.images[kind], offset=offset))
+                    offset += images[-1].length
                 req = self._request("encode", offset, images=images)
                 reqs.append(req)
-                for i, length in enumerate(probe.images):
-                    req.image_block_ids[i] = image_pool.allocate(image_pool.num_blocks_for(length))
+                for i, image in enumerate(images):
+                    req.image_block_ids[i] = image_pool.allocate(image_pool.num_blocks_for(image.length))
                     encodes.append((req, i))
             # Decodes first, as the scheduler orders a step.
             for i, context in enumerate(probe.decodes):
@@ -276,16 +316,41 @@ class EngineTimer:
                         image_pool.free(block_ids)
 
 
-def engine_limits(engine) -> Limits:
-    kv, images = engine.kv_manager, engine.image_manager
-    image_tokens = engine.model.num_image_tokens_per_image if "E" in engine.role else 0
-    max_images = images.num_free_blocks // images.num_blocks_for(image_tokens) if image_tokens else 0
-    if image_tokens and max_images < 1:
-        raise ConfigError(f"the image cache has {images.num_free_blocks} free blocks: not one image fits")
+def probe_images(engine) -> list[ImageInput]:
+    """The probe images of ``engine``'s model: pictures of ``PROBE_PICTURE_SIZES`` through the
+    checkpoint's image processor and the family's ``image_inputs``, one per distinct
+    (patches, tokens), smallest first."""
+    from PIL import Image
+
+    from hydrad.models.hf_processor import load_hf_processor
+
+    hf_config = engine.hf_config
+    image_processor = load_hf_processor(engine.model_path, hf_config.model_type).image_processor
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+                for width, height in PROBE_PICTURE_SIZES]
+    kinds: dict[tuple[int, int], ImageInput] = {}
+    for image in type(engine.model).image_inputs(hf_config, image_processor(images=pictures, return_tensors="pt")):
+        image.offset = 0
+        kinds.setdefault((image.num_patches, image.length), image)
+    return [kinds[kind] for kind in sorted(kinds)]
+
+
+def engine_limits(engine, images: list[ImageInput] = ()) -> Limits:
+    """How large a probe ``engine`` holds; ``images``: its probe images (those that do not fit
+    the image cache are left out)."""
+    kv, image_pool = engine.kv_manager, engine.image_manager
+    kinds = ()
+    if "E" in engine.role:
+        kinds = tuple(sorted({(image.num_patches, image.length) for image in images
+                              if image_pool.num_blocks_for(image.length) <= image_pool.num_free_blocks}))
+        if not kinds:
+            raise ConfigError(f"the image cache has {image_pool.num_free_blocks} free blocks: not one image fits")
     has_language = "P" in engine.role or "D" in engine.role
     return Limits(
-        image_tokens=image_tokens,
-        max_images=min(max_images, 8),
+        images=kinds,
+        image_blocks=image_pool.num_free_blocks if image_pool is not None else 0,
+        image_block_size=image_pool.block_size if image_pool is not None else 1,
         kv_tokens=kv.num_free_blocks * kv.block_size if has_language else 0,
         max_model_len=engine.max_model_len,
         max_seqs=max(engine.config.scheduler.max_num_seqs, 64),
@@ -301,18 +366,23 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}:{platform.machine()}:{torch.get_num_threads()}threads"
 
 
-def cache_key(engine, limits: Limits) -> dict:
-    config_json = (Path(engine.model_path) / "config.json").read_bytes()
+def cache_key(engine) -> dict:
+    """What the measured model depends on: the checkpoint (and its image processor, which shapes
+    the probe images), dtype, device, the parts the role uses, how they run."""
+    model_path = Path(engine.model_path)
+    image_processor = model_path / "preprocessor_config.json"
+    has_language = "P" in engine.role or "D" in engine.role
     return {
         "version": _CACHE_VERSION,
-        "model": str(Path(engine.model_path).resolve()),
-        "config_sha256": hashlib.sha256(config_json).hexdigest(),
+        "model": str(model_path.resolve()),
+        "config_sha256": hashlib.sha256((model_path / "config.json").read_bytes()).hexdigest(),
+        "image_processor_sha256": hashlib.sha256(image_processor.read_bytes()).hexdigest()
+        if image_processor.is_file() else None,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": device_name(engine.device),
-        "parts": ("vision" if limits.image_tokens else "") + ("+language" if limits.kv_tokens else ""),
+        "parts": ("vision" if "E" in engine.role else "") + ("+language" if has_language else ""),
         "dual_streams": engine.streams.enabled,
-        "kv_block_size": limits.block_size,
-        "image_tokens": limits.image_tokens,
+        "kv_block_size": engine.kv_manager.block_size if engine.kv_manager is not None else 16,
     }
 
 
@@ -354,16 +424,17 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
                       show_progress: bool = True) -> LatencyModel:
     """The latency model of ``engine``'s instance, from the disk cache unless ``force`` or
     absent. ``timer(probe) -> seconds`` replaces measuring on the engine."""
-    limits = engine_limits(engine)
-    key = cache_key(engine, limits)
+    key = cache_key(engine)
     path = cache_path(key)
     if not force and timer is None and (cached := load_cached(path, key)) is not None:
         logger.info("latency model from %s: %s", path, cached.summary())
         return cached
+    images = probe_images(engine) if "E" in engine.role else []
+    limits = engine_limits(engine, images)
     if timer is None:
         if engine.has_unfinished_requests():
             raise RuntimeError("the latency model is measured on an idle engine")
-        timer = EngineTimer(engine)
+        timer = EngineTimer(engine, images=images)
     fit_probes, check_probes = design_probes(limits)
     start = time.monotonic()
     measured = []
@@ -373,8 +444,9 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
             advance()
     fit = measured[: len(fit_probes)]
     check = measured[len(fit_probes):]
-    meta = {"key": key, "image_tokens": limits.image_tokens, "seconds": round(time.monotonic() - start, 2),
-            "probes": [{"images": list(p.images), "prefills": [list(x) for x in p.prefills],
+    meta = {"key": key, "images": [list(kind) for kind in limits.images],
+            "seconds": round(time.monotonic() - start, 2),
+            "probes": [{"images": [list(x) for x in p.images], "prefills": [list(x) for x in p.prefills],
                         "decodes": list(p.decodes), "seconds": t} for p, t in measured]}
     model = fit_model(fit, check, meta)
     store(path, model)

@@ -34,6 +34,11 @@ class Request:
         self.num_tokens = self.num_prompt_tokens
         self.sampling_params: SamplingParams = req.sampling_params
         self.images: list[ImageInput] = req.images
+        # M-RoPE: the prompt's 3-D positions ([3, num_prompt_tokens], None for the flat arange) and
+        # the offset of generated tokens, computed once by the processor; every chunk, recompute and
+        # migration reads its positions from these.
+        self.mrope_positions = req.mrope_positions
+        self.mrope_delta = req.mrope_delta
         self.eos_token_ids = frozenset(req.eos_token_ids)
         # Token ids that finish the request: EOS unless ignore_eos, and the stop token ids.
         params = req.sampling_params
@@ -78,6 +83,8 @@ class Request:
                 sampling_params=offer.sampling_params,
                 images=offer.images,
                 eos_token_ids=offer.eos_token_ids,
+                mrope_positions=offer.mrope_positions,
+                mrope_delta=offer.mrope_delta,
             )
         )
         req.set_output(offer.output_token_ids)

@@ -237,7 +237,8 @@ class Scheduler:
 
     def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput) -> None:
         for index in range(req.num_encoded_images + _num_scheduled(out, req), req.num_images):
-            if not budget.add_image(req.image_tokens(index)):
+            image = req.images[index]
+            if not budget.add_image(image.num_patches, image.length):
                 return
             out.encodes.append((req, index))
 
@@ -273,7 +274,7 @@ class Scheduler:
             if req.images:
                 if not self.images.can_allocate(self._image_blocks_needed(req)):
                     return
-                if not budget.add_image(req.image_tokens(0)):
+                if not budget.add_image(req.images[0].num_patches, req.images[0].length):
                     return
                 self.waiting.popleft()
                 self._allocate_images(req)

@@ -28,3 +28,7 @@ class ImageInput:
     # Qwen2-VL's patch grid (t, h, w) before the 2x2 merge.
     image_size: tuple[int, int] | None = None
     grid_thw: tuple[int, int, int] | None = None
+    # What encoding it costs: the patch positions the vision tower runs over (the family's
+    # ``num_vision_patches``), filled by the processor so that the scheduler and the latency model
+    # read a plain number; 0 when unknown (the image is then costed by its tokens alone).
+    num_patches: int = 0

@@ -91,14 +91,17 @@ class VisionLanguageModel(nn.Module):
 
     def num_vision_patches(self, image: ImageInput) -> int:
         """How many patch positions the vision tower runs over for ``image`` (it needs only the
-        image's layout, not its pixels): the cost of encoding it, as the latency model should count
-        it; an image's ``length`` (its tokens in the language model) is what prefill costs."""
+        image's layout, not its pixels): the cost of encoding it, as the latency model counts it;
+        an image's ``length`` (its tokens in the language model) is what prefill costs.
+        ``image_inputs`` stores the same number in ``ImageInput.num_patches``."""
         raise NotImplementedError
 
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
-        """Split the HF processor's image outputs per image: pixels, layout and ``length`` (its
-        number of image tokens); ``offset`` is left for the caller, who finds the placeholders."""
+        """Split the HF processor's image outputs per image: pixels, layout, ``length`` (its
+        number of image tokens) and ``num_patches`` (its encode cost, see ``num_vision_patches``);
+        ``offset`` is left for the caller, who finds the placeholders. The image processor's output
+        alone is enough (no token ids are read)."""
         raise NotImplementedError
 
     # -- the language side, the same for every family ----------------------------------------------

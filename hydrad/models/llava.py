@@ -85,9 +85,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         return features
 
     def num_vision_patches(self, image: ImageInput) -> int:
-        # One crop: its patches and the CLS token.
-        vision = self.hf_config.vision_config
-        return (vision.image_size // vision.patch_size) ** 2 + 1
+        return clip_tower_positions(self.hf_config.vision_config)
 
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
@@ -96,4 +94,10 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
             pixel_values.shape[-1] // hf_config.vision_config.patch_size
         )
         length = num_patches + (hf_config.vision_feature_select_strategy == "full")
-        return [ImageInput(pixel_values=pv, offset=-1, length=length) for pv in pixel_values]
+        cost = clip_tower_positions(hf_config.vision_config)
+        return [ImageInput(pixel_values=pv, offset=-1, length=length, num_patches=cost) for pv in pixel_values]
+
+
+def clip_tower_positions(vision_config) -> int:
+    """Positions the CLIP tower runs over for one crop: its patches and the CLS token."""
+    return (vision_config.image_size // vision_config.patch_size) ** 2 + 1

@@ -24,7 +24,7 @@ from transformers.image_processing_utils import select_best_resolution
 from hydrad.models.inputs import ImageInput
 from hydrad.errors import CheckpointError
 from hydrad.models.interface import VisionLanguageModel
-from hydrad.models.llava import LlavaMultiModalProjector, clip_features
+from hydrad.models.llava import LlavaMultiModalProjector, clip_features, clip_tower_positions
 
 
 class LlavaNextProjector(LlavaMultiModalProjector):
@@ -80,6 +80,13 @@ def num_image_tokens(hf_config, image_size: tuple[int, int]) -> int:
     return per_side * per_side + (r1 - r0) * (c1 - c0 + 1)
 
 
+def num_vision_patches(hf_config, image_size: tuple[int, int]) -> int:
+    """Positions the tower runs over for an image of ``image_size``: the base image and every
+    tile, each its patches and the CLS token."""
+    rows, cols = anyres_grid(hf_config, image_size)
+    return (1 + rows * cols) * clip_tower_positions(hf_config.vision_config)
+
+
 class LlavaNextForConditionalGeneration(VisionLanguageModel):
     # Image-cache blocks of 64 slots: images take from a few hundred to a few thousand tokens.
     default_image_block_size = 64
@@ -122,9 +129,7 @@ class LlavaNextForConditionalGeneration(VisionLanguageModel):
         return torch.cat((base, grid.flatten(0, 1)))
 
     def num_vision_patches(self, image: ImageInput) -> int:
-        # The base image and every tile, each its patches and the CLS token.
-        rows, cols = anyres_grid(self.hf_config, image.image_size)
-        return (1 + rows * cols) * (self.patches_per_side**2 + 1)
+        return num_vision_patches(self.hf_config, image.image_size)
 
     @classmethod
     def image_inputs(cls, hf_config, processor_output: Mapping[str, torch.Tensor]) -> list[ImageInput]:
@@ -140,6 +145,7 @@ class LlavaNextForConditionalGeneration(VisionLanguageModel):
                     offset=-1,
                     length=num_image_tokens(hf_config, image_size),
                     image_size=image_size,
+                    num_patches=num_vision_patches(hf_config, image_size),
                 )
             )
         return inputs

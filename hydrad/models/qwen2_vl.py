@@ -132,7 +132,8 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         pixel_values = processor_output["pixel_values"].split([t * h * w for t, h, w in grids])
         merge = hf_config.vision_config.spatial_merge_size
         return [
-            ImageInput(pixel_values=pv, offset=-1, length=t * h * w // merge**2, grid_thw=(t, h, w))
+            ImageInput(pixel_values=pv, offset=-1, length=t * h * w // merge**2, grid_thw=(t, h, w),
+                       num_patches=t * h * w)
             for pv, (t, h, w) in zip(pixel_values, grids)
         ]
 

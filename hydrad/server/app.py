@@ -171,9 +171,12 @@ async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: Res
 
 async def models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
+    hf_config = engine.processor.hf_config
     card = {
         "id": engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "hydrad",
         "root": str(request.app[CONFIG].engine.model.path), "parent": None, "max_model_len": engine.max_model_len,
+        # The family served (config.json's architecture and model type), e.g. Qwen2VLForConditionalGeneration.
+        "architecture": (getattr(hf_config, "architectures", None) or [None])[0], "model_type": hf_config.model_type,
     }
     return web.json_response({"object": "list", "data": [card]})
 

@@ -105,6 +105,8 @@ class EngineClient:
                                                            prompt, p) for i, p in enumerate(choices)]
             for image in requests[0].images:
                 image.pixel_values.share_memory_()
+            if requests[0].mrope_positions is not None:
+                requests[0].mrope_positions.share_memory_()
             return requests
 
         return await asyncio.get_running_loop().run_in_executor(self.executor, build)

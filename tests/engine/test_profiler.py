@@ -12,7 +12,15 @@ import pytest
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SLOConfig
 from hydrad.engine.inputs import EngineRequest
 from hydrad.engine.latency_model import LatencyModel, StepShape, fit_least_squares
-from hydrad.engine.profiler import Probe, design_probes, engine_limits, fit_latency_model, fit_model, latency_bound
+from hydrad.engine.profiler import (
+    Probe,
+    design_probes,
+    engine_limits,
+    fit_latency_model,
+    fit_model,
+    latency_bound,
+    probe_images,
+)
 from hydrad.sampling_params import SamplingParams
 
 ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
@@ -97,11 +105,11 @@ def test_held_out_error_is_reported_and_noise_shows_in_it(engine):
 
 def test_probes_fit_the_pools(tiny_llava_dir):
     small = make_engine(tiny_llava_dir, num_kv_blocks=48, num_image_blocks=2)
-    limits = engine_limits(small)
+    limits = engine_limits(small, probe_images(small))
     fit, check = design_probes(limits)
     assert fit and check
     for probe in fit + check:
-        assert limits.kv_fits(probe) and len(probe.images) <= limits.max_images
+        assert limits.kv_fits(probe) and limits.images_fit(probe)
     fit_latency_model(small, show_progress=False)  # real probes fit as designed
     small.shutdown()
 
@@ -111,7 +119,7 @@ def test_cache_is_written_reused_and_keyed(engine, cache_dir):
     files = list(cache_dir.glob("*.json"))
     assert len(files) == 1
     body = json.loads(files[0].read_text())
-    assert body["version"] == 1 and set(body["coefficients"]) >= {"l_decode", "v_image", "overlap"}
+    assert body["version"] == 2 and set(body["coefficients"]) >= {"l_decode", "v_image", "v_patch", "overlap"}
     start = time.monotonic()
     again = fit_latency_model(engine, show_progress=False)
     assert time.monotonic() - start < 0.5 and again == first
@@ -126,13 +134,50 @@ def test_bound_per_role():
 
 
 def test_fit_model_uses_only_single_part_probes_for_the_parts():
-    probes = [Probe(images=(16,)), Probe(images=(16, 16)), Probe(decodes=(10,)), Probe(decodes=(10,) * 4),
+    image = (17, 16)  # 17 patches through the tower, 16 tokens out
+    probes = [Probe(images=(image,)), Probe(images=(image, image)), Probe(decodes=(10,)), Probe(decodes=(10,) * 4),
               Probe(prefills=((0, 32),)), Probe(prefills=((64, 32),)), Probe(decodes=(100,) * 4)]
     timed = [(p, TRUE.step_seconds(p.shape())) for p in probes]
     model = fit_model(timed, timed[:2], {})
     assert model.overlap == 1.0  # no probe had both parts
-    assert model.step_seconds(StepShape.of(images=[16] * 3)) == pytest.approx(
-        TRUE.step_seconds(StepShape.of(images=[16] * 3)))
+    assert model.step_seconds(StepShape.of(images=[image] * 3)) == pytest.approx(
+        TRUE.step_seconds(StepShape.of(images=[image] * 3)))
+
+
+@pytest.mark.parametrize("arch", ["llava", "llava-next", "qwen2-vl"])
+def test_probe_images_take_the_family_shapes(tiny_checkpoint, arch):
+    """Probe pictures go through the checkpoint's image processor: LLaVA-1.5 crops every one to
+    the same image, the variable-resolution families make several sizes, each costed as the
+    family counts it and encoding to as many rows as it has tokens."""
+    engine = make_engine(tiny_checkpoint(arch), role="E")
+    images = probe_images(engine)
+    kinds = [(image.num_patches, image.length) for image in images]
+    assert kinds == sorted(set(kinds))
+    assert len(kinds) == 1 if arch == "llava" else len(kinds) >= 4, kinds
+    assert [image.num_patches for image in images] == [engine.model.num_vision_patches(image) for image in images]
+    assert [f.shape[0] for f in engine.model.encode_images(images)] == [image.length for image in images]
+    engine.shutdown()
+
+
+# Vision cost in every term: per image, per patch, per patch^2 (whole-image attention), per token.
+TRUE_VARIABLE = LatencyModel(v_fixed=0.002, v_image=0.003, v_patch=2e-5, v_patch2=3e-5, v_token=4e-5, l_fixed=0.003,
+                             l_prefill=2e-4, l_attn=1e-4, l_decode=5e-4, l_ctx=2e-4, overlap=0.8)
+
+
+@pytest.mark.parametrize("arch", ["llava-next", "qwen2-vl"])
+def test_variable_image_sizes_fit_the_true_model(tiny_checkpoint, arch):
+    engine = make_engine(tiny_checkpoint(arch))
+    timer = Synthetic(TRUE_VARIABLE)
+    model = fit_latency_model(engine, timer=timer, show_progress=False)
+    engine.shutdown()
+    sizes = {kind for probe in timer.probes for kind in probe.images}
+    assert len(sizes) >= 4
+    # Held-out probes mix sizes the fit saw alone; the prediction is exact for any mix of them.
+    assert model.error.max < 1e-6
+    for kind in sizes:
+        shape = StepShape.of(images=[kind, *sorted(sizes)])
+        assert model.vision_seconds(shape) == pytest.approx(TRUE_VARIABLE.vision_seconds(shape), rel=1e-6)
+    assert model.meta["images"] == [list(kind) for kind in sorted(sizes)]
 
 
 def test_real_fit_on_the_tiny_checkpoint_predicts_measured_steps(tiny_llava_dir):

@@ -33,7 +33,7 @@ def scheduler_with(model=MODEL, bound=0.05, **kwargs) -> Scheduler:
 
 
 def shape_of(out) -> StepShape:
-    images = [req.images[i].length for req, i in out.encodes]
+    images = [(req.images[i].num_patches, req.images[i].length) for req, i in out.encodes]
     decodes, prefills = [], []
     for req, n in out.chunks:
         if n == 1 and req.num_tokens > req.num_prompt_tokens and req.num_computed_tokens == req.num_tokens - 1:
@@ -119,7 +119,24 @@ def test_encodes_fill_the_rest_of_the_step():
     out, predicted = step(s)
     # 1 ms fixed + 4 ms per image within 20 ms: four images, a fifth would be over
     assert len(out.encodes) == 4
-    assert MODEL.vision_seconds(StepShape.of(images=[16] * 5)) > 0.02
+    assert MODEL.vision_seconds(StepShape.of(images=[(0, 16)] * 5)) > 0.02
+
+
+def test_encode_admission_follows_patches_not_image_count():
+    # 1 ms per step, 10 us per patch within 20.5 ms: one image of 1,000 patches per step, or many
+    # of 100 patches, though both kinds have 16 tokens.
+    model = LatencyModel(v_fixed=0.001, v_patch=1e-5, l_fixed=0.002, l_prefill=1e-4, l_decode=2e-4)
+    s = scheduler_with(model, bound=0.0205, num_image_blocks=64, image_block_size=16)
+    for i in range(4):
+        s.add(make_request(f"large{i}", num_prompt=30, images=[(2, 16, 1000)], max_tokens=2))
+    out, _ = step(s)
+    assert [r.req_id for r, _ in out.encodes] == ["large0"]
+    s = scheduler_with(model, bound=0.0205, num_image_blocks=64, image_block_size=16)
+    for i in range(30):
+        s.add(make_request(f"small{i}", num_prompt=30, images=[(2, 16, 100)], max_tokens=2))
+    out, _ = step(s)
+    # 1 ms + n * 1 ms <= 20.5 ms
+    assert len(out.encodes) == 19
 
 
 def test_hard_caps_still_bind_under_the_model():

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from vlm_cases import hf_inputs, image, noise, text
+from factories import hf_inputs, image, noise, text
 
 from hydrad.errors import RequestError
 from hydrad.processor import InputProcessor, find_image_runs

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
-from factories import hf_model
+from factories import conversations, hf_greedy, hf_inputs, hf_model, image, text
 from paged_greedy import run_greedy
-from vlm_cases import conversations, num_cuts_inside_images, hf_greedy, hf_inputs, image, load_ours, paged_sequences, text
+from vlm_cases import load_ours, num_cuts_inside_images, paged_sequences
 
 from hydrad.models.attention import AttentionMetadata
 from hydrad.errors import CheckpointError

@@ -116,6 +116,7 @@ def test_models(client, model_name, tiny_llava_dir):
     assert card.id == tiny_llava_dir.name == model_name
     assert card.root == str(tiny_llava_dir)
     assert card.max_model_len > MAX_TOKENS
+    assert (card.architecture, card.model_type) == ("LlavaForConditionalGeneration", "llava")
 
 
 def test_chat_greedy_matches_transformers(client, model_name, reference):

@@ -1,0 +1,112 @@
+"""``hydrad start --model`` on LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL: chat completions with images
+over HTTP give transformers' greedy tokens, and ``/v1/models`` names the architecture.
+
+One daemon per family, each in a deployment that migrates (so image layouts and M-RoPE
+positions cross worker processes), each worker fitting its latency model at start on the
+family's own probe images.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from factories import hf_inputs, hf_model, image, text
+
+from daemon_process import Daemon, http
+
+pytestmark = pytest.mark.slow
+
+MAX_TOKENS = 10
+# family -> (architecture, model_type, deployment, devices)
+FAMILIES = {
+    "llava-next": ("LlavaNextForConditionalGeneration", "llava_next", "1EP+1D", "cpu:2"),
+    "qwen2-vl": ("Qwen2VLForConditionalGeneration", "qwen2_vl", "1E+1PD", "cpu:2"),
+    "qwen2.5-vl": ("Qwen2_5_VLForConditionalGeneration", "qwen2_5_vl", "1E+1PD", "cpu:2"),
+}
+
+
+def _conversations() -> list[list[dict]]:
+    """Two images of different sizes in one turn, text only, an image in a multi-turn chat."""
+    return [
+        [{"role": "user", "content": [image(120, 80, 1), text("Compare these:"), image(60, 150, 2)]}],
+        [{"role": "user", "content": "Write a short poem about the sea."}],
+        [
+            {"role": "user", "content": [image(200, 90, 3), text("What is this?")]},
+            {"role": "assistant", "content": "A bus."},
+            {"role": "user", "content": "What colour is it?"},
+        ],
+    ]
+
+
+def _openai_messages(conversation: list[dict]) -> list[dict]:
+    """The conversation as an API client sends it: images as PNG data URLs (lossless, so the
+    daemon decodes the pixels the reference sees)."""
+    messages = []
+    for message in conversation:
+        content = message["content"]
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part["type"] == "image":
+                    buf = io.BytesIO()
+                    part["image"].save(buf, format="PNG")
+                    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+                    part = {"type": "image_url", "image_url": {"url": url}}
+                parts.append(part)
+            content = parts
+        messages.append({"role": message["role"], "content": content})
+    return messages
+
+
+def _reference(path, conversations) -> list[list[int]]:
+    from hydrad.models.hf_processor import load_hf_processor
+    from hydrad.models.loader import load_config
+
+    hf = hf_model(path)
+    processor = load_hf_processor(path, load_config(path).model_type)
+    tokens = []
+    for conv in conversations:
+        inputs = hf_inputs(processor, conv)
+        with torch.no_grad():
+            out = hf.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS, pad_token_id=0)
+        tokens.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+    return tokens
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
+    architecture, model_type, deploy, devices = FAMILIES[family]
+    path = tiny_checkpoint(family)
+    conversations = _conversations()
+    reference = _reference(path, conversations)
+    config = tmp_path / "hydrad.toml"
+    # Pools of a few MB (the tiny models need no more): allocating and sharing the default ones
+    # between workers takes seconds on a small machine.
+    config.write_text("[cache]\nkv_cache_memory_mb = 32\nimage_cache_memory_mb = 16\n")
+    daemon = Daemon(["--model", str(path), "--config", str(config), "--devices", devices, "--deploy", deploy],
+                    tmp_path / "hydrad.log")
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+        card = client.models.list().data[0]
+        assert (card.id, card.architecture, card.model_type) == (path.name, architecture, model_type)
+
+        def ask(conv):
+            return client.chat.completions.create(
+                model=card.id, messages=_openai_messages(conv), max_tokens=MAX_TOKENS, temperature=0,
+                extra_body={"return_token_ids": True})
+
+        with ThreadPoolExecutor(len(conversations)) as pool:  # in flight together, batched by the workers
+            replies = list(pool.map(ask, conversations))
+        for i, (reply, expected) in enumerate(zip(replies, reference)):
+            assert reply.choices[0].token_ids == expected, f"{family}: conversation {i}"
+        # Each worker fitted its latency model at start; the encoding one on the family's images.
+        instances = http("GET", daemon.url + "/admin/status").json()["instances"]
+        assert all(i["latency_model"] for i in instances)
+        assert any("/image" in i["latency_model"] for i in instances)
+    finally:
+        assert daemon.stop() == 0, daemon.log()
