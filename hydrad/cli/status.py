@@ -78,7 +78,9 @@ def render(status: dict):
     from rich.console import Group
     from rich.table import Table
 
-    instances = Table(title=f"hydrad: {status['model']} (max_model_len {status['max_model_len']}, "
+    deployment = status.get("deployment") or {}
+    deploy = f", {deployment['deploy']}" if deployment.get("deploy") else ""
+    instances = Table(title=f"hydrad: {status['model']}{deploy} (max_model_len {status['max_model_len']}, "
                             f"up {_duration(status['uptime_seconds'])})")
     for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "tok/s"):
         instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True)
@@ -94,9 +96,21 @@ def render(status: dict):
         requests.add_column(name, justify="right", no_wrap=True)
     requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
                      _ms(r["tbt_p50"]), _ms(r["tbt_p90"]))
+    parts = [instances]
     if budget_lines:
-        return Group(instances, "latency models:\n  " + "\n  ".join(budget_lines), requests)
-    return Group(instances, requests)
+        parts.append("latency models:\n  " + "\n  ".join(budget_lines))
+    history = deployment.get("history") or []
+    if len(history) > 1:
+        parts.append("deployments:\n  " + "\n  ".join(_deployment_line(d) for d in history[-5:]))
+    parts.append(requests)
+    return Group(*parts)
+
+
+def _deployment_line(d: dict) -> str:
+    import time
+
+    took = f", changed in {d['seconds']:.1f} s" if d.get("seconds") is not None else ""
+    return f"{time.strftime('%H:%M:%S', time.localtime(d['since']))} {d['deploy']} ({d['reason']}{took})"
 
 
 def _n(value) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+from hydrad.cluster.redeploy import RoleChange, plan_redeploy
 from hydrad.cluster.relay import MigrationRelay
 from hydrad.cluster.router import Router
 from hydrad.config import EngineConfig
@@ -37,11 +38,9 @@ class LocalInstance:
         self.engine = engine
         self.instance_id = engine.instance_id
         self.alive = True
+        # What the router sees: the engine's role, except during a redeploy.
+        self.role = engine.role
         self._relay_of = relay_of
-
-    @property
-    def role(self) -> str:
-        return self.engine.role
 
     @property
     def accepting(self) -> bool:
@@ -64,14 +63,47 @@ class LocalInstance:
 class LocalCluster:
     def __init__(self, config: EngineConfig, roles: list[str], *, device: str = "cpu", policy: str = "round-robin"):
         self.engines = [EngineCore(config, role=role, device=device, instance_id=i) for i, role in enumerate(roles)]
-        for engine in self.engines:
-            for peer in self.engines:
-                if peer is not engine:
-                    engine.attach_peer(peer.instance_id, peer.pools())
+        self._attach_all()
+        self._shrinking: dict[int, RoleChange] = {}
         self.instances = [LocalInstance(e, lambda: self.relay) for e in self.engines]
         self.router = Router(self.instances, policy=policy, seed=config.seed)
         self.relay = MigrationRelay(self.router)
         self.max_model_len = min(e.max_model_len for e in self.engines)
+
+    def _attach_all(self) -> None:
+        for engine in self.engines:
+            for peer in self.engines:
+                if peer is not engine:
+                    engine.attach_peer(peer.instance_id, peer.pools())
+
+    # -- live redeploy ---------------------------------------------------------------------------
+    def redeploy(self, roles: list[str]) -> list[RoleChange]:
+        """Start changing the instances' roles (``hydrad.cluster.redeploy``): expand at once,
+        then each instance sheds its lost stages as the following steps drain them
+        (``redeploying`` is True until then)."""
+        if self._shrinking:
+            raise RuntimeError("a redeploy is already under way")
+        changes = plan_redeploy([e.role for e in self.engines], roles)
+        for change in changes:
+            self.engines[change.instance_id].expand(change.union)
+            self.instances[change.instance_id].role = change.union
+        self._attach_all()
+        for change in changes:
+            self.instances[change.instance_id].role = change.new
+            if change.loses:
+                self.engines[change.instance_id].retire(change.loses)
+                self._shrinking[change.instance_id] = change
+        self._finish_shrinks()
+        return changes
+
+    @property
+    def redeploying(self) -> bool:
+        return bool(self._shrinking)
+
+    def _finish_shrinks(self) -> None:
+        for instance_id in [i for i in self._shrinking if self.engines[i].drained()]:
+            self.engines[instance_id].shrink()
+            del self._shrinking[instance_id]
 
     def add_request(self, req: EngineRequest) -> None:
         entry = self.router.select(has_images=bool(req.images))
@@ -88,6 +120,8 @@ class LocalCluster:
         merged = EngineOutput()
         for instance in self.instances:
             merge_outputs(merged, self.step_instance(instance.engine))
+        if self._shrinking:
+            self._finish_shrinks()
         return merged
 
     def step_instance(self, engine: EngineCore) -> EngineOutput:

@@ -85,7 +85,12 @@ class MigrationRelay:
         if target not in holders:
             holders.add(target)
             self._num_held[target.instance_id] += 1
-        self.in_flight[offer.req_id] = (source, target, offer)
+        if offer.kind == "prompt":  # nothing to pull: the source let the request go already
+            if source in holders and source is not target:
+                holders.discard(source)
+                self._num_held[source.instance_id] -= 1
+        else:
+            self.in_flight[offer.req_id] = (source, target, offer)
         target.migrate(offer)
 
     def take_back(self, req_id: str, target: Instance) -> tuple[Instance, MigrationOffer] | None:

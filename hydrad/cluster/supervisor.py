@@ -19,6 +19,7 @@ restarts it whole.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -31,6 +32,7 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
 from hydrad.cluster.worker_client import EXITED, WorkerClient, WorkerLost
@@ -47,6 +49,21 @@ _MAX_BACKOFF = 8.0
 
 class WorkerStartError(HydradError):
     pass
+
+
+class RedeployError(HydradError):
+    """A redeploy could not start or did not complete (the deployment is as it was)."""
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A deployment the daemon ran: its spec, since when (wall clock), why, and how long
+    the change to it took (None for the first)."""
+
+    deploy: str
+    since: float
+    reason: str
+    seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +134,9 @@ class Supervisor:
         self.failed = asyncio.Event()
         self.failure: str | None = None
         self._tasks: set[asyncio.Task] = set()
+        # Every deployment since start, the current one last.
+        self.history: list[Deployment] = []
+        self._redeploying = False
 
     @property
     def healthy(self) -> bool:
@@ -126,7 +146,8 @@ class Supervisor:
         return self._processes.get(instance_id)
 
     # -- start -----------------------------------------------------------------------------------
-    async def start(self, console: Console | None = None) -> list[WorkerReady]:
+    async def start(self, console: Console | None = None, reason: str = "start") -> list[WorkerReady]:
+        self.history.append(Deployment(format_deploy([s.role for s in self.specs]), time.time(), reason))
         for spec in self.specs:
             self.clients.append(await self._spawn(spec))
         try:
@@ -203,6 +224,89 @@ class Supervisor:
         client.attach_peers({p.instance_id: blob for p, blob in zip(peers, theirs)})
         for peer, blob in zip(peers, mine):
             peer.attach_peers({client.instance_id: blob})
+
+    async def _share_all_pools(self) -> None:
+        """Every instance gets every other's current pools (after pools were added)."""
+        clients = [c for c in self.clients if c.alive]
+
+        async def one(source: WorkerClient) -> None:
+            peers = [c for c in clients if c is not source]
+            blobs = await asyncio.gather(*(source.export_pools_for(p.instance_id) for p in peers))
+            for peer, blob in zip(peers, blobs):
+                peer.attach_peers({source.instance_id: blob})
+
+        await asyncio.gather(*(one(c) for c in clients))
+
+    # -- live redeploy ------------------------------------------------------------------------------
+    @property
+    def deployment(self) -> str:
+        return format_deploy([c.role for c in self.clients])
+
+    async def redeploy(self, roles: list[str], *, reason: str = "redeploy",
+                       progress: Callable[[str], None] | None = None) -> Deployment:
+        """Change the instances' roles while serving (``hydrad.cluster.redeploy``): expand,
+        share pools, switch the router, hand the lost stages over and drop them."""
+        say = progress or (lambda line: None)
+        if self._redeploying:
+            raise RedeployError("a redeploy is already under way")
+        down = [c.instance_id for c in self.clients if not c.accepting]
+        if down:
+            raise RedeployError(f"instance(s) {', '.join(map(str, down))} are down or restarting; "
+                                "redeploy once /health is ok")
+        changes = plan_redeploy([c.role for c in self.clients], roles)
+        target = format_deploy(roles)
+        start = time.monotonic()
+        if not changes:
+            say(f"already deployed as {target}")
+            return self.history[-1]
+        self._redeploying = True
+        try:
+            expanding = [c for c in changes if c.gains]
+            if expanding:
+                say("taking on new stages: " + ", ".join(f"#{c.instance_id} {c.old} -> {c.union}" for c in expanding))
+                answers = await asyncio.gather(*(self.clients[c.instance_id].reconfigure(c.union, self.start_timeout)
+                                                 for c in expanding))
+                failed = [(c, a) for c, a in zip(expanding, answers) if a.error]
+                if failed:
+                    await self._undo_expand([(c, a) for c, a in zip(expanding, answers) if not a.error])
+                    c, a = failed[0]
+                    raise RedeployError(f"instance {c.instance_id} could not take on {c.gains}: {a.error}")
+                for change, answer in zip(expanding, answers):
+                    client = self.clients[change.instance_id]
+                    client.role = change.union
+                    client.ready = dataclasses.replace(client.ready, latency_model=answer.latency_model,
+                                                       latency_bound=answer.latency_bound)
+                    say(f"#{change.instance_id} serves {change.union} ({answer.seconds:.1f} s)")
+            self.migrates = True
+            say("sharing cache pools")
+            await self._share_all_pools()
+            for change in changes:  # the router sends each instance only its new role's work
+                self.clients[change.instance_id].role = change.new
+                self.specs[change.instance_id] = dataclasses.replace(self.specs[change.instance_id], role=change.new)
+            shrinking = [c for c in changes if c.loses]
+            if shrinking:
+                say("handing over: " + ", ".join(f"#{c.instance_id} {c.loses}" for c in shrinking))
+                answers = await asyncio.gather(*(self.clients[c.instance_id].retire(c.loses, self.start_timeout)
+                                                 for c in shrinking))
+                for change, answer in zip(shrinking, answers):
+                    client = self.clients[change.instance_id]
+                    if client.ready.latency_model is not None:
+                        client.ready = dataclasses.replace(client.ready, latency_bound=answer.latency_bound)
+                    say(f"#{change.instance_id} is {answer.role} ({answer.seconds:.1f} s)")
+        except (WorkerLost, asyncio.TimeoutError) as e:
+            raise RedeployError(f"the redeploy to {target} did not complete: {e or 'timed out'}") from None
+        finally:
+            self._redeploying = False
+        deployment = Deployment(target, time.time(), reason, time.monotonic() - start)
+        self.history.append(deployment)
+        logger.info("redeployed as %s in %.1f s (%s)", target, deployment.seconds, reason)
+        say(f"serving as {target} after {deployment.seconds:.1f} s")
+        return deployment
+
+    async def _undo_expand(self, expanded: list) -> None:
+        """Give back the stages the instances that did expand had just taken on."""
+        await asyncio.gather(*(self.clients[c.instance_id].retire(c.gains, self.start_timeout)
+                               for c, _ in expanded if c.gains))
 
     # -- a worker dies ------------------------------------------------------------------------------
     def _on_lost(self, client: WorkerClient) -> None:

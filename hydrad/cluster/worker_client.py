@@ -35,8 +35,12 @@ from hydrad.transport.messages import (
     GetStats,
     Migrate,
     PoolsExported,
+    Reconfigure,
+    Reconfigured,
     Release,
     RequestRejected,
+    Retire,
+    Retired,
     Shutdown,
     StatsReply,
     StepOutput,
@@ -72,6 +76,9 @@ class WorkerClient:
         self.table = table
         self._stats_waiters: dict[int, asyncio.Future[EngineStats]] = {}
         self._pool_waiters: dict[int, asyncio.Future[bytes]] = {}
+        # The answers of a role change under way (one of each at a time).
+        self._reconfigured: asyncio.Future[Reconfigured] | None = None
+        self._retired: asyncio.Future[Retired] | None = None
         self._seq = itertools.count()
         self._token_times: deque[tuple[float, int]] = deque()
         self.link: WorkerLink | None = None
@@ -146,6 +153,18 @@ class WorkerClient:
         finally:
             self._pool_waiters.pop(peer_id, None)
 
+    async def reconfigure(self, role: str, timeout: float) -> Reconfigured:
+        """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``)."""
+        self._reconfigured = self._loop.create_future()
+        self._send(Reconfigure(role))
+        return await asyncio.wait_for(self._reconfigured, timeout)
+
+    async def retire(self, stages: str, timeout: float) -> Retired:
+        """Hand ``stages`` over; returns once the worker has dropped them."""
+        self._retired = self._loop.create_future()
+        self._send(Retire(stages))
+        return await asyncio.wait_for(self._retired, timeout)
+
     def attach_peers(self, pools: dict[int, bytes]) -> None:
         self.send_quietly(AttachPeers(pools))
 
@@ -192,6 +211,12 @@ class WorkerClient:
             waiter = self._stats_waiters.get(msg.seq)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.stats)
+        elif isinstance(msg, Reconfigured):
+            if self._reconfigured is not None and not self._reconfigured.done():
+                self._reconfigured.set_result(msg)
+        elif isinstance(msg, Retired):
+            if self._retired is not None and not self._retired.done():
+                self._retired.set_result(msg)
         elif isinstance(msg, PoolsExported):
             waiter = self._pool_waiters.get(msg.peer_id)
             if waiter is not None and not waiter.done():
@@ -221,7 +246,10 @@ class WorkerClient:
         if self.on_lost is not None:
             self.on_lost(self)
         self.table.lost(self, error)
-        for waiter in [*self._stats_waiters.values(), *self._pool_waiters.values()]:
+        for waiter in [*self._stats_waiters.values(), *self._pool_waiters.values(), self._reconfigured,
+                       self._retired]:
+            if waiter is None:
+                continue
             if not waiter.done():
                 waiter.set_exception(error)
 

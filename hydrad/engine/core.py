@@ -108,19 +108,10 @@ class EngineCore:
 
         self.max_model_len = config.model.max_model_len or hf_config.text_config.max_position_embeddings
         cache = config.cache
-        # Memory is split by role: a cache the role does not use gives its share to the other.
-        kv_mb = cache.kv_cache_memory_mb + (0 if has_image_cache else cache.image_cache_memory_mb)
-        image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
-        kv_block_bytes = math.prod(self.model.kv_cache_shape(1, cache.kv_block_size)) * self.dtype.itemsize
-        num_kv_blocks = _num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0
         # An image takes as many blocks as its tokens need (the family's default: one LLaVA-1.5
         # image per block, 64 slots for the families whose images vary in size).
         image_block_size = cache.image_block_size or self.model.default_image_block_size
-        image_block_bytes = image_block_size * self.model.image_hidden_size * self.dtype.itemsize
-        num_image_blocks = (
-            _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes) if has_image_cache else 0
-        )
-
+        num_kv_blocks, num_image_blocks = self._pool_sizes(has_kv, has_image_cache, image_block_size)
         self.kv_manager = BlockManager(num_kv_blocks, cache.kv_block_size, "kv") if has_kv else None
         self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
         self.scheduler = Scheduler(
@@ -154,6 +145,83 @@ class EngineCore:
             instance_id, self.role, self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
             num_kv_blocks, cache.kv_block_size, num_image_blocks, image_block_size,
         )
+
+    def _pool_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int) -> tuple[int, int]:
+        """Blocks of each pool a role uses (0: not used). Memory is split by role: a cache the
+        role does not use gives its share to the other."""
+        cache = self.config.cache
+        kv_mb = cache.kv_cache_memory_mb + (0 if has_image_cache else cache.image_cache_memory_mb)
+        image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
+        kv_block_bytes = math.prod(self.model.kv_cache_shape(1, cache.kv_block_size)) * self.dtype.itemsize
+        image_block_bytes = image_block_size * self.model.image_hidden_size * self.dtype.itemsize
+        num_kv = _num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0
+        num_image = _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes) if has_image_cache else 0
+        return num_kv, num_image
+
+    # -- role changes (live redeploy) ------------------------------------------------------------
+    def expand(self, role: str) -> str:
+        """Take on the stages of ``role`` too, while serving the current ones: build the model
+        parts and allocate the pools they need (pools already held keep their size). Returns
+        the instance's new role. The caller shares new pools with the peers."""
+        from hydrad.models.loader import iter_weights
+
+        role = normalize_role(self.role + role)
+        needs_vision = "E" in role and not self.model.has_vision
+        needs_language = ("P" in role or "D" in role) and not self.model.has_language
+        if needs_vision or needs_language:
+            backend = get_attn_backend(self.device) if needs_language else None
+            if backend is not None:
+                backend.check_block_size(self.config.cache.kv_block_size)
+            self.model.add_parts(vision=needs_vision, language=needs_language, attn_backend=backend)
+            prefixes = (_VISION_PREFIXES if needs_vision else ()) + (_LANGUAGE_PREFIXES if needs_language else ())
+            self.model.load_weights(iter_weights(self.model_path, self.dtype, prefixes=prefixes),
+                                    vision=needs_vision, language=needs_language)
+        has_kv = "P" in role or "D" in role
+        has_image_cache = "E" in role or "P" in role
+        image_block_size = self.runner.image_block_size
+        num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, image_block_size)
+        if has_kv and self.kv_manager is None:
+            self.runner.allocate_kv_cache(num_kv)
+            self.kv_manager = BlockManager(num_kv, self.config.cache.kv_block_size, "kv")
+        if has_image_cache and self.image_manager is None:
+            self.runner.allocate_image_cache(num_image)
+            self.image_manager = BlockManager(num_image, image_block_size, "image")
+        self.role = role
+        self.scheduler.set_role(role, self.kv_manager, self.image_manager)
+        self._stalled = False
+        return role
+
+    def retire(self, stages: str) -> None:
+        """Hand ``stages`` over to other instances (see ``Scheduler.retire``); ``shrink`` drops
+        them once ``drained``."""
+        self.scheduler.retire(stages)
+        self._stalled = False
+
+    def _kept_role(self) -> str:
+        return "".join(s for s in self.role if s not in self.scheduler.retiring)
+
+    def drained(self) -> bool:
+        kept = self._kept_role()
+        return self.scheduler.drained(keep_kv="P" in kept or "D" in kept, keep_images="E" in kept or "P" in kept)
+
+    def shrink(self) -> str:
+        """Drop the retired stages (``drained()`` must hold): their model parts and pools go.
+        Returns the new role."""
+        role = self._kept_role()
+        if not role:
+            raise ValueError("an instance keeps at least one stage")
+        keep_language, keep_vision = "P" in role or "D" in role, "E" in role
+        if not keep_language and self.kv_manager is not None:
+            self.runner.free_kv_cache()
+            self.kv_manager = None
+        if not ("E" in role or "P" in role) and self.image_manager is not None:
+            self.runner.free_image_cache()
+            self.image_manager = None
+        self.model.drop_parts(vision=not keep_vision, language=not keep_language)
+        self.role = role
+        self.scheduler.set_role(role, self.kv_manager, self.image_manager)
+        self._stalled = False
+        return role
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -206,14 +274,20 @@ class EngineCore:
     def attach_peer(self, instance_id: int, pools: dict[str, torch.Tensor | None]) -> None:
         self.copier.peers[instance_id] = pools
 
+    def share_pools(self) -> None:
+        """Put the pools in shared memory if they are not yet (on CPU; a deployment that did
+        not migrate allocated them private, and a redeploy may make it migrate)."""
+        self.runner.share_pools()
+
     def detach_peer(self, instance_id: int) -> None:
         self.copier.peers.pop(instance_id, None)
 
     def add_migration(self, offer: MigrationOffer) -> None:
-        """Queue a request migrating in; it is pulled when this instance schedules it."""
-        if offer.source not in self.copier.peers:
+        """Queue a request migrating in; it is pulled when this instance schedules it (one that
+        had not started elsewhere goes to the head of the waiting queue)."""
+        if offer.kind != "prompt" and offer.source not in self.copier.peers:
             raise ValueError(f"instance {offer.source} is not attached as a peer")
-        self.scheduler.add(Request.from_offer(offer))
+        self.scheduler.add(Request.from_offer(offer), front=offer.kind == "prompt")
         self._stalled = False
 
     def release(self, req_ids: Iterable[str]) -> None:

@@ -45,6 +45,9 @@ class InputBatch:
         # Per row: (token ids, values) of its logit bias, and the ids min_tokens masks.
         self.bias: list[tuple[list[int], list[float]] | None] = []
         self.stop_ids: list[list[int]] = []
+        # The request holding each row: a request's ``row`` may refer to a batch that was
+        # dropped since (a redeploy freed the KV pool), so ownership is checked, not assumed.
+        self.owners: list[Request | None] = []
         self.num_rows_used = 0
         self._grow(_INITIAL_ROWS)
 
@@ -60,6 +63,7 @@ class InputBatch:
             self._grow(2 * self.capacity)
         row = self._free.pop()
         req.row = row
+        self.owners[row] = req
         self.num_rows_used += 1
         self.num_blocks[row] = 0
         self.temperature[row] = params.temperature
@@ -80,11 +84,16 @@ class InputBatch:
                                   if params.has_penalties else -1)
         return row
 
+    def holds(self, req: Request) -> bool:
+        return 0 <= req.row < self.capacity and self.owners[req.row] is req
+
     def remove(self, req: Request) -> None:
         row = req.row
-        if row < 0:
+        if not self.holds(req):
+            req.row = -1
             return
         req.row = -1
+        self.owners[row] = None
         if self.penalty_slot[row] >= 0:
             self.penalties.free(int(self.penalty_slot[row]))
             self.penalty_slot[row] = -1
@@ -154,5 +163,6 @@ class InputBatch:
         self.generators += [None] * (capacity - old)
         self.bias += [None] * (capacity - old)
         self.stop_ids += [[] for _ in range(capacity - old)]
+        self.owners += [None] * (capacity - old)
         self._free.extend(range(capacity - 1, old - 1, -1))
         self.capacity = capacity

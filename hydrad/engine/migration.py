@@ -46,7 +46,9 @@ class MigrationOffer:
 
     req_id: str
     source: int  # instance id of the source
-    kind: str  # "image" (encode -> prefill) or "kv" (prefill -> decode)
+    # "image" (encode -> prefill), "kv" (prefill -> decode), or "prompt": a request that has
+    # not started here (nothing computed, no blocks) moves whole, its images' pixels with it.
+    kind: str
     # kind "image": one block list per image; kind "kv": the KV blocks of num_computed_tokens.
     block_ids: list
     prompt_token_ids: list[int]
@@ -66,6 +68,8 @@ class MigrationOffer:
 
     @property
     def next_stage(self) -> str:
+        if self.kind == "prompt":
+            return "E" if self.images else "P"
         return "P" if self.kind == "image" else "D"
 
 
@@ -89,18 +93,25 @@ class Pull:
 
 
 def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
-    """The offer of a request whose ``kind`` stage ("image" or "kv") is done here."""
+    """The offer of a request whose ``kind`` stage ("image" or "kv") is done here, or that
+    moves before it started ("prompt")."""
+    if kind == "prompt":
+        block_ids: list = []
+    else:
+        block_ids = [list(ids) for ids in req.image_block_ids] if kind == "image" else list(req.kv_block_ids)
     return MigrationOffer(
         req_id=req.req_id,
         source=instance_id,
         kind=kind,
-        block_ids=[list(ids) for ids in req.image_block_ids] if kind == "image" else list(req.kv_block_ids),
+        block_ids=block_ids,
         prompt_token_ids=req.prompt_token_ids,
         output_token_ids=list(req.output_token_ids),
         num_computed_tokens=req.num_computed_tokens,
         sampling_params=req.sampling_params,
-        # The layout (grid, size, patches) stays: the target schedules by it.
-        images=[dataclasses.replace(image, pixel_values=None) for image in req.images],
+        # The layout (grid, size, patches) stays: the target schedules by it. A request that
+        # has not started takes its pixels along (shared memory: handles, not bytes).
+        images=list(req.images) if kind == "prompt" else [dataclasses.replace(image, pixel_values=None)
+                                                          for image in req.images],
         eos_token_ids=tuple(sorted(req.eos_token_ids)),
         generator_state=req.generator.get_state() if req.generator is not None else None,
         timeline=dict(req.timeline),

@@ -42,17 +42,42 @@ class ModelRunner:
         self.sampler = sampler
         # Qwen2-VL's decoder rotates by 3-D positions that the requests carry (M-RoPE).
         self.uses_mrope = model.uses_mrope
-        # Rows of the requests running language steps (only instances with a KV cache).
-        self.batch = InputBatch(max_blocks_per_seq, vocab_size, sampler, device) if num_kv_blocks else None
+        self.shared = shared
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.vocab_size = vocab_size
         # A pool of 0 blocks is not allocated: the role does not use that cache.
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = self._pool(model.kv_cache_shape(num_kv_blocks, kv_block_size), shared) if num_kv_blocks else None
+        # kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; batch: the
+        # rows of the requests running language steps (only instances with a KV cache).
+        self.kv_cache: torch.Tensor | None = None
+        self.batch: InputBatch | None = None
         # [num_blocks, block_size, hidden]: projected image features, the rows prefill reads
-        self.image_cache = (
-            self._pool((num_image_blocks, image_block_size, model.image_hidden_size), shared)
-            if num_image_blocks
-            else None
-        )
+        self.image_cache: torch.Tensor | None = None
+        if num_kv_blocks:
+            self.allocate_kv_cache(num_kv_blocks)
+        if num_image_blocks:
+            self.allocate_image_cache(num_image_blocks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_cache = self._pool(self.model.kv_cache_shape(num_blocks, self.kv_block_size), self.shared)
+        self.batch = InputBatch(self.max_blocks_per_seq, self.vocab_size, self.sampler, self.device)
+
+    def allocate_image_cache(self, num_blocks: int) -> None:
+        self.image_cache = self._pool((num_blocks, self.image_block_size, self.model.image_hidden_size), self.shared)
+
+    def share_pools(self) -> None:
+        """Move the pools to shared memory (in place: data and views stay); new pools follow."""
+        if not self.shared:
+            self.shared = True
+            for pool in (self.kv_cache, self.image_cache):
+                if pool is not None and pool.device.type == "cpu":
+                    pool.share_memory_()
+
+    def free_kv_cache(self) -> None:
+        """Drop the KV pool (peers that still hold a view keep its memory alive until they let go)."""
+        self.kv_cache, self.batch = None, None
+
+    def free_image_cache(self) -> None:
+        self.image_cache = None
 
     def _pool(self, shape: tuple[int, ...], shared: bool) -> torch.Tensor:
         pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -115,9 +140,10 @@ class ModelRunner:
         mm_dst, mm_src = [], []
         sample_rows, sample_pos, sample_reqs = [], [], []
         offset = 0
+        owners = batch.owners
         for req, num_new in chunks:
             row = req.row
-            if row < 0:
+            if row < 0 or row >= len(owners) or owners[row] is not req:
                 row = batch.add(req)
             if len(req.kv_block_ids) != num_blocks[row]:
                 batch.sync_blocks(row, req.kv_block_ids)

@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 # Bump when the probes, the features or the file layout change: older files then miss.
 _CACHE_VERSION = 4
 _REPEATS = 2
+# Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
+_MIN_TIMED = 0.05
+_MAX_REPEATS = 9
 # (width, height) in pixels of the probe pictures: from a thumbnail to a large photo. The image
 # processor resizes them as it resizes requests' images (LLaVA-1.5: all to one crop; LLaVA-NeXT:
 # to its tile grids; Qwen2-VL: within [min_pixels, max_pixels]).
@@ -258,10 +261,13 @@ class EngineTimer:
         return tuple(pool.num_used_blocks if pool is not None else 0 for pool in pools)
 
     def _median_seconds(self, run: Callable[[], object]) -> float:
+        """Median of at least ``repeats`` timed runs after a warm-up; a fast probe runs more
+        often (up to ``_MAX_REPEATS``, until ``_MIN_TIMED`` seconds), so that one run slowed by
+        the machine cannot move a millisecond probe's median."""
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda device: None)
         run()
-        times = []
-        for _ in range(self.repeats):
+        times: list[float] = []
+        while len(times) < self.repeats or (sum(times) < _MIN_TIMED and len(times) < _MAX_REPEATS):
             sync(self.engine.device)
             start = time.perf_counter()
             run()
@@ -421,7 +427,7 @@ def store(path: Path, model: LatencyModel) -> None:
 
 # -- fit ---------------------------------------------------------------------------------------
 def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], float] | None = None,
-                      show_progress: bool = True) -> LatencyModel:
+                      show_progress: bool = True, allow_busy: bool = False) -> LatencyModel:
     """The latency model of ``engine``'s instance, from the disk cache unless ``force`` or
     absent. ``timer(probe) -> seconds`` replaces measuring on the engine."""
     key = cache_key(engine)
@@ -432,7 +438,9 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
     images = probe_images(engine) if "E" in engine.role else []
     limits = engine_limits(engine, images)
     if timer is None:
-        if engine.has_unfinished_requests():
+        # Probes run between steps with blocks borrowed from the pools: on a busy instance
+        # (a live redeploy) they only delay its next step, but at start it must be idle.
+        if engine.has_unfinished_requests() and not allow_busy:
             raise RuntimeError("the latency model is measured on an idle engine")
         timer = EngineTimer(engine, images=images)
     fit_probes, check_probes = design_probes(limits)

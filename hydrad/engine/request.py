@@ -89,7 +89,9 @@ class Request:
         )
         req.set_output(offer.output_token_ids)
         req.timeline = dict(offer.timeline)
-        req.pull = (offer.kind, offer.source, offer.block_ids, offer.num_computed_tokens)
+        # A request that had not started moves whole: nothing to pull, it starts here.
+        req.pull = None if offer.kind == "prompt" else (offer.kind, offer.source, offer.block_ids,
+                                                       offer.num_computed_tokens)
         if offer.generator_state is not None:
             import torch
 

@@ -92,6 +92,8 @@ class Scheduler:
         self.images = image_manager
         self.max_model_len = max_model_len
         self.role = role
+        # Stages being handed over (a redeploy takes them away): their work goes elsewhere.
+        self.retiring = ""
         self.can_decode = "D" in role
         self.can_prefill = "P" in role
         self.waiting: deque[Request] = deque()
@@ -115,6 +117,58 @@ class Scheduler:
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
         self.min_chunk = kv_manager.block_size if kv_manager is not None else 1
 
+    # -- role changes (live redeploy) ----------------------------------------------------------
+    def set_role(self, role: str, kv_manager: BlockManager | None, image_manager: BlockManager | None) -> None:
+        """Run the stages of ``role`` with these pools from the next step on (a stage that
+        stays must keep its pool: requests hold blocks of it)."""
+        self.role = role
+        self.kv, self.images = kv_manager, image_manager
+        self.retiring = "".join(s for s in self.retiring if s in role)
+        self.can_decode = "D" in role and "D" not in self.retiring
+        self.can_prefill = "P" in role and "P" not in self.retiring
+        if kv_manager is not None:
+            self.min_chunk = kv_manager.block_size
+
+    def retire(self, stages: str) -> None:
+        """Hand ``stages`` over: from now on a request whose next stage is one of them is
+        offered to another instance, and running decodes go at once (their KV is complete).
+        Work already started in a retiring stage finishes its stage here."""
+        self.retiring = "".join(s for s in stages if s in self.role)
+        self.can_decode = "D" in self.role and "D" not in self.retiring
+        self.can_prefill = "P" in self.role and "P" not in self.retiring
+        if "D" in self.retiring:
+            for req in list(self.decoding.values()):
+                self._offer(req, "kv")
+        self._hand_off_waiting()
+
+    def _hand_off_waiting(self) -> None:
+        """Requests that have not started and whose first stage is retiring move whole."""
+        for req in [r for r in self.waiting if self._first_stage(r) in self.retiring]:
+            self._leave_queue(req)
+            self._finish(req, "migrated")
+            self.new_offers.append((req, "prompt"))
+
+    @staticmethod
+    def _first_stage(req: Request) -> str:
+        return "E" if req.images else "P"
+
+    def drained(self, keep_kv: bool, keep_images: bool) -> bool:
+        """Nothing here needs a retiring stage any more, and a pool that is to go holds no block."""
+        r = self.retiring
+        if self.kv is not None and not keep_kv and self.kv.num_used_blocks:
+            return False
+        if self.images is not None and not keep_images and self.images.num_used_blocks:
+            return False
+        queued = list(self.waiting) + list(self.incoming) + list(self.pulling.values())
+        if "E" in r and (self.encoding or any(q.images and not q.images_done and q.pull is None for q in queued)):
+            return False
+        if "P" in r and (self.prefilling or any(q.pull is not None and q.pull[0] == "image" for q in queued)
+                         or any(not q.images and q.pull is None for q in queued)):
+            return False
+        if "D" in r and (self.decoding or any(q.pull is not None and q.pull[0] == "kv" for q in queued)):
+            return False
+        return True
+
     def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
         """Fill steps by predicted latency up to ``bound`` seconds (None: caps only)."""
         if model is not None and bound <= 0:
@@ -127,7 +181,7 @@ class Scheduler:
         """Refuse (ValueError) a request that could never run here, even alone."""
         if req.images and "E" not in self.role and req.pull is None:
             raise ValueError(f"a {self.role} instance cannot encode images")
-        if not req.images and not self.can_prefill and req.pull is None:
+        if not req.images and "P" not in self.role and req.pull is None:
             raise ValueError(f"a {self.role} instance cannot prefill")
         if self.kv is not None:
             need = self.kv.num_blocks_for(min(self.max_model_len, req.max_num_tokens))
@@ -144,12 +198,14 @@ class Scheduler:
                     f"{self.images.num_blocks}"
                 )
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, front: bool = False) -> None:
+        """Queue ``req`` (at the head with ``front``: it has waited elsewhere already)."""
         if req.req_id in self.requests:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.check_fits(req)
         self.requests[req.req_id] = req
-        (self.incoming if req.pull is not None else self.waiting).append(req)
+        queue = self.incoming if req.pull is not None else self.waiting
+        queue.appendleft(req) if front else queue.append(req)
 
     def abort(self, req_id: str) -> Request | None:
         req = self.requests.get(req_id)
@@ -182,6 +238,8 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._step += 1
+        if self.retiring:  # preempted meanwhile: back to waiting, and on to another instance
+            self._hand_off_waiting()
         # Requests that leave the running set while this step is built (preempted) are
         # dropped before it runs too: one may be admitted again within this very step.
         out = SchedulerOutput(dropped=self._dropped)
@@ -311,6 +369,11 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.mark("kv_pulled")
         self._start_running(req)
+        # Pulled for a stage that is being handed over meanwhile: on it goes.
+        if kind == "image" and not self.can_prefill:
+            self._offer(req, "image")
+        elif kind == "kv" and not self.can_decode:
+            self._offer(req, "kv")
 
     # -- KV pressure ---------------------------------------------------------------------
     def _can_recompute(self, req: Request) -> bool:

@@ -30,7 +30,11 @@ from hydrad.transport.messages import (
     GetStats,
     Migrate,
     PoolsExported,
+    Reconfigure,
+    Reconfigured,
     Release,
+    Retire,
+    Retired,
     RequestRejected,
     Shutdown,
     StatsReply,
@@ -116,11 +120,46 @@ def worker_main(
         conn.close()
 
 
+def _reconfigure(engine, role: str) -> Reconfigured:
+    """Expand the instance to ``role`` and give it the latency model and bound of its new role."""
+    start = time.monotonic()
+    try:
+        new_role = engine.expand(role)
+        model, bound = _latency(engine, new_role)
+    except Exception as e:  # the daemon reports it and keeps the deployment as it was
+        logger.exception("taking on role %s failed", role)
+        return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=f"{type(e).__name__}: {e}")
+    return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound)
+
+
+def _latency(engine, role: str):
+    """The latency model (cached, or measured between steps) and bound for ``role``."""
+    config = engine.config
+    if not config.scheduler.derive_budgets:
+        return None, None
+    from hydrad.engine.profiler import fit_latency_model, latency_bound
+
+    model, bound = fit_latency_model(engine, allow_busy=True), latency_bound(config.slo, role)
+    engine.set_latency_model(model, bound)
+    return model, bound
+
+
 def run_worker(engine: Engine, conn: Connection) -> None:
     """Serve messages and step the engine until ``Shutdown`` has been honoured."""
     live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
     draining = False
+    retiring_since: float | None = None  # a Retire is under way
     while True:
+        if retiring_since is not None and engine.drained():
+            role = engine.shrink()
+            bound = None
+            if engine.scheduler.latency_model is not None:
+                from hydrad.engine.profiler import latency_bound
+
+                bound = latency_bound(engine.config.slo, role)
+                engine.set_latency_model(engine.scheduler.latency_model, bound)
+            conn.send(Retired(engine.instance_id, role, time.monotonic() - retiring_since, bound))
+            retiring_since = None
         if draining and not engine.has_unfinished_requests():
             return
         busy = engine.has_work()
@@ -152,10 +191,16 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 for peer_id, blob in msg.pools.items():
                     engine.attach_peer(peer_id, import_pools(blob))
             elif isinstance(msg, ExportPools):
+                engine.share_pools()
                 blob = export_pools(engine.pools(), (msg.peer_id,))[msg.peer_id]
                 conn.send(PoolsExported(engine.instance_id, msg.peer_id, blob))
             elif isinstance(msg, DetachPeer):
                 engine.detach_peer(msg.peer_id)
+            elif isinstance(msg, Reconfigure):
+                conn.send(_reconfigure(engine, msg.role))
+            elif isinstance(msg, Retire):
+                engine.retire(msg.stages)
+                retiring_since = time.monotonic()
             elif isinstance(msg, GetStats):
                 conn.send(StatsReply(msg.seq, engine.get_stats()))
             elif isinstance(msg, Shutdown):
@@ -170,4 +215,5 @@ def run_worker(engine: Engine, conn: Connection) -> None:
         offers, pulled = engine.take_offers(), engine.take_pulled()
         if output or output.timing is not None or offers or pulled:
             live.difference_update(f.req_id for f in output.finished)
+            live.difference_update(o.req_id for o in offers if o.kind == "prompt")  # moved whole
             conn.send(StepOutput(output, offers, pulled))

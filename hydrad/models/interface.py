@@ -56,6 +56,7 @@ class VisionLanguageModel(nn.Module):
         if not (load_vision or load_language):
             raise ValueError("load at least one of the vision and the language parts")
         text_config = hf_config.text_config
+        self.hf_config = hf_config
         self.image_hidden_size = text_config.hidden_size
         self.num_layers = text_config.num_hidden_layers
         self.num_kv_heads = text_config.num_key_value_heads
@@ -63,22 +64,47 @@ class VisionLanguageModel(nn.Module):
         self.tie_word_embeddings = bool(hf_config.tie_word_embeddings)
         self.dtype = dtype
         self.device = torch.device(device)
-        self.has_vision, self.has_language = load_vision, load_language
+        self.has_vision = self.has_language = False
+        self.vision_parts: tuple[str, ...] = ()
+        self.add_parts(vision=load_vision, language=load_language, attn_backend=attn_backend)
 
+    # -- parts, added and dropped as an instance's role changes -----------------------------------
+    def add_parts(self, *, vision: bool = False, language: bool = False, attn_backend=None) -> list[str]:
+        """Build the parts not yet held (their weights come with ``load_weights``); returns the
+        canonical prefixes of the parts built."""
+        built: list[str] = []
         # Every parameter is overwritten by load_weights: skip the random init.
         with no_init_weights(), self.device:
-            self.vision_parts: tuple[str, ...] = ()
-            if load_vision:
-                for name, module in self.build_vision(hf_config, dtype).items():
+            if vision and not self.has_vision:
+                for name, module in self.build_vision(self.hf_config, self.dtype).items():
                     setattr(self, name, module)
                     self.vision_parts += (name,)
-            if load_language:
+                self.has_vision = True
+                built += VISION_PARTS
+            if language and not self.has_language:
+                text_config = self.hf_config.text_config
                 backend = attn_backend or get_attn_backend(self.device)
-                self.language_model = LlamaModel(text_config, backend, dtype)
+                self.language_model = LlamaModel(text_config, backend, self.dtype)
                 if not self.tie_word_embeddings:
-                    self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype)
+                    self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False,
+                                             dtype=self.dtype)
+                self.has_language = True
+                built += LANGUAGE_PARTS
         self.requires_grad_(False)
         self.eval()
+        return built
+
+    def drop_parts(self, *, vision: bool = False, language: bool = False) -> None:
+        """Free the parts an instance no longer runs."""
+        if vision and self.has_vision:
+            for name in self.vision_parts:
+                delattr(self, name)
+            self.vision_parts, self.has_vision = (), False
+        if language and self.has_language:
+            del self.language_model
+            if not self.tie_word_embeddings:
+                del self.lm_head
+            self.has_language = False
 
     # -- what a family provides -----------------------------------------------------------------
     def build_vision(self, hf_config, dtype: torch.dtype) -> Mapping[str, nn.Module]:
@@ -127,15 +153,19 @@ class VisionLanguageModel(nn.Module):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load canonical-name weights into the parts this instance holds; weights of the other
-        parts are skipped. CheckpointError names every missing and unexpected weight."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, vision: bool | None = None,
+                     language: bool | None = None) -> None:
+        """Load canonical-name weights into the parts this instance holds (or only those named:
+        ``vision``/``language`` True); weights of the other parts are skipped. CheckpointError
+        names every missing and unexpected weight."""
+        if vision is None and language is None:
+            vision, language = self.has_vision, self.has_language
         groups, skipped = {}, []
-        if self.has_vision:
+        if vision and self.has_vision:
             groups.update({name: ParamLoader(getattr(self, name)) for name in self.vision_parts})
         else:
             skipped += VISION_PARTS
-        if self.has_language:
+        if language and self.has_language:
             groups["language_model"] = ParamLoader(self.language_model, STACKED_PARAMS)
             if self.tie_word_embeddings:
                 # Some tied checkpoints store the head anyway; it is the embedding matrix.

@@ -8,6 +8,7 @@ so they start with the app and stop after the last in-flight request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -22,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rich.console import Console
 
 from hydrad.config_file import DaemonConfig
-from hydrad.errors import RequestError
+from hydrad.errors import ConfigError, RequestError
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
 from hydrad.server.engine_client import EngineClient
 from hydrad.server.errors import UNAVAILABLE, APIError, error_response
@@ -30,7 +31,8 @@ from hydrad.server.metrics import Metrics
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
-from hydrad.cluster.supervisor import InstanceSpec, RestartPolicy, Supervisor
+from hydrad.cluster.deploy import parse_deploy
+from hydrad.cluster.supervisor import InstanceSpec, RedeployError, RestartPolicy, Supervisor
 
 logger = logging.getLogger("hydrad.server")
 
@@ -58,6 +60,7 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/status", admin_status)
+    app.router.add_post("/admin/redeploy", admin_redeploy)
     return app
 
 
@@ -207,7 +210,54 @@ async def admin_status(request: web.Request) -> web.Response:
     body = status_body(supervisor, await instance_stats(supervisor.clients), model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
                        num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
+    body["deployment"] = {"deploy": supervisor.deployment, "history": history(supervisor)}
     return web.json_response(body)
+
+
+async def admin_redeploy(request: web.Request) -> web.StreamResponse:
+    """Change the deployment while serving: ``{"deploy": "1EP+1D"}``. The answer streams one
+    JSON object per line: ``{"progress": ...}`` as the change goes, then the result
+    (``{"deploy", "seconds", "history"}``) or ``{"error": {...}}``."""
+    check_admin_access(request, request.app[CONFIG].server.admin_token)
+    body = await read_json(request)
+    spec = body.get("deploy") if isinstance(body, dict) else None
+    if not isinstance(spec, str) or not spec:
+        raise RequestError("'deploy' must be a deployment spec such as 1EP+1D", "deploy")
+    supervisor = request.app[SUPERVISOR]
+    try:
+        roles = parse_deploy(spec, len(supervisor.clients))
+    except ConfigError as e:
+        raise RequestError(str(e), "deploy") from None
+    if len(roles) != len(supervisor.clients):
+        raise RequestError(f"deploy {spec!r} has {len(roles)} instance(s); this daemon runs {len(supervisor.clients)}"
+                           " (a redeploy keeps the devices)", "deploy")
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+
+    async def send(obj: dict) -> None:
+        await response.write(json.dumps(obj).encode() + b"\n")
+
+    lines: asyncio.Queue = asyncio.Queue()
+    change = asyncio.ensure_future(supervisor.redeploy(roles, reason=body.get("reason") or "redeploy",
+                                                        progress=lines.put_nowait))
+    while not change.done() or not lines.empty():
+        getter = asyncio.ensure_future(lines.get())
+        await asyncio.wait([getter, change], return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            await send({"progress": getter.result()})
+        else:
+            getter.cancel()
+    try:
+        deployment = change.result()
+    except RedeployError as e:
+        await send(error_body(409, e))
+    else:
+        await send({"deploy": deployment.deploy, "seconds": deployment.seconds, "history": history(supervisor)})
+    return response
+
+
+def history(supervisor: Supervisor) -> list[dict]:
+    return [dataclasses.asdict(d) for d in supervisor.history]
 
 
 async def read_json(request: web.Request):

@@ -75,6 +75,22 @@ class DetachPeer:
 
 
 @dataclass(frozen=True)
+class Reconfigure:
+    """Take on the stages of ``role`` too (live redeploy, phase 1): build the model parts and
+    pools they need while serving the current stages; answered by ``Reconfigured``."""
+
+    role: str
+
+
+@dataclass(frozen=True)
+class Retire:
+    """Hand ``stages`` over to other instances (live redeploy, phase 2); once nothing here
+    needs them, drop them and answer ``Retired``."""
+
+    stages: str
+
+
+@dataclass(frozen=True)
 class Migrate:
     """Target side: queue this request at the head; pull its blocks when it is scheduled."""
 
@@ -130,6 +146,29 @@ class PoolsExported:
 
 
 @dataclass(frozen=True)
+class Reconfigured:
+    """The answer to ``Reconfigure``: the instance's role now and its latency model and bound
+    (``error`` says why it could not, in one line; the role is then unchanged)."""
+
+    instance_id: int
+    role: str
+    seconds: float
+    latency_model: object | None = None
+    latency_bound: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Retired:
+    """The answer to ``Retire``: the retired stages are dropped; the instance's role now."""
+
+    instance_id: int
+    role: str
+    seconds: float
+    latency_bound: float | None = None
+
+
+@dataclass(frozen=True)
 class StatsReply:
     seq: int
     stats: EngineStats
@@ -155,5 +194,6 @@ class WorkerFailed:
 
 
 DaemonToWorker = (AddRequest | Abort | GetStats | Shutdown | AttachPeers | ExportPools | DetachPeer | Migrate
-                  | Release)
-WorkerToDaemon = WorkerReady | StepOutput | StatsReply | PoolsExported | RequestRejected | WorkerFailed
+                  | Release | Reconfigure | Retire)
+WorkerToDaemon = (WorkerReady | StepOutput | StatsReply | PoolsExported | Reconfigured | Retired | RequestRejected
+                  | WorkerFailed)
