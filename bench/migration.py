@@ -185,12 +185,13 @@ def edge_shapes(path: str, config, num_prompt_tokens: int, num_image_tokens: int
     """Pool shape, block dim, blocks per request and bytes per request of each edge, as the
     engine lays them out (float32 on CPU)."""
     from hydrad.engine.core import _num_blocks
+    from hydrad.models.attention import SDPA_BLOCK_SIZE
     from hydrad.models.llama import head_dim_of
     from hydrad.models.loader import load_config
 
     text = load_config(path).text_config
     cache = config.cache
-    bs = cache.kv_block_size
+    bs = cache.kv_block_size or SDPA_BLOCK_SIZE  # the bench runs on CPU: SDPA
     kv_block = (text.num_hidden_layers, 2, 1, bs, text.num_key_value_heads, head_dim_of(text))
     kv_block_bytes = math.prod(kv_block) * 4
     num_kv = _num_blocks(None, cache.kv_cache_memory_mb, kv_block_bytes)  # P holds both caches

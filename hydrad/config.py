@@ -31,8 +31,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    # Tokens per KV-cache block.
-    kv_block_size: int = 16
+    # Tokens per KV-cache block; None: the attention backend's default (16 for SDPA, 256 for
+    # flash-attn, whose paged kernel needs a multiple of 256).
+    kv_block_size: int | None = None
     # Number of KV blocks; None: derived from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
     kv_cache_memory_mb: int = 512
@@ -44,7 +45,7 @@ class CacheConfig:
     image_cache_memory_mb: int = 256
 
     def __post_init__(self) -> None:
-        if self.kv_block_size < 1:
+        if self.kv_block_size is not None and self.kv_block_size < 1:
             raise ConfigError(f"cache.kv_block_size must be >= 1, got {self.kv_block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"cache.num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

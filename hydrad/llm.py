@@ -70,7 +70,7 @@ class LLM:
         devices: str = "cpu:1",
         dtype: str = "auto",
         max_model_len: int | None = None,
-        kv_block_size: int = 16,
+        kv_block_size: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory_mb: int = 512,
         image_block_size: int | None = None,

@@ -18,8 +18,8 @@ from typing import Iterable
 
 import torch
 
-from hydrad.config import EngineConfig
-from hydrad.models.attention import get_attn_backend
+from hydrad.config import CacheConfig, EngineConfig
+from hydrad.models.attention import SDPA_BLOCK_SIZE, get_attn_backend
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import (
     EngineOutput,
@@ -55,6 +55,16 @@ def normalize_role(role: str) -> str:
     if not stages or stages - set("EPD"):
         raise ConfigError(f"role {role!r}: a role is a non-empty subset of E, P, D")
     return "".join(s for s in "EPD" if s in stages)
+
+
+def _kv_block_size(cache: CacheConfig, backend) -> int:
+    """Tokens per KV block: the configured size (checked against the backend), else the
+    backend's default (an instance without a language model yet: the SDPA default)."""
+    if cache.kv_block_size is None:
+        return backend.default_block_size if backend is not None else SDPA_BLOCK_SIZE
+    if backend is not None:
+        backend.check_block_size(cache.kv_block_size)
+    return cache.kv_block_size
 
 
 def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
@@ -93,7 +103,7 @@ class EngineCore:
         attn_backend = None
         if has_language:
             attn_backend = get_attn_backend(self.device)
-            attn_backend.check_block_size(config.cache.kv_block_size)
+        self.kv_block_size = _kv_block_size(config.cache, attn_backend)
         self.model = model_cls(
             hf_config,
             load_vision=has_vision,
@@ -112,7 +122,7 @@ class EngineCore:
         # image per block, 64 slots for the families whose images vary in size).
         image_block_size = cache.image_block_size or self.model.default_image_block_size
         num_kv_blocks, num_image_blocks = self._pool_sizes(has_kv, has_image_cache, image_block_size)
-        self.kv_manager = BlockManager(num_kv_blocks, cache.kv_block_size, "kv") if has_kv else None
+        self.kv_manager = BlockManager(num_kv_blocks, self.kv_block_size, "kv") if has_kv else None
         self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.image_manager, self.max_model_len, role=self.role
@@ -122,12 +132,12 @@ class EngineCore:
             device=self.device,
             dtype=self.dtype,
             num_kv_blocks=num_kv_blocks,
-            kv_block_size=cache.kv_block_size,
+            kv_block_size=self.kv_block_size,
             num_image_blocks=num_image_blocks,
             image_block_size=image_block_size,
             sampler=Sampler(config.seed, self.device),
             shared=shared_pools,
-            max_blocks_per_seq=-(-self.max_model_len // cache.kv_block_size),
+            max_blocks_per_seq=-(-self.max_model_len // self.kv_block_size),
             vocab_size=hf_config.text_config.vocab_size,
         )
         self.vocab_size = hf_config.text_config.vocab_size
@@ -143,7 +153,7 @@ class EngineCore:
         logger.info(
             "instance %d (%s) ready: %s on %s (%s), %d KV blocks x %d tokens, %d image blocks x %d slots",
             instance_id, self.role, self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
-            num_kv_blocks, cache.kv_block_size, num_image_blocks, image_block_size,
+            num_kv_blocks, self.kv_block_size, num_image_blocks, image_block_size,
         )
 
     def _pool_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int) -> tuple[int, int]:
@@ -152,7 +162,7 @@ class EngineCore:
         cache = self.config.cache
         kv_mb = cache.kv_cache_memory_mb + (0 if has_image_cache else cache.image_cache_memory_mb)
         image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
-        kv_block_bytes = math.prod(self.model.kv_cache_shape(1, cache.kv_block_size)) * self.dtype.itemsize
+        kv_block_bytes = math.prod(self.model.kv_cache_shape(1, self.kv_block_size)) * self.dtype.itemsize
         image_block_bytes = image_block_size * self.model.image_hidden_size * self.dtype.itemsize
         num_kv = _num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0
         num_image = _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes) if has_image_cache else 0
@@ -170,8 +180,10 @@ class EngineCore:
         needs_language = ("P" in role or "D" in role) and not self.model.has_language
         if needs_vision or needs_language:
             backend = get_attn_backend(self.device) if needs_language else None
-            if backend is not None:
-                backend.check_block_size(self.config.cache.kv_block_size)
+            if backend is not None and self.kv_manager is None:
+                # An instance that held no KV cache yet takes its block size from the backend.
+                self.kv_block_size = _kv_block_size(self.config.cache, backend)
+                self.runner.kv_block_size = self.kv_block_size
             self.model.add_parts(vision=needs_vision, language=needs_language, attn_backend=backend)
             prefixes = (_VISION_PREFIXES if needs_vision else ()) + (_LANGUAGE_PREFIXES if needs_language else ())
             self.model.load_weights(iter_weights(self.model_path, self.dtype, prefixes=prefixes),
@@ -182,7 +194,7 @@ class EngineCore:
         num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, image_block_size)
         if has_kv and self.kv_manager is None:
             self.runner.allocate_kv_cache(num_kv)
-            self.kv_manager = BlockManager(num_kv, self.config.cache.kv_block_size, "kv")
+            self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
         if has_image_cache and self.image_manager is None:
             self.runner.allocate_image_cache(num_image)
             self.image_manager = BlockManager(num_image, image_block_size, "image")
@@ -272,6 +284,13 @@ class EngineCore:
         return {"kv": self.runner.kv_cache, "image": self.runner.image_cache}
 
     def attach_peer(self, instance_id: int, pools: dict[str, torch.Tensor | None]) -> None:
+        kv = pools.get("kv")
+        if kv is not None and self.kv_manager is not None and kv.shape[3] != self.kv_block_size:
+            # A pull copies whole blocks: peers must cut the KV cache the same way.
+            raise ConfigError(
+                f"instance {instance_id} has KV blocks of {kv.shape[3]} tokens and instance "
+                f"{self.instance_id} of {self.kv_block_size}; set cache.kv_block_size for all"
+            )
         self.copier.peers[instance_id] = pools
 
     def share_pools(self) -> None:

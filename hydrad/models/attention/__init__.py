@@ -7,7 +7,8 @@ last dimension is contiguous) and one layer's cache
 ``meta.slot_mapping``, then returns ``[T, Hq, D]``: each sequence's queries attending
 causally over its whole paged context (query j of a sequence with query length q and
 context length s sees keys 0 ... s - q + j). ``check_block_size(block_size)`` raises
-``ConfigError`` when the backend cannot use KV blocks of that size.
+``ConfigError`` when the backend cannot use KV blocks of that size; ``default_block_size`` is
+the KV block size an unconfigured cache takes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import torch
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.errors import ConfigError
 
-__all__ = ["AttentionMetadata", "get_attn_backend", "BACKENDS"]
+__all__ = ["AttentionMetadata", "get_attn_backend", "BACKENDS", "SDPA_BLOCK_SIZE"]
+
+# The SDPA backend's default KV block size (any size works for it).
+SDPA_BLOCK_SIZE = 16
 
 # name -> (module, class)
 BACKENDS = {

@@ -22,6 +22,7 @@ _PAGE_SIZE_MULTIPLE = 256
 
 class FlashAttnBackend:
     name = "flash_attn"
+    default_block_size = _PAGE_SIZE_MULTIPLE
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hydrad.models.attention import SDPA_BLOCK_SIZE
 from hydrad.models.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
 
 
@@ -25,6 +26,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tenso
 
 class SdpaBackend:
     name = "sdpa"
+    default_block_size = SDPA_BLOCK_SIZE
 
     def __init__(self, device: torch.device):
         self.device = device
