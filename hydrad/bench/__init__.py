@@ -2,10 +2,10 @@
 
 Modules: ``config`` (what to run), ``workloads`` and ``images`` (request contents),
 ``arrivals`` (when to send), ``client`` (streaming and timestamps), ``metrics``
-(TTFT/TBT, SLO, goodput), ``runner`` (rates, sweeps, goodput search), ``plot``.
+(TTFT/TBT, SLO, goodput), ``runner`` (rates, sweeps, goodput search, closed loop), ``plot``.
 """
 
-from hydrad.bench.config import SLO, BenchConfig, GoodputSearch, sweep_rates
+from hydrad.bench.config import SLO, BenchConfig, GoodputSearch, Sampling, sweep_rates
 from hydrad.bench.metrics import RequestResult, Summary
 from hydrad.bench.runner import Bench, BenchResult, RateRun, run_bench
 
@@ -17,6 +17,7 @@ __all__ = [
     "GoodputSearch",
     "RateRun",
     "RequestResult",
+    "Sampling",
     "Summary",
     "run_bench",
     "sweep_rates",

@@ -28,8 +28,9 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def chat_payload(model: str, spec: RequestSpec, image_urls: list[str]) -> bytes:
-    """The request body: greedy, exactly ``spec.output_tokens`` tokens, usage and token ids in the stream."""
+def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling: dict | None = None) -> bytes:
+    """The request body: exactly ``spec.output_tokens`` tokens, greedy unless ``sampling``
+    (body fields) says otherwise, usage and token ids in the stream."""
     if image_urls:
         content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
         content.append({"type": "text", "text": spec.prompt})
@@ -40,6 +41,7 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str]) -> bytes:
         "messages": [{"role": "user", "content": content}],
         "max_tokens": spec.output_tokens,
         "temperature": 0.0,
+        **(sampling or {}),
         "ignore_eos": True,
         # Exact token counts per chunk where the server supports it (vLLM, hydrad).
         "return_token_ids": True,

@@ -58,8 +58,36 @@ class GoodputSearch:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """How every request samples: greedy by default (temperature 0, as exact comparisons
+    need); ``top_k`` is an extension vLLM, SGLang and hydrad accept."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.temperature <= 2):
+            raise ConfigError(f"temperature must be in [0, 2], got {self.temperature}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ConfigError(f"top-k must be >= 1, got {self.top_k}")
+
+    def fields(self) -> dict:
+        """The request body's sampling fields."""
+        out: dict = {"temperature": self.temperature}
+        if self.top_p is not None:
+            out["top_p"] = self.top_p
+        if self.top_k is not None:
+            out["top_k"] = self.top_k
+        return out
+
+
+@dataclass(frozen=True)
 class BenchConfig:
-    """One benchmark: fixed rates (one, or a sweep) or a goodput search, never both."""
+    """One benchmark: fixed rates (one, or a sweep), a goodput search, or a closed loop of
+    ``concurrency`` requests in flight; exactly one of them."""
 
     url: str
     slo: SLO
@@ -71,6 +99,11 @@ class BenchConfig:
     duration: float | None = None
     rates: tuple[float, ...] = ()
     search: GoodputSearch | None = None
+    # Closed loop: this many requests in flight, each sent as soon as one finishes (peak
+    # throughput); ``warmup`` requests are run the same way first and not counted.
+    concurrency: int | None = None
+    warmup: int = 0
+    sampling: Sampling = Sampling()
     arrivals: str = "poisson"
     # A Mooncake-format trace; with arrivals="trace" and no trace, the JSONL workload's timestamps.
     trace: str | None = None
@@ -91,12 +124,20 @@ class BenchConfig:
             raise ConfigError(f"number of requests must be >= 1, got {self.num_requests}")
         if self.duration is not None and not self.duration > 0:
             raise ConfigError(f"duration must be > 0 seconds, got {self.duration}")
-        if bool(self.rates) == (self.search is not None):
-            raise ConfigError("give either request rates or a goodput search")
+        if bool(self.rates) + (self.search is not None) + (self.concurrency is not None) != 1:
+            raise ConfigError("give exactly one of request rates, a goodput search and a concurrency")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.warmup < 0:
+            raise ConfigError(f"warmup must be >= 0 requests, got {self.warmup}")
+        if self.warmup and self.concurrency is None:
+            raise ConfigError("warmup requests go with a closed loop (a concurrency)")
         if not all(r > 0 and math.isfinite(r) for r in self.rates):
             raise ConfigError(f"request rates must be > 0, got {list(self.rates)}")
         if self.arrivals not in ARRIVAL_KINDS:
             raise ConfigError(f"arrivals must be one of {', '.join(ARRIVAL_KINDS)}, got {self.arrivals!r}")
+        if self.concurrency is not None and self.trace is not None:
+            raise ConfigError("a closed loop sends each request when one finishes; it takes no trace")
         if self.trace is not None and self.arrivals != "trace":
             raise ConfigError("a trace file gives the arrivals; it cannot be combined with Poisson arrivals")
         if self.instances < 1:

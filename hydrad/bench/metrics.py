@@ -194,29 +194,35 @@ class Summary:
     num_requests: int
     num_met: int
     duration: float
+    # A closed-loop run: requests kept in flight (``rate`` is then the achieved req/s).
+    concurrency: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def summarize(results: list[RequestResult], rate: float, duration: float) -> Summary:
+def summarize(results: list[RequestResult], rate: float | None, duration: float,
+              concurrency: int | None = None) -> Summary:
+    """``rate``: the offered rate; None for a closed loop, which reports the achieved one."""
     ok = [r for r in results if r.error is None]
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tbts = [gap for r in ok for gap in r.tbts]
     e2es = [r.e2e for r in ok if r.e2e is not None]
     num_met = sum(r.met_slo for r in results)
+    throughput = len(ok) / duration if duration > 0 else 0.0
     return Summary(
         *(percentile(values, q) for values in (ttfts, tbts, e2es) for q in (50, 90, 99)),
         attainment=num_met / len(results) if results else 0.0,
-        throughput_rps=len(ok) / duration if duration > 0 else 0.0,
+        throughput_rps=throughput,
         output_tokens_per_s=sum(r.output_tokens for r in ok) / duration if duration > 0 else 0.0,
         goodput_rps=None,
         errors=len(results) - len(ok),
         estimated_token_counts=sum(r.token_counts == "estimated" for r in ok),
-        rate=rate,
+        rate=throughput if rate is None else rate,
         num_requests=len(results),
         num_met=num_met,
         duration=duration,
+        concurrency=concurrency,
     )
 
 

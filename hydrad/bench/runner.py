@@ -1,4 +1,5 @@
-"""Drive a benchmark: open-loop runs at fixed rates, a sweep, or a goodput search.
+"""Drive a benchmark: open-loop runs at fixed rates, a sweep, a goodput search, or a
+closed loop at a fixed concurrency.
 
 Library use::
 
@@ -8,7 +9,8 @@ Library use::
 
 Requests are sent at their arrival times whether or not earlier ones have finished
 (open loop), each over its own connection slot, so a slow server builds a queue
-instead of slowing the client down.
+instead of slowing the client down. A closed loop (``concurrency=C``) keeps C requests
+in flight instead, sending the next as soon as one finishes: the peak throughput.
 """
 
 from __future__ import annotations
@@ -33,12 +35,18 @@ from hydrad.errors import ConfigError
 
 @dataclass(frozen=True)
 class RateRun:
-    """The requests of one run at one offered rate; ``interrupted`` when it was cut short."""
+    """The requests of one run at one offered rate (a closed loop: the achieved rate at
+    ``concurrency``); ``interrupted`` when it was cut short."""
 
     rate: float
     results: tuple[RequestResult, ...]
     summary: Summary
     interrupted: bool = False
+    concurrency: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.concurrency} in flight" if self.concurrency else f"{self.rate:.4g} req/s"
 
     @property
     def passes(self) -> bool:
@@ -48,7 +56,7 @@ class RateRun:
 class BenchObserver(Protocol):
     """Progress callbacks, called on the event loop; must not block."""
 
-    def run_started(self, rate: float, num_requests: int) -> None: ...
+    def run_started(self, label: str, num_requests: int | None) -> None: ...
 
     def request_sent(self) -> None: ...
 
@@ -58,7 +66,7 @@ class BenchObserver(Protocol):
 
 
 class _SilentObserver:
-    def run_started(self, rate: float, num_requests: int) -> None:
+    def run_started(self, label: str, num_requests: int | None) -> None:
         pass
 
     def request_sent(self) -> None:
@@ -158,6 +166,8 @@ class Bench:
             url = f"{base}/v1/chat/completions"
             if self.config.search is not None:
                 await self._search(self.config.search, session, url, headers)
+            elif self.config.concurrency is not None:
+                await self._run_closed(self.config.concurrency, session, url, headers)
             else:
                 for rate in self.config.rates:
                     await self._run_rate(rate, session, url, headers)
@@ -205,10 +215,14 @@ class Bench:
             return self._file_urls[image]
         return image_data_url(synth_image(image.width, image.height, image.seed), self.config.image_format)
 
+    def _payload(self, spec: RequestSpec) -> bytes:
+        return chat_payload(self.model, spec, [self._image_url(img) for img in spec.images],
+                            self.config.sampling.fields())
+
     async def _payloads(self, specs: list[RequestSpec]) -> list[bytes]:
         bodies = []
         for spec in specs:
-            bodies.append(chat_payload(self.model, spec, [self._image_url(img) for img in spec.images]))
+            bodies.append(self._payload(spec))
             # Encoding images takes tens of ms each; yield so Ctrl-C is honoured promptly.
             await asyncio.sleep(0)
         return bodies
@@ -219,10 +233,71 @@ class Bench:
         results.append(result)
         self.observer.request_finished(result)
 
+    async def _run_closed(self, concurrency: int, session, url, headers) -> RateRun:
+        """Keep ``concurrency`` requests in flight: the warmup requests (not counted), then
+        ``num_requests`` of them, or as many as start within ``duration`` seconds."""
+        if self.config.warmup:
+            warm = [self.workload.request(i, "warmup") for i in range(self.config.warmup)]
+            await self._closed_loop(concurrency, await self._payloads(warm), None, session, url, headers, None)
+        num, duration = self.config.num_requests, self.config.duration
+        if num is None and duration is None:
+            num = DEFAULT_NUM_REQUESTS
+        # A count: every body is built before the clock starts. A duration: bodies are built
+        # as requests start (images encode in tens of ms; a closed loop rarely waits on it).
+        bodies = await self._payloads([self.workload.request(i, 0) for i in range(num)]) if num else None
+        self.observer.run_started(f"{concurrency} in flight", num)
+        results: list[RequestResult] = []
+        start = time.perf_counter()
+        interrupted = True
+        try:
+            await self._closed_loop(concurrency, bodies, duration, session, url, headers, results)
+            interrupted = False
+        finally:
+            elapsed = time.perf_counter() - start
+            summary = summarize(results, None, elapsed, concurrency)
+            run = RateRun(summary.rate, tuple(results), summary, interrupted, concurrency)
+            self.runs.append(run)
+            self.observer.run_finished(run)
+        return run
+
+    async def _closed_loop(self, concurrency: int, bodies: list[bytes] | None, duration: float | None,
+                           session, url, headers, results: list[RequestResult] | None) -> None:
+        """``results`` None: warmup, neither kept nor reported."""
+        deadline = None if duration is None else time.perf_counter() + duration
+        index = 0
+
+        def next_body() -> bytes | None:
+            nonlocal index
+            if bodies is not None:
+                body = bodies[index] if index < len(bodies) else None
+            elif time.perf_counter() < deadline:
+                body = self._payload(self.workload.request(index, 0))
+            else:
+                body = None
+            index += 1
+            return body
+
+        async def worker() -> None:
+            while (body := next_body()) is not None:
+                if results is None:
+                    await stream_chat(session, url, body, headers, self.config.request_timeout)
+                    continue
+                self.observer.request_sent()
+                await self._send(session, url, body, headers, results)
+
+        workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            # Reached on Ctrl-C too: requests still in flight are dropped, not counted.
+            for task in workers:
+                task.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+
     async def _run_rate(self, rate: float, session, url, headers) -> RateRun:
         salt = len(self.runs)
         offsets = self._arrivals(rate, salt)
-        self.observer.run_started(rate, len(offsets))
+        self.observer.run_started(f"{rate:.4g} req/s", len(offsets))
         bodies = await self._payloads([self.workload.request(i, salt) for i in range(len(offsets))])
         results: list[RequestResult] = []
         tasks: list[asyncio.Task] = []

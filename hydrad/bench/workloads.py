@@ -54,7 +54,7 @@ class Workload(Protocol):
     # Arrival times in seconds carried by the workload itself (a JSONL file), else None.
     timestamps: tuple[float, ...] | None
 
-    def request(self, index: int, salt: int) -> RequestSpec: ...
+    def request(self, index: int, salt: int | str) -> RequestSpec: ...
 
 
 def make_prompt(num_tokens: int, rng: random.Random) -> str:
@@ -122,7 +122,7 @@ class MixWorkload:
         self.weights = weights
         self.seed = seed
 
-    def request(self, index: int, salt: int) -> RequestSpec:
+    def request(self, index: int, salt: int | str) -> RequestSpec:
         rng = _rng(self.seed, salt, index)
         profile = rng.choices(self.profiles, weights=self.weights)[0] if len(self.profiles) > 1 else self.profiles[0]
         return profile.sample(rng)
@@ -137,7 +137,7 @@ class TraceTextWorkload:
         self.trace = trace
         self.seed = seed
 
-    def request(self, index: int, salt: int) -> RequestSpec:
+    def request(self, index: int, salt: int | str) -> RequestSpec:
         i = index % len(self.trace)
         num_tokens = self.trace.input_lengths[i]
         hash_ids = self.trace.hash_ids[i] if self.trace.hash_ids else ()
@@ -164,7 +164,7 @@ class FileWorkload:
         self.timestamps = timestamps
         self.seed = seed
 
-    def request(self, index: int, salt: int) -> RequestSpec:
+    def request(self, index: int, salt: int | str) -> RequestSpec:
         entry = self.entries[index % len(self.entries)]
         rng = _rng(self.seed, salt, index)
         prompt = entry.prompt if entry.prompt is not None else make_prompt(entry.prompt_tokens, rng)

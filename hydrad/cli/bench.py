@@ -24,11 +24,9 @@ class _ProgressObserver:
     def __init__(self, progress):
         self.progress = progress
         self.task = None
-        self.rate = 0.0
 
-    def run_started(self, rate: float, num_requests: int) -> None:
-        self.rate = rate
-        self.task = self.progress.add_task(f"{rate:.4g} req/s", total=num_requests, sent=0, met=0, errors=0)
+    def run_started(self, label: str, num_requests: int | None) -> None:
+        self.task = self.progress.add_task(label, total=num_requests, sent=0, met=0, errors=0)
 
     def request_sent(self) -> None:
         self.progress.update(self.task, sent=self.progress.tasks[self.task].fields["sent"] + 1)
@@ -40,7 +38,7 @@ class _ProgressObserver:
 
     def run_finished(self, run) -> None:
         self.progress.update(
-            self.task, description=f"{run.rate:.4g} req/s  attainment {100 * run.summary.attainment:.1f}%"
+            self.task, description=f"{run.label}  attainment {100 * run.summary.attainment:.1f}%"
         )
 
 
@@ -51,7 +49,8 @@ def _ms(seconds: float | None) -> str:
 def _latency_table(summary):
     from rich.table import Table
 
-    table = Table(title=f"latency at {summary.rate:.4g} req/s (ms)")
+    at = f"{summary.concurrency} in flight" if summary.concurrency else f"{summary.rate:.4g} req/s"
+    table = Table(title=f"latency at {at} (ms)")
     for column in ("", "p50", "p90", "p99"):
         table.add_column(column, justify="right")
     for name in ("ttft", "tbt", "e2e"):
@@ -120,6 +119,10 @@ def _report(result) -> None:
 @click.option("--rate", type=float, help="One run at this many requests per second.")
 @click.option("--sweep", metavar="R1:R2:STEP", help="One run per rate from R1 to R2.")
 @click.option("--goodput", is_flag=True, help="Search for the goodput by doubling, then bisection.")
+@click.option("--concurrency", type=click.IntRange(min=1),
+              help="Closed loop: keep C requests in flight, each sent when one finishes (peak throughput).")
+@click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --concurrency: requests run first and not counted.")
 @click.option("--search-start", type=float, default=1.0, show_default=True, help="First rate of --goodput.")
 @click.option("--search-tol", type=float, default=0.05, show_default=True,
               help="--goodput stops when its bracket is this narrow, relative to the rate.")
@@ -131,22 +134,29 @@ def _report(result) -> None:
 @click.option("--slo-tbt", type=float, required=True, help="SLO on each request's p90 inter-token gap, in seconds.")
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPUs behind the URL; goodput is reported per instance.")
+@click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True,
+              help="Sampling temperature of every request (0: greedy).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling of every request.")
+@click.option("--top-k", type=click.IntRange(min=1), help="Top-k sampling of every request.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--image-format", type=click.Choice(["jpeg", "png"]), default="jpeg", show_default=True)
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds of silence after which a request counts as failed.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate as a PNG.")
-def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, goodput, search_start, search_tol,
-          arrivals, trace, slo_ttft, slo_tbt, instances, seed, image_format, timeout, out, plot) -> None:
+def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, goodput, concurrency, warmup,
+          search_start, search_tol, arrivals, trace, slo_ttft, slo_tbt, instances, temperature, top_p, top_k, seed,
+          image_format, timeout, out, plot) -> None:
     """Measure TTFT, TBT, SLO attainment and goodput of an OpenAI-compatible server."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hydrad.bench import SLO, BenchConfig, GoodputSearch, run_bench
+    from hydrad.bench import SLO, BenchConfig, GoodputSearch, Sampling, run_bench
     from hydrad.bench.plot import plot_attainment
 
-    if sum((rate is not None, sweep is not None, goodput)) != 1:
-        raise click.UsageError("give exactly one of --rate, --sweep and --goodput")
+    if sum((rate is not None, sweep is not None, goodput, concurrency is not None)) != 1:
+        raise click.UsageError("give exactly one of --rate, --sweep, --goodput and --concurrency")
+    if warmup and concurrency is None:
+        raise click.UsageError("--warmup goes with --concurrency")
     config = BenchConfig(
         url=url,
         slo=SLO(ttft=slo_ttft, tbt=slo_tbt),
@@ -157,6 +167,9 @@ def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, go
         duration=duration,
         rates=(rate,) if rate is not None else _parse_sweep(sweep) if sweep is not None else (),
         search=GoodputSearch(start_rate=search_start, rel_tol=search_tol) if goodput else None,
+        concurrency=concurrency,
+        warmup=warmup,
+        sampling=Sampling(temperature, top_p, top_k),
         arrivals=arrivals or ("trace" if trace else "poisson"),
         trace=trace,
         instances=instances,

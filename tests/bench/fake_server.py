@@ -24,7 +24,8 @@ By default (vLLM's and SGLang's shape) a role chunk with empty content is sent a
 soon as the request arrives, before any token, and an empty delta with the finish
 reason closes the stream.
 ``GET /fake/requests`` returns what the requests since the last call asked for
-(each image as its data-URL header and length).
+(each image as its data-URL header and length) and when they arrived (``arrived``,
+``time.perf_counter()`` of the server process).
 """
 
 from __future__ import annotations
@@ -65,13 +66,14 @@ def _observed_rate(arrivals: list[float]) -> float:
     return (len(recent) - 1) / (recent[-1] - recent[0])
 
 
-def _describe(body: dict, authorization: str | None) -> dict:
+def _describe(body: dict, authorization: str | None, arrived: float) -> dict:
     content = body["messages"][-1]["content"]
     parts = content if isinstance(content, list) else [{"type": "text", "text": content}]
     images = [p["image_url"]["url"] for p in parts if p.get("type") == "image_url"]
     return {
         **{k: v for k, v in body.items() if k != "messages"},
         "authorization": authorization,
+        "arrived": arrived,
         "text": " ".join(p["text"] for p in parts if p.get("type") == "text"),
         "image_headers": [url.split(",", 1)[0] for url in images],
         "image_bytes": [len(url) for url in images],
@@ -92,7 +94,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     arrived = time.perf_counter()
     request.app[ARRIVALS].append(arrived)
     body = await request.json()
-    request.app[REQUESTS].append(_describe(body, request.headers.get("Authorization")))
+    request.app[REQUESTS].append(_describe(body, request.headers.get("Authorization"), arrived))
     d = _directives(body)
     if "fail" in d:
         return web.json_response({"error": {"message": "injected failure"}}, status=int(d["fail"]))

@@ -29,10 +29,37 @@ def test_bench_writes_json_and_plot(server_url, write_jsonl, tmp_path):
     assert "goodput" in result.output and "TTFT" in result.output
 
 
+def test_closed_loop_from_the_command_line(server_url, write_jsonl, tmp_path):
+    workload = write_jsonl([{"prompt": "ttft=0.01 tbt=0.01", "output_tokens": 3}])
+    out = tmp_path / "results.json"
+    result = CliRunner().invoke(cli, [
+        "bench", "--url", server_url, "--workload", str(workload), "--concurrency", "4", "--num-requests", "8",
+        "--warmup", "2", "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", *SLO_FLAGS, "--out", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["summary"]["concurrency"] == 4 and doc["summary"]["num_requests"] == 8
+    assert doc["config"]["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    assert "4 in flight" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--workload", "text", "--concurrency", "2", "--top-p", "0"], "Invalid value for '--top-p'")],
+)
+def test_bad_sampling_flags(server_url, args, message):
+    proc = hydractl("bench", "--url", server_url, *SLO_FLAGS, *args)
+    assert proc.returncode != 0 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--workload", "text", "--rate", "1", "--sweep", "1:2:1"], "exactly one of --rate, --sweep and --goodput"),
+        (["--workload", "text", "--rate", "1", "--sweep", "1:2:1"],
+         "exactly one of --rate, --sweep, --goodput and --concurrency"),
+        (["--workload", "text", "--rate", "1", "--concurrency", "4"],
+         "exactly one of --rate, --sweep, --goodput and --concurrency"),
+        (["--workload", "text", "--rate", "1", "--warmup", "4"], "--warmup goes with --concurrency"),
         (["--workload", "text", "--sweep", "5:1:1"], "a sweep needs 0 < R1 <= R2"),
         (["--workload", "text", "--sweep", "1-5"], "expected R1:R2:STEP"),
         (["--workload", "nosuch", "--rate", "1"], "unknown workload 'nosuch'"),

@@ -1,6 +1,6 @@
 import pytest
 
-from hydrad.bench import SLO, BenchConfig, GoodputSearch, sweep_rates
+from hydrad.bench import SLO, BenchConfig, GoodputSearch, Sampling, sweep_rates
 from hydrad.errors import ConfigError
 
 URL = "http://127.0.0.1:8000"
@@ -31,6 +31,11 @@ def test_bad_sweeps(args):
         {"trace": "t.jsonl"},
         {"instances": 0},
         {"image_format": "gif"},
+        {"concurrency": 4},
+        {"rates": (), "concurrency": 0},
+        {"warmup": 2},
+        {"rates": (), "concurrency": 2, "warmup": -1},
+        {"rates": (), "concurrency": 2, "trace": "t.jsonl", "arrivals": "trace"},
     ],
 )
 def test_invalid_configs_raise_value_errors(overrides):
@@ -56,3 +61,15 @@ def test_goodput_search_bounds():
 @pytest.mark.parametrize("url", [URL, URL + "/", URL + "/v1", URL + "/v1/"])
 def test_base_url_accepts_the_v1_suffix(url):
     assert BenchConfig(url=url, slo=SLO_, rates=(1.0,)).base_url == URL
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"temperature": 2.5}, {"top_p": 0.0}, {"top_p": 1.5},
+                                    {"top_k": 0}])
+def test_bad_sampling_is_refused(kwargs):
+    with pytest.raises(ValueError):
+        Sampling(**kwargs)
+
+
+def test_sampling_fields_name_only_what_is_set():
+    assert Sampling().fields() == {"temperature": 0.0}
+    assert Sampling(0.8, 0.9, 50).fields() == {"temperature": 0.8, "top_p": 0.9, "top_k": 50}

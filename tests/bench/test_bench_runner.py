@@ -195,3 +195,48 @@ def test_trace_arrivals_from_the_workloads_own_timestamps(make_config, write_jso
 def test_unreachable_server_is_one_clear_error(make_config):
     with pytest.raises(ServerError, match="cannot reach http://127.0.0.1:9"):
         run_bench(make_config(url="http://127.0.0.1:9"))
+
+
+# -- closed loop -------------------------------------------------------------------------------
+def test_closed_loop_keeps_the_concurrency_in_flight(make_config, write_jsonl, fake_requests):
+    # Every request takes 0.3 s; 3 in flight, 9 requests: three waves, ~0.9 s, ~10 req/s.
+    path = write_jsonl([{"prompt": "ttft=0.3", "output_tokens": 1}])
+    result = run_bench(make_config(workload=str(path), rates=(), concurrency=3, num_requests=9))
+    s = result.summary
+    assert s.num_requests == 9 and s.errors == 0 and s.concurrency == 3
+    assert 0.85 <= s.duration < 1.3, s.duration
+    assert s.rate == s.throughput_rps == pytest.approx(9 / s.duration)
+    arrivals = sorted(r["arrived"] for r in fake_requests())
+    assert len(arrivals) == 9
+    # A request starts only when one of the 3 before it finished: never 4 within 0.3 s.
+    assert all(later - earlier >= 0.28 for earlier, later in zip(arrivals, arrivals[3:]))
+    assert arrivals[2] - arrivals[0] < 0.1  # the first wave goes out at once
+    doc = result.to_dict()
+    assert doc["config"]["concurrency"] == 3 and doc["summary"]["concurrency"] == 3 and len(doc["requests"]) == 9
+    assert "sweep" not in doc
+
+
+def test_closed_loop_warmup_is_sent_but_not_counted(make_config, write_jsonl, fake_requests):
+    path = write_jsonl([{"prompt": "ttft=0.05", "output_tokens": 2}])
+    result = run_bench(make_config(workload=str(path), rates=(), concurrency=2, num_requests=4, warmup=3))
+    assert result.summary.num_requests == 4 and len(result.headline.results) == 4
+    assert len(fake_requests()) == 7
+
+
+def test_closed_loop_for_a_duration(make_config, write_jsonl):
+    # 0.2 s requests, 2 in flight, 0.5 s: requests start at 0, 0.2 and 0.4 s on each slot.
+    path = write_jsonl([{"prompt": "ttft=0.2", "output_tokens": 1}])
+    result = run_bench(make_config(workload=str(path), rates=(), concurrency=2, num_requests=None, duration=0.5))
+    assert 4 <= result.summary.num_requests <= 6, result.summary.num_requests
+    assert result.summary.errors == 0
+
+
+def test_sampling_goes_into_every_request(make_config, fake_requests):
+    from hydrad.bench import Sampling
+
+    run_bench(make_config(num_requests=3, sampling=Sampling(0.8, 0.9, 50)))
+    seen = fake_requests()
+    assert len(seen) == 3
+    assert all((r["temperature"], r["top_p"], r["top_k"]) == (0.8, 0.9, 50) for r in seen)
+    run_bench(make_config(num_requests=2))
+    assert all(r["temperature"] == 0.0 and "top_p" not in r and "top_k" not in r for r in fake_requests())
