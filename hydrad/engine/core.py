@@ -369,8 +369,10 @@ class EngineCore:
         return EngineOutput(result.req_ids, result.token_ids, logprobs, finished, timing)
 
     def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
-        """Fill steps by predicted latency up to ``bound`` seconds (between steps only)."""
-        self.scheduler.set_latency_model(model, bound)
+        """Fill steps by predicted latency up to ``bound`` seconds, and steps that carry no
+        decode up to the prefill share of the TTFT (between steps only)."""
+        slo = self.config.slo
+        self.scheduler.set_latency_model(model, bound, idle_bound=slo.alpha * slo.ttft)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler

@@ -225,6 +225,12 @@ class StepBudget:
     def predicted(self) -> float:
         return self.model.combine(self.vision, self.language) if self.model is not None else 0.0
 
+    def relax(self, bound: float) -> None:
+        """Raise the bound to ``bound`` (a step that turned out to carry no decode)."""
+        self.bound = bound
+        if self.model is not None:
+            self._language_room = self.model.max_language(self.vision, bound)
+
     def add_decode(self, context: int) -> bool:
         """One decode reading ``context`` tokens of KV (its cached tokens plus the new one)."""
         if self.tokens_left < 1:

@@ -2,7 +2,9 @@
 
 Each step fills one batch, in this order, while the step's *predicted* latency stays
 within the instance's bound (``StepBudget``: TBT for roles that decode, alpha * TTFT
-otherwise; ``token_budget``/``image_budget`` are hard caps on top):
+otherwise; a step that carries no decode keeps no stream waiting, so it takes the
+``idle_bound``, alpha * TTFT, whatever the role; ``token_budget``/``image_budget`` are
+hard caps on top):
 
 1. running decodes (one token each, at their own KV context);
 2. unfinished prefill chunks, each cut to the largest size that fits (a chunk may
@@ -114,6 +116,7 @@ class Scheduler:
         self._step = 0
         self.latency_model: LatencyModel | None = None
         self.latency_bound = 0.0
+        self.idle_bound = 0.0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
         self.min_chunk = kv_manager.block_size if kv_manager is not None else 1
 
@@ -169,12 +172,14 @@ class Scheduler:
             return False
         return True
 
-    def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
-        """Fill steps by predicted latency up to ``bound`` seconds (None: caps only)."""
+    def set_latency_model(self, model: LatencyModel | None, bound: float, idle_bound: float | None = None) -> None:
+        """Fill steps by predicted latency up to ``bound`` seconds (None: caps only), and a
+        step without decodes up to ``idle_bound`` (at least ``bound``; None: ``bound``)."""
         if model is not None and bound <= 0:
             raise ValueError(f"latency bound must be > 0 seconds, got {bound}")
         self.latency_model = model
         self.latency_bound = bound
+        self.idle_bound = max(bound, idle_bound or 0.0)
 
     # -- admission ---------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -246,6 +251,9 @@ class Scheduler:
         bound = self.latency_bound if self.latency_model is not None else 0.0
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
         self._schedule_decodes(out, budget)
+        if budget.empty and self.idle_bound > bound:
+            # No stream waits on this step: prefill and encode may take the TTFT share.
+            budget.relax(self.idle_bound)
         self._schedule_prefills(out, budget)
         for req in list(self.encoding.values()):
             self._schedule_images(req, budget, out)

@@ -23,24 +23,34 @@ MODEL = LatencyModel(v_fixed=0.001, v_image=0.004, v_token=0.0, l_fixed=0.002, l
                      l_decode=2e-4, l_ctx=5e-5, overlap=1.0)
 
 
-def scheduler_with(model=MODEL, bound=0.05, **kwargs) -> Scheduler:
+def scheduler_with(model=MODEL, bound=0.05, idle_bound=None, **kwargs) -> Scheduler:
     kwargs.setdefault("token_budget", 100_000)
     kwargs.setdefault("image_budget", 100)
     kwargs.setdefault("num_kv_blocks", 4096)
     s = make_scheduler(**kwargs)
-    s.set_latency_model(model, bound)
+    s.set_latency_model(model, bound, idle_bound)
     return s
 
 
-def shape_of(out) -> StepShape:
+def is_decode(req, s: Scheduler) -> bool:
+    """Scheduled as a decode (a recomputed request's last prompt chunk is a prefill)."""
+    return req.req_id in s.decoding
+
+
+def shape_of(out, s: Scheduler) -> StepShape:
     images = [(req.images[i].num_patches, req.images[i].length) for req, i in out.encodes]
     decodes, prefills = [], []
     for req, n in out.chunks:
-        if n == 1 and req.num_tokens > req.num_prompt_tokens and req.num_computed_tokens == req.num_tokens - 1:
+        if is_decode(req, s):
             decodes.append(req.num_computed_tokens + 1)
         else:
             prefills.append((req.num_computed_tokens, n))
     return StepShape.of(images=images, prefills=prefills, decodes=decodes)
+
+
+def bound_of(out, s: Scheduler) -> float:
+    """A step with a decode keeps to the bound; one without may take the idle bound."""
+    return s.latency_bound if any(is_decode(r, s) for r, n in out.chunks) else s.idle_bound
 
 
 def is_minimal(out, s: Scheduler) -> bool:
@@ -52,9 +62,9 @@ def is_minimal(out, s: Scheduler) -> bool:
 def step(s: Scheduler, token: int = 7):
     out = s.schedule()
     s.check_integrity()
-    predicted = s.latency_model.step_seconds(shape_of(out))
+    predicted = s.latency_model.step_seconds(shape_of(out, s))
     assert predicted == pytest.approx(s.latency_model.combine(out.predicted_vision, out.predicted_language))
-    assert predicted <= s.latency_bound * (1 + 1e-9) or is_minimal(out, s), (predicted, out.chunks, out.encodes)
+    assert predicted <= bound_of(out, s) * (1 + 1e-9) or is_minimal(out, s), (predicted, out.chunks, out.encodes)
     s.update_after_encode(out)
     s.update_after_language(out, [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
     s.check_integrity()
@@ -72,6 +82,25 @@ def test_a_long_prompt_is_chunked_to_the_largest_chunk_that_fits():
     assert cost(n) <= 0.05 < cost(n + 1)
     out, _ = step(s)  # the next chunk reads the first one's KV: attention makes it smaller
     assert 0 < out.chunks[0][1] < n
+
+
+def test_a_step_without_decodes_takes_the_idle_bound():
+    """No stream waits on a step that carries no decode: a lone prompt is prefilled in one
+    step up to the idle bound (alpha * TTFT), not cut to the TBT bound."""
+    cost = lambda q: MODEL.l_fixed + MODEL.l_prefill * q + MODEL.l_attn * prefill_pairs(0, q) / 1e3  # noqa: E731
+    s = scheduler_with(bound=0.01, idle_bound=0.5)
+    r = make_request("r", num_prompt=600, max_tokens=3)
+    s.add(r)
+    out, predicted = step(s)
+    assert out.chunks == [(r, 600)] and 0.01 < predicted == pytest.approx(cost(600))
+    # Now r decodes: a second prompt shares steps with it and keeps to the TBT bound.
+    r2 = make_request("r2", num_prompt=600, max_tokens=3)
+    s.add(r2)
+    out, predicted = step(s)
+    chunk = dict((req.req_id, n) for req, n in out.chunks)
+    assert chunk["r"] == 1 and 0 < chunk["r2"] < 600 and predicted <= 0.01 * (1 + 1e-9)
+    # The idle bound is never below the bound.
+    assert scheduler_with(bound=0.05, idle_bound=0.01).idle_bound == 0.05
 
 
 def test_decodes_at_long_context_leave_less_room_for_prefill():
@@ -151,10 +180,10 @@ def test_hard_caps_still_bind_under_the_model():
     assert not s.num_unfinished
 
 
-@pytest.mark.parametrize("bound", [0.004, 0.02, 0.2])
-def test_randomized_mix_under_the_model_keeps_every_guarantee(bound):
+@pytest.mark.parametrize("bound, idle_bound", [(0.004, None), (0.02, None), (0.2, None), (0.004, 0.05)])
+def test_randomized_mix_under_the_model_keeps_every_guarantee(bound, idle_bound):
     rng = random.Random(int(bound * 1000))
-    s = scheduler_with(bound=bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
+    s = scheduler_with(bound=bound, idle_bound=idle_bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
                        token_budget=10_000, image_budget=10)
     reqs = []
     for i in range(40):
