@@ -94,9 +94,13 @@ def render(status: dict):
         requests.add_column(name, justify="right", no_wrap=True)
     requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
                      _ms(r["tbt_p50"]), _ms(r["tbt_p90"]))
+    parts = [instances]
+    deployment = status.get("deployment")
+    if deployment:
+        parts.append(f"deployment {deployment['spec']}: {deployment['reason']}")
     if budget_lines:
-        return Group(instances, "latency models:\n  " + "\n  ".join(budget_lines), requests)
-    return Group(instances, requests)
+        parts.append("latency models:\n  " + "\n  ".join(budget_lines))
+    return Group(*parts, requests)
 
 
 def _n(value) -> str:

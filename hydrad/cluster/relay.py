@@ -69,18 +69,20 @@ class MigrationRelay:
                     instance.abort((req_id,))
 
     # -- migration ---------------------------------------------------------------------------
-    def on_offer(self, source: Instance, offer: MigrationOffer) -> None:
-        """Hand ``offer`` to a target; raises ``NoInstanceAvailable`` when no live instance
-        holds the next stage (the caller fails the request)."""
+    def on_offer(self, source: Instance, offer: MigrationOffer) -> Instance | None:
+        """Hand ``offer`` to a target and return it (None when the request is gone); raises
+        ``NoInstanceAvailable`` when no live instance holds the next stage (the caller fails
+        the request)."""
         holders = self.holders.get(offer.req_id)
         if holders is None:  # gone meanwhile (aborted): the source must not keep it
             source.release((offer.req_id,))
-            return
+            return None
         target = self.router.select_stage(offer.next_stage)
         if target not in holders:
             holders.add(target)
             self._num_held[target.instance_id] += 1
         target.migrate(offer)
+        return target
 
     def on_pulled(self, target: Instance, pulled: Pulled) -> None:
         """The target has the blocks: the source lets them go."""

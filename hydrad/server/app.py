@@ -30,6 +30,7 @@ from hydrad.server.metrics import Metrics
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
+from hydrad.cluster.deploy import format_deploy
 from hydrad.cluster.supervisor import InstanceSpec, Supervisor
 
 logger = logging.getLogger("hydrad.server")
@@ -41,15 +42,20 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 ENGINE = web.AppKey("engine", EngineClient)
 METRICS = web.AppKey("metrics", Metrics)
 STARTED = web.AppKey("started", float)
+# Which deployment runs and why: {"spec": "1EP+1D", "reason": "..."}.
+DEPLOYMENT = web.AppKey("deployment", dict)
 
 
-def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None) -> web.Application:
-    """``config.engine.model.path`` must name a local checkpoint folder."""
+def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None,
+             deployment: dict | None = None) -> web.Application:
+    """``config.engine.model.path`` must name a local checkpoint folder; ``deployment`` says
+    which deployment runs and why (shown by ``/admin/status``)."""
     app = web.Application(
         client_max_size=config.server.max_body_mb << 20, middlewares=[error_middleware, api_key_middleware]
     )
     app[CONFIG] = config
     app[SPECS] = specs
+    app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "given"}
     app[CONSOLE] = console or Console(stderr=True)
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -58,6 +64,7 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/status", admin_status)
+    app.router.add_get("/admin/trace", admin_trace)
     return app
 
 
@@ -94,7 +101,16 @@ async def engine_ctx(app: web.Application):
         processor, supervisor.router, supervisor.table, app[METRICS],
         executor, server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
     )
+    if config.trace.enabled:
+        from hydrad.planner.trace import TraceWriter, count_template_tokens
+
+        app[ENGINE].trace = TraceWriter(
+            config.trace.directory, max_bytes=config.trace.max_file_mb << 20, max_files=config.trace.max_files,
+            model=processor.model_name, deploy=app[DEPLOYMENT]["spec"], template_tokens=count_template_tokens(processor))
+        logger.info("recording finished requests in %s", app[ENGINE].trace.path)
     yield
+    if app[ENGINE].trace is not None:
+        app[ENGINE].trace.close()
     # In-flight requests have completed or been cancelled (aborted) by now.
     await supervisor.stop()
     if session is not None:
@@ -199,7 +215,24 @@ async def admin_status(request: web.Request) -> web.Response:
     body = status_body(supervisor.clients, await instance_stats(supervisor.clients), model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
                        num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
+    body["deployment"] = request.app[DEPLOYMENT]
     return web.json_response(body)
+
+
+async def admin_trace(request: web.Request) -> web.Response:
+    """The newest ``limit`` (default 1000) lines of the request trace, as JSONL."""
+    check_admin_access(request, request.app[CONFIG].server.admin_token)
+    trace = request.app[ENGINE].trace
+    if trace is None:
+        raise APIError(404, "the request trace is off on this daemon ([trace] enabled = false)")
+    try:
+        limit = int(request.query.get("limit", "1000"))
+    except ValueError:
+        limit = -1
+    if limit < 1:
+        raise APIError(400, "limit must be a positive integer", "limit")
+    lines = await asyncio.get_running_loop().run_in_executor(None, trace.recent, limit)
+    return web.Response(text="".join(line + "\n" for line in lines), content_type="application/x-ndjson")
 
 
 async def read_json(request: web.Request):
