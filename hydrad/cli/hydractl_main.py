@@ -1,4 +1,4 @@
-"""``hydractl``: operate a running hydrad daemon (status, bench)."""
+"""``hydractl``: operate a running hydrad daemon (status, bench, profile)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import click
 
 from hydrad.cli.bench import bench
 from hydrad.cli.common import run_main
+from hydrad.cli.profile import profile
 from hydrad.cli.status import status
 
 
@@ -19,6 +20,7 @@ def cli() -> None:
 
 cli.add_command(status)
 cli.add_command(bench)
+cli.add_command(profile)
 
 
 def main() -> None:

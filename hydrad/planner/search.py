@@ -131,6 +131,10 @@ class Planner:
         return simulate(self.setup, list(roles), requests, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
                         stop_below=GOODPUT_ATTAINMENT if early else None)
 
+    def stage_times(self) -> tuple[float, float, float]:
+        """Algorithm 2's instance-seconds per request of encode, prefill and decode."""
+        return stage_times(self.costs, self.has_images)
+
     def bound(self, roles) -> Capacity:
         return capacity(list(roles), self.costs, self.has_images)
 
@@ -191,7 +195,7 @@ class Planner:
         goodput; the ``top_k`` best are exact, the others are known to be worse."""
         start = time.perf_counter()
         replays_before = self.num_replays
-        times = stage_times(self.costs, self.has_images)
+        times = self.stage_times()
         a2 = {method: tuple(sorted(roles, key=ROLE_ORDER.index)) for method, roles in algorithm2(n, times).items()}
         pool = candidates if candidates is not None else deployments(n)
         evaluations = {roles: Evaluation(roles, self.bound(roles)) for roles in pool}
@@ -216,7 +220,8 @@ class Planner:
             if ev.methods and ev.status != "ranked":
                 self.bisect(ev)
         ranked = sorted((e for e in evaluations.values() if e.status == "ranked"), key=lambda e: -e.goodput)
-        for ev in ranked[:keep]:
+        picks = [e for e in ranked if e.methods]
+        for ev in ranked[:keep] + [e for e in picks[:1] if e not in ranked[:keep]]:
             self.describe(ev)
         rest = [e for e in order if e.status != "ranked"]
         if progress is not None:

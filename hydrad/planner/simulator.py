@@ -36,7 +36,7 @@ from hydrad.cluster.router import Router
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel
+from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for
 from hydrad.engine.profiler import latency_bound
 from hydrad.engine.request import Request
@@ -89,10 +89,25 @@ class SimSetup:
     # CPU: cores the instances share and torch threads per instance; None: one device each.
     cores: int | None = None
     threads: int = 1
+    # Whether the scheduler fills steps by the model ([scheduler] derive_budgets), or only
+    # by the token and image caps.
+    fill_by_model: bool = True
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
             raise ValueError("bandwidth must be > 0, message and step overheads >= 0")
+
+
+def step_shape(out) -> StepShape:
+    """The latency model's features of a scheduled step."""
+    decodes, prefills = [], []
+    for req, n in out.chunks:
+        if n == 1 and req.num_tokens > req.num_prompt_tokens and req.num_computed_tokens == req.num_tokens - 1:
+            decodes.append(req.num_computed_tokens + 1)
+        else:
+            prefills.append((req.num_computed_tokens, n))
+    return StepShape.of(images=[req.images[i].length for req, i in out.encodes], prefills=prefills,
+                        decodes=decodes)
 
 
 def role_model(model: LatencyModel, role: str) -> LatencyModel:
@@ -170,7 +185,8 @@ class SimInstance:
         self.alive = True
         self.model = role_model(setup.model, role)
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
-        self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, role))
+        if setup.fill_by_model:
+            self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, role))
         self.running = False  # in a step (or waiting on a copy)
         self.stalled = False
         self.inbox: list[tuple[int, object]] = []  # messages that arrived during a step
@@ -248,7 +264,10 @@ class SimInstance:
                 self.running = True
                 sim.at(min(done for done, _ in self.copies), _WAKE, self, None)
             return
-        seconds = self.model.combine(out.predicted_vision, out.predicted_language)
+        if sim.setup.fill_by_model:
+            seconds = self.model.combine(out.predicted_vision, out.predicted_language)
+        else:
+            seconds = self.model.step_seconds(step_shape(out))
         seconds = seconds * sim.slowdown() + sim.setup.step_overhead
         self.running = True
         sim.num_busy += 1

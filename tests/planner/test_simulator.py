@@ -143,3 +143,13 @@ def test_role_models_keep_only_the_parts_a_role_runs():
     assert e.l_fixed == 0 and e.v_image == MODEL.v_image
     assert pd.v_image == 0 and pd.l_prefill == MODEL.l_prefill
     assert role_model(MODEL, "EPD") == MODEL
+
+
+def test_without_derived_budgets_only_the_caps_fill_steps_and_the_model_times_them():
+    # token_budget 64: the 100-token prompt takes two chunks (64 + 36 tokens).
+    from dataclasses import replace
+
+    setup = replace(make_setup(), fill_by_model=False, scheduler=SchedulerConfig(token_budget=64, image_budget=8))
+    (r,) = run(setup, ["EPD"], [SimRequest(0.0, 100, 2)]).requests
+    assert r.ttft == pytest.approx(0.01 + 0.064 + 0.01 + 0.036)
+    assert r.gaps == pytest.approx([0.012])
