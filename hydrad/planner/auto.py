@@ -33,7 +33,7 @@ def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
     if num_devices == 1:
         return fallback, "one device: one EPD instance"
     try:
-        from hydrad.planner.profile import Devices, plan_deployment
+        from hydrad.planner.profile import Devices, MachineOptions, plan_deployment
         from hydrad.planner.trace import read_trace
 
         if not trace_path and not source.exists():
@@ -45,7 +45,9 @@ def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
                           f"{model}, fewer than {MIN_REQUESTS}")
             else:
                 devices = Devices(tuple(parse_devices(config.engine.parallel.devices, torch.cuda.device_count())))
-                spec, reason = plan_deployment(records, config.engine, devices)
+                options = MachineOptions(router_policy=config.server.router_policy,
+                                         processor_threads=config.server.processor_threads)
+                spec, reason = plan_deployment(records, config.engine, devices, options=options)
                 logger.info("deploy auto: %s (%s)", spec, reason)
                 return spec, reason
     except Exception as e:  # planning must never keep the daemon from starting

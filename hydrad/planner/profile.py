@@ -149,6 +149,7 @@ class MachineOptions:
     message_seconds: float = DEFAULT_MESSAGE_SECONDS
     step_overhead: float = DEFAULT_STEP_OVERHEAD
     router_policy: str = "round-robin"
+    processor_threads: int = 2
 
 
 def machine_setup(config: EngineConfig, devices: Devices, options: MachineOptions = MachineOptions(),
@@ -174,7 +175,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             scheduler=config.scheduler, slo=config.slo, router_policy=options.router_policy, bandwidth=bandwidth,
             message_seconds=options.message_seconds, step_overhead=options.step_overhead,
             cores=(os.cpu_count() or 1) if devices.is_cpu else None, threads=devices.threads,
-            fill_by_model=config.scheduler.derive_budgets,
+            fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
         )
     finally:
         if engine is not None:
@@ -286,11 +287,12 @@ def plot_curves(profile: Profile, path: str | Path, title: str) -> None:
 
 
 def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: Devices, *,
-                    num_requests: int = DEFAULT_NUM_REQUESTS) -> tuple[str, str]:
+                    num_requests: int = DEFAULT_NUM_REQUESTS,
+                    options: MachineOptions = MachineOptions()) -> tuple[str, str]:
     """``--deploy auto``: the planner's pick for ``config``'s SLO, and one line on why."""
     slo: SLOConfig = config.slo
     profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
-                          num_requests=num_requests, show_progress=True)
+                          num_requests=num_requests, options=options, show_progress=True)
     best = profile.result.best
     default = ("EPD",) * len(devices)
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)

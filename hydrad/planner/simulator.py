@@ -10,7 +10,9 @@ enter through the cluster's real ``Router`` and move between instances through t
   per-step overhead), slowed down when more CPU threads are busy than there are cores;
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
-  over the measured copy bandwidth, on one copy thread per instance.
+  over the measured copy bandwidth, on one copy thread per instance;
+* the daemon's Request Processor preprocesses requests (template, tokenizer, images) on
+  ``processor_threads`` threads, each for its recorded time, first come first served.
 
 The loop of each simulated instance is the worker's: messages that arrive during a step
 are taken after it; a step collects the copies finished since the last one, schedules,
@@ -92,6 +94,9 @@ class SimSetup:
     # Whether the scheduler fills steps by the model ([scheduler] derive_budgets), or only
     # by the token and image caps.
     fill_by_model: bool = True
+    # The daemon's Request Processor threads ([server] processor_threads): requests are
+    # preprocessed first come first served by this many at a time; None: no queue.
+    processor_threads: int | None = 2
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
@@ -410,8 +415,15 @@ class Simulation:
     # -- the run ------------------------------------------------------------------------------------
     def run(self) -> SimResult:
         requests = self.requests
+        threads = self.setup.processor_threads
+        free = [0.0] * threads if threads else None  # when each processor thread is next free
         for i, spec in enumerate(requests):
-            self.at(spec.arrival + spec.preprocess, _ARRIVE, None, i)
+            if free is None:
+                ready = spec.arrival + spec.preprocess
+            else:
+                ready = max(spec.arrival, heapq.heappop(free)) + spec.preprocess
+                heapq.heappush(free, ready)
+            self.at(ready, _ARRIVE, None, i)
         self._pending = len(requests)
         events = self._events
         stopped = False

@@ -27,7 +27,8 @@ from hydrad.errors import HydradError
 
 def config_toml(config) -> str:
     """A ``DaemonConfig`` as the TOML ``hydrad start --config`` reads (keys left None are omitted)."""
-    engine, lines = config.engine, [f"seed = {engine.seed}"]
+    engine = config.engine
+    lines = [f"seed = {engine.seed}"]
 
     def table(name: str, obj) -> None:
         lines.append(f"[{name}]")
@@ -57,18 +58,23 @@ def _free_port() -> int:
 class LiveDaemon:
     """``hydrad start`` in a child process, until ``stop``."""
 
-    def __init__(self, config, log_path: Path, timeout: float = 900.0):
+    def __init__(self, config, log_path: Path, timeout: float = 900.0, trace_dir: Path | None = None,
+                 args: tuple[str, ...] = ()):
+        """``trace_dir``: record the requests' trace there (else the trace is off); ``args``:
+        more flags of ``hydrad start``."""
         port = _free_port()
+        trace = dataclasses.replace(config.trace, enabled=trace_dir is not None,
+                                    dir=str(trace_dir) if trace_dir is not None else config.trace.dir)
         config = dataclasses.replace(
             config, server=dataclasses.replace(config.server, host="127.0.0.1", port=port, log_level="warning"),
-            trace=dataclasses.replace(config.trace, enabled=False))
+            trace=trace)
         self.url = f"http://127.0.0.1:{port}"
         self._config_file = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
         self._config_file.write(config_toml(config))
         self._config_file.close()
         self._log = open(log_path, "wb")
-        self.process = subprocess.Popen([sys.executable, "-m", "hydrad", "start", "--config", self._config_file.name],
-                                        stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen([sys.executable, "-m", "hydrad", "start", "--config", self._config_file.name,
+                                         *args], stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self._healthy():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -112,7 +118,8 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             start = simulated.get(spec) or profile.workload.mean_rate
             bench = BenchConfig(url=daemon.url, slo=SLO(profile.slo_ttft, profile.slo_tbt), workload=str(trace_file),
                                 num_requests=profile.planner.num_requests,
-                                search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol),
+                                search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol,
+                                                     min_rate=start / 256),
                                 arrivals=profile.planner.arrivals, seed=config.engine.seed)
             result = run_bench(bench, observer_for(spec) if observer_for else None)
         finally:

@@ -97,3 +97,18 @@ def test_the_trace_section_of_the_config_file(tmp_path):
     path.write_text("[trace]\nmax_files = 0\n")
     with pytest.raises(ConfigError, match="max_files"):
         load_config(path)
+
+
+def test_the_validation_daemons_config_reads_back_as_written(tmp_path):
+    import dataclasses
+
+    from hydrad.planner.validate import config_toml
+
+    path = tmp_path / "in.toml"
+    path.write_text('seed = 3\n[slo]\nttft = 1.5\ntbt = 0.08\n[cache]\nnum_kv_blocks = 100\n'
+                    '[server.remote_images]\nallowed_domains = ["a.example"]\n[parallel]\ndeploy = "1EP+1D"\n')
+    config = load_config(path)
+    config = dataclasses.replace(config, trace=dataclasses.replace(config.trace, dir="/srv/t", enabled=False))
+    out = tmp_path / "out.toml"
+    out.write_text(config_toml(config))
+    assert load_config(out) == config
