@@ -140,8 +140,7 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     device_set = Devices.parse(devices)
     console.print(f"planning {len(device_set)} instance(s) on {device_set.spec} ({device_set.threads} thread(s) "
                   f"each) from {len(mine)} requests of {model.name}", highlight=False)
-    options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy,
-                             config.server.processor_threads)
+    options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy)
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=True)
     with progress:

@@ -45,8 +45,7 @@ def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
                           f"{model}, fewer than {MIN_REQUESTS}")
             else:
                 devices = Devices(tuple(parse_devices(config.engine.parallel.devices, torch.cuda.device_count())))
-                options = MachineOptions(router_policy=config.server.router_policy,
-                                         processor_threads=config.server.processor_threads)
+                options = MachineOptions(router_policy=config.server.router_policy)
                 spec, reason = plan_deployment(records, config.engine, devices, options=options)
                 logger.info("deploy auto: %s (%s)", spec, reason)
                 return spec, reason

@@ -149,7 +149,7 @@ class MachineOptions:
     message_seconds: float = DEFAULT_MESSAGE_SECONDS
     step_overhead: float = DEFAULT_STEP_OVERHEAD
     router_policy: str = "round-robin"
-    processor_threads: int = 2
+    processor_threads: int = 1
 
 
 def machine_setup(config: EngineConfig, devices: Devices, options: MachineOptions = MachineOptions(),

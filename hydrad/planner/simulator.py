@@ -11,8 +11,8 @@ enter through the cluster's real ``Router`` and move between instances through t
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
-* the daemon's Request Processor preprocesses requests (template, tokenizer, images) on
-  ``processor_threads`` threads, each for its recorded time, first come first served.
+* the daemon's Request Processor prepares requests (template, tokenizer, images)
+  ``processor_threads`` at a time, each for its service time, first come first served.
 
 The loop of each simulated instance is the worker's: messages that arrive during a step
 are taken after it; a step collects the copies finished since the last one, schedules,
@@ -94,9 +94,10 @@ class SimSetup:
     # Whether the scheduler fills steps by the model ([scheduler] derive_budgets), or only
     # by the token and image caps.
     fill_by_model: bool = True
-    # The daemon's Request Processor threads ([server] processor_threads): requests are
-    # preprocessed first come first served by this many at a time; None: no queue.
-    processor_threads: int | None = 2
+    # Requests the daemon's Request Processor prepares at a time, first come first served
+    # (None: no queue). Its threads ([server] processor_threads) share one lock around the
+    # transformers processor, so it is mostly one at a time.
+    processor_threads: int | None = 1
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:

@@ -41,10 +41,15 @@ class Workload:
         if len(records) < 2:
             raise ConfigError(f"the trace holds {len(records)} finished request(s); planning needs at least 2")
         records = sorted(records, key=lambda r: r.timestamp)
-        # Preprocessing time as recorded, less the waits of a busy recording (capped at its p90).
-        cap = _quantile([r.preprocess for r in records], 0.9)
+        # A traced preprocess time includes waiting for the Request Processor, which the
+        # simulator queues itself: the service time of a request is taken as the 10th
+        # percentile of the traced times of requests with as many images.
+        by_images: dict[int, list[float]] = {}
+        for r in records:
+            by_images.setdefault(len(r.images), []).append(r.preprocess)
+        service = {k: _quantile(v, 0.1) for k, v in by_images.items()}
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
-                                    tuple((i.offset, i.tokens) for i in r.images), min(r.preprocess, cap))
+                                    tuple((i.offset, i.tokens) for i in r.images), service[len(r.images)])
                        for r in records)
         stamps = [r.timestamp for r in records]
         if stamps[-1] <= stamps[0]:

@@ -158,7 +158,7 @@ def test_without_derived_budgets_only_the_caps_fill_steps_and_the_model_times_th
 def test_the_request_processor_preprocesses_two_at_a_time():
     # Three requests at t=0, 50 ms of preprocessing each, two processor threads: the third
     # reaches the instance at 100 ms. Text-only, 10-token prompts: prefill 20 ms each.
-    setup = make_setup(processor_threads=2)
+    setup = make_setup(processor_threads=2)  # [server] processor_threads without the lock
     reqs = [SimRequest(0.0, 10, 1, preprocess=0.05) for _ in range(3)]
     r0, r1, r2 = run(setup, ["EPD"], reqs).requests
     assert r0.ttft == pytest.approx(0.05 + 0.03)  # r0 and r1 share one 30 ms step
