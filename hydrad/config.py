@@ -98,7 +98,8 @@ class SLOConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    # "auto": one EPD instance per device; devices "auto": every visible GPU, else one CPU.
+    # "auto": the planner's choice from a request trace, else one EPD instance per device;
+    # devices "auto": every visible GPU, else one CPU.
     deploy: str = "auto"
     devices: str = "auto"
     # Vision and language work of a step at the same time, when the role holds E and P/D:

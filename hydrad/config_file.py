@@ -2,7 +2,7 @@
 
 The file has one table per config dataclass: ``[server]`` (with
 ``[server.remote_images]``), ``[model]``, ``[cache]``, ``[scheduler]``,
-``[parallel]``, ``[slo]``, and a top-level ``seed``. Keys left out take the
+``[parallel]``, ``[slo]``, ``[trace]``, and a top-level ``seed``. Keys left out take the
 dataclass defaults; unknown keys and wrongly typed values are errors, so a typo
 never passes silently. Command-line flags override the file (``overrides``,
 dotted keys such as ``"server.port"``).
@@ -92,9 +92,33 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class TraceConfig:
+    # Append every finished request to a JSONL trace (its shape and latencies, never
+    # its content): what `hydractl profile` and `--deploy auto` plan from.
+    enabled: bool = True
+    # Folder of the trace files; empty: $HYDRAD_STATE_DIR/trace (default
+    # ~/.local/state/hydrad/trace).
+    dir: str = ""
+    # A file is rotated when it would grow past this size; this many files are kept.
+    max_file_mb: int = 64
+    max_files: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_file_mb < 1 or self.max_files < 1:
+            raise ConfigError("trace.max_file_mb and trace.max_files must be >= 1")
+
+    @property
+    def directory(self) -> Path:
+        from hydrad.planner.trace import default_trace_dir
+
+        return Path(self.dir).expanduser() if self.dir else default_trace_dir()
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
 
 
 _SECTIONS: dict[str, type] = {
@@ -104,6 +128,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "parallel": ParallelConfig,
     "slo": SLOConfig,
+    "trace": TraceConfig,
 }
 
 
@@ -137,9 +162,10 @@ def _build(raw: dict[str, Any]) -> DaemonConfig:
         raise ConfigError(f"unknown section or key {sorted(unknown)[0]!r}")
     parts = {name: _make(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
     server = parts.pop("server")
+    trace = parts.pop("trace")
     seed = raw.get("seed", 0)
     _check_type(seed, int, "seed")
-    return DaemonConfig(engine=EngineConfig(**parts, seed=seed), server=server)
+    return DaemonConfig(engine=EngineConfig(**parts, seed=seed), server=server, trace=trace)
 
 
 def _make(cls: type, table: Any, prefix: str) -> Any:

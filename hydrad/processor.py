@@ -157,8 +157,10 @@ class InputProcessor:
             return ProcessedPrompt(token_ids)
         inputs = self.model_cls.image_inputs(self.hf_config, out)
         offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
-        for image, offset in zip(inputs, offsets):
+        for image, offset, pil in zip(inputs, offsets, images):
             image.offset = offset
+            if image.image_size is None:  # the size as sent, for the request trace
+                image.image_size = (pil.height, pil.width)
         prompt = ProcessedPrompt(token_ids, inputs)
         if self.model_cls.uses_mrope:
             from hydrad.models.qwen2_vl import get_mrope_positions

@@ -12,10 +12,12 @@ from factories import LAYOUTS, make_layout, make_tiny, make_tiny_llava, module_s
 
 @pytest.fixture(scope="session", autouse=True)
 def hydrad_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A private cache dir, so no test reads or fills the user's (the default model lands here)."""
+    """A private cache dir, so no test reads or fills the user's (the default model lands here),
+    and a private state dir, so the daemons of the tests write their request traces there."""
     path = tmp_path_factory.mktemp("hydrad-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HYDRAD_CACHE_DIR", str(path))
+        mp.setenv("HYDRAD_STATE_DIR", str(tmp_path_factory.mktemp("hydrad-state")))
         yield path
 
 

@@ -213,21 +213,53 @@ def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float
     return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens), timestamp
 
 
-def load_file_workload(path: str | Path, seed: int) -> FileWorkload:
-    path = Path(path)
+def _read_lines(path: Path) -> list[tuple[str, str]]:
+    """(where, line) for every line of a workload file, or of a hydrad trace directory."""
+    from hydrad.planner.trace import trace_files
+
+    files = trace_files(path) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError(f"{path} holds no trace files")
+    out = []
+    for file in files:
+        try:
+            lines = file.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read workload file {file}: {getattr(e, 'strerror', None) or e}") from None
+        out += [(f"{file}:{lineno}", line) for lineno, line in enumerate(lines, 1)]
+    return out
+
+
+def _trace_entry(obj: dict, where: str) -> dict | None:
+    """A line of a hydrad request trace as a workload line; None for a request that did not
+    run to its end (aborted, failed), which a replay leaves out."""
+    from hydrad.planner.trace import TraceRecord
+
     try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read workload file {path}: {getattr(e, 'strerror', None) or e}") from None
+        record = TraceRecord.from_json(obj)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{where}: malformed request trace record ({e})") from None
+    return record.bench_entry() if record.completed else None
+
+
+def load_file_workload(path: str | Path, seed: int) -> FileWorkload:
+    """A JSONL workload file, or a hydrad request trace (a file, or the daemon's trace
+    directory): each traced request that ran to its end becomes one request."""
+    from hydrad.planner.trace import FORMAT
+
+    path = Path(path)
     entries, timestamps = [], []
-    for lineno, line in enumerate(lines, 1):
+    for where, line in _read_lines(path):
         if not line.strip():
             continue
-        where = f"{path}:{lineno}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: invalid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and obj.get("format") == FORMAT:
+            obj = _trace_entry(obj, where)
+            if obj is None:
+                continue
         entry, timestamp = _parse_entry(obj, where, path.parent)
         entries.append(entry)
         timestamps.append(timestamp)
@@ -260,7 +292,8 @@ def _parse_mix(spec: str) -> tuple[list[Profile], list[float]]:
 
 
 def load_workload(spec: str, seed: int, trace: Trace | None = None) -> Workload:
-    """Resolve ``spec``: a profile name, ``mix:a=w,b=w``, or a path to a JSONL file.
+    """Resolve ``spec``: a profile name, ``mix:a=w,b=w``, or a path to a JSONL file or a
+    hydrad request trace (file or directory).
 
     With the ``text`` profile and a trace that carries lengths (Mooncake), the requests
     take their prompt and output lengths from the trace.
@@ -274,5 +307,6 @@ def load_workload(spec: str, seed: int, trace: Trace | None = None) -> Workload:
     if spec.endswith(".jsonl") or Path(spec).exists():
         return load_file_workload(spec, seed)
     raise ConfigError(
-        f"unknown workload {spec!r}: expected one of {', '.join(PROFILES)}, 'mix:NAME=W,...', or a .jsonl file"
+        f"unknown workload {spec!r}: expected one of {', '.join(PROFILES)}, 'mix:NAME=W,...', a .jsonl file "
+        "or a hydrad trace"
     )

@@ -1,4 +1,4 @@
-"""``hydractl``: operate a running hydrad daemon (status, redeploy, bench)."""
+"""``hydractl``: operate a running hydrad daemon (status, redeploy, bench, profile)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import click
 
 from hydrad.cli.bench import bench
 from hydrad.cli.common import run_main
+from hydrad.cli.profile import profile
 from hydrad.cli.redeploy import redeploy
 from hydrad.cli.status import status
 
@@ -21,6 +22,7 @@ def cli() -> None:
 cli.add_command(status)
 cli.add_command(redeploy)
 cli.add_command(bench)
+cli.add_command(profile)
 
 
 def main() -> None:

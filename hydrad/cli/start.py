@@ -10,14 +10,17 @@ import click
 @click.option("--config", "config_file", metavar="FILE", envvar="HYDRAD_CONFIG", type=click.Path(dir_okay=False),
               help="TOML config file (see etc/hydrad.toml); flags override it. Env: HYDRAD_CONFIG.")
 @click.option("--devices", metavar="SPEC", help="cpu:N, cuda:0,1 or auto (every GPU, else one CPU worker).")
-@click.option("--deploy", metavar="SPEC", help="Instances and roles, e.g. 2EPD; auto: one EPD per device.")
+@click.option("--deploy", metavar="SPEC", help="Instances and roles, e.g. 2EPD; auto: the planner's choice from a "
+              "request trace, else one EPD per device.")
+@click.option("--trace", "trace_path", metavar="FILE", type=click.Path(exists=True),
+              help="With --deploy auto: plan from this request trace (file or folder) instead of the daemon's own.")
 @click.option("--host", help="Address to listen on (default 127.0.0.1).")
 @click.option("--port", type=int, help="Port to listen on (default 8000).")
 @click.option("--api-key", envvar="HYDRAD_API_KEY", help="Require this bearer key on /v1/*. Env: HYDRAD_API_KEY.")
 @click.option("--admin-token", envvar="HYDRAD_ADMIN_TOKEN",
               help="Token opening /admin/* to non-loopback clients. Env: HYDRAD_ADMIN_TOKEN.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-def start(model_path, config_file, devices, deploy, host, port, api_key, admin_token, log_level) -> None:
+def start(model_path, config_file, devices, deploy, host, port, api_key, admin_token, log_level, trace_path) -> None:
     """Start the daemon: one worker per device, then the OpenAI-compatible API."""
     import asyncio
     import dataclasses
@@ -44,13 +47,21 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     from hydrad.cluster.deploy import plan_instances
     from hydrad.cluster.supervisor import plan_specs
 
-    parallel = config.engine.parallel
-    instances = plan_instances(parallel.deploy, parallel.devices, torch.cuda.device_count())
     # Resolved once here, so workers never race to build the default model.
     model = dataclasses.replace(config.engine.model, path=str(resolve_model_path(config.engine.model.path)))
     config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=model))
+    deployment = None
+    if config.engine.parallel.deploy.strip().lower() == "auto":
+        from hydrad.planner.auto import choose_deployment
+
+        spec, reason = choose_deployment(config, trace_path)
+        deployment = {"spec": spec, "reason": reason}
+        parallel = dataclasses.replace(config.engine.parallel, deploy=spec)
+        config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
+    parallel = config.engine.parallel
+    instances = plan_instances(parallel.deploy, parallel.devices, torch.cuda.device_count())
     try:
         from uvloop import run
     except ImportError:  # uvloop is not built for every platform
         run = asyncio.run
-    run(serve(config, plan_specs(instances), console))
+    run(serve(config, plan_specs(instances), console, deployment))

@@ -97,6 +97,8 @@ def render(status: dict):
     requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
                      _ms(r["tbt_p50"]), _ms(r["tbt_p90"]))
     parts = [instances]
+    if deployment.get("reason"):
+        parts.append(f"deployment {deployment['deploy']}: {deployment['reason']}")
     if budget_lines:
         parts.append("latency models:\n  " + "\n  ".join(budget_lines))
     history = deployment.get("history") or []

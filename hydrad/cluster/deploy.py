@@ -2,7 +2,8 @@
 
 A spec is ``+``-separated terms ``<count><role>``; a role is a non-empty set of the
 stages E (encode), P (prefill), D (decode), written in that order. Together the
-instances must hold every stage. ``auto`` means one EPD instance per device.
+instances must hold every stage. ``auto`` here means one EPD instance per device; ``hydrad
+start`` first asks the planner for a better one when it has a trace (``hydrad.cli.start``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ def parse_deploy(spec: str, num_devices: int | None = None) -> list[str]:
     if missing:
         raise ConfigError(f"deploy {spec!r}: no instance holds stage {', '.join(missing)}")
     return roles
+
+
+def format_deploy(roles: list[str]) -> str:
+    """The spec of a list of roles, counted in the order they first appear: ``["EP", "D",
+    "D"]`` -> ``1EP+2D``."""
+    counts: dict[str, int] = {}
+    for role in roles:
+        counts[role] = counts.get(role, 0) + 1
+    return "+".join(f"{n}{role}" for role, n in counts.items())
 
 
 def _normalize_role(role: str, spec: str) -> str:

@@ -74,13 +74,14 @@ class MigrationRelay:
                     instance.abort((req_id,))
 
     # -- migration ---------------------------------------------------------------------------
-    def on_offer(self, source: Instance, offer: MigrationOffer) -> None:
-        """Hand ``offer`` to a target; raises ``NoInstanceAvailable`` when no live instance
-        holds the next stage (the caller fails the request)."""
+    def on_offer(self, source: Instance, offer: MigrationOffer) -> Instance | None:
+        """Hand ``offer`` to a target and return it (None when the request is gone); raises
+        ``NoInstanceAvailable`` when no live instance holds the next stage (the caller fails
+        the request)."""
         holders = self.holders.get(offer.req_id)
         if holders is None:  # gone meanwhile (aborted): the source must not keep it
             source.release((offer.req_id,))
-            return
+            return None
         target = self.router.select_stage(offer.next_stage)
         if target not in holders:
             holders.add(target)
@@ -92,6 +93,7 @@ class MigrationRelay:
         else:
             self.in_flight[offer.req_id] = (source, target, offer)
         target.migrate(offer)
+        return target
 
     def take_back(self, req_id: str, target: Instance) -> tuple[Instance, MigrationOffer] | None:
         """``target`` died before pulling ``req_id``: forget it as a holder and return the

@@ -40,6 +40,8 @@ class RequestTable:
         self.router = router
         self.relay = MigrationRelay(router)
         self.sinks: dict[str, RequestSink] = {}
+        # The instances each request has been on: its entry, then each migration's target.
+        self.routes: dict[str, list[int]] = {}
         self.stopping_reason: str | None = None
         # While an instance is being restarted (or a deployment changed), an offer whose next
         # stage has no live instance waits here instead of failing: (source, offer).
@@ -57,6 +59,7 @@ class RequestTable:
         if self.stopping_reason is not None:
             raise ServiceStopping(self.stopping_reason)
         self.sinks[req_id] = sink
+        self.routes[req_id] = [entry.instance_id]
         self.relay.open(req_id, entry)
 
     def deliver_output(self, output: EngineOutput) -> None:
@@ -73,6 +76,7 @@ class RequestTable:
             if sink is not None:
                 self.relay.close(end.req_id)
                 sink.on_finish(end.finish_reason, end.stage_times)
+            self.routes.pop(end.req_id, None)  # after on_finish, which may read it
 
     def fail(self, req_id: str, error: Exception) -> None:
         """End a request with an error; the instances still holding it drop it."""
@@ -93,12 +97,16 @@ class RequestTable:
     def abort(self, req_id: str) -> None:
         """End a request everywhere (client gone, stop string): no output follows."""
         self.sinks.pop(req_id, None)
+        self.routes.pop(req_id, None)
         self.relay.abort((req_id,))
 
     # -- migration, through the relay -------------------------------------------------------------
     def on_offer(self, source: Instance, offer: MigrationOffer) -> None:
         try:
-            self.relay.on_offer(source, offer)
+            target = self.relay.on_offer(source, offer)
+            route = self.routes.get(offer.req_id)
+            if target is not None and route is not None:
+                route.append(target.instance_id)
         except NoInstanceAvailable as e:
             if self.hold_offers:
                 logger.info("request %s waits for an instance holding stage %s", offer.req_id, offer.next_stage)

@@ -31,7 +31,7 @@ from hydrad.server.metrics import Metrics
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
-from hydrad.cluster.deploy import parse_deploy
+from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.supervisor import InstanceSpec, RedeployError, RestartPolicy, Supervisor
 
 logger = logging.getLogger("hydrad.server")
@@ -43,15 +43,21 @@ SUPERVISOR = web.AppKey("supervisor", Supervisor)
 ENGINE = web.AppKey("engine", EngineClient)
 METRICS = web.AppKey("metrics", Metrics)
 STARTED = web.AppKey("started", float)
+# The deployment started with and why: {"spec": "1EP+1D", "reason": "..."} (the
+# supervisor's history has it, and every change since).
+DEPLOYMENT = web.AppKey("deployment", dict)
 
 
-def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None) -> web.Application:
-    """``config.engine.model.path`` must name a local checkpoint folder."""
+def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None,
+             deployment: dict | None = None) -> web.Application:
+    """``config.engine.model.path`` must name a local checkpoint folder; ``deployment`` says
+    which deployment runs and why (shown by ``/admin/status``)."""
     app = web.Application(
         client_max_size=config.server.max_body_mb << 20, middlewares=[error_middleware, api_key_middleware]
     )
     app[CONFIG] = config
     app[SPECS] = specs
+    app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "start"}
     app[CONSOLE] = console or Console(stderr=True)
     app.cleanup_ctx.append(engine_ctx)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -61,6 +67,7 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/status", admin_status)
     app.router.add_post("/admin/redeploy", admin_redeploy)
+    app.router.add_get("/admin/trace", admin_trace)
     return app
 
 
@@ -85,7 +92,7 @@ async def engine_ctx(app: web.Application):
     supervisor.on_client = lambda client: setattr(
         client, "on_step_timing", lambda c, timing: app[METRICS].observe_step(c.instance_id, timing))
     try:
-        readies = await supervisor.start(app[CONSOLE])
+        readies = await supervisor.start(app[CONSOLE], reason=app[DEPLOYMENT]["reason"])
         processor = await processor_future
     except BaseException:
         await supervisor.stop(timeout=5.0)
@@ -99,7 +106,17 @@ async def engine_ctx(app: web.Application):
         processor, supervisor.router, supervisor.table, app[METRICS],
         executor, server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
     )
+    if config.trace.enabled:
+        from hydrad.planner.trace import TraceWriter, count_template_tokens
+
+        app[ENGINE].trace = TraceWriter(
+            config.trace.directory, max_bytes=config.trace.max_file_mb << 20, max_files=config.trace.max_files,
+            model=processor.model_name, deploy=lambda: supervisor.deployment,
+            template_tokens=count_template_tokens(processor))
+        logger.info("recording finished requests in %s", app[ENGINE].trace.path)
     yield
+    if app[ENGINE].trace is not None:
+        app[ENGINE].trace.close()
     # In-flight requests have completed or been cancelled (aborted) by now.
     await supervisor.stop()
     if session is not None:
@@ -210,7 +227,8 @@ async def admin_status(request: web.Request) -> web.Response:
     body = status_body(supervisor, await instance_stats(supervisor.clients), model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
                        num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
-    body["deployment"] = {"deploy": supervisor.deployment, "history": history(supervisor)}
+    current = supervisor.history[-1]
+    body["deployment"] = {"deploy": supervisor.deployment, "reason": current.reason, "history": history(supervisor)}
     return web.json_response(body)
 
 
@@ -258,6 +276,22 @@ async def admin_redeploy(request: web.Request) -> web.StreamResponse:
 
 def history(supervisor: Supervisor) -> list[dict]:
     return [dataclasses.asdict(d) for d in supervisor.history]
+
+
+async def admin_trace(request: web.Request) -> web.Response:
+    """The newest ``limit`` (default 1000) lines of the request trace, as JSONL."""
+    check_admin_access(request, request.app[CONFIG].server.admin_token)
+    trace = request.app[ENGINE].trace
+    if trace is None:
+        raise APIError(404, "the request trace is off on this daemon ([trace] enabled = false)")
+    try:
+        limit = int(request.query.get("limit", "1000"))
+    except ValueError:
+        limit = -1
+    if limit < 1:
+        raise APIError(400, "limit must be a positive integer", "limit")
+    lines = await asyncio.get_running_loop().run_in_executor(None, trace.recent, limit)
+    return web.Response(text="".join(line + "\n" for line in lines), content_type="application/x-ndjson")
 
 
 async def read_json(request: web.Request):

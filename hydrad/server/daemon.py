@@ -33,9 +33,10 @@ class DaemonFailed(HydradError):
     """The daemon stopped before its in-flight requests could finish."""
 
 
-async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Console) -> None:
+async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Console,
+                deployment: dict | None = None) -> None:
     server = config.server
-    app = make_app(config, specs, console=console)
+    app = make_app(config, specs, console=console, deployment=deployment)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=server.shutdown_timeout,
                            access_log=None)
     loop = asyncio.get_running_loop()

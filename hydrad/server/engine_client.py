@@ -71,6 +71,8 @@ class EngineClient:
         self.max_model_len = max_model_len
         self.http_session = http_session
         self.model_name = processor.model_name
+        # The request trace (``hydrad.planner.trace.TraceWriter``), None when off.
+        self.trace = None
         self._token_text: dict[int, str] = {}
 
     def token_text(self, token_id: int) -> str:
@@ -210,6 +212,8 @@ class ChoiceStream:
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None
         self.stage_times: dict[str, float] | None = None
+        # Inter-token gaps, kept for the request trace only.
+        self.gaps: list[float] | None = [] if parent.client.trace is not None else None
 
     # -- RequestSink ---------------------------------------------------------------------------
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
@@ -223,6 +227,8 @@ class ChoiceStream:
             self.metrics.observe_first_token(now - parent.arrival, 1)
         else:
             self.metrics.observe_next_tokens(now - self.last_token_time, 1)
+            if self.gaps is not None:
+                self.gaps.append(now - self.last_token_time)
         self.last_token_time = now
         self.num_output_tokens += 1
         detok = self.detokenizer
@@ -280,3 +286,18 @@ class ChoiceStream:
             req.req_id, self.instance.instance_id, req.num_prompt_tokens, self.num_output_tokens,
             len(req.images), ttft, e2e, finish_reason, user, stages,
         )
+        trace = parent.client.trace
+        if trace is not None:
+            from hydrad.planner.trace import wall_clock
+
+            first = parent.first_token_time
+            trace.record(
+                timestamp=wall_clock(parent.arrival), prompt_tokens=req.num_prompt_tokens,
+                images=[(i.image_size[1] if i.image_size else None, i.image_size[0] if i.image_size else None,
+                         i.length, i.offset, i.num_patches) for i in req.images],
+                output_tokens=self.num_output_tokens, max_tokens=req.sampling_params.max_tokens,
+                finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
+                ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
+                stages=self.stage_times, instances=parent.client.table.routes.get(req.req_id)
+                or [self.instance.instance_id],
+            )

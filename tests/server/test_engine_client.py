@@ -25,7 +25,7 @@ def tokenizer(tiny_llava_dir):
 def make_stream(tokenizer, n=1, params: SamplingParams | None = None):
     aborted = []
     metrics = Metrics("m")
-    client = SimpleNamespace(metrics=metrics, processor=SimpleNamespace(tokenizer=tokenizer),
+    client = SimpleNamespace(metrics=metrics, trace=None, processor=SimpleNamespace(tokenizer=tokenizer),
                              table=SimpleNamespace(abort=aborted.append))
     instance = SimpleNamespace(instance_id=0, abort=aborted.append)
     stream = RequestStream(client, num_prompt_tokens=3, arrival=0.0, user=None)

@@ -1,0 +1,211 @@
+"""The planner against the live system: simulated vs live goodput, and --deploy auto vs vLLM-cpu.
+
+    python bench/planner_accuracy.py accuracy [--model DIR] [--devices cpu:2] [--workloads textcaps,mix,mooncake]
+        [--slo-ttft 2] [--slo-tbt 0.1] [--record-rate 1] [--record-requests 200] [--num-requests 200]
+        [--top 3] [--out planner_accuracy.json]
+    python bench/planner_accuracy.py auto [--model DIR] [--devices cpu:2] [--hand 1EP+1D,2EPD,1E+1PD]
+        [--vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
+
+``accuracy``: for each workload, a daemon (``1EP+1D``) records a trace of the workload
+sent by ``hydractl bench`` at ``--record-rate``; the planner ranks every deployment of
+the devices from that trace (``hydractl profile``); then each of the ``--top``
+deployments is started live and its goodput measured by ``hydractl bench`` replaying the
+same trace (same request count, the trace's arrivals, the same goodput search), as
+``hydractl profile --validate`` does. Reported: simulated and live goodput per
+deployment, their relative difference, and whether the live best is the simulated best.
+
+Workloads: ``textcaps`` (TextCaps-like, Poisson), ``mix`` (TextCaps and POPE, half
+each, Poisson), ``mooncake`` (POPE-like requests at the arrival times of Mooncake's
+``conversation_trace.jsonl``, bursty).
+
+``auto``: the workload of the planner issue (one 640x480 image, 12 prompt tokens, 16
+output tokens per request; TTFT <= 2 s, TBT p90 <= 0.1 s): a trace is recorded,
+``hydrad start --deploy auto --trace`` starts from it, and its live goodput is compared
+with the best of the ``--hand`` deployments (measured live) and with a vLLM-cpu server
+already running on the same cores (``--vllm-url``; see bench/RESULTS.md for its command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from common import machine, model_dir, write_json
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+console = Console()
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mooncake" / "conversation_trace.jsonl"
+WORKLOADS = {
+    "textcaps": ("textcaps", None),
+    "mix": ("mix:textcaps=0.5,pope=0.5", None),
+    "mooncake": ("pope", MOONCAKE),
+}
+ISSUE_WORKLOAD = '{"prompt_tokens": 12, "images": [{"width": 640, "height": 480}], "output_tokens": 16}\n'
+
+
+def daemon_config(model: str, devices: str, deploy: str, slo_ttft: float, slo_tbt: float):
+    from hydrad.config_file import load_config
+
+    config = load_config(None)
+    engine = config.engine
+    return dataclasses.replace(config, engine=dataclasses.replace(
+        engine, model=dataclasses.replace(engine.model, path=model),
+        parallel=dataclasses.replace(engine.parallel, deploy=deploy, devices=devices),
+        slo=dataclasses.replace(engine.slo, ttft=slo_ttft, tbt=slo_tbt)))
+
+
+def bench(url: str, workload: str, *, slo, rates=(), search=None, num_requests: int, trace=None,
+          arrivals: str = "poisson", label: str = ""):
+    from hydrad.bench import BenchConfig, run_bench
+
+    from hydrad.cli.bench import _ProgressObserver
+
+    config = BenchConfig(url=url, slo=slo, workload=workload, rates=tuple(rates), search=search,
+                         num_requests=num_requests, trace=str(trace) if trace else None,
+                         arrivals="trace" if trace or arrivals == "trace" else "poisson")
+    progress = Progress(TextColumn(f"{label} " + "{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("met {task.fields[met]} errors {task.fields[errors]}"), TimeElapsedColumn(),
+                        console=console)
+    with progress:
+        return run_bench(config, _ProgressObserver(progress))
+
+
+def record(model: str, devices: str, workload: str, trace, *, rate: float, num: int, slo_ttft: float,
+           slo_tbt: float, work: Path, deploy: str = "1EP+1D") -> Path:
+    """A trace of ``workload`` sent at ``rate`` to a live daemon."""
+    from hydrad.bench import SLO
+    from hydrad.planner.validate import LiveDaemon
+
+    trace_dir = work / "trace"
+    daemon = LiveDaemon(daemon_config(model, devices, deploy, slo_ttft, slo_tbt), work / "record.log",
+                        trace_dir=trace_dir)
+    try:
+        result = bench(daemon.url, workload, slo=SLO(slo_ttft, slo_tbt), rates=(rate,), num_requests=num,
+                       trace=trace, label="record")
+        if result.summary is None or result.summary.errors:
+            raise SystemExit(f"recording failed: {result.summary}")
+    finally:
+        daemon.stop()
+    return trace_dir
+
+
+def accuracy(args) -> dict:
+    from hydrad.planner.profile import Devices, run_profile
+    from hydrad.planner.trace import read_trace
+    from hydrad.planner.validate import validate
+
+    model = model_dir(args.model)
+    rows = []
+    for name in args.workloads.split(","):
+        spec, arrivals = WORKLOADS[name]
+        work = Path(tempfile.mkdtemp(prefix=f"planner-{name}-"))
+        console.rule(f"{name}: recording {args.record_requests} requests at {args.record_rate} req/s")
+        trace_dir = record(model, args.devices, spec, arrivals, rate=args.record_rate, num=args.record_requests,
+                           slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
+        records = read_trace(trace_dir)
+        config = daemon_config(model, args.devices, "auto", args.slo_ttft, args.slo_tbt)
+        started = time.perf_counter()
+        profile = run_profile(records, config.engine, Devices.parse(args.devices), slo_ttft=args.slo_ttft,
+                              slo_tbt=args.slo_tbt, top_k=args.top, num_requests=args.num_requests)
+        plan_seconds = time.perf_counter() - started
+        specs = [e.spec for e in profile.result.ranked[: args.top]]
+        console.print(f"{name}: simulated top {args.top}: " + ", ".join(
+            f"{e.spec} {e.goodput:.3g}" for e in profile.result.ranked[: args.top]), highlight=False)
+        live = validate(profile, config, trace_dir, specs, log_dir=work)
+        sim_best = max(live, key=lambda r: r["simulated_goodput_rps"])["deploy"]
+        live_best = max(live, key=lambda r: r["live_goodput_rps"] or 0.0)["deploy"]
+        rows.append({"workload": name, "spec": spec, "arrivals": "mooncake" if arrivals else "poisson",
+                     "trace_requests": len(records), "trace_rate": profile.workload.mean_rate,
+                     "plan_seconds": plan_seconds, "deployments": live, "simulated_best": sim_best,
+                     "live_best": live_best, "ranking_agrees": sim_best == live_best,
+                     "max_abs_error": max((abs(r["error"]) for r in live if r["error"] is not None), default=None),
+                     "profile": profile.to_json(args.top)})
+    table = Table(title="simulated vs live goodput (req/s)")
+    for column in ("workload", "deployment", "simulated", "live", "error", "top pick agrees"):
+        table.add_column(column, justify="left" if column in ("workload", "deployment") else "right")
+    for row in rows:
+        for i, d in enumerate(row["deployments"]):
+            live_g, err = d["live_goodput_rps"], d["error"]
+            table.add_row(row["workload"] if i == 0 else "", d["deploy"], f"{d['simulated_goodput_rps']:.3g}",
+                          "-" if live_g is None else f"{live_g:.3g}", "-" if err is None else f"{100 * err:+.1f}%",
+                          ("yes" if row["ranking_agrees"] else "no") if i == 0 else "")
+    console.print(table)
+    return {"mode": "accuracy", "args": vars(args), "machine": machine(), "workloads": rows}
+
+
+def auto(args) -> dict:
+    from hydrad.bench import SLO, GoodputSearch
+    from hydrad.planner.validate import LiveDaemon
+
+    model = model_dir(args.model)
+    work = Path(tempfile.mkdtemp(prefix="planner-auto-"))
+    workload = work / "issue.jsonl"
+    workload.write_text(ISSUE_WORKLOAD)
+    slo = SLO(args.slo_ttft, args.slo_tbt)
+    console.rule("recording the workload's trace")
+    trace_dir = record(model, args.devices, str(workload), None, rate=args.record_rate, num=args.record_requests,
+                       slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
+    search = GoodputSearch(start_rate=args.search_start, rel_tol=0.05)
+
+    def live_goodput(deploy: str, extra: dict | None = None) -> tuple[float | None, dict]:
+        config = daemon_config(model, args.devices, deploy, args.slo_ttft, args.slo_tbt)
+        daemon = LiveDaemon(config, work / f"daemon-{deploy}.log", **(extra or {}))
+        try:
+            with urllib.request.urlopen(daemon.url + "/admin/status") as response:
+                status = json.loads(response.read())
+            result = bench(daemon.url, str(workload), slo=slo, search=search, num_requests=args.num_requests,
+                           label=deploy)
+        finally:
+            daemon.stop()
+        return result.goodput_total, status.get("deployment", {})
+
+    results = {}
+    console.rule("hydrad start --deploy auto --trace")
+    goodput, deployment = live_goodput("auto", {"args": ("--trace", str(trace_dir))})
+    results["auto"] = {"deployment": deployment, "goodput_rps": goodput}
+    for deploy in args.hand.split(","):
+        console.rule(f"by hand: {deploy}")
+        results[deploy] = {"goodput_rps": live_goodput(deploy)[0]}
+    best_hand = max((k for k in results if k != "auto"), key=lambda k: results[k]["goodput_rps"] or 0.0)
+    out = {"mode": "auto", "args": vars(args), "machine": machine(), "results": results, "best_hand": best_hand,
+           "auto_over_best_hand": (goodput or 0.0) / (results[best_hand]["goodput_rps"] or float("nan"))}
+    if args.vllm_url:
+        console.rule(f"vLLM at {args.vllm_url}")
+        vllm = bench(args.vllm_url, str(workload), slo=slo, search=search, num_requests=args.num_requests,
+                     label="vllm")
+        out["vllm_goodput_rps"] = vllm.goodput_total
+        out["auto_over_vllm"] = (goodput or 0.0) / vllm.goodput_total if vllm.goodput_total else None
+    console.print_json(json.dumps({k: v for k, v in out.items() if k not in ("args", "machine")}))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("accuracy", "auto"))
+    parser.add_argument("--model", help="Checkpoint folder (default: the built-in small model).")
+    parser.add_argument("--devices", default="cpu:2")
+    parser.add_argument("--workloads", default="textcaps,mix,mooncake")
+    parser.add_argument("--slo-ttft", type=float, default=2.0)
+    parser.add_argument("--slo-tbt", type=float, default=0.1)
+    parser.add_argument("--record-rate", type=float, default=1.0)
+    parser.add_argument("--record-requests", type=int, default=200)
+    parser.add_argument("--num-requests", type=int, default=200, help="Requests per rate, simulated and live.")
+    parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--hand", default="1EP+1D,2EPD,1E+1PD,1ED+1P", help="auto: deployments measured by hand.")
+    parser.add_argument("--search-start", type=float, default=1.0, help="auto: first rate of each goodput search.")
+    parser.add_argument("--vllm-url", help="auto: a vLLM-cpu server on the same cores, to compare with.")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    payload = accuracy(args) if args.mode == "accuracy" else auto(args)
+    write_json(args.out, payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""``hydractl profile``: the best deployment for a recorded workload and SLOs, and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hydrad.cli.common import console
+
+
+def _fetch(url: str, path: str, admin_token: str | None) -> bytes:
+    import urllib.error
+    import urllib.request
+
+    from hydrad.errors import HydradError
+
+    request = urllib.request.Request(url.rstrip("/") + path)
+    if admin_token:
+        request.add_header("Authorization", f"Bearer {admin_token}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read()
+    except urllib.error.HTTPError as e:
+        raise HydradError(f"{url}{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:200]}") from None
+    except (urllib.error.URLError, OSError) as e:
+        raise HydradError(f"cannot reach the daemon at {url}: {getattr(e, 'reason', e)}") from None
+
+
+def _records_from_daemon(url: str, admin_token: str | None, limit: int, out_dir: Path):
+    """(records, trace file, model folder, devices) of a running daemon's recent trace."""
+    import json
+
+    from hydrad.planner.trace import parse_lines
+
+    body = _fetch(url, f"/admin/trace?limit={limit}", admin_token)
+    trace_file = out_dir / "trace.jsonl"
+    trace_file.write_bytes(body)
+    records = [r for r in parse_lines(body.decode().splitlines(), f"{url}/admin/trace") if r.completed]
+    model_root = json.loads(_fetch(url, "/v1/models", None))["data"][0].get("root")
+    status = json.loads(_fetch(url, "/admin/status", admin_token))
+    devices = [i["device"] for i in status["instances"]]
+    spec = f"cpu:{len(devices)}" if all(d == "cpu" for d in devices) else "cuda:" + ",".join(
+        d.partition(":")[2] or "0" for d in devices)
+    return records, trace_file, model_root, spec
+
+
+def _table(profile, top_k: int):
+    from rich.table import Table
+
+    result = profile.result
+    a2 = result.algorithm2_pick
+    costs = profile.planner.costs
+    table = Table(title=f"{result.n} instance(s), TTFT <= {profile.slo_ttft:g} s, TBT p90 <= {profile.slo_tbt:g} s; "
+                        f"rates in req/s; attainment at the trace's {profile.workload.mean_rate:.3g} req/s")
+    for name in ("#", "deployment", "goodput", "attainment", "bottleneck", "bound", "Algorithm 2"):
+        table.add_column(name, justify="right" if name in ("#", "goodput", "bound", "attainment") else "left",
+                         no_wrap=name != "Algorithm 2")
+    shown = result.ranked[:top_k]
+    if a2 is not None and a2 not in shown:
+        shown = shown + [a2]
+    for e in shown:
+        rank = result.ranked.index(e) + 1
+        att = f"{100 * e.trace_attainment:.1f}%" if e.trace_attainment is not None else "-"
+        mark = ", ".join(e.methods) + (" (pick)" if e is a2 else "") if e.methods else ""
+        table.add_row(str(rank), e.spec, f"{e.goodput:.3g}", att, e.bottleneck(costs), f"{e.bound.rate:.3g}", mark)
+    return table
+
+
+@click.command("profile")
+@click.option("--trace", "trace_path", type=click.Path(exists=True),
+              help="A request trace: a trace file, or the daemon's trace folder.")
+@click.option("--url", help="Plan from a running daemon's recent trace (GET /admin/trace).")
+@click.option("--admin-token", envvar="HYDRAD_ADMIN_TOKEN", help="For a non-loopback --url. Env: HYDRAD_ADMIN_TOKEN.")
+@click.option("--limit", type=click.IntRange(min=2), default=1000, show_default=True,
+              help="With --url: the newest requests to plan from.")
+@click.option("--devices", metavar="SPEC",
+              help="cpu:N or cuda:0,1 (default: the daemon's with --url, else every GPU, else one CPU worker per core).")
+@click.option("--model", "model_path", metavar="PATH",
+              help="Checkpoint folder (default: the daemon's with --url, else the config's or the built-in model).")
+@click.option("--config", "config_file", metavar="FILE", envvar="HYDRAD_CONFIG", type=click.Path(dir_okay=False),
+              help="The daemon's TOML config (cache, scheduler, alpha, router). Env: HYDRAD_CONFIG.")
+@click.option("--slo-ttft", type=float, required=True, help="TTFT SLO in seconds.")
+@click.option("--slo-tbt", type=float, required=True, help="SLO on each request's p90 inter-token gap, in seconds.")
+@click.option("--top", "top_k", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Deployments ranked exactly, shown, plotted and validated.")
+@click.option("--num-requests", type=click.IntRange(min=10), default=300, show_default=True,
+              help="Requests per replayed rate (as hydractl bench --num-requests).")
+@click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True,
+              help="The trace's own arrival pattern scaled to each rate, or Poisson.")
+@click.option("--message-ms", type=float, default=2.0, show_default=True,
+              help="Milliseconds per message between the daemon and a worker.")
+@click.option("--step-overhead-ms", type=float, default=1.0, show_default=True,
+              help="Milliseconds per step beyond the latency model (scheduling, pipes).")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write the ranking and its inputs as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate of the top K as PNG.")
+@click.option("--validate", is_flag=True, help="Start each top deployment live, replay the trace with the bench "
+              "client, and compare simulated with live goodput.")
+def profile(trace_path, url, admin_token, limit, devices, model_path, config_file, slo_ttft, slo_tbt, top_k,
+            num_requests, arrivals, message_ms, step_overhead_ms, out, plot, validate) -> None:
+    """Rank every deployment of the devices for a recorded workload by simulated goodput."""
+    import dataclasses
+    import json
+    import tempfile
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hydrad.cluster.deploy import format_deploy
+    from hydrad.config import SLOConfig
+    from hydrad.config_file import load_config
+    from hydrad.errors import ConfigError
+    from hydrad.models.default import resolve_model_path
+    from hydrad.planner.profile import Devices, MachineOptions, attainment_curves, plot_curves, run_profile
+    from hydrad.planner.trace import read_trace
+
+    if (trace_path is None) == (url is None):
+        raise click.UsageError("give exactly one of --trace and --url")
+    try:
+        SLOConfig(ttft=slo_ttft, tbt=slo_tbt)
+    except ConfigError as e:
+        raise click.BadParameter(str(e), param_hint="--slo-ttft/--slo-tbt") from None
+    work_dir = Path(tempfile.mkdtemp(prefix="hydrad-profile-"))
+    config = load_config(config_file)
+    with console.status("reading the trace"):
+        if url is not None:
+            records, trace_file, root, daemon_devices = _records_from_daemon(url, admin_token, limit, work_dir)
+            model_path = model_path or root
+            devices = devices or daemon_devices
+        else:
+            trace_file = Path(trace_path)
+            records = read_trace(trace_file)
+    model = resolve_model_path(model_path or config.engine.model.path)
+    mine = [r for r in records if r.model == model.name]
+    if not mine:
+        names = sorted({r.model for r in records})
+        raise ConfigError(f"the trace holds no finished requests of model {model.name!r} "
+                          f"(it has {', '.join(names) or 'none'}); pass --model")
+    engine = dataclasses.replace(config.engine, model=dataclasses.replace(config.engine.model, path=str(model)))
+    config = dataclasses.replace(config, engine=engine)
+    device_set = Devices.parse(devices)
+    console.print(f"planning {len(device_set)} instance(s) on {device_set.spec} ({device_set.threads} thread(s) "
+                  f"each) from {len(mine)} requests of {model.name}", highlight=False)
+    options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy)
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=True)
+    with progress:
+        task = progress.add_task("search", total=None)
+
+        def advance(done: int, total: int, spec: str) -> None:
+            progress.update(task, completed=done, total=total, description=f"search: {spec}")
+
+        result = run_profile(mine, engine, device_set, slo_ttft=slo_ttft, slo_tbt=slo_tbt, top_k=top_k,
+                             num_requests=num_requests, arrivals=arrivals, options=options, progress=advance)
+    s = result.result
+    console.print(f"searched {len(s.evaluations)} deployments with {s.num_replays} replays in {s.seconds:.1f} s; "
+                  "Algorithm 2's candidates: " + ", ".join(f"{m} {format_deploy(list(r))}"
+                                                           for m, r in s.algorithm2.items()), highlight=False)
+    if plot:
+        with console.status("attainment curves"):
+            attainment_curves(result, top_k)
+        plot_curves(result, plot, f"{model.name} on {device_set.spec}: TTFT <= {slo_ttft:g} s, "
+                                  f"TBT p90 <= {slo_tbt:g} s")
+    console.print(_table(result, top_k))
+    console.print(f"pick: [bold]{result.pick}[/]", highlight=False)
+    if validate:
+        _validate(result, config, trace_file, top_k, work_dir)
+    if out:
+        Path(out).write_text(json.dumps(result.to_json(top_k), indent=2))
+        console.print(f"results written to {out}")
+
+
+def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path) -> None:
+    from rich.table import Table
+
+    from hydrad.cli.bench import _ProgressObserver
+    from hydrad.planner.validate import validate
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    specs = [e.spec for e in result.result.ranked[:top_k]]
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("sent {task.fields[sent]}  met {task.fields[met]}  errors {task.fields[errors]}"),
+                        TimeElapsedColumn(), console=console)
+    with progress:
+        rows = validate(result, config, trace_file, specs, log_dir=work_dir,
+                        observer_for=lambda spec: _ProgressObserver(progress))
+    table = Table(title="simulated vs live goodput (req/s)")
+    for name in ("deployment", "simulated", "live", "error"):
+        table.add_column(name, justify="left" if name == "deployment" else "right")
+    for row in rows:
+        live, err = row["live_goodput_rps"], row["error"]
+        table.add_row(row["deploy"], f"{row['simulated_goodput_rps']:.3g}",
+                      "-" if live is None else f"{live:.3g}", "-" if err is None else f"{100 * err:+.1f}%")
+    console.print(table)
+    console.print(f"daemon logs in {work_dir}", highlight=False)

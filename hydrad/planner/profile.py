@@ -1,0 +1,305 @@
+"""``hydractl profile`` and ``--deploy auto``: this machine's numbers, then the search.
+
+The simulator needs, for the deployments of N devices:
+
+* the latency model of an instance as a worker of such a deployment runs it: on CPU a
+  worker gets ``cores // N`` torch threads (``cluster.supervisor.plan_specs``), so the
+  model is fitted (``engine.profiler.fit_latency_model``, which loads the daemon's disk
+  cache when it has the file) on a vision+language instance in this process with that
+  many threads; every role's model is that model's vision part, language part or both
+  (``simulator.role_model``), measured by the same probes;
+* the pools of an instance of each role (the engine splits its cache memory by role),
+  from the checkpoint's geometry and ``[cache]``;
+* the copy bandwidth of a pull, measured with the runner's own block copy and cached
+  under ``$HYDRAD_CACHE_DIR/planner/``.
+
+A fixed cost per message between the daemon and a worker and per step is not measured
+here: ``message_seconds`` (default 2 ms: the idle E->P and P->D migration of
+``bench/migration.py`` less its copy) and ``step_overhead`` (default 1 ms) are options.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from hydrad.cluster.deploy import format_deploy, parse_devices
+from hydrad.config import EngineConfig, SLOConfig
+from hydrad.errors import ConfigError
+from hydrad.planner.search import ROLE_ORDER, Planner, SearchResult
+from hydrad.planner.simulator import InstanceLayout, SimSetup
+from hydrad.planner.trace import TraceRecord
+from hydrad.planner.workload import Workload
+
+logger = logging.getLogger("hydrad.planner")
+
+DEFAULT_MESSAGE_SECONDS = 0.002
+DEFAULT_STEP_OVERHEAD = 0.001
+DEFAULT_NUM_REQUESTS = 300
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The devices a deployment gets: one instance each."""
+
+    devices: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, spec: str | None) -> Devices:
+        """``cpu:N``, ``cuda:0,1``, ``auto``; default (None): every GPU, else one CPU worker
+        per core."""
+        import torch
+
+        num_cuda = torch.cuda.device_count()
+        if spec is None:
+            spec = "auto" if num_cuda else f"cpu:{os.cpu_count() or 1}"
+        return cls(tuple(parse_devices(spec, num_cuda)))
+
+    def __len__(self) -> int:
+        return len(self.devices)
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.devices[0] == "cpu"
+
+    @property
+    def threads(self) -> int:
+        """Torch threads per worker, as the supervisor gives them."""
+        return max(1, (os.cpu_count() or 1) // len(self.devices)) if self.is_cpu else 1
+
+    @property
+    def spec(self) -> str:
+        return f"cpu:{len(self.devices)}" if self.is_cpu else ",".join(self.devices)
+
+
+def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
+    # As EngineCore sizes its pools.
+    return explicit if explicit is not None else max(1, (memory_mb << 20) // bytes_per_block)
+
+
+def role_layouts(config: EngineConfig, kv_block_bytes: int, image_block_bytes: int) -> dict[str, InstanceLayout]:
+    """Each role's pools: a cache the role does not use gives its memory to the other."""
+    cache = config.cache
+    layouts = {}
+    for role in ROLE_ORDER:
+        has_kv = "P" in role or "D" in role
+        has_images = "E" in role or "P" in role
+        kv_mb = cache.kv_cache_memory_mb + (0 if has_images else cache.image_cache_memory_mb)
+        image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
+        layouts[role] = InstanceLayout(_num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0,
+                                       _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes)
+                                       if has_images else 0)
+    return layouts
+
+
+def measure_bandwidth(engine, *, repeats: int = 5) -> float:
+    """Bytes per second of the runner's block copy (``copy_in``, as a pull runs it), between
+    blocks of the engine's own KV pool; cached per machine, threads and block size."""
+    import torch
+
+    from hydrad.models.default import cache_dir
+
+    pool = engine.runner.kv_cache
+    num_blocks = pool.shape[2]
+    key = {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+           "device": str(engine.device), "block_bytes": engine_block_bytes(engine)[0]}
+    path = cache_dir() / "planner" / f"bandwidth-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return float(cached["bytes_per_second"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    count = max(1, min(64, num_blocks // 2))
+    src, dst = list(range(count)), list(range(num_blocks - count, num_blocks))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        engine.runner.copy_in("kv", pool, src, dst)
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times[1:])
+    bandwidth = count * key["block_bytes"] / max(seconds, 1e-9)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "bytes_per_second": bandwidth}))
+    except OSError as e:
+        logger.warning("could not cache the copy bandwidth in %s: %s", path, e)
+    return bandwidth
+
+
+def engine_block_bytes(engine) -> tuple[int, int]:
+    """(bytes of one KV block, bytes of one image-cache block) of ``engine``."""
+    bs = engine.kv_block_size
+    kv = math.prod(engine.model.kv_cache_shape(1, bs)) * engine.dtype.itemsize
+    image = engine.image_manager.block_size * engine.model.image_hidden_size * engine.dtype.itemsize
+    return kv, image
+
+
+@dataclass(frozen=True)
+class MachineOptions:
+    message_seconds: float = DEFAULT_MESSAGE_SECONDS
+    step_overhead: float = DEFAULT_STEP_OVERHEAD
+    router_policy: str = "round-robin"
+    processor_threads: int = 1
+
+
+def machine_setup(config: EngineConfig, devices: Devices, options: MachineOptions = MachineOptions(),
+                  *, show_progress: bool = True) -> SimSetup:
+    """How ``devices`` run instances of the model in ``config``: measured (or cached) here."""
+    import torch
+
+    from hydrad.engine.core import EngineCore
+    from hydrad.engine.profiler import fit_latency_model
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(devices.threads)
+    engine = None
+    try:
+        engine = EngineCore(config, role="EPD", device=devices.devices[0])
+        model = fit_latency_model(engine, show_progress=show_progress)
+        kv_bytes, image_bytes = engine_block_bytes(engine)
+        bandwidth = measure_bandwidth(engine)
+        return SimSetup(
+            model=model, layouts=role_layouts(config, kv_bytes, image_bytes),
+            kv_block_size=engine.kv_block_size, image_block_size=engine.image_manager.block_size,
+            kv_block_bytes=kv_bytes, image_block_bytes=image_bytes, max_model_len=engine.max_model_len,
+            scheduler=config.scheduler, slo=config.slo, router_policy=options.router_policy, bandwidth=bandwidth,
+            message_seconds=options.message_seconds, step_overhead=options.step_overhead,
+            cores=(os.cpu_count() or 1) if devices.is_cpu else None, threads=devices.threads,
+            fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
+        )
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        torch.set_num_threads(threads_before)
+
+
+@dataclass
+class Profile:
+    """One ``hydractl profile`` run: what it planned from, and the ranking."""
+
+    workload: Workload
+    devices: Devices
+    setup: SimSetup
+    slo_ttft: float
+    slo_tbt: float
+    planner: Planner
+    result: SearchResult
+    curves: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    validation: list[dict] = field(default_factory=list)
+
+    @property
+    def pick(self) -> str:
+        return self.result.best.spec
+
+    def to_json(self, top_k: int) -> dict:
+        r = self.result
+        a2 = r.algorithm2_pick
+        costs = self.planner.costs
+        ranking = [{
+            "deploy": e.spec, "goodput_rps": e.goodput, "attainment_at_trace_rate": e.trace_attainment,
+            "bottleneck": e.bottleneck(costs), "bound_rps": e.bound.rate, "algorithm2": e.methods,
+            "utilization": e.utilization, "points": [list(p) for p in sorted(e.points)],
+        } for e in r.ranked]
+        coefficients = {k: v for k, v in self.setup.model.to_json()["coefficients"].items()}
+        return {
+            "workload": self.workload.summary(),
+            "devices": self.devices.spec, "threads_per_instance": self.devices.threads,
+            "slo": {"ttft": self.slo_ttft, "tbt": self.slo_tbt, "alpha": self.setup.slo.alpha},
+            "num_requests": self.planner.num_requests, "arrivals": self.planner.arrivals,
+            "machine": {"latency_model": coefficients, "latency_error": self.setup.model.error and {
+                "median": self.setup.model.error.median, "max": self.setup.model.error.max},
+                "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
+                "step_overhead": self.setup.step_overhead},
+            "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,
+                       "seconds": r.seconds, "ranked": len(r.ranked),
+                       "below": sum(e.status == "below" for e in r.evaluations),
+                       "pruned": sum(e.status == "pruned" for e in r.evaluations)},
+            "algorithm2": {"candidates": {m: format_deploy(list(roles)) for m, roles in r.algorithm2.items()},
+                           "pick": a2.spec if a2 else None,
+                           "stage_seconds": dict(zip(("encode", "prefill", "decode"),
+                                                     self.planner.stage_times()))},
+            "pick": self.pick,
+            "top": [x["deploy"] for x in ranking[:top_k]],
+            "ranking": ranking,
+            "others": [{"deploy": e.spec, "status": e.status, "bound_rps": e.bound.rate}
+                       for e in r.evaluations if e.status != "ranked"],
+            "curves": {spec: [list(p) for p in points] for spec, points in self.curves.items()},
+            "validation": self.validation,
+        }
+
+
+def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devices, *, slo_ttft: float,
+                slo_tbt: float, top_k: int = 3, num_requests: int = DEFAULT_NUM_REQUESTS, arrivals: str = "trace",
+                options: MachineOptions = MachineOptions(), setup: SimSetup | None = None,
+                progress: Callable[[int, int, str], None] | None = None, show_progress: bool = True) -> Profile:
+    """Measure (or load) this machine's numbers and rank every deployment of ``devices``."""
+    workload = Workload.from_records(records)
+    config = replace(config, slo=replace(config.slo, ttft=slo_ttft, tbt=slo_tbt))
+    if setup is None:
+        setup = machine_setup(config, devices, options, show_progress=show_progress)
+    planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
+                      arrivals=arrivals, seed=config.seed)
+    result = planner.search(len(devices), top_k, progress=progress)
+    return Profile(workload, devices, setup, slo_ttft, slo_tbt, planner, result)
+
+
+def attainment_curves(profile: Profile, top_k: int, points: int = 10) -> dict[str, list[tuple[float, float]]]:
+    """SLO attainment against rate for the top deployments, from 20% to 150% of the best goodput."""
+    best = profile.result.best.goodput or profile.workload.mean_rate
+    rates = [best * (0.2 + 1.3 * i / (points - 1)) for i in range(points)]
+    curves = {e.spec: profile.planner.sweep(e.roles, rates) for e in profile.result.ranked[:top_k]}
+    profile.curves = curves
+    return curves
+
+
+def plot_curves(profile: Profile, path: str | Path, title: str) -> None:
+    """SLO attainment against request rate per deployment, with the 90% line (Figure 9 of the paper)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 4), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for spec, points in profile.curves.items():
+        ax.plot([r for r, _ in points], [100 * a for _, a in points], marker="o", label=spec)
+    ax.axhline(90, color="grey", linestyle="--", linewidth=1, label="90% SLO attainment")
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("SLO attainment (%), simulated")
+    ax.set_ylim(0, 105)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower left", fontsize="small")
+    ax.set_title(title, fontsize="medium")
+    fig.tight_layout()
+    try:
+        fig.savefig(path, format="png")
+    except OSError as e:
+        raise ConfigError(f"cannot write plot {path}: {e.strerror}") from None
+
+
+def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: Devices, *,
+                    num_requests: int = DEFAULT_NUM_REQUESTS,
+                    options: MachineOptions = MachineOptions()) -> tuple[str, str]:
+    """``--deploy auto``: the planner's pick for ``config``'s SLO, and one line on why."""
+    slo: SLOConfig = config.slo
+    profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
+                          num_requests=num_requests, options=options, show_progress=True)
+    best = profile.result.best
+    default = ("EPD",) * len(devices)
+    baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
+    if baseline is not None and baseline.goodput is None:
+        profile.planner.bisect(baseline)
+    versus = f", {len(devices)}EPD {baseline.goodput:.3g}" if baseline is not None and best is not baseline else ""
+    reason = (f"planner's pick for TTFT <= {slo.ttft:g} s, TBT p90 <= {slo.tbt:g} s from {len(records)} traced "
+              f"requests ({profile.workload.mean_rate:.3g} req/s): simulated goodput {best.goodput:.3g} req/s"
+              f"{versus}")
+    return best.spec, reason

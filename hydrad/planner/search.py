@@ -1,0 +1,233 @@
+"""Every deployment of N instances, ranked by simulated goodput.
+
+A deployment is a multiset of roles (E, P, D, EP, ED, PD, EPD) holding every stage,
+written in the canonical order ``E, P, D, EP, ED, PD, EPD`` (``1E+1EP+2D``); N
+instances have a few thousand at N = 8. Simulating each one's goodput by bisection
+would take minutes, so the search is a branch and bound whose every ranked number still
+comes from the simulator:
+
+1. the capacity bound of every deployment (``capacity``: round-robin shares of each
+   stage times its cost on the instance's role) orders them, best first;
+2. the K best so far are kept. A deployment whose reach (its bound, raised by what a
+   replay of finitely many requests can absorb above the sustainable rate, see
+   ``Planner.reach``) is below the K-th best goodput cannot enter, nor can any after it:
+   the search stops there;
+3. otherwise one replay at the K-th best goodput decides whether it can enter; a replay
+   stops as soon as 10% of its requests have missed the SLO, so a failing rate costs a
+   fraction of a full one. Only deployments that pass are bisected (bracketed by their
+   bound) to their goodput.
+
+Goodput is the bench's: the highest rate with >= 90% of the requests meeting the SLO
+below the lowest rate that misses it, found by doubling or halving and then bisecting
+until the bracket is narrower than ``rel_tol`` (``hydractl bench --goodput``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hydrad.bench.metrics import GOODPUT_ATTAINMENT, goodput
+from hydrad.cluster.deploy import format_deploy
+from hydrad.planner.capacity import Capacity, StageCosts, algorithm2, capacity, stage_costs, stage_times
+from hydrad.planner.simulator import SimResult, SimSetup, simulate
+from hydrad.planner.workload import Workload
+
+# Roles in the order a spec lists them: 1E+1P+1D, 1EP+1D, 1ED+1P, 1E+1EP+2D, 1E+1PD.
+ROLE_ORDER = ("E", "EP", "ED", "EPD", "P", "PD", "D")
+# Margin on a reach (``Planner.reach``) for what the capacity model leaves out.
+SLACK = 1.1
+
+
+def deployments(n: int) -> list[tuple[str, ...]]:
+    """Every multiset of ``n`` roles that holds E, P and D, each once, in canonical order."""
+    if n < 1:
+        raise ValueError("a deployment has at least one instance")
+    return [combo for combo in itertools.combinations_with_replacement(ROLE_ORDER, n)
+            if all(any(stage in role for role in combo) for stage in "EPD")]
+
+
+@dataclass
+class Evaluation:
+    """What the search found out about one deployment."""
+
+    roles: tuple[str, ...]
+    bound: Capacity
+    # "ranked": goodput bisected; "below": fails at the rate of the K-th best; "pruned":
+    # its bound cannot reach the K-th best (never simulated).
+    status: str = "pruned"
+    goodput: float | None = None
+    points: list[tuple[float, float]] = field(default_factory=list)  # (rate, attainment) replayed
+    methods: list[str] = field(default_factory=list)  # Algorithm 2's methods that chose it
+    trace_attainment: float | None = None  # attainment at the trace's own rate
+    utilization: list[float] | None = None  # per instance, at the goodput rate
+
+    @property
+    def spec(self) -> str:
+        return format_deploy(list(self.roles))
+
+    def bottleneck(self, costs: dict[str, StageCosts]) -> str:
+        """The busiest instance (simulated at the goodput rate when known) and its main stage."""
+        i = self.bound.bottleneck
+        if self.utilization:
+            i = max(range(len(self.utilization)), key=self.utilization.__getitem__)
+        return f"#{i} {self.roles[i]} {self.bound.stage if i == self.bound.bottleneck else _main_stage(costs[self.roles[i]])}"
+
+
+def _main_stage(c: StageCosts) -> str:
+    parts = {"encode": c.encode, "prefill": c.prefill, "decode": c.decode}
+    return max(parts, key=parts.get)
+
+
+@dataclass
+class SearchResult:
+    n: int
+    evaluations: list[Evaluation]  # ranked first (best goodput first), then the rest by bound
+    algorithm2: dict[str, tuple[str, ...]]  # method -> its candidate
+    num_replays: int
+    seconds: float
+
+    @property
+    def ranked(self) -> list[Evaluation]:
+        return [e for e in self.evaluations if e.status == "ranked"]
+
+    @property
+    def best(self) -> Evaluation:
+        return self.ranked[0]
+
+    @property
+    def algorithm2_pick(self) -> Evaluation | None:
+        """Algorithm 2's candidate with the highest simulated goodput."""
+        picks = [e for e in self.evaluations if e.methods and e.goodput is not None]
+        return max(picks, key=lambda e: e.goodput) if picks else None
+
+
+class Planner:
+    """Goodput of deployments by replaying ``num_requests`` of ``workload`` in the simulator."""
+
+    def __init__(self, setup: SimSetup, workload: Workload, *, slo_ttft: float, slo_tbt: float,
+                 num_requests: int = 200, arrivals: str = "trace", rel_tol: float = 0.05, seed: int = 0):
+        if not 0 < rel_tol < 1:
+            raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
+        self.setup = setup
+        self.workload = workload
+        self.slo_ttft, self.slo_tbt = slo_ttft, slo_tbt
+        self.num_requests = num_requests
+        self.arrivals = arrivals
+        self.rel_tol = rel_tol
+        self.seed = seed
+        self.num_replays = 0
+        self.has_images = sum(1 for s in workload.shapes if s.images) / len(workload)
+        self.costs = {role: stage_costs(setup.model, role, workload, setup.slo, setup.scheduler)
+                      for role in ROLE_ORDER}
+
+    # -- one deployment ---------------------------------------------------------------------------
+    def replay(self, roles, rate: float, *, early: bool = True) -> SimResult:
+        """One replay at ``rate``; ``early``: stop once 90% attainment is out of reach."""
+        self.num_replays += 1
+        requests = self.workload.requests(rate, self.num_requests, self.arrivals, self.seed)
+        return simulate(self.setup, list(roles), requests, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
+                        stop_below=GOODPUT_ATTAINMENT if early else None)
+
+    def stage_times(self) -> tuple[float, float, float]:
+        """Algorithm 2's instance-seconds per request of encode, prefill and decode."""
+        return stage_times(self.costs, self.has_images)
+
+    def bound(self, roles) -> Capacity:
+        return capacity(list(roles), self.costs, self.has_images)
+
+    def reach(self, cap: float) -> float:
+        """The highest rate at which a replay could still pass on a deployment that serves
+        at most ``cap`` req/s. Above ``cap`` a backlog grows at ``rate - cap``: a request
+        arriving ``t`` seconds in waits ``(rate - cap) * t / cap``, so the requests within the
+        TTFT are those of the first ``ttft * cap / (rate - cap)`` seconds; for 90% of ``n``
+        requests to be among them, ``rate <= cap / (1 - ttft * cap / (0.9 n))``."""
+        share = self.slo_ttft * cap / (GOODPUT_ATTAINMENT * self.num_requests)
+        return SLACK * cap / (1 - share) if share < 0.9 else float("inf")
+
+    def passes(self, ev: Evaluation, rate: float) -> bool:
+        attainment = self.replay(ev.roles, rate).attainment
+        ev.points.append((rate, attainment))
+        return attainment >= GOODPUT_ATTAINMENT
+
+    def bisect(self, ev: Evaluation, known_pass: float | None = None) -> float:
+        """The goodput of ``ev``'s deployment; ``known_pass``: a rate it is known to pass."""
+        cap = ev.bound.rate
+        lower, upper = cap / 256, cap * 16
+        lo, hi = known_pass, None
+        rate = max(0.8 * cap, 1.25 * known_pass) if known_pass else 0.6 * cap
+        while lo is None or hi is None:
+            if self.passes(ev, rate):
+                lo = rate
+                if rate >= upper:
+                    break
+                rate = min(rate * 2, upper)
+            else:
+                hi = rate
+                if lo is not None or rate <= lower:
+                    break
+                rate = max(rate / 2, lower)
+        if lo is not None and hi is not None:
+            while (hi - lo) / lo > self.rel_tol:
+                mid = (lo + hi) / 2
+                if self.passes(ev, mid):
+                    lo = mid
+                else:
+                    hi = mid
+        ev.status = "ranked"
+        ev.goodput = goodput(ev.points) if ev.points else 0.0
+        if known_pass and ev.goodput < known_pass:
+            ev.goodput = known_pass  # passed there in this very search
+        return ev.goodput
+
+    def describe(self, ev: Evaluation) -> None:
+        """Attainment at the trace's own rate and utilization at the goodput rate (full replays)."""
+        ev.trace_attainment = self.replay(ev.roles, self.workload.mean_rate, early=False).attainment
+        if ev.goodput:
+            ev.utilization = self.replay(ev.roles, ev.goodput, early=False).utilization()
+
+    # -- the searches -----------------------------------------------------------------------------------
+    def search(self, n: int, top_k: int = 3, *, candidates: list[tuple[str, ...]] | None = None,
+               progress: Callable[[int, int, str], None] | None = None) -> SearchResult:
+        """Rank ``candidates`` (default: every deployment of ``n`` instances) by simulated
+        goodput; the ``top_k`` best are exact, the others are known to be worse."""
+        start = time.perf_counter()
+        replays_before = self.num_replays
+        times = self.stage_times()
+        a2 = {method: tuple(sorted(roles, key=ROLE_ORDER.index)) for method, roles in algorithm2(n, times).items()}
+        pool = candidates if candidates is not None else deployments(n)
+        evaluations = {roles: Evaluation(roles, self.bound(roles)) for roles in pool}
+        for method, roles in a2.items():
+            evaluations.setdefault(roles, Evaluation(roles, self.bound(roles))).methods.append(method)
+        order = sorted(evaluations.values(), key=lambda e: -e.bound.rate)
+        top: list[float] = []  # goodputs of the best so far, descending
+        keep = max(1, top_k)
+        for done, ev in enumerate(order):
+            kth = top[keep - 1] if len(top) >= keep else 0.0
+            if progress is not None:
+                progress(done, len(order), ev.spec)
+            if self.reach(ev.bound.rate) <= kth:
+                break  # no deployment from here on can enter the top
+            if kth > 0 and not self.passes(ev, kth):
+                ev.status = "below"
+                continue
+            top.append(self.bisect(ev, known_pass=kth or None))
+            top.sort(reverse=True)
+        # Algorithm 2's candidates are reported with their goodput even when out of the top.
+        for ev in evaluations.values():
+            if ev.methods and ev.status != "ranked":
+                self.bisect(ev)
+        ranked = sorted((e for e in evaluations.values() if e.status == "ranked"), key=lambda e: -e.goodput)
+        picks = [e for e in ranked if e.methods]
+        for ev in ranked[:keep] + [e for e in picks[:1] if e not in ranked[:keep]]:
+            self.describe(ev)
+        rest = [e for e in order if e.status != "ranked"]
+        if progress is not None:
+            progress(len(order), len(order), "done")
+        return SearchResult(n, ranked + rest, a2, self.num_replays - replays_before, time.perf_counter() - start)
+
+    def sweep(self, roles, rates: list[float]) -> list[tuple[float, float]]:
+        """Attainment at each rate (full replays), for plots."""
+        return [(r, self.replay(roles, r, early=False).attainment) for r in rates]

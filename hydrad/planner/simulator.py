@@ -1,0 +1,473 @@
+"""A discrete-event replay of a workload against a deployment, on the live system's own code.
+
+Every instance is the engine's real ``Scheduler`` over real ``BlockManager``s, filled by
+its latency model up to its role's bound exactly as a worker fills its steps; requests
+enter through the cluster's real ``Router`` and move between instances through the real
+``MigrationRelay`` (offers built by ``migration.offer_for``, rebuilt on the target by
+``Request.from_offer``). Only the model and the pipes are replaced:
+
+* a step lasts what the instance's latency model predicts for it (plus a fixed
+  per-step overhead), slowed down when more CPU threads are busy than there are cores;
+* a message between the daemon and a worker (a new request, a migration hand-off, a
+  release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
+  over the measured copy bandwidth, on one copy thread per instance;
+* the daemon's Request Processor prepares requests (template, tokenizer, images)
+  ``processor_threads`` at a time, each for its service time, first come first served.
+
+The loop of each simulated instance is the worker's: messages that arrive during a step
+are taken after it; a step collects the copies finished since the last one, schedules,
+starts this step's pulls, runs, then reports its tokens, offers and finished pulls. A
+request's first token therefore comes from the step that samples it, and a pulled
+request runs in the step after the one its copy overlapped, as in the live system.
+
+A run can stop as soon as so many requests have missed the SLO that the attainment
+target is out of reach (``stop_below``): failing rates of a goodput search then cost a
+fraction of a full replay. Requests sampled with ``ignore_eos`` run to their recorded
+output length, so the replay needs no model and no tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field, replace
+
+from hydrad.cluster.relay import MigrationRelay
+from hydrad.cluster.router import Router
+from hydrad.config import SchedulerConfig, SLOConfig
+from hydrad.engine.block_manager import BlockManager
+from hydrad.engine.inputs import EngineRequest, ImageInput
+from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape
+from hydrad.engine.migration import MigrationOffer, Pulled, offer_for
+from hydrad.engine.profiler import latency_bound
+from hydrad.engine.request import Request
+from hydrad.engine.scheduler import Scheduler
+from hydrad.sampling_params import SamplingParams
+
+# A token no replayed request stops on (they ignore EOS and have no stop ids).
+_TOKEN = 1
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    """One request to replay: when it reaches the daemon, and what it holds."""
+
+    arrival: float  # seconds from the start of the run
+    num_prompt_tokens: int  # image tokens included
+    num_output_tokens: int
+    images: tuple[tuple[int, int, int], ...] = ()  # (offset in the prompt, tokens, patches) per image
+    # Seconds from reading the HTTP request to handing it to an instance (chat template,
+    # tokenizer, image decoding): counted in its TTFT, as a client measures it.
+    preprocess: float = 0.0
+
+
+@dataclass(frozen=True)
+class InstanceLayout:
+    """The pools of one instance of a role (the engine splits its memory by role)."""
+
+    num_kv_blocks: int
+    num_image_blocks: int
+
+
+@dataclass(frozen=True)
+class SimSetup:
+    """How this machine runs instances: everything the replay needs besides the deployment."""
+
+    # The vision+language latency model of an instance (``role_model`` keeps a role's parts).
+    model: LatencyModel
+    layouts: dict[str, InstanceLayout]  # by role
+    kv_block_size: int
+    image_block_size: int
+    kv_block_bytes: int
+    image_block_bytes: int
+    max_model_len: int
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)  # the step bounds come from it
+    router_policy: str = "round-robin"
+    bandwidth: float = 3e9  # bytes per second of a pull's copy
+    message_seconds: float = 0.0  # one message between the daemon and a worker
+    step_overhead: float = 0.0  # seconds per step beyond the model's prediction
+    # CPU: cores the instances share and torch threads per instance; None: one device each.
+    cores: int | None = None
+    threads: int = 1
+    # Whether the scheduler fills steps by the model ([scheduler] derive_budgets), or only
+    # by the token and image caps.
+    fill_by_model: bool = True
+    # Requests the daemon's Request Processor prepares at a time, first come first served
+    # (None: no queue). Its threads ([server] processor_threads) share one lock around the
+    # transformers processor, so it is mostly one at a time.
+    processor_threads: int | None = 1
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
+            raise ValueError("bandwidth must be > 0, message and step overheads >= 0")
+
+
+def step_shape(out, scheduler: Scheduler) -> StepShape:
+    """The latency model's features of a step ``scheduler`` scheduled (a recomputed
+    request's last prompt token is a prefill, not a decode)."""
+    decodes, prefills = [], []
+    decoding = scheduler.decoding
+    for req, n in out.chunks:
+        if req.req_id in decoding:
+            decodes.append(req.num_computed_tokens + 1)
+        else:
+            prefills.append((req.num_computed_tokens, n))
+    images = [(req.images[i].num_patches, req.images[i].length) for req, i in out.encodes]
+    return StepShape.of(images=images, prefills=prefills, decodes=decodes)
+
+
+def role_model(model: LatencyModel, role: str) -> LatencyModel:
+    """The parts of a vision+language model that an instance of ``role`` runs."""
+    drop = () if "E" in role else VISION_TERMS
+    if "P" not in role and "D" not in role:
+        drop += LANGUAGE_TERMS
+    return replace(model, **{name: 0.0 for name in drop}) if drop else model
+
+
+@dataclass
+class RequestTiming:
+    """What a client would have measured for one replayed request."""
+
+    arrival: float
+    num_output_tokens: int
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    last: float = 0.0
+    done: bool = False
+    # Known to miss the SLO (before it finished, when its TTFT deadline passed unserved).
+    missed: bool = False
+
+    def meets(self, slo_ttft: float, slo_tbt: float) -> bool:
+        if self.missed or self.ttft is None or self.ttft > slo_ttft:
+            return False
+        return tbt_p90(self.gaps) <= slo_tbt
+
+
+def tbt_p90(gaps: list[float]) -> float:
+    """The 90th percentile of a request's gaps, as ``hydrad.bench.metrics.percentile``
+    (linear interpolation); 0 without gaps."""
+    if not gaps:
+        return 0.0
+    ordered = sorted(gaps)
+    pos = (len(ordered) - 1) * 0.9
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass
+class SimResult:
+    roles: list[str]
+    requests: list[RequestTiming]
+    num_met: int
+    # True when the run stopped as soon as the attainment target was out of reach: the
+    # attainment is then an upper bound on what the whole run would reach, and below target.
+    stopped_early: bool
+    duration: float  # virtual seconds from the first arrival to the last event
+    busy: list[float]  # virtual seconds each instance spent in steps
+    num_steps: int
+
+    @property
+    def attainment(self) -> float:
+        return self.num_met / len(self.requests) if self.requests else 0.0
+
+    def utilization(self) -> list[float]:
+        return [b / self.duration if self.duration > 0 else 0.0 for b in self.busy]
+
+
+class SimInstance:
+    """One instance as the router and the relay see it, stepping on the virtual clock."""
+
+    def __init__(self, sim: Simulation, instance_id: int, role: str):
+        setup = sim.setup
+        layout = setup.layouts[role]
+        has_kv = "P" in role or "D" in role
+        has_images = "E" in role or "P" in role
+        kv = BlockManager(layout.num_kv_blocks, setup.kv_block_size, "kv") if has_kv else None
+        images = BlockManager(layout.num_image_blocks, setup.image_block_size, "image") if has_images else None
+        self.sim = sim
+        self.instance_id = instance_id
+        self.role = role
+        self.alive = True
+        self.accepting = True
+        self.model = role_model(setup.model, role)
+        self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
+        if setup.fill_by_model:
+            # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
+            self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, role),
+                                             idle_bound=setup.slo.alpha * setup.slo.ttft)
+        self.running = False  # in a step (or waiting on a copy)
+        self.stalled = False
+        self.inbox: list[tuple[int, object]] = []  # messages that arrived during a step
+        self.copies: list[tuple[float, object]] = []  # (done time, Pull) on the copy thread
+        self.copier_free = 0.0
+        self.pulled: list[Pulled] = []
+        self.busy = 0.0
+        self.num_steps = 0
+
+    # -- the relay's and the router's Instance interface --------------------------------------
+    @property
+    def num_inflight(self) -> int:
+        return self.sim.relay.held_by(self)
+
+    def migrate(self, offer: MigrationOffer) -> None:
+        self.sim.send(self, _MIGRATE, offer)
+
+    def release(self, req_ids: tuple[str, ...]) -> None:
+        self.sim.send(self, _RELEASE, req_ids)
+
+    def abort(self, req_ids: tuple[str, ...]) -> None:
+        self.sim.send(self, _ABORT, req_ids)
+
+    # -- the worker loop ------------------------------------------------------------------------
+    def receive(self, kind: int, payload) -> None:
+        self.inbox.append((kind, payload))
+        if not self.running:
+            # An idle worker takes every message that is there before it steps: wake it
+            # after the other events of this instant.
+            self.running = True
+            self.sim.at(self.sim.now, _WAKE, self, None)
+
+    def _apply(self, kind: int, payload) -> None:
+        s = self.scheduler
+        if kind == _ADD:
+            s.add(payload)
+        elif kind == _MIGRATE:
+            s.add(Request.from_offer(payload))
+        elif kind == _RELEASE:
+            for req_id in payload:
+                s.release(req_id)
+        else:
+            for req_id in payload:
+                s.abort(req_id)
+        self.stalled = False
+
+    def start_step(self) -> None:
+        """Begin the next step if there is anything to do (the engine's ``step``)."""
+        sim, s, now = self.sim, self.scheduler, self.sim.now
+        if self.copies:
+            still = []
+            for done, pull in self.copies:
+                if done <= now:
+                    aborted = pull.req.finish_reason == "abort"
+                    s.finish_pull(pull.req)
+                    if not aborted:
+                        self.pulled.append(Pulled(pull.req.req_id, pull.source))
+                else:
+                    still.append((done, pull))
+            self.copies = still
+        if not self.copies and (self.stalled or not s.has_work()):
+            self._report()
+            return
+        out = s.schedule()
+        for pull in out.pulls:
+            start = max(now, self.copier_free)
+            self.copier_free = start + sim.copy_seconds(pull)
+            self.copies.append((self.copier_free, pull))
+        if not out.encodes and not out.chunks:
+            # Nothing runnable: the engine waits for a copy, or stalls until a message.
+            if not self.copies:
+                self.stalled = True
+            self._report()
+            if self.copies:
+                self.running = True
+                sim.at(min(done for done, _ in self.copies), _WAKE, self, None)
+            return
+        if sim.setup.fill_by_model:
+            seconds = self.model.combine(out.predicted_vision, out.predicted_language)
+        else:
+            seconds = self.model.step_seconds(step_shape(out, self.scheduler))
+        seconds = seconds * sim.slowdown() + sim.setup.step_overhead
+        self.running = True
+        sim.num_busy += 1
+        self.busy += seconds
+        self.num_steps += 1
+        sim.at(now + seconds, _STEP_END, self, out)
+
+    def end_step(self, out) -> None:
+        sim, s = self.sim, self.scheduler
+        sim.num_busy -= 1
+        if out.encodes:
+            s.update_after_encode(out)
+        if out.chunks:
+            sampled = [_TOKEN for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens]
+            result = s.update_after_language(out, sampled)
+            sim.deliver(result.req_ids, result.finished)
+        self._report()
+        self.wake()
+
+    def wake(self, _=None) -> None:
+        self.running = False
+        for kind, payload in self.inbox:
+            self._apply(kind, payload)
+        self.inbox.clear()
+        self.start_step()
+
+    def _report(self) -> None:
+        """What a worker sends after a step: its offers and its finished pulls."""
+        relay = self.sim.relay
+        if self.pulled:
+            pulled, self.pulled = self.pulled, []
+            for p in pulled:
+                relay.on_pulled(self, p)
+        if self.scheduler.new_offers:
+            offers = [offer_for(req, kind, self.instance_id) for req, kind in self.scheduler.new_offers]
+            self.scheduler.new_offers.clear()
+            for offer in offers:
+                relay.on_offer(self, offer)
+
+
+# Event kinds.
+_ARRIVE, _DELIVER, _STEP_END, _WAKE = range(4)
+# Message kinds.
+_ADD, _MIGRATE, _RELEASE, _ABORT = range(4)
+
+
+class Simulation:
+    """One replay of ``requests`` (sorted by arrival) against ``roles`` (one per instance)."""
+
+    def __init__(self, setup: SimSetup, roles: list[str], requests: list[SimRequest], *,
+                 slo_ttft: float, slo_tbt: float, stop_below: float | None = None):
+        self.setup = setup
+        self.now = 0.0
+        self.num_busy = 0
+        self._events: list = []
+        self._seq = 0
+        self.instances = [SimInstance(self, i, role) for i, role in enumerate(roles)]
+        self.router = Router(self.instances, setup.router_policy, seed=0)
+        self.relay = MigrationRelay(self.router)
+        self.requests = sorted(requests, key=lambda r: r.arrival)
+        self.slo_ttft, self.slo_tbt = slo_ttft, slo_tbt
+        self.timings: dict[str, RequestTiming] = {}
+        n = len(self.requests)
+        # Misses allowed before the target attainment is out of reach.
+        self._max_missed = n - math.ceil(stop_below * n - 1e-9) if stop_below is not None else n + 1
+        self._missed = 0
+        self._deadlines: deque[tuple[float, RequestTiming]] = deque()
+        self._params: dict[int, SamplingParams] = {}
+        self._pending = 0
+        self._copy_seconds = {"kv": setup.kv_block_bytes / setup.bandwidth,
+                              "image": setup.image_block_bytes / setup.bandwidth}
+
+    # -- the clock --------------------------------------------------------------------------------
+    def at(self, time: float, kind: int, target, payload) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (time, self._seq, kind, target, payload))
+
+    def send(self, instance: SimInstance, kind: int, payload) -> None:
+        """A message from the daemon to a worker."""
+        self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
+
+    def slowdown(self) -> float:
+        """How much longer a step takes while others run: CPU threads beyond the cores share them."""
+        cores = self.setup.cores
+        if cores is None:
+            return 1.0
+        return max(1.0, (self.num_busy + 1) * self.setup.threads / cores)
+
+    def copy_seconds(self, pull) -> float:
+        return len(pull.src_block_ids) * self._copy_seconds[pull.kind]
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _engine_request(self, i: int, spec: SimRequest) -> EngineRequest:
+        params = self._params.get(spec.num_output_tokens)
+        if params is None:
+            params = self._params[spec.num_output_tokens] = SamplingParams(
+                max_tokens=spec.num_output_tokens, temperature=0.0, ignore_eos=True)
+        return EngineRequest(f"r{i}", [0] * spec.num_prompt_tokens, params,
+                             [ImageInput(None, offset, length, num_patches=patches)
+                              for offset, length, patches in spec.images])
+
+    def _arrive(self, i: int) -> None:
+        spec = self.requests[i]
+        req = self._engine_request(i, spec)
+        timing = RequestTiming(spec.arrival, spec.num_output_tokens)
+        self.timings[req.req_id] = timing
+        self._deadlines.append((spec.arrival + self.slo_ttft, timing))
+        entry = self.router.select(has_images=bool(req.images))
+        self.relay.open(req.req_id, entry)
+        self.send(entry, _ADD, Request(req))
+
+    def deliver(self, req_ids: list[str], finished: list[Request]) -> None:
+        """A step's tokens reach the client one message later."""
+        t = self.now + self.setup.message_seconds
+        timings = self.timings
+        for req_id in req_ids:
+            timing = timings[req_id]
+            if timing.ttft is None:
+                timing.ttft = t - timing.arrival
+            else:
+                timing.gaps.append(t - timing.last)
+            timing.last = t
+        for req in finished:
+            self.relay.close(req.req_id)
+            timing = timings[req.req_id]
+            timing.done = True
+            self._pending -= 1
+            if not timing.missed and not timing.meets(self.slo_ttft, self.slo_tbt):
+                timing.missed = True
+                self._missed += 1
+
+    def _check_deadlines(self) -> None:
+        """Requests still without a first token past their TTFT deadline have missed."""
+        deadlines, now = self._deadlines, self.now
+        while deadlines and deadlines[0][0] < now:
+            _, timing = deadlines.popleft()
+            if timing.ttft is None and not timing.missed:
+                timing.missed = True
+                self._missed += 1
+
+    # -- the run ------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        requests = self.requests
+        threads = self.setup.processor_threads
+        free = [0.0] * threads if threads else None  # when each processor thread is next free
+        for i, spec in enumerate(requests):
+            if free is None:
+                ready = spec.arrival + spec.preprocess
+            else:
+                ready = max(spec.arrival, heapq.heappop(free)) + spec.preprocess
+                heapq.heappush(free, ready)
+            self.at(ready, _ARRIVE, None, i)
+        self._pending = len(requests)
+        events = self._events
+        stopped = False
+        start = requests[0].arrival if requests else 0.0
+        while events:
+            time, _, kind, target, payload = heapq.heappop(events)
+            self.now = time
+            if kind == _STEP_END:
+                target.end_step(payload)
+                self._check_deadlines()
+                if self._missed >= self._max_missed:
+                    stopped = True
+                    break
+            elif kind == _DELIVER:
+                target.receive(*payload)
+            elif kind == _ARRIVE:
+                self._arrive(payload)
+            else:
+                target.wake()
+        if not stopped and self._pending:
+            raise RuntimeError(f"{self._pending} requests never finished: the deployment cannot serve them")
+        timings = list(self.timings.values())
+        num_met = sum(1 for t in timings if t.done and not t.missed)
+        # Requests that never arrived (a run stopped early) count as sent and not met.
+        timings += [RequestTiming(r.arrival, r.num_output_tokens, missed=True) for r in requests[len(timings):]]
+        return SimResult([i.role for i in self.instances], timings, num_met, stopped, self.now - start,
+                         [i.busy for i in self.instances], sum(i.num_steps for i in self.instances))
+
+
+def simulate(setup: SimSetup, roles: list[str], requests: list[SimRequest], *, slo_ttft: float, slo_tbt: float,
+             stop_below: float | None = None) -> SimResult:
+    """Replay ``requests`` against one instance per entry of ``roles``; per-request TTFT and
+    gaps, and SLO attainment. ``stop_below``: stop as soon as the attainment must end below it."""
+    if not roles:
+        raise ValueError("a deployment needs at least one instance")
+    return Simulation(setup, roles, requests, slo_ttft=slo_ttft, slo_tbt=slo_tbt, stop_below=stop_below).run()
+
+
+__all__ = ["InstanceLayout", "RequestTiming", "SimRequest", "SimResult", "SimSetup",
+           "role_model", "simulate", "tbt_p90"]

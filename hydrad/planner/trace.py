@@ -1,0 +1,322 @@
+"""The request trace: every finished request as one JSON line, and reading traces back.
+
+The daemon hands each finished completion to a ``TraceWriter``, which appends one line
+to ``trace.jsonl`` under its directory and rotates the file when it grows past its size
+limit (``trace.1.jsonl`` is the newest rotated file; the oldest beyond ``max_files``
+goes). A line holds the request's shape and what it experienced, never its content: no
+prompt text and no image data. The format is documented in ``docs/planner.md``; the
+planner replays traces (``hydrad.planner.workload``) and ``hydractl bench --workload``
+accepts them.
+
+This module imports nothing heavy: the daemon, the bench client and the planner share it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hydrad.errors import ConfigError
+
+logger = logging.getLogger("hydrad.trace")
+
+FORMAT = "hydrad-trace/1"
+CURRENT = "trace.jsonl"
+# Finish reasons of requests that ran to their end: the ones a replay reproduces.
+COMPLETED = ("stop", "length")
+
+
+def state_dir() -> Path:
+    """``$HYDRAD_STATE_DIR``, else ``$XDG_STATE_HOME/hydrad``, else ``~/.local/state/hydrad``."""
+    if explicit := os.environ.get("HYDRAD_STATE_DIR"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_STATE_HOME") or "~/.local/state"
+    return Path(xdg).expanduser() / "hydrad"
+
+
+def default_trace_dir() -> Path:
+    return state_dir() / "trace"
+
+
+@dataclass(frozen=True)
+class TraceImage:
+    width: int | None  # the image as sent (None when the server did not see its size)
+    height: int | None
+    tokens: int  # image tokens in the prompt
+    offset: int  # position of its first token in the prompt
+    # Patch positions the vision tower ran over (what encoding it cost; 0: unknown).
+    patches: int = 0
+
+
+@dataclass(frozen=True)
+class TraceRecord:
+    """One finished request (times in seconds)."""
+
+    timestamp: float  # UNIX time the daemon read the request
+    model: str
+    prompt_tokens: int  # as the engine saw the prompt: chat template and image tokens included
+    # Prompt tokens outside images, and how many of those the chat template adds on its own.
+    text_tokens: int
+    template_tokens: int
+    images: tuple[TraceImage, ...]
+    output_tokens: int
+    max_tokens: int
+    finish_reason: str
+    preprocess: float  # reading the request -> handed to an instance (template, tokenizer, images)
+    ttft: float | None
+    e2e: float
+    # The request's own inter-token gaps: their count, p50, p90 and maximum.
+    num_gaps: int
+    tbt_p50: float | None
+    tbt_p90: float | None
+    tbt_max: float | None
+    # Seconds per stage: encode_queue, encode_exec, encode_to_prefill_migration,
+    # prefill_queue, prefill_exec, prefill_to_decode_migration, decode_queue, decode_exec.
+    stages: dict[str, float]
+    instances: tuple[int, ...]  # entry instance, then each migration's target
+    deploy: str
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_reason in COMPLETED
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "timestamp": round(self.timestamp, 6), "model": self.model,
+            "prompt_tokens": self.prompt_tokens, "text_tokens": self.text_tokens,
+            "template_tokens": self.template_tokens,
+            "images": [{"width": i.width, "height": i.height, "tokens": i.tokens, "offset": i.offset,
+                        "patches": i.patches} for i in self.images],
+            "output_tokens": self.output_tokens, "max_tokens": self.max_tokens, "finish_reason": self.finish_reason,
+            "preprocess": _round(self.preprocess), "ttft": _round(self.ttft), "e2e": _round(self.e2e),
+            "tbt": {"count": self.num_gaps, "p50": _round(self.tbt_p50), "p90": _round(self.tbt_p90),
+                    "max": _round(self.tbt_max)},
+            "stages": {k: _round(v) for k, v in sorted(self.stages.items())},
+            "instances": list(self.instances), "deploy": self.deploy,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> TraceRecord:
+        """Raises KeyError, TypeError or ValueError on a malformed line."""
+        if obj.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} line")
+        tbt = obj.get("tbt") or {}
+        images = tuple(TraceImage(i.get("width"), i.get("height"), int(i["tokens"]), int(i["offset"]),
+                                  int(i.get("patches", 0))) for i in obj["images"])
+        record = cls(
+            timestamp=float(obj["timestamp"]), model=str(obj["model"]), prompt_tokens=int(obj["prompt_tokens"]),
+            text_tokens=int(obj["text_tokens"]), template_tokens=int(obj.get("template_tokens", 0)), images=images,
+            output_tokens=int(obj["output_tokens"]), max_tokens=int(obj.get("max_tokens", obj["output_tokens"])),
+            finish_reason=str(obj["finish_reason"]), preprocess=float(obj.get("preprocess") or 0.0),
+            ttft=_float(obj.get("ttft")), e2e=float(obj.get("e2e") or 0.0), num_gaps=int(tbt.get("count", 0)),
+            tbt_p50=_float(tbt.get("p50")), tbt_p90=_float(tbt.get("p90")), tbt_max=_float(tbt.get("max")),
+            stages={str(k): float(v) for k, v in (obj.get("stages") or {}).items()},
+            instances=tuple(int(i) for i in obj.get("instances", ())), deploy=str(obj.get("deploy", "")),
+        )
+        if record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images):
+            raise ValueError("token counts out of range")
+        return record
+
+    def bench_entry(self) -> dict:
+        """The request as a line of a ``hydractl bench`` JSONL workload: a generated prompt of
+        the user's text tokens (the chat template adds its own again), the images' sizes, the
+        output length, the arrival time."""
+        return {
+            "prompt_tokens": max(1, self.text_tokens - self.template_tokens),
+            "images": [{"width": i.width or 336, "height": i.height or 336} for i in self.images],
+            "output_tokens": max(1, self.output_tokens),
+            "timestamp": self.timestamp,
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _float(value) -> float | None:
+    return None if value is None else float(value)
+
+
+def _percentile(ordered: list[float], q: float) -> float:
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_tokens: int,
+                images: list[tuple[int | None, int | None, int, int, int]], output_tokens: int, max_tokens: int,
+                finish_reason: str, preprocess: float, ttft: float | None, e2e: float, gaps: list[float] | None,
+                stages: dict[str, float] | None, instances: list[int], deploy: str) -> TraceRecord:
+    """A record from what the daemon knows when a completion ends; ``images`` holds
+    (width, height, tokens, offset, patches) per image."""
+    ordered = sorted(gaps or ())
+    stats = (_percentile(ordered, 50), _percentile(ordered, 90), ordered[-1]) if ordered else (None, None, None)
+    image_tokens = sum(image[2] for image in images)
+    return TraceRecord(
+        timestamp=timestamp, model=model, prompt_tokens=prompt_tokens, text_tokens=prompt_tokens - image_tokens,
+        template_tokens=template_tokens, images=tuple(TraceImage(*i) for i in images), output_tokens=output_tokens,
+        max_tokens=max_tokens, finish_reason=finish_reason, preprocess=max(0.0, preprocess), ttft=ttft, e2e=e2e,
+        num_gaps=len(ordered), tbt_p50=stats[0], tbt_p90=stats[1], tbt_max=stats[2], stages=dict(stages or {}),
+        instances=tuple(instances), deploy=deploy,
+    )
+
+
+def count_template_tokens(processor) -> int:
+    """How many prompt tokens the chat template adds around a user's text (0 if unknown):
+    the tokens of a one-word chat request minus the word's own."""
+    try:
+        word = "the"
+        chat = len(processor.process_chat([{"role": "user", "content": word}]).prompt_token_ids)
+        alone = len(processor.tokenizer.encode(word, add_special_tokens=False))
+        return max(0, chat - alone)
+    except Exception as e:  # a processor without a chat template: replays keep the whole text
+        logger.debug("could not count the chat template's tokens: %s", e)
+        return 0
+
+
+class TraceWriter:
+    """Appends records to ``directory/trace.jsonl``; rotates past ``max_bytes`` per file,
+    keeping ``max_files`` files in all. Called on the daemon's event loop: one buffered
+    write and a flush per request."""
+
+    def __init__(self, directory: str | Path, *, max_bytes: int, max_files: int, model: str,
+                 deploy: str | Callable[[], str], template_tokens: int = 0):
+        """``deploy``: the deployment serving, or a function that names the one serving now
+        (it changes on a redeploy)."""
+        if max_bytes < 1 or max_files < 1:
+            raise ValueError("a trace needs max_bytes >= 1 and max_files >= 1")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.max_files = max_files
+        self.model = model
+        self._deploy = deploy if callable(deploy) else (lambda: deploy)
+        self.template_tokens = template_tokens
+        self.num_records = 0
+        self._lock = threading.Lock()  # the admin route reads from a thread
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.directory / CURRENT, "a", encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot write the request trace in {self.directory}: {e.strerror or e}") from None
+        self._size = self._file.tell()
+        self._failed = False
+
+    @property
+    def path(self) -> Path:
+        return self.directory / CURRENT
+
+    def record(self, **facts) -> None:
+        """``make_record``'s arguments, less the model, deployment and template tokens."""
+        self.write(make_record(model=self.model, deploy=self._deploy(), template_tokens=self.template_tokens,
+                               **facts))
+
+    def write(self, record: TraceRecord) -> None:
+        line = json.dumps(record.to_json(), separators=(",", ":")) + "\n"
+        with self._lock:
+            try:
+                if self._size and self._size + len(line) > self.max_bytes:
+                    self._rotate()
+                self._file.write(line)
+                self._file.flush()
+                self._size += len(line)
+                self.num_records += 1
+            except OSError as e:
+                # A full disk must not fail requests: say it once, keep serving.
+                if not self._failed:
+                    logger.error("request trace %s: %s; records are dropped until it is writable", self.path, e)
+                    self._failed = True
+
+    def _rotate(self) -> None:
+        self._file.close()
+        oldest = self.directory / f"trace.{self.max_files - 1}.jsonl"
+        if self.max_files == 1:
+            (self.directory / CURRENT).unlink(missing_ok=True)
+        else:
+            oldest.unlink(missing_ok=True)
+            for i in range(self.max_files - 2, 0, -1):
+                src = self.directory / f"trace.{i}.jsonl"
+                if src.exists():
+                    src.rename(self.directory / f"trace.{i + 1}.jsonl")
+            (self.directory / CURRENT).rename(self.directory / "trace.1.jsonl")
+        self._file = open(self.directory / CURRENT, "a", encoding="utf-8")
+        self._size = 0
+
+    def recent(self, limit: int) -> list[str]:
+        """The newest ``limit`` lines, oldest first."""
+        with self._lock:
+            lines: list[str] = []
+            for path in reversed(trace_files(self.directory)):
+                lines[:0] = path.read_text(encoding="utf-8").splitlines()
+                if len(lines) >= limit:
+                    break
+            return lines[-limit:] if limit else []
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def trace_files(directory: str | Path) -> list[Path]:
+    """A trace directory's files, oldest first (the rotated ones, then the current one)."""
+    directory = Path(directory)
+    rotated = []
+    for path in directory.glob("trace.*.jsonl"):
+        index = path.name[len("trace."):-len(".jsonl")]
+        if index.isdigit():
+            rotated.append((int(index), path))
+    files = [p for _, p in sorted(rotated, reverse=True)]
+    if (directory / CURRENT).is_file():
+        files.append(directory / CURRENT)
+    return files
+
+
+def parse_lines(lines: list[str], where: str) -> list[TraceRecord]:
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(TraceRecord.from_json(json.loads(line)))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{where}:{lineno}: not a {FORMAT} record ({e})") from None
+    return records
+
+
+def read_trace(path: str | Path, *, model: str | None = None, completed_only: bool = True) -> list[TraceRecord]:
+    """Records of a trace file or directory, sorted by arrival; only those of ``model`` (a
+    model name) when given, and only requests that ran to their end unless told otherwise."""
+    path = Path(path)
+    if path.is_dir():
+        files = trace_files(path)
+        if not files:
+            raise ConfigError(f"no trace files ({CURRENT}, trace.N.jsonl) in {path}")
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ConfigError(f"trace not found: {path}")
+    records: list[TraceRecord] = []
+    for file in files:
+        try:
+            lines = file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read trace {file}: {getattr(e, 'strerror', None) or e}") from None
+        records += parse_lines(lines, str(file))
+    if model is not None:
+        records = [r for r in records if r.model == model]
+    if completed_only:
+        records = [r for r in records if r.completed]
+    records.sort(key=lambda r: r.timestamp)
+    return records
+
+
+def wall_clock(monotonic_time: float) -> float:
+    """The UNIX time of a ``time.monotonic()`` instant in the recent past."""
+    return time.time() - (time.monotonic() - monotonic_time)

@@ -1,0 +1,136 @@
+"""``hydractl profile --validate``: the top deployments started live and benchmarked.
+
+Each candidate gets its own daemon (``python -m hydrad start``, one at a time, on a free
+loopback port, with the profile's SLO and its own trace switched off so that replays do
+not feed the trace being planned from); the bench client replays the trace against it
+with the same request count, arrivals and goodput search as the simulator's, and the
+daemon is stopped before the next one starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from hydrad.errors import HydradError
+
+
+def config_toml(config) -> str:
+    """A ``DaemonConfig`` as the TOML ``hydrad start --config`` reads (keys left None are omitted)."""
+    engine = config.engine
+    lines = [f"seed = {engine.seed}"]
+
+    def table(name: str, obj) -> None:
+        lines.append(f"[{name}]")
+        nested = []
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if dataclasses.is_dataclass(value):
+                nested.append((f"{name}.{f.name}", value))
+            elif value is not None:
+                lines.append(f"{f.name} = {json.dumps(value)}")
+        for sub, value in nested:
+            table(sub, value)
+
+    for name, obj in (("server", config.server), ("model", engine.model), ("cache", engine.cache),
+                      ("scheduler", engine.scheduler), ("parallel", engine.parallel), ("slo", engine.slo),
+                      ("trace", config.trace)):
+        table(name, obj)
+    return "\n".join(lines) + "\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveDaemon:
+    """``hydrad start`` in a child process, until ``stop``."""
+
+    def __init__(self, config, log_path: Path, timeout: float = 900.0, trace_dir: Path | None = None,
+                 args: tuple[str, ...] = ()):
+        """``trace_dir``: record the requests' trace there (else the trace is off); ``args``:
+        more flags of ``hydrad start``."""
+        port = _free_port()
+        trace = dataclasses.replace(config.trace, enabled=trace_dir is not None,
+                                    dir=str(trace_dir) if trace_dir is not None else config.trace.dir)
+        config = dataclasses.replace(
+            config, server=dataclasses.replace(config.server, host="127.0.0.1", port=port, log_level="warning"),
+            trace=trace)
+        self.url = f"http://127.0.0.1:{port}"
+        self._config_file = tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False)
+        self._config_file.write(config_toml(config))
+        self._config_file.close()
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen([sys.executable, "-m", "hydrad", "start", "--config", self._config_file.name,
+                                         *args], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise HydradError(f"the daemon for {config.engine.parallel.deploy} did not start; see {log_path}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(120)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        os.unlink(self._config_file.name)
+
+
+def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Path,
+             observer_for: Callable[[str], object] | None = None) -> list[dict]:
+    """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one."""
+    from hydrad.bench import SLO, BenchConfig, GoodputSearch, run_bench
+
+    simulated = {e.spec: e.goodput for e in profile.result.ranked}
+    rows = []
+    for spec in specs:
+        cfg = dataclasses.replace(config, engine=dataclasses.replace(
+            config.engine, parallel=dataclasses.replace(config.engine.parallel, deploy=spec,
+                                                        devices=profile.devices.spec),
+            slo=dataclasses.replace(config.engine.slo, ttft=profile.slo_ttft, tbt=profile.slo_tbt)))
+        daemon = LiveDaemon(cfg, log_dir / f"daemon-{spec}.log")
+        try:
+            start = simulated.get(spec) or profile.workload.mean_rate
+            bench = BenchConfig(url=daemon.url, slo=SLO(profile.slo_ttft, profile.slo_tbt), workload=str(trace_file),
+                                num_requests=profile.planner.num_requests,
+                                search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol,
+                                                     min_rate=start / 256),
+                                arrivals=profile.planner.arrivals, seed=config.engine.seed)
+            result = run_bench(bench, observer_for(spec) if observer_for else None)
+        finally:
+            daemon.stop()
+        live = result.goodput_total
+        sim = simulated.get(spec)
+        rows.append({"deploy": spec, "simulated_goodput_rps": sim, "live_goodput_rps": live,
+                     "error": (sim - live) / live if sim is not None and live else None,
+                     "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
+                     "interrupted": result.interrupted})
+        if result.interrupted:
+            break
+    profile.validation = rows
+    return rows

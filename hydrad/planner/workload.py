@@ -1,0 +1,95 @@
+"""A recorded workload as simulator requests at a target rate, with the bench's own arrivals.
+
+The replay follows ``hydractl bench --workload TRACE``: request ``i`` has the shape of the
+trace's ``i``-th request by arrival (cycled), and arrives at the trace's ``i``-th
+timestamp scaled to the mean rate (``--arrivals trace``, ``hydrad.bench.arrivals``), or at
+Poisson times. So a simulated goodput and a live one measured with the bench on the same
+trace and request count describe the same runs.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+from hydrad.bench.arrivals import Trace, poisson_arrivals, trace_arrivals
+from hydrad.errors import ConfigError
+from hydrad.planner.simulator import SimRequest
+from hydrad.planner.trace import TraceRecord
+
+ARRIVALS = ("trace", "poisson")
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    num_prompt_tokens: int
+    num_output_tokens: int
+    images: tuple[tuple[int, int, int], ...]  # (offset, tokens, patches)
+    preprocess: float
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Request shapes in arrival order and their arrival times (seconds from the first)."""
+
+    shapes: tuple[RequestShape, ...]
+    trace: Trace
+
+    @classmethod
+    def from_records(cls, records: list[TraceRecord]) -> Workload:
+        if len(records) < 2:
+            raise ConfigError(f"the trace holds {len(records)} finished request(s); planning needs at least 2")
+        records = sorted(records, key=lambda r: r.timestamp)
+        # A traced preprocess time includes waiting for the Request Processor, which the
+        # simulator queues itself: the service time of a request is taken as the 10th
+        # percentile of the traced times of requests with as many images.
+        by_images: dict[int, list[float]] = {}
+        for r in records:
+            by_images.setdefault(len(r.images), []).append(r.preprocess)
+        service = {k: _quantile(v, 0.1) for k, v in by_images.items()}
+        shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
+                                    tuple((i.offset, i.tokens, i.patches) for i in r.images), service[len(r.images)])
+                       for r in records)
+        stamps = [r.timestamp for r in records]
+        if stamps[-1] <= stamps[0]:
+            raise ConfigError("the trace's requests all arrived at the same instant: it has no rate to scale")
+        return cls(shapes, Trace.from_timestamps(stamps))
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    @property
+    def mean_rate(self) -> float:
+        """The trace's own request rate (req/s)."""
+        return self.trace.mean_rate
+
+    def requests(self, rate: float, num_requests: int, arrivals: str = "trace", seed: int = 0) -> list[SimRequest]:
+        """``num_requests`` requests arriving at mean ``rate`` req/s."""
+        if arrivals == "trace":
+            times = trace_arrivals(self.trace, rate, num_requests, None)
+        elif arrivals == "poisson":
+            times = poisson_arrivals(rate, random.Random(f"{seed}/plan"), num_requests, None)
+        else:
+            raise ConfigError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
+        shapes = self.shapes
+        return [SimRequest(t, s.num_prompt_tokens, s.num_output_tokens, s.images, s.preprocess)
+                for t, s in ((t, shapes[i % len(shapes)]) for i, t in enumerate(times))]
+
+    def summary(self) -> dict:
+        """Means of what a request holds (for reports)."""
+        n = len(self.shapes)
+        return {
+            "requests": n,
+            "rate": self.mean_rate,
+            "images": sum(len(s.images) for s in self.shapes) / n,
+            "image_tokens": sum(t for s in self.shapes for _, t, _ in s.images) / n,
+            "prompt_tokens": sum(s.num_prompt_tokens for s in self.shapes) / n,
+            "output_tokens": sum(s.num_output_tokens for s in self.shapes) / n,
+            "preprocess": statistics.median(s.preprocess for s in self.shapes),
+        }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,0 +1,72 @@
+"""End to end: a live daemon records a trace, ``hydractl profile`` ranks deployments from it,
+and ``hydrad start --deploy auto`` deploys the pick and says why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from daemon_process import Daemon, http
+from hydrad.cli.hydractl_main import cli
+from hydrad.bench import SLO, BenchConfig, run_bench
+from hydrad.planner.trace import read_trace
+
+pytestmark = pytest.mark.slow
+
+
+def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
+    trace_dir = tmp_path / "trace"
+    config = tmp_path / "hydrad.toml"
+    # Small pools: every engine here (two daemons, the profile's) allocates them.
+    config.write_text(f'[cache]\nkv_cache_memory_mb = 32\nimage_cache_memory_mb = 16\n[trace]\ndir = "{trace_dir}"\n')
+    workload = tmp_path / "mm.jsonl"
+    workload.write_text('{"prompt_tokens": 8, "images": [{"width": 64, "height": 48}], "output_tokens": 6}\n'
+                        '{"prompt_tokens": 20, "output_tokens": 4}\n')
+
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2",
+                     "--deploy", "1EP+1D"], tmp_path / "log1")
+    try:
+        result = run_bench(BenchConfig(url=daemon.url, slo=SLO(5.0, 1.0), workload=str(workload), rates=(8.0,),
+                                       num_requests=16))
+        assert result.summary.errors == 0
+        # The trace is also served by the admin API.
+        lines = http("GET", daemon.url + "/admin/trace?limit=5").text.splitlines()
+        assert len(lines) == 5
+    finally:
+        assert daemon.stop() == 0
+    records = read_trace(trace_dir)
+    assert len(records) == 16
+    with_image = [r for r in records if r.images]
+    assert with_image and all(r.images[0].width == 64 and r.images[0].height == 48 for r in with_image)
+    assert all(r.output_tokens in (4, 6) and r.deploy == "1EP+1D" and r.ttft > 0 for r in records)
+    # Every request went EP -> D; image requests have an encode stage.
+    assert all(r.instances == (0, 1) and "prefill_to_decode_migration" in r.stages for r in records)
+    assert all("encode_exec" in r.stages for r in with_image)
+
+    out = tmp_path / "profile.json"
+    run = CliRunner().invoke(cli, ["profile", "--trace", str(trace_dir), "--model", str(tiny_llava_dir), "--config",
+                                   str(config), "--devices", "cpu:2", "--slo-ttft", "2", "--slo-tbt", "0.2",
+                                   "--out", str(out)])
+    assert run.exit_code == 0, run.output
+    profile = json.loads(out.read_text())
+    assert profile["search"]["deployments"] == 13
+    ranking = profile["ranking"]
+    assert ranking and ranking[0]["deploy"] == profile["pick"]
+    goodputs = [r["goodput_rps"] for r in ranking]
+    assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
+    assert set(profile["algorithm2"]["candidates"]) == {"EP+D", "ED+P"}
+
+    # --deploy auto with the same SLO ([slo] defaults: TTFT 2 s, TBT 0.2 s) deploys the pick.
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2", "--deploy",
+                     "auto", "--trace", str(trace_dir)], tmp_path / "log2")
+    try:
+        status = http("GET", daemon.url + "/admin/status").json()
+        assert status["deployment"]["deploy"] == profile["pick"]
+        assert "planner's pick" in status["deployment"]["reason"]
+        assert "".join(i["role"] for i in status["instances"]) == "".join(
+            role for term in profile["pick"].split("+") for role in [term.lstrip("0123456789")] * int(
+                term[: len(term) - len(term.lstrip("0123456789"))]))
+    finally:
+        assert daemon.stop() == 0

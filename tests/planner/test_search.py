@@ -1,0 +1,116 @@
+"""The search: every deployment once, Algorithm 2's partition on worked examples, round-robin
+stage shares, capacity bounds against long replays, and pruning that never drops the best."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from hydrad.config import SchedulerConfig, SLOConfig
+from hydrad.engine.latency_model import LatencyModel
+from hydrad.planner.capacity import algorithm2, apportion, stage_shares
+from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, deployments
+from hydrad.planner.simulator import InstanceLayout, SimSetup
+from hydrad.planner.trace import make_record
+from hydrad.planner.workload import Workload
+
+# Encode is cheap, prefill dear, decode in between: on two instances one method wins clearly.
+MODEL = LatencyModel(v_fixed=0.002, v_image=0.03, l_fixed=0.006, l_prefill=0.0006, l_attn=2e-5,
+                     l_decode=0.0012, l_ctx=5e-4, overlap=0.95)
+
+
+def workload(n=300, rate=2.0, seed=0) -> Workload:
+    rng = random.Random(seed)
+    records, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        records.append(make_record(timestamp=t, model="m", prompt_tokens=282, template_tokens=10,
+                                   images=[(640, 480, 256, 5)], output_tokens=rng.randint(10, 30), max_tokens=30,
+                                   finish_reason="length", preprocess=0.01, ttft=0.1, e2e=1.0, gaps=[], stages={},
+                                   instances=[0], deploy="1EPD"))
+    return Workload.from_records(records)
+
+
+def planner(num_requests=120, **kwargs) -> Planner:
+    setup = SimSetup(MODEL, {r: InstanceLayout(4096, 256) for r in ROLE_ORDER}, 16, 256, 16384, 524288, 2048,
+                     SchedulerConfig(), SLOConfig(ttft=2.0, tbt=0.1), message_seconds=0.002)
+    return Planner(setup, workload(), slo_ttft=2.0, slo_tbt=0.1, num_requests=num_requests, **kwargs)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+def test_every_deployment_of_n_instances_exactly_once(n):
+    found = deployments(n)
+    assert len(found) == len(set(found))
+    # Brute force: every assignment of roles to n devices, up to the order of the devices.
+    brute = {tuple(sorted(a, key=ROLE_ORDER.index)) for a in itertools.product(ROLE_ORDER, repeat=n)
+             if all(any(s in r for r in a) for s in "EPD")}
+    assert set(found) == brute
+    assert (n > 1 or found == [("EPD",)]) and ("EPD",) * n in found
+
+
+def test_deployments_of_eight_and_their_specs():
+    found = deployments(8)
+    assert len(found) == 2871  # C(14, 6) multisets less those that miss a stage
+    specs = {Evaluation(roles, None).spec for roles in found}
+    assert {"8EPD", "1E+1EP+6D", "1E+3P+4D", "7EP+1D", "1ED+7P", "2E+2PD+4D"} <= specs
+    assert len(specs) == len(found)
+
+
+def test_apportion_splits_by_largest_remainders_with_one_each():
+    assert apportion(8, [1, 2, 5]) == [1, 2, 5]
+    assert apportion(5, [1, 1, 2]) == [1, 1, 3]  # quotas 1.25, 1.25, 2.5
+    assert apportion(3, [0.01, 0.01, 10]) == [1, 1, 1]  # at least one each
+    assert apportion(6, [0.1, 3, 3]) == [1, 3, 2]  # quotas 0.1, 2.9, 2.9: the minimum, then the earlier tie
+    with pytest.raises(ValueError):
+        apportion(2, [1, 1, 1])
+
+
+def test_algorithm2_partitions_instances_in_proportion_to_stage_times():
+    # t_E = 1, t_P = 3, t_D = 4 seconds per request: 8 instances -> 1E + 3P + 4D; EP+D splits
+    # 8 by (1 + 3) : 4 -> 4EP + 4D; ED+P by (1 + 4) : 3 -> 5ED + 3P.
+    got = algorithm2(8, (1.0, 3.0, 4.0))
+    assert got == {"E+P+D": ["E"] + ["P"] * 3 + ["D"] * 4, "EP+D": ["EP"] * 4 + ["D"] * 4,
+                   "ED+P": ["ED"] * 5 + ["P"] * 3}
+    # Two instances: no room for three single-stage groups.
+    assert algorithm2(2, (0.2, 1.0, 0.5)) == {"EP+D": ["EP", "D"], "ED+P": ["ED", "P"]}
+    # 5 instances, t = (0.5, 1, 3): 5 * (0.11, 0.22, 0.67) = 0.56, 1.11, 3.33 -> 1, 1, 3.
+    assert algorithm2(5, (0.5, 1.0, 3.0))["E+P+D"] == ["E", "P", "D", "D", "D"]
+
+
+def test_round_robin_shares_follow_the_router_and_in_place_stages():
+    # 1E+1EP+2D: encodes split between E and EP; EP prefills its own and all of E's; two Ds.
+    assert stage_shares(["E", "EP", "D", "D"], 1.0) == [(0.5, 0, 0), (0.5, 1.0, 0), (0, 0, 0.5), (0, 0, 0.5)]
+    # 1E+1PD: everything migrates once; text-only requests (half) enter at PD directly.
+    assert stage_shares(["E", "PD"], 0.5) == [(0.5, 0, 0), (0, 1.0, 1.0)]
+    # 2EPD: halves.
+    assert stage_shares(["EPD", "EPD"], 1.0) == [(0.5, 0.5, 0.5)] * 2
+
+
+@pytest.mark.parametrize("roles", [("EP", "D"), ("E", "P", "D"), ("EPD", "EPD")])
+def test_the_capacity_bound_holds_for_long_replays(roles):
+    p = planner(num_requests=600)
+    ev = Evaluation(roles, p.bound(roles))
+    assert 0 < p.bisect(ev) <= ev.bound.rate
+
+
+def test_pruning_never_drops_the_best_deployment():
+    p = planner()
+    result = p.search(2, top_k=1)
+    exhaustive = {}
+    for roles in deployments(2):
+        ev = Evaluation(roles, p.bound(roles))
+        exhaustive[roles] = p.bisect(ev)
+    best = max(exhaustive.values())
+    assert result.best.goodput == pytest.approx(best, rel=0.05)
+    assert exhaustive[result.best.roles] == pytest.approx(best, rel=0.05)
+    # Every deployment left out was shown to be below the best, by a replay or by its bound.
+    for ev in result.evaluations[1:]:
+        assert ev.status in ("ranked", "below", "pruned")
+        if ev.status == "pruned":
+            assert p.reach(ev.bound.rate) <= result.best.goodput * 1.0001
+    # Algorithm 2's candidates carry their goodput and the pick is the best of them.
+    pick = result.algorithm2_pick
+    assert pick is not None and pick.methods
+    assert pick.goodput == max(e.goodput for e in result.evaluations if e.methods)

@@ -1,0 +1,177 @@
+"""The simulator against hand-computed timelines: synthetic latency models, a few requests.
+
+Each case spells out the steps the engine's scheduler takes and when each token reaches
+the client, then checks the replay's TTFTs and gaps against them, and that every block
+of every pool is back at the end (the real block managers are driven).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hydrad.config import SchedulerConfig, SLOConfig
+from hydrad.engine.latency_model import LatencyModel
+from hydrad.planner.simulator import InstanceLayout, SimRequest, SimSetup, Simulation, role_model, simulate, tbt_p90
+
+ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
+# 100 ms per image; a language step costs 10 ms plus 1 ms per prefill token and 2 ms per decode.
+MODEL = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.001, l_decode=0.002, overlap=1.0)
+KV_BLOCK_BYTES = 1000
+IMAGE_BLOCK_BYTES = 4000
+
+
+def make_setup(model=MODEL, **kwargs) -> SimSetup:
+    kwargs.setdefault("slo", SLOConfig(ttft=10.0, tbt=10.0, alpha=0.5))
+    return SimSetup(model=model, layouts={r: InstanceLayout(256, 16) for r in ROLES}, kv_block_size=16,
+                    image_block_size=64, kv_block_bytes=KV_BLOCK_BYTES, image_block_bytes=IMAGE_BLOCK_BYTES,
+                    max_model_len=1024, scheduler=SchedulerConfig(token_budget=4096, image_budget=8), **kwargs)
+
+
+def run(setup, roles, requests, slo_ttft=10.0, slo_tbt=10.0):
+    sim = Simulation(setup, roles, requests, slo_ttft=slo_ttft, slo_tbt=slo_tbt)
+    result = sim.run()
+    for instance in sim.instances:  # every block back, every queue empty
+        s = instance.scheduler
+        s.check_integrity()
+        assert not s.requests
+        for pool in (s.kv, s.images):
+            assert pool is None or pool.num_used_blocks == 0
+    return result
+
+
+def test_one_request_on_one_instance_encode_prefill_decode():
+    # t=0: encode (100 ms); t=0.1: prefill of 100 tokens (10 + 100 ms), first token at 0.21;
+    # then two decodes of 10 + 2 ms each.
+    (r,) = run(make_setup(), ["EPD"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),))]).requests
+    assert r.ttft == pytest.approx(0.21)
+    assert r.gaps == pytest.approx([0.012, 0.012])
+
+
+def test_messages_delay_the_entry_and_every_output():
+    setup = make_setup(message_seconds=0.005)
+    (r,) = run(setup, ["EPD"], [SimRequest(0.0, 100, 2, images=((0, 50, 50),), preprocess=0.03)]).requests
+    # preprocess, the request's message, encode, prefill, the token's message
+    assert r.ttft == pytest.approx(0.03 + 0.005 + 0.1 + 0.11 + 0.005)
+    assert r.gaps == pytest.approx([0.012])
+
+
+def test_migration_between_ep_and_d_copies_and_waits_for_the_next_step():
+    m, bandwidth = 0.004, 1e6
+    setup = make_setup(message_seconds=m, bandwidth=bandwidth)
+    (r,) = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),))]).requests
+    # EP: the request arrives at m, encode 0.1, prefill 0.11: first token sent at m + 0.21.
+    first = m + 0.21
+    assert r.ttft == pytest.approx(first + m)
+    # D gets the offer one message later, pulls the 7 KV blocks of 100 tokens (7 kB at
+    # 1 MB/s), takes the request in the step after the copy, and decodes (12 ms).
+    copy = 7 * KV_BLOCK_BYTES / bandwidth
+    second = first + m + copy + 0.012
+    assert r.gaps == pytest.approx([second - first, 0.012])
+
+
+def test_image_migration_from_e_to_pd():
+    m, bandwidth = 0.001, 2e6
+    setup = make_setup(message_seconds=m, bandwidth=bandwidth)
+    (r,) = run(setup, ["E", "PD"], [SimRequest(0.0, 100, 2, images=((10, 50, 50),))]).requests
+    # E encodes (0.1) from m, offers; PD receives at m + 0.1 + m, copies one image block
+    # (4 kB), prefills in the step after the copy (0.11).
+    copy = IMAGE_BLOCK_BYTES / bandwidth
+    assert r.ttft == pytest.approx(m + 0.1 + m + copy + 0.11 + m)
+    assert r.gaps == pytest.approx([0.012])
+
+
+def test_steps_are_filled_up_to_the_bound_and_requests_share_them():
+    # Roles that decode are bound by the TBT: 150.5 ms. Two text prompts of 100 tokens at t=0:
+    # step 1 = 10 ms + 100 tokens of r0 + the 40 of r1 that fit (150 ms): r0's first token;
+    # step 2 = r0's decode + r1's last 60 tokens: 10 + 2 + 60 = 72 ms: r0's 2nd, r1's 1st token;
+    # step 3 = two decodes: 10 + 4 = 14 ms. (alpha * TTFT, the bound of a step without
+    # decodes, is the TBT here too.)
+    setup = make_setup(slo=SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505))
+    r0, r1 = run(setup, ["EPD"], [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 2)]).requests
+    assert r0.ttft == pytest.approx(0.15)
+    assert r1.ttft == pytest.approx(0.15 + 0.072)
+    assert r0.gaps == pytest.approx([0.072, 0.014])
+    assert r1.gaps == pytest.approx([0.014])
+
+
+def test_a_step_without_decodes_takes_the_ttft_share():
+    # As the engine's scheduler: no decode waits on step 1, so it may take alpha * TTFT = 5 s:
+    # 10 ms + both prompts (200 ms) = 210 ms; step 2 = two decodes (14 ms); step 3 = r0's (12 ms).
+    setup = make_setup(slo=SLOConfig(ttft=10.0, tbt=0.1505))
+    r0, r1 = run(setup, ["EPD"], [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 2)]).requests
+    assert r0.ttft == pytest.approx(0.21) and r1.ttft == pytest.approx(0.21)
+    assert r0.gaps == pytest.approx([0.014, 0.012])
+    assert r1.gaps == pytest.approx([0.014])
+
+
+def test_a_request_queues_behind_a_busy_instance():
+    # r1 arrives while r0's encode runs: it is admitted in the next step, after r0's prefill
+    # chunk is scheduled: step 2 (t=0.1) = prefill of r0 (110 ms) + encode of r1 (100 ms),
+    # with overlap 1 the step takes 210 ms.
+    r0, r1 = run(make_setup(), ["EPD"], [SimRequest(0.0, 100, 1, images=((0, 50, 50),)),
+                                          SimRequest(0.05, 100, 1, images=((0, 50, 50),))]).requests
+    assert r0.ttft == pytest.approx(0.1 + 0.21)
+    # step 3 (t=0.31): r1's prefill, 110 ms.
+    assert r1.ttft == pytest.approx(0.31 + 0.11 - 0.05)
+
+
+def test_cpu_instances_beyond_the_cores_slow_each_other_down():
+    # One core, two instances of one thread: a step that starts while the other instance
+    # is in a step takes twice as long.
+    setup = make_setup(cores=1, threads=1, bandwidth=1e15)
+    (alone,) = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 1)]).requests
+    assert alone.ttft == pytest.approx(0.11)
+    reqs = [SimRequest(0.0, 100, 2), SimRequest(0.111, 100, 1)]
+    r0, r1 = run(setup, ["EP", "D"], reqs).requests
+    # r0: prefill on EP alone (0.11); D's decode starts at 0.11 alone (12 ms, until 0.122).
+    assert r0.gaps == pytest.approx([0.012])
+    # r1 reaches EP at 0.111 while D's decode runs: its prefill step takes 2 x 0.11.
+    assert r1.ttft == pytest.approx(0.22)
+
+
+def test_attainment_uses_the_bench_rule_and_a_run_stops_when_out_of_reach():
+    setup = make_setup()
+    # One request every 100 ms, each needing 210 ms alone: a queue builds up.
+    reqs = [SimRequest(0.1 * i, 100, 2, images=((0, 50, 50),)) for i in range(10)]
+    result = simulate(setup, ["EPD"], reqs, slo_ttft=0.5, slo_tbt=1.0)
+    met = [r.ttft <= 0.5 for r in result.requests]
+    assert result.num_met == sum(met) and 0 < sum(met) < 10
+    early = simulate(setup, ["EPD"], [SimRequest(0.1 * i, 100, 2, images=((0, 50, 50),)) for i in range(100)], slo_ttft=0.5, slo_tbt=1.0, stop_below=0.9)
+    assert early.stopped_early and early.attainment < 0.9
+    assert len(early.requests) == 100
+
+
+def test_tbt_p90_is_the_linear_interpolation_percentile():
+    from hydrad.bench.metrics import percentile
+
+    gaps = [0.1, 0.5, 0.2, 0.05, 0.3, 0.9, 0.15]
+    assert tbt_p90(gaps) == pytest.approx(percentile(gaps, 90))
+    assert tbt_p90([]) == 0.0
+
+
+def test_role_models_keep_only_the_parts_a_role_runs():
+    e, pd = role_model(MODEL, "E"), role_model(MODEL, "PD")
+    assert e.l_fixed == 0 and e.v_image == MODEL.v_image
+    assert pd.v_image == 0 and pd.l_prefill == MODEL.l_prefill
+    assert role_model(MODEL, "EPD") == MODEL
+
+
+def test_without_derived_budgets_only_the_caps_fill_steps_and_the_model_times_them():
+    # token_budget 64: the 100-token prompt takes two chunks (64 + 36 tokens).
+    from dataclasses import replace
+
+    setup = replace(make_setup(), fill_by_model=False, scheduler=SchedulerConfig(token_budget=64, image_budget=8))
+    (r,) = run(setup, ["EPD"], [SimRequest(0.0, 100, 2)]).requests
+    assert r.ttft == pytest.approx(0.01 + 0.064 + 0.01 + 0.036)
+    assert r.gaps == pytest.approx([0.012])
+
+
+def test_the_request_processor_preprocesses_two_at_a_time():
+    # Three requests at t=0, 50 ms of preprocessing each, two processor threads: the third
+    # reaches the instance at 100 ms. Text-only, 10-token prompts: prefill 20 ms each.
+    setup = make_setup(processor_threads=2)  # [server] processor_threads without the lock
+    reqs = [SimRequest(0.0, 10, 1, preprocess=0.05) for _ in range(3)]
+    r0, r1, r2 = run(setup, ["EPD"], reqs).requests
+    assert r0.ttft == pytest.approx(0.05 + 0.03)  # r0 and r1 share one 30 ms step
+    assert r1.ttft == pytest.approx(0.05 + 0.03)
+    assert r2.ttft == pytest.approx(0.1 + 0.02)

@@ -1,0 +1,114 @@
+"""The request trace: records, the rotating writer, reading traces back, replaying them with the bench."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hydrad.bench.workloads import load_workload
+from hydrad.config_file import load_config
+from hydrad.errors import ConfigError
+from hydrad.planner.trace import FORMAT, TraceRecord, TraceWriter, make_record, read_trace, trace_files
+
+
+def facts(i: int = 0, **kwargs) -> dict:
+    out = dict(timestamp=1000.0 + i, prompt_tokens=300, images=[(640, 480, 256, 5)], output_tokens=16,
+               max_tokens=16, finish_reason="length", preprocess=0.02, ttft=0.4, e2e=1.9,
+               gaps=[0.1, 0.3, 0.2, 0.1, 0.5], stages={"encode_exec": 0.1, "prefill_queue": 0.05},
+               instances=[0, 1])
+    out.update(kwargs)
+    return out
+
+
+def writer(tmp_path, **kwargs) -> TraceWriter:
+    kwargs.setdefault("max_bytes", 1 << 20)
+    kwargs.setdefault("max_files", 3)
+    return TraceWriter(tmp_path / "trace", model="m", deploy="1EP+1D", template_tokens=12, **kwargs)
+
+
+def test_a_record_keeps_the_shape_and_latencies_and_reads_back():
+    record = make_record(model="m", deploy="1EP+1D", template_tokens=12, **facts())
+    assert record.text_tokens == 300 - 256
+    # The gaps' percentiles as the bench computes them (linear interpolation).
+    assert (record.num_gaps, record.tbt_p50, record.tbt_max) == (5, 0.2, 0.5)
+    assert record.tbt_p90 == pytest.approx(0.42)
+    obj = json.loads(json.dumps(record.to_json()))
+    assert not {"prompt", "messages", "text"} & set(obj)  # shapes only, never content
+    assert TraceRecord.from_json(obj).to_json() == obj
+    with pytest.raises(ValueError):
+        TraceRecord.from_json({**record.to_json(), "format": "other"})
+
+
+def test_the_writer_rotates_and_keeps_max_files(tmp_path):
+    w = writer(tmp_path, max_bytes=2000)
+    for i in range(40):
+        w.record(**facts(i))
+    w.close()
+    files = trace_files(tmp_path / "trace")
+    assert [f.name for f in files] == ["trace.2.jsonl", "trace.1.jsonl", "trace.jsonl"]
+    assert all(f.stat().st_size <= 2000 for f in files)
+    records = read_trace(tmp_path / "trace")
+    # The newest records are kept, in arrival order, the oldest rotated out.
+    stamps = [r.timestamp for r in records]
+    assert stamps == sorted(stamps) and stamps[-1] == 1039.0 and stamps[0] > 1000.0
+    assert w.recent(3) == (tmp_path / "trace" / "trace.jsonl").read_text().splitlines()[-3:]
+
+
+def test_reading_filters_unfinished_requests_and_other_models(tmp_path):
+    w = writer(tmp_path)
+    w.record(**facts(0))
+    w.record(**facts(1, finish_reason="abort", output_tokens=3))
+    w.record(**facts(2, finish_reason="stop", output_tokens=7))
+    w.close()
+    path = tmp_path / "trace" / "trace.jsonl"
+    assert [r.output_tokens for r in read_trace(path)] == [16, 7]
+    assert len(read_trace(path, completed_only=False)) == 3
+    assert read_trace(path, model="other") == []
+    path.write_text(path.read_text() + "{\"format\": \"" + FORMAT + "\"}\n")
+    with pytest.raises(ConfigError, match="trace.jsonl:4"):
+        read_trace(path)
+
+
+def test_hydractl_bench_replays_a_trace(tmp_path):
+    w = writer(tmp_path)
+    w.record(**facts(2))
+    w.record(**facts(0, finish_reason="abort"))
+    w.record(**facts(1, images=[], prompt_tokens=40))
+    w.close()
+    workload = load_workload(str(tmp_path / "trace"), seed=0)
+    # Aborted requests are left out; arrivals are the traced ones, in order.
+    assert workload.timestamps == (1001.0, 1002.0)
+    first, second = workload.request(0, 0), workload.request(1, 0)
+    # The user's text without the chat template's tokens (the server adds them again).
+    assert len(first.prompt.split()) == 40 - 12 and first.images == ()
+    assert len(second.prompt.split()) == 300 - 256 - 12
+    assert (second.images[0].width, second.images[0].height, second.output_tokens) == (640, 480, 16)
+
+
+def test_the_trace_section_of_the_config_file(tmp_path):
+    path = tmp_path / "hydrad.toml"
+    path.write_text('[trace]\nenabled = false\ndir = "/srv/trace"\nmax_file_mb = 8\nmax_files = 2\n')
+    config = load_config(path)
+    assert (config.trace.enabled, str(config.trace.directory), config.trace.max_file_mb) == (False, "/srv/trace", 8)
+    path.write_text("[trace]\nrotate = 3\n")
+    with pytest.raises(ConfigError, match="unknown key trace.rotate"):
+        load_config(path)
+    path.write_text("[trace]\nmax_files = 0\n")
+    with pytest.raises(ConfigError, match="max_files"):
+        load_config(path)
+
+
+def test_the_validation_daemons_config_reads_back_as_written(tmp_path):
+    import dataclasses
+
+    from hydrad.planner.validate import config_toml
+
+    path = tmp_path / "in.toml"
+    path.write_text('seed = 3\n[slo]\nttft = 1.5\ntbt = 0.08\n[cache]\nnum_kv_blocks = 100\n'
+                    '[server.remote_images]\nallowed_domains = ["a.example"]\n[parallel]\ndeploy = "1EP+1D"\n')
+    config = load_config(path)
+    config = dataclasses.replace(config, trace=dataclasses.replace(config.trace, dir="/srv/t", enabled=False))
+    out = tmp_path / "out.toml"
+    out.write_text(config_toml(config))
+    assert load_config(out) == config
