@@ -45,6 +45,19 @@ class RemoteImageConfig:
             raise ConfigError(f"server.remote_images.timeout must be > 0, got {self.timeout}")
 
 
+# Memory a request's images take while it is processed, per pixel: decoded (4 bytes, as PIL
+# holds RGB), as arrays for the image processor (3), and its working copies (about 1); the
+# image being preprocessed takes as much again. Measured on 6000x6000 PNG, JPEG, RGBA and
+# grayscale images: 14 bytes per pixel for one image, 7.9 for eight.
+BYTES_PER_PIXEL = 8
+
+
+def image_memory_bytes(num_pixels: int, largest_pixels: int) -> int:
+    """Estimated memory for processing images of ``num_pixels`` in all, the largest of
+    ``largest_pixels``."""
+    return BYTES_PER_PIXEL * (num_pixels + largest_pixels)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -56,9 +69,18 @@ class ServerConfig:
     # Largest accepted request body (base64 images count here).
     max_body_mb: int = 64
     max_images_per_request: int = 8
-    # Images with more pixels are refused before they are decoded.
+    # Images with more pixels, and requests whose images have more pixels in all, are
+    # refused before anything is decoded.
     max_image_pixels: int = 40_000_000
-    # Threads running the Request Processor (chat template, tokenizer, images).
+    max_request_pixels: int = 100_000_000
+    # Memory for requests at once: their bodies (from reading to the end of processing),
+    # and their decoded images (estimated from the headers); a request that does not fit
+    # waits up to queue_timeout seconds, then gets 503 with Retry-After.
+    max_inflight_body_mb: int = 256
+    max_inflight_image_mb: int = 2048
+    queue_timeout: float = 30.0
+    # Requests the Request Processor (chat template, tokenizer, images) works on at
+    # once; one more thread takes small requests only, so they never wait behind large ones.
     processor_threads: int = 2
     router_policy: str = "round-robin"
     # On SIGTERM/SIGINT: seconds granted to in-flight requests before they are aborted.
@@ -71,9 +93,23 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "processor_threads"):
+        for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "max_request_pixels",
+                     "max_inflight_body_mb", "max_inflight_image_mb", "processor_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        # Limits that would refuse every request they are meant to bound.
+        if self.max_request_pixels < self.max_image_pixels:
+            raise ConfigError(f"server.max_request_pixels ({self.max_request_pixels}) must be at least "
+                              f"server.max_image_pixels ({self.max_image_pixels})")
+        if self.max_inflight_body_mb < self.max_body_mb:
+            raise ConfigError(f"server.max_inflight_body_mb ({self.max_inflight_body_mb}) must be at least "
+                              f"server.max_body_mb ({self.max_body_mb})")
+        largest = image_memory_bytes(self.max_request_pixels, self.max_image_pixels) >> 20
+        if self.max_inflight_image_mb < largest:
+            raise ConfigError(f"server.max_inflight_image_mb ({self.max_inflight_image_mb}) cannot hold one request "
+                              f"of server.max_request_pixels: it needs {largest} MiB")
+        if self.queue_timeout < 0:
+            raise ConfigError(f"server.queue_timeout must be >= 0, got {self.queue_timeout}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ConfigError(
                 f"server.router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}"

@@ -85,7 +85,7 @@ def render(status: dict):
     for i in status["instances"]:
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
         instances.add_row(str(i["id"]), i["device"], i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
-                          _pct(i["kv_usage"]), _pct(i["image_usage"]), f"{i['tokens_per_second']:.1f}")
+                          _pct(i["kv_usage"]), _pct(i["image_usage"]), _rate(i["tokens_per_second"]))
     budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}; {i['latency_model']}"
                     for i in status["instances"] if i.get("latency_model")]
     r = status["requests"]
@@ -101,6 +101,10 @@ def render(status: dict):
 
 def _n(value) -> str:
     return "-" if value is None else str(value)
+
+
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _pct(value) -> str:

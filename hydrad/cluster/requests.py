@@ -41,6 +41,8 @@ class RequestTable:
         self.relay = MigrationRelay(router)
         self.sinks: dict[str, RequestSink] = {}
         self.stopping_reason: str | None = None
+        # Requests failed because the instance holding them died.
+        self.num_lost = 0
 
     def __len__(self) -> int:
         """Requests in flight (one migrating between instances counts once)."""
@@ -105,4 +107,5 @@ class RequestTable:
     def lost(self, instance: Instance, error: Exception) -> None:
         """An instance died: every request it held fails (the others drop their parts)."""
         for req_id in self.relay.requests_held_by(instance):
+            self.num_lost += req_id in self.sinks
             self.fail(req_id, error)

@@ -75,7 +75,8 @@ def status_body(clients: list[WorkerClient], stats: list[EngineStats | None], *,
             "num_kv_blocks_used": s.num_kv_blocks_used if s else None,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
-            "tokens_per_second": client.tokens_per_second(),
+            # A worker that is down makes no tokens, whatever it made in its last seconds.
+            "tokens_per_second": client.tokens_per_second() if client.alive else None,
             **_latency(client.ready),
         })
     return {

@@ -2,7 +2,8 @@
 
 ``make_app`` wires everything; the workers, the Request Processor's thread pool
 and (if enabled) the HTTP session for remote images live in one cleanup context,
-so they start with the app and stop after the last in-flight request.
+so they start with the app and stop after the last in-flight request. What is let
+in, and the drain, are ``Admission``'s (``server/admission.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rich.console import Console
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import RequestError
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
+from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient
 from hydrad.server.errors import UNAVAILABLE, APIError, error_response
 from hydrad.server.metrics import Metrics
@@ -40,6 +42,7 @@ CONSOLE = web.AppKey("console", Console)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 ENGINE = web.AppKey("engine", EngineClient)
 METRICS = web.AppKey("metrics", Metrics)
+ADMISSION = web.AppKey("admission", Admission)
 STARTED = web.AppKey("started", float)
 
 
@@ -67,13 +70,21 @@ async def engine_ctx(app: web.Application):
     server = config.server
     model_path = Path(config.engine.model.path)
     loop = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(server.processor_threads, thread_name_prefix="hydrad-processor")
+    # One thread more than large requests may take: see Admission.
+    num_threads = server.processor_threads + 1
+    executor = ThreadPoolExecutor(num_threads, thread_name_prefix="hydrad-processor")
     from hydrad.processor import InputProcessor
 
-    processor_future = loop.run_in_executor(executor, lambda: InputProcessor(
-        model_path, max_images_per_request=server.max_images_per_request,
-        max_image_pixels=server.max_image_pixels, max_model_len=config.engine.model.max_model_len,
-    ))
+    def load_processor() -> InputProcessor:
+        processor = InputProcessor(
+            model_path, max_images_per_request=server.max_images_per_request,
+            max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
+            max_model_len=config.engine.model.max_model_len,
+        )
+        processor.add_instances(num_threads - 1)  # one per thread, loaded while the workers load
+        return processor
+
+    processor_future = loop.run_in_executor(executor, load_processor)
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy)
     supervisor.on_degraded = lambda status: sd_notify(f"STATUS={status}")
@@ -90,10 +101,14 @@ async def engine_ctx(app: web.Application):
         client.on_step_timing = lambda c, timing: app[METRICS].observe_step(c.instance_id, timing)
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
+    app[ADMISSION] = Admission(server, executor)
     app[ENGINE] = EngineClient(
         processor, supervisor.router, supervisor.table, app[METRICS],
-        executor, server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
+        app[ADMISSION], server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
     )
+    if processor.max_prompt_chars is not None:
+        logger.info("prompts of more than %d characters are refused before tokenizing (max_model_len %d)",
+                    processor.max_prompt_chars, processor.max_model_len)
     yield
     # In-flight requests have completed or been cancelled (aborted) by now.
     await supervisor.stop()
@@ -140,23 +155,36 @@ async def api_key_middleware(request: web.Request, handler):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    chat = parse_chat_request(await read_json(request))
-    engine = _engine_for(request, chat)
-    req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prepared = await engine.prepare_chat(req_id, chat)
-    return await _respond(request, engine, chat, ResponseFormat(True, req_id, engine.model_name, chat.return_token_ids,
-                                                                engine.token_text), prepared, arrival)
+    return await _generate(request, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    """Read the body within its budget, check and prepare the request within the processing
+    budgets, generate. The request is in flight (for the drain) until its response ends."""
     arrival = time.monotonic()
-    req = parse_completion_request(await read_json(request))
-    engine = _engine_for(request, req)
-    req_id = f"cmpl-{uuid.uuid4().hex}"
-    prepared = await engine.prepare_completion(req_id, req)
-    return await _respond(request, engine, req, ResponseFormat(False, req_id, engine.model_name, req.return_token_ids,
-                                                               engine.token_text), prepared, arrival)
+    admission = request.app[ADMISSION]
+    with admission.track() as inflight:
+        body, reservation = await admission.read_body(request, arrival)
+        try:
+            req = (parse_chat_request if chat else parse_completion_request)(_json(body))
+            del body  # the parsed request holds what is needed until it is processed
+            engine = _engine_for(request, req)
+            req_id = inflight.req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            prepare = engine.prepare_chat if chat else engine.prepare_completion
+            prepared = await prepare(req_id, req, reservation, arrival)
+        finally:
+            reservation.release()  # a request refused before processing took the reservation over
+        # The input's memory goes with its reservation: only the prepared prompt stays.
+        if chat:
+            req.messages = []
+        else:
+            req.prompt = ""
+        fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text)
+        return await _respond(request, engine, req, fmt, prepared, arrival)
 
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared,
@@ -177,6 +205,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    draining = request.app[ADMISSION].draining
+    if draining is not None:
+        return web.json_response({"status": "draining", "reason": draining}, status=503)
     supervisor = request.app[SUPERVISOR]
     down = [c.instance_id for c in supervisor.clients if not c.alive]
     if down:
@@ -202,9 +233,9 @@ async def admin_status(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def read_json(request: web.Request):
+def _json(body: bytes):
     try:
-        return json.loads(await request.read())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
