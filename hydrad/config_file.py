@@ -2,7 +2,7 @@
 
 The file has one table per config dataclass: ``[server]`` (with
 ``[server.remote_images]``), ``[model]``, ``[cache]``, ``[scheduler]``,
-``[parallel]``, ``[slo]``, ``[trace]``, and a top-level ``seed``. Keys left out take the
+``[parallel]``, ``[slo]``, ``[trace]``, ``[planner]``, and a top-level ``seed``. Keys left out take the
 dataclass defaults; unknown keys and wrongly typed values are errors, so a typo
 never passes silently. Command-line flags override the file (``overrides``,
 dotted keys such as ``"server.port"``).
@@ -45,6 +45,19 @@ class RemoteImageConfig:
             raise ConfigError(f"server.remote_images.timeout must be > 0, got {self.timeout}")
 
 
+# Memory a request's images take while it is processed, per pixel: decoded (4 bytes, as PIL
+# holds RGB), as arrays for the image processor (3), and its working copies (about 1); the
+# image being preprocessed takes as much again. Measured on 6000x6000 PNG, JPEG, RGBA and
+# grayscale images: 14 bytes per pixel for one image, 7.9 for eight.
+BYTES_PER_PIXEL = 8
+
+
+def image_memory_bytes(num_pixels: int, largest_pixels: int) -> int:
+    """Estimated memory for processing images of ``num_pixels`` in all, the largest of
+    ``largest_pixels``."""
+    return BYTES_PER_PIXEL * (num_pixels + largest_pixels)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -56,9 +69,18 @@ class ServerConfig:
     # Largest accepted request body (base64 images count here).
     max_body_mb: int = 64
     max_images_per_request: int = 8
-    # Images with more pixels are refused before they are decoded.
+    # Images with more pixels, and requests whose images have more pixels in all, are
+    # refused before anything is decoded.
     max_image_pixels: int = 40_000_000
-    # Threads running the Request Processor (chat template, tokenizer, images).
+    max_request_pixels: int = 100_000_000
+    # Memory for requests at once: their bodies (from reading to the end of processing),
+    # and their decoded images (estimated from the headers); a request that does not fit
+    # waits up to queue_timeout seconds, then gets 503 with Retry-After.
+    max_inflight_body_mb: int = 256
+    max_inflight_image_mb: int = 2048
+    queue_timeout: float = 30.0
+    # Requests the Request Processor (chat template, tokenizer, images) works on at
+    # once; one more thread takes small requests only, so they never wait behind large ones.
     processor_threads: int = 2
     router_policy: str = "round-robin"
     # On SIGTERM/SIGINT: seconds granted to in-flight requests before they are aborted.
@@ -76,9 +98,23 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "processor_threads"):
+        for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "max_request_pixels",
+                     "max_inflight_body_mb", "max_inflight_image_mb", "processor_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"server.{name} must be >= 1, got {getattr(self, name)}")
+        # Limits that would refuse every request they are meant to bound.
+        if self.max_request_pixels < self.max_image_pixels:
+            raise ConfigError(f"server.max_request_pixels ({self.max_request_pixels}) must be at least "
+                              f"server.max_image_pixels ({self.max_image_pixels})")
+        if self.max_inflight_body_mb < self.max_body_mb:
+            raise ConfigError(f"server.max_inflight_body_mb ({self.max_inflight_body_mb}) must be at least "
+                              f"server.max_body_mb ({self.max_body_mb})")
+        largest = image_memory_bytes(self.max_request_pixels, self.max_image_pixels) >> 20
+        if self.max_inflight_image_mb < largest:
+            raise ConfigError(f"server.max_inflight_image_mb ({self.max_inflight_image_mb}) cannot hold one request "
+                              f"of server.max_request_pixels: it needs {largest} MiB")
+        if self.queue_timeout < 0:
+            raise ConfigError(f"server.queue_timeout must be >= 0, got {self.queue_timeout}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ConfigError(
                 f"server.router_policy must be one of {', '.join(ROUTER_POLICIES)}, got {self.router_policy!r}"
@@ -115,10 +151,41 @@ class TraceConfig:
 
 
 @dataclass(frozen=True)
+class PlannerConfig:
+    # Re-plan while serving: every `interval` seconds, rank the deployments of these devices
+    # on the requests of the last `window` seconds of the trace, and redeploy when the best
+    # one's simulated goodput beats the running one's by `margin` (0.25: by 25%), at most
+    # once per `min_interval` seconds. Needs the trace ([trace] enabled).
+    auto: bool = False
+    interval: float = 300.0
+    window: float = 1800.0
+    # Fewer finished requests in the window say too little about the workload: no decision.
+    min_requests: int = 50
+    margin: float = 0.25
+    min_interval: float = 1800.0
+    # Requests each simulated replay takes from the window (more: slower and steadier).
+    num_requests: int = 300
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "window", "min_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"planner.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.min_requests < 1 or self.num_requests < 10:
+            raise ConfigError("planner.min_requests must be >= 1 and planner.num_requests >= 10")
+        if self.margin < 0:
+            raise ConfigError(f"planner.margin must be >= 0, got {self.margin}")
+
+
+@dataclass(frozen=True)
 class DaemonConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def __post_init__(self) -> None:
+        if self.planner.auto and not self.trace.enabled:
+            raise ConfigError("planner.auto re-plans from the request trace: it needs [trace] enabled = true")
 
 
 _SECTIONS: dict[str, type] = {
@@ -129,6 +196,7 @@ _SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "slo": SLOConfig,
     "trace": TraceConfig,
+    "planner": PlannerConfig,
 }
 
 
@@ -163,9 +231,10 @@ def _build(raw: dict[str, Any]) -> DaemonConfig:
     parts = {name: _make(cls, raw.get(name, {}), name) for name, cls in _SECTIONS.items()}
     server = parts.pop("server")
     trace = parts.pop("trace")
+    planner = parts.pop("planner")
     seed = raw.get("seed", 0)
     _check_type(seed, int, "seed")
-    return DaemonConfig(engine=EngineConfig(**parts, seed=seed), server=server, trace=trace)
+    return DaemonConfig(engine=EngineConfig(**parts, seed=seed), server=server, trace=trace, planner=planner)
 
 
 def _make(cls: type, table: Any, prefix: str) -> Any:

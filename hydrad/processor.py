@@ -6,13 +6,22 @@ exactly), splits the image outputs per image, and finds where each image's place
 tokens sit in the prompt; images of one prompt may have different numbers of tokens
 (LLaVA-NeXT, Qwen2-VL). For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D
 positions, once. It holds no model weights; the daemon runs it in a thread pool, off the
-event loop.
+event loop, several requests at once: transformers does not promise that a processor is
+safe to call from several threads at once (its tokenizer's settings are changed in
+place), so each call borrows an instance of its own from a small pool.
+
+Sizes are checked before the expensive work: ``inspect_chat`` / ``inspect_prompt``
+count a request's text and read its images' headers (nothing decoded), and refuse a
+prompt whose text is too long to fit in ``max_model_len`` tokens however it is
+tokenized (``max_prompt_chars``), too many pixels per image or per request.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
+import json
+import queue
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,10 +30,25 @@ from PIL import Image
 
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import RequestError
-from hydrad.images import check_image_size, decode_data_url
+from hydrad.images import EncodedImage, check_image_size, decode_data_url, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant")
+# Unicode composition (NFC, NFKC) turns at most 4 code points into one (U+1F82 is
+# U+03B1 U+0313 U+0300 U+0345): the normalized text is at least a quarter as long.
+_MAX_COMPOSITION = 4
+
+
+@dataclass(frozen=True)
+class PromptSize:
+    """What a request holds, from a walk over its fields and its images' headers."""
+
+    num_chars: int  # characters of text (message contents or the prompt)
+    image_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) of each image
+
+    @property
+    def num_pixels(self) -> int:
+        return sum(w * h for w, h in self.image_sizes)
 
 
 @dataclass
@@ -48,6 +72,7 @@ class InputProcessor:
         *,
         max_images_per_request: int = 8,
         max_image_pixels: int = 40_000_000,
+        max_request_pixels: int | None = None,
         max_model_len: int | None = None,
     ):
         from hydrad.models.hf_processor import load_hf_processor
@@ -61,32 +86,73 @@ class InputProcessor:
         self.max_model_len = max_model_len or hf_config.text_config.max_position_embeddings
         self.max_images_per_request = max_images_per_request
         self.max_image_pixels = max_image_pixels
+        self.max_request_pixels = max_request_pixels
         self.processor = load_hf_processor(self.model_path, hf_config.model_type)
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
         self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer, hf_config)
-        # transformers' processors are not safe to call from several threads at once.
-        self._lock = threading.Lock()
+        # A longer text cannot fit in max_model_len tokens (None: the tokenizer may drop text,
+        # so only the token count after tokenizing tells).
+        chars_per_token = max_chars_per_token(self.tokenizer)
+        self.max_prompt_chars = None if chars_per_token is None else self.max_model_len * chars_per_token
+        # HF processors not in use. The first is self.processor, which the event loop also uses
+        # to decode: safe, since decoding neither changes the tokenizer nor releases the GIL.
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle.put(self.processor)
+
+    def add_instances(self, num: int) -> None:
+        """Load ``num`` more HF processors now, so that as many calls at once find one ready
+        (a call that finds none loads one, which costs that call the load time)."""
+        from hydrad.models.hf_processor import load_hf_processor
+
+        for _ in range(num):
+            self._idle.put(load_hf_processor(self.model_path, self.hf_config.model_type))
+
+    @contextmanager
+    def _hf_processor(self) -> Iterator:
+        try:
+            processor = self._idle.get_nowait()
+        except queue.Empty:
+            from hydrad.models.hf_processor import load_hf_processor
+
+            processor = load_hf_processor(self.model_path, self.hf_config.model_type)
+        try:
+            yield processor
+        finally:
+            self._idle.put(processor)
 
     # -- messages ------------------------------------------------------------------------------
-    def _normalize(self, messages) -> tuple[list[dict], list[Image.Image]]:
+    def _normalize(self, messages) -> tuple[list[dict], list[tuple[object, str]], int]:
+        """The messages as the chat template takes them, each image's source (a data URL, a PIL
+        image, fetched bytes) with the field it came from, and the number of text characters.
+        Nothing is decoded."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("messages must be a non-empty list", param="messages")
-        normalized, images = [], []
+        normalized, images, num_chars = [], [], 0
         for i, message in enumerate(messages):
             where = f"messages[{i}]"
             if not isinstance(message, dict):
                 raise RequestError(f"{where} must be an object", param=where)
             role = message.get("role")
+            if role in ("tool", "function"):
+                raise RequestError(f"{where}: {role} messages are not supported (no tools are served)",
+                                   param=f"{where}.role")
             if role not in _ROLES:
                 raise RequestError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
+            for name in ("tool_calls", "function_call"):
+                if message.get(name):
+                    raise RequestError(f"{where}.{name}: tool and function calls are not supported (no tools are "
+                                       "served)", param=f"{where}.{name}")
             role = "system" if role == "developer" else role
             content = message.get("content")
             if isinstance(content, str):
                 normalized.append({"role": role, "content": [{"type": "text", "text": content}]})
+                num_chars += len(content)
                 continue
             if not isinstance(content, list) or not content:
-                raise RequestError(f"{where}.content must be a string or a non-empty list of parts", param=f"{where}.content")
+                got = "null" if content is None else "an empty list" if content == [] else type(content).__name__
+                raise RequestError(f"{where}.content must be a string or a non-empty list of parts, got {got}",
+                                   param=f"{where}.content")
             parts = []
             for j, part in enumerate(content):
                 pwhere = f"{where}.content[{j}]"
@@ -95,10 +161,11 @@ class InputProcessor:
                     if not isinstance(part.get("text"), str):
                         raise RequestError(f"{pwhere}.text must be a string", param=pwhere)
                     parts.append({"type": "text", "text": part["text"]})
+                    num_chars += len(part["text"])
                 elif kind in ("image_url", "image"):
                     if role != "user":
                         raise RequestError(f"{pwhere}: images are accepted in user messages only", param=pwhere)
-                    images.append(self._image_of(part, pwhere))
+                    images.append((self._image_source(part, pwhere), pwhere))
                     parts.append({"type": "image"})
                 else:
                     raise RequestError(
@@ -109,44 +176,94 @@ class InputProcessor:
             raise RequestError(
                 f"{len(images)} images in one request; the limit is {self.max_images_per_request}", param="messages"
             )
-        return normalized, images
+        return normalized, images, num_chars
 
-    def _image_of(self, part: dict, where: str) -> Image.Image:
+    def _image_source(self, part: dict, where: str) -> object:
         if part["type"] == "image":
             image = part.get("image")
-            if not isinstance(image, Image.Image):
+            if not isinstance(image, (Image.Image, EncodedImage)):
                 raise RequestError(f"{where}.image must be a PIL image", param=where)
-            check_image_size(image, max_pixels=self.max_image_pixels, param=where)
-            return image.convert("RGB")
+            return image
         image_url = part.get("image_url")
         url = image_url.get("url") if isinstance(image_url, dict) else image_url
-        if not isinstance(url, str) or not url:
+        if not isinstance(url, str):
             raise RequestError(f"{where}.image_url.url must be a string", param=where)
+        if not url.strip():
+            raise RequestError(f"{where}.image_url.url is empty", param=where)
         if url.startswith(("http://", "https://")):
             raise RequestError("remote image URLs are not enabled on this server; send a data: URL", param=where)
-        return decode_data_url(url, max_pixels=self.max_image_pixels, param=where)
+        return url
 
-    def process_chat(self, messages: list[dict]) -> ProcessedPrompt:
-        normalized, images = self._normalize(messages)
-        with self._lock:
-            text = self.processor.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
-        return self._tokenize(text, images)
+    def _peek(self, source: object, where: str) -> tuple[int, int]:
+        """An image's (width, height) from its header, checked against ``max_image_pixels``."""
+        if isinstance(source, str):
+            return peek_data_url(source, max_pixels=self.max_image_pixels, param=where)
+        if isinstance(source, Image.Image):
+            check_image_size(source, max_pixels=self.max_image_pixels, param=where)
+        return source.size  # EncodedImage: checked when it was fetched
 
-    def process_prompt(self, prompt: str) -> ProcessedPrompt:
+    def _decode(self, source: object, where: str) -> Image.Image:
+        if isinstance(source, str):
+            return decode_data_url(source, max_pixels=self.max_image_pixels, param=where)
+        if isinstance(source, EncodedImage):
+            return open_image_bytes(source.data, max_pixels=self.max_image_pixels, param=where)
+        return source if source.mode == "RGB" else source.convert("RGB")
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a text too long for ``max_model_len`` tokens before it reaches the tokenizer."""
+        if self.max_prompt_chars is not None and num_chars > self.max_prompt_chars:
+            holder = "the messages hold" if param == "messages" else "the prompt has"
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, which hold at most "
+                f"{self.max_prompt_chars} characters of text with its tokenizer; {holder} {num_chars}",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _check_images(self, sources: list[tuple[object, str]]) -> tuple[tuple[int, int], ...]:
+        sizes = tuple(self._peek(source, where) for source, where in sources)
+        num_pixels = sum(w * h for w, h in sizes)
+        if self.max_request_pixels is not None and num_pixels > self.max_request_pixels:
+            raise RequestError(f"the request's {len(sizes)} images have {num_pixels} pixels in all; the limit is "
+                               f"{self.max_request_pixels}", param="messages")
+        return sizes
+
+    def inspect_chat(self, messages) -> PromptSize:
+        """Check a chat request's size without decoding an image or running the tokenizer:
+        its text against ``max_prompt_chars``, each image's header against ``max_image_pixels``,
+        all its pixels against ``max_request_pixels``."""
+        _, sources, num_chars = self._normalize(messages)
+        self.check_prompt_chars(num_chars, "messages")
+        return PromptSize(num_chars, self._check_images(sources))
+
+    def inspect_prompt(self, prompt) -> PromptSize:
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string", param="prompt")
-        return self._tokenize(prompt, [])
+        self.check_prompt_chars(len(prompt), "prompt")
+        return PromptSize(len(prompt))
+
+    def process_chat(self, messages: list[dict]) -> ProcessedPrompt:
+        normalized, sources, num_chars = self._normalize(messages)
+        self.check_prompt_chars(num_chars, "messages")
+        self._check_images(sources)
+        images = [self._decode(source, where) for source, where in sources]
+        with self._hf_processor() as processor:
+            text = processor.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
+            return self._tokenize(processor, text, images)
+
+    def process_prompt(self, prompt: str) -> ProcessedPrompt:
+        self.inspect_prompt(prompt)
+        with self._hf_processor() as processor:
+            return self._tokenize(processor, prompt, [])
 
     # -- tokens ---------------------------------------------------------------------------------
-    def _tokenize(self, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+    def _tokenize(self, processor, text: str, images: list[Image.Image]) -> ProcessedPrompt:
         try:
-            with self._lock:
-                out = self.processor(text=text, images=images or None, return_tensors="pt")
+            out = processor(text=text, images=images or None, return_tensors="pt")
         except ValueError as e:
             if images:
                 # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
                 raise RequestError(f"could not process the images: {e}", param="messages") from None
-            if self.processor.image_token in text:
+            if processor.image_token in text:
                 # transformers 5's processors refuse placeholders without images themselves.
                 raise RequestError("the prompt contains image placeholder tokens but no image", param="messages") from None
             raise
@@ -223,3 +340,93 @@ def _eos_token_ids(model_path: Path, tokenizer, hf_config) -> tuple[int, ...]:
         eos.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
     flat = [t for item in eos for t in (item if isinstance(item, list) else [item])]
     return tuple(sorted({t for t in flat if isinstance(t, int)}))
+
+
+# Normalizers that never shorten a text, and those that shorten it at most _MAX_COMPOSITION-fold.
+_KEEPING_NORMALIZERS = {"NFD", "NFKD", "Lowercase", "Prepend"}
+_COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+# Pre-tokenizers that split a text without dropping any of it.
+_KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of a text one token can stand for, or None when the tokenizer may
+    drop text (a normalizer or pre-tokenizer that deletes characters, unknown runs fused into
+    one token), so that no such bound exists.
+
+    A token stands for at most its own string in the vocabulary (in the byte-level alphabet,
+    one character per byte, at least one byte per character), and the text it is cut from
+    is the normalized text, at least 1/_MAX_COMPOSITION as long as the input when composed
+    (NFC, NFKC). So a text of more than ``n * max_chars_per_token`` characters cannot be
+    fewer than ``n`` tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    shrink = _normalizer_shrink(spec.get("normalizer"))
+    if shrink is None or not _keeps_text(spec.get("pre_tokenizer")):
+        return None
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") or {}
+    if not (model.get("byte_fallback") or _covers_every_byte(spec.get("pre_tokenizer"), vocab)
+            or (model.get("type") == "BPE" and model.get("unk_token") is not None and not model.get("fuse_unk"))):
+        # A character the vocabulary lacks is dropped (BPE without an unknown token), or a
+        # run of them of any length becomes one token (fused, and always with Unigram);
+        # WordPiece and WordLevel make a whole word one unknown token.
+        return None
+    if model.get("type") not in ("BPE", "Unigram"):
+        return None
+    pieces = vocab.keys() if isinstance(vocab, dict) else (piece for piece, _ in vocab)
+    added = (token["content"] for token in spec.get("added_tokens") or ())
+    return shrink * max(len(piece) for piece in (*pieces, *added))
+
+
+def _normalizer_shrink(spec: dict | None) -> int | None:
+    """How many times shorter a normalizer may make a text (None: without bound)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for inner in spec.get("normalizers", ()):
+            inner_factor = _normalizer_shrink(inner)
+            if inner_factor is None:
+                return None
+            factor *= inner_factor
+        return factor
+    if kind in _KEEPING_NORMALIZERS:
+        return 1
+    if kind in _COMPOSING_NORMALIZERS:
+        return _MAX_COMPOSITION
+    if kind == "Replace":
+        pattern, content = spec.get("pattern") or {}, spec.get("content") or ""
+        if "String" in pattern and pattern["String"] and content:
+            return max(1, -(-len(pattern["String"]) // len(content)))
+    return None  # Strip, Precompiled, BertNormalizer, regex Replace: may delete characters
+
+
+def _covers_every_byte(pre_tokenizer: dict | None, vocab) -> bool:
+    """Byte-level: every text reaches the model as characters of the 256-byte alphabet, and
+    the vocabulary holds them all."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    def byte_level(spec: dict | None) -> bool:
+        if spec is None:
+            return False
+        if spec.get("type") == "Sequence":
+            return any(byte_level(inner) for inner in spec.get("pretokenizers", ()))
+        return spec.get("type") == "ByteLevel"
+
+    pieces = vocab if isinstance(vocab, dict) else {piece for piece, _ in vocab}
+    return byte_level(pre_tokenizer) and all(char in pieces for char in ByteLevel.alphabet())
+
+
+def _keeps_text(spec: dict | None) -> bool:
+    if spec is None:
+        return True
+    kind = spec.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(inner) for inner in spec.get("pretokenizers", ()))
+    if kind in ("Split", "Punctuation"):
+        return str(spec.get("behavior", "")).lower() != "removed"
+    return kind in _KEEPING_PRE_TOKENIZERS

@@ -87,7 +87,7 @@ def render(status: dict):
     for i in status["instances"]:
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
         instances.add_row(str(i["id"]), i["device"], i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
-                          _pct(i["kv_usage"]), _pct(i["image_usage"]), f"{i['tokens_per_second']:.1f}")
+                          _pct(i["kv_usage"]), _pct(i["image_usage"]), _rate(i["tokens_per_second"]))
     budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}; {i['latency_model']}"
                     for i in status["instances"] if i.get("latency_model")]
     r = status["requests"]
@@ -104,8 +104,21 @@ def render(status: dict):
     history = deployment.get("history") or []
     if len(history) > 1:
         parts.append("deployments:\n  " + "\n  ".join(_deployment_line(d) for d in history[-5:]))
+    planner = status.get("planner") or {}
+    if planner.get("auto"):
+        decisions = planner.get("decisions") or []
+        head = (f"re-planning every {planner['interval']:g} s (window {planner['window']:g} s, margin "
+                f"{planner['margin']:.0%})")
+        parts.append(head + (":\n  " + "\n  ".join(_decision_line(d) for d in decisions[-5:])
+                             if decisions else ": no decision yet"))
     parts.append(requests)
     return Group(*parts)
+
+
+def _decision_line(d: dict) -> str:
+    import time
+
+    return f"{time.strftime('%H:%M:%S', time.localtime(d['time']))} {d['action']} {d['current']}: {d['reason']}"
 
 
 def _deployment_line(d: dict) -> str:
@@ -117,6 +130,10 @@ def _deployment_line(d: dict) -> str:
 
 def _n(value) -> str:
     return "-" if value is None else str(value)
+
+
+def _rate(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _pct(value) -> str:

@@ -47,6 +47,8 @@ class RequestTable:
         # stage has no live instance waits here instead of failing: (source, offer).
         self.hold_offers = False
         self._parked: list[tuple[Instance, MigrationOffer]] = []
+        # Requests failed because the instance holding them died.
+        self.num_lost = 0
 
     def __len__(self) -> int:
         """Requests in flight (one migrating between instances counts once)."""
@@ -137,4 +139,5 @@ class RequestTable:
             if handed_back is not None:
                 self.on_offer(*handed_back)
             else:
+                self.num_lost += req_id in self.sinks
                 self.fail(req_id, error)

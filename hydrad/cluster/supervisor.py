@@ -142,6 +142,20 @@ class Supervisor:
     def healthy(self) -> bool:
         return bool(self.clients) and all(c.accepting for c in self.clients)
 
+    @property
+    def busy(self) -> str | None:
+        """Why the deployment cannot be changed now (None: it can)."""
+        if self._redeploying:
+            return "a redeploy is under way"
+        down = [c.instance_id for c in self.clients if not c.accepting]
+        if down:
+            return f"instance(s) {', '.join(map(str, down))} are down or restarting"
+        return None
+
+    @property
+    def is_cpu(self) -> bool:
+        return all(spec.device.startswith("cpu") for spec in self.specs)
+
     def process(self, instance_id: int) -> BaseProcess | None:
         return self._processes.get(instance_id)
 
@@ -249,10 +263,8 @@ class Supervisor:
         say = progress or (lambda line: None)
         if self._redeploying:
             raise RedeployError("a redeploy is already under way")
-        down = [c.instance_id for c in self.clients if not c.accepting]
-        if down:
-            raise RedeployError(f"instance(s) {', '.join(map(str, down))} are down or restarting; "
-                                "redeploy once /health is ok")
+        if self.busy:
+            raise RedeployError(f"{self.busy}; redeploy once /health is ok")
         changes = plan_redeploy([c.role for c in self.clients], roles)
         target = format_deploy(roles)
         start = time.monotonic()
@@ -275,7 +287,8 @@ class Supervisor:
                     client = self.clients[change.instance_id]
                     client.role = change.union
                     client.ready = dataclasses.replace(client.ready, latency_model=answer.latency_model,
-                                                       latency_bound=answer.latency_bound)
+                                                       latency_bound=answer.latency_bound,
+                                                       geometry=answer.geometry or client.ready.geometry)
                     say(f"#{change.instance_id} serves {change.union} ({answer.seconds:.1f} s)")
             self.migrates = True
             say("sharing cache pools")

@@ -67,6 +67,17 @@ def _kv_block_size(cache: CacheConfig, backend) -> int:
     return cache.kv_block_size
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolGeometry:
+    """One block of each pool: the tokens (slots) it holds and its bytes. The planner sizes
+    its simulated pools and copies by it."""
+
+    kv_block_size: int
+    kv_block_bytes: int
+    image_block_size: int
+    image_block_bytes: int
+
+
 def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
     if explicit is not None:
         return explicit
@@ -162,11 +173,19 @@ class EngineCore:
         cache = self.config.cache
         kv_mb = cache.kv_cache_memory_mb + (0 if has_image_cache else cache.image_cache_memory_mb)
         image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
-        kv_block_bytes = math.prod(self.model.kv_cache_shape(1, self.kv_block_size)) * self.dtype.itemsize
-        image_block_bytes = image_block_size * self.model.image_hidden_size * self.dtype.itemsize
-        num_kv = _num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0
-        num_image = _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes) if has_image_cache else 0
+        geometry = self.geometry(image_block_size)
+        num_kv = _num_blocks(cache.num_kv_blocks, kv_mb, geometry.kv_block_bytes) if has_kv else 0
+        num_image = (_num_blocks(cache.num_image_blocks, image_mb, geometry.image_block_bytes)
+                     if has_image_cache else 0)
         return num_kv, num_image
+
+    def geometry(self, image_block_size: int | None = None) -> PoolGeometry:
+        """This instance's blocks (for a pool it does not hold: what such a block would be)."""
+        if image_block_size is None:
+            image_block_size = self.runner.image_block_size
+        return PoolGeometry(
+            self.kv_block_size, math.prod(self.model.kv_cache_shape(1, self.kv_block_size)) * self.dtype.itemsize,
+            image_block_size, image_block_size * self.model.image_hidden_size * self.dtype.itemsize)
 
     # -- role changes (live redeploy) ------------------------------------------------------------
     def expand(self, role: str) -> str:

@@ -425,6 +425,42 @@ def store(path: Path, model: LatencyModel) -> None:
             tmp.unlink(missing_ok=True)
 
 
+# -- copy bandwidth ----------------------------------------------------------------------------
+def measure_bandwidth(engine, *, repeats: int = 5) -> float:
+    """Bytes per second of the runner's block copy (``copy_in``, as a pull runs it), between
+    blocks of the engine's own KV pool; cached on disk per machine, threads, device and
+    block size."""
+    from hydrad.models.default import cache_dir
+
+    pool = engine.runner.kv_cache
+    block_bytes = engine.geometry().kv_block_bytes
+    key = {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
+           "device": str(engine.device), "block_bytes": block_bytes}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "bandwidth" / f"bandwidth-{digest}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("key") == key:
+            return float(cached["bytes_per_second"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    num_blocks = pool.shape[2]
+    count = max(1, min(64, num_blocks // 2))
+    src, dst = list(range(count)), list(range(num_blocks - count, num_blocks))
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        engine.runner.copy_in("kv", pool, src, dst)
+        times.append(time.perf_counter() - start)
+    bandwidth = count * block_bytes / max(statistics.median(times[1:]), 1e-9)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "bytes_per_second": bandwidth}))
+    except OSError as e:
+        logger.warning("could not cache the copy bandwidth in %s: %s", path, e)
+    return bandwidth
+
+
 # -- fit ---------------------------------------------------------------------------------------
 def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], float] | None = None,
                       show_progress: bool = True, allow_busy: bool = False) -> LatencyModel:

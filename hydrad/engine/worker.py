@@ -98,12 +98,16 @@ def worker_main(
             model, bound = fit_latency_model(engine), latency_bound(config.slo, engine.role)
             engine.set_latency_model(model, bound)
         pools = export_pools(engine.pools(), peer_ids) if peer_ids else {}
+        from hydrad.engine.profiler import measure_bandwidth
+
+        # Measured (or read from its cache) before any request holds a block of the pool.
+        bandwidth = measure_bandwidth(engine) if engine.kv_manager is not None else None
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()
         sys.exit(1)
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
-                          pools))
+                          engine.geometry(), bandwidth, pools))
     try:
         run_worker(engine, conn)
     except (EOFError, BrokenPipeError, ConnectionResetError):
@@ -129,7 +133,8 @@ def _reconfigure(engine, role: str) -> Reconfigured:
     except Exception as e:  # the daemon reports it and keeps the deployment as it was
         logger.exception("taking on role %s failed", role)
         return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=f"{type(e).__name__}: {e}")
-    return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound)
+    return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound,
+                        geometry=engine.geometry())
 
 
 def _latency(engine, role: str):

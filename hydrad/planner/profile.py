@@ -11,7 +11,7 @@ The simulator needs, for the deployments of N devices:
 * the pools of an instance of each role (the engine splits its cache memory by role),
   from the checkpoint's geometry and ``[cache]``;
 * the copy bandwidth of a pull, measured with the runner's own block copy and cached
-  under ``$HYDRAD_CACHE_DIR/planner/``.
+  under ``$HYDRAD_CACHE_DIR/bandwidth/`` (``engine.profiler.measure_bandwidth``).
 
 A fixed cost per message between the daemon and a worker and per step is not measured
 here: ``message_seconds`` (default 2 ms: the idle E->P and P->D migration of
@@ -20,14 +20,8 @@ here: ``message_seconds`` (default 2 ms: the idle E->P and P->D migration of
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import math
 import os
-import platform
-import statistics
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -101,49 +95,6 @@ def role_layouts(config: EngineConfig, kv_block_bytes: int, image_block_bytes: i
     return layouts
 
 
-def measure_bandwidth(engine, *, repeats: int = 5) -> float:
-    """Bytes per second of the runner's block copy (``copy_in``, as a pull runs it), between
-    blocks of the engine's own KV pool; cached per machine, threads and block size."""
-    import torch
-
-    from hydrad.models.default import cache_dir
-
-    pool = engine.runner.kv_cache
-    num_blocks = pool.shape[2]
-    key = {"machine": platform.machine(), "processor": platform.processor(), "threads": torch.get_num_threads(),
-           "device": str(engine.device), "block_bytes": engine_block_bytes(engine)[0]}
-    path = cache_dir() / "planner" / f"bandwidth-{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]}.json"
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return float(cached["bytes_per_second"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    count = max(1, min(64, num_blocks // 2))
-    src, dst = list(range(count)), list(range(num_blocks - count, num_blocks))
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        engine.runner.copy_in("kv", pool, src, dst)
-        times.append(time.perf_counter() - start)
-    seconds = statistics.median(times[1:])
-    bandwidth = count * key["block_bytes"] / max(seconds, 1e-9)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"key": key, "bytes_per_second": bandwidth}))
-    except OSError as e:
-        logger.warning("could not cache the copy bandwidth in %s: %s", path, e)
-    return bandwidth
-
-
-def engine_block_bytes(engine) -> tuple[int, int]:
-    """(bytes of one KV block, bytes of one image-cache block) of ``engine``."""
-    bs = engine.kv_block_size
-    kv = math.prod(engine.model.kv_cache_shape(1, bs)) * engine.dtype.itemsize
-    image = engine.image_manager.block_size * engine.model.image_hidden_size * engine.dtype.itemsize
-    return kv, image
-
-
 @dataclass(frozen=True)
 class MachineOptions:
     message_seconds: float = DEFAULT_MESSAGE_SECONDS
@@ -158,7 +109,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
     import torch
 
     from hydrad.engine.core import EngineCore
-    from hydrad.engine.profiler import fit_latency_model
+    from hydrad.engine.profiler import fit_latency_model, measure_bandwidth
 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(devices.threads)
@@ -166,12 +117,13 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
     try:
         engine = EngineCore(config, role="EPD", device=devices.devices[0])
         model = fit_latency_model(engine, show_progress=show_progress)
-        kv_bytes, image_bytes = engine_block_bytes(engine)
+        geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
         return SimSetup(
-            model=model, layouts=role_layouts(config, kv_bytes, image_bytes),
-            kv_block_size=engine.kv_block_size, image_block_size=engine.image_manager.block_size,
-            kv_block_bytes=kv_bytes, image_block_bytes=image_bytes, max_model_len=engine.max_model_len,
+            model=model, layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
+            kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
+            kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
+            max_model_len=engine.max_model_len,
             scheduler=config.scheduler, slo=config.slo, router_policy=options.router_policy, bandwidth=bandwidth,
             message_seconds=options.message_seconds, step_overhead=options.step_overhead,
             cores=(os.cpu_count() or 1) if devices.is_cpu else None, threads=devices.threads,
@@ -298,8 +250,12 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
     if baseline is not None and baseline.goodput is None:
         profile.planner.bisect(baseline)
-    versus = f", {len(devices)}EPD {baseline.goodput:.3g}" if baseline is not None and best is not baseline else ""
+
+    def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
+        return f"{'>=' if goodput >= 0.95 * profile.planner.max_rate else ''}{goodput:.3g}"
+
+    versus = f", {len(devices)}EPD {rate(baseline.goodput)}" if baseline is not None and best is not baseline else ""
     reason = (f"planner's pick for TTFT <= {slo.ttft:g} s, TBT p90 <= {slo.tbt:g} s from {len(records)} traced "
-              f"requests ({profile.workload.mean_rate:.3g} req/s): simulated goodput {best.goodput:.3g} req/s"
+              f"requests ({profile.workload.mean_rate:.3g} req/s): simulated goodput {rate(best.goodput)} req/s"
               f"{versus}")
     return best.spec, reason

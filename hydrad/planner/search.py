@@ -19,7 +19,10 @@ comes from the simulator:
 
 Goodput is the bench's: the highest rate with >= 90% of the requests meeting the SLO
 below the lowest rate that misses it, found by doubling or halving and then bisecting
-until the bracket is narrower than ``rel_tol`` (``hydractl bench --goodput``).
+until the bracket is narrower than ``rel_tol`` (``hydractl bench --goodput``). A replay
+of ``num_requests`` tells rates up to ``num_requests / (3 * TTFT)`` only: at higher rates
+they all arrive within a few TTFTs, and a deployment that absorbs the burst would pass at
+any rate. Goodputs are capped there (raise ``num_requests`` to see further).
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from hydrad.planner.workload import Workload
 ROLE_ORDER = ("E", "EP", "ED", "EPD", "P", "PD", "D")
 # Margin on a reach (``Planner.reach``) for what the capacity model leaves out.
 SLACK = 1.1
+# A replay tells a rate only if its arrivals span this many TTFTs (``Planner.max_rate``).
+SPAN = 3.0
 
 
 def deployments(n: int) -> list[tuple[str, ...]]:
@@ -147,17 +152,31 @@ class Planner:
         share = self.slo_ttft * cap / (GOODPUT_ATTAINMENT * self.num_requests)
         return SLACK * cap / (1 - share) if share < 0.9 else float("inf")
 
+    @property
+    def max_rate(self) -> float:
+        """The highest rate a replay of ``num_requests`` can tell: above it they all arrive
+        within ``SPAN`` TTFTs, and a deployment that absorbs the burst would pass at any rate."""
+        return self.num_requests / (SPAN * self.slo_ttft)
+
+    def _rank_key(self, ev: Evaluation) -> tuple[float, float, str]:
+        """Best first: by goodput, those at the replay's limit (known only to reach it) as
+        equals, then by capacity bound."""
+        goodput = self.max_rate if ev.goodput >= (1 - self.rel_tol) * self.max_rate else ev.goodput
+        return -goodput, -ev.bound.rate, ev.spec
+
     def passes(self, ev: Evaluation, rate: float) -> bool:
+        if rate > self.max_rate:
+            return False  # not resolvable: the goodput is reported as at most max_rate
         attainment = self.replay(ev.roles, rate).attainment
         ev.points.append((rate, attainment))
         return attainment >= GOODPUT_ATTAINMENT
 
     def bisect(self, ev: Evaluation, known_pass: float | None = None) -> float:
         """The goodput of ``ev``'s deployment; ``known_pass``: a rate it is known to pass."""
-        cap = ev.bound.rate
-        lower, upper = cap / 256, cap * 16
+        cap = min(ev.bound.rate, self.max_rate)
+        lower, upper = cap / 256, min(cap * 16, self.max_rate)
         lo, hi = known_pass, None
-        rate = max(0.8 * cap, 1.25 * known_pass) if known_pass else 0.6 * cap
+        rate = min(max(0.8 * cap, 1.25 * known_pass) if known_pass else 0.6 * cap, upper)
         while lo is None or hi is None:
             if self.passes(ev, rate):
                 lo = rate
@@ -219,7 +238,7 @@ class Planner:
         for ev in evaluations.values():
             if ev.methods and ev.status != "ranked":
                 self.bisect(ev)
-        ranked = sorted((e for e in evaluations.values() if e.status == "ranked"), key=lambda e: -e.goodput)
+        ranked = sorted((e for e in evaluations.values() if e.status == "ranked"), key=self._rank_key)
         picks = [e for e in ranked if e.methods]
         for ev in ranked[:keep] + [e for e in picks[:1] if e not in ranked[:keep]]:
             self.describe(ev)

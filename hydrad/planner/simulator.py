@@ -95,8 +95,8 @@ class SimSetup:
     # by the token and image caps.
     fill_by_model: bool = True
     # Requests the daemon's Request Processor prepares at a time, first come first served
-    # (None: no queue). Its threads ([server] processor_threads) share one lock around the
-    # transformers processor, so it is mostly one at a time.
+    # (None: no queue). Its threads ([server] processor_threads) work on several requests
+    # at once but share the daemon's interpreter lock and cores: one at a time models it.
     processor_threads: int | None = 1
 
     def __post_init__(self) -> None:

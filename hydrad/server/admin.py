@@ -86,7 +86,9 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "num_kv_blocks_used": s.num_kv_blocks_used if s else None,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
-            "tokens_per_second": client.tokens_per_second() if client.accepting else 0.0,
+            # A worker that is down makes no tokens, whatever it made in its last seconds.
+            "tokens_per_second": (None if not client.alive else
+                                  client.tokens_per_second() if client.accepting else 0.0),
             **_latency(client.ready),
         })
     return {

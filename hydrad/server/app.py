@@ -2,7 +2,8 @@
 
 ``make_app`` wires everything; the workers, the Request Processor's thread pool
 and (if enabled) the HTTP session for remote images live in one cleanup context,
-so they start with the app and stop after the last in-flight request.
+so they start with the app and stop after the last in-flight request. What is let
+in, and the drain, are ``Admission``'s (``server/admission.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from rich.console import Console
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import ConfigError, RequestError
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
+from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient
-from hydrad.server.errors import UNAVAILABLE, APIError, error_response
+from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_response
 from hydrad.server.metrics import Metrics
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
@@ -42,7 +44,10 @@ CONSOLE = web.AppKey("console", Console)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 ENGINE = web.AppKey("engine", EngineClient)
 METRICS = web.AppKey("metrics", Metrics)
+ADMISSION = web.AppKey("admission", Admission)
 STARTED = web.AppKey("started", float)
+# The re-planning loop (planner.auto), or None.
+REPLANNER = web.AppKey("replanner", object)
 # The deployment started with and why: {"spec": "1EP+1D", "reason": "..."} (the
 # supervisor's history has it, and every change since).
 DEPLOYMENT = web.AppKey("deployment", dict)
@@ -77,13 +82,21 @@ async def engine_ctx(app: web.Application):
     server = config.server
     model_path = Path(config.engine.model.path)
     loop = asyncio.get_running_loop()
-    executor = ThreadPoolExecutor(server.processor_threads, thread_name_prefix="hydrad-processor")
+    # One thread more than large requests may take: see Admission.
+    num_threads = server.processor_threads + 1
+    executor = ThreadPoolExecutor(num_threads, thread_name_prefix="hydrad-processor")
     from hydrad.processor import InputProcessor
 
-    processor_future = loop.run_in_executor(executor, lambda: InputProcessor(
-        model_path, max_images_per_request=server.max_images_per_request,
-        max_image_pixels=server.max_image_pixels, max_model_len=config.engine.model.max_model_len,
-    ))
+    def load_processor() -> InputProcessor:
+        processor = InputProcessor(
+            model_path, max_images_per_request=server.max_images_per_request,
+            max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
+            max_model_len=config.engine.model.max_model_len,
+        )
+        processor.add_instances(num_threads - 1)  # one per thread, loaded while the workers load
+        return processor
+
+    processor_future = loop.run_in_executor(executor, load_processor)
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy,
                             restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window))
@@ -102,10 +115,14 @@ async def engine_ctx(app: web.Application):
     app[METRICS] = Metrics(processor.model_name)
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
+    app[ADMISSION] = Admission(server, executor)
     app[ENGINE] = EngineClient(
         processor, supervisor.router, supervisor.table, app[METRICS],
-        executor, server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
+        app[ADMISSION], server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
     )
+    if processor.max_prompt_chars is not None:
+        logger.info("prompts of more than %d characters are refused before tokenizing (max_model_len %d)",
+                    processor.max_prompt_chars, processor.max_model_len)
     if config.trace.enabled:
         from hydrad.planner.trace import TraceWriter, count_template_tokens
 
@@ -114,7 +131,18 @@ async def engine_ctx(app: web.Application):
             model=processor.model_name, deploy=lambda: supervisor.deployment,
             template_tokens=count_template_tokens(processor))
         logger.info("recording finished requests in %s", app[ENGINE].trace.path)
+    replanner = None
+    if config.planner.auto:
+        from hydrad.planner.replan import Replanner
+
+        replanner = Replanner(config, supervisor, processor.model_name)
+        replanner.start()
+        logger.info("re-planning every %g s on the last %g s of the trace (planner.auto)", config.planner.interval,
+                    config.planner.window)
+    app[REPLANNER] = replanner
     yield
+    if replanner is not None:
+        await replanner.stop()
     if app[ENGINE].trace is not None:
         app[ENGINE].trace.close()
     # In-flight requests have completed or been cancelled (aborted) by now.
@@ -162,23 +190,36 @@ async def api_key_middleware(request: web.Request, handler):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    arrival = time.monotonic()
-    chat = parse_chat_request(await read_json(request))
-    engine = _engine_for(request, chat)
-    req_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prepared = await engine.prepare_chat(req_id, chat)
-    return await _respond(request, engine, chat, ResponseFormat(True, req_id, engine.model_name, chat.return_token_ids,
-                                                                engine.token_text), prepared, arrival)
+    return await _generate(request, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+    """Read the body within its budget, check and prepare the request within the processing
+    budgets, generate. The request is in flight (for the drain) until its response ends."""
     arrival = time.monotonic()
-    req = parse_completion_request(await read_json(request))
-    engine = _engine_for(request, req)
-    req_id = f"cmpl-{uuid.uuid4().hex}"
-    prepared = await engine.prepare_completion(req_id, req)
-    return await _respond(request, engine, req, ResponseFormat(False, req_id, engine.model_name, req.return_token_ids,
-                                                               engine.token_text), prepared, arrival)
+    admission = request.app[ADMISSION]
+    with admission.track() as inflight:
+        body, reservation = await admission.read_body(request, arrival)
+        try:
+            req = (parse_chat_request if chat else parse_completion_request)(_json(body))
+            del body  # the parsed request holds what is needed until it is processed
+            engine = _engine_for(request, req)
+            req_id = inflight.req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            prepare = engine.prepare_chat if chat else engine.prepare_completion
+            prepared = await prepare(req_id, req, reservation, arrival)
+        finally:
+            reservation.release()  # a request refused before processing took the reservation over
+        # The input's memory goes with its reservation: only the prepared prompt stays.
+        if chat:
+            req.messages = []
+        else:
+            req.prompt = ""
+        fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text)
+        return await _respond(request, engine, req, fmt, prepared, arrival)
 
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared,
@@ -202,6 +243,9 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    draining = request.app[ADMISSION].draining
+    if draining is not None:
+        return web.json_response({"status": "draining", "reason": draining}, status=503)
     supervisor = request.app[SUPERVISOR]
     down = [c.instance_id for c in supervisor.clients if not c.accepting]
     if down:
@@ -229,6 +273,8 @@ async def admin_status(request: web.Request) -> web.Response:
                        num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
     current = supervisor.history[-1]
     body["deployment"] = {"deploy": supervisor.deployment, "reason": current.reason, "history": history(supervisor)}
+    replanner = request.app[REPLANNER]
+    body["planner"] = replanner.status() if replanner is not None else {"auto": False, "decisions": []}
     return web.json_response(body)
 
 
@@ -295,8 +341,12 @@ async def admin_trace(request: web.Request) -> web.Response:
 
 
 async def read_json(request: web.Request):
+    return _json(await request.read())
+
+
+def _json(body: bytes):
     try:
-        return json.loads(await request.read())
+        return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 

@@ -1,7 +1,12 @@
 """The daemon's life: start the app, serve until SIGTERM/SIGINT, shut down gracefully.
 
-Shutdown: stop listening, give in-flight requests up to ``server.shutdown_timeout``
-seconds, cancel (and so abort) the rest, stop the workers, return (exit 0).
+Shutdown (the drain): ``/health`` and new requests answer 503 while the requests in
+flight go on, for up to ``server.shutdown_timeout`` seconds, counted once from the
+signal; what is still running then is aborted (streams end with an error event, a
+``finish_reason`` and ``[DONE]``; the ids are logged); then the listening socket and
+the connections close, the workers stop, and ``serve`` returns (exit 0). So the
+daemon is gone ``shutdown_timeout`` plus a few seconds plus the workers' exit
+after the signal.
 
 Stopping at once: a second SIGTERM/SIGINT while draining, or a worker death that
 leaves some stage without a live instance (``Supervisor.failed``), fails every
@@ -22,11 +27,17 @@ from rich.console import Console
 
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
-from hydrad.server.app import ENGINE, SUPERVISOR, make_app
+from hydrad.server.app import ADMISSION, ENGINE, SUPERVISOR, make_app
 from hydrad.server.notify import sd_notify
 from hydrad.cluster.supervisor import InstanceSpec
 
 logger = logging.getLogger("hydrad.daemon")
+
+# After the drain, the requests aborted at its end get this long to write their last
+# bytes, and aiohttp as long (twice: before and after cancelling) for a handler stuck
+# writing to a client that does not read, before the connections close.
+_ABORT_GRACE = 2.0
+_CLOSE_TIMEOUT = 1.0
 
 
 class DaemonFailed(HydradError):
@@ -37,8 +48,9 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
                 deployment: dict | None = None) -> None:
     server = config.server
     app = make_app(config, specs, console=console, deployment=deployment)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=server.shutdown_timeout,
-                           access_log=None)
+    # The drain is done here, not by aiohttp, which would grant its timeout twice (waiting
+    # for handlers, then again after cancelling them) and stop listening first.
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_CLOSE_TIMEOUT, access_log=None)
     loop = asyncio.get_running_loop()
     signals: asyncio.Queue[signal.Signals] = asyncio.Queue()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -67,32 +79,55 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
     await asyncio.wait([stop_requested, failed], return_when=asyncio.FIRST_COMPLETED)
     if not stop_requested.done():  # a stage lost its last instance (the supervisor logged which)
         stop_requested.cancel()
-        logger.error("stopping now: %d request(s) in flight fail", len(supervisor.table))
+        _log_stopping_now(app)
         await _stop_now(app, runner.cleanup(), supervisor.failure)
-    inflight = len(supervisor.table)
-    logger.info("shutting down: %d request(s) in flight, waiting up to %.0f s", inflight, server.shutdown_timeout)
-    sd_notify(f"STOPPING=1\nSTATUS=draining {inflight} request(s)")
-    draining = asyncio.ensure_future(runner.cleanup())
+    admission = app[ADMISSION]
+    logger.info("shutting down: %d request(s) in flight, waiting up to %.0f s", len(admission.inflight),
+                server.shutdown_timeout)
+    sd_notify(f"STOPPING=1\nSTATUS=draining {len(admission.inflight)} request(s)")
+    admission.start_draining(f"{stop_requested.result().name} received")
+    drained = asyncio.ensure_future(admission.wait_idle(server.shutdown_timeout))
     second_signal = asyncio.ensure_future(signals.get())
-    await asyncio.wait([draining, second_signal, failed], return_when=asyncio.FIRST_COMPLETED)
-    if not draining.done():
+    await asyncio.wait([drained, second_signal, failed], return_when=asyncio.FIRST_COMPLETED)
+    if not drained.done():
+        drained.cancel()
         if second_signal.done():
             reason = f"second {second_signal.result().name} while draining"
-            logger.warning("%s: aborting %d request(s) and stopping now", reason, len(supervisor.table))
+            logger.warning("%s: aborting %d request(s) and stopping now", reason, len(admission.inflight))
         else:
             reason = supervisor.failure
-            logger.error("stopping now: %d request(s) in flight fail", len(supervisor.table))
-        await _stop_now(app, draining, reason)
+            _log_stopping_now(app)
+        await _stop_now(app, runner.cleanup(), reason)
     second_signal.cancel()
     failed.cancel()
-    draining.result()
+    if not drained.result():
+        ids = sorted(entry.req_id or "(not started)" for entry in admission.inflight)
+        logger.warning("shutting down: %d request(s) still running after %g s (server.shutdown_timeout), aborted: %s",
+                       len(ids), server.shutdown_timeout, ", ".join(ids))
+        _abort_all(app, f"the daemon is shutting down: the request was still running after "
+                        f"server.shutdown_timeout ({server.shutdown_timeout:g} s)")
+        await admission.wait_idle(_ABORT_GRACE)
+    await runner.cleanup()
     logger.info("stopped")
+
+
+def _log_stopping_now(app: web.Application) -> None:
+    table = app[SUPERVISOR].table
+    # The requests of the worker that died have failed already; count them with the rest.
+    logger.error("stopping now: %d request(s) failed with the lost worker(s), %d more in flight fail",
+                 table.num_lost, len(app[ADMISSION].inflight))
+
+
+def _abort_all(app: web.Application, reason: str) -> None:
+    """End every request: those on workers, those waiting for a budget or being processed."""
+    app[ADMISSION].abort_all(reason)
+    app[SUPERVISOR].table.fail_all(reason)
 
 
 async def _stop_now(app: web.Application, cleanup: Awaitable[None], reason: str) -> NoReturn:
     """Fail every request in flight, stop the workers (``cleanup``: the app's, which
     returns as soon as no handler runs) and raise ``DaemonFailed``."""
-    app[SUPERVISOR].table.fail_all(f"the daemon is stopping: {reason}")
+    _abort_all(app, f"the daemon is stopping: {reason}")
     sd_notify(f"STOPPING=1\nSTATUS=stopping: {reason}")
     await cleanup
     raise DaemonFailed(f"stopped: {reason}")

@@ -1,8 +1,10 @@
 """The daemon's view of the engine: prepare requests off the loop, stream outputs.
 
-``prepare_*`` runs the Request Processor in a thread pool (chat template,
-tokenizer, image decoding and preprocessing, pixel tensors moved to shared
-memory), so a burst of large images never stalls token streaming. ``generate``
+``prepare_*`` checks a request's size on the loop (its text and its images'
+headers, nothing decoded), then runs the Request Processor in the pool of
+``Admission`` (chat template, tokenizer, image decoding and preprocessing, pixel
+tensors moved to shared memory) within its memory budgets, so large inputs
+neither stall token streaming nor the small requests that come meanwhile. ``generate``
 sends a request's ``n`` completions to the instances the router picks and returns
 a ``RequestStream``. Each completion is a ``ChoiceStream``, the request table's sink
 for it: it is fed synchronously while a step's output is read (detokenization, stop
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,9 +27,10 @@ import aiohttp
 from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
-from hydrad.processor import InputProcessor, ProcessedPrompt
+from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize
 from hydrad.sampling_params import split_choices
 from hydrad.cluster.worker_client import WorkerClient
+from hydrad.server.admission import Admission, Reservation
 from hydrad.server.images_remote import fetch_remote_images
 from hydrad.server.metrics import Metrics
 from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptions
@@ -57,7 +59,7 @@ class EngineClient:
         router: Router,
         table: RequestTable,
         metrics: Metrics,
-        executor: Executor,
+        admission: Admission,
         config: ServerConfig,
         max_model_len: int,
         http_session: aiohttp.ClientSession | None = None,
@@ -66,7 +68,7 @@ class EngineClient:
         self.router = router
         self.table = table
         self.metrics = metrics
-        self.executor = executor
+        self.admission = admission
         self.config = config
         self.max_model_len = max_model_len
         self.http_session = http_session
@@ -82,20 +84,27 @@ class EngineClient:
             text = self._token_text[token_id] = self.processor.tokenizer.decode([token_id])
         return text
 
-    async def prepare_chat(self, req_id: str, chat: ChatRequest) -> list[EngineRequest]:
+    async def prepare_chat(self, req_id: str, chat: ChatRequest, body: Reservation,
+                           arrival: float) -> list[EngineRequest]:
+        """``body``: the reservation of the request's body, released once it is processed."""
         messages = chat.messages
         if self.http_session is not None:
             messages = await fetch_remote_images(
-                messages, self.http_session, self.config.remote_images,
-                max_pixels=self.config.max_image_pixels, executor=self.executor,
+                messages, self.http_session, self.config.remote_images, max_pixels=self.config.max_image_pixels,
             )
-        return await self._prepare(req_id, lambda: self.processor.process_chat(messages), chat.options, "messages")
+        size = self.processor.inspect_chat(messages)
+        return await self._prepare(req_id, size, body, arrival, lambda: self.processor.process_chat(messages),
+                                   chat.options, "messages")
 
-    async def prepare_completion(self, req_id: str, req: CompletionRequest) -> list[EngineRequest]:
-        return await self._prepare(req_id, lambda: self.processor.process_prompt(req.prompt), req.options, "prompt")
+    async def prepare_completion(self, req_id: str, req: CompletionRequest, body: Reservation,
+                                 arrival: float) -> list[EngineRequest]:
+        size = self.processor.inspect_prompt(req.prompt)
+        return await self._prepare(req_id, size, body, arrival, lambda: self.processor.process_prompt(req.prompt),
+                                   req.options, "prompt")
 
     async def _prepare(
-        self, req_id: str, process: Callable[[], ProcessedPrompt], options: SamplingOptions, prompt_param: str
+        self, req_id: str, size: PromptSize, body: Reservation, arrival: float,
+        process: Callable[[], ProcessedPrompt], options: SamplingOptions, prompt_param: str,
     ) -> list[EngineRequest]:
         """One engine request per completion (``n`` of them, sharing the prompt's tensors)."""
 
@@ -111,7 +120,7 @@ class EngineClient:
                 requests[0].mrope_positions.share_memory_()
             return requests
 
-        return await asyncio.get_running_loop().run_in_executor(self.executor, build)
+        return await self.admission.process(build, size, body, arrival)
 
     def generate(self, requests: list[EngineRequest], arrival: float, user: str | None = None) -> RequestStream:
         """Send a request's completions to instances; their outputs stream from the returned

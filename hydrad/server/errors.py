@@ -24,6 +24,7 @@ class APIError(Exception):
         self.status = status
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}  # sent with the error (Retry-After)
 
 
 def exception_status(e: BaseException) -> int:
@@ -41,7 +42,7 @@ def exception_status(e: BaseException) -> int:
 def error_body(status: int, e: BaseException | str) -> dict:
     if isinstance(e, web.HTTPException):
         message = e.text if e.text and not e.text.startswith(f"{e.status}:") else e.reason
-    elif status >= 500 and not isinstance(e, (*UNAVAILABLE, str)):
+    elif status >= 500 and not isinstance(e, (*UNAVAILABLE, APIError, str)):
         message = "internal server error"
     else:
         message = str(e)
@@ -57,4 +58,5 @@ def error_body(status: int, e: BaseException | str) -> dict:
 
 def error_response(e: BaseException) -> web.Response:
     status = exception_status(e)
-    return web.json_response(error_body(status, e), status=status)
+    headers = e.headers if isinstance(e, APIError) else None
+    return web.json_response(error_body(status, e), status=status, headers=headers)

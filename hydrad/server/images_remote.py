@@ -1,21 +1,21 @@
 """Fetching ``http(s)`` image URLs, when the config enables it.
 
-Remote parts are replaced by decoded images (``{"type": "image", "image": PIL}``)
-before the Request Processor sees the messages. Each fetch is bounded in bytes
-and time, and the pixel limit is checked on the image header before decoding.
+Remote parts are replaced by the fetched bytes (``{"type": "image", "image":
+EncodedImage}``) before the Request Processor sees the messages; they are decoded
+when the request is processed, within the daemon's budgets. Each fetch is bounded
+in bytes and time, and the pixel limit is checked on the image header.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Executor
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from hydrad.config_file import RemoteImageConfig
 from hydrad.errors import RequestError
-from hydrad.images import open_image_bytes
+from hydrad.images import EncodedImage, peek_image_bytes
 
 
 async def fetch_remote_images(
@@ -24,15 +24,14 @@ async def fetch_remote_images(
     config: RemoteImageConfig,
     *,
     max_pixels: int,
-    executor: Executor,
 ) -> list[dict]:
-    """A copy of ``messages`` with every remote image part fetched and decoded."""
+    """A copy of ``messages`` with every remote image part fetched and its header checked."""
     jobs = {}
     for i, j, part in _image_parts(messages):
         url = _remote_url(part)
         if url:
             param = f"messages[{i}].content[{j}]"
-            jobs[(i, j)] = _fetch_one(url, session, config, max_pixels, executor, param)
+            jobs[(i, j)] = _fetch_one(url, session, config, max_pixels, param)
     images = dict(zip(jobs, await asyncio.gather(*jobs.values())))
     out = []
     for i, message in enumerate(messages):
@@ -44,7 +43,7 @@ async def fetch_remote_images(
     return out
 
 
-async def _fetch_one(url, session, config: RemoteImageConfig, max_pixels, executor, param):
+async def _fetch_one(url, session, config: RemoteImageConfig, max_pixels, param) -> EncodedImage:
     host = (urlsplit(url).hostname or "").lower()
     if config.allowed_domains and not any(host == d or host.endswith("." + d) for d in config.allowed_domains):
         raise RequestError(f"images from {host or url!r} are not allowed on this server", param)
@@ -63,9 +62,8 @@ async def _fetch_one(url, session, config: RemoteImageConfig, max_pixels, execut
         raise RequestError(f"fetching the image at {url} took longer than {config.timeout} s", param) from None
     except aiohttp.ClientError as e:
         raise RequestError(f"fetching the image at {url} failed: {e}", param) from None
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(executor, lambda: open_image_bytes(bytes(data), max_pixels=max_pixels,
-                                                                         param=param))
+    data = bytes(data)
+    return EncodedImage(data, peek_image_bytes(data, max_pixels=max_pixels, param=param))
 
 
 def _image_parts(messages: list[dict]):

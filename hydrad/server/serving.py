@@ -157,6 +157,7 @@ async def respond_stream(
 ) -> web.StreamResponse:
     response = await open_event_stream(request)
     started = [False] * len(stream.choices)
+    ended = [False] * len(stream.choices)
     try:
         try:
             async for batch in stream:
@@ -167,6 +168,7 @@ async def respond_stream(
                     usage = usage_of(stream) if req.continuous_usage else None
                     events.append(fmt.chunk_bytes(out, not started[out.index], usage, req.include_usage))
                     started[out.index] = True
+                    ended[out.index] = out.finish_reason is not None
                 await response.write(b"".join(events))
         except ConnectionError:
             raise
@@ -174,6 +176,13 @@ async def respond_stream(
             status = exception_status(e)
             if status >= 500 and not isinstance(e, ServiceStopping):  # the daemon logged why it stops
                 logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
+            # Every completion still open ends with a finish_reason, as vLLM ends them:
+            # "abort" when the daemon stopped it, "error" when it failed.
+            finish_reason = "abort" if isinstance(e, ServiceStopping) else "error"
+            usage = usage_of(stream) if req.continuous_usage else None
+            await response.write(b"".join(
+                fmt.chunk_bytes(Output(index, "", [], finish_reason), not started[index], usage, req.include_usage)
+                for index in range(len(ended)) if not ended[index]))
             await send_event(response, error_body(status, e))
         if req.include_usage:
             await send_event(response, fmt.usage_chunk(usage_of(stream)))

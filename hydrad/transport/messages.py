@@ -120,6 +120,10 @@ class WorkerReady:
     # bound it fills steps to; None when steps are sized by fixed budgets only.
     latency_model: object | None = None
     latency_bound: float | None = None
+    # Its blocks (hydrad.engine.core.PoolGeometry) and the bytes per second of its block
+    # copy (None: no KV pool), which the planner replays deployments with.
+    geometry: object | None = None
+    copy_bandwidth: float | None = None
     # This instance's pools pickled once per peer (peer instance id -> bytes), when the
     # deployment migrates requests between instances.
     pools: dict[int, bytes] = field(default_factory=dict)
@@ -156,6 +160,7 @@ class Reconfigured:
     latency_model: object | None = None
     latency_bound: float | None = None
     error: str | None = None
+    geometry: object | None = None
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def test_each_image_gets_its_run_and_its_pixels(processors, arch):
 def test_adjacent_placeholders_in_a_raw_prompt(processors, arch, placeholder):
     processor = processors[arch]
     images = [noise(100, 60, 1), noise(200, 200, 2)]
-    prompt = processor._tokenize(f"Look:{placeholder}{placeholder}What?", images)
+    prompt = processor._tokenize(processor.processor, f"Look:{placeholder}{placeholder}What?", images)
     first, second = prompt.images
     assert second.offset == first.offset + first.length
     assert sum(t == processor.image_token_id for t in prompt.prompt_token_ids) == first.length + second.length

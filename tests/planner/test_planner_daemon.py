@@ -1,9 +1,11 @@
 """End to end: a live daemon records a trace, ``hydractl profile`` ranks deployments from it,
-and ``hydrad start --deploy auto`` deploys the pick and says why."""
+``hydrad start --deploy auto`` deploys the pick and says why, and ``[planner] auto``
+re-plans while serving."""
 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -58,7 +60,10 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
     assert set(profile["algorithm2"]["candidates"]) == {"EP+D", "ED+P"}
 
-    # --deploy auto with the same SLO ([slo] defaults: TTFT 2 s, TBT 0.2 s) deploys the pick.
+    # --deploy auto with the same SLO ([slo] defaults: TTFT 2 s, TBT 0.2 s) deploys the pick, and
+    # re-plans while serving (every 2 s here) from the same trace, with the workers' own models.
+    config.write_text(config.read_text() + "[planner]\nauto = true\ninterval = 2\nwindow = 86400\n"
+                      "min_requests = 10\nmargin = 0.0\nmin_interval = 1\nnum_requests = 60\n")
     daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2", "--deploy",
                      "auto", "--trace", str(trace_dir)], tmp_path / "log2")
     try:
@@ -68,5 +73,21 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
         assert "".join(i["role"] for i in status["instances"]) == "".join(
             role for term in profile["pick"].split("+") for role in [term.lstrip("0123456789")] * int(
                 term[: len(term) - len(term.lstrip("0123456789"))]))
+        deadline = time.monotonic() + 90
+        while not status["planner"]["decisions"] and time.monotonic() < deadline:
+            time.sleep(1)
+            status = http("GET", daemon.url + "/admin/status").json()
+        decision = status["planner"]["decisions"][0]
+        assert decision["action"] in ("keep", "redeploy"), decision
+        assert decision["num_requests"] >= 16 and decision["best_goodput"] >= decision["current_goodput"] > 0
+        if decision["action"] == "redeploy":
+            change = status["deployment"]["history"][1]
+            assert change["deploy"] == decision["best"] and change["reason"].startswith("auto: ")
+        # The daemon keeps serving through it.
+        result = run_bench(BenchConfig(url=daemon.url, slo=SLO(5.0, 1.0), workload=str(workload), rates=(8.0,),
+                                       num_requests=8))
+        assert result.summary.errors == 0
+        run = CliRunner().invoke(cli, ["status", "--url", daemon.url])
+        assert run.exit_code == 0 and "re-planning every 2 s" in run.output, run.output
     finally:
         assert daemon.stop() == 0

@@ -97,9 +97,10 @@ def stream_events(text: str) -> list[str]:
 
 
 class Response:
-    def __init__(self, status: int, body: bytes):
+    def __init__(self, status: int, body: bytes, headers=None):
         self.status_code = status
         self.text = body.decode(errors="replace")
+        self.headers = headers or {}
 
     def json(self):
         import json
@@ -115,9 +116,9 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
     request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return Response(response.status, response.read())
+            return Response(response.status, response.read(), response.headers)
     except urllib.error.HTTPError as e:
-        return Response(e.code, e.read())
+        return Response(e.code, e.read(), e.headers)
 
 
 def open_stream(url: str, body: bytes, headers: dict):

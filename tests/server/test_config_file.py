@@ -80,6 +80,11 @@ devices = "cpu:2"
     ("[server.remote_images]\nallowed_domains = [1]\n", "allowed_domains must be list"),
     ("[model]\nmax_model_len = 1\n", "max_model_len must be >= 2"),
     ("[server\n", "invalid TOML"),
+    # limits that would refuse every request they bound
+    ("[server]\nmax_request_pixels = 1000\n", r"max_request_pixels \(1000\) must be at least server.max_image_pixels"),
+    ("[server]\nmax_inflight_body_mb = 32\n", r"max_inflight_body_mb \(32\) must be at least server.max_body_mb"),
+    ("[server]\nmax_inflight_image_mb = 1000\n", "cannot hold one request of server.max_request_pixels: it needs 1068 MiB"),
+    ("[server]\nqueue_timeout = -1\n", "queue_timeout must be >= 0"),
 ])
 def test_errors_name_the_file_and_key(tmp_path, text, message):
     path = write(tmp_path, text)
@@ -91,3 +96,13 @@ def test_errors_name_the_file_and_key(tmp_path, text, message):
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/hydrad.toml")
+
+
+def test_the_unit_waits_for_the_drain_and_the_workers():
+    """systemd must not SIGKILL a daemon still draining: the shipped shutdown_timeout, plus
+    about 3 s to end aborted streams and close connections, plus up to 15 s of workers' exit."""
+    import re
+
+    unit = (REPO / "systemd" / "hydrad.service").read_text()
+    stop_sec = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))
+    assert stop_sec >= load_config(REPO / "etc" / "hydrad.toml").server.shutdown_timeout + 20

@@ -365,6 +365,16 @@ BAD = {
                         {"messages": image_message(data_url(big_png(1100, 1000), "png"))}, {}),
     "remote_url_disabled": (400, "messages[0].content[0]",
                             {"messages": image_message("http://127.0.0.1:9/cat.png")}, {}),
+    "empty_image_url": (400, "messages[0].content[0]", {"messages": image_message("")}, {}),
+    "truncated_image": (400, "messages[0].content[0]", {"messages": image_message(data_url(PNG[:40], "png"))}, {}),
+    "assistant_tool_calls": (400, "messages[1].tool_calls", {"messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+    ]}, {}),
+    # more text than 2048 tokens of this tokenizer can hold: refused before tokenizing
+    "prompt_longer_than_the_context_holds": (400, "messages", {"messages": [{"role": "user", "content": "x" * 20000}]},
+                                             {}),
     "beyond_context": (400, "max_tokens", {"max_tokens": 10**6}, {}),
     "max_tokens_zero": (400, "max_tokens", {"max_tokens": 0}, {}),
     "max_tokens_negative": (400, "max_completion_tokens", {"max_completion_tokens": -3}, {}),
@@ -408,6 +418,7 @@ def test_bad_input(daemon, model_name, case):
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     assert isinstance(error["message"], str) and error["message"] and "\n" not in error["message"]
+    assert " at 0x" not in error["message"]  # no Python object in a message
     assert error["param"] == param, error
     ok = http("POST", daemon.url + "/v1/chat/completions", json.dumps(good_body(model_name)).encode(),
               {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})

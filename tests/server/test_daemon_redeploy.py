@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -122,5 +123,18 @@ def test_a_bad_redeploy_is_refused_and_changes_nothing(tiny_llava_dir, tmp_path)
         assert out.returncode == 1 and "error:" in out.stderr and "keeps the devices" in out.stderr
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert http("GET", daemon.url + "/admin/status").json()["deployment"]["deploy"] == "1EP+1D"
+
+        # Two at once: one changes the deployment, the other is told why not, in its last line.
+        def post(_):
+            reply = http("POST", daemon.url + "/admin/redeploy", json.dumps({"deploy": "2EPD"}).encode(),
+                         {"Content-Type": "application/json"})
+            assert reply.status_code == 200, reply.text
+            return json.loads(reply.text.strip().splitlines()[-1])
+
+        with ThreadPoolExecutor(2) as pool:
+            answers = sorted(pool.map(post, range(2)), key=lambda a: "error" in a)
+        assert answers[0]["deploy"] == "2EPD", answers
+        assert "a redeploy is already under way" in answers[1]["error"]["message"], answers
+        assert http("GET", daemon.url + "/admin/status").json()["deployment"]["deploy"] == "2EPD"
     finally:
         assert daemon.stop() == 0, daemon.log()[-3000:]

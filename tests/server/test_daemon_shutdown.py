@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -126,5 +127,45 @@ def test_a_second_signal_while_draining_stops_at_once(tiny_llava_dir, tmp_path):
         assert daemon.process.wait(30) == 1, daemon.log()
         assert_gone(pids)
         assert "second SIGINT while draining: aborting 3 request(s) and stopping now" in daemon.log()
+    finally:
+        daemon.stop()
+
+
+def test_sigterm_aborts_what_outlasts_shutdown_timeout_once_and_ends_every_stream(tiny_llava_dir, tmp_path):
+    """shutdown_timeout is granted once, counted from the signal; meanwhile /health and new
+    requests answer 503; then every open stream ends with a finish_reason, an error event and
+    [DONE], the aborted requests are logged, and the daemon exits 0."""
+    config = tmp_path / "hydrad.toml"
+    config.write_text(SLOW_STAGES + "\n[server]\nshutdown_timeout = 2\n")
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:1",
+                     "--deploy", "1EPD"], tmp_path / "hydrad.log")
+    try:
+        pids = worker_pids(daemon)
+        streams = [open_stream(daemon.url + "/v1/chat/completions", stream_body(1800), JSON) for _ in range(3)]
+        signalled = time.monotonic()
+        daemon.terminate()
+        assert wait_for(lambda: "shutting down" in daemon.log(), 5), daemon.log()
+        health = http("GET", daemon.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+        refused = http("POST", daemon.url + "/v1/chat/completions", stream_body(4), JSON)
+        assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+        ids = []
+        for conn, response in streams:
+            events = stream_events(response.read().decode())
+            ended = time.monotonic() - signalled
+            assert 2.0 <= ended < 2.0 + 1.5, ended  # the drain's end, not twice it
+            finish, error, usage, done = events[-4:]
+            assert json.loads(finish)["choices"][0]["finish_reason"] == "abort"
+            assert json.loads(error)["error"]["message"] == ("the daemon is shutting down: the request was still "
+                                                            "running after server.shutdown_timeout (2 s)")
+            assert json.loads(usage)["usage"]["completion_tokens"] < 1800 and done == "[DONE]"
+            ids.append(json.loads(finish)["id"])
+            conn.close()
+        assert daemon.process.wait(20) == 0, daemon.log()
+        # the drain, then the workers' exit (a fraction of a second here; up to 15 s allowed)
+        assert time.monotonic() - signalled < 2.0 + 8, daemon.log()
+        assert_gone(pids)
+        assert (f"shutting down: 3 request(s) still running after 2 s (server.shutdown_timeout), aborted: "
+                f"{', '.join(sorted(ids))}") in daemon.log()
     finally:
         daemon.stop()

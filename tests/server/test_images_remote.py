@@ -1,6 +1,5 @@
 import asyncio
 import io
-from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
@@ -40,9 +39,7 @@ def run(url_path, config=RemoteImageConfig(enabled=True), max_pixels=10_000):
         ]}]
         try:
             async with aiohttp.ClientSession() as session:
-                with ThreadPoolExecutor(1) as executor:
-                    return await fetch_remote_images(messages, session, config, max_pixels=max_pixels,
-                                                     executor=executor)
+                return await fetch_remote_images(messages, session, config, max_pixels=max_pixels)
         finally:
             await runner.cleanup()
 

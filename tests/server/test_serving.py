@@ -7,6 +7,8 @@ import json
 
 import pytest
 
+from hydrad.cluster.requests import ServiceStopping
+from hydrad.cluster.worker_client import WorkerLost
 from hydrad.server import serving
 from hydrad.server.engine_client import Output
 from hydrad.server.protocol import parse_chat_request
@@ -32,8 +34,9 @@ class RecordingResponse:
 class Outputs:
     """A stand-in for ``RequestStream``: one completion, one output per batch."""
 
-    def __init__(self, outs: list[Output]):
+    def __init__(self, outs: list[Output], error: Exception | None = None):
         self.outs = outs
+        self.error = error  # raised once the outputs are taken
         self.num_taken = 0
         self.choices = [None]
         self.num_prompt_tokens = 5
@@ -47,6 +50,8 @@ class Outputs:
 
     async def __anext__(self) -> list[Output]:
         if self.num_taken == len(self.outs):
+            if self.error is not None:
+                raise self.error
             raise StopAsyncIteration
         self.num_taken += 1
         return [self.outs[self.num_taken - 1]]
@@ -135,3 +140,29 @@ def test_text_that_some_readers_take_for_a_line_break_is_escaped(monkeypatch):
         if payload != "[DONE]":
             json.loads(payload)
     assert [e["choices"][0]["delta"]["content"] for e in response.events[:2]] == [weird, weird]
+
+
+@pytest.mark.parametrize("error, finish_reason, status", [
+    (ServiceStopping("the daemon is shutting down: the request was still running after "
+                     "server.shutdown_timeout (2 s)"), "abort", 503),
+    (WorkerLost("worker 1 (cpu, PD) exited"), "error", 503),
+])
+def test_a_stream_ended_early_has_a_finish_reason_an_error_and_done(monkeypatch, error, finish_reason, status):
+    """A stream the daemon aborts (the drain ran out, a worker died) is not cut short: its
+    open completion gets a finish_reason, then the error, the usage and [DONE]."""
+    response = RecordingResponse()
+    stream(response, Outputs(OUTS[:2], error), monkeypatch)
+    *chunks, finish, failure, usage, done = response.events
+    assert [c["choices"][0]["delta"] for c in chunks] == [{"role": "assistant", "content": "Hel"}, {"content": "lo"}]
+    assert finish["choices"] == [{"index": 0, "delta": {"content": ""}, "logprobs": None,
+                                  "finish_reason": finish_reason}]
+    assert failure["error"]["message"] == str(error) and failure["error"]["type"] == "service_unavailable"
+    assert usage["usage"]["completion_tokens"] == 2 and done == "[DONE]"
+
+
+def test_an_error_after_the_last_finish_adds_no_second_finish(monkeypatch):
+    response = RecordingResponse()
+    stream(response, Outputs(OUTS, ServiceStopping("stopping")), monkeypatch)
+    finishes = [e["choices"][0]["finish_reason"] for e in response.events if isinstance(e, dict) and e.get("choices")]
+    assert finishes == [None, None, "length"]
+    assert response.events[-3]["error"]["message"] == "stopping" and response.events[-1] == "[DONE]"

@@ -110,3 +110,26 @@ def test_watch_redraws_in_place_on_a_terminal_and_survives_a_restart():
     assert "up 1m00s" in out and "cannot reach the daemon" in out and "up 2m00s" in out
     assert out.count("\x1b[2K") >= 2  # earlier frames were erased, not scrolled
     assert out.index("up 1m00s") < out.index("cannot reach") < out.index("up 2m00s")
+
+
+def test_a_worker_that_is_down_shows_no_tokens_per_second():
+    """Its last seconds' rate would read as if it were still producing."""
+    from types import SimpleNamespace
+
+    from hydrad.cli.status import render
+    from hydrad.server.admin import status_body
+
+    def client(instance_id, alive):
+        return SimpleNamespace(instance_id=instance_id, device="cpu", role="EPD", ready=None, alive=alive,
+                               accepting=alive, num_inflight=0, tokens_per_second=lambda: 37.5)
+
+    supervisor = SimpleNamespace(clients=[client(0, False), client(1, True)], crash_loops={}, restarting=set(),
+                                 num_restarts={})
+    body = status_body(supervisor, [None, None], model="m", max_model_len=64,
+                       started=time.monotonic(), num_requests=0, window=captured_status(1)["requests"])
+    assert [i["tokens_per_second"] for i in body["instances"]] == [None, 37.5]
+    assert [i["state"] for i in body["instances"]] == ["down", "unresponsive"]
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(render(body))
+    rows = [line for line in buf.getvalue().splitlines() if "EPD" in line]
+    assert rows[0].rstrip(" │").endswith("-") and rows[1].rstrip(" │").endswith("37.5"), rows

@@ -1,0 +1,137 @@
+"""Many concurrent streams through a live daemon: output tokens/s, the daemon's own CPU per
+streamed token, and inter-token gaps, at several concurrency levels.
+
+A daemon is started on the given model with a loose SLO (so that no step bound binds)
+and driven closed-loop: each of C clients sends a streamed chat request with a ~20-token
+text prompt and ``--max-tokens`` output tokens (ignore_eos), then the next, for
+``--duration`` seconds after a warm-up at full concurrency. Half the requests are greedy,
+half sampled at the API's defaults. The daemon's CPU time is read from /proc for the
+daemon process alone (its workers are other processes) and divided by the tokens
+streamed while measuring; so is the load generator's, to show the client was not the
+bottleneck.
+
+    python bench/streams.py --concurrency 64 256 1024 --out streams.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import machine, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
+from daemon_process import Daemon  # noqa: E402
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, duration: float) -> dict:
+    import aiohttp
+
+    tokens_measured, gaps, requests_done, errors = 0, [], 0, 0
+    measuring = asyncio.Event()
+    stop = asyncio.Event()
+
+    async def client(k: int) -> None:
+        nonlocal tokens_measured, requests_done, errors
+        i = k
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            while not stop.is_set():
+                body = {"messages": [{"role": "user", "content": f"Request {i}: tell me about the number {i}."}],
+                        "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                        **({"temperature": 0} if i % 2 else {})}
+                last = None
+                try:
+                    async with session.post(url + "/v1/chat/completions", json=body) as response:
+                        async for line in response.content:
+                            if not line.startswith(b"data: {"):
+                                continue
+                            now = time.perf_counter()
+                            if measuring.is_set() and not stop.is_set():
+                                tokens_measured += 1
+                                if last is not None:
+                                    gaps.append(now - last)
+                            last = now
+                    requests_done += measuring.is_set()
+                except aiohttp.ClientError:
+                    errors += 1
+                i += concurrency
+
+    tasks = [asyncio.ensure_future(client(k)) for k in range(concurrency)]
+    await asyncio.sleep(warmup)
+    measuring.set()
+    start = time.perf_counter()
+    await asyncio.sleep(duration)
+    elapsed = time.perf_counter() - start
+    stop.set()
+    await asyncio.gather(*tasks)
+    gaps.sort()
+    return {"tokens": tokens_measured, "seconds": elapsed, "requests": requests_done, "errors": errors,
+            "output_tokens_per_s": tokens_measured / elapsed,
+            "itl_p50_ms": 1e3 * gaps[len(gaps) // 2] if gaps else None,
+            "itl_p99_ms": 1e3 * gaps[int(len(gaps) * 0.99)] if gaps else None}
+
+
+def measure(daemon: Daemon, concurrency: int, args) -> dict:
+    pids = [daemon.process.pid]
+    me = os.getpid()
+
+    async def main():
+        # CPU is read at the start and end of the measured window only.
+        task = asyncio.ensure_future(run_level(daemon.url, concurrency, args.max_tokens, args.warmup, args.duration))
+        await asyncio.sleep(args.warmup)
+        cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(me)
+        await asyncio.sleep(args.duration)
+        cpu1, own1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(me)
+        result = await task
+        result["daemon_cpu_us_per_token"] = 1e6 * (cpu1 - cpu0) / max(1, result["tokens"])
+        result["client_cpu_us_per_token"] = 1e6 * (own1 - own0) / max(1, result["tokens"])
+        return result
+
+    return asyncio.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model folder (default: a tiny checkpoint built here)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    from hydrad.models.builder import build_model
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model or str(build_model(Path(tmp) / "tiny", "llava", "tiny", 0, progress=False))
+        config = Path(tmp) / "hydrad.toml"
+        config.write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n")
+        daemon = Daemon(["--model", model, "--config", str(config), "--devices", "cpu:1"], Path(tmp) / "hydrad.log")
+        try:
+            for concurrency in args.concurrency:
+                row = {"concurrency": concurrency, **measure(daemon, concurrency, args)}
+                results.append(row)
+                print(f"streams {concurrency:5d}: {row['output_tokens_per_s']:8.0f} tok/s  "
+                      f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token  "
+                      f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
+                      f"errors {row['errors']}", flush=True)
+        finally:
+            daemon.stop()
+    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results})
+
+
+if __name__ == "__main__":
+    main()

