@@ -7,8 +7,7 @@ older checkout can be measured with the same script) on the tiny LLaVA checkpoin
 (built offline unless ``--model`` is given). Each scenario sends its large requests
 at once and, while they are in flight, one small request after another (a text
 "hi", 4 greedy tokens, whole): the small requests' latency is what a user of a
-shared daemon sees while someone else sends large inputs. The scenarios are those
-of issue #14:
+shared daemon sees while someone else sends large inputs. The scenarios:
 
 * ``idle``: small requests only (the baseline);
 * ``prompt-20mb``: one chat request with a 20 MB text prompt;

@@ -82,7 +82,9 @@ class MigrationRelay:
         if holders is None:  # gone meanwhile (aborted): the source must not keep it
             source.release((offer.req_id,))
             return None
-        target = self.router.select_stage(offer.next_stage)
+        # An offer made before a redeploy gave its source the next stage goes elsewhere: a
+        # request is never pulled from an instance's own pool.
+        target = self.router.select_stage(offer.next_stage, exclude=source if offer.kind != "prompt" else None)
         if target not in holders:
             holders.add(target)
             self._num_held[target.instance_id] += 1

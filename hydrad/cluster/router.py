@@ -45,9 +45,12 @@ class Router:
         """The entry instance of a new request."""
         return self.select_stage("E" if has_images else "P")
 
-    def select_stage(self, stage: str):
-        """An instance holding ``stage`` (the entry, or the target of a migration)."""
+    def select_stage(self, stage: str, exclude=None):
+        """An instance holding ``stage`` (the entry, or the target of a migration), other than
+        ``exclude`` when another one holds it."""
         candidates = [i for i in self.instances if i.accepting and stage in i.role]
+        if exclude is not None and len(candidates) > 1:
+            candidates = [i for i in candidates if i is not exclude] or candidates
         if not candidates:
             raise NoInstanceAvailable(f"no live instance can take stage {stage}")
         if self.policy == "random":

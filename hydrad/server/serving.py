@@ -131,8 +131,11 @@ class ResponseFormat:
                 "text_offset": offsets}
 
 
-def usage_of(stream: RequestStream) -> dict:
-    prompt, completion = stream.num_prompt_tokens, stream.num_output_tokens
+def usage_of(stream: RequestStream, completion: int | None = None) -> dict:
+    """``completion``: the output tokens to count (default: all so far)."""
+    prompt = stream.num_prompt_tokens
+    if completion is None:
+        completion = stream.num_output_tokens
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -158,6 +161,9 @@ async def respond_stream(
     response = await open_event_stream(request)
     started = [False] * len(stream.choices)
     ended = [False] * len(stream.choices)
+    # Each completion's tokens up to the chunk being written: a chunk's usage counts the
+    # tokens up to it, even when the stream has produced more by the time it is written.
+    counted = [0] * len(stream.choices)
     try:
         try:
             async for batch in stream:
@@ -165,7 +171,8 @@ async def respond_stream(
                 # character): clients that time chunks (vllm bench serve) count on it.
                 events = []
                 for out in batch:
-                    usage = usage_of(stream) if req.continuous_usage else None
+                    counted[out.index] = max(counted[out.index], out.num_output_tokens)
+                    usage = usage_of(stream, sum(counted)) if req.continuous_usage else None
                     events.append(fmt.chunk_bytes(out, not started[out.index], usage, req.include_usage))
                     started[out.index] = True
                     ended[out.index] = out.finish_reason is not None

@@ -46,3 +46,15 @@ def test_entry_stage_depends_on_images():
 def test_no_live_instance():
     with pytest.raises(NoInstanceAvailable):
         Router([FakeInstance("EPD", accepting=False)]).select(False)
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-load", "random"])
+def test_a_migration_target_is_never_its_source_when_another_holds_the_stage(policy):
+    """After a redeploy gives a request's source the next stage, its offer still goes to another
+    instance: a request is never pulled from an instance's own pool."""
+    instances = [FakeInstance("EPD", instance_id=0), FakeInstance("EPD", instance_id=1)]
+    router = Router(instances, policy, seed=0)
+    assert {router.select_stage("D", exclude=instances[1]).instance_id for _ in range(10)} == {0}
+    # The source alone holds it: the source.
+    lone = Router([FakeInstance("EPD"), FakeInstance("E")], policy, seed=0)
+    assert lone.select_stage("D", exclude=lone.instances[0]) is lone.instances[0]

@@ -121,6 +121,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(monkeypatch)
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3 and done == "[DONE]"
 
 
+def test_a_chunks_usage_counts_the_tokens_up_to_it_when_several_are_written_at_once(monkeypatch):
+    """A writer that falls behind takes several tokens in one batch; the stream has all of
+    them by then, but each chunk counts only those up to it."""
+
+    class AllAtOnce(Outputs):
+        async def __anext__(self) -> list[Output]:
+            if self.num_taken == len(self.outs):
+                raise StopAsyncIteration
+            self.num_taken = len(self.outs)
+            return list(self.outs)
+
+    response = RecordingResponse()
+    stream(response, AllAtOnce(OUTS), monkeypatch, continuous_usage=True)
+    *chunks, final, done = response.events
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 3]
+    assert final["usage"]["completion_tokens"] == 3
+
+
 def test_text_that_some_readers_take_for_a_line_break_is_escaped(monkeypatch):
     """U+2028, U+0085, form feed and the like inside a token's text must not split the
     event: each ``data:`` line parses on its own even when split by ``str.splitlines``."""
