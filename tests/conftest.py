@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,15 @@ def hydrad_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         mp.setenv("HYDRAD_CACHE_DIR", str(path))
         mp.setenv("HYDRAD_STATE_DIR", str(tmp_path_factory.mktemp("hydrad-state")))
         yield path
+
+
+@pytest.fixture(autouse=True)
+def collect_engines() -> Iterator[None]:
+    """Free what a test's engines held as soon as it ends: an engine's objects refer to each
+    other, so only the cycle collector frees them, and its cache pools (hundreds of MB each)
+    would otherwise pile up across tests until it happens to run."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -30,6 +30,8 @@ import torch
 from hydrad.engine.inputs import TokenLogprobs
 from hydrad.sampling_params import GREEDY_BELOW
 
+# The largest scratch buffer the sampler keeps between steps (larger ones are not kept).
+MAX_SCRATCH_BYTES = 256 << 20
 # Candidates tried before a full sort for rows with top-p and no top-k.
 TOP_P_CANDIDATES = 1024
 
@@ -203,6 +205,18 @@ class Sampler:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         # The penalty state of the requests this sampler serves (owned by the runner's batch).
         self.penalties: PenaltyCache | None = None
+        # Scratch for the full-vocabulary draw, kept between steps: a fresh buffer of this
+        # size every step costs its page faults again (as much as the arithmetic on a CPU).
+        self._scratch = torch.empty(0, device=self.device)
+
+    def scratch(self, rows: int, width: int) -> torch.Tensor:
+        """A [rows, width] float32 buffer, reused while it is at most ``MAX_SCRATCH_BYTES``."""
+        size = rows * width
+        if size * 4 > MAX_SCRATCH_BYTES:
+            return torch.empty(rows, width, device=self.device)
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, device=self.device)
+        return self._scratch[:size].view(rows, width)
 
     def generator_for(self, seed: int) -> torch.Generator:
         return torch.Generator(device=self.device).manual_seed(seed)
@@ -226,8 +240,11 @@ class Sampler:
                 rows = _index(np.flatnonzero(greedy), logits.device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
             sampled = np.flatnonzero(~greedy)
-            rows = _index(sampled, logits.device)
-            tokens[rows] = self._draw(logits[rows], meta, sampled)
+            if len(sampled) == num_rows:  # no row to leave out: no copy of the logits
+                tokens = self._draw(logits, meta, sampled)
+            else:
+                rows = _index(sampled, logits.device)
+                tokens[rows] = self._draw(logits[rows], meta, sampled)
         token_ids = tokens.tolist()
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
@@ -297,9 +314,10 @@ class Sampler:
             idx = None if plain.all() else _index(np.flatnonzero(plain), device)
             x = logits if idx is None else logits[idx]
             temp = temperature[plain]
-            if (temp != 1.0).any():
-                x = x / torch.from_numpy(temp).to(device)[:, None]
-            drawn = _draw_unsorted(x, t(min_p, plain), uniform if idx is None else uniform[idx])
+            temp = torch.from_numpy(temp).to(device) if (temp != 1.0).any() else None
+            pad = -vocab % _BLOCK
+            drawn = _draw_unsorted(x, t(min_p, plain), uniform if idx is None else uniform[idx], temp,
+                                   self.scratch(x.shape[0], vocab + pad))
             if idx is None:
                 return drawn
             tokens[idx] = drawn
@@ -330,16 +348,26 @@ class Sampler:
 _BLOCK = 128
 
 
-def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-    """One token per row from ``softmax(logits)`` (after min-p), by inverse CDF."""
+def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor,
+                   temperature: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)`` (after min-p), by inverse CDF.
+    ``out``: a [rows, vocab rounded up to the block] buffer to work in (the logits are not
+    changed)."""
     rows, vocab = logits.shape
-    weights = torch.exp(logits - logits.max(dim=-1, keepdim=True).values)  # the largest weighs 1
+    width = vocab + (-vocab % _BLOCK)
+    if out is None:
+        out = torch.empty(rows, width, dtype=torch.float32, device=logits.device)
+    weights = out[:, :vocab]
+    # A positive temperature keeps the largest logit the largest: scale after subtracting it.
+    torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=weights)
+    if temperature is not None:
+        weights.div_(temperature[:, None])
+    weights.exp_()  # the largest weighs 1
+    if width > vocab:
+        out[:, vocab:].zero_()
     if (min_p > 0).any():
-        weights = weights.masked_fill(weights < min_p[:, None], 0.0)
-    pad = -vocab % _BLOCK
-    if pad:
-        weights = torch.nn.functional.pad(weights, (0, pad))
-    blocks = weights.view(rows, -1, _BLOCK)  # [rows, num_blocks, block]
+        weights.masked_fill_(weights < min_p[:, None], 0.0)
+    blocks = out.view(rows, -1, _BLOCK)  # [rows, num_blocks, block]
     block_cum = torch.cumsum(blocks.sum(-1), dim=-1)  # [rows, num_blocks]
     target = uniform * block_cum[:, -1]
     block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].clamp_(max=block_cum.shape[1] - 1)

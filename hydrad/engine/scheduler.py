@@ -327,7 +327,10 @@ class Scheduler:
                 if not self.kv.can_allocate(need):
                     return
                 req.kv_block_ids = self.kv.allocate(need)
-                src = list(src_block_ids)
+                # Only the blocks that hold computed tokens are copied: a source that could not
+                # recompute reserved blocks for the request's whole length, and this instance
+                # may reserve fewer.
+                src = list(src_block_ids)[: self.kv.num_blocks_for(num_computed)]
                 dst = req.kv_block_ids[: len(src)]
             self.incoming.popleft()
             req.status = RequestStatus.PULLING

@@ -239,3 +239,24 @@ def test_token_ids_span_prompt_and_output():
     for start in range(len(everything)):
         for end in range(start, len(everything) + 1):
             assert r.token_ids(start, end) == everything[start:end]
+
+
+def test_a_kv_pull_copies_only_the_blocks_of_computed_tokens():
+    """A source that cannot recompute reserves blocks for a request's whole length; a target
+    that can reserves for the tokens so far plus one. The pull copies the blocks holding the
+    computed tokens into as many blocks here, never more source blocks than target blocks."""
+    from hydrad.engine.migration import MigrationOffer
+
+    s = make_scheduler(kv_block_size=4)  # EPD: can recompute, reserves num_computed + 1 slots
+    prompt = list(range(5, 15))
+    offer = MigrationOffer(
+        req_id="r", source=1, kind="kv", block_ids=[10, 11, 12, 13, 14, 15], prompt_token_ids=prompt,
+        output_token_ids=[7], num_computed_tokens=10,
+        sampling_params=SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True), images=[],
+        eos_token_ids=(EOS,), generator_state=None, timeline={})
+    s.add(Request.from_offer(offer))
+    out = s.schedule()
+    (pull,) = out.pulls
+    assert pull.src_block_ids == [10, 11, 12]  # 10 computed tokens in blocks of 4
+    assert len(pull.dst_block_ids) == 3 and len(pull.req.kv_block_ids) == 3
+    s.check_integrity()
