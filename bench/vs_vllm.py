@@ -303,6 +303,8 @@ def main() -> None:
                 finally:
                     server.stop()
                 results[name] = doc
+                # What is measured so far survives an interrupted run.
+                write_json(args.out, {"machine": machine(), "args": vars(args), "results": results, "partial": True})
         finally:
             for server in servers.values():
                 server.stop()
