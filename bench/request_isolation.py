@@ -12,7 +12,9 @@ shared daemon sees while someone else sends large inputs. The scenarios:
 * ``idle``: small requests only (the baseline);
 * ``prompt-20mb``: one chat request with a 20 MB text prompt;
 * ``prompts-3mb``: four chat requests with a 3 MB prompt each;
-* ``images-8x6000``: four chat requests with eight 6000x6000 PNGs each.
+* ``images-8x6000``: four chat requests with eight 6000x6000 PNGs each;
+* ``images-2x6000``: four chat requests with two 6000x6000 PNGs each (within the
+  default pixel limits, so they are decoded and preprocessed).
 
 The daemon's resident memory (``VmRSS`` of the daemon process, workers not
 included) is sampled every 50 ms: its peak during the scenario, and what is left
@@ -119,6 +121,8 @@ def scenarios() -> dict[str, list[bytes]]:
         "prompt-20mb": [chat_body((words * (20_000_000 // len(words) + 1))[:20_000_000])],
         "prompts-3mb": [chat_body((words * (3_000_000 // len(words) + 1))[:3_000_000]) for _ in range(4)],
         "images-8x6000": [chat_body(images + [{"type": "text", "text": "describe"}]) for _ in range(4)],
+        # Within the per-request pixel limit (72 Mpx each): these are decoded and preprocessed.
+        "images-2x6000": [chat_body(images[:2] + [{"type": "text", "text": "describe"}]) for _ in range(4)],
     }
 
 

@@ -10,7 +10,10 @@ daemon process alone (its workers are other processes) and divided by the tokens
 streamed while measuring; so is the load generator's, to show the client was not the
 bottleneck.
 
-    python bench/streams.py --concurrency 64 256 1024 --out streams.json
+    python bench/streams.py --concurrency 64 256 1024 --frontend-processes 1 2 --out streams.json
+
+``--repo DIR`` measures another checkout's daemon (the same client and model);
+``--profile FILE`` samples the daemon with py-spy while measuring.
 """
 
 from __future__ import annotations
@@ -84,18 +87,63 @@ async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, 
             "itl_p99_ms": 1e3 * gaps[int(len(gaps) * 0.99)] if gaps else None}
 
 
+def frontend_pids(daemon: Daemon) -> list[int]:
+    """The daemon process and its front-end children (not the workers): the processes whose
+    command line is the daemon's own (workers are spawned with their own)."""
+    root = daemon.process.pid
+    pids = [root]
+    cmdline = Path(f"/proc/{root}/cmdline").read_bytes()
+    for child in Path(f"/proc/{root}/task/{root}/children").read_text().split():
+        try:
+            if Path(f"/proc/{child}/cmdline").read_bytes() == cmdline:
+                pids.append(int(child))
+        except OSError:
+            pass
+    return pids
+
+
+def profile_summary(path: Path, top: int = 25) -> list[tuple[str, float]]:
+    """py-spy's collapsed stacks -> (function, share of samples it was on the stack), for the
+    functions of hydrad, aiohttp, asyncio, json and the tokenizer that cost the most."""
+    total, inclusive = 0, {}
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        total += n
+        seen = set()
+        for frame in stack.split(";"):
+            name = frame.split(" (")[0] + " (" + frame.split(" (")[-1].split(":")[0].rsplit("/", 1)[-1] + ")" \
+                if " (" in frame else frame
+            if name not in seen:
+                seen.add(name)
+                inclusive[name] = inclusive.get(name, 0) + n
+    ranked = sorted(inclusive.items(), key=lambda kv: -kv[1])
+    return [(name, n / total) for name, n in ranked[:top]] if total else []
+
+
 def measure(daemon: Daemon, concurrency: int, args) -> dict:
-    pids = [daemon.process.pid]
+    pids = frontend_pids(daemon)
     me = os.getpid()
 
     async def main():
         # CPU is read at the start and end of the measured window only.
         task = asyncio.ensure_future(run_level(daemon.url, concurrency, args.max_tokens, args.warmup, args.duration))
         await asyncio.sleep(args.warmup)
+        spy = None
+        if args.profile:
+            # Sampling the daemon alone (py-spy runs outside it) at 100 Hz for the window.
+            out = Path(args.profile).with_suffix(f".{concurrency}.txt")
+            spy = await asyncio.create_subprocess_exec(
+                "py-spy", "record", "--pid", str(pids[0]), "--duration", str(int(args.duration)), "--rate", "100",
+                "--format", "raw", "--nonblocking", "--output", str(out),
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(me)
         await asyncio.sleep(args.duration)
         cpu1, own1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(me)
         result = await task
+        if spy is not None:
+            await spy.wait()
+            result["profile"] = [[name, round(share, 4)] for name, share in profile_summary(out)]
         result["daemon_cpu_us_per_token"] = 1e6 * (cpu1 - cpu0) / max(1, result["tokens"])
         result["client_cpu_us_per_token"] = 1e6 * (own1 - own0) / max(1, result["tokens"])
         return result
@@ -110,6 +158,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]),
+                        help="checkout whose hydrad is started (to measure an older one)")
+    parser.add_argument("--frontend-processes", type=int, nargs="+", default=[1],
+                        help="[server] frontend_processes values to measure (each a daemon of its own)")
+    parser.add_argument("--profile", help="sample the daemon with py-spy; collapsed stacks go to "
+                        "PROFILE.<concurrency>.txt and the top functions into the results")
     parser.add_argument("--out")
     args = parser.parse_args()
     from hydrad.models.builder import build_model
@@ -117,19 +171,25 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(build_model(Path(tmp) / "tiny", "llava", "tiny", 0, progress=False))
-        config = Path(tmp) / "hydrad.toml"
-        config.write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n")
-        daemon = Daemon(["--model", model, "--config", str(config), "--devices", "cpu:1"], Path(tmp) / "hydrad.log")
-        try:
-            for concurrency in args.concurrency:
-                row = {"concurrency": concurrency, **measure(daemon, concurrency, args)}
-                results.append(row)
-                print(f"streams {concurrency:5d}: {row['output_tokens_per_s']:8.0f} tok/s  "
-                      f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token  "
-                      f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
-                      f"errors {row['errors']}", flush=True)
-        finally:
-            daemon.stop()
+        for frontends in args.frontend_processes:
+            config = Path(tmp) / "hydrad.toml"
+            config.write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
+                              + (f"[server]\nfrontend_processes = {frontends}\n" if frontends > 1 else ""))
+            daemon = Daemon(["--model", model, "--config", str(config), "--devices", "cpu:1"],
+                            Path(tmp) / "hydrad.log", repo=Path(args.repo))
+            try:
+                for concurrency in args.concurrency:
+                    row = {"frontend_processes": frontends, "concurrency": concurrency,
+                           **measure(daemon, concurrency, args)}
+                    results.append(row)
+                    print(f"front ends {frontends} streams {concurrency:5d}: {row['output_tokens_per_s']:8.0f} tok/s  "
+                          f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token  "
+                          f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
+                          f"errors {row['errors']}", flush=True)
+                    for name, share in row.get("profile", [])[:12]:
+                        print(f"    {100 * share:5.1f}%  {name}")
+            finally:
+                daemon.stop()
     write_json(args.out, {"machine": machine(), "args": vars(args), "results": results})
 
 

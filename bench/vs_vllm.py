@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,8 +146,11 @@ def write_workloads(tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def bench(url: str, workload: Path, slo: SLO, **kw) -> dict:
-    result = run_bench(BenchConfig(url=url, slo=slo, workload=str(workload), **kw))
+def bench(url: str, workload: Path, slo: SLO, phase: str, **kw) -> dict:
+    # Each phase draws its own prompts and images (the same ones on every server): a phase
+    # repeating an earlier phase's requests would measure vLLM's prefix and encoder caches.
+    seed = zlib.crc32(phase.encode())
+    result = run_bench(BenchConfig(url=url, slo=slo, workload=str(workload), seed=seed, **kw))
     s = result.summary
     doc = {
         "req_per_s": s.throughput_rps, "output_tok_per_s": s.output_tokens_per_s,
@@ -168,20 +172,20 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
         print(f"  {server.name}: {scenario}", flush=True)
         if scenario == "peak":
             for mode in ("greedy", "defaults"):
-                out[f"peak/{mode}"] = bench(url, workloads["image32"], slo, concurrency=16, warmup=16,
+                out[f"peak/{mode}"] = bench(url, workloads["image32"], slo, f"peak/{mode}", concurrency=16, warmup=16,
                                             num_requests=args.peak_requests, sampling=SAMPLINGS[mode])
         elif scenario == "single":
-            out["single"] = bench(url, workloads["image32"], slo, concurrency=1, warmup=2,
+            out["single"] = bench(url, workloads["image32"], slo, "single", concurrency=1, warmup=2,
                                   num_requests=args.single_requests)
         elif scenario == "poisson":
-            out["poisson"] = bench(url, workloads["image16"], slo, rates=tuple(args.rates),
+            out["poisson"] = bench(url, workloads["image16"], slo, "poisson", rates=tuple(args.rates),
                                    num_requests=args.poisson_requests)
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
                 for mode, sampling in SAMPLINGS.items():
                     out[f"streams{streams}/{mode}"] = bench(
-                        url, workloads["text32"], loose, concurrency=streams, warmup=streams,
+                        url, workloads["text32"], loose, f"streams{streams}/{mode}", concurrency=streams, warmup=streams,
                         num_requests=args.stream_rounds * streams, sampling=sampling)
         print(f"    {json.dumps({k: v for k, v in out.items() if k.startswith(scenario)}, default=str)[:400]}",
               flush=True)

@@ -51,6 +51,14 @@ class PromptSize:
         return sum(w * h for w, h in self.image_sizes)
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``tokenizer(text)["input_ids"]``, through the fast tokenizer's Rust encode when it has one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.encode(text, add_special_tokens=True).ids
+    return tokenizer(text)["input_ids"]
+
+
 @dataclass
 class ProcessedPrompt:
     prompt_token_ids: list[int]
@@ -257,8 +265,15 @@ class InputProcessor:
 
     # -- tokens ---------------------------------------------------------------------------------
     def _tokenize(self, processor, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+        if not images:
+            # Text alone: the processor would only call its tokenizer (special tokens added, no
+            # padding); its own encode gives the same ids without the kwargs merging and tensors.
+            token_ids = encode_text(processor.tokenizer, text)
+            if self.image_token_id in token_ids:
+                raise RequestError("the prompt contains image placeholder tokens but no image", param="messages")
+            return ProcessedPrompt(token_ids)
         try:
-            out = processor(text=text, images=images or None, return_tensors="pt")
+            out = processor(text=text, images=images, return_tensors="pt")
         except ValueError as e:
             if images:
                 # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
@@ -268,10 +283,6 @@ class InputProcessor:
                 raise RequestError("the prompt contains image placeholder tokens but no image", param="messages") from None
             raise
         token_ids = out["input_ids"][0].tolist()
-        if not images:
-            if self.image_token_id in token_ids:
-                raise RequestError("the prompt contains image placeholder tokens but no image", param="messages")
-            return ProcessedPrompt(token_ids)
         inputs = self.model_cls.image_inputs(self.hf_config, out)
         offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
         for image, offset, pil in zip(inputs, offsets, images):

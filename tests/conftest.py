@@ -22,13 +22,44 @@ def hydrad_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]
         yield path
 
 
+_engines_built = [0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def count_engines() -> Iterator[None]:
+    """Count the engines the tests build in this process (workers of daemons are not counted)."""
+    from hydrad.engine.core import EngineCore
+
+    init = EngineCore.__init__
+
+    def counting_init(self, *args, **kwargs):
+        _engines_built[0] += 1
+        init(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EngineCore, "__init__", counting_init)
+        yield
+
+
 @pytest.fixture(autouse=True)
 def collect_engines() -> Iterator[None]:
     """Free what a test's engines held as soon as it ends: an engine's objects refer to each
     other, so only the cycle collector frees them, and its cache pools (hundreds of MB each)
-    would otherwise pile up across tests until it happens to run."""
+    would otherwise pile up across tests until it happens to run. A full collection costs
+    ~0.2 s with torch and transformers loaded, so it runs only after tests that built one."""
+    built = _engines_built[0]
     yield
-    gc.collect()
+    if _engines_built[0] != built:
+        gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def collect_module_engines() -> Iterator[None]:
+    """The same for engines that module-scoped fixtures held (torn down after the last test)."""
+    built = _engines_built[0]
+    yield
+    if _engines_built[0] != built:
+        gc.collect()
 
 
 @pytest.fixture(scope="session")

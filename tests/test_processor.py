@@ -174,3 +174,24 @@ def test_calls_from_several_threads_give_what_one_thread_gives(tiny_llava_dir):
                 assert a.prompt_token_ids == b.prompt_token_ids
                 assert all(x.pixel_values.equal(y.pixel_values) for x, y in zip(a.images, b.images))
     assert processor._idle.qsize() <= 4  # one HF processor per call at once, at most
+
+
+# -- text alone: the tokenizer's own encode, the processor's ids ----------------------------------
+
+TEXTS = ["hi", "  leading spaces and trailing  ", "Ünïcödé — “quotes” 中文 🙂", "line\nbreaks\n\n\ttabs",
+         "</s><s> special-looking text", "a" * 3000]
+
+
+@pytest.mark.parametrize("arch", ["llava", "llava-next", "qwen2-vl"])
+def test_text_prompts_get_the_ids_the_hf_processor_gives(tiny_checkpoint, arch):
+    from hydrad.models.hf_processor import load_hf_processor
+
+    model_dir = tiny_checkpoint(arch)
+    ours = InputProcessor(model_dir, max_images_per_request=4, max_image_pixels=10**8)
+    hf = load_hf_processor(model_dir, ours.hf_config.model_type)
+    for text in TEXTS:
+        expected = hf(text=text, return_tensors="pt")["input_ids"][0].tolist()
+        assert ours.process_prompt(text).prompt_token_ids == expected, text
+    messages = [{"role": "user", "content": [{"type": "text", "text": TEXTS[2]}]}]
+    text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert ours.process_chat(messages).prompt_token_ids == hf(text=text, return_tensors="pt")["input_ids"][0].tolist()

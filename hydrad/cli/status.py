@@ -112,6 +112,12 @@ def render(status: dict):
         parts.append(head + (":\n  " + "\n  ".join(_decision_line(d) for d in decisions[-5:])
                              if decisions else ": no decision yet"))
     parts.append(requests)
+    frontend = status.get("frontend")
+    if frontend and frontend.get("cpu_share") is not None:
+        per_token = frontend.get("cpu_per_token")
+        parts.append(f"daemon: {100 * frontend['cpu_share']:.0f}% of a core"
+                     + (f", {1e6 * per_token:.0f} us CPU per token" if per_token is not None else "")
+                     + f"; event-loop lag p99 {_ms(frontend['loop_lag_p99'])}, max {_ms(frontend['loop_lag_max'])}")
     return Group(*parts)
 
 

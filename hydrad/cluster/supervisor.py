@@ -376,10 +376,12 @@ class Supervisor:
                 times.append(time.monotonic())
                 self.num_restarts[spec.instance_id] += 1
                 client = await self._spawn(spec)
+                client.held_back = True  # until its pools and its peers' are shared
                 self.clients[spec.instance_id] = client
                 try:
                     ready = await asyncio.wait_for(client.wait_ready(), self.start_timeout)
                     await self.share_pools(client)
+                    client.held_back = False
                 except (WorkerLost, asyncio.TimeoutError) as e:
                     if isinstance(e, asyncio.TimeoutError):
                         reason = f"not ready after {self.start_timeout:.0f} s"

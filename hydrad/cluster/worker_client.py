@@ -69,8 +69,9 @@ class WorkerClient:
         self.ready: WorkerReady | None = None
         self.failure: str | None = None
         self.on_lost: Callable[[WorkerClient], None] | None = None
-        # Called with every step's predicted and measured times (for the metrics).
-        self.on_step_timing: Callable[[WorkerClient, object], None] | None = None
+        # Called with every step output's timing (predicted and measured times; None when the
+        # worker sent none) and how long it waited to be read (for the metrics).
+        self.on_step: Callable[[WorkerClient, object, float | None], None] | None = None
         self._loop = asyncio.get_running_loop()
         self._ready_future: asyncio.Future[WorkerReady] = self._loop.create_future()
         self.table = table
@@ -82,6 +83,9 @@ class WorkerClient:
         self._seq = itertools.count()
         self._token_times: deque[tuple[float, int]] = deque()
         self.link: WorkerLink | None = None
+        # Set by the supervisor while a restarted worker is ready but its peers' pools are not
+        # attached yet: a migration to it then would be refused, so the router sends it nothing.
+        self.held_back = False
 
     async def connect(self, conn: Connection) -> None:
         """Take over the daemon's end of the worker's pipe."""
@@ -90,8 +94,14 @@ class WorkerClient:
     # -- load, for the router --------------------------------------------------------------
     @property
     def accepting(self) -> bool:
-        """Takes new work: alive and started (a restarting worker is alive before it is ready)."""
-        return self.alive and self.ready is not None
+        """Takes new work: alive, started (a restarting worker is alive before it is ready) and
+        attached to its peers."""
+        return self.alive and self.ready is not None and not self.held_back
+
+    @property
+    def num_bytes_unread(self) -> int:
+        """What the worker sent that the daemon has not read yet."""
+        return self.link.num_bytes_unread if self.link is not None else 0
 
     @property
     def num_inflight(self) -> int:
@@ -199,8 +209,8 @@ class WorkerClient:
             now = time.monotonic()
             self._token_times.append((now, len(msg.output.token_ids)))
             self._trim_token_times(now - 60.0)
-            if msg.output.timing is not None and self.on_step_timing is not None:
-                self.on_step_timing(self, msg.output.timing)
+            if self.on_step is not None:
+                self.on_step(self, msg.output.timing, now - msg.sent_at if msg.sent_at else None)
             self.table.deliver_output(msg.output)
             # Releases first: the source may be the target of this step's offers (ED+P).
             for pulled in msg.pulled:

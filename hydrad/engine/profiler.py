@@ -38,7 +38,7 @@ import torch
 
 from hydrad.config import SLOConfig
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.engine.latency_model import VISION_TERMS, FitError, LatencyModel, StepShape, fit_least_squares
+from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, FitError, LatencyModel, StepShape, fit_least_squares
 from hydrad.engine.request import Request
 from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
@@ -372,12 +372,17 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}:{platform.machine()}:{torch.get_num_threads()}threads"
 
 
-def cache_key(engine) -> dict:
+def role_parts(role: str) -> str:
+    """The parts of the model a role runs: ``vision``, ``language`` or ``vision+language``."""
+    has_language = "P" in role or "D" in role
+    return ("vision" if "E" in role else "") + ("+language" if has_language else "")
+
+
+def cache_key(engine, parts: str | None = None) -> dict:
     """What the measured model depends on: the checkpoint (and its image processor, which shapes
-    the probe images), dtype, device, the parts the role uses, how they run."""
+    the probe images), dtype, device, the parts the role uses (``parts``: others), how they run."""
     model_path = Path(engine.model_path)
     image_processor = model_path / "preprocessor_config.json"
-    has_language = "P" in engine.role or "D" in engine.role
     return {
         "version": _CACHE_VERSION,
         "model": str(model_path.resolve()),
@@ -386,7 +391,7 @@ def cache_key(engine) -> dict:
         if image_processor.is_file() else None,
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": device_name(engine.device),
-        "parts": ("vision" if "E" in engine.role else "") + ("+language" if has_language else ""),
+        "parts": (parts or role_parts(engine.role)).strip("+"),
         "dual_streams": engine.streams.enabled,
         "kv_block_size": engine.kv_manager.block_size if engine.kv_manager is not None else 16,
     }
@@ -468,9 +473,15 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
     absent. ``timer(probe) -> seconds`` replaces measuring on the engine."""
     key = cache_key(engine)
     path = cache_path(key)
-    if not force and timer is None and (cached := load_cached(path, key)) is not None:
-        logger.info("latency model from %s: %s", path, cached.summary())
-        return cached
+    if not force and timer is None:
+        if (cached := load_cached(path, key)) is not None:
+            logger.info("latency model from %s: %s", path, cached.summary())
+            return cached
+        if (derived := derive_from_known(engine, key)) is not None:
+            store(path, derived)
+            logger.info("latency model of the %s part from the %s model: %s", key["parts"],
+                        derived.meta["derived_from"], derived.summary())
+            return derived
     images = probe_images(engine) if "E" in engine.role else []
     limits = engine_limits(engine, images)
     if timer is None:
@@ -496,6 +507,34 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
     store(path, model)
     logger.info("latency model fitted in %.1f s: %s", time.monotonic() - start, model.summary())
     return model
+
+
+def derive(model: LatencyModel, key: dict) -> LatencyModel:
+    """The model of ``key``'s parts taken from a model of more parts. Vision and language
+    coefficients are fitted from separate probes (``fit_model``), so each part's stand alone;
+    only the overlap of the two needs both."""
+    parts = key["parts"].split("+")
+    terms = (VISION_TERMS if "vision" in parts else ()) + (LANGUAGE_TERMS if "language" in parts else ())
+    meta = {**model.meta, "key": key, "derived_from": model.meta["key"]["parts"]}
+    return LatencyModel(**{name: getattr(model, name) for name in terms}, meta=meta)
+
+
+def derive_from_known(engine, key: dict) -> LatencyModel | None:
+    """``key``'s model from one this engine holds or the cache has for more parts, so a role
+    change (EPD -> D -> PD) or a restart in a new role measures nothing it measured before."""
+    wanted = set(key["parts"].split("+"))
+
+    def covers(model: LatencyModel | None) -> bool:
+        other = (model.meta.get("key") or {}) if model is not None else {}
+        same = {k: v for k, v in other.items() if k != "parts"} == {k: v for k, v in key.items() if k != "parts"}
+        return same and wanted < set(str(other.get("parts", "")).split("+"))
+
+    held = engine.scheduler.latency_model
+    if covers(held):
+        return derive(held, key)
+    full = cache_key(engine, "vision+language")
+    cached = load_cached(cache_path(full), full)
+    return derive(cached, key) if covers(cached) else None
 
 
 @contextmanager

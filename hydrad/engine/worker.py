@@ -221,4 +221,4 @@ def run_worker(engine: Engine, conn: Connection) -> None:
         if output or output.timing is not None or offers or pulled:
             live.difference_update(f.req_id for f in output.finished)
             live.difference_update(o.req_id for o in offers if o.kind == "prompt")  # moved whole
-            conn.send(StepOutput(output, offers, pulled))
+            conn.send(StepOutput(output, offers, pulled, time.monotonic()))

@@ -107,8 +107,9 @@ def combine_models(instances: Sequence[InstanceFacts]) -> LatencyModel:
         key = facts.latency_model.meta.get("key") if facts.latency_model.meta else None
         if isinstance(key, dict) and "parts" in key:
             return key["parts"]
-        role = facts.role
-        return ("vision" if "E" in role else "") + ("+language" if "P" in role or "D" in role else "")
+        from hydrad.engine.profiler import role_parts
+
+        return role_parts(facts.role)
 
     fitted = [(parts(f), f.latency_model) for f in instances if f.latency_model is not None]
     vision = next((m for p, m in fitted if "vision" in p), None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -30,6 +31,7 @@ from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient
 from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_response
 from hydrad.server.metrics import Metrics
+from hydrad.server.monitor import FrontendMonitor
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
@@ -38,12 +40,17 @@ from hydrad.cluster.supervisor import InstanceSpec, RedeployError, RestartPolicy
 
 logger = logging.getLogger("hydrad.server")
 
+# Request ids: random per daemon run, then counted (unique without a system call per request).
+_ID_PREFIX = uuid.uuid4().hex[:16]
+_ID_COUNTER = itertools.count()
+
 CONFIG = web.AppKey("config", DaemonConfig)
 SPECS = web.AppKey("specs", list)
 CONSOLE = web.AppKey("console", Console)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 ENGINE = web.AppKey("engine", EngineClient)
 METRICS = web.AppKey("metrics", Metrics)
+MONITOR = web.AppKey("monitor", FrontendMonitor)
 ADMISSION = web.AppKey("admission", Admission)
 STARTED = web.AppKey("started", float)
 # The re-planning loop (planner.auto), or None.
@@ -93,7 +100,8 @@ async def engine_ctx(app: web.Application):
             max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
             max_model_len=config.engine.model.max_model_len,
         )
-        processor.add_instances(num_threads - 1)  # one per thread, loaded while the workers load
+        # One per thread and one for the event loop (short text prompts), loaded while the workers load.
+        processor.add_instances(num_threads)
         return processor
 
     processor_future = loop.run_in_executor(executor, load_processor)
@@ -103,7 +111,7 @@ async def engine_ctx(app: web.Application):
     supervisor.on_status = lambda status: sd_notify(f"STATUS={status}")
     # Every worker client, the restarted ones too, reports its steps' times to the metrics.
     supervisor.on_client = lambda client: setattr(
-        client, "on_step_timing", lambda c, timing: app[METRICS].observe_step(c.instance_id, timing))
+        client, "on_step", lambda c, timing, delay: app[METRICS].observe_step(c.instance_id, timing, delay))
     try:
         readies = await supervisor.start(app[CONSOLE], reason=app[DEPLOYMENT]["reason"])
         processor = await processor_future
@@ -113,6 +121,8 @@ async def engine_ctx(app: web.Application):
         raise
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
     app[METRICS] = Metrics(processor.model_name)
+    app[MONITOR] = FrontendMonitor(app[METRICS])
+    app[MONITOR].start()
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
     app[ADMISSION] = Admission(server, executor)
@@ -141,6 +151,7 @@ async def engine_ctx(app: web.Application):
                     config.planner.window)
     app[REPLANNER] = replanner
     yield
+    await app[MONITOR].stop()
     if replanner is not None:
         await replanner.stop()
     if app[ENGINE].trace is not None:
@@ -208,7 +219,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             req = (parse_chat_request if chat else parse_completion_request)(_json(body))
             del body  # the parsed request holds what is needed until it is processed
             engine = _engine_for(request, req)
-            req_id = inflight.req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            req_id = inflight.req_id = f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
             prepare = engine.prepare_chat if chat else engine.prepare_completion
             prepared = await prepare(req_id, req, reservation, arrival)
         finally:
@@ -260,7 +271,8 @@ async def metrics(request: web.Request) -> web.Response:
     clients = request.app[SUPERVISOR].clients
     registry = request.app[METRICS]
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
-        registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats)
+        registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
+                              client.num_bytes_unread)
     return web.Response(body=generate_latest(registry.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -275,6 +287,7 @@ async def admin_status(request: web.Request) -> web.Response:
     body["deployment"] = {"deploy": supervisor.deployment, "reason": current.reason, "history": history(supervisor)}
     replanner = request.app[REPLANNER]
     body["planner"] = replanner.status() if replanner is not None else {"auto": False, "decisions": []}
+    body["frontend"] = request.app[MONITOR].status()
     return web.json_response(body)
 
 

@@ -76,6 +76,18 @@ class EngineClient:
         # The request trace (``hydrad.planner.trace.TraceWriter``), None when off.
         self.trace = None
         self._token_text: dict[int, str] = {}
+        # Streams with outputs to write once the outputs being delivered are all in.
+        self._to_flush: list[RequestStream] = []
+
+    def flush_later(self, stream: RequestStream) -> None:
+        if not self._to_flush:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._to_flush.append(stream)
+
+    def _flush(self) -> None:
+        streams, self._to_flush = self._to_flush, []
+        for stream in streams:
+            stream.flush()
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (special tokens included), for log-probabilities."""
@@ -140,7 +152,8 @@ class EngineClient:
 
 
 class RequestStream:
-    """The outputs of one HTTP request's completions, taken by the handler in batches."""
+    """The outputs of one HTTP request's completions, taken by the handler in batches, or
+    written straight from the step's delivery pass once the handler set ``direct``."""
 
     def __init__(self, client: EngineClient, num_prompt_tokens: int, arrival: float, user: str | None):
         self.client = client
@@ -152,6 +165,13 @@ class RequestStream:
         self._error: Exception | None = None
         self._waiter: asyncio.Future | None = None
         self.first_token_time: float | None = None
+        self.num_unfinished = 0  # completions without a finish_reason yet
+        # ``direct(outputs) -> bool``: write these outputs to the client now (False: not now,
+        # e.g. the connection's buffer is full; the handler then writes them and waits).
+        # While it is set, a step's outputs are written once the step has been delivered,
+        # without waking the handler, which wakes only to end the stream.
+        self.direct: Callable[[list[Output]], bool] | None = None
+        self._flush_pending = False
 
     @property
     def num_output_tokens(self) -> int:
@@ -159,7 +179,7 @@ class RequestStream:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.choices)
+        return self.num_unfinished == 0
 
     async def __aenter__(self) -> RequestStream:
         return self
@@ -189,7 +209,23 @@ class RequestStream:
 
     def _push(self, output: Output) -> None:
         self._ready.append(output)
-        self._wake()
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.direct is None:
+            self._wake()
+        elif not self._flush_pending:
+            self._flush_pending = True
+            self.client.flush_later(self)
+
+    def flush(self) -> None:
+        """Write what the step produced (called once the step's outputs are all delivered, so
+        a finish goes in the chunk of its request's last token)."""
+        self._flush_pending = False
+        if self._ready and self._error is None and self.direct is not None and self.direct(self._ready):
+            self._ready = []
+        if self._ready or self.finished or self._error is not None:
+            self._wake()
 
     def _fail(self, error: Exception) -> None:
         if self._error is None:
@@ -221,6 +257,7 @@ class ChoiceStream:
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None
         self.stage_times: dict[str, float] | None = None
+        parent.num_unfinished += 1
         # Inter-token gaps, kept for the request trace only.
         self.gaps: list[float] | None = [] if parent.client.trace is not None else None
 
@@ -233,9 +270,9 @@ class ChoiceStream:
         if self.last_token_time is None:
             if parent.first_token_time is None:
                 parent.first_token_time = now
-            self.metrics.observe_first_token(now - parent.arrival, 1)
+            self.metrics.observe_first_token(now - parent.arrival, 1, now)
         else:
-            self.metrics.observe_next_tokens(now - self.last_token_time, 1)
+            self.metrics.observe_next_tokens(now - self.last_token_time, 1, now)
             if self.gaps is not None:
                 self.gaps.append(now - self.last_token_time)
         self.last_token_time = now
@@ -265,7 +302,7 @@ class ChoiceStream:
         last.text += text
         last.finish_reason = finish_reason
         self._finish(finish_reason)
-        self.parent._wake()
+        self.parent._changed()
 
     def on_error(self, error: Exception) -> None:
         if self.finish_reason is None:
@@ -285,6 +322,7 @@ class ChoiceStream:
     def _finish(self, finish_reason: str) -> None:
         self.finish_reason = finish_reason
         req, parent = self.request, self.parent
+        parent.num_unfinished -= 1
         e2e = time.monotonic() - parent.arrival
         self.metrics.observe_finished(finish_reason, e2e, req.num_prompt_tokens, len(req.images), self.stage_times)
         ttft = f"{parent.first_token_time - parent.arrival:.3f}s" if parent.first_token_time is not None else "-"

@@ -4,17 +4,65 @@
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from hydrad.engine.inputs import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                     0.75, 1.0, 1.5, 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 4.0)
 STAGES = ("encode", "prefill", "decode")
+
+
+class TokenHistogram:
+    """A histogram updated once per streamed token, on the event loop only: a bisect and two
+    additions, without the locks and the bucket scan of ``prometheus_client.Histogram``
+    (which cost more than the rest of a token's bookkeeping). Exported through ``TokenMetrics``."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+        self.name, self.documentation = name, documentation
+        self.bounds = list(buckets)
+        self.counts = [0] * (len(buckets) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self, model: str) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["model_name"])
+        cumulative, buckets = 0, []
+        for bound, count in zip([*map(floatToGoString, self.bounds), "+Inf"], self.counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family.add_metric([model], buckets, self.sum)
+        return family
+
+
+class TokenMetrics(Collector):
+    """The per-token metrics: TTFT, inter-token latency and the generated-token counter."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.ttft = TokenHistogram("hydrad_time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
+        self.itl = TokenHistogram("hydrad_inter_token_latency_seconds", "Time between consecutive output tokens.",
+                                  _LATENCY_BUCKETS)
+        self.generation_tokens = 0
+
+    def collect(self):
+        yield self.ttft.family(self.model)
+        yield self.itl.family(self.model)
+        counter = CounterMetricFamily("hydrad_generation_tokens", "Generated tokens.", labels=["model_name"])
+        counter.add_metric([self.model], self.generation_tokens)
+        yield counter
 
 
 class Metrics:
@@ -22,10 +70,8 @@ class Metrics:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self._model = model_name
-        self.ttft = Histogram("hydrad_time_to_first_token_seconds", "Time to first token.", m,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("hydrad_inter_token_latency_seconds", "Time between consecutive output tokens.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = TokenMetrics(model_name)
+        r.register(self.tokens)
         self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("hydrad_stage_queue_time_seconds", "Time waiting for a stage, per request.",
@@ -37,7 +83,6 @@ class Metrics:
         self.finished = Counter("hydrad_requests_finished", "Finished requests by finish reason.",
                                 m + ["finish_reason"], registry=r)
         self.prompt_tokens = Counter("hydrad_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
-        self.generation_tokens = Counter("hydrad_generation_tokens", "Generated tokens.", m, registry=r)
         self.images = Counter("hydrad_images", "Images of finished requests.", m, registry=r)
         labels = m + ["instance", "device", "role"]
         self.up = Gauge("hydrad_instance_up", "1 while the instance's worker is alive.", labels, registry=r)
@@ -54,17 +99,43 @@ class Metrics:
             "hydrad_step_prediction_ratio", "Latency-model prediction of a step's time divided by its measured "
             "time (1 is exact), per instance and stage.", step_labels, buckets=_RATIO_BUCKETS, registry=r)
         self._step_children: dict[tuple[int, str], tuple] = {}
+        # The daemon process itself (the front end): process_cpu_seconds_total,
+        # process_resident_memory_bytes, ... and what it costs per token.
+        ProcessCollector(registry=r)
+        self.cpu_per_token = Gauge(
+            "hydrad_daemon_cpu_seconds_per_token", "CPU time of the daemon process (HTTP, request processing, "
+            "detokenization, streaming; not its workers) per output token, over the last 10 s.", m, registry=r)
+        self.loop_lag = Histogram("hydrad_event_loop_lag_seconds", "How late the daemon's event loop ran a "
+                                  "timer (sampled every 0.1 s).", m, buckets=_LAG_BUCKETS, registry=r)
+        self.output_delay = Histogram(
+            "hydrad_step_output_delay_seconds", "From a worker sending a step's output to the daemon reading it "
+            "(step outputs waiting to be read).", m + ["instance"], buckets=_LAG_BUCKETS, registry=r)
+        self.link_unread = Gauge("hydrad_worker_link_unread_bytes", "Bytes a worker sent that the daemon has not "
+                                 "read yet.", m + ["instance"], registry=r)
         self.window = RollingWindow()
 
-    def observe_first_token(self, ttft: float, num_tokens: int) -> None:
-        self.generation_tokens.labels(self._model).inc(num_tokens)
-        self.ttft.labels(self._model).observe(ttft)
-        self.window.add_ttft(ttft)
+    @property
+    def num_generation_tokens(self) -> int:
+        return self.tokens.generation_tokens
 
-    def observe_next_tokens(self, gap: float, num_tokens: int) -> None:
-        self.generation_tokens.labels(self._model).inc(num_tokens)
-        self.itl.labels(self._model).observe(gap)
-        self.window.add_tbt(gap)
+    def observe_first_token(self, ttft: float, num_tokens: int, now: float | None = None) -> None:
+        tokens = self.tokens
+        tokens.generation_tokens += num_tokens
+        tokens.ttft.observe(ttft)
+        self.window.add_ttft(ttft, now)
+
+    def observe_next_tokens(self, gap: float, num_tokens: int, now: float | None = None) -> None:
+        """``now``: time.monotonic() of the token, when the caller has it."""
+        tokens = self.tokens
+        tokens.generation_tokens += num_tokens
+        tokens.itl.observe(gap)
+        self.window.add_tbt(gap, now)
+
+    def observe_loop_lag(self, lag: float) -> None:
+        self.loop_lag.labels(self._model).observe(lag)
+
+    def set_cpu_per_token(self, seconds: float) -> None:
+        self.cpu_per_token.labels(self._model).set(seconds)
 
     def observe_finished(self, finish_reason: str, e2e: float, num_prompt_tokens: int, num_images: int,
                          stage_times: dict[str, float] | None) -> None:
@@ -83,8 +154,17 @@ class Metrics:
             elif stage in STAGES and kind == "exec":
                 self.exec_time.labels(self._model, stage).observe(seconds)
 
-    def observe_step(self, instance_id: int, timing) -> None:
-        """One step's measured times and, when the instance has a latency model, its predictions."""
+    def observe_step(self, instance_id: int, timing, delay: float | None) -> None:
+        """One step's output read ``delay`` seconds after its worker sent it; its measured times
+        and, when the instance has a latency model, its predictions."""
+        if delay is not None:
+            children = self._step_children.get((instance_id, "delay"))
+            if children is None:
+                children = self._step_children[instance_id, "delay"] = (
+                    self.output_delay.labels(self._model, str(instance_id)),)
+            children[0].observe(delay)
+        if timing is None:
+            return
         for stage, measured, predicted in (("vision", timing.vision, timing.predicted_vision),
                                            ("language", timing.language, timing.predicted_language)):
             if measured <= 0:
@@ -100,10 +180,11 @@ class Metrics:
                 children[1].observe(predicted / measured)
 
     def set_instance(self, instance_id: int, device: str, role: str, alive: bool,
-                     stats: EngineStats | None) -> None:
+                     stats: EngineStats | None, unread_bytes: int = 0) -> None:
         """``stats`` None: the worker did not answer in time (down, or busy in a long step)."""
         labels = (self._model, str(instance_id), device, role)
         self.up.labels(*labels).set(alive)
+        self.link_unread.labels(self._model, str(instance_id)).set(unread_bytes)
         if stats is None:
             return
         self.running.labels(*labels).set(stats.num_running)
@@ -124,11 +205,11 @@ class RollingWindow:
     def add_finished(self) -> None:
         self._finished.append(time.monotonic())
 
-    def add_ttft(self, value: float) -> None:
-        self._ttft.append((time.monotonic(), value))
+    def add_ttft(self, value: float, now: float | None = None) -> None:
+        self._ttft.append((time.monotonic() if now is None else now, value))
 
-    def add_tbt(self, value: float) -> None:
-        self._tbt.append((time.monotonic(), value))
+    def add_tbt(self, value: float, now: float | None = None) -> None:
+        self._tbt.append((time.monotonic() if now is None else now, value))
 
     def summary(self) -> dict[str, float | None]:
         since = time.monotonic() - self.seconds

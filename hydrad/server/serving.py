@@ -13,9 +13,12 @@ Log-probabilities are those of the model's raw distribution (before penalties,
 temperature and filters), as vLLM reports them by default; each token is named
 by its own decoded text, with its UTF-8 bytes.
 
-The handler wakes once per engine step and writes everything that step produced
-for the request in one write; the common chunk (text only) is framed from
-prebuilt bytes.
+A stream's first outputs are written by its handler (with the status line and
+headers); after that, everything a step produced for the request is written in one
+write right after the step's outputs were delivered, without waking the handler,
+while the connection keeps up (``DIRECT_WRITE_LIMIT``). The handler wakes to end
+the stream, on an error, or to write and wait when the client reads slowly. The
+common chunk (text only) is framed from prebuilt bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ from hydrad.cluster.requests import ServiceStopping
 from hydrad.server.sse import open_event_stream, send_done, send_event
 
 logger = logging.getLogger("hydrad.server")
+
+# A stream's outputs are written from the delivery pass while its connection buffers at
+# most this much; beyond it the handler writes them and waits for the client to read.
+DIRECT_WRITE_LIMIT = 64 << 10
 
 # Non-ASCII is escaped: a raw U+2028, U+0085 or the like inside a JSON line is a line
 # break to clients that split SSE streams with str.splitlines.
@@ -164,22 +171,48 @@ async def respond_stream(
     # Each completion's tokens up to the chunk being written: a chunk's usage counts the
     # tokens up to it, even when the stream has produced more by the time it is written.
     counted = [0] * len(stream.choices)
+
+    def events(batch: list[Output]) -> bytes:
+        # One chunk per token, even one without text yet (a special token, part of a
+        # character): clients that time chunks (vllm bench serve) count on it.
+        out_events = []
+        for out in batch:
+            counted[out.index] = max(counted[out.index], out.num_output_tokens)
+            usage = usage_of(stream, sum(counted)) if req.continuous_usage else None
+            out_events.append(fmt.chunk_bytes(out, not started[out.index], usage, req.include_usage))
+            started[out.index] = True
+            ended[out.index] = out.finish_reason is not None
+        return b"".join(out_events)
+
+    transport = request.transport
+    # As aiohttp frames this response's body: HTTP/1.1 chunks (else, HTTP/1.0, raw until close).
+    chunked = response.headers.get("Transfer-Encoding") == "chunked"
+    can_write_direct = transport is not None and "Content-Encoding" not in response.headers
+
+    def direct(batch: list[Output]) -> bool:
+        """Write a step's outputs from the delivery pass: to the connection itself, framed as
+        the response's body is (HTTP/1.1 chunks), unless its buffer is full or it is closing."""
+        if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT:
+            return False
+        data = events(batch)
+        if chunked:
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            transport.write(data)
+        return True
+
     try:
         try:
             async for batch in stream:
-                # One chunk per token, even one without text yet (a special token, part of a
-                # character): clients that time chunks (vllm bench serve) count on it.
-                events = []
-                for out in batch:
-                    counted[out.index] = max(counted[out.index], out.num_output_tokens)
-                    usage = usage_of(stream, sum(counted)) if req.continuous_usage else None
-                    events.append(fmt.chunk_bytes(out, not started[out.index], usage, req.include_usage))
-                    started[out.index] = True
-                    ended[out.index] = out.finish_reason is not None
-                await response.write(b"".join(events))
+                await response.write(events(batch))
+                if can_write_direct:
+                    # The status line and headers have gone out with the first write: from now
+                    # on the steps' outputs are written as they are delivered, without this task.
+                    stream.direct = direct
         except ConnectionError:
             raise
         except Exception as e:  # the status line has gone out: report in the stream
+            stream.direct = None
             status = exception_status(e)
             if status >= 500 and not isinstance(e, ServiceStopping):  # the daemon logged why it stops
                 logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
@@ -191,6 +224,8 @@ async def respond_stream(
                 fmt.chunk_bytes(Output(index, "", [], finish_reason), not started[index], usage, req.include_usage)
                 for index in range(len(ended)) if not ended[index]))
             await send_event(response, error_body(status, e))
+        finally:
+            stream.direct = None  # what follows is written by this task
         if req.include_usage:
             await send_event(response, fmt.usage_chunk(usage_of(stream)))
         await send_done(response)

@@ -12,10 +12,13 @@ pipe reaches EOF (the worker exited) or the socket fails, and says which.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 import pickle
 import socket
+import struct
+import termios
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable
@@ -73,6 +76,18 @@ class WorkerLink(asyncio.Protocol):
             raise LinkClosed(self.close_reason or "not connected")
         payload = ForkingPickler.dumps(msg)
         self._transport.write(encode_frame(payload))
+
+    @property
+    def num_bytes_unread(self) -> int:
+        """Bytes in the socket not read yet, and the part of a frame read so far."""
+        unread = self._decoder.num_buffered_bytes
+        sock = self._transport.get_extra_info("socket") if self._transport is not None else None
+        if sock is not None and self.close_reason is None:
+            try:
+                unread += struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+            except OSError:
+                pass
+        return unread
 
     @property
     def num_bytes_unsent(self) -> int:

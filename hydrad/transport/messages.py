@@ -138,6 +138,9 @@ class StepOutput:
     offers: list[MigrationOffer] = field(default_factory=list)
     # Every pull finished in this step.
     pulled: list[Pulled] = field(default_factory=list)
+    # time.monotonic() when the worker sent it (one clock for every process of the machine),
+    # so the daemon sees how long step outputs wait to be read; 0: not stamped.
+    sent_at: float = 0.0
 
 
 @dataclass(frozen=True)

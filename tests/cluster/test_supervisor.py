@@ -63,7 +63,7 @@ def make_supervisor(roles: list[str]) -> Supervisor:
     """A supervisor over stand-ins for started workers (pid 100 + instance id)."""
     specs = plan_specs([(role, "cpu") for role in roles])
     supervisor = Supervisor(None, specs, restart=RestartPolicy(limit=0))  # restarts: tests/server
-    supervisor.clients = [FakeClient(s.instance_id, s.role) for s in specs]
+    supervisor.clients[:] = [FakeClient(s.instance_id, s.role) for s in specs]  # the router sees this list
     supervisor._processes = {s.instance_id: FakeProcess(100 + s.instance_id) for s in specs}
     return supervisor
 
@@ -95,5 +95,46 @@ def test_a_stage_without_a_live_instance_fails_the_supervisor(caplog):
         assert supervisor.failure == ("worker 2 (cpu, D, pid 102) is down: RuntimeError: boom; "
                                       "process exited with status 1; no live instance holds stage D")
         assert caplog.messages == [supervisor.failure]
+
+    asyncio.run(main())
+
+
+def test_a_restarted_worker_takes_no_work_until_the_pools_are_shared(monkeypatch):
+    """Ready is not enough: a request routed to a restarted worker before its peers' pools
+    are attached to it would be refused when it migrates there."""
+    from types import SimpleNamespace
+
+    import hydrad.cluster.supervisor as supervisor_module
+    from hydrad.cluster.worker_client import WorkerClient
+
+    monkeypatch.setattr(supervisor_module, "_FIRST_BACKOFF", 0.0)
+
+    async def main():
+        supervisor = make_supervisor(["EP", "D"])
+        supervisor.restart = RestartPolicy(limit=3)
+        shared, sharing = asyncio.Event(), asyncio.Event()
+
+        async def spawn(spec):
+            client = WorkerClient(spec.instance_id, spec.role, spec.device, supervisor.table)
+            ready = SimpleNamespace(pid=200, load_seconds=0.1)
+            client.ready = ready
+            client._ready_future.set_result(ready)
+            return client
+
+        async def share_pools(client):
+            sharing.set()
+            await shared.wait()
+
+        monkeypatch.setattr(supervisor, "_spawn", spawn)
+        monkeypatch.setattr(supervisor, "share_pools", share_pools)
+        restart = asyncio.ensure_future(supervisor._restart(supervisor.specs[1], "killed"))
+        await asyncio.wait_for(sharing.wait(), 5)
+        restarted = supervisor.clients[1]
+        assert restarted.ready is not None and not restarted.accepting
+        with pytest.raises(Exception, match="stage D"):
+            supervisor.router.select_stage("D")
+        shared.set()
+        await asyncio.wait_for(restart, 5)
+        assert restarted.accepting and supervisor.router.select_stage("D") is restarted
 
     asyncio.run(main())

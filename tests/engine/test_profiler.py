@@ -11,9 +11,11 @@ import pytest
 
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SLOConfig
 from hydrad.engine.inputs import EngineRequest
-from hydrad.engine.latency_model import LatencyModel, StepShape, fit_least_squares
+from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, fit_least_squares
 from hydrad.engine.profiler import (
     Probe,
+    cache_key,
+    derive_from_known,
     design_probes,
     engine_limits,
     fit_latency_model,
@@ -214,3 +216,48 @@ def test_real_fit_on_the_tiny_checkpoint_predicts_measured_steps(tiny_llava_dir,
     # The median step within a factor 2 either way: the fit and the steps are timed minutes
     # apart on a machine whose other load may change in between.
     assert 1 / 2 < statistics.median(ratios) < 2, sorted(ratios)
+
+
+def test_a_role_with_fewer_parts_takes_its_model_from_a_fitted_one_without_measuring(engine, cache_dir):
+    held = engine.scheduler.latency_model
+    full = fit_latency_model(engine, timer=Synthetic(), show_progress=False)  # EPD, stored in the cache
+    try:
+        engine.role = "PD"
+        start = time.monotonic()
+        language = fit_latency_model(engine, show_progress=False)
+        assert time.monotonic() - start < 0.5  # from the cached vision+language model, nothing measured
+        assert language.meta["key"]["parts"] == "language" and language.meta["derived_from"] == "vision+language"
+        for name in LANGUAGE_TERMS:
+            assert getattr(language, name) == getattr(full, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
+        assert all(getattr(language, name) == 0.0 for name in VISION_TERMS)
+        # Stored under its own key: the next start loads it as it is.
+        assert fit_latency_model(engine, show_progress=False) == language
+        assert {json.loads(f.read_text())["meta"]["key"]["parts"] for f in cache_dir.glob("*.json")} == \
+            {"vision+language", "language"}
+
+        # An instance that holds a model of more parts (an EPD worker redeployed as E) uses it
+        # even with nothing in the cache.
+        for f in cache_dir.glob("*.json"):
+            f.unlink()
+        engine.role = "E"
+        engine.scheduler.latency_model = full
+        vision = fit_latency_model(engine, show_progress=False)
+        assert vision.meta["derived_from"] == "vision+language"
+        assert vision.v_image == full.v_image and vision.l_decode == 0.0
+    finally:
+        engine.role = "EPD"
+        engine.scheduler.latency_model = held
+
+
+def test_a_model_of_other_parts_or_another_checkpoint_is_never_taken(engine, cache_dir):
+    language_only = LatencyModel(l_fixed=1e-3, l_decode=1e-4, meta={"key": cache_key(engine, "language")})
+    other = LatencyModel(v_image=1e-3, l_decode=1e-4, meta={"key": {**cache_key(engine), "dtype": "float16"}})
+    held = engine.scheduler.latency_model
+    try:
+        engine.role = "E"
+        for held in (language_only, other):
+            engine.scheduler.latency_model = held
+            assert derive_from_known(engine, cache_key(engine)) is None
+    finally:
+        engine.role = "EPD"
+        engine.scheduler.latency_model = held

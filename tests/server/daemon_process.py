@@ -23,11 +23,12 @@ def free_port() -> int:
 
 
 class Daemon:
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0):
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180.0, repo: Path = REPO):
+        """``repo``: the checkout whose hydrad runs (benchmarks measure older ones too)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
             [sys.executable, *HYDRAD, "start", "--host", "127.0.0.1", "--port", str(self.port), *args],

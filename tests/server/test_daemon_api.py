@@ -303,6 +303,11 @@ def test_metrics(daemon, client, model_name):
         assert name in text, name
     for stage in ("prefill", "decode"):
         assert f'stage="{stage}"' in text
+    # the daemon's own load: CPU per token, event-loop lag, step outputs waiting to be read
+    for name in ("hydrad_daemon_cpu_seconds_per_token{", "hydrad_event_loop_lag_seconds_count{",
+                 'hydrad_step_output_delay_seconds_count{instance="0"', 'hydrad_worker_link_unread_bytes{instance="1"',
+                 "process_cpu_seconds_total"):
+        assert name in text, name
     # the latency model's prediction against each step's measured time, per instance and stage
     assert 'hydrad_step_prediction_ratio_count{instance="' in text and 'stage="language"' in text
     counts = [float(line.split()[-1]) for line in text.splitlines()
@@ -329,6 +334,7 @@ def test_hydractl_status_shows_both_instances(daemon):
     # each instance fitted its latency model at start, and says so with its bound and error
     assert out.stdout.count("steps up to 200.0 ms") == 2, out.stdout
     assert out.stdout.count("held-out probes") == 2 and out.stdout.count("/image") == 2, out.stdout
+    assert "daemon: " in out.stdout and "event-loop lag p99" in out.stdout, out.stdout
 
 
 # -- bad input: right status and error shape, then a good request still succeeds -----------------

@@ -26,7 +26,8 @@ def make_stream(tokenizer, n=1, params: SamplingParams | None = None):
     aborted = []
     metrics = Metrics("m")
     client = SimpleNamespace(metrics=metrics, trace=None, processor=SimpleNamespace(tokenizer=tokenizer),
-                             table=SimpleNamespace(abort=aborted.append))
+                             table=SimpleNamespace(abort=aborted.append), flushed=[])
+    client.flush_later = client.flushed.append  # the step's flush is run by the test
     instance = SimpleNamespace(instance_id=0, abort=aborted.append)
     stream = RequestStream(client, num_prompt_tokens=3, arrival=0.0, user=None)
     for i in range(n):
@@ -112,3 +113,51 @@ def test_an_error_surfaces_once_and_closing_aborts_what_is_left(tokenizer):
     asyncio.run(run())
     stream.close()
     assert aborted == ["r-1"]  # the failed one is gone already; the other is aborted
+
+
+def test_with_direct_writes_a_step_is_written_after_its_delivery_and_the_handler_wakes_only_to_end(tokenizer):
+    ids = tokenizer.encode("fox jumps over", add_special_tokens=False)
+    stream, _, _ = make_stream(tokenizer)
+    choice = stream.choices[0]
+    written: list[list] = []
+    full = [False]  # the connection's buffer is full: the handler writes and waits
+
+    def direct(outputs):
+        if full[0]:
+            return False
+        written.append([(o.token_ids, o.finish_reason) for o in outputs])
+        return True
+
+    async def run():
+        handler_batches = []
+
+        async def handler():
+            async for batch in stream:
+                handler_batches.append([(o.token_ids, o.finish_reason) for o in batch])
+
+        task = asyncio.ensure_future(handler())
+        await asyncio.sleep(0)
+        stream.direct = direct
+        choice.on_token(ids[0], None)  # a step's token: queued until the step's flush
+        assert stream.client.flushed == [stream] and not written
+        stream.client.flushed.pop().flush()
+        assert written == [[([ids[0]], None)]]
+        await asyncio.sleep(0)
+        assert not handler_batches and not task.done()  # the handler slept through it
+        full[0] = True
+        choice.on_token(ids[1], None)
+        stream.client.flushed.pop().flush()
+        await asyncio.sleep(0)
+        assert handler_batches == [[([ids[1]], None)]]  # written by the handler instead
+        full[0] = False
+        for t in ids[2:]:
+            choice.on_token(t, None)
+        choice.on_finish("length", None)  # in the same step: one flush, the finish on the last token
+        assert stream.client.flushed == [stream]
+        stream.client.flushed.pop().flush()
+        await asyncio.wait_for(task, 1)  # woken to end the stream
+        return handler_batches
+
+    handler_batches = asyncio.run(run())
+    assert written[1] == [([t], None) for t in ids[2:-1]] + [([ids[-1]], "length")]
+    assert len(handler_batches) == 1

@@ -68,6 +68,55 @@ def test_every_metric_is_documented_with_its_unit():
         name = re.match(r"`(hydrad_\w+)", cells[0]) if cells else None
         if name:
             units[name.group(1)] = cells[2]
-    exposed = {f.name + "_total" if f.type == "counter" else f.name for f in Metrics("m").registry.collect()}
+    exposed = {f.name + "_total" if f.type == "counter" else f.name for f in Metrics("m").registry.collect()
+               if f.name.startswith("hydrad_")}  # and Prometheus' standard process_* metrics
     assert set(units) == exposed
     assert all(units.values()), units
+
+
+def test_frontend_monitor_reports_loop_lag_and_cpu_per_token():
+    import asyncio
+    import time
+
+    from hydrad.server.monitor import FrontendMonitor
+
+    metrics = Metrics("m")
+
+    async def main():
+        monitor = FrontendMonitor(metrics, interval=0.01)
+        monitor.start()
+        await asyncio.sleep(0.05)
+        assert monitor.cpu_per_token() is None  # no token yet
+        end = time.process_time() + 0.3
+        while time.process_time() < end:  # a callback that holds the loop for 0.3 s of CPU
+            pass
+        metrics.observe_first_token(0.1, 1000)
+        await asyncio.sleep(0.02)
+        monitor._sample(time.monotonic())
+        status = monitor.status()
+        await monitor.stop()
+        return monitor, status
+
+    monitor, status = asyncio.run(main())
+    assert 0.25 <= status["loop_lag_max"] < 2.0 and status["loop_lag_p99"] <= status["loop_lag_max"]
+    # ~0.3 s of CPU for 1000 tokens: about 300 us a token
+    assert 2e-4 <= status["cpu_per_token"] <= 2e-3 and 0.05 <= status["cpu_share"] <= 1.5
+    text = generate_latest(metrics.registry).decode()
+    assert 'hydrad_event_loop_lag_seconds_count{model_name="m"}' in text
+    lag_sum = next(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('hydrad_event_loop_lag_seconds_sum{model_name="m"}'))
+    assert lag_sum >= 0.25
+    per_token = next(float(line.split()[-1]) for line in text.splitlines()
+                     if line.startswith('hydrad_daemon_cpu_seconds_per_token{model_name="m"}'))
+    assert per_token == status["cpu_per_token"]
+    assert "process_cpu_seconds_total" in text
+
+
+def test_step_output_delay_and_unread_bytes_per_instance():
+    metrics = Metrics("m")
+    metrics.observe_step(3, None, 0.004)
+    metrics.observe_step(3, None, None)  # not stamped: not counted
+    metrics.set_instance(3, "cpu", "D", True, None, unread_bytes=4096)
+    text = generate_latest(metrics.registry).decode()
+    assert 'hydrad_step_output_delay_seconds_count{instance="3",model_name="m"} 1.0' in text
+    assert 'hydrad_worker_link_unread_bytes{instance="3",model_name="m"} 4096.0' in text

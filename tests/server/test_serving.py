@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +22,7 @@ class RecordingResponse:
     def __init__(self, fail_after: int | None = None):
         self.events: list = []
         self.fail_after = fail_after
+        self.headers: dict = {}
 
     async def write(self, data: bytes) -> None:
         if self.fail_after is not None and len(self.events) >= self.fail_after:
@@ -73,7 +75,8 @@ def stream(response: RecordingResponse, outputs: Outputs, monkeypatch, continuou
                               "stream_options": {"include_usage": True,
                                                  "continuous_usage_stats": continuous_usage}})
     fmt = ResponseFormat(True, "chatcmpl-1", "m", return_token_ids=False)
-    return asyncio.run(respond_stream(None, fmt, req, outputs))
+    # No transport: every output is written by the handler (the direct path: test_engine_client).
+    return asyncio.run(respond_stream(SimpleNamespace(transport=None), fmt, req, outputs))
 
 
 def test_chunk_shapes_usage_and_done(monkeypatch):

@@ -225,3 +225,32 @@ def test_a_peer_gone_with_unread_bytes_counts_as_eof(loop_name):
         assert await asyncio.wait_for(closed, 10) == EOF
 
     run(loop_name, main())
+
+
+@pytest.mark.parametrize("loop_name", LOOPS)
+def test_unread_bytes_count_the_socket_and_a_partial_frame(loop_name):
+    async def main():
+        daemon_end, worker_end = mp.Pipe()
+        received, closed = [], asyncio.get_running_loop().create_future()
+        link = await WorkerLink.open(daemon_end, received.append, closed.set_result)
+        frame = encode_frame(ForkingPickler.dumps(("big", b"y" * 10_000)))
+        os.write(worker_end.fileno(), frame[:1000])  # read at once: a partial frame, buffered
+        for _ in range(100):
+            if link.num_bytes_unread == 1000:
+                break
+            await asyncio.sleep(0.01)
+        assert link.num_bytes_unread == 1000
+        link._transport.pause_reading()
+        os.write(worker_end.fileno(), frame[1000:])  # waits in the socket
+        await asyncio.sleep(0.05)
+        assert link.num_bytes_unread == len(frame) and not received
+        link._transport.resume_reading()
+        for _ in range(100):
+            if received:
+                break
+            await asyncio.sleep(0.01)
+        assert received == [("big", b"y" * 10_000)] and link.num_bytes_unread == 0
+        worker_end.close()
+        assert await asyncio.wait_for(closed, 10) == EOF
+
+    run(loop_name, main())
