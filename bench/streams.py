@@ -87,19 +87,20 @@ async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, 
             "itl_p99_ms": 1e3 * gaps[int(len(gaps) * 0.99)] if gaps else None}
 
 
-def frontend_pids(daemon: Daemon) -> list[int]:
-    """The daemon process and its front-end children (not the workers): the processes whose
-    command line is the daemon's own (workers are spawned with their own)."""
-    root = daemon.process.pid
-    pids = [root]
-    cmdline = Path(f"/proc/{root}/cmdline").read_bytes()
-    for child in Path(f"/proc/{root}/task/{root}/children").read_text().split():
-        try:
-            if Path(f"/proc/{child}/cmdline").read_bytes() == cmdline:
-                pids.append(int(child))
-        except OSError:
-            pass
-    return pids
+def frontend_pids(daemon: Daemon, count: int) -> list[int]:
+    """The daemon process and its ``count - 1`` front-end processes (not the workers), as
+    ``/admin/status`` lists them (a daemon without front-end processes lists none)."""
+    import json
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(daemon.url + "/admin/status", timeout=10) as response:
+            status = json.loads(response.read())
+        pids = [p["pid"] for p in (status.get("frontend") or {}).get("processes") or [] if p.get("pid")]
+        if len(pids or [daemon.process.pid]) == count or time.monotonic() > deadline:
+            return pids or [daemon.process.pid]
+        time.sleep(0.5)
 
 
 def profile_summary(path: Path, top: int = 25) -> list[tuple[str, float]]:
@@ -121,8 +122,8 @@ def profile_summary(path: Path, top: int = 25) -> list[tuple[str, float]]:
     return [(name, n / total) for name, n in ranked[:top]] if total else []
 
 
-def measure(daemon: Daemon, concurrency: int, args) -> dict:
-    pids = frontend_pids(daemon)
+def measure(daemon: Daemon, concurrency: int, frontends: int, args) -> dict:
+    pids = frontend_pids(daemon, frontends)
     me = os.getpid()
 
     async def main():
@@ -137,14 +138,18 @@ def measure(daemon: Daemon, concurrency: int, args) -> dict:
                 "py-spy", "record", "--pid", str(pids[0]), "--duration", str(int(args.duration)), "--rate", "100",
                 "--format", "raw", "--nonblocking", "--output", str(out),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        cpu0, own0 = sum(cpu_seconds(p) for p in pids), cpu_seconds(me)
+        each0, own0 = [cpu_seconds(p) for p in pids], cpu_seconds(me)
         await asyncio.sleep(args.duration)
-        cpu1, own1 = sum(cpu_seconds(p) for p in pids), cpu_seconds(me)
+        each1, own1 = [cpu_seconds(p) for p in pids], cpu_seconds(me)
+        cpu0, cpu1 = sum(each0), sum(each1)
         result = await task
         if spy is not None:
             await spy.wait()
             result["profile"] = [[name, round(share, 4)] for name, share in profile_summary(out)]
         result["daemon_cpu_us_per_token"] = 1e6 * (cpu1 - cpu0) / max(1, result["tokens"])
+        # Per process (the daemon first, then its front-end processes), over all the tokens.
+        result["process_cpu_us_per_token"] = [round(1e6 * (b - a) / max(1, result["tokens"]), 1)
+                                              for a, b in zip(each0, each1)]
         result["client_cpu_us_per_token"] = 1e6 * (own1 - own0) / max(1, result["tokens"])
         return result
 
@@ -180,10 +185,11 @@ def main() -> None:
             try:
                 for concurrency in args.concurrency:
                     row = {"frontend_processes": frontends, "concurrency": concurrency,
-                           **measure(daemon, concurrency, args)}
+                           **measure(daemon, concurrency, frontends, args)}
                     results.append(row)
                     print(f"front ends {frontends} streams {concurrency:5d}: {row['output_tokens_per_s']:8.0f} tok/s  "
                           f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token  "
+                          f"({' + '.join(map(str, row['process_cpu_us_per_token']))})  "
                           f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
                           f"errors {row['errors']}", flush=True)
                     for name, share in row.get("profile", [])[:12]:

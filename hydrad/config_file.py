@@ -83,6 +83,10 @@ class ServerConfig:
     # once; one more thread takes small requests only, so they never wait behind large ones.
     processor_threads: int = 2
     router_policy: str = "round-robin"
+    # HTTP processes serving the port (SO_REUSEPORT): the daemon and frontend_processes - 1
+    # more, each parsing, preparing and streaming its own requests (the daemon alone holds
+    # the workers and routes). More than 1 when one process cannot keep up with the tokens.
+    frontend_processes: int = 1
     # On SIGTERM/SIGINT: seconds granted to in-flight requests before they are aborted.
     shutdown_timeout: float = 30.0
     # Seconds to wait for every worker to load weights and allocate caches.
@@ -99,7 +103,7 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "max_request_pixels",
-                     "max_inflight_body_mb", "max_inflight_image_mb", "processor_threads"):
+                     "max_inflight_body_mb", "max_inflight_image_mb", "processor_threads", "frontend_processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"server.{name} must be >= 1, got {getattr(self, name)}")
         # Limits that would refuse every request they are meant to bound.

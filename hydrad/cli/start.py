@@ -20,7 +20,10 @@ import click
 @click.option("--admin-token", envvar="HYDRAD_ADMIN_TOKEN",
               help="Token opening /admin/* to non-loopback clients. Env: HYDRAD_ADMIN_TOKEN.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-def start(model_path, config_file, devices, deploy, host, port, api_key, admin_token, log_level, trace_path) -> None:
+@click.option("--frontend-processes", type=click.IntRange(min=1), metavar="N",
+              help="HTTP processes serving the port (default 1; [server] frontend_processes).")
+def start(model_path, config_file, devices, deploy, host, port, api_key, admin_token, log_level, trace_path,
+          frontend_processes) -> None:
     """Start the daemon: one worker per device, then the OpenAI-compatible API."""
     import asyncio
     import dataclasses
@@ -34,6 +37,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
         "model.path": model_path, "parallel.devices": devices, "parallel.deploy": deploy,
         "server.host": host, "server.port": port, "server.api_key": api_key,
         "server.admin_token": admin_token, "server.log_level": log_level,
+        "server.frontend_processes": frontend_processes,
     }
     config = load_config(config_file, {k: v for k, v in flags.items() if v is not None})
     os.environ["HYDRAD_LOG_LEVEL"] = config.server.log_level  # workers read it

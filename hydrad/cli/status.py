@@ -115,7 +115,9 @@ def render(status: dict):
     frontend = status.get("frontend")
     if frontend and frontend.get("cpu_share") is not None:
         per_token = frontend.get("cpu_per_token")
+        processes = frontend.get("processes")
         parts.append(f"daemon: {100 * frontend['cpu_share']:.0f}% of a core"
+                     + (f" over {len(processes)} front-end processes" if processes else "")
                      + (f", {1e6 * per_token:.0f} us CPU per token" if per_token is not None else "")
                      + f"; event-loop lag p99 {_ms(frontend['loop_lag_p99'])}, max {_ms(frontend['loop_lag_max'])}")
     return Group(*parts)

@@ -1,6 +1,8 @@
 """The admin API (``GET /admin/status``), read by ``hydractl status``.
 
 Open to loopback clients; others need ``Authorization: Bearer <server.admin_token>``.
+Front-end processes pass these requests on over the daemon's private Unix socket
+after making that check themselves.
 Instance numbers are fresh: each call asks every worker for its ``EngineStats``.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import socket
 import time
 
 from aiohttp import web
@@ -19,6 +22,8 @@ from hydrad.server.errors import APIError
 
 
 def check_admin_access(request: web.Request, admin_token: str) -> None:
+    if _on_private_socket(request):  # from a front-end process, which checked the client
+        return
     try:
         if request.remote and ipaddress.ip_address(request.remote).is_loopback:
             return
@@ -28,6 +33,12 @@ def check_admin_access(request: web.Request, admin_token: str) -> None:
     if admin_token and given and hmac.compare_digest(given, admin_token):
         return
     raise APIError(403, "the admin API accepts loopback connections or the admin token only")
+
+
+def _on_private_socket(request: web.Request) -> bool:
+    """The request came over the daemon's Unix socket (in a folder only its user can open)."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    return sock is not None and sock.family == socket.AF_UNIX
 
 
 async def instance_stats(clients: list[WorkerClient], timeout: float = 2.0) -> list[EngineStats | None]:

@@ -29,9 +29,10 @@ from hydrad.errors import ConfigError, RequestError
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
 from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient
+from hydrad.server.frontends import Frontends
 from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_response
-from hydrad.server.metrics import Metrics
-from hydrad.server.monitor import FrontendMonitor
+from hydrad.server.metrics import MergedRegistry, Metrics
+from hydrad.server.monitor import FrontendMonitor, combined_cpu_per_token, frontend_status
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
@@ -58,6 +59,8 @@ REPLANNER = web.AppKey("replanner", object)
 # The deployment started with and why: {"spec": "1EP+1D", "reason": "..."} (the
 # supervisor's history has it, and every change since).
 DEPLOYMENT = web.AppKey("deployment", dict)
+# The other front-end processes ([server] frontend_processes), started by ``serve``.
+FRONTENDS = web.AppKey("frontends", Frontends)
 
 
 def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None,
@@ -71,10 +74,9 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app[SPECS] = specs
     app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "start"}
     app[CONSOLE] = console or Console(stderr=True)
+    app[FRONTENDS] = Frontends(config)
     app.cleanup_ctx.append(engine_ctx)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/v1/models", models)
+    add_api_routes(app)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/admin/status", admin_status)
@@ -83,28 +85,38 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     return app
 
 
+def add_api_routes(app: web.Application) -> None:
+    """The OpenAI-compatible API (served by every front-end process)."""
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+
+
+def load_processor(config: DaemonConfig, num_threads: int):
+    """The Request Processor, with one tokenizer per processing thread and one for the
+    event loop (short text prompts)."""
+    from hydrad.processor import InputProcessor
+
+    server = config.server
+    processor = InputProcessor(
+        Path(config.engine.model.path), max_images_per_request=server.max_images_per_request,
+        max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
+        max_model_len=config.engine.model.max_model_len,
+    )
+    processor.add_instances(num_threads)
+    return processor
+
+
 async def engine_ctx(app: web.Application):
     """Workers and the Request Processor (loaded side by side), then the engine client."""
     config = app[CONFIG]
     server = config.server
-    model_path = Path(config.engine.model.path)
     loop = asyncio.get_running_loop()
     # One thread more than large requests may take: see Admission.
     num_threads = server.processor_threads + 1
     executor = ThreadPoolExecutor(num_threads, thread_name_prefix="hydrad-processor")
-    from hydrad.processor import InputProcessor
-
-    def load_processor() -> InputProcessor:
-        processor = InputProcessor(
-            model_path, max_images_per_request=server.max_images_per_request,
-            max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
-            max_model_len=config.engine.model.max_model_len,
-        )
-        # One per thread and one for the event loop (short text prompts), loaded while the workers load.
-        processor.add_instances(num_threads)
-        return processor
-
-    processor_future = loop.run_in_executor(executor, load_processor)
+    # Loaded while the workers load.
+    processor_future = loop.run_in_executor(executor, load_processor, config, num_threads)
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy,
                             restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window))
@@ -113,9 +125,13 @@ async def engine_ctx(app: web.Application):
     supervisor.on_client = lambda client: setattr(
         client, "on_step", lambda c, timing, delay: app[METRICS].observe_step(c.instance_id, timing, delay))
     try:
+        # More front-end processes load their Request Processor meanwhile; they listen once
+        # the daemon does (``serve``).
+        await app[FRONTENDS].spawn(supervisor.table, supervisor.router)
         readies = await supervisor.start(app[CONSOLE], reason=app[DEPLOYMENT]["reason"])
         processor = await processor_future
     except BaseException:
+        await app[FRONTENDS].stop()
         await supervisor.stop(timeout=5.0)
         executor.shutdown(wait=False, cancel_futures=True)
         raise
@@ -151,6 +167,7 @@ async def engine_ctx(app: web.Application):
                     config.planner.window)
     app[REPLANNER] = replanner
     yield
+    await app[FRONTENDS].stop()  # they have drained by now, unless the daemon stops at once
     await app[MONITOR].stop()
     if replanner is not None:
         await replanner.stop()
@@ -257,6 +274,8 @@ async def health(request: web.Request) -> web.Response:
     draining = request.app[ADMISSION].draining
     if draining is not None:
         return web.json_response({"status": "draining", "reason": draining}, status=503)
+    if not request.app[FRONTENDS].listening:  # the daemon listens; its front-end processes not yet
+        return web.json_response({"status": "starting", "reason": "front-end processes starting"}, status=503)
     supervisor = request.app[SUPERVISOR]
     down = [c.instance_id for c in supervisor.clients if not c.accepting]
     if down:
@@ -273,21 +292,30 @@ async def metrics(request: web.Request) -> web.Response:
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
-    return web.Response(body=generate_latest(registry.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    snapshots = await request.app[FRONTENDS].snapshots()
+    if not snapshots:
+        return web.Response(body=generate_latest(registry.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    # The same numbers from every front-end process: theirs merged into the daemon's own.
+    cpu_per_token = combined_cpu_per_token([request.app[MONITOR].status()] + [s.monitor for s in snapshots])
+    merged = MergedRegistry([list(registry.registry.collect())] + [s.families for s in snapshots],
+                            {"hydrad_daemon_cpu_seconds_per_token": cpu_per_token})
+    return web.Response(body=generate_latest(merged), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def admin_status(request: web.Request) -> web.Response:
     check_admin_access(request, request.app[CONFIG].server.admin_token)
     supervisor = request.app[SUPERVISOR]
     engine = request.app[ENGINE]
-    body = status_body(supervisor, await instance_stats(supervisor.clients), model=engine.model_name,
+    stats, snapshots = await asyncio.gather(instance_stats(supervisor.clients), request.app[FRONTENDS].snapshots())
+    body = status_body(supervisor, stats, model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
-                       num_requests=len(supervisor.table), window=request.app[METRICS].window.summary())
+                       num_requests=len(supervisor.table),
+                       window=request.app[METRICS].window.summary([s.window for s in snapshots]))
     current = supervisor.history[-1]
     body["deployment"] = {"deploy": supervisor.deployment, "reason": current.reason, "history": history(supervisor)}
     replanner = request.app[REPLANNER]
     body["planner"] = replanner.status() if replanner is not None else {"auto": False, "decisions": []}
-    body["frontend"] = request.app[MONITOR].status()
+    body["frontend"] = frontend_status(request.app[MONITOR].status(), [s.monitor for s in snapshots])
     return web.json_response(body)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from contextlib import suppress
 from typing import Awaitable, NoReturn
 
@@ -27,7 +28,7 @@ from rich.console import Console
 
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
-from hydrad.server.app import ADMISSION, ENGINE, SUPERVISOR, make_app
+from hydrad.server.app import ADMISSION, ENGINE, FRONTENDS, SUPERVISOR, make_app
 from hydrad.server.notify import sd_notify
 from hydrad.cluster.supervisor import InstanceSpec
 
@@ -65,16 +66,27 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
             await setup
         return
     setup.result()
-    site = web.TCPSite(runner, server.host, server.port)
+    frontends = app[FRONTENDS]
+    site = web.TCPSite(runner, server.host, server.port, reuse_port=frontends.count > 1)
     try:
         await site.start()
     except OSError as e:
         await runner.cleanup()
         raise HydradError(f"cannot listen on {server.host}:{server.port}: {e.strerror or e}") from None
     urls = ", ".join(f"http://{a[0]}:{a[1]}" if isinstance(a, tuple) else str(a) for a in runner.addresses)
-    logger.info("serving %s on %s", app[ENGINE].model_name, urls)
-    sd_notify("READY=1\nSTATUS=serving")
     supervisor = app[SUPERVISOR]
+    if frontends.count > 1:
+        port = next(a[1] for a in runner.addresses if isinstance(a, tuple))
+        try:
+            await web.UnixSite(runner, frontends.socket_path).start()  # their /health, /metrics, /admin
+            await frontends.start(server.host, port, app[ENGINE].trace, app[ENGINE].max_model_len,
+                                  server.worker_start_timeout)
+        except (HydradError, OSError) as e:
+            await runner.cleanup()
+            raise HydradError(f"cannot start the front-end processes: {e}") from None
+    logger.info("serving %s on %s%s", app[ENGINE].model_name, urls,
+                f" ({frontends.count} front-end processes)" if frontends.count > 1 else "")
+    sd_notify("READY=1\nSTATUS=serving")
     failed = asyncio.ensure_future(supervisor.failed.wait())
     await asyncio.wait([stop_requested, failed], return_when=asyncio.FIRST_COMPLETED)
     if not stop_requested.done():  # a stage lost its last instance (the supervisor logged which)
@@ -82,11 +94,13 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
         _log_stopping_now(app)
         await _stop_now(app, runner.cleanup(), supervisor.failure)
     admission = app[ADMISSION]
-    logger.info("shutting down: %d request(s) in flight, waiting up to %.0f s", len(admission.inflight),
-                server.shutdown_timeout)
-    sd_notify(f"STOPPING=1\nSTATUS=draining {len(admission.inflight)} request(s)")
-    admission.start_draining(f"{stop_requested.result().name} received")
-    drained = asyncio.ensure_future(admission.wait_idle(server.shutdown_timeout))
+    inflight = len(admission.inflight) + frontends.num_inflight
+    logger.info("shutting down: %d request(s) in flight, waiting up to %.0f s", inflight, server.shutdown_timeout)
+    sd_notify(f"STOPPING=1\nSTATUS=draining {inflight} request(s)")
+    reason = f"{stop_requested.result().name} received"
+    admission.start_draining(reason)
+    frontends.drain(reason, server.shutdown_timeout)
+    drained = asyncio.ensure_future(_drain(admission, frontends, server.shutdown_timeout))
     second_signal = asyncio.ensure_future(signals.get())
     await asyncio.wait([drained, second_signal, failed], return_when=asyncio.FIRST_COMPLETED)
     if not drained.done():
@@ -107,15 +121,25 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
         _abort_all(app, f"the daemon is shutting down: the request was still running after "
                         f"server.shutdown_timeout ({server.shutdown_timeout:g} s)")
         await admission.wait_idle(_ABORT_GRACE)
+        await frontends.wait_exited(_ABORT_GRACE + 1.0)
     await runner.cleanup()
     logger.info("stopped")
+
+
+async def _drain(admission, frontends, timeout: float) -> bool:
+    """True once the daemon's requests and the front-end processes' are all done (the front
+    ends exit when theirs are), False if ``timeout`` seconds pass first."""
+    start = time.monotonic()
+    if not await admission.wait_idle(timeout):
+        return False
+    return await frontends.wait_exited(max(0.0, timeout - (time.monotonic() - start)))
 
 
 def _log_stopping_now(app: web.Application) -> None:
     table = app[SUPERVISOR].table
     # The requests of the worker that died have failed already; count them with the rest.
     logger.error("stopping now: %d request(s) failed with the lost worker(s), %d more in flight fail",
-                 table.num_lost, len(app[ADMISSION].inflight))
+                 table.num_lost, len(app[ADMISSION].inflight) + app[FRONTENDS].num_inflight)
 
 
 def _abort_all(app: web.Application, reason: str) -> None:

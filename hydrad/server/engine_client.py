@@ -144,7 +144,9 @@ class EngineClient:
                 request.arrival_time = time.monotonic()
                 choice = ChoiceStream(stream, index, request, instance)
                 stream.choices.append(choice)
-                instance.add_request(request, choice)
+                admitted = instance.add_request(request, choice)
+                if admitted is not None:  # placed by the daemon (a front-end process): awaited on entry
+                    stream.admissions.append((choice, admitted))
         except BaseException:
             stream.close()
             raise
@@ -172,6 +174,9 @@ class RequestStream:
         # without waking the handler, which wakes only to end the stream.
         self.direct: Callable[[list[Output]], bool] | None = None
         self._flush_pending = False
+        # (completion, future) for each completion sent to the daemon from a front-end
+        # process, until the daemon placed it on an instance.
+        self.admissions: list[tuple[ChoiceStream, asyncio.Future]] = []
 
     @property
     def num_output_tokens(self) -> int:
@@ -182,6 +187,17 @@ class RequestStream:
         return self.num_unfinished == 0
 
     async def __aenter__(self) -> RequestStream:
+        admissions, self.admissions = self.admissions, []
+        for choice, admitted in admissions:
+            try:
+                await admitted
+            except BaseException:
+                choice.discard()  # refused: it never ran
+                for other, pending in admissions:
+                    if not pending.done():
+                        pending.cancel()
+                self.close()
+                raise
         return self
 
     async def __aexit__(self, *exc_info) -> None:
@@ -314,6 +330,12 @@ class ChoiceStream:
         self._finish(output.finish_reason)
         self.parent._push(output)
 
+    def discard(self) -> None:
+        """The completion was refused before it ran: it ends without counting as finished."""
+        if self.finish_reason is None:
+            self.finish_reason = "refused"
+            self.parent.num_unfinished -= 1
+
     def close(self) -> None:
         if self.finish_reason is None:
             self.parent.client.table.abort(self.request.req_id)
@@ -328,9 +350,12 @@ class ChoiceStream:
         ttft = f"{parent.first_token_time - parent.arrival:.3f}s" if parent.first_token_time is not None else "-"
         stages = "".join(f" {k}={v:.3f}s" for k, v in sorted((self.stage_times or {}).items()))
         user = f" user={parent.user!r}" if parent.user else ""
+        # The instances it went through (a front-end process learns them from the daemon).
+        route = parent.client.table.routes.get(req.req_id) or \
+            ([self.instance.instance_id] if self.instance.instance_id is not None else [])
         logger.info(
-            "finished %s instance=%d prompt_tokens=%d output_tokens=%d images=%d ttft=%s e2e=%.3fs finish=%s%s%s",
-            req.req_id, self.instance.instance_id, req.num_prompt_tokens, self.num_output_tokens,
+            "finished %s instance=%s prompt_tokens=%d output_tokens=%d images=%d ttft=%s e2e=%.3fs finish=%s%s%s",
+            req.req_id, route[0] if route else "-", req.num_prompt_tokens, self.num_output_tokens,
             len(req.images), ttft, e2e, finish_reason, user, stages,
         )
         trace = parent.client.trace
@@ -345,6 +370,5 @@ class ChoiceStream:
                 output_tokens=self.num_output_tokens, max_tokens=req.sampling_params.max_tokens,
                 finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
-                stages=self.stage_times, instances=parent.client.table.routes.get(req.req_id)
-                or [self.instance.instance_id],
+                stages=self.stage_times, instances=list(route),
             )

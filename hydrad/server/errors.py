@@ -26,6 +26,9 @@ class APIError(Exception):
         self.code = code
         self.headers: dict[str, str] = {}  # sent with the error (Retry-After)
 
+    def __reduce__(self):  # crosses from the daemon to a front-end process as itself
+        return (type(self), (self.status, str(self), self.param, self.code), {"headers": self.headers})
+
 
 def exception_status(e: BaseException) -> int:
     if isinstance(e, APIError):

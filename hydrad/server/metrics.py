@@ -8,7 +8,7 @@ from bisect import bisect_left
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -193,6 +193,50 @@ class Metrics:
         self.image_usage.labels(*labels).set(stats.image_usage)
 
 
+class MergedRegistry:
+    """Metric families of several processes as one registry for ``generate_latest``: samples
+    with the same name and labels add up (counters, histograms, the process's memory and
+    descriptors), except creation and start times (the earliest) and descriptor limits (the
+    largest); ``override`` sets single-sample gauges that do not add up (CPU per token)."""
+
+    def __init__(self, groups: list[list[Metric]], override: dict[str, float | None] | None = None):
+        self.groups = groups
+        self.override = override or {}
+
+    def collect(self) -> list[Metric]:
+        merged: dict[str, Metric] = {}
+        index: dict[str, dict[tuple, int]] = {}
+        for families in self.groups:
+            for family in families:
+                into = merged.get(family.name)
+                if into is None:
+                    into = merged[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+                    index[family.name] = {}
+                positions = index[family.name]
+                for sample in family.samples:
+                    key = (sample.name, tuple(sorted(sample.labels.items())))
+                    at = positions.get(key)
+                    if at is None:
+                        positions[key] = len(into.samples)
+                        into.samples.append(sample)
+                    else:
+                        old = into.samples[at]
+                        into.samples[at] = old._replace(value=_combine(sample.name, old.value, sample.value))
+        for name, value in self.override.items():
+            family = merged.get(name)
+            if family is not None:
+                family.samples = [s._replace(value=value) for s in family.samples] if value is not None else []
+        return list(merged.values())
+
+
+def _combine(name: str, a: float, b: float) -> float:
+    if name.endswith("_created") or name == "process_start_time_seconds":
+        return min(a, b)
+    if name == "process_max_fds":
+        return max(a, b)
+    return a + b
+
+
 class RollingWindow:
     """Recent finishes, TTFTs and TBTs (the last ``seconds``), for rates and percentiles."""
 
@@ -211,13 +255,21 @@ class RollingWindow:
     def add_tbt(self, value: float, now: float | None = None) -> None:
         self._tbt.append((time.monotonic() if now is None else now, value))
 
-    def summary(self) -> dict[str, float | None]:
+    def recent(self) -> dict:
+        """The window's samples: finishes counted, TTFTs and TBTs (for merging windows)."""
         since = time.monotonic() - self.seconds
-        ttft = sorted(v for t, v in self._ttft if t >= since)
-        tbt = sorted(v for t, v in self._tbt if t >= since)
+        return {"finished": sum(1 for t in self._finished if t >= since),
+                "ttft": [v for t, v in self._ttft if t >= since], "tbt": [v for t, v in self._tbt if t >= since]}
+
+    def summary(self, others: list[dict] = ()) -> dict[str, float | None]:
+        """Rates and percentiles over the window; ``others``: ``recent()`` of more windows
+        (other front-end processes) counted with this one."""
+        windows = [self.recent(), *others]
+        ttft = sorted(v for w in windows for v in w["ttft"])
+        tbt = sorted(v for w in windows for v in w["tbt"])
         return {
             "window_seconds": self.seconds,
-            "request_rate": sum(1 for t in self._finished if t >= since) / self.seconds,
+            "request_rate": sum(w["finished"] for w in windows) / self.seconds,
             "ttft_p50": percentile(ttft, 50),
             "ttft_p90": percentile(ttft, 90),
             "tbt_p50": percentile(tbt, 50),

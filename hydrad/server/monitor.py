@@ -12,6 +12,7 @@ processes) and the output tokens streamed so far; the CPU per token over the las
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import deque
 
@@ -78,14 +79,47 @@ class FrontendMonitor:
     def status(self) -> dict:
         """For ``/admin/status``: CPU per token and loop lag over the window."""
         lags = sorted(lag for _, lag in self._lags)
-        cpu = None
+        cpu = tokens = None
         if len(self._samples) >= 2:
-            (t0, cpu0, _), (t1, cpu1, _) = self._samples[0], self._samples[-1]
-            cpu = (cpu1 - cpu0) / (t1 - t0) if t1 > t0 else None
+            (t0, cpu0, tokens0), (t1, cpu1, tokens1) = self._samples[0], self._samples[-1]
+            if t1 > t0:
+                cpu, tokens = (cpu1 - cpu0) / (t1 - t0), (tokens1 - tokens0) / (t1 - t0)
         return {
+            "pid": os.getpid(),
             "window_seconds": self.window,
             "cpu_per_token": self.cpu_per_token(),
             "cpu_share": cpu,  # CPU seconds per second (1.0: one core busy)
+            "tokens_per_second": tokens,  # streamed by this process
             "loop_lag_p99": lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else None,
             "loop_lag_max": lags[-1] if lags else None,
         }
+
+
+def combined_cpu_per_token(statuses: list[dict]) -> float | None:
+    """CPU per streamed token of several front-end processes together: all their CPU over
+    all their tokens (None while none streamed)."""
+    cpu = sum(s["cpu_share"] or 0.0 for s in statuses)
+    tokens = sum(s.get("tokens_per_second") or 0.0 for s in statuses)
+    return cpu / tokens if tokens > 0 else None
+
+
+def frontend_status(own: dict, others: list[dict]) -> dict:
+    """``/admin/status``'s ``frontend``: the daemon's own monitor status when it is the only
+    front-end process; else the processes together (CPU summed, lag the worst) and each
+    one under ``processes``."""
+    if not others:
+        return own
+    statuses = [own, *others]
+    shares = [s["cpu_share"] for s in statuses if s["cpu_share"] is not None]
+    lags99 = [s["loop_lag_p99"] for s in statuses if s["loop_lag_p99"] is not None]
+    lags = [s["loop_lag_max"] for s in statuses if s["loop_lag_max"] is not None]
+    rates = [s.get("tokens_per_second") for s in statuses if s.get("tokens_per_second") is not None]
+    return {
+        "window_seconds": own["window_seconds"],
+        "cpu_per_token": combined_cpu_per_token(statuses),
+        "cpu_share": sum(shares) if shares else None,
+        "tokens_per_second": sum(rates) if rates else None,
+        "loop_lag_p99": max(lags99) if lags99 else None,
+        "loop_lag_max": max(lags) if lags else None,
+        "processes": statuses,
+    }

@@ -205,3 +205,95 @@ DaemonToWorker = (AddRequest | Abort | GetStats | Shutdown | AttachPeers | Expor
                   | Release | Reconfigure | Retire)
 WorkerToDaemon = (WorkerReady | StepOutput | StatsReply | PoolsExported | Reconfigured | Retired | RequestRejected
                   | WorkerFailed)
+
+
+# -- daemon <-> front-end process ([server] frontend_processes > 1) ---------------------------
+# A front-end process parses HTTP, prepares requests and streams their tokens; the daemon
+# (the first process) routes them to the instances and relays their outputs back. The
+# request table's ``Abort`` travels from the front end as it does to a worker.
+
+
+@dataclass(frozen=True)
+class FrontendReady:
+    """The front-end process ``index`` has loaded its Request Processor and listens."""
+
+    index: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Listen:
+    """The workers are ready: serve ``host:port`` (``SO_REUSEPORT``), pass ``/health``,
+    ``/metrics`` and ``/admin/*`` to the daemon at ``socket_path``."""
+
+    host: str
+    port: int
+    socket_path: str
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Route this completion to an instance; the daemon answers ``Admitted``."""
+
+    request: EngineRequest  # its arrival_time is the front end's time.monotonic() (one clock per host)
+    key: int  # the front end's number for it: its outputs come back under this key
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The answer to ``Submit``: the request is on an instance, or ``error`` says why not
+    (the exception the router or the request table raised)."""
+
+    key: int
+    error: Exception | None = None
+
+
+@dataclass(frozen=True)
+class Deltas:
+    """What the daemon's delivery passes produced for one front end's requests since the
+    last ``Deltas``, as columns: a token per entry of ``keys`` (``Submit.key``), then the
+    ends in order. An end is ``(key, finish_reason, stage_times, route, error)``: a finish
+    (``error`` None) or a failure (``finish_reason`` None); ``route`` lists the instances
+    the request went through."""
+
+    keys: list[int]
+    token_ids: list[int]
+    logprobs: list | None
+    ends: list[tuple]
+
+
+@dataclass(frozen=True)
+class TraceFacts:
+    """A finished request's facts for the daemon's request trace (``TraceWriter.record``)."""
+
+    facts: dict
+
+
+@dataclass(frozen=True)
+class GetSnapshot:
+    seq: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The answer to ``GetSnapshot``: the front end's metric families (prometheus_client
+    ``Metric`` objects), its monitor's status and its rolling window's recent samples."""
+
+    seq: int
+    families: list
+    monitor: dict
+    window: dict
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Refuse new requests, let those in flight run up to ``timeout`` seconds, abort the
+    rest, then exit."""
+
+    reason: str
+    timeout: float
+
+
+DaemonToFrontend = Listen | Admitted | Deltas | GetSnapshot | Drain | Shutdown
+FrontendToDaemon = FrontendReady | Submit | Abort | TraceFacts | Snapshot

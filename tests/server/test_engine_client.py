@@ -26,7 +26,7 @@ def make_stream(tokenizer, n=1, params: SamplingParams | None = None):
     aborted = []
     metrics = Metrics("m")
     client = SimpleNamespace(metrics=metrics, trace=None, processor=SimpleNamespace(tokenizer=tokenizer),
-                             table=SimpleNamespace(abort=aborted.append), flushed=[])
+                             table=SimpleNamespace(abort=aborted.append, routes={}), flushed=[])
     client.flush_later = client.flushed.append  # the step's flush is run by the test
     instance = SimpleNamespace(instance_id=0, abort=aborted.append)
     stream = RequestStream(client, num_prompt_tokens=3, arrival=0.0, user=None)

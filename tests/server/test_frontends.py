@@ -1,0 +1,179 @@
+"""Two front-end processes on one port (``--frontend-processes 2``): requests served by
+both, ``/metrics`` and ``/admin/status`` whole from either, a killed front end restarted
+without touching the other's requests, and a SIGTERM drain that finishes the streams
+of both processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import time
+
+import aiohttp
+import pytest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import generate_latest
+
+from daemon_process import Daemon, assert_gone, http, wait_for
+from hydrad.server.metrics import MergedRegistry
+from hydrad.server.monitor import combined_cpu_per_token, frontend_status
+
+pytestmark = pytest.mark.slow
+
+
+# -- merging the processes' numbers (no daemon) ---------------------------------------------------
+
+
+def _process_families(tokens: float, ttft: list[float], cpu: float, created: float, start: float):
+    counter = CounterMetricFamily("hydrad_generation_tokens", "t", labels=["model_name"], created=created)
+    counter.add_metric(["m"], tokens, created=created)
+    hist = HistogramMetricFamily("hydrad_time_to_first_token_seconds", "h", labels=["model_name"])
+    hist.add_metric(["m"], [("0.1", sum(v <= 0.1 for v in ttft)), ("+Inf", len(ttft))], sum(ttft))
+    per_token = GaugeMetricFamily("hydrad_daemon_cpu_seconds_per_token", "g", labels=["model_name"])
+    per_token.add_metric(["m"], cpu)
+    started = GaugeMetricFamily("process_start_time_seconds", "s")
+    started.add_metric([], start)
+    return [counter, hist, per_token, started]
+
+
+def test_merged_registry_adds_counts_keeps_earliest_times_and_overrides_ratios():
+    a = _process_families(100, [0.05, 0.2], 1e-4, created=50.0, start=10.0)
+    b = _process_families(40, [0.01], 3e-4, created=20.0, start=12.0)
+    text = generate_latest(MergedRegistry([a, b], {"hydrad_daemon_cpu_seconds_per_token": 2e-4})).decode()
+    assert 'hydrad_generation_tokens_total{model_name="m"} 140.0' in text
+    assert 'hydrad_generation_tokens_created{model_name="m"} 20.0' in text
+    assert 'hydrad_time_to_first_token_seconds_bucket{le="0.1",model_name="m"} 2.0' in text
+    assert 'hydrad_time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 3.0' in text
+    assert 'hydrad_time_to_first_token_seconds_count{model_name="m"} 3.0' in text
+    assert 'hydrad_daemon_cpu_seconds_per_token{model_name="m"} 0.0002' in text
+    assert "process_start_time_seconds 10.0" in text
+    # A ratio with nothing to report is left out rather than summed.
+    text = generate_latest(MergedRegistry([a, b], {"hydrad_daemon_cpu_seconds_per_token": None})).decode()
+    assert "hydrad_daemon_cpu_seconds_per_token{" not in text
+
+
+def test_frontend_status_sums_cpu_and_takes_the_worst_lag():
+    own = {"pid": 1, "window_seconds": 10.0, "cpu_per_token": 1e-4, "cpu_share": 0.2, "tokens_per_second": 2000.0,
+           "loop_lag_p99": 0.002, "loop_lag_max": 0.01}
+    other = {**own, "pid": 2, "cpu_share": 0.3, "tokens_per_second": 500.0, "loop_lag_p99": 0.02, "loop_lag_max": 0.03}
+    assert frontend_status(own, []) is own
+    status = frontend_status(own, [other])
+    assert status["cpu_share"] == pytest.approx(0.5) and status["tokens_per_second"] == pytest.approx(2500.0)
+    assert status["cpu_per_token"] == pytest.approx(0.5 / 2500.0) == combined_cpu_per_token([own, other])
+    assert (status["loop_lag_p99"], status["loop_lag_max"]) == (0.02, 0.03)
+    assert [p["pid"] for p in status["processes"]] == [1, 2]
+    assert combined_cpu_per_token([{**own, "tokens_per_second": 0.0}]) is None
+
+
+# -- a live daemon ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_llava_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("frontends")
+    config = tmp / "hydrad.toml"
+    config.write_text(f"""
+[server]
+frontend_processes = 2
+shutdown_timeout = 60
+
+[trace]
+dir = "{tmp / 'trace'}"
+""")
+    d = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:1"], tmp / "hydrad.log")
+    yield d
+    d.stop()
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> tuple[int, int, str | None]:
+    """(chunks with a token, completion tokens in the usage, finish_reason) of one stream."""
+    body = {"messages": [{"role": "user", "content": f"count to {i}"}], "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if i % 2:
+        body.update(temperature=0.8, top_p=0.9, seed=i)
+    else:
+        body["temperature"] = 0
+    chunks, usage, finish = 0, None, None
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            if event.get("choices"):
+                chunks += 1
+                finish = event["choices"][0]["finish_reason"] or finish
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    return chunks, usage, finish
+
+
+def _run_streams(url: str, n: int, max_tokens: int):
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+            return await asyncio.gather(*(_stream(session, url, i, max_tokens) for i in range(n)))
+
+    return asyncio.run(main())
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def test_both_processes_serve_and_report_one_whole_view(daemon):
+    before = _metric(http("GET", daemon.url + "/metrics").text, "hydrad_generation_tokens_total")
+    results = _run_streams(daemon.url, 256, 12)
+    assert all(r == (12, 12, "length") for r in results), results[:4]
+    log = daemon.log()
+    # Each process logs the requests it served; the front end's lines carry its name.
+    assert re.search(r"^\S+ \S+ INFO frontend1 hydrad.requests: finished", log, re.M), "front end 1 served none"
+    assert re.search(r"^\S+ \S+ INFO hydrad.requests: finished", log, re.M), "the daemon served none"
+    # Any connection may land on either process: every answer counts all 256 requests.
+    for _ in range(8):
+        text = http("GET", daemon.url + "/metrics").text
+        assert _metric(text, "hydrad_generation_tokens_total") - before == 256 * 12
+        assert _metric(text, 'hydrad_requests_finished_total') >= 256
+    status = http("GET", daemon.url + "/admin/status").json()
+    assert len(status["frontend"]["processes"]) == 2
+    assert len({p["pid"] for p in status["frontend"]["processes"]}) == 2
+    # The front end's finished requests are in the daemon's trace.
+    trace = http("GET", daemon.url + "/admin/trace?limit=1000").text.splitlines()
+    assert len(trace) >= 256
+
+
+def test_a_killed_front_end_is_restarted_and_the_other_keeps_serving(daemon):
+    pids = {p["pid"] for p in http("GET", daemon.url + "/admin/status").json()["frontend"]["processes"]}
+    frontend = next(p for p in pids if p != daemon.process.pid)
+    os.kill(frontend, signal.SIGKILL)
+    assert wait_for(lambda: "front end 1 restarted" in daemon.log(), 120), daemon.log()[-3000:]
+    assert http("GET", daemon.url + "/health").status_code == 200
+    results = _run_streams(daemon.url, 64, 4)
+    assert all(r == (4, 4, "length") for r in results)
+    new = {p["pid"] for p in http("GET", daemon.url + "/admin/status").json()["frontend"]["processes"]}
+    assert len(new) == 2 and frontend not in new
+
+
+def test_sigterm_drains_the_streams_of_every_process(daemon):
+    pids = [p["pid"] for p in http("GET", daemon.url + "/admin/status").json()["frontend"]["processes"]]
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            streams = [asyncio.ensure_future(_stream(session, daemon.url, i, 150)) for i in range(48)]
+            await asyncio.sleep(2.0)
+            daemon.terminate()
+            return await asyncio.gather(*streams)
+
+    started = time.monotonic()
+    results = asyncio.run(main())
+    assert all(r == (150, 150, "length") for r in results), [r for r in results if r != (150, 150, "length")][:4]
+    assert daemon.process.wait(60) == 0
+    assert time.monotonic() - started < 60
+    log = daemon.log()
+    assert "frontend1" in log and "aborted" not in log
+    assert_gone(pids)
