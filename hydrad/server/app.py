@@ -292,6 +292,7 @@ async def metrics(request: web.Request) -> web.Response:
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
+    request.app[MONITOR].refresh()
     snapshots = await request.app[FRONTENDS].snapshots()
     if not snapshots:
         return web.Response(body=generate_latest(registry.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -306,6 +307,7 @@ async def admin_status(request: web.Request) -> web.Response:
     check_admin_access(request, request.app[CONFIG].server.admin_token)
     supervisor = request.app[SUPERVISOR]
     engine = request.app[ENGINE]
+    request.app[MONITOR].refresh()
     stats, snapshots = await asyncio.gather(instance_stats(supervisor.clients), request.app[FRONTENDS].snapshots())
     body = status_body(supervisor, stats, model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],

@@ -185,6 +185,7 @@ class CoreClient:
                                       "loop_lag_p99": None, "loop_lag_max": None},
                             {"finished": 0, "ttft": [], "tbt": []})
         metrics, monitor = app[api.METRICS], app[api.MONITOR]
+        monitor.refresh()
         return Snapshot(seq, list(metrics.registry.collect()), monitor.status(), metrics.window.recent())
 
     async def _drain(self, msg: Drain) -> None:

@@ -55,6 +55,11 @@ class FrontendMonitor:
                 last_sample = now
                 self._sample(time.monotonic())
 
+    def refresh(self) -> None:
+        """Sample now (a scrape or a status call), so the tokens streamed since the last
+        periodic sample count."""
+        self._sample(time.monotonic())
+
     def observe_lag(self, now: float, lag: float) -> None:
         self.metrics.observe_loop_lag(lag)
         self._lags.append((now, lag))
