@@ -113,7 +113,7 @@ class CoreClient:
     def abort(self, req_id: str) -> None:
         key = self.keys.pop(req_id, None)
         if key is not None and self.sinks.pop(key, None) is not None:
-            self._send(Abort((req_id,)))
+            self.send(Abort((req_id,)))
 
     def fail_all(self, error: Exception) -> None:
         for req_id, key in list(self.keys.items()):
@@ -124,14 +124,11 @@ class CoreClient:
 
     def record(self, **facts) -> None:
         """The request trace's ``record``: the daemon writes it."""
-        self._send(TraceFacts(facts))
+        self.send(TraceFacts(facts))
 
-    def _send(self, msg) -> None:
-        if self.link is not None and self.link.is_open:
-            try:
-                self.link.send(msg)
-            except LinkClosed:
-                pass
+    def send(self, msg) -> None:
+        if self.link is not None:
+            self.link.send_if_open(msg)
 
     # -- daemon -> front end ----------------------------------------------------------------------
     def dispatch(self, msg) -> None:
@@ -150,7 +147,7 @@ class CoreClient:
             if not self.listen.done():
                 self.listen.set_result(msg)
         elif isinstance(msg, GetSnapshot):
-            self._send(self._snapshot(msg.seq))
+            self.send(self._snapshot(msg.seq))
         elif isinstance(msg, Drain):
             asyncio.ensure_future(self._drain(msg))
         elif isinstance(msg, Shutdown):
@@ -234,7 +231,7 @@ def frontend_main(index: int, config: DaemonConfig, conn: Connection) -> None:
 
 async def _serve(index: int, config: DaemonConfig, conn: Connection) -> None:
     core = CoreClient(index)
-    core.link = await WorkerLink.open(conn, core.dispatch, core.on_closed)
+    core.link = await WorkerLink.open(conn, core.dispatch, core.on_closed, peer="daemon")
     app = make_frontend_app(config, core)
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
     await runner.setup()  # loads the Request Processor
@@ -246,7 +243,7 @@ async def _serve(index: int, config: DaemonConfig, conn: Connection) -> None:
             app[api.ENGINE].max_model_len = listen.max_model_len
             core.daemon_session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=listen.socket_path))
             await web.TCPSite(runner, listen.host, listen.port, reuse_port=True).start()
-            core._send(FrontendReady(index, os.getpid()))
+            core.send(FrontendReady(index, os.getpid()))
             await done
     finally:
         await runner.cleanup()

@@ -37,7 +37,7 @@ from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
-from hydrad.transport.link import LinkClosed, WorkerLink
+from hydrad.transport.link import WorkerLink
 from hydrad.transport.messages import (
     Abort,
     Admitted,
@@ -125,7 +125,7 @@ class FrontendPeer:
         self.ends: list[tuple] = []
         self._flush_scheduled = False
         self._seq = itertools.count()
-        self._snapshots: dict[int, asyncio.Future[Snapshot]] = {}
+        self._snapshots: dict[int, asyncio.Future[Snapshot | None]] = {}
         self.on_gone = None  # (peer, reason) once its process is gone
 
     @property
@@ -133,11 +133,8 @@ class FrontendPeer:
         return self.link is not None and self.link.is_open
 
     def send(self, msg) -> None:
-        if self.alive:
-            try:
-                self.link.send(msg)
-            except LinkClosed:
-                pass
+        if self.link is not None:
+            self.link.send_if_open(msg)
 
     # -- outputs ------------------------------------------------------------------------------
     def schedule_flush(self) -> None:
@@ -204,7 +201,7 @@ class FrontendPeer:
             self.open.clear()
         for waiter in self._snapshots.values():
             if not waiter.done():
-                waiter.cancel()
+                waiter.set_result(None)
         if self.on_gone is not None:
             self.on_gone(self, reason)
 
@@ -216,7 +213,7 @@ class FrontendPeer:
         self.send(GetSnapshot(seq))
         try:
             return await asyncio.wait_for(waiter, timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+        except asyncio.TimeoutError:
             return None
         finally:
             self._snapshots.pop(seq, None)
@@ -266,7 +263,7 @@ class Frontends:
         child.close()
         peer = FrontendPeer(index, process, self._table, self._router, self._trace)
         peer.on_gone = self._on_gone
-        peer.link = await WorkerLink.open(parent, peer.dispatch, peer.on_closed)
+        peer.link = await WorkerLink.open(parent, peer.dispatch, peer.on_closed, peer=f"front end {index}")
         return peer
 
     async def start(self, host: str, port: int, trace, max_model_len: int, timeout: float) -> None:

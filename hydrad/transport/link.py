@@ -7,6 +7,9 @@ buffered by the transport and never block the loop. Nothing here depends on the
 descriptor's blocking mode, which uvloop changes; a message that arrives in
 several pieces simply waits for its last piece. The link is closed only when the
 pipe reaches EOF (the worker exited) or the socket fails, and says which.
+
+Front-end processes use the same link to the daemon, on both ends (``peer`` names
+the other end in the log).
 """
 
 from __future__ import annotations
@@ -42,7 +45,9 @@ class WorkerLink(asyncio.Protocol):
     ``on_closed(reason)`` once, when the pipe reaches EOF or fails.
     """
 
-    def __init__(self, on_message: Callable[[object], None], on_closed: Callable[[str], None]):
+    def __init__(self, on_message: Callable[[object], None], on_closed: Callable[[str], None],
+                 peer: str = "worker"):
+        self.peer = peer  # who is at the other end, for the log: "worker", "front end 1", "daemon"
         self._on_message = on_message
         self._on_closed = on_closed
         self._decoder = FrameDecoder()
@@ -54,14 +59,15 @@ class WorkerLink(asyncio.Protocol):
 
     @classmethod
     async def open(
-        cls, conn: Connection, on_message: Callable[[object], None], on_closed: Callable[[str], None]
+        cls, conn: Connection, on_message: Callable[[object], None], on_closed: Callable[[str], None],
+        peer: str = "worker",
     ) -> WorkerLink:
         """Take over the daemon's end ``conn`` (it is closed here; the link owns a copy)."""
         import torch.multiprocessing  # noqa: F401  (registers torch's reductions for shared tensors)
 
         sock = socket.socket(fileno=os.dup(conn.fileno()))
         conn.close()
-        link = cls(on_message, on_closed)
+        link = cls(on_message, on_closed, peer)
         await asyncio.get_running_loop().connect_accepted_socket(lambda: link, sock)
         return link
 
@@ -76,6 +82,14 @@ class WorkerLink(asyncio.Protocol):
             raise LinkClosed(self.close_reason or "not connected")
         payload = ForkingPickler.dumps(msg)
         self._transport.write(encode_frame(payload))
+
+    def send_if_open(self, msg: object) -> bool:
+        """Send ``msg`` unless the link is closed (the other end is gone: nothing to tell it)."""
+        try:
+            self.send(msg)
+            return True
+        except LinkClosed:
+            return False
 
     @property
     def num_bytes_unread(self) -> int:
@@ -122,7 +136,7 @@ class WorkerLink(asyncio.Protocol):
                 self._on_message(msg)
             except Exception:
                 # A bug in handling one message must not take the worker down with it.
-                logger.exception("handling a %s from the worker failed", type(msg).__name__)
+                logger.exception("handling a %s from the %s failed", type(msg).__name__, self.peer)
 
     def eof_received(self) -> bool:
         self._closed(EOF)
@@ -135,7 +149,7 @@ class WorkerLink(asyncio.Protocol):
         self._closed(EOF if gone else f"pipe failed: {exc}")
 
     def _fail(self, reason: str) -> None:
-        logger.error("worker pipe: %s", reason)
+        logger.error("%s pipe: %s", self.peer, reason)
         self._closed(reason)
         if self._transport is not None:
             self._transport.close()

@@ -1,4 +1,5 @@
-"""Every message that crosses the daemon <-> worker pipes, grouped by direction.
+"""Every message that crosses the daemon <-> worker pipes (and the daemon <-> front-end
+process pipes, at the end), grouped by direction.
 
 Messages are small records of ids and diffs. A request travels to a worker once,
 in ``AddRequest`` (its pixel tensors in shared memory, so only handles are
