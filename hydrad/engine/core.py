@@ -32,7 +32,7 @@ from hydrad.engine.latency_model import LatencyModel
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
-from hydrad.engine.migration import MigrationOffer, PullCopier, Pulled, offer_for
+from hydrad.engine.migration import MigrationOffer, PullCopier, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.scheduler import Scheduler
 from hydrad.engine.streams import StageStreams
 from hydrad.errors import ConfigError, RequestError
@@ -158,6 +158,9 @@ class EngineCore:
         # Migration: peers' pools (attached once at start), the copy thread, pulls to report.
         self.copier = PullCopier(self.device, self.runner.copy_in)
         self._pulled: list[Pulled] = []
+        # Bytes per second of a pull's copy (set by the worker once measured; None: unknown,
+        # and no step waits for a copy).
+        self.copy_bandwidth: float | None = None
         # Set when a step found nothing it could run (e.g. blocks held by offered requests):
         # no step can do better until a request arrives, leaves or is released.
         self._stalled = False
@@ -353,8 +356,28 @@ class EngineCore:
                 self._pulled.append(Pulled(pull.req.req_id, pull.source))
 
     # -- the step ------------------------------------------------------------------------------
+    def _pull_first(self) -> None:
+        """Start the pulls of migrated requests before the step is built; when the copier
+        was idle and the copies are predicted to be quick, wait for them, so that the
+        requests run in this step rather than the next."""
+        if not self.scheduler.incoming:
+            return
+        idle = not self.copier.busy
+        pulls = self.scheduler.admit_pulls()
+        for pull in pulls:
+            self.copier.start(pull)
+        if not pulls or not idle or not self.copy_bandwidth or self.scheduler.latency_model is None:
+            return
+        geometry = self.geometry()
+        size = {"kv": geometry.kv_block_bytes, "image": geometry.image_block_bytes}
+        seconds = sum(len(p.src_block_ids) * size[p.kind] for p in pulls) / self.copy_bandwidth
+        if seconds <= quick_pull_seconds(self.scheduler.latency_bound):
+            self.copier.wait_all()
+            self._collect_pulls(block=False)
+
     def step(self) -> EngineOutput:
         self._collect_pulls(block=False)
+        self._pull_first()
         out = self.scheduler.schedule()
         if out.dropped and self.runner.batch is not None:
             self.runner.drop(out.dropped)

@@ -33,6 +33,16 @@ if TYPE_CHECKING:
 
 # Idle wait for a copy to finish when a step has nothing else to do.
 PULL_POLL_SECS = 0.005
+# A pull whose copy is predicted to take at most this share of the instance's step bound
+# is waited for before the step is built, so the pulled request runs in that very step
+# instead of the next one (a copy of an image or a short prompt's KV takes milliseconds,
+# a step up to the bound).
+QUICK_PULL_SHARE = 0.1
+
+
+def quick_pull_seconds(step_bound: float) -> float:
+    """The longest predicted copy a step waits for (``QUICK_PULL_SHARE`` of its bound)."""
+    return QUICK_PULL_SHARE * step_bound
 
 
 @dataclass
@@ -162,6 +172,10 @@ class PullCopier:
         with torch.cuda.stream(self._stream):
             self._copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
         self._stream.synchronize()
+
+    def wait_all(self) -> None:
+        """Block until every copy started so far is done."""
+        wait([f for f, _ in self._inflight])
 
     def finished(self, block: bool) -> list[Pull]:
         """The pulls whose copy is done (waiting briefly for one when ``block``)."""

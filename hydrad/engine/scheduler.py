@@ -308,8 +308,17 @@ class Scheduler:
                 return
             out.encodes.append((req, index))
 
-    def _admit_incoming(self, out: SchedulerOutput) -> None:
-        """Migrating requests go first; a target never pulls what it has no room for."""
+    def admit_pulls(self) -> list[Pull]:
+        """Pulls of migrating requests admitted ahead of the next ``schedule`` (so their copy
+        can end before the step is built). A KV pull here leaves one free block per running
+        decode, which the step may need to grow it; the rest wait for ``schedule``."""
+        out = SchedulerOutput()
+        self._admit_incoming(out, reserve=len(self.decoding) if self.kv is not None else 0)
+        return out.pulls
+
+    def _admit_incoming(self, out: SchedulerOutput, reserve: int = 0) -> None:
+        """Migrating requests go first; a target never pulls what it has no room for.
+        ``reserve``: KV blocks a KV pull must leave free."""
         while self.incoming:
             req = self.incoming[0]
             kind, source, src_block_ids, num_computed = req.pull
@@ -324,7 +333,7 @@ class Scheduler:
                 req.preemptible = self._can_recompute(req)
                 slots = num_computed + 1 if req.preemptible else self._full_len(req)
                 need = self.kv.num_blocks_for(slots)
-                if not self.kv.can_allocate(need):
+                if not self.kv.can_allocate(need + reserve):
                     return
                 req.kv_block_ids = self.kv.allocate(need)
                 # Only the blocks that hold computed tokens are copied: a source that could not

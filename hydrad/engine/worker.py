@@ -102,6 +102,7 @@ def worker_main(
 
         # Measured (or read from its cache) before any request holds a block of the pool.
         bandwidth = measure_bandwidth(engine) if engine.kv_manager is not None else None
+        engine.copy_bandwidth = bandwidth
     except Exception as e:  # reported to the daemon, which prints it as one line
         conn.send(WorkerFailed(instance_id, f"{type(e).__name__}: {e}", traceback.format_exc()))
         conn.close()

@@ -15,10 +15,12 @@ enter through the cluster's real ``Router`` and move between instances through t
   ``processor_threads`` at a time, each for its service time, first come first served.
 
 The loop of each simulated instance is the worker's: messages that arrive during a step
-are taken after it; a step collects the copies finished since the last one, schedules,
-starts this step's pulls, runs, then reports its tokens, offers and finished pulls. A
-request's first token therefore comes from the step that samples it, and a pulled
-request runs in the step after the one its copy overlapped, as in the live system.
+are taken after it; a step collects the copies finished since the last one, admits and
+starts pulls (waiting for them when they are quick, as ``EngineCore._pull_first``),
+schedules, starts this step's pulls, runs, then reports its tokens, offers and finished
+pulls. A request's first token therefore comes from the step that samples it, and a
+pulled request runs in the step that waited for its copy or the step after the one its
+copy overlapped, as in the live system.
 
 A run can stop as soon as so many requests have missed the SLO that the attainment
 target is out of reach (``stop_below``): failing rates of a goodput search then cost a
@@ -39,7 +41,7 @@ from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape
-from hydrad.engine.migration import MigrationOffer, Pulled, offer_for
+from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.profiler import latency_bound
 from hydrad.engine.request import Request
 from hydrad.engine.scheduler import Scheduler
@@ -258,6 +260,8 @@ class SimInstance:
                 else:
                     still.append((done, pull))
             self.copies = still
+        if s.incoming and self._pull_first():
+            return
         if not self.copies and (self.stalled or not s.has_work()):
             self._report()
             return
@@ -285,6 +289,24 @@ class SimInstance:
         self.busy += seconds
         self.num_steps += 1
         sim.at(now + seconds, _STEP_END, self, out)
+
+    def _pull_first(self) -> bool:
+        """As ``EngineCore._pull_first``: start the pulls admitted ahead of the step; True when
+        the step waits for them (they are quick and the copier was idle)."""
+        sim, s = self.sim, self.scheduler
+        idle = not self.copies
+        pulls = s.admit_pulls()
+        for pull in pulls:
+            start = max(sim.now, self.copier_free)
+            self.copier_free = start + sim.copy_seconds(pull)
+            self.copies.append((self.copier_free, pull))
+        if not pulls or not idle or s.latency_model is None:
+            return False
+        if sum(sim.copy_seconds(p) for p in pulls) > quick_pull_seconds(s.latency_bound):
+            return False
+        self.running = True
+        sim.at(self.copier_free, _WAKE, self, None)
+        return True
 
     def end_step(self, out) -> None:
         sim, s = self.sim, self.scheduler

@@ -115,11 +115,13 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             slo=dataclasses.replace(config.engine.slo, ttft=profile.slo_ttft, tbt=profile.slo_tbt)))
         daemon = LiveDaemon(cfg, log_dir / f"daemon-{spec}.log")
         try:
+            # A deployment simulated at 0 is searched from the trace's rate; the bracket goes
+            # down to the search's default (start / 16): below it, runs of a fixed number of
+            # requests take longer than any benchmark should.
             start = simulated.get(spec) or profile.workload.mean_rate
             bench = BenchConfig(url=daemon.url, slo=SLO(profile.slo_ttft, profile.slo_tbt), workload=str(trace_file),
                                 num_requests=profile.planner.num_requests,
-                                search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol,
-                                                     min_rate=start / 256),
+                                search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol),
                                 arrivals=profile.planner.arrivals, seed=config.engine.seed)
             result = run_bench(bench, observer_for(spec) if observer_for else None)
         finally:

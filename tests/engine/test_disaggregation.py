@@ -162,3 +162,35 @@ def test_an_instance_waiting_for_a_release_does_not_spin(tiny_llava_dir, convers
     assert e.has_work()
     e.step()
     assert [o.req_id for o in e.take_offers()] == ["b"]
+
+
+@pytest.mark.parametrize("bandwidth, runs_at_once", [(1e12, True), (None, False), (1.0, False)])
+def test_a_quick_pull_runs_in_the_step_that_waited_for_it(tiny_llava_dir, conversations, bandwidth, runs_at_once):
+    """P waits for a pull predicted to take a small share of its step bound, so the pulled
+    request prefills in that same step; with no measured bandwidth, or a copy predicted to be
+    slow, the step does not wait and the request runs in a later one."""
+    from hydrad.engine.latency_model import LatencyModel
+
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy="1E+1P+1D", devices="cpu:3")
+    e, p, _ = llm.engine.engines
+    p.set_latency_model(LatencyModel(l_fixed=1e-3, l_prefill=1e-6, l_decode=1e-6), 1.0)
+    p.copy_bandwidth = bandwidth
+    prompt = llm.processor.process_chat(conversations[0])
+    llm.engine.add_request(llm.processor.make_engine_request("a", prompt, SamplingParams(max_tokens=4,
+                                                                                         temperature=0.0)))
+    e.step()
+    (offer,) = e.take_offers()
+    p.add_migration(offer)
+    p.step()
+    offers = p.take_offers()
+    if runs_at_once:
+        assert p.take_pulled() == [Pulled("a", e.instance_id)]
+        assert [(o.req_id, o.kind) for o in offers] == [("a", "kv")]  # prefilled in that step
+    else:
+        assert offers == []
+        for _ in range(100):
+            p.step()
+            if (offers := p.take_offers()):
+                break
+        assert [(o.req_id, o.kind) for o in offers] == [("a", "kv")]
+    p.scheduler.check_integrity()

@@ -260,3 +260,30 @@ def test_a_kv_pull_copies_only_the_blocks_of_computed_tokens():
     assert pull.src_block_ids == [10, 11, 12]  # 10 computed tokens in blocks of 4
     assert len(pull.dst_block_ids) == 3 and len(pull.req.kv_block_ids) == 3
     s.check_integrity()
+
+
+@pytest.mark.parametrize("takes_last_block", [False, True])
+def test_pulls_admitted_ahead_of_a_step_leave_a_block_per_running_decode(takes_last_block):
+    """``admit_pulls`` (before the step is built) keeps one free KV block per running decode,
+    which the step may need to grow it; ``schedule`` then admits what is left as before."""
+    from hydrad.engine.migration import MigrationOffer
+
+    s = make_scheduler(num_kv_blocks=16, kv_block_size=4)
+    s.add(make_request("d", num_prompt=6, max_tokens=20))
+    while "d" not in s.decoding:
+        run_step(s)
+    free = s.kv.num_free_blocks
+    # Blocks for its computed tokens plus the next one: every free block, or all but one.
+    num_computed = 4 * (free if takes_last_block else free - 1) - 1
+    offer = MigrationOffer(
+        req_id="r", source=1, kind="kv", block_ids=list(range(100, 100 + free)),
+        prompt_token_ids=list(range(5, 5 + num_computed)), output_token_ids=[7], num_computed_tokens=num_computed,
+        sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), images=[],
+        eos_token_ids=(EOS,), generator_state=None, timeline={})
+    s.add(Request.from_offer(offer))
+    pulls = s.admit_pulls()
+    if takes_last_block:  # the decode may need that block: left for schedule()
+        assert pulls == [] and [r.req_id for r in s.incoming] == ["r"]
+    else:
+        assert [p.req.req_id for p in pulls] == ["r"] and s.kv.num_free_blocks == 1
+    s.check_integrity()

@@ -69,6 +69,19 @@ def test_migration_between_ep_and_d_copies_and_waits_for_the_next_step():
     assert r.gaps == pytest.approx([second - first, 0.012])
 
 
+def test_a_busy_target_waits_for_a_quick_pull_and_runs_it_in_the_next_step():
+    # As EngineCore: a pull predicted at most a tenth of the step bound is waited for before
+    # the step is built. D decodes r0 (12 ms steps from 0.117: its KV copy, 7 blocks at
+    # 1 MB/s, took 7 ms after EP's prefill of 110 ms). r1 arrives at 0.2, EP prefills it by
+    # 0.31 (its first token) and offers it; D's step under way then ends at 0.321; D copies
+    # r1's 7 blocks (7 ms) and runs both decodes at once (14 ms): r1's second token at 0.342.
+    setup = make_setup(bandwidth=1e6)
+    r0, r1 = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 40), SimRequest(0.2, 100, 2)]).requests
+    assert r0.ttft == pytest.approx(0.11)
+    assert r1.ttft == pytest.approx(0.11)
+    assert r1.gaps == pytest.approx([0.342 - 0.31])
+
+
 def test_image_migration_from_e_to_pd():
     m, bandwidth = 0.001, 2e6
     setup = make_setup(message_seconds=m, bandwidth=bandwidth)
