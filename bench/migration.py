@@ -94,7 +94,8 @@ async def run_deployment(args, config, processor, progress: Progress) -> dict[in
     """Stage times of every measured request, per concurrency level."""
     from hydrad.cluster.deploy import plan_instances
     from hydrad.cluster.router import Router
-    from hydrad.cluster.supervisor import Supervisor, plan_specs
+    from hydrad.cluster.launch import plan_specs
+    from hydrad.cluster.supervisor import Supervisor
 
     specs = plan_specs(plan_instances("1E+1P+1D", "cpu:3", 0))
     supervisor = Supervisor(config, specs)

@@ -44,12 +44,9 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     logging.basicConfig(level=config.server.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    import torch
-
-    from hydrad.models.default import resolve_model_path
-    from hydrad.server.daemon import serve
     from hydrad.cluster.deploy import plan_instances
-    from hydrad.cluster.supervisor import plan_specs
+    from hydrad.cluster.launch import cuda_device_count, launch_all, plan_specs, stop_unadopted
+    from hydrad.models.default import resolve_model_path
 
     # Resolved once here, so workers never race to build the default model.
     model = dataclasses.replace(config.engine.model, path=str(resolve_model_path(config.engine.model.path)))
@@ -63,9 +60,16 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
         parallel = dataclasses.replace(config.engine.parallel, deploy=spec)
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
     parallel = config.engine.parallel
-    instances = plan_instances(parallel.deploy, parallel.devices, torch.cuda.device_count())
+    specs = plan_specs(plan_instances(parallel.deploy, parallel.devices, cuda_device_count(parallel.devices)))
+    # The workers load (torch, weights, caches) while this process imports the daemon's stack.
+    launched = launch_all(config.engine, specs)
     try:
-        from uvloop import run
-    except ImportError:  # uvloop is not built for every platform
-        run = asyncio.run
-    run(serve(config, plan_specs(instances), console, deployment))
+        from hydrad.server.daemon import serve
+
+        try:
+            from uvloop import run
+        except ImportError:  # uvloop is not built for every platform
+            run = asyncio.run
+        run(serve(config, specs, console, deployment, launched))
+    finally:
+        stop_unadopted(launched)  # only those the daemon failed before taking over

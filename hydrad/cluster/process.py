@@ -13,7 +13,8 @@ import queue
 import threading
 from typing import Iterable
 
-from hydrad.cluster.supervisor import Supervisor, plan_specs
+from hydrad.cluster.launch import plan_specs
+from hydrad.cluster.supervisor import Supervisor
 from hydrad.config import EngineConfig
 from hydrad.engine.inputs import EngineOutput, EngineRequest, FinishedRequest
 from hydrad.errors import RequestError

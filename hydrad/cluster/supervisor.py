@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import time
 from collections import deque
@@ -32,6 +31,7 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from hydrad.cluster.launch import InstanceSpec, Launched, launch_worker, migrates, peer_ids
 from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
@@ -67,26 +67,11 @@ class Deployment:
 
 
 @dataclass(frozen=True)
-class InstanceSpec:
-    instance_id: int
-    role: str
-    device: str
-    num_threads: int
-
-
-@dataclass(frozen=True)
 class RestartPolicy:
     """Restart a dead worker unless it was restarted ``limit`` times within ``window`` seconds."""
 
     limit: int = 3
     window: float = 300.0
-
-
-def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
-    """Number the (role, device) pairs and split the CPU cores among CPU workers."""
-    num_cpu = sum(1 for _, device in instances if device == "cpu")
-    threads = max(1, (os.cpu_count() or 1) // max(1, num_cpu))
-    return [InstanceSpec(i, role, device, threads) for i, (role, device) in enumerate(instances)]
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -108,7 +93,10 @@ def missing_stages(roles: list[str]) -> list[str]:
 
 class Supervisor:
     def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0,
-                 router_policy: str = "round-robin", restart: RestartPolicy | None = None):
+                 router_policy: str = "round-robin", restart: RestartPolicy | None = None,
+                 launched: dict[int, Launched] | None = None):
+        """``launched``: workers of ``specs`` started already (``launch.launch_all``), by
+        instance id; the supervisor takes them over at ``start`` instead of spawning them."""
         self.config = config
         self.specs = list(specs)
         self.start_timeout = start_timeout
@@ -122,7 +110,8 @@ class Supervisor:
         # Called with every new worker client (at start and at each restart), to wire it up.
         self.on_client: Callable[[WorkerClient], None] | None = None
         # Pools are shared between instances only when requests migrate between them.
-        self.migrates = any(spec.role != "EPD" for spec in specs)
+        self.migrates = migrates(specs)
+        self._launched = launched if launched is not None else {}
         self._processes: dict[int, BaseProcess] = {}  # by instance id
         self._stopping = False
         self._restart_times: dict[int, deque[float]] = {}
@@ -178,22 +167,15 @@ class Supervisor:
                                    f"{failed.failure}") from None
 
     async def _spawn(self, spec: InstanceSpec) -> WorkerClient:
-        """Start the worker process of ``spec``; its client is connected, not yet ready."""
-        import torch.multiprocessing as mp
+        """Start the worker process of ``spec`` (or take the one launched for it before the
+        daemon started); its client is connected, not yet ready."""
+        # Registers torch's reductions, with which tensors go down the pipes through shared memory.
+        import torch.multiprocessing  # noqa: F401
 
-        from hydrad.engine.worker import worker_main
-
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        peer_ids = tuple(s.instance_id for s in self.specs if s.instance_id != spec.instance_id) \
-            if self.migrates else ()
-        process = ctx.Process(
-            target=worker_main,
-            args=(spec.instance_id, spec.role, spec.device, self.config, child, spec.num_threads, peer_ids),
-            name=f"hydrad-worker-{spec.instance_id}",
-        )
-        process.start()
-        child.close()  # so the daemon sees EOF when the worker exits
+        launched = self._launched.pop(spec.instance_id, None)
+        if launched is None:
+            launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else ())
+        process, parent = launched.process, launched.conn
         self._processes[spec.instance_id] = process
         client = WorkerClient(spec.instance_id, spec.role, spec.device, self.table)
         client.on_lost = self._on_lost

@@ -8,6 +8,8 @@ time on two executors.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -80,10 +82,16 @@ class ModelRunner:
         self.image_cache = None
 
     def _pool(self, shape: tuple[int, ...], shared: bool) -> torch.Tensor:
-        pool = torch.zeros(shape, dtype=self.dtype, device=self.device)
         # Other instances copy straight out of this pool (pull-based migration): on CPU it must
         # live in shared memory; CUDA memory is exported through IPC handles by torch itself.
-        return pool.share_memory_() if shared and pool.device.type == "cpu" else pool
+        if shared and self.device.type == "cpu":
+            # Made in shared memory at once (not zeroed privately, then copied there), and
+            # zeroed in place: every page is backed now, so a /dev/shm too small for the
+            # pool fails the start, not a step.
+            nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
+            storage = torch.UntypedStorage._new_shared(nbytes)
+            return torch.empty(0, dtype=self.dtype).set_(storage, 0, shape).zero_()
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- migration ------------------------------------------------------------------------------
     @torch.inference_mode()

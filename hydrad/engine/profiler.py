@@ -45,8 +45,9 @@ from hydrad.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Bump when the probes, the features or the file layout change: older files then miss.
-_CACHE_VERSION = 4
+# Bump when the probes, the features, the file layout or what a step costs change (the model
+# code: 5, the CLIP tower stops at its feature layer): older files then miss.
+_CACHE_VERSION = 5
 _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05

@@ -12,12 +12,12 @@ and ``multi_modal_projector.``, the language part's under ``language_model.`` an
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.initialization import no_init_weights
 
 from hydrad.models.attention import get_attn_backend
 from hydrad.models.attention.metadata import AttentionMetadata
@@ -26,6 +26,26 @@ from hydrad.models.llama import STACKED_PARAMS, LlamaModel, ParamLoader, head_di
 
 VISION_PARTS = ("vision_tower", "multi_modal_projector")
 LANGUAGE_PARTS = ("language_model", "lm_head")
+
+
+@contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """Build modules without drawing their random initial weights (``load_weights`` writes
+    every parameter): ``torch.nn.init``'s in-place initialisers do nothing meanwhile. A
+    family whose vision part is a transformers model adds transformers' own guard."""
+    names = [name for name in dir(nn.init) if name.endswith("_") and not name.startswith("_")]
+    saved = {name: getattr(nn.init, name) for name in names}
+
+    def keep(tensor, *args, **kwargs):
+        return tensor
+
+    for name in names:
+        setattr(nn.init, name, keep)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
 
 
 class VisionLanguageModel(nn.Module):
@@ -74,7 +94,7 @@ class VisionLanguageModel(nn.Module):
         canonical prefixes of the parts built."""
         built: list[str] = []
         # Every parameter is overwritten by load_weights: skip the random init.
-        with no_init_weights(), self.device:
+        with skip_weight_init(), self.device:
             if vision and not self.has_vision:
                 for name, module in self.build_vision(self.hf_config, self.dtype).items():
                     setattr(self, name, module)

@@ -238,6 +238,8 @@ class ParamLoader:
     """
 
     def __init__(self, module: nn.Module, stacked: dict[str, tuple[str, int]] | None = None):
+        # A module built without some of the checkpoint's parts (``CLIPVisionTower``) names them.
+        self.ignores = getattr(module, "ignores_weight", None)
         parts_of: dict[str, dict[int, str]] = {}
         for part, (fused, shard) in (stacked or {}).items():
             parts_of.setdefault(fused, {})[shard] = part
@@ -255,10 +257,11 @@ class ParamLoader:
         self.loaded: set[str] = set()
 
     def load(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy one tensor in; False if ``name`` is not a weight of the module."""
+        """Copy one tensor in (or drop one the module does not use); False if ``name`` is not
+        a weight of the module."""
         dst = self.targets.get(name)
         if dst is None:
-            return False
+            return self.ignores is not None and self.ignores(name)
         if dst.shape != tensor.shape:
             raise CheckpointError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
         dst.copy_(tensor)

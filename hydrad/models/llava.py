@@ -10,11 +10,11 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from transformers import AutoModel
 from transformers.activations import ACT2FN
 
-from hydrad.models.inputs import ImageInput
 from hydrad.errors import CheckpointError
+from hydrad.models.clip import CLIPVisionTower
+from hydrad.models.inputs import ImageInput
 from hydrad.models.interface import VisionLanguageModel
 
 
@@ -41,16 +41,23 @@ def check_feature_strategy(hf_config) -> None:
         )
 
 
-def clip_features(vision_tower: nn.Module, pixel_values: torch.Tensor, hf_config) -> torch.Tensor:
+def clip_features(vision_tower: CLIPVisionTower, pixel_values: torch.Tensor, hf_config) -> torch.Tensor:
     # pixel_values: [num_crops, 3, H, W] -> [num_crops, num_tokens, vision_hidden * len(layers)]:
     # the chosen layers' hidden states side by side, without the CLS token for "default"
-    out = vision_tower(pixel_values, output_hidden_states=True)
-    layers = hf_config.vision_feature_layer
-    layers = [layers] if isinstance(layers, int) else layers
-    features = torch.cat([out.hidden_states[layer] for layer in layers], dim=-1)
+    features = vision_tower(pixel_values)
     if hf_config.vision_feature_select_strategy == "default":
         features = features[:, 1:]
     return features
+
+
+def build_clip_tower(hf_config, dtype: torch.dtype) -> CLIPVisionTower:
+    kind = getattr(hf_config.vision_config, "model_type", None)
+    if kind != "clip_vision_model":
+        raise CheckpointError(f"vision tower {kind!r} is not supported (LLaVA checkpoints with a CLIP tower are)")
+    try:
+        return CLIPVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 class LlavaForConditionalGeneration(VisionLanguageModel):
@@ -66,7 +73,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     def build_vision(self, hf_config, dtype: torch.dtype) -> Mapping[str, nn.Module]:
         return {
-            "vision_tower": AutoModel.from_config(hf_config.vision_config, dtype=dtype),
+            "vision_tower": build_clip_tower(hf_config, dtype),
             "multi_modal_projector": LlavaMultiModalProjector(hf_config, dtype),
         }
 

@@ -18,13 +18,12 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from transformers import AutoModel
 from transformers.image_processing_utils import select_best_resolution
 
 from hydrad.models.inputs import ImageInput
 from hydrad.errors import CheckpointError
 from hydrad.models.interface import VisionLanguageModel
-from hydrad.models.llava import LlavaMultiModalProjector, clip_features, clip_tower_positions
+from hydrad.models.llava import LlavaMultiModalProjector, build_clip_tower, clip_features, clip_tower_positions
 
 
 class LlavaNextProjector(LlavaMultiModalProjector):
@@ -99,7 +98,7 @@ class LlavaNextForConditionalGeneration(VisionLanguageModel):
 
     def build_vision(self, hf_config, dtype: torch.dtype) -> Mapping[str, nn.Module]:
         return {
-            "vision_tower": AutoModel.from_config(hf_config.vision_config, dtype=dtype),
+            "vision_tower": build_clip_tower(hf_config, dtype),
             "multi_modal_projector": LlavaNextProjector(hf_config, dtype),
         }
 

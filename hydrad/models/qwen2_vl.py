@@ -106,8 +106,12 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     def build_vision(self, hf_config, dtype: torch.dtype) -> Mapping[str, nn.Module]:
         module, name = VISION_TRANSFORMERS[hf_config.model_type]
         vision_cls = getattr(importlib.import_module(module), name)
-        # The merger is part of transformers' module: the whole vision side is one tower.
-        return {"vision_tower": vision_cls._from_config(hf_config.vision_config, dtype=dtype)}
+        from transformers.initialization import no_init_weights
+
+        # The merger is part of transformers' module: the whole vision side is one tower. Its
+        # weights come from the checkpoint: transformers' own initialisation is skipped too.
+        with no_init_weights():
+            return {"vision_tower": vision_cls._from_config(hf_config.vision_config, dtype=dtype)}
 
     def encode_images(self, images: list[ImageInput]) -> list[torch.Tensor]:
         # One call for the batch: the tower attends within each image (and window) by its grid.

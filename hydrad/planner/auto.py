@@ -22,33 +22,35 @@ MAX_REQUESTS = 2000
 
 def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
     """(deploy spec, why) for ``config`` (a ``DaemonConfig`` with its model path resolved)."""
-    import torch
-
     from hydrad.cluster.deploy import parse_devices
+    from hydrad.cluster.launch import cuda_device_count
 
-    num_devices = len(parse_devices(config.engine.parallel.devices, torch.cuda.device_count()))
+    num_cuda = cuda_device_count(config.engine.parallel.devices)
+    num_devices = len(parse_devices(config.engine.parallel.devices, num_cuda))
     fallback = f"{num_devices}EPD"
     source = Path(trace_path) if trace_path else config.trace.directory
     model = Path(config.engine.model.path).name
     if num_devices == 1:
         return fallback, "one device: one EPD instance"
+    if not trace_path and not source.exists():
+        reason = f"one EPD instance per device: no request trace yet in {source}"
+        logger.info("deploy auto: %s (%s)", fallback, reason)
+        return fallback, reason
     try:
+        # Planning reads the trace and the latency models (torch): only once there is a trace.
         from hydrad.planner.profile import Devices, MachineOptions, plan_deployment
         from hydrad.planner.trace import read_trace
 
-        if not trace_path and not source.exists():
-            reason = f"one EPD instance per device: no request trace yet in {source}"
+        records = read_trace(source, model=model)[-MAX_REQUESTS:]
+        if len(records) < MIN_REQUESTS:
+            reason = (f"one EPD instance per device: {source} holds {len(records)} finished request(s) of "
+                      f"{model}, fewer than {MIN_REQUESTS}")
         else:
-            records = read_trace(source, model=model)[-MAX_REQUESTS:]
-            if len(records) < MIN_REQUESTS:
-                reason = (f"one EPD instance per device: {source} holds {len(records)} finished request(s) of "
-                          f"{model}, fewer than {MIN_REQUESTS}")
-            else:
-                devices = Devices(tuple(parse_devices(config.engine.parallel.devices, torch.cuda.device_count())))
-                options = MachineOptions(router_policy=config.server.router_policy)
-                spec, reason = plan_deployment(records, config.engine, devices, options=options)
-                logger.info("deploy auto: %s (%s)", spec, reason)
-                return spec, reason
+            devices = Devices(tuple(parse_devices(config.engine.parallel.devices, num_cuda)))
+            options = MachineOptions(router_policy=config.server.router_policy)
+            spec, reason = plan_deployment(records, config.engine, devices, options=options)
+            logger.info("deploy auto: %s (%s)", spec, reason)
+            return spec, reason
     except Exception as e:  # planning must never keep the daemon from starting
         reason = f"one EPD instance per device: planning from {source} failed ({type(e).__name__}: {e})"
         logger.warning("deploy auto: %s", reason)

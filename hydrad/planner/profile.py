@@ -3,7 +3,7 @@
 The simulator needs, for the deployments of N devices:
 
 * the latency model of an instance as a worker of such a deployment runs it: on CPU a
-  worker gets ``cores // N`` torch threads (``cluster.supervisor.plan_specs``), so the
+  worker gets ``cores // N`` torch threads (``cluster.launch.plan_specs``), so the
   model is fitted (``engine.profiler.fit_latency_model``, which loads the daemon's disk
   cache when it has the file) on a vision+language instance in this process with that
   many threads; every role's model is that model's vision part, language part or both

@@ -37,7 +37,8 @@ from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
 from hydrad.cluster.deploy import format_deploy, parse_deploy
-from hydrad.cluster.supervisor import InstanceSpec, RedeployError, RestartPolicy, Supervisor
+from hydrad.cluster.launch import InstanceSpec, Launched
+from hydrad.cluster.supervisor import RedeployError, RestartPolicy, Supervisor
 
 logger = logging.getLogger("hydrad.server")
 
@@ -47,6 +48,7 @@ _ID_COUNTER = itertools.count()
 
 CONFIG = web.AppKey("config", DaemonConfig)
 SPECS = web.AppKey("specs", list)
+LAUNCHED = web.AppKey("launched", dict)
 CONSOLE = web.AppKey("console", Console)
 SUPERVISOR = web.AppKey("supervisor", Supervisor)
 ENGINE = web.AppKey("engine", EngineClient)
@@ -64,14 +66,16 @@ FRONTENDS = web.AppKey("frontends", Frontends)
 
 
 def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None,
-             deployment: dict | None = None) -> web.Application:
+             deployment: dict | None = None, launched: dict[int, Launched] | None = None) -> web.Application:
     """``config.engine.model.path`` must name a local checkpoint folder; ``deployment`` says
-    which deployment runs and why (shown by ``/admin/status``)."""
+    which deployment runs and why (shown by ``/admin/status``); ``launched``: the workers
+    of ``specs`` started already (``cluster.launch.launch_all``), which the supervisor adopts."""
     app = web.Application(
         client_max_size=config.server.max_body_mb << 20, middlewares=[error_middleware, api_key_middleware]
     )
     app[CONFIG] = config
     app[SPECS] = specs
+    app[LAUNCHED] = launched if launched is not None else {}
     app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "start"}
     app[CONSOLE] = console or Console(stderr=True)
     app[FRONTENDS] = Frontends(config)
@@ -119,7 +123,8 @@ async def engine_ctx(app: web.Application):
     processor_future = loop.run_in_executor(executor, load_processor, config, num_threads)
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy,
-                            restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window))
+                            restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window),
+                            launched=app[LAUNCHED])
     supervisor.on_status = lambda status: sd_notify(f"STATUS={status}")
     # Every worker client, the restarted ones too, reports its steps' times to the metrics.
     supervisor.on_client = lambda client: setattr(

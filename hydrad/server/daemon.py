@@ -30,7 +30,7 @@ from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
 from hydrad.server.app import ADMISSION, ENGINE, FRONTENDS, SUPERVISOR, make_app
 from hydrad.server.notify import sd_notify
-from hydrad.cluster.supervisor import InstanceSpec
+from hydrad.cluster.launch import InstanceSpec, Launched
 
 logger = logging.getLogger("hydrad.daemon")
 
@@ -46,9 +46,10 @@ class DaemonFailed(HydradError):
 
 
 async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Console,
-                deployment: dict | None = None) -> None:
+                deployment: dict | None = None, launched: dict[int, Launched] | None = None) -> None:
+    """``launched``: the workers of ``specs`` started already, which the supervisor adopts."""
     server = config.server
-    app = make_app(config, specs, console=console, deployment=deployment)
+    app = make_app(config, specs, console=console, deployment=deployment, launched=launched)
     # The drain is done here, not by aiohttp, which would grant its timeout twice (waiting
     # for handlers, then again after cancelling them) and stop listening first.
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_CLOSE_TIMEOUT, access_log=None)

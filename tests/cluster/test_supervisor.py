@@ -8,7 +8,8 @@ import signal
 import pytest
 
 from hydrad.cluster.worker_client import EXITED
-from hydrad.cluster.supervisor import RestartPolicy, Supervisor, describe_exit, missing_stages, plan_specs
+from hydrad.cluster.launch import plan_specs
+from hydrad.cluster.supervisor import RestartPolicy, Supervisor, describe_exit, missing_stages
 
 
 @pytest.mark.parametrize("exitcode, words", [

@@ -1,0 +1,105 @@
+"""Launching worker processes: the instance specs and the spawn of one worker.
+
+Nothing here imports torch, so ``hydrad start`` launches its workers before the daemon
+imports its own stack (torch, transformers, aiohttp): a worker's start-up, which is
+its own imports, weights and caches, then runs beside the daemon's instead of after
+it. The supervisor adopts the launched workers (``Supervisor(launched=...)``) and
+launches every later one (restarts, redeploys) itself, the same way.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from hydrad.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    instance_id: int
+    role: str
+    device: str
+    num_threads: int
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A started worker process and the daemon's end of its pipe (not ready yet)."""
+
+    process: BaseProcess
+    conn: Connection
+
+
+def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
+    """Number the (role, device) pairs and split the CPU cores among CPU workers."""
+    num_cpu = sum(1 for _, device in instances if device == "cpu")
+    threads = max(1, (os.cpu_count() or 1) // max(1, num_cpu))
+    return [InstanceSpec(i, role, device, threads) for i, (role, device) in enumerate(instances)]
+
+
+def migrates(specs: list[InstanceSpec]) -> bool:
+    """Whether requests move between the instances (so they share cache pools)."""
+    return any(spec.role != "EPD" for spec in specs)
+
+
+def launch_worker(config: EngineConfig, spec: InstanceSpec, peer_ids: tuple[int, ...]) -> Launched:
+    """Spawn the worker of ``spec``; ``peer_ids`` are the instances it exports its pools to."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(
+        target=_worker_entry,
+        args=(spec.instance_id, spec.role, spec.device, config, child, spec.num_threads, peer_ids),
+        name=f"hydrad-worker-{spec.instance_id}",
+    )
+    process.start()
+    child.close()  # so the daemon sees EOF when the worker exits
+    return Launched(process, parent)
+
+
+def launch_all(config: EngineConfig, specs: list[InstanceSpec]) -> dict[int, Launched]:
+    """Spawn every instance's worker, by instance id."""
+    shared = migrates(specs)
+    return {spec.instance_id: launch_worker(config, spec, peer_ids(spec, specs) if shared else ())
+            for spec in specs}
+
+
+def peer_ids(spec: InstanceSpec, specs: list[InstanceSpec]) -> tuple[int, ...]:
+    return tuple(s.instance_id for s in specs if s.instance_id != spec.instance_id)
+
+
+def stop_unadopted(launched: dict[int, Launched], timeout: float = 5.0) -> None:
+    """Stop the launched workers no supervisor took (the daemon failed before it started)."""
+    for item in launched.values():
+        item.conn.close()
+        if item.process.is_alive():
+            item.process.terminate()
+    for item in launched.values():
+        item.process.join(timeout)
+        if item.process.is_alive():
+            item.process.kill()
+            item.process.join()
+    launched.clear()
+
+
+def cuda_device_count(devices: str) -> int:
+    """How many CUDA devices torch sees, asked only when ``devices`` may name one and the
+    host has a GPU driver: for ``cpu:N``, and on a host without one, torch is not imported."""
+    if devices.strip().lower().startswith("cpu"):
+        return 0
+    if os.name == "posix" and not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia",
+                                                                    "/dev/kfd")):
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def _worker_entry(*args) -> None:
+    """The process's target: the worker module (and torch) are imported in the child only."""
+    from hydrad.engine.worker import worker_main
+
+    worker_main(*args)

@@ -1,0 +1,78 @@
+"""Workers launched before the daemon's own imports: planning and launching import neither
+torch nor transformers, the supervisor adopts the launched workers, and the ones no
+supervisor took are stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+from hydrad.cluster.launch import launch_all, plan_specs, stop_unadopted
+from hydrad.cluster.supervisor import Supervisor
+from hydrad.config_file import load_config
+
+NO_GPU_DRIVER = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd"))
+
+
+def test_planning_the_instances_and_launching_imports_no_torch(tmp_path):
+    code = textwrap.dedent(f"""
+        import sys
+        from hydrad.config_file import load_config
+        from hydrad.cluster.deploy import plan_instances
+        from hydrad.cluster.launch import cuda_device_count, launch_worker, plan_specs
+        from hydrad.models.default import resolve_model_path
+        from hydrad.planner.auto import choose_deployment
+
+        config = load_config(None, {{"model.path": {str(tmp_path)!r}, "parallel.devices": "cpu:2"}})
+        assert resolve_model_path(config.engine.model.path).is_dir()
+        assert cuda_device_count("cpu:2") == 0
+        assert len(plan_specs(plan_instances("1EP+1D", "cpu:2", 0))) == 2
+        if {NO_GPU_DRIVER}:
+            assert cuda_device_count("auto") == 0
+            assert choose_deployment(config)[0] == "2EPD"  # no trace in a fresh state folder
+        print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+    """)
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def engine_config(model_dir):
+    return load_config(None, {"model.path": str(model_dir), "scheduler.derive_budgets": False}).engine
+
+
+def test_the_supervisor_adopts_the_launched_worker(tiny_llava_dir):
+    config = engine_config(tiny_llava_dir)
+    specs = plan_specs([("EPD", "cpu")])
+    launched = launch_all(config, specs)
+    process = launched[0].process
+
+    async def main():
+        supervisor = Supervisor(config, specs, launched=launched)
+        try:
+            readies = await supervisor.start()
+            assert [r.pid for r in readies] == [process.pid]
+            assert supervisor.process(0) is process
+            assert launched == {}  # taken over: nothing left for stop_unadopted
+        finally:
+            await supervisor.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop_unadopted(launched)
+    process.join(10)
+    assert process.exitcode == 0
+
+
+def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir):
+    launched = launch_all(engine_config(tiny_llava_dir), plan_specs([("E", "cpu"), ("PD", "cpu")]))
+    processes = [item.process for item in launched.values()]
+    assert all(p.is_alive() for p in processes)
+    stop_unadopted(launched)
+    assert launched == {}
+    assert all(not p.is_alive() and p.exitcode is not None for p in processes)
