@@ -45,7 +45,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from hydrad.cluster.deploy import plan_instances
-    from hydrad.cluster.launch import cuda_device_count, launch_all, plan_specs, stop_unadopted
+    from hydrad.cluster.launch import check_listen, cuda_device_count, launch_all, plan_specs, stop_unadopted
     from hydrad.models.default import resolve_model_path
 
     # Resolved once here, so workers never race to build the default model.
@@ -61,6 +61,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
     parallel = config.engine.parallel
     specs = plan_specs(plan_instances(parallel.deploy, parallel.devices, cuda_device_count(parallel.devices)))
+    check_listen(config.server.host, config.server.port)  # in a second, not after the workers load
     # The workers load (torch, weights, caches) while this process imports the daemon's stack.
     launched = launch_all(config.engine, specs)
     try:

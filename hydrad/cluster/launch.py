@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from hydrad.config import EngineConfig
+from hydrad.errors import HydradError
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,25 @@ def stop_unadopted(launched: dict[int, Launched], timeout: float = 5.0) -> None:
             item.process.kill()
             item.process.join()
     launched.clear()
+
+
+def check_listen(host: str, port: int) -> None:
+    """Raise ``HydradError`` when ``host:port`` cannot be bound now (taken, or not an address
+    of this host), so that ``hydrad start`` says so before it loads workers; the daemon's own
+    bind later still reports a port taken in between."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise HydradError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                raise HydradError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def cuda_device_count(devices: str) -> int:

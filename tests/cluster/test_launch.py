@@ -1,18 +1,22 @@
 """Workers launched before the daemon's own imports: planning and launching import neither
-torch nor transformers, the supervisor adopts the launched workers, and the ones no
-supervisor took are stopped."""
+torch nor transformers, the supervisor adopts the launched workers, the ones no
+supervisor took are stopped, and a port that cannot be bound is said before any loads."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 
-from hydrad.cluster.launch import launch_all, plan_specs, stop_unadopted
+import pytest
+
+from hydrad.cluster.launch import check_listen, launch_all, plan_specs, stop_unadopted
 from hydrad.cluster.supervisor import Supervisor
 from hydrad.config_file import load_config
+from hydrad.errors import HydradError
 
 NO_GPU_DRIVER = not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd"))
 
@@ -76,3 +80,21 @@ def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir):
     stop_unadopted(launched)
     assert launched == {}
     assert all(not p.is_alive() and p.exitcode is not None for p in processes)
+
+
+def test_a_port_that_cannot_be_bound_is_reported_before_any_worker_loads(tiny_llava_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(HydradError, match=f"cannot listen on 127.0.0.1:{port}: Address already in use"):
+            check_listen("127.0.0.1", port)
+        result = subprocess.run([sys.executable, "-m", "hydrad", "start", "--model", str(tiny_llava_dir),
+                                 "--devices", "cpu:1", "--port", str(port)],
+                                capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "worker" not in result.stderr  # refused before launching one
+    with pytest.raises(HydradError, match="cannot listen on no.such.host.invalid:8000"):
+        check_listen("no.such.host.invalid", 8000)
+    check_listen("127.0.0.1", 0)  # an ephemeral port is always free
