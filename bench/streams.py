@@ -34,10 +34,14 @@ from daemon_process import Daemon  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (not its children)."""
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of one process (not its children)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+
+
+def cpu_seconds(pid: int) -> float:
+    return sum(cpu_times(pid))
 
 
 async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, duration: float) -> dict:
@@ -138,15 +142,20 @@ def measure(daemon: Daemon, concurrency: int, frontends: int, args) -> dict:
                 "py-spy", "record", "--pid", str(pids[0]), "--duration", str(int(args.duration)), "--rate", "100",
                 "--format", "raw", "--nonblocking", "--output", str(out),
                 stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        each0, own0 = [cpu_seconds(p) for p in pids], cpu_seconds(me)
+        times0, own0 = [cpu_times(p) for p in pids], cpu_seconds(me)
         await asyncio.sleep(args.duration)
-        each1, own1 = [cpu_seconds(p) for p in pids], cpu_seconds(me)
+        times1, own1 = [cpu_times(p) for p in pids], cpu_seconds(me)
+        each0, each1 = [sum(t) for t in times0], [sum(t) for t in times1]
         cpu0, cpu1 = sum(each0), sum(each1)
         result = await task
         if spy is not None:
             await spy.wait()
             result["profile"] = [[name, round(share, 4)] for name, share in profile_summary(out)]
         result["daemon_cpu_us_per_token"] = 1e6 * (cpu1 - cpu0) / max(1, result["tokens"])
+        # The kernel's share (system time: the sockets' send and receive paths, which on
+        # loopback include the receiving side's TCP processing) against the process's own code.
+        result["daemon_sys_us_per_token"] = 1e6 * sum(b[1] - a[1] for a, b in zip(times0, times1)) \
+            / max(1, result["tokens"])
         # Per process (the daemon first, then its front-end processes), over all the tokens.
         result["process_cpu_us_per_token"] = [round(1e6 * (b - a) / max(1, result["tokens"]), 1)
                                               for a, b in zip(each0, each1)]
@@ -188,7 +197,8 @@ def main() -> None:
                            **measure(daemon, concurrency, frontends, args)}
                     results.append(row)
                     print(f"front ends {frontends} streams {concurrency:5d}: {row['output_tokens_per_s']:8.0f} tok/s  "
-                          f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token  "
+                          f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token "
+                          f"(system {row['daemon_sys_us_per_token']:.1f})  "
                           f"({' + '.join(map(str, row['process_cpu_us_per_token']))})  "
                           f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
                           f"errors {row['errors']}", flush=True)

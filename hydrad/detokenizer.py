@@ -5,7 +5,9 @@ couple of microseconds, and the bytes of a character whose last byte has not com
 are held inside it. Otherwise text is decoded over a sliding window (``prefix_offset``
 … end), so each step costs a few tokens and tokenizers that drop a leading space at the
 start of a decode still yield the right text. A tail that could be the start of a stop
-string is held back until it is known not to be one. When the request finishes,
+string is held back until it is known not to be one. Without stop strings (the common
+case) a fast tokenizer's pieces go out as they come, with no bookkeeping beyond a list of
+them. When the request finishes,
 ``flush`` gives the rest: the whole text then equals the tokenizer's decode of the
 token ids (up to a stop string), with U+FFFD for a character left unfinished, as
 ``decode`` gives it.
@@ -27,18 +29,31 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = params.skip_special_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self.token_ids: list[int] = []
-        self.text = ""  # all decoded output (truncated at a stop string)
+        self._text = ""  # decoded output (truncated at a stop string), but for ``_pieces``
+        self._pieces: list[str] = []  # the fast path's pieces, not yet joined into ``_text``
         self._emitted = 0  # characters of text already returned
         self.stopped = False
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend
+        # Whether the stream may hold bytes of an unfinished character (or skipped a token):
+        # only then does ``flush`` need a full decode to find what is left.
+        self._held = False
         if backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._step = self._stream.step
         else:
             self._prefix_offset = 0
             self._read_offset = 0
+
+    @property
+    def text(self) -> str:
+        """All the decoded output so far (truncated at a stop string)."""
+        if self._pieces:
+            self._text += "".join(self._pieces)
+            self._pieces = []
+        return self._text
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -49,7 +64,15 @@ class IncrementalDetokenizer:
             return ""
         self.token_ids.append(token_id)
         if self._backend is not None:
-            piece = self._stream.step(self._backend, token_id)
+            piece = self._step(self._backend, token_id)
+            self._held = not piece
+            if not self.stop:
+                # Nothing to search or hold back: the piece is shown as it comes.
+                if piece:
+                    self._pieces.append(piece)
+                    self._emitted += len(piece)
+                    return piece
+                return ""
             if piece:
                 self._append(piece)
         else:
@@ -65,7 +88,7 @@ class IncrementalDetokenizer:
 
     def _append(self, piece: str) -> None:
         search_from = max(0, len(self.text) - self._hold)
-        self.text += piece
+        self._text = self.text + piece
         if self.stop:
             self._check_stop(search_from)
 
@@ -85,10 +108,12 @@ class IncrementalDetokenizer:
         if not hits:
             return
         index, stop = min(hits)
-        self.text = self.text[: index + len(stop) if self.include_stop else index]
+        self._text = self.text[: index + len(stop) if self.include_stop else index]
         self.stopped = True
 
     def _take(self, end: int) -> str:
+        if self._emitted >= end:
+            return ""
         out = self.text[self._emitted : end]
         self._emitted = max(self._emitted, end)
         return out
@@ -99,6 +124,8 @@ class IncrementalDetokenizer:
         all the tokens (up to a stop string)."""
         if not self.stopped:
             if self._backend is not None:
+                if not self._held:  # the stream gave out everything it took
+                    return self._take(len(self.text))
                 # What the stream still holds is an unfinished character: a full decode
                 # gives it as U+FFFD, and the stream's text is a prefix of that decode.
                 full = self._decode(self.token_ids)

@@ -40,7 +40,7 @@ from hydrad.cluster.router import Router
 logger = logging.getLogger("hydrad.requests")
 
 
-@dataclass
+@dataclass(slots=True)
 class Output:
     """One generated token of one completion, or the end of that completion."""
 

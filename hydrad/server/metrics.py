@@ -99,6 +99,12 @@ class Metrics:
             "hydrad_step_prediction_ratio", "Latency-model prediction of a step's time divided by its measured "
             "time (1 is exact), per instance and stage.", step_labels, buckets=_RATIO_BUCKETS, registry=r)
         self._step_children: dict[tuple[int, str], tuple] = {}
+        # The children a finished request updates, looked up once (``labels`` takes a lock and
+        # builds a key each call): by finish reason and by stage-time key.
+        self._finish_children: dict[str, object] = {}
+        self._e2e = self.e2e.labels(model_name)
+        self._prompt_tokens = self.prompt_tokens.labels(model_name)
+        self._images = self.images.labels(model_name)
         # The daemon process itself (the front end): process_cpu_seconds_total,
         # process_resident_memory_bytes, ... and what it costs per token.
         ProcessCollector(registry=r)
@@ -139,20 +145,32 @@ class Metrics:
 
     def observe_finished(self, finish_reason: str, e2e: float, num_prompt_tokens: int, num_images: int,
                          stage_times: dict[str, float] | None) -> None:
-        self.finished.labels(self._model, finish_reason).inc()
-        self.e2e.labels(self._model).observe(e2e)
-        self.prompt_tokens.labels(self._model).inc(num_prompt_tokens)
-        self.images.labels(self._model).inc(num_images)
+        children = self._finish_children
+        finished = children.get(finish_reason)
+        if finished is None:
+            finished = children[finish_reason] = self.finished.labels(self._model, finish_reason)
+        finished.inc()
+        self._e2e.observe(e2e)
+        self._prompt_tokens.inc(num_prompt_tokens)
+        self._images.inc(num_images)
         self.window.add_finished()
         for key, seconds in (stage_times or {}).items():
-            if key.endswith("_migration"):
-                self.migration_time.labels(self._model, key.removesuffix("_migration")).observe(seconds)
-                continue
-            stage, _, kind = key.rpartition("_")
-            if stage in STAGES and kind == "queue":
-                self.queue_time.labels(self._model, stage).observe(seconds)
-            elif stage in STAGES and kind == "exec":
-                self.exec_time.labels(self._model, stage).observe(seconds)
+            child = children.get(key, False)
+            if child is False:
+                child = children[key] = self._stage_child(key)
+            if child is not None:
+                child.observe(seconds)
+
+    def _stage_child(self, key: str):
+        """The histogram child a ``stage_times`` key is observed into (None: not exported)."""
+        if key.endswith("_migration"):
+            return self.migration_time.labels(self._model, key.removesuffix("_migration"))
+        stage, _, kind = key.rpartition("_")
+        if stage in STAGES and kind == "queue":
+            return self.queue_time.labels(self._model, stage)
+        if stage in STAGES and kind == "exec":
+            return self.exec_time.labels(self._model, stage)
+        return None
 
     def observe_step(self, instance_id: int, timing, delay: float | None) -> None:
         """One step's output read ``delay`` seconds after its worker sent it; its measured times

@@ -46,6 +46,20 @@ DIRECT_WRITE_LIMIT = 64 << 10
 # break to clients that split SSE streams with str.splitlines.
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
+# A token's text as a JSON string, by text: most chunks carry a text seen before.
+_JSON_TEXT: dict[str, bytes] = {}
+_JSON_TEXT_MAX = 1 << 16
+
+
+def json_text(text: str) -> bytes:
+    """``text`` as the bytes of a JSON string (escaped as ``_dumps`` escapes it)."""
+    encoded = _JSON_TEXT.get(text)
+    if encoded is None:
+        if len(_JSON_TEXT) >= _JSON_TEXT_MAX:
+            _JSON_TEXT.clear()
+        encoded = _JSON_TEXT[text] = _dumps(text).encode()
+    return encoded
+
 
 class ResponseFormat:
     """The shape of one request's response: chat or text completion."""
@@ -62,9 +76,11 @@ class ResponseFormat:
         envelope = _dumps({"id": req_id, "object": self.object, "created": self.created, "model": model})
         # b'data: {"id":...,"model":"...","choices":[{"index":' — then the index and the rest.
         self._prefix = ("data: " + envelope[:-1] + ',"choices":[{"index":').encode()
-        self._text_key = ',"delta":{"content":' if chat else ',"text":'
-        self._suffix = '},"logprobs":null,"finish_reason":null}]}\n\n' if chat else \
-            ',"logprobs":null,"finish_reason":null}]}\n\n'
+        self._text_key = (',"delta":{"content":' if chat else ',"text":').encode()
+        self._suffix = (b'},"logprobs":null,"finish_reason":null}]}\n\n' if chat else
+                        b',"logprobs":null,"finish_reason":null}]}\n\n')
+        # Per completion index: the bytes of a text chunk up to its text.
+        self._heads: dict[int, bytes] = {}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.req_id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -73,7 +89,10 @@ class ResponseFormat:
         """The SSE event of one output; plain text chunks are framed from prebuilt bytes."""
         if not first and out.finish_reason is None and out.logprobs is None and not self.return_token_ids \
                 and not include_usage:
-            return self._prefix + (str(out.index) + self._text_key + _dumps(out.text) + self._suffix).encode()
+            head = self._heads.get(out.index)
+            if head is None:
+                head = self._heads[out.index] = self._prefix + str(out.index).encode() + self._text_key
+            return head + json_text(out.text) + self._suffix
         chunk = self.chunk(out, first)
         if include_usage:
             chunk["usage"] = usage
@@ -172,17 +191,21 @@ async def respond_stream(
     # tokens up to it, even when the stream has produced more by the time it is written.
     counted = [0] * len(stream.choices)
 
+    chunk_bytes, continuous, include_usage = fmt.chunk_bytes, req.continuous_usage, req.include_usage
+
     def events(batch: list[Output]) -> bytes:
         # One chunk per token, even one without text yet (a special token, part of a
         # character): clients that time chunks (vllm bench serve) count on it.
         out_events = []
         for out in batch:
-            counted[out.index] = max(counted[out.index], out.num_output_tokens)
-            usage = usage_of(stream, sum(counted)) if req.continuous_usage else None
-            out_events.append(fmt.chunk_bytes(out, not started[out.index], usage, req.include_usage))
-            started[out.index] = True
-            ended[out.index] = out.finish_reason is not None
-        return b"".join(out_events)
+            index = out.index
+            if out.num_output_tokens > counted[index]:
+                counted[index] = out.num_output_tokens
+            usage = usage_of(stream, sum(counted)) if continuous else None
+            out_events.append(chunk_bytes(out, not started[index], usage, include_usage))
+            started[index] = True
+            ended[index] = out.finish_reason is not None
+        return out_events[0] if len(out_events) == 1 else b"".join(out_events)
 
     transport = request.transport
     # As aiohttp frames this response's body: HTTP/1.1 chunks (else, HTTP/1.0, raw until close).
@@ -195,10 +218,7 @@ async def respond_stream(
         if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT:
             return False
         data = events(batch)
-        if chunked:
-            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
-        else:
-            transport.write(data)
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
         return True
 
     try:

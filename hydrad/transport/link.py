@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import io
 import logging
 import os
 import pickle
@@ -56,6 +57,11 @@ class WorkerLink(asyncio.Protocol):
         # Counters for the daemon's own metrics.
         self.num_messages_received = 0
         self.num_bytes_received = 0
+        # One pickler for every message sent, its buffer reused (``ForkingPickler.dumps`` builds
+        # both, and copies the reducers' table, per message); built again if reducers were
+        # registered since (torch's for shared tensors register on import).
+        self._pickling: tuple[io.BytesIO, ForkingPickler] | None = None
+        self._num_reducers = -1
 
     @classmethod
     async def open(
@@ -80,8 +86,16 @@ class WorkerLink(asyncio.Protocol):
         """Queue ``msg`` for the worker; never blocks. Raises ``LinkClosed`` once closed."""
         if not self.is_open:
             raise LinkClosed(self.close_reason or "not connected")
-        payload = ForkingPickler.dumps(msg)
-        self._transport.write(encode_frame(payload))
+        if self._num_reducers != len(ForkingPickler._extra_reducers):
+            self._num_reducers = len(ForkingPickler._extra_reducers)
+            buffer = io.BytesIO()
+            self._pickling = (buffer, ForkingPickler(buffer))
+        buffer, pickler = self._pickling
+        buffer.seek(0)
+        buffer.truncate()
+        pickler.clear_memo()
+        pickler.dump(msg)
+        self._transport.write(encode_frame(buffer.getvalue()))
 
     def send_if_open(self, msg: object) -> bool:
         """Send ``msg`` unless the link is closed (the other end is gone: nothing to tell it)."""

@@ -39,7 +39,10 @@ def test_planning_the_instances_and_launching_imports_no_torch(tmp_path):
             assert choose_deployment(config)[0] == "2EPD"  # no trace in a fresh state folder
         print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
     """)
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state")}
+    # A fresh state folder: the suite's own (HYDRAD_STATE_DIR, which would win) holds the traces
+    # of every daemon started before this test.
+    env = {k: v for k, v in os.environ.items() if k != "HYDRAD_STATE_DIR"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
