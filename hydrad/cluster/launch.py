@@ -1,23 +1,36 @@
-"""Launching worker processes: the instance specs and the spawn of one worker.
+"""Launching worker processes: the instance specs and the start of one worker.
 
 Nothing here imports torch, so ``hydrad start`` launches its workers before the daemon
 imports its own stack (torch, transformers, aiohttp): a worker's start-up, which is
-its own imports, weights and caches, then runs beside the daemon's instead of after
-it. The supervisor adopts the launched workers (``Supervisor(launched=...)``) and
-launches every later one (restarts, redeploys) itself, the same way.
+its weights and caches, then runs beside the daemon's instead of after it. The
+supervisor adopts the launched workers (``Supervisor(launched=...)``) and launches
+every later one (restarts, redeploys) itself, the same way.
+
+Where the platform has one, workers are forked from a fork server that imported
+``hydrad.engine.preload`` once (torch, the engine, the model families, transformers'
+configuration classes): a new worker skips seconds of imports, which on a few cores
+is most of a worker's start-up. The server starts with the first worker of this
+process and lives as long as it; workers see the environment it started with.
+Elsewhere workers are spawned, each importing what it needs itself. Until the
+server's imports are done, the first start waits for them, so starts run on a
+background thread: ``Launched.started`` is set once the process exists.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import socket
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
+
+logger = logging.getLogger("hydrad.supervisor")
 
 
 @dataclass(frozen=True)
@@ -30,10 +43,15 @@ class InstanceSpec:
 
 @dataclass(frozen=True)
 class Launched:
-    """A started worker process and the daemon's end of its pipe (not ready yet)."""
+    """A worker process being started and the daemon's end of its pipe (not ready yet)."""
 
     process: BaseProcess
     conn: Connection
+    # Set once ``process.start()`` returned (or failed: the pipe then reads EOF at once).
+    started: threading.Event = field(default_factory=threading.Event)
+
+    def wait_started(self) -> None:
+        self.started.wait()
 
 
 def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
@@ -48,25 +66,55 @@ def migrates(specs: list[InstanceSpec]) -> bool:
     return any(spec.role != "EPD" for spec in specs)
 
 
+PRELOAD = "hydrad.engine.preload"
+
+
+def _context():
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([PRELOAD])  # read when the server starts, the first time only
+    return ctx
+
+
 def launch_worker(config: EngineConfig, spec: InstanceSpec, peer_ids: tuple[int, ...]) -> Launched:
-    """Spawn the worker of ``spec``; ``peer_ids`` are the instances it exports its pools to."""
-    ctx = multiprocessing.get_context("spawn")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(
-        target=_worker_entry,
-        args=(spec.instance_id, spec.role, spec.device, config, child, spec.num_threads, peer_ids),
-        name=f"hydrad-worker-{spec.instance_id}",
-    )
-    process.start()
-    child.close()  # so the daemon sees EOF when the worker exits
-    return Launched(process, parent)
+    """Start the worker of ``spec`` on a background thread (``Launched.wait_started``);
+    ``peer_ids`` are the instances it exports its pools to."""
+    return _launch([(config, spec, peer_ids)])[0]
 
 
 def launch_all(config: EngineConfig, specs: list[InstanceSpec]) -> dict[int, Launched]:
-    """Spawn every instance's worker, by instance id."""
+    """Start every instance's worker, by instance id."""
     shared = migrates(specs)
-    return {spec.instance_id: launch_worker(config, spec, peer_ids(spec, specs) if shared else ())
-            for spec in specs}
+    launched = _launch([(config, spec, peer_ids(spec, specs) if shared else ()) for spec in specs])
+    return {spec.instance_id: item for spec, item in zip(specs, launched)}
+
+
+def _launch(workers: list[tuple[EngineConfig, InstanceSpec, tuple[int, ...]]]) -> list[Launched]:
+    ctx = _context()
+    items, children = [], []
+    for config, spec, peers in workers:
+        parent, child = ctx.Pipe()
+        process = ctx.Process(
+            target=_worker_entry,
+            args=(spec.instance_id, spec.role, spec.device, config, child, spec.num_threads, peers),
+            name=f"hydrad-worker-{spec.instance_id}",
+        )
+        items.append(Launched(process, parent))
+        children.append(child)
+
+    def start() -> None:
+        for item, child in zip(items, children):
+            try:
+                item.process.start()
+            except Exception as e:  # the worker then reads as exited: its pipe is at EOF
+                logger.error("cannot start %s: %s", item.process.name, e)
+            finally:
+                child.close()  # so the daemon sees EOF when the worker exits
+                item.started.set()
+
+    threading.Thread(target=start, name="hydrad-launch", daemon=True).start()
+    return items
 
 
 def peer_ids(spec: InstanceSpec, specs: list[InstanceSpec]) -> tuple[int, ...]:
@@ -76,10 +124,13 @@ def peer_ids(spec: InstanceSpec, specs: list[InstanceSpec]) -> tuple[int, ...]:
 def stop_unadopted(launched: dict[int, Launched], timeout: float = 5.0) -> None:
     """Stop the launched workers no supervisor took (the daemon failed before it started)."""
     for item in launched.values():
+        item.wait_started()
         item.conn.close()
         if item.process.is_alive():
             item.process.terminate()
     for item in launched.values():
+        if item.process.pid is None:  # never started
+            continue
         item.process.join(timeout)
         if item.process.is_alive():
             item.process.kill()

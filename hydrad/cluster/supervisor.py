@@ -1,7 +1,7 @@
 """Spawns one worker process per instance, watches them, restarts the ones that die.
 
-Workers are started with ``torch.multiprocessing`` (spawn). Readiness (weights loaded,
-caches allocated) is shown as a progress display; a worker that fails to start at
+Workers are started by ``cluster/launch.py`` (forked from a fork server, or spawned).
+Readiness (weights loaded, caches allocated) is shown as a progress display; a worker that fails to start at
 daemon start stops the others and surfaces its error as one line.
 
 A worker that dies later (killed, crashed, out of memory) is noticed when its pipe
@@ -175,6 +175,8 @@ class Supervisor:
         launched = self._launched.pop(spec.instance_id, None)
         if launched is None:
             launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else ())
+        if not launched.started.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, launched.wait_started)
         process, parent = launched.process, launched.conn
         self._processes[spec.instance_id] = process
         client = WorkerClient(spec.instance_id, spec.role, spec.device, self.table)

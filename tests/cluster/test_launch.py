@@ -76,10 +76,14 @@ def test_the_supervisor_adopts_the_launched_worker(tiny_llava_dir):
     assert process.exitcode == 0
 
 
-def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir):
+@pytest.mark.parametrize("wait", [True, False], ids=["started", "starting"])
+def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir, wait):
     launched = launch_all(engine_config(tiny_llava_dir), plan_specs([("E", "cpu"), ("PD", "cpu")]))
     processes = [item.process for item in launched.values()]
-    assert all(p.is_alive() for p in processes)
+    if wait:  # else stopped while the starts may still be under way (stop_unadopted waits for them)
+        for item in launched.values():
+            item.wait_started()
+        assert all(p.is_alive() for p in processes)
     stop_unadopted(launched)
     assert launched == {}
     assert all(not p.is_alive() and p.exitcode is not None for p in processes)

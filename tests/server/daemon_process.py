@@ -92,6 +92,19 @@ def assert_gone(pids: list[int], timeout: float = 10.0) -> None:
     assert not any(pid_exists(p) for p in pids)
 
 
+def blocks_held(daemon: Daemon) -> list[tuple[int, int]]:
+    """(KV blocks, image blocks) in use on each instance."""
+    status = http("GET", daemon.url + "/admin/status").json()
+    return [(i["num_kv_blocks_used"], i["num_image_blocks_used"]) for i in status["instances"]]
+
+
+def blocks_held_once_freed(daemon: Daemon, timeout: float) -> list[tuple[int, int]]:
+    """``blocks_held`` once no instance holds any, or after ``timeout`` seconds (a release
+    may still be on its way when the last response arrives)."""
+    wait_for(lambda: not any(kv or image for kv, image in blocks_held(daemon)), timeout, interval=0.1)
+    return blocks_held(daemon)
+
+
 def stream_events(text: str) -> list[str]:
     """The ``data:`` payloads of a server-sent event stream."""
     return [line[6:] for line in text.splitlines() if line.startswith("data: ")]

@@ -3,14 +3,13 @@ processes through shared memory, gives transformers' greedy tokens and leaks no 
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from factories import DEPLOYMENTS
 
-from daemon_process import Daemon, http
+from daemon_process import Daemon, blocks_held_once_freed, http
 from test_daemon_api import JPEG, PNG, data_url, reference_tokens
 
 pytestmark = pytest.mark.slow
@@ -51,11 +50,6 @@ def reference(tiny_llava_dir):
     return [reference_tokens(ref, hf, images, MAX_TOKENS)[1] for _, hf, images in _requests()]
 
 
-def _blocks_held(daemon: Daemon) -> list[tuple[int, int]]:
-    status = http("GET", daemon.url + "/admin/status").json()
-    return [(i["num_kv_blocks_used"], i["num_image_blocks_used"]) for i in status["instances"]]
-
-
 @pytest.mark.parametrize("deploy, devices", DEPLOYMENTS)
 def test_deployment_over_http_matches_transformers(tiny_llava_dir, tmp_path, reference, deploy, devices):
     daemon = Daemon(["--model", str(tiny_llava_dir), "--devices", devices, "--deploy", deploy], tmp_path / "log")
@@ -73,10 +67,8 @@ def test_deployment_over_http_matches_transformers(tiny_llava_dir, tmp_path, ref
             got = list(pool.map(ask, [api for api, _, _ in requests]))
         for i, tokens in enumerate(got):
             assert tokens == reference[i % len(reference)], f"{deploy}: request {i}"
-        deadline = time.monotonic() + 5
-        while any(_blocks_held(daemon)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _blocks_held(daemon) == [(0, 0)] * len(_blocks_held(daemon))
+        held = blocks_held_once_freed(daemon, 5)
+        assert held == [(0, 0)] * len(held)
         if deploy != "2EPD":
             metrics = http("GET", daemon.url + "/metrics").text
             assert "hydrad_migration_time_seconds_count" in metrics

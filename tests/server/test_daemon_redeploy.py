@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from daemon_process import HYDRACTL, REPO, Daemon, http
-from test_daemon_deployments import MAX_TOKENS, _blocks_held, _requests
+from daemon_process import HYDRACTL, REPO, Daemon, blocks_held_once_freed, http
+from test_daemon_deployments import MAX_TOKENS, _requests
 from test_daemon_deployments import reference  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -100,10 +100,8 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
         history = [d["deploy"] for d in status["deployment"]["history"]]
         assert history == [start, *chain]
         assert all(d["seconds"] > 0 for d in status["deployment"]["history"][1:])
-        deadline = time.monotonic() + 10
-        while any(_blocks_held(daemon)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _blocks_held(daemon) == [(0, 0)] * len(_blocks_held(daemon))
+        held = blocks_held_once_freed(daemon, 10)
+        assert held == [(0, 0)] * len(held)
         assert daemon.stop() == 0, daemon.log()[-3000:]
     finally:
         daemon.stop()

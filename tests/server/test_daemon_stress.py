@@ -5,13 +5,12 @@ library runs against the same live daemon."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import openai
 import pytest
 
-from daemon_process import Daemon, http
-from test_daemon_deployments import MAX_TOKENS, _blocks_held, _requests
+from daemon_process import Daemon, blocks_held_once_freed, http
+from test_daemon_deployments import MAX_TOKENS, _requests
 from test_daemon_deployments import reference  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slow
@@ -60,10 +59,7 @@ def test_64_concurrent_requests_through_small_caches(daemon, reference):  # noqa
     got = asyncio.run(main())
     for i, tokens in enumerate(got):
         assert tokens == reference[i % len(reference)], f"request {i}"
-    deadline = time.monotonic() + 5
-    while any(_blocks_held(daemon)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _blocks_held(daemon) == [(0, 0)] * 3
+    assert blocks_held_once_freed(daemon, 5) == [(0, 0)] * 3
 
 
 def test_bench_library_against_live_daemon(daemon):
@@ -112,9 +108,6 @@ def test_disconnects_at_every_stage_free_every_instance(daemon):
             await asyncio.gather(*jobs)
 
     asyncio.run(main())
-    deadline = time.monotonic() + 10
-    while any(_blocks_held(daemon)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _blocks_held(daemon) == [(0, 0)] * 3
+    assert blocks_held_once_freed(daemon, 10) == [(0, 0)] * 3
     status = http("GET", daemon.url + "/admin/status").json()
     assert all(i["num_running"] == 0 and i["num_waiting"] == 0 for i in status["instances"])
