@@ -54,3 +54,19 @@ def test_the_check_sees_function_level_imports(tmp_path, monkeypatch):
     (tmp_path / "engine" / "bad.py").write_text("def f():\n    from hydrad.server.app import make_app\n")
     monkeypatch.setattr("test_layering.PACKAGE", tmp_path)
     assert violations("engine") == [f"{tmp_path.name}/engine/bad.py:2 imports hydrad.server.app"]
+
+
+def test_the_scheduling_and_planning_code_loads_without_torch():
+    """The scheduler, block managers, latency model, router, relay and the planner's simulator
+    and search are plain Python: they load (in a fresh interpreter) without torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import hydrad.engine.scheduler, hydrad.engine.block_manager, hydrad.engine.latency_model\n"
+            "import hydrad.cluster.router, hydrad.cluster.relay, hydrad.engine.migration\n"
+            "import hydrad.planner.simulator, hydrad.planner.search, hydrad.planner.capacity\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -7,11 +7,13 @@ token ids and tensors only: no tokenizer, no model objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from hydrad.models.inputs import ImageInput  # noqa: F401  (part of the engine's inputs too)
 from hydrad.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # plain records: the scheduler and the planner use them without torch
+    import torch
 
 
 @dataclass

@@ -35,10 +35,26 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hydrad.config import SLOConfig
 
 VISION_TERMS = ("v_fixed", "v_image", "v_patch", "v_patch2", "v_token")
 LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")
 FORMAT_VERSION = 2
+
+
+def latency_bound(slo: SLOConfig, role: str) -> float:
+    """The step bound of a role: TBT for roles that decode (every step carries decodes),
+    the share alpha of the TTFT one batch may take otherwise."""
+    return slo.tbt if "D" in role else slo.alpha * slo.ttft
+
+
+def role_parts(role: str) -> str:
+    """The parts of the model a role runs: ``vision``, ``language`` or ``vision+language``."""
+    has_language = "P" in role or "D" in role
+    return ("vision" if "E" in role else "") + ("+language" if has_language else "")
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
 from hydrad.engine.inputs import ImageInput
 from hydrad.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from hydrad.engine.request import Request
 
 # Idle wait for a copy to finish when a step has nothing else to do.
@@ -149,6 +149,10 @@ class PullCopier:
     """Runs the copies of pulls on a thread (and a CUDA stream on GPU), off the step."""
 
     def __init__(self, device: torch.device, copy_in: Callable[[str, torch.Tensor, list[int], list[int]], None]):
+        # torch is imported where copies run: the scheduler and the planner's simulator use
+        # this module's records (offers, pulls) and import no torch.
+        import torch
+
         self._copy_in = copy_in
         self.peers: dict[int, dict[str, torch.Tensor | None]] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hydrad-copy")
@@ -169,6 +173,8 @@ class PullCopier:
         if self._stream is None:
             self._copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
             return
+        import torch
+
         with torch.cuda.stream(self._stream):
             self._copy_in(pull.kind, src_pool, pull.src_block_ids, pull.dst_block_ids)
         self._stream.synchronize()

@@ -36,9 +36,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hydrad.config import SLOConfig
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, FitError, LatencyModel, StepShape, fit_least_squares
+from hydrad.engine.latency_model import (
+    LANGUAGE_TERMS,
+    VISION_TERMS,
+    FitError,
+    LatencyModel,
+    StepShape,
+    fit_least_squares,
+    role_parts,
+)
 from hydrad.engine.request import Request
 from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
@@ -58,12 +65,6 @@ _MAX_REPEATS = 9
 PROBE_PICTURE_SIZES = ((64, 64), (224, 168), (448, 448), (672, 336), (336, 1008), (1024, 768))
 # Most images one probe encodes.
 _MAX_PROBE_IMAGES = 8
-
-
-def latency_bound(slo: SLOConfig, role: str) -> float:
-    """The step bound of a role: TBT for roles that decode (every step carries decodes),
-    the share alpha of the TTFT one batch may take otherwise."""
-    return slo.tbt if "D" in role else slo.alpha * slo.ttft
 
 
 @dataclass(frozen=True)
@@ -371,12 +372,6 @@ def device_name(device: torch.device) -> str:
         return f"cuda:{torch.cuda.get_device_name(device)}"
     # CPU latency scales with the threads the worker was given.
     return f"{device.type}:{platform.machine()}:{torch.get_num_threads()}threads"
-
-
-def role_parts(role: str) -> str:
-    """The parts of the model a role runs: ``vision``, ``language`` or ``vision+language``."""
-    has_language = "P" in role or "D" in role
-    return ("vision" if "E" in role else "") + ("+language" if has_language else "")
 
 
 def cache_key(engine, parts: str | None = None) -> dict:

@@ -93,7 +93,8 @@ def worker_main(
         engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=bool(peer_ids))
         model = bound = None
         if config.scheduler.derive_budgets:
-            from hydrad.engine.profiler import fit_latency_model, latency_bound
+            from hydrad.engine.latency_model import latency_bound
+            from hydrad.engine.profiler import fit_latency_model
 
             model, bound = fit_latency_model(engine), latency_bound(config.slo, engine.role)
             engine.set_latency_model(model, bound)
@@ -143,7 +144,8 @@ def _latency(engine, role: str):
     config = engine.config
     if not config.scheduler.derive_budgets:
         return None, None
-    from hydrad.engine.profiler import fit_latency_model, latency_bound
+    from hydrad.engine.latency_model import latency_bound
+    from hydrad.engine.profiler import fit_latency_model
 
     model, bound = fit_latency_model(engine, allow_busy=True), latency_bound(config.slo, role)
     engine.set_latency_model(model, bound)
@@ -160,7 +162,7 @@ def run_worker(engine: Engine, conn: Connection) -> None:
             role = engine.shrink()
             bound = None
             if engine.scheduler.latency_model is not None:
-                from hydrad.engine.profiler import latency_bound
+                from hydrad.engine.latency_model import latency_bound
 
                 bound = latency_bound(engine.config.slo, role)
                 engine.set_latency_model(engine.scheduler.latency_model, bound)

@@ -7,8 +7,10 @@ frontend hands the engine (``hydrad.engine.inputs``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # plain records: the scheduler and the planner use them without torch
+    import torch
 
 
 @dataclass

@@ -34,8 +34,7 @@ import math
 from dataclasses import dataclass
 
 from hydrad.config import SchedulerConfig, SLOConfig
-from hydrad.engine.latency_model import LatencyModel, prefill_pairs
-from hydrad.engine.profiler import latency_bound
+from hydrad.engine.latency_model import LatencyModel, latency_bound, prefill_pairs
 from hydrad.planner.simulator import role_model
 from hydrad.planner.workload import Workload
 

@@ -107,7 +107,7 @@ def combine_models(instances: Sequence[InstanceFacts]) -> LatencyModel:
         key = facts.latency_model.meta.get("key") if facts.latency_model.meta else None
         if isinstance(key, dict) and "parts" in key:
             return key["parts"]
-        from hydrad.engine.profiler import role_parts
+        from hydrad.engine.latency_model import role_parts
 
         return role_parts(facts.role)
 

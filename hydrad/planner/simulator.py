@@ -40,9 +40,8 @@ from hydrad.cluster.router import Router
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape
+from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, latency_bound
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
-from hydrad.engine.profiler import latency_bound
 from hydrad.engine.request import Request
 from hydrad.engine.scheduler import Scheduler
 from hydrad.sampling_params import SamplingParams

@@ -11,7 +11,14 @@ import pytest
 
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SLOConfig
 from hydrad.engine.inputs import EngineRequest
-from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, fit_least_squares
+from hydrad.engine.latency_model import (
+    LANGUAGE_TERMS,
+    VISION_TERMS,
+    LatencyModel,
+    StepShape,
+    fit_least_squares,
+    latency_bound,
+)
 from hydrad.engine.profiler import (
     Probe,
     cache_key,
@@ -20,7 +27,6 @@ from hydrad.engine.profiler import (
     engine_limits,
     fit_latency_model,
     fit_model,
-    latency_bound,
     probe_images,
 )
 from hydrad.sampling_params import SamplingParams
