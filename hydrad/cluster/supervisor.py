@@ -1,8 +1,8 @@
 """Spawns one worker process per instance, watches them, restarts the ones that die.
 
 Workers are started by ``cluster/launch.py`` (forked from a fork server, or spawned).
-Readiness (weights loaded, caches allocated) is shown as a progress display; a worker that fails to start at
-daemon start stops the others and surfaces its error as one line.
+Readiness (weights loaded, caches allocated) is shown as a progress display; a worker
+that fails to start at daemon start stops the others and surfaces its error as one line.
 
 A worker that dies later (killed, crashed, out of memory) is noticed when its pipe
 reaches EOF — at once — and one line says which worker it was and how it ended. Only

@@ -105,3 +105,28 @@ def test_a_port_that_cannot_be_bound_is_reported_before_any_worker_loads(tiny_ll
     with pytest.raises(HydradError, match="cannot listen on no.such.host.invalid:8000"):
         check_listen("no.such.host.invalid", 8000)
     check_listen("127.0.0.1", 0)  # an ephemeral port is always free
+
+
+def test_the_fork_server_preload_imports_what_an_engine_build_needs(tiny_llava_dir):
+    """The fork server drops a preload that fails to import without a word (workers would then
+    import everything themselves again): it must import, leave CUDA alone, and leave an engine
+    build next to nothing to import."""
+    code = textwrap.dedent(f"""
+        import sys
+        import hydrad.engine.preload
+        import torch
+        from hydrad.config_file import load_config
+        from hydrad.engine.core import EngineCore
+
+        assert not torch.cuda.is_initialized()
+        config = load_config(None, {{"model.path": {str(tiny_llava_dir)!r},
+                                     "scheduler.derive_budgets": False}}).engine
+        before = set(sys.modules)
+        EngineCore(config, role="EPD", device="cpu", instance_id=0)
+        print(len(set(sys.modules) - before))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    # The checkpoint's own configuration modules (CLIP's, Llama's) and a few of hydrad's; without
+    # the preload the build imports over a thousand.
+    assert int(result.stdout.strip()) < 30
