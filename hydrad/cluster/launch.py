@@ -50,9 +50,6 @@ class Launched:
     # Set once ``process.start()`` returned (or failed: the pipe then reads EOF at once).
     started: threading.Event = field(default_factory=threading.Event)
 
-    def wait_started(self) -> None:
-        self.started.wait()
-
 
 def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
     """Number the (role, device) pairs and split the CPU cores among CPU workers."""
@@ -78,7 +75,7 @@ def _context():
 
 
 def launch_worker(config: EngineConfig, spec: InstanceSpec, peer_ids: tuple[int, ...]) -> Launched:
-    """Start the worker of ``spec`` on a background thread (``Launched.wait_started``);
+    """Start the worker of ``spec`` on a background thread (``Launched.started``);
     ``peer_ids`` are the instances it exports its pools to."""
     return _launch([(config, spec, peer_ids)])[0]
 
@@ -124,7 +121,7 @@ def peer_ids(spec: InstanceSpec, specs: list[InstanceSpec]) -> tuple[int, ...]:
 def stop_unadopted(launched: dict[int, Launched], timeout: float = 5.0) -> None:
     """Stop the launched workers no supervisor took (the daemon failed before it started)."""
     for item in launched.values():
-        item.wait_started()
+        item.started.wait()
         item.conn.close()
         if item.process.is_alive():
             item.process.terminate()

@@ -1,4 +1,4 @@
-"""Spawns one worker process per instance, watches them, restarts the ones that die.
+"""Starts one worker process per instance, watches them, restarts the ones that die.
 
 Workers are started by ``cluster/launch.py`` (forked from a fork server, or spawned).
 Readiness (weights loaded, caches allocated) is shown as a progress display; a worker
@@ -176,7 +176,7 @@ class Supervisor:
         if launched is None:
             launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else ())
         if not launched.started.is_set():
-            await asyncio.get_running_loop().run_in_executor(None, launched.wait_started)
+            await asyncio.get_running_loop().run_in_executor(None, launched.started.wait)
         process, parent = launched.process, launched.conn
         self._processes[spec.instance_id] = process
         client = WorkerClient(spec.instance_id, spec.role, spec.device, self.table)

@@ -100,8 +100,9 @@ class Metrics:
             "time (1 is exact), per instance and stage.", step_labels, buckets=_RATIO_BUCKETS, registry=r)
         self._step_children: dict[tuple[int, str], tuple] = {}
         # The children a finished request updates, looked up once (``labels`` takes a lock and
-        # builds a key each call): by finish reason and by stage-time key.
-        self._finish_children: dict[str, object] = {}
+        # builds a key each call): by finish reason, and by stage-time key (None: not exported).
+        self._finished_children: dict[str, object] = {}
+        self._stage_children: dict[str, object | None] = {}
         self._e2e = self.e2e.labels(model_name)
         self._prompt_tokens = self.prompt_tokens.labels(model_name)
         self._images = self.images.labels(model_name)
@@ -145,19 +146,19 @@ class Metrics:
 
     def observe_finished(self, finish_reason: str, e2e: float, num_prompt_tokens: int, num_images: int,
                          stage_times: dict[str, float] | None) -> None:
-        children = self._finish_children
-        finished = children.get(finish_reason)
+        finished = self._finished_children.get(finish_reason)
         if finished is None:
-            finished = children[finish_reason] = self.finished.labels(self._model, finish_reason)
+            finished = self._finished_children[finish_reason] = self.finished.labels(self._model, finish_reason)
         finished.inc()
         self._e2e.observe(e2e)
         self._prompt_tokens.inc(num_prompt_tokens)
         self._images.inc(num_images)
         self.window.add_finished()
+        children = self._stage_children
         for key, seconds in (stage_times or {}).items():
-            child = children.get(key, False)
-            if child is False:
-                child = children[key] = self._stage_child(key)
+            if key not in children:
+                children[key] = self._stage_child(key)
+            child = children[key]
             if child is not None:
                 child.observe(seconds)
 

@@ -82,7 +82,7 @@ def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir, wait):
     processes = [item.process for item in launched.values()]
     if wait:  # else stopped while the starts may still be under way (stop_unadopted waits for them)
         for item in launched.values():
-            item.wait_started()
+            item.started.wait()
         assert all(p.is_alive() for p in processes)
     stop_unadopted(launched)
     assert launched == {}

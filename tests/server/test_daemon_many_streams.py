@@ -14,7 +14,7 @@ import json
 import aiohttp
 import pytest
 
-from daemon_process import Daemon, http
+from daemon_process import Daemon, blocks_held_once_freed, http
 from test_daemon_deployments import PNG, data_url
 
 pytestmark = pytest.mark.slow
@@ -90,8 +90,8 @@ def test_1024_concurrent_streams_all_finish(tiny_llava_dir, tmp_path, deploy, de
         assert all(tokens == MAX_TOKENS for _, tokens, _ in results)
         status = http("GET", daemon.url + "/admin/status").json()
         assert all(i["state"] == "ready" for i in status["instances"])
-        assert [(i["num_kv_blocks_used"], i["num_image_blocks_used"]) for i in status["instances"]] == \
-            [(0, 0)] * len(status["instances"])
+        # The last release may still be on its way when the last response arrives.
+        assert blocks_held_once_freed(daemon, 5) == [(0, 0)] * len(status["instances"])
         assert status["requests"]["num_inflight"] == 0
     finally:
         assert daemon.stop() == 0, daemon.log()[-3000:]

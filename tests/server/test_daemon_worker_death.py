@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 
-from daemon_process import Daemon, assert_gone, http, open_stream, stream_events, wait_for
+from daemon_process import Daemon, assert_gone, blocks_held_once_freed, http, open_stream, stream_events, wait_for
 from test_daemon_shutdown import JSON, stream_body
 
 pytestmark = pytest.mark.slow
@@ -86,8 +86,8 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(tiny_llava_dir,
                 return await asyncio.gather(*(stream(session, daemon.url, 200 + i, 12) for i in range(8)))
 
         assert asyncio.run(after()) == [(12, None)] * 8
-        assert wait_for(lambda: all(i["num_kv_blocks_used"] == 0 and i["num_image_blocks_used"] == 0
-                                    for i in instances(daemon)), 10)
+        held = blocks_held_once_freed(daemon, 10)
+        assert held == [(0, 0)] * len(held)
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.stop()
