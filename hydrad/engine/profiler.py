@@ -48,13 +48,15 @@ from hydrad.engine.latency_model import (
 )
 from hydrad.engine.request import Request
 from hydrad.errors import ConfigError
+from hydrad.models.linear import packing_supported
 from hydrad.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 # Bump when the probes, the features, the file layout or what a step costs change (the model
-# code: 5, the CLIP tower stops at its feature layer): older files then miss.
-_CACHE_VERSION = 5
+# code: 5, the CLIP tower stops at its feature layer; 6, linear layers packed for oneDNN on a
+# CPU and KV blocks gathered as rows): older files then miss.
+_CACHE_VERSION = 6
 _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05
@@ -389,6 +391,7 @@ def cache_key(engine, parts: str | None = None) -> dict:
         "device": device_name(engine.device),
         "parts": (parts or role_parts(engine.role)).strip("+"),
         "dual_streams": engine.streams.enabled,
+        "packed_linear": packing_supported(engine.device, engine.dtype),
         "kv_block_size": engine.kv_manager.block_size if engine.kv_manager is not None else 16,
     }
 

@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from hydrad.models.attention import get_attn_backend
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.models.inputs import ImageInput
+from hydrad.models.linear import pack_linears
 from hydrad.models.llama import STACKED_PARAMS, LlamaModel, ParamLoader, head_dim_of, load_weight_groups
 
 VISION_PARTS = ("vision_tower", "multi_modal_projector")
@@ -167,8 +168,9 @@ class VisionLanguageModel(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # [num_seqs, hidden] -> [num_seqs, vocab] fp32
-        head = self.language_model.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return F.linear(hidden_states, head.weight).float()
+        if self.tie_word_embeddings:
+            return F.linear(hidden_states, self.language_model.embed_tokens.weight).float()
+        return self.lm_head(hidden_states).float()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
@@ -195,3 +197,5 @@ class VisionLanguageModel(nn.Module):
         else:
             skipped += LANGUAGE_PARTS
         load_weight_groups(groups, skipped, weights)
+        # The weights are in: on a CPU the linear layers keep them packed for oneDNN from now on.
+        pack_linears(self, list(groups), self.device, self.dtype)

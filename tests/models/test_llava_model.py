@@ -9,6 +9,7 @@ from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2Config
 from hydrad.models.attention import AttentionMetadata
 from hydrad.engine.inputs import ImageInput
 from hydrad.errors import CheckpointError
+from hydrad.models.linear import ENV_SWITCH
 from hydrad.models.llava import LlavaForConditionalGeneration
 from hydrad.models.registry import get_model_class
 
@@ -170,9 +171,13 @@ def test_load_weights_rejects_wrong_shapes(llava_pair):
         LlavaForConditionalGeneration(make_config()).load_weights(weights.items())
 
 
-def test_vision_only_and_language_only_load_their_parts(llava_pair):
-    hf, full = llava_pair
+def test_vision_only_and_language_only_load_their_parts(llava_pair, monkeypatch):
+    hf, _ = llava_pair
+    # The loaded weights as parameters: CPU weight packing would turn the linear ones into buffers.
+    monkeypatch.setenv(ENV_SWITCH, "0")
     weights = canonical_weights(hf)
+    full = LlavaForConditionalGeneration(make_config())
+    full.load_weights(weights.items())
     vision = LlavaForConditionalGeneration(make_config(), load_language=False)
     vision.load_weights(weights.items())
     language = LlavaForConditionalGeneration(make_config(), load_vision=False)

@@ -12,6 +12,7 @@ from vlm_cases import load_ours, num_cuts_inside_images, paged_sequences
 
 from hydrad.models.attention import AttentionMetadata
 from hydrad.errors import CheckpointError
+from hydrad.models.linear import ENV_SWITCH
 from hydrad.models.loader import load_config
 from hydrad.models.qwen2_vl import (
     Qwen2_5_VLForConditionalGeneration,
@@ -178,7 +179,10 @@ def test_paged_chunked_greedy_matches_generate(ours, arch, processor, references
         torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4, msg=f"conversation {b}")
 
 
-def test_vision_only_and_language_only_load_their_parts(checkpoint, arch, ours):
+def test_vision_only_and_language_only_load_their_parts(checkpoint, arch, monkeypatch):
+    # The loaded weights as parameters: CPU weight packing would turn the linear ones into buffers.
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    ours = load_ours(MODEL_CLASSES[arch], checkpoint)
     vision = load_ours(MODEL_CLASSES[arch], checkpoint, load_language=False)
     language = load_ours(MODEL_CLASSES[arch], checkpoint, load_vision=False)
     full = dict(ours.named_parameters())

@@ -24,6 +24,16 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tenso
     slots[1].index_copy_(0, slot_mapping, v)
 
 
+def gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and the values of ``block_ids``, in order: [len(block_ids) * block_size,
+    num_kv_heads, head_dim] each. Each is gathered as rows of a 2-d matrix (one block a row):
+    torch's row gather copies whole rows in parallel, three times as fast on a CPU as a gather
+    along the second dimension of the 5-d pool."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
+    return tuple(kv_cache_layer[i].view(num_blocks, -1).index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
+                 for i in (0, 1))
+
+
 class SdpaBackend:
     name = "sdpa"
     default_block_size = SDPA_BLOCK_SIZE
@@ -62,7 +72,7 @@ class SdpaBackend:
         else:
             seq_len = chunk.mask.shape[-1]
             # [seq_len, num_kv_heads, head_dim] each
-            keys, values = kv_cache_layer.index_select(1, chunk.block_ids).flatten(1, 2)[:, :seq_len]
+            keys, values = (blocks[:seq_len] for blocks in gather_blocks(kv_cache_layer, chunk.block_ids))
         o = F.scaled_dot_product_attention(
             q[t].transpose(0, 1)[None],  # [1, num_heads, query_len, head_dim]
             keys.transpose(0, 1)[None],  # [1, num_kv_heads, seq_len, head_dim]
@@ -79,17 +89,17 @@ class SdpaBackend:
         # -> [num_decodes, num_heads, head_dim]
         num_decodes = decodes.block_ids.shape[0]
         num_kv_heads = kv_cache_layer.shape[3]
-        # [2, num_decodes, num_blocks * block_size, num_kv_heads, head_dim]: one gather, of whole
-        # blocks (runs of contiguous memory), for every decode's keys and values
-        context = kv_cache_layer.index_select(1, decodes.block_ids.flatten())
-        context = context.unflatten(1, (num_decodes, -1)).flatten(2, 3)
+        # [num_decodes, num_blocks * block_size, num_kv_heads, head_dim] each: one gather of whole
+        # blocks (runs of contiguous memory) for every decode's keys, one for the values
+        keys, values = (blocks.unflatten(0, (num_decodes, -1))
+                        for blocks in gather_blocks(kv_cache_layer, decodes.block_ids.flatten()))
         # The query heads that share a KV head attend as the rows of one query over its keys: the
         # kernel then reads each KV head once, not once per query head.
         o = F.scaled_dot_product_attention(
             # [num_decodes, num_kv_heads, num_heads / num_kv_heads, head_dim]
             q.index_select(0, decodes.token_ids).unflatten(1, (num_kv_heads, -1)),
-            context[0].transpose(1, 2),  # [num_decodes, num_kv_heads, num_blocks * block_size, head_dim]
-            context[1].transpose(1, 2),
+            keys.transpose(1, 2),  # [num_decodes, num_kv_heads, num_blocks * block_size, head_dim]
+            values.transpose(1, 2),
             attn_mask=decodes.mask,
             scale=scale,
         )
