@@ -83,6 +83,10 @@ class SLOConfig:
     ttft: float = 2.0
     tbt: float = 0.2
     alpha: float = 0.5
+    # Share of each bound the scheduler leaves free: the latency model's error and the
+    # delivery of a token to the client come out of it (a step predicted at exactly the TBT
+    # runs over it about half the time).
+    headroom: float = 0.1
     # KV context of the decodes in the batches that budgets are measured with, on instances
     # that decode; None: a quarter of the model's context length.
     decode_context_len: int | None = None
@@ -94,6 +98,8 @@ class SLOConfig:
             raise ConfigError(f"slo.decode_context_len must be >= 0, got {self.decode_context_len}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"slo.alpha must be in (0, 1], got {self.alpha}")
+        if not 0 <= self.headroom < 1:
+            raise ConfigError(f"slo.headroom must be in [0, 1), got {self.headroom}")
 
 
 @dataclass(frozen=True)

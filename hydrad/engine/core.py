@@ -28,7 +28,7 @@ from hydrad.engine.inputs import (
     FinishedRequest,
     StepTiming,
 )
-from hydrad.engine.latency_model import LatencyModel
+from hydrad.engine.latency_model import LatencyModel, idle_bound
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
@@ -414,7 +414,7 @@ class EngineCore:
         """Fill steps by predicted latency up to ``bound`` seconds, and steps that carry no
         decode up to the prefill share of the TTFT (between steps only)."""
         slo = self.config.slo
-        self.scheduler.set_latency_model(model, bound, idle_bound=slo.alpha * slo.ttft)
+        self.scheduler.set_latency_model(model, bound, idle_bound=idle_bound(slo))
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler

@@ -47,8 +47,14 @@ FORMAT_VERSION = 2
 
 def latency_bound(slo: SLOConfig, role: str) -> float:
     """The step bound of a role: TBT for roles that decode (every step carries decodes),
-    the share alpha of the TTFT one batch may take otherwise."""
-    return slo.tbt if "D" in role else slo.alpha * slo.ttft
+    the share alpha of the TTFT one batch may take otherwise; less the SLO's headroom."""
+    return (slo.tbt if "D" in role else slo.alpha * slo.ttft) * (1.0 - slo.headroom)
+
+
+def idle_bound(slo: SLOConfig) -> float:
+    """The bound of a step that carries no decode, whatever the role: alpha * TTFT, less the
+    headroom."""
+    return slo.alpha * slo.ttft * (1.0 - slo.headroom)
 
 
 def role_parts(role: str) -> str:

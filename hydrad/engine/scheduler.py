@@ -2,7 +2,7 @@
 
 Each step fills one batch, in this order, while the step's *predicted* latency stays
 within the instance's bound (``StepBudget``: TBT for roles that decode, alpha * TTFT
-otherwise; a step that carries no decode keeps no stream waiting, so it takes the
+otherwise, each less the SLO's headroom, ``latency_bound``; a step that carries no decode keeps no stream waiting, so it takes the
 ``idle_bound``, alpha * TTFT, whatever the role; ``token_budget``/``image_budget`` are
 hard caps on top):
 

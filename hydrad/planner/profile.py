@@ -166,7 +166,8 @@ class Profile:
         return {
             "workload": self.workload.summary(),
             "devices": self.devices.spec, "threads_per_instance": self.devices.threads,
-            "slo": {"ttft": self.slo_ttft, "tbt": self.slo_tbt, "alpha": self.setup.slo.alpha},
+            "slo": {"ttft": self.slo_ttft, "tbt": self.slo_tbt, "alpha": self.setup.slo.alpha,
+                    "headroom": self.setup.slo.headroom},
             "num_requests": self.planner.num_requests, "arrivals": self.planner.arrivals,
             "machine": {"latency_model": coefficients, "latency_error": self.setup.model.error and {
                 "median": self.setup.model.error.median, "max": self.setup.model.error.max},

@@ -7,7 +7,9 @@ enter through the cluster's real ``Router`` and move between instances through t
 ``Request.from_offer``). Only the model and the pipes are replaced:
 
 * a step lasts what the instance's latency model predicts for it (plus a fixed
-  per-step overhead), slowed down when more CPU threads are busy than there are cores;
+  per-step overhead), slowed down when more CPU threads are busy than there are cores
+  (the workers' torch threads, and the daemon's Request Processor while it prepares a
+  request: it runs on the same cores);
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -40,7 +42,9 @@ from hydrad.cluster.router import Router
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, latency_bound
+from hydrad.engine.latency_model import (
+    LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, idle_bound, latency_bound,
+)
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.request import Request
 from hydrad.engine.scheduler import Scheduler
@@ -198,7 +202,7 @@ class SimInstance:
         if setup.fill_by_model:
             # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
             self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, role),
-                                             idle_bound=setup.slo.alpha * setup.slo.ttft)
+                                             idle_bound=idle_bound(setup.slo))
         self.running = False  # in a step (or waiting on a copy)
         self.stalled = False
         self.inbox: list[tuple[int, object]] = []  # messages that arrived during a step
@@ -282,7 +286,7 @@ class SimInstance:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
             seconds = self.model.step_seconds(step_shape(out, self.scheduler))
-        seconds = seconds * sim.slowdown() + sim.setup.step_overhead
+        seconds = seconds * sim.slowdown(seconds) + sim.setup.step_overhead
         self.running = True
         sim.num_busy += 1
         self.busy += seconds
@@ -371,6 +375,9 @@ class Simulation:
         self._pending = 0
         self._copy_seconds = {"kv": setup.kv_block_bytes / setup.bandwidth,
                               "image": setup.image_block_bytes / setup.bandwidth}
+        # (start, end) of each request's preparation by the Request Processor, in time order.
+        self._processor_busy: list[tuple[float, float]] = []
+        self._processor_next = 0
 
     # -- the clock --------------------------------------------------------------------------------
     def at(self, time: float, kind: int, target, payload) -> None:
@@ -381,12 +388,30 @@ class Simulation:
         """A message from the daemon to a worker."""
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
-    def slowdown(self) -> float:
-        """How much longer a step takes while others run: CPU threads beyond the cores share them."""
+    def slowdown(self, seconds: float = 0.0) -> float:
+        """How much longer a step of ``seconds`` (alone) that starts now takes: CPU threads beyond
+        the cores share them. The busy threads are the other instances' in a step and, for the
+        share of the step it overlaps, the Request Processor's one."""
         cores = self.setup.cores
         if cores is None:
             return 1.0
-        return max(1.0, (self.num_busy + 1) * self.setup.threads / cores)
+        threads = (self.num_busy + 1) * self.setup.threads + self._processor_share(self.now, self.now + seconds)
+        return max(1.0, threads / cores)
+
+    def _processor_share(self, start: float, end: float) -> float:
+        """The fraction of [start, end] the Request Processor is busy (steps start in time order,
+        so the intervals before ``start`` are dropped as the clock passes them)."""
+        busy, i = self._processor_busy, self._processor_next
+        while i < len(busy) and busy[i][1] <= start:
+            i += 1
+        self._processor_next = i
+        if end <= start:
+            return 1.0 if i < len(busy) and busy[i][0] <= start else 0.0
+        overlap = 0.0
+        while i < len(busy) and busy[i][0] < end:
+            overlap += max(0.0, min(end, busy[i][1]) - max(start, busy[i][0]))
+            i += 1
+        return min(1.0, overlap / (end - start))
 
     def copy_seconds(self, pull) -> float:
         return len(pull.src_block_ids) * self._copy_seconds[pull.kind]
@@ -451,7 +476,10 @@ class Simulation:
             else:
                 ready = max(spec.arrival, heapq.heappop(free)) + spec.preprocess
                 heapq.heappush(free, ready)
+                if spec.preprocess > 0:
+                    self._processor_busy.append((ready - spec.preprocess, ready))
             self.at(ready, _ARRIVE, None, i)
+        self._processor_busy.sort()
         self._pending = len(requests)
         events = self._events
         stopped = False

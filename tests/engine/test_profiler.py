@@ -17,6 +17,7 @@ from hydrad.engine.latency_model import (
     LatencyModel,
     StepShape,
     fit_least_squares,
+    idle_bound,
     latency_bound,
 )
 from hydrad.engine.profiler import (
@@ -29,6 +30,7 @@ from hydrad.engine.profiler import (
     fit_model,
     probe_images,
 )
+from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
 
 ROLES = ("E", "P", "D", "EP", "ED", "PD", "EPD")
@@ -137,8 +139,19 @@ def test_cache_is_written_reused_and_keyed(engine, cache_dir):
 
 
 def test_bound_per_role():
-    slo = SLOConfig(ttft=2.0, tbt=0.1, alpha=0.5)
+    slo = SLOConfig(ttft=2.0, tbt=0.1, alpha=0.5, headroom=0.0)
     assert [latency_bound(slo, r) for r in ("E", "P", "EP", "D", "PD", "EPD")] == [1.0, 1.0, 1.0, 0.1, 0.1, 0.1]
+    assert idle_bound(slo) == 1.0
+
+
+def test_the_bounds_leave_the_headroom_free():
+    slo = SLOConfig(ttft=2.0, tbt=0.1, alpha=0.5)  # headroom 0.1 by default
+    assert [latency_bound(slo, r) for r in ("EP", "PD")] == pytest.approx([0.9, 0.09])
+    assert idle_bound(slo) == pytest.approx(0.9)
+    assert latency_bound(SLOConfig(tbt=0.1, headroom=0.25), "D") == pytest.approx(0.075)
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ConfigError, match="slo.headroom"):
+            SLOConfig(headroom=bad)
 
 
 def test_fit_model_uses_only_single_part_probes_for_the_parts():

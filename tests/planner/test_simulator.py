@@ -99,12 +99,20 @@ def test_steps_are_filled_up_to_the_bound_and_requests_share_them():
     # step 2 = r0's decode + r1's last 60 tokens: 10 + 2 + 60 = 72 ms: r0's 2nd, r1's 1st token;
     # step 3 = two decodes: 10 + 4 = 14 ms. (alpha * TTFT, the bound of a step without
     # decodes, is the TBT here too.)
-    setup = make_setup(slo=SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505))
+    setup = make_setup(slo=SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505, headroom=0.0))
     r0, r1 = run(setup, ["EPD"], [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 2)]).requests
     assert r0.ttft == pytest.approx(0.15)
     assert r1.ttft == pytest.approx(0.15 + 0.072)
     assert r0.gaps == pytest.approx([0.072, 0.014])
     assert r1.gaps == pytest.approx([0.014])
+    # With the SLO's headroom of a third the bound is 100.3 ms: step 1 = 10 ms + 90 tokens of
+    # r0 (100 ms); step 2 = r0's last 10 + 80 of r1's (100 ms): r0's first token; step 3 =
+    # r0's decode + r1's last 20 tokens (10 + 2 + 20 ms): r0's 2nd and r1's 1st token.
+    setup = make_setup(slo=SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505, headroom=1 / 3))
+    r0, r1 = run(setup, ["EPD"], [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 2)]).requests
+    assert r0.ttft == pytest.approx(0.2)
+    assert r1.ttft == pytest.approx(0.2 + 0.032)
+    assert r0.gaps == pytest.approx([0.032, 0.014])
 
 
 def test_a_step_without_decodes_takes_the_ttft_share():
@@ -140,6 +148,21 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
     assert r0.gaps == pytest.approx([0.012])
     # r1 reaches EP at 0.111 while D's decode runs: its prefill step takes 2 x 0.11.
     assert r1.ttft == pytest.approx(0.22)
+
+
+def test_the_request_processor_takes_its_cpu_from_the_instances_steps():
+    # One instance of two threads on two cores. r0 (ready at 10 ms) prefills 100 tokens, 110 ms
+    # alone; the processor prepares r1 from 20 to 70 ms meanwhile, on one of the two cores: the
+    # step takes 110 ms + 50 ms / 2.
+    setup = make_setup(cores=2, threads=2)
+    reqs = [SimRequest(0.0, 100, 1, preprocess=0.01), SimRequest(0.02, 10, 1, preprocess=0.05)]
+    r0, r1 = run(setup, ["EPD"], reqs).requests
+    assert r0.ttft == pytest.approx(0.01 + 0.11 + 0.025)
+    # r1's own step (10 + 10 ms) runs with the processor idle.
+    assert r1.ttft == pytest.approx(0.145 + 0.02 - 0.02)
+    # With a core to spare (four), the processor slows nothing.
+    r0, _ = run(make_setup(cores=4, threads=2), ["EPD"], reqs).requests
+    assert r0.ttft == pytest.approx(0.01 + 0.11)
 
 
 def test_attainment_uses_the_bench_rule_and_a_run_stops_when_out_of_reach():
