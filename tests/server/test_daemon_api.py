@@ -332,7 +332,7 @@ def test_hydractl_status_shows_both_instances(daemon):
     assert len(rows) == 2 and all("cpu" in r and "ready" in r for r in rows), out.stdout
     assert "TTFT p50" in out.stdout and "TBT p90" in out.stdout
     # each instance fitted its latency model at start, and says so with its bound and error
-    assert out.stdout.count("steps up to 200.0 ms") == 2, out.stdout
+    assert out.stdout.count("steps up to 180.0 ms") == 2  # the TBT (0.2 s) less the 10% headroom, out.stdout
     assert out.stdout.count("held-out probes") == 2 and out.stdout.count("/image") == 2, out.stdout
     assert "daemon: " in out.stdout and "event-loop lag p99" in out.stdout, out.stdout
 
