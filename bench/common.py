@@ -9,6 +9,7 @@ import platform
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -63,6 +64,18 @@ def machine() -> dict:
         "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(),
     }
+
+
+def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``repeats`` calls of ``fn`` after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def write_json(path: str | None, payload: dict) -> None:

@@ -20,27 +20,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import torch
 from torch.nn import functional as F
 
-from common import machine, model_dir, write_json
+from common import machine, median_seconds, model_dir, write_json
 
 ROWS = (1, 16, 64, 290)
-
-
-def timed(run, repeats: int = 50) -> float:
-    """Median seconds of ``run`` after a warm-up."""
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def linear_shapes(text_config) -> list[tuple[str, int, int]]:
@@ -63,8 +49,8 @@ def bench_linears(text_config) -> list[dict]:
         for m in ROWS:
             x = torch.randn(m, in_features)
             with torch.inference_mode():
-                plain_s = timed(lambda: F.linear(x, layer.weight))
-                packed_s = timed(lambda: packed(x))
+                plain_s = median_seconds(lambda: F.linear(x, layer.weight), 50, warmup=3)
+                packed_s = median_seconds(lambda: packed(x), 50, warmup=3)
             rows.append({"layer": name, "shape": [out_features, in_features], "rows": m,
                          "plain_ms": 1e3 * plain_s, "packed_ms": 1e3 * packed_s, "speedup": plain_s / packed_s})
             print(f"  {name} {out_features}x{in_features}, {m} rows: plain {1e3 * plain_s:.3f} ms, "
@@ -81,8 +67,8 @@ def bench_gather(text_config, num_seqs: int = 16, context: int = 300, block_size
     pool = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
     per_seq = -(-context // block_size)
     ids = torch.randperm(num_blocks)[: num_seqs * per_seq]
-    along_blocks = timed(lambda: pool.index_select(1, ids), repeats=200)
-    as_rows = timed(lambda: gather_blocks(pool, ids), repeats=200)
+    along_blocks = median_seconds(lambda: pool.index_select(1, ids), 200, warmup=3)
+    as_rows = median_seconds(lambda: gather_blocks(pool, ids), 200, warmup=3)
     print(f"  KV gather, {num_seqs} x {context} tokens: along the block dimension {1e3 * along_blocks:.3f} ms, "
           f"as rows {1e3 * as_rows:.3f} ms ({along_blocks / as_rows:.2f}x)", flush=True)
     return {"sequences": num_seqs, "context": context, "along_blocks_ms": 1e3 * along_blocks,

@@ -11,13 +11,11 @@ reference is the argmax of the same logits, the whole of a greedy step's samplin
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import torch
 
-from common import machine, write_json
+from common import machine, median_seconds, write_json
 
 SETTINGS = ("greedy", "defaults", "filtered", "filtered+penalties+min_p", "quarter_seeded")
 
@@ -46,16 +44,6 @@ def metadata(setting: str, rows: int, sampler, vocab: int):
     if setting == "quarter_seeded":
         meta.generators = [(i, torch.Generator().manual_seed(i)) for i in range(0, rows, 4)]
     return meta
-
-
-def median_seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:

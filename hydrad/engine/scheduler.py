@@ -1,10 +1,11 @@
 """Stage-level scheduling (HydraInfer, Algorithm 1), context-aware, with pull-based migration.
 
 Each step fills one batch, in this order, while the step's *predicted* latency stays
-within the instance's bound (``StepBudget``: TBT for roles that decode, alpha * TTFT
-otherwise, each less the SLO's headroom, ``latency_bound``; a step that carries no decode keeps no stream waiting, so it takes the
-``idle_bound``, alpha * TTFT, whatever the role; ``token_budget``/``image_budget`` are
-hard caps on top):
+within the instance's bound (``StepBudget``; ``latency_model.latency_bound``: TBT for
+roles that decode, alpha * TTFT otherwise, each less the SLO's headroom; a step that
+carries no decode keeps no stream waiting, so it takes the ``idle_bound``, alpha * TTFT
+less the headroom, whatever the role; ``token_budget``/``image_budget`` are hard caps on
+top):
 
 1. running decodes (one token each, at their own KV context);
 2. unfinished prefill chunks, each cut to the largest size that fits (a chunk may

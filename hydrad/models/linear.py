@@ -68,13 +68,10 @@ def pack_linears(parent: nn.Module, names: list[str], device: torch.device | str
     found = []
     for top in names:
         child = getattr(parent, top)
-        if isinstance(child, nn.Linear):
-            found.append((parent, top, child))
-            continue
-        found += [(owner, name, layer) for owner in child.modules() for name, layer in owner.named_children()
-                  if isinstance(layer, nn.Linear)]
-    found = [(owner, name, layer) for owner, name, layer in found
-             if layer.weight.dtype == dtype and layer.weight.device.type == "cpu"]
+        slots = [(parent, top, child)] + [(owner, name, layer) for owner in child.modules()
+                                          for name, layer in owner.named_children()]
+        found += [(owner, name, layer) for owner, name, layer in slots if isinstance(layer, nn.Linear)
+                  and layer.weight.dtype == dtype and layer.weight.device.type == "cpu"]
     with torch.no_grad():
         for owner, name, layer in found:
             setattr(owner, name, PackedLinear(layer))

@@ -388,7 +388,7 @@ class Simulation:
         """A message from the daemon to a worker."""
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
-    def slowdown(self, seconds: float = 0.0) -> float:
+    def slowdown(self, seconds: float) -> float:
         """How much longer a step of ``seconds`` (alone) that starts now takes: CPU threads beyond
         the cores share them. The busy threads are the other instances' in a step and, for the
         share of the step it overlaps, the Request Processor's one."""
@@ -406,7 +406,7 @@ class Simulation:
             i += 1
         self._processor_next = i
         if end <= start:
-            return 1.0 if i < len(busy) and busy[i][0] <= start else 0.0
+            return 0.0
         overlap = 0.0
         while i < len(busy) and busy[i][0] < end:
             overlap += max(0.0, min(end, busy[i][1]) - max(start, busy[i][0]))
