@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from hydrad.cluster.deploy import cpu_threads
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
 
@@ -52,10 +53,20 @@ class Launched:
 
 
 def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
-    """Number the (role, device) pairs and split the CPU cores among CPU workers."""
-    num_cpu = sum(1 for _, device in instances if device == "cpu")
-    threads = max(1, (os.cpu_count() or 1) // max(1, num_cpu))
-    return [InstanceSpec(i, role, device, threads) for i, (role, device) in enumerate(instances)]
+    """Number the (role, device) pairs and split the CPU cores among CPU workers
+    (``cluster.deploy.cpu_threads``)."""
+    cpu = [i for i, (_, device) in enumerate(instances) if device == "cpu"]
+    threads = dict(zip(cpu, cpu_threads([instances[i][0] for i in cpu], os.cpu_count() or 1)))
+    return [InstanceSpec(i, role, device, threads.get(i, 1)) for i, (role, device) in enumerate(instances)]
+
+
+def share_cpu_cores(specs: list[InstanceSpec]) -> None:
+    """Before the first worker starts: when several CPU workers share the cores, their OpenMP
+    threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning on cores another
+    worker could use (instances borrow idle cores, ``cluster.deploy.cpu_threads``). Workers
+    fork from a server that reads the environment once; an operator's own setting stays."""
+    if sum(1 for spec in specs if spec.device == "cpu") > 1:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def migrates(specs: list[InstanceSpec]) -> bool:
@@ -82,6 +93,7 @@ def launch_worker(config: EngineConfig, spec: InstanceSpec, peer_ids: tuple[int,
 
 def launch_all(config: EngineConfig, specs: list[InstanceSpec]) -> dict[int, Launched]:
     """Start every instance's worker, by instance id."""
+    share_cpu_cores(specs)
     shared = migrates(specs)
     launched = _launch([(config, spec, peer_ids(spec, specs) if shared else ()) for spec in specs])
     return {spec.instance_id: item for spec, item in zip(specs, launched)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import time
 from collections import deque
@@ -31,7 +32,8 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from hydrad.cluster.launch import InstanceSpec, Launched, launch_worker, migrates, peer_ids
+from hydrad.cluster.deploy import cpu_threads
+from hydrad.cluster.launch import InstanceSpec, Launched, launch_worker, migrates, peer_ids, share_cpu_cores
 from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
@@ -174,6 +176,7 @@ class Supervisor:
 
         launched = self._launched.pop(spec.instance_id, None)
         if launched is None:
+            share_cpu_cores(self.specs)
             launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else ())
         if not launched.started.is_set():
             await asyncio.get_running_loop().run_in_executor(None, launched.started.wait)
@@ -290,6 +293,7 @@ class Supervisor:
                     if client.ready.latency_model is not None:
                         client.ready = dataclasses.replace(client.ready, latency_bound=answer.latency_bound)
                     say(f"#{change.instance_id} is {answer.role} ({answer.seconds:.1f} s)")
+            await self._share_cores(say)
         except (WorkerLost, asyncio.TimeoutError) as e:
             raise RedeployError(f"the redeploy to {target} did not complete: {e or 'timed out'}") from None
         finally:
@@ -299,6 +303,26 @@ class Supervisor:
         logger.info("redeployed as %s in %.1f s (%s)", target, deployment.seconds, reason)
         say(f"serving as {target} after {deployment.seconds:.1f} s")
         return deployment
+
+    async def _share_cores(self, say: Callable[[str], None]) -> None:
+        """Give each CPU instance the torch threads of its role in the new deployment
+        (``cluster.deploy.cpu_threads``), with the latency model it has at that count."""
+        cpu = [spec for spec in self.specs if spec.device == "cpu"]
+        threads = cpu_threads([self.clients[spec.instance_id].role for spec in cpu], os.cpu_count() or 1)
+        changed = [(spec, n) for spec, n in zip(cpu, threads) if n != spec.num_threads]
+        if not changed:
+            return
+        say("threads: " + ", ".join(f"#{spec.instance_id} {spec.num_threads} -> {n}" for spec, n in changed))
+        answers = await asyncio.gather(*(self.clients[spec.instance_id].reconfigure(
+            self.clients[spec.instance_id].role, self.start_timeout, num_threads=n) for spec, n in changed))
+        for (spec, n), answer in zip(changed, answers):
+            if answer.error:  # it keeps its threads and model: slower or faster, still serving
+                logger.warning("instance %d keeps %d thread(s): %s", spec.instance_id, spec.num_threads, answer.error)
+                continue
+            client = self.clients[spec.instance_id]
+            self.specs[spec.instance_id] = dataclasses.replace(spec, num_threads=n)
+            client.ready = dataclasses.replace(client.ready, latency_model=answer.latency_model,
+                                               latency_bound=answer.latency_bound)
 
     async def _undo_expand(self, expanded: list) -> None:
         """Give back the stages the instances that did expand had just taken on."""

@@ -163,10 +163,11 @@ class WorkerClient:
         finally:
             self._pool_waiters.pop(peer_id, None)
 
-    async def reconfigure(self, role: str, timeout: float) -> Reconfigured:
-        """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``)."""
+    async def reconfigure(self, role: str, timeout: float, num_threads: int | None = None) -> Reconfigured:
+        """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``); ``num_threads``:
+        run with that many torch threads from now on."""
         self._reconfigured = self._loop.create_future()
-        self._send(Reconfigure(role))
+        self._send(Reconfigure(role, num_threads))
         return await asyncio.wait_for(self._reconfigured, timeout)
 
     async def retire(self, stages: str, timeout: float) -> Retired:

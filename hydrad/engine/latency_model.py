@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +56,27 @@ def idle_bound(slo: SLOConfig) -> float:
     """The bound of a step that carries no decode, whatever the role: alpha * TTFT, less the
     headroom."""
     return slo.alpha * slo.ttft * (1.0 - slo.headroom)
+
+
+def at_threads(models: Mapping[int, LatencyModel], threads: int) -> LatencyModel:
+    """The model of a CPU instance on ``threads`` torch threads, from ``models`` measured at
+    other counts (by count): the one measured at ``threads``; else each coefficient as
+    ``a + b / threads`` (Amdahl's law) through the two measured counts nearest to it (never
+    below 0), the overlap of the nearer; with one count measured, that count's model."""
+    if threads in models:
+        return models[threads]
+    counts = sorted(models, key=lambda n: (abs(n - threads), n))
+    if len(counts) == 1:
+        return models[counts[0]]
+    (n1, m1), (n2, m2) = ((n, models[n]) for n in counts[:2])
+    weight = (1 / threads - 1 / n2) / (1 / n1 - 1 / n2)  # 1 at n1, 0 at n2
+
+    def value(name: str) -> float:
+        return max(0.0, getattr(m2, name) + weight * (getattr(m1, name) - getattr(m2, name)))
+
+    meta = {**m1.meta, "threads": threads, "interpolated_from": [n1, n2]}
+    return LatencyModel(**{name: value(name) for name in (*VISION_TERMS, *LANGUAGE_TERMS)}, overlap=m1.overlap,
+                        meta=meta)
 
 
 def role_parts(role: str) -> str:

@@ -472,15 +472,57 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
     absent. ``timer(probe) -> seconds`` replaces measuring on the engine."""
     key = cache_key(engine)
     path = cache_path(key)
-    if not force and timer is None:
-        if (cached := load_cached(path, key)) is not None:
-            logger.info("latency model from %s: %s", path, cached.summary())
-            return cached
-        if (derived := derive_from_known(engine, key)) is not None:
-            store(path, derived)
-            logger.info("latency model of the %s part from the %s model: %s", key["parts"],
-                        derived.meta["derived_from"], derived.summary())
-            return derived
+    if not force and timer is None and (known := _known(engine, key, path)) is not None:
+        return known
+    with _probing(engine.device if timer is None else None):
+        # Another worker may have measured it while this one waited.
+        if not force and timer is None and (known := _known(engine, key, path)) is not None:
+            return known
+        return _measure(engine, key, path, timer, show_progress, allow_busy)
+
+
+def _known(engine, key: dict, path: Path) -> LatencyModel | None:
+    """The model of ``key`` from the cache, or derived from one of more parts."""
+    if (cached := load_cached(path, key)) is not None:
+        logger.info("latency model from %s: %s", path, cached.summary())
+        return cached
+    if (derived := derive_from_known(engine, key)) is not None:
+        store(path, derived)
+        logger.info("latency model of the %s part from the %s model: %s", key["parts"],
+                    derived.meta["derived_from"], derived.summary())
+        return derived
+    return None
+
+
+@contextmanager
+def _probing(device: torch.device | None) -> Iterator[None]:
+    """Probes on a CPU run one worker at a time (a file lock in the cache): workers that share
+    the cores would otherwise time each other's probes, not their own."""
+    if device is None or device.type != "cpu":
+        yield
+        return
+    import fcntl
+
+    from hydrad.models.default import cache_dir
+
+    lock_path = cache_dir() / "latency" / ".cpu-probes.lock"
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock_path, "a")
+    except OSError as e:  # an unwritable cache: nothing is cached either
+        logger.warning("cannot lock %s (probes may overlap another worker's): %s", lock_path, e)
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | None, show_progress: bool,
+             allow_busy: bool) -> LatencyModel:
     images = probe_images(engine) if "E" in engine.role else []
     limits = engine_limits(engine, images)
     if timer is None:

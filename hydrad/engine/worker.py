@@ -126,13 +126,20 @@ def worker_main(
         conn.close()
 
 
-def _reconfigure(engine, role: str) -> Reconfigured:
-    """Expand the instance to ``role`` and give it the latency model and bound of its new role."""
+def _reconfigure(engine, role: str, num_threads: int | None = None) -> Reconfigured:
+    """Expand the instance to ``role`` (on ``num_threads`` torch threads from now on, when
+    given) and give it the latency model and bound of its new role."""
+    import torch
+
     start = time.monotonic()
+    threads_before = torch.get_num_threads()
     try:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         new_role = engine.expand(role)
         model, bound = _latency(engine, new_role)
     except Exception as e:  # the daemon reports it and keeps the deployment as it was
+        torch.set_num_threads(threads_before)
         logger.exception("taking on role %s failed", role)
         return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=f"{type(e).__name__}: {e}")
     return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound,
@@ -205,7 +212,7 @@ def run_worker(engine: Engine, conn: Connection) -> None:
             elif isinstance(msg, DetachPeer):
                 engine.detach_peer(msg.peer_id)
             elif isinstance(msg, Reconfigure):
-                conn.send(_reconfigure(engine, msg.role))
+                conn.send(_reconfigure(engine, msg.role, msg.num_threads))
             elif isinstance(msg, Retire):
                 engine.retire(msg.stages)
                 retiring_since = time.monotonic()

@@ -3,10 +3,12 @@
 The simulator needs, for the deployments of N devices:
 
 * the latency model of an instance as a worker of such a deployment runs it: on CPU a
-  worker gets ``cores // N`` torch threads (``cluster.launch.plan_specs``), so the
-  model is fitted (``engine.profiler.fit_latency_model``, which loads the daemon's disk
-  cache when it has the file) on a vision+language instance in this process with that
-  many threads; every role's model is that model's vision part, language part or both
+  worker gets ``cores // N`` torch threads, its share, or up to all cores when it
+  borrows idle ones (``cluster.deploy.cpu_threads``), so the model is fitted
+  (``engine.profiler.fit_latency_model``, which loads the daemon's disk cache when it
+  has the file) on a vision+language instance in this process with the share and
+  again with all cores (other counts are interpolated, ``latency_model.at_threads``);
+  every role's model is that model's vision part, language part or both
   (``simulator.role_model``), measured by the same probes;
 * the pools of an instance of each role (the engine splits its cache memory by role),
   from the checkpoint's geometry and ``[cache]``;
@@ -117,6 +119,13 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
     try:
         engine = EngineCore(config, role="EPD", device=devices.devices[0])
         model = fit_latency_model(engine, show_progress=show_progress)
+        thread_models = {}
+        cores = os.cpu_count() or 1
+        if devices.is_cpu and cores > devices.threads:
+            # Instances that borrow idle cores run on up to all of them (cluster.deploy.cpu_threads).
+            torch.set_num_threads(cores)
+            thread_models[cores] = fit_latency_model(engine, show_progress=show_progress)
+            torch.set_num_threads(devices.threads)
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
         return SimSetup(
@@ -126,7 +135,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             max_model_len=engine.max_model_len,
             scheduler=config.scheduler, slo=config.slo, router_policy=options.router_policy, bandwidth=bandwidth,
             message_seconds=options.message_seconds, step_overhead=options.step_overhead,
-            cores=(os.cpu_count() or 1) if devices.is_cpu else None, threads=devices.threads,
+            cores=cores if devices.is_cpu else None, threads=devices.threads, thread_models=thread_models,
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
         )
     finally:
@@ -169,7 +178,10 @@ class Profile:
             "slo": {"ttft": self.slo_ttft, "tbt": self.slo_tbt, "alpha": self.setup.slo.alpha,
                     "headroom": self.setup.slo.headroom},
             "num_requests": self.planner.num_requests, "arrivals": self.planner.arrivals,
-            "machine": {"latency_model": coefficients, "latency_error": self.setup.model.error and {
+            "machine": {"latency_model": coefficients,
+                        "latency_models_at_threads": {str(n): m.to_json()["coefficients"]
+                                                      for n, m in sorted(self.setup.thread_models.items())},
+                        "latency_error": self.setup.model.error and {
                 "median": self.setup.model.error.median, "max": self.setup.model.error.max},
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},

@@ -9,11 +9,15 @@ numbers and kept for ``/admin/status`` (``hydractl status``).
 
 Nothing is measured for it: the simulator's machine (``SimSetup``) is built from what
 the workers reported when they became ready (or changed roles): their latency models,
-block geometry and copy bandwidth (``live_setup``). Each worker runs with the threads
-a deployment of this many devices gets, so their models are the ones the simulator
-needs. A role's latency model holds only the parts the role runs, so the vision terms
-come from an instance that encodes and the language terms from one that prefills or
-decodes.
+block geometry and copy bandwidth (``live_setup``). Each CPU worker runs with the
+threads its role gets in the running deployment (its share of the cores, or more when
+it borrows idle ones, ``cluster.deploy.cpu_threads``), so their models are measured at
+those counts: the model at the share comes from the instances on the share, the others
+by count. A role's latency model holds only the parts the role runs, so the vision
+terms come from an instance that encodes and the language terms from one that prefills
+or decodes; a part no instance on the share runs (the vision part, when only a borrower
+encodes) is taken from another count, an approximation until a deployment runs it on
+the share.
 
 The search runs in a child process at a lower CPU priority (``nice``), so that it
 neither holds the daemon's event loop nor takes the cores from the workers first; it
@@ -56,6 +60,7 @@ class InstanceFacts:
     geometry: object | None  # hydrad.engine.core.PoolGeometry
     copy_bandwidth: float | None
     max_model_len: int
+    threads: int = 1  # torch threads it runs on (CPU)
 
 
 @dataclass(frozen=True)
@@ -138,15 +143,26 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
     bandwidths = [f.copy_bandwidth for f in instances if f.copy_bandwidth]
     extra = {"bandwidth": min(bandwidths)} if bandwidths else {}
     n = len(instances)
+    share = max(1, (cores or 1) // n) if is_cpu else 1
+    # The model at the share from the instances that run on it (a part none of them runs
+    # comes from another count's instance), and the model at each other count whose
+    # instances fitted both parts (a count missing one is interpolated in the simulator).
+    at_share = sorted(instances, key=lambda f: f.threads != share)
+    thread_models = {}
+    for threads in {f.threads for f in instances} - {share} if is_cpu else ():
+        try:
+            thread_models[threads] = combine_models([f for f in instances if f.threads == threads])
+        except ValueError:
+            pass
     return SimSetup(
-        model=combine_models(instances),
+        model=combine_models(at_share), thread_models=thread_models,
         layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
         kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
         kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
         max_model_len=min(f.max_model_len for f in instances),
         scheduler=config.scheduler, slo=config.slo, router_policy=router_policy,
         message_seconds=options.message_seconds, step_overhead=options.step_overhead,
-        cores=cores if is_cpu else None, threads=max(1, (cores or 1) // n) if is_cpu else 1,
+        cores=cores if is_cpu else None, threads=share,
         fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads, **extra,
     )
 
@@ -263,7 +279,8 @@ class Replanner:
             return decision("skip", busy)
         window = f"the last {self.config.window:g} s"
         facts = [InstanceFacts(c.role, c.ready.latency_model, getattr(c.ready, "geometry", None),
-                               getattr(c.ready, "copy_bandwidth", None), c.ready.max_model_len)
+                               getattr(c.ready, "copy_bandwidth", None), c.ready.max_model_len,
+                               supervisor.specs[c.instance_id].num_threads)
                  for c in supervisor.clients]
         slo = self.engine_config.slo
         try:

@@ -9,7 +9,9 @@ enter through the cluster's real ``Router`` and move between instances through t
 * a step lasts what the instance's latency model predicts for it (plus a fixed
   per-step overhead), slowed down when more CPU threads are busy than there are cores
   (the workers' torch threads, and the daemon's Request Processor while it prepares a
-  request: it runs on the same cores);
+  request: it runs on the same cores). Each CPU instance runs on the threads the live
+  deployment gives it (``cluster.deploy.cpu_threads``), with its model at that count;
+  an instance that borrows idle cores is slowed down while their owner steps;
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -37,13 +39,14 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+from hydrad.cluster.deploy import cpu_threads
 from hydrad.cluster.relay import MigrationRelay
 from hydrad.cluster.router import Router
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
-    LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, idle_bound, latency_bound,
+    LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
 )
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.request import Request
@@ -93,9 +96,13 @@ class SimSetup:
     bandwidth: float = 3e9  # bytes per second of a pull's copy
     message_seconds: float = 0.0  # one message between the daemon and a worker
     step_overhead: float = 0.0  # seconds per step beyond the model's prediction
-    # CPU: cores the instances share and torch threads per instance; None: one device each.
+    # CPU: cores the instances share and each instance's share of torch threads; None: one
+    # device each. Instances that borrow idle cores run on more (``cluster.deploy.cpu_threads``).
     cores: int | None = None
     threads: int = 1
+    # Vision+language models measured at other thread counts than ``threads`` (``model``'s),
+    # by count; a borrower's model is interpolated from them (``latency_model.at_threads``).
+    thread_models: dict[int, LatencyModel] = field(default_factory=dict)
     # Whether the scheduler fills steps by the model ([scheduler] derive_budgets), or only
     # by the token and image caps.
     fill_by_model: bool = True
@@ -185,7 +192,7 @@ class SimResult:
 class SimInstance:
     """One instance as the router and the relay see it, stepping on the virtual clock."""
 
-    def __init__(self, sim: Simulation, instance_id: int, role: str):
+    def __init__(self, sim: Simulation, instance_id: int, role: str, threads: int):
         setup = sim.setup
         layout = setup.layouts[role]
         has_kv = "P" in role or "D" in role
@@ -197,7 +204,10 @@ class SimInstance:
         self.role = role
         self.alive = True
         self.accepting = True
-        self.model = role_model(setup.model, role)
+        self.threads = threads
+        model = setup.model if threads == setup.threads else at_threads({**setup.thread_models,
+                                                                         setup.threads: setup.model}, threads)
+        self.model = role_model(model, role)
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
         if setup.fill_by_model:
             # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
@@ -286,9 +296,9 @@ class SimInstance:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
             seconds = self.model.step_seconds(step_shape(out, self.scheduler))
-        seconds = seconds * sim.slowdown(seconds) + sim.setup.step_overhead
+        seconds = seconds * sim.slowdown(seconds, self.threads) + sim.setup.step_overhead
         self.running = True
-        sim.num_busy += 1
+        sim.busy_threads += self.threads
         self.busy += seconds
         self.num_steps += 1
         sim.at(now + seconds, _STEP_END, self, out)
@@ -313,7 +323,7 @@ class SimInstance:
 
     def end_step(self, out) -> None:
         sim, s = self.sim, self.scheduler
-        sim.num_busy -= 1
+        sim.busy_threads -= self.threads
         if out.encodes:
             s.update_after_encode(out)
         if out.chunks:
@@ -357,10 +367,12 @@ class Simulation:
                  slo_ttft: float, slo_tbt: float, stop_below: float | None = None):
         self.setup = setup
         self.now = 0.0
-        self.num_busy = 0
+        self.busy_threads = 0  # of the instances in a step
         self._events: list = []
         self._seq = 0
-        self.instances = [SimInstance(self, i, role) for i, role in enumerate(roles)]
+        threads = (cpu_threads(roles, setup.cores, share=setup.threads) if setup.cores is not None
+                   else [setup.threads] * len(roles))
+        self.instances = [SimInstance(self, i, role, n) for i, (role, n) in enumerate(zip(roles, threads))]
         self.router = Router(self.instances, setup.router_policy, seed=0)
         self.relay = MigrationRelay(self.router)
         self.requests = sorted(requests, key=lambda r: r.arrival)
@@ -388,14 +400,15 @@ class Simulation:
         """A message from the daemon to a worker."""
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
-    def slowdown(self, seconds: float) -> float:
-        """How much longer a step of ``seconds`` (alone) that starts now takes: CPU threads beyond
-        the cores share them. The busy threads are the other instances' in a step and, for the
-        share of the step it overlaps, the Request Processor's one."""
+    def slowdown(self, seconds: float, threads: int) -> float:
+        """How much longer a step of ``seconds`` (alone) on ``threads`` threads that starts now
+        takes: CPU threads beyond the cores share them. The busy threads are the other
+        instances' in a step and, for the share of the step it overlaps, the Request
+        Processor's one."""
         cores = self.setup.cores
         if cores is None:
             return 1.0
-        threads = (self.num_busy + 1) * self.setup.threads + self._processor_share(self.now, self.now + seconds)
+        threads = self.busy_threads + threads + self._processor_share(self.now, self.now + seconds)
         return max(1.0, threads / cores)
 
     def _processor_share(self, start: float, end: float) -> float:

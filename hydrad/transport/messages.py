@@ -78,9 +78,12 @@ class DetachPeer:
 @dataclass(frozen=True)
 class Reconfigure:
     """Take on the stages of ``role`` too (live redeploy, phase 1): build the model parts and
-    pools they need while serving the current stages; answered by ``Reconfigured``."""
+    pools they need while serving the current stages; answered by ``Reconfigured``.
+    ``num_threads``: the torch threads to run with from now on (a CPU instance's share of
+    the cores changes with the deployment, ``cluster.deploy.cpu_threads``)."""
 
     role: str
+    num_threads: int | None = None
 
 
 @dataclass(frozen=True)

@@ -130,3 +130,19 @@ def test_the_fork_server_preload_imports_what_an_engine_build_needs(tiny_llava_d
     # The checkpoint's own configuration modules (CLIP's, Llama's) and a few of hydrad's; without
     # the preload the build imports over a thousand.
     assert int(result.stdout.strip()) < 30
+
+
+def test_cpu_workers_that_share_the_cores_wait_passively(monkeypatch):
+    from hydrad.cluster.launch import share_cpu_cores
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    specs = plan_specs([("EP", "cpu"), ("D", "cpu")])
+    assert [s.num_threads for s in specs] == [2, 1]
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    share_cpu_cores(plan_specs([("EPD", "cpu")]))  # one worker: its threads may spin
+    assert "OMP_WAIT_POLICY" not in os.environ
+    share_cpu_cores(specs)
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice stays
+    share_cpu_cores(specs)
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"

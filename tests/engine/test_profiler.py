@@ -16,6 +16,7 @@ from hydrad.engine.latency_model import (
     VISION_TERMS,
     LatencyModel,
     StepShape,
+    at_threads,
     fit_least_squares,
     idle_bound,
     latency_bound,
@@ -280,3 +281,39 @@ def test_a_model_of_other_parts_or_another_checkpoint_is_never_taken(engine, cac
     finally:
         engine.role = "EPD"
         engine.scheduler.latency_model = held
+
+
+def test_a_model_at_other_thread_counts_follows_amdahls_law():
+    one = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.002, overlap=1.0)
+    four = LatencyModel(v_image=0.04, l_fixed=0.01, l_prefill=0.0005, overlap=0.9)
+    models = {1: one, 4: four}
+    assert at_threads(models, 1) == one and at_threads(models, 4) == four
+    # Each coefficient is a + b / threads through both: v_image = 0.02 + 0.08 / t,
+    # l_prefill = 0.002 / t, l_fixed = 0.01; the overlap is the nearer count's.
+    two = at_threads(models, 2)
+    assert (two.v_image, two.l_prefill, two.l_fixed, two.overlap) == pytest.approx((0.06, 0.001, 0.01, 1.0))
+    eight = at_threads(models, 8)
+    assert (eight.l_prefill, eight.overlap) == pytest.approx((0.00025, 0.9))
+    assert at_threads({1: one}, 2) == one
+
+
+def test_cpu_probes_run_one_at_a_time_and_a_waiter_takes_the_model_measured_meanwhile(engine, cache_dir,
+                                                                                       monkeypatch):
+    import dataclasses
+    import threading
+
+    from hydrad.engine import profiler
+
+    key = cache_key(engine)
+    path = profiler.cache_path(key)
+    monkeypatch.setattr(profiler, "_measure", lambda *a, **k: pytest.fail("measured a model cached meanwhile"))
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(model=fit_latency_model(engine, show_progress=False)))
+    with profiler._probing(engine.device):  # another worker's probes
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()
+        model = dataclasses.replace(TRUE, meta={"key": key})
+        profiler.store(path, model)
+    waiter.join(30)
+    assert result["model"] == model

@@ -91,8 +91,10 @@ def test_a_window_is_ranked_and_the_running_deployment_gets_its_goodput(tmp_path
 
 class FakeSupervisor:
     def __init__(self, roles, busy=None, fail=None):
-        self.clients = [SimpleNamespace(role=r, ready=SimpleNamespace(
-            latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048)) for r in roles]
+        self.clients = [SimpleNamespace(instance_id=i, role=r, ready=SimpleNamespace(
+            latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048))
+            for i, r in enumerate(roles)]
+        self.specs = [SimpleNamespace(num_threads=1) for _ in roles]
         self.busy = busy
         self.is_cpu = True
         self.fail = fail

@@ -150,6 +150,22 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
     assert r1.ttft == pytest.approx(0.22)
 
 
+def test_a_borrower_runs_on_its_model_at_its_threads_and_shares_the_lenders_core():
+    # Two cores: EP borrows D's core (two threads, cluster.deploy.cpu_threads), on a model
+    # whose prefill is twice as fast as the one-thread model's; D runs on one thread.
+    fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
+    setup = make_setup(cores=2, threads=1, bandwidth=1e15, thread_models={2: fast})
+    reqs = [SimRequest(0.0, 100, 2), SimRequest(0.061, 100, 1)]
+    r0, r1 = run(setup, ["EP", "D"], reqs).requests
+    # r0: prefill on EP alone, 10 + 50 ms; D's decode from 0.06 alone: 12 ms.
+    assert r0.ttft == pytest.approx(0.06) and r0.gaps == pytest.approx([0.012])
+    # r1 reaches EP at 0.061 while D steps: three threads on two cores, 1.5 x 60 ms.
+    assert r1.ttft == pytest.approx(0.09)
+    # On one-thread models (nothing measured at two threads) EP's prefill takes 110 ms alone.
+    (alone,) = run(make_setup(cores=2, threads=1), ["EP", "D"], [SimRequest(0.0, 100, 1)]).requests
+    assert alone.ttft == pytest.approx(0.11)
+
+
 def test_the_request_processor_takes_its_cpu_from_the_instances_steps():
     # One instance of two threads on two cores. r0 (ready at 10 ms) prefills 100 tokens, 110 ms
     # alone; the processor prepares r1 from 20 to 70 ms meanwhile, on one of the two cores: the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -15,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 import pytest
+
+from hydrad.cluster.deploy import cpu_threads
 
 from daemon_process import HYDRACTL, REPO, Daemon, blocks_held_once_freed, http
 from test_daemon_deployments import MAX_TOKENS, _requests
@@ -87,6 +90,9 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
             before = len(results)
             status = redeploy(daemon, spec)
             assert status["deployment"]["deploy"] == spec
+            # Each instance runs on its role's threads in the new deployment.
+            roles = [i["role"] for i in status["instances"]]
+            assert [i["threads"] for i in status["instances"]] == cpu_threads(roles, os.cpu_count())
             assert len(results) > before or spec == chain[0]  # requests went on meanwhile
         time.sleep(0.5)
         stop.set()
