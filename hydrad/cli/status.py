@@ -86,7 +86,10 @@ def render(status: dict):
         instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True)
     for i in status["instances"]:
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
-        device = f"{i['device']} ({i['threads']} threads)" if i.get("threads") else i["device"]
+        device = i["device"]
+        if i.get("threads"):
+            borrowed = f"+{i['borrowed_threads']}" if i.get("borrowed_threads") else ""
+            device += f" ({i['threads']}{borrowed} threads)"
         instances.add_row(str(i["id"]), device, i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
                           _pct(i["kv_usage"]), _pct(i["image_usage"]), _rate(i["tokens_per_second"]))
     budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}; {i['latency_model']}"

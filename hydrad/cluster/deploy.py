@@ -47,25 +47,6 @@ def format_deploy(roles: list[str]) -> str:
     return "+".join(f"{n}{role}" for role, n in counts.items())
 
 
-def cpu_threads(roles: list[str], cores: int, share: int | None = None) -> list[int]:
-    """Torch threads of each instance of ``roles`` when all run on the same ``cores`` CPU cores.
-
-    Each instance's share is ``cores // len(roles)`` (at least 1). A decode-only instance
-    keeps its share: its steps are short and memory-bound, and they set the TBT. Between
-    its steps its cores idle, so the instances that encode or prefill and do not decode
-    (E, P, EP; compute-bound) borrow them: the decode-only instances' shares are split
-    evenly among them, up to ``cores`` each. Every other instance keeps its share. While a
-    decode-only instance steps, its core is then shared (workers wait passively, see
-    ``cluster.launch``); an instance that decodes is never slowed by a borrower of its own.
-    ``share``: the share when not ``cores // len(roles)``.
-    """
-    share = share or max(1, cores // max(1, len(roles)))
-    borrowers = [i for i, role in enumerate(roles) if "D" not in role]
-    lent = share * sum(1 for role in roles if role == "D")
-    extra = lent // len(borrowers) if borrowers else 0
-    return [min(max(cores, share), share + extra) if i in borrowers else share for i in range(len(roles))]
-
-
 def _normalize_role(role: str, spec: str) -> str:
     bad = set(role) - set(STAGES)
     if bad:

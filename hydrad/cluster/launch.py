@@ -18,6 +18,7 @@ background thread: ``Launched.started`` is set once the process exists.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -27,8 +28,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from hydrad.cluster.deploy import cpu_threads
 from hydrad.config import EngineConfig
+from hydrad.engine.cores import CoreBoard, CpuThreads, cpu_threads
 from hydrad.errors import HydradError
 
 logger = logging.getLogger("hydrad.supervisor")
@@ -39,7 +40,7 @@ class InstanceSpec:
     instance_id: int
     role: str
     device: str
-    num_threads: int
+    threads: CpuThreads = CpuThreads(1)  # torch threads on a CPU (``engine.cores``)
 
 
 @dataclass(frozen=True)
@@ -50,23 +51,41 @@ class Launched:
     conn: Connection
     # Set once ``process.start()`` returned (or failed: the pipe then reads EOF at once).
     started: threading.Event = field(default_factory=threading.Event)
+    # Where the deployment's CPU workers say whether they have work (``engine.cores``).
+    board: CoreBoard | None = None
 
 
 def plan_specs(instances: list[tuple[str, str]]) -> list[InstanceSpec]:
     """Number the (role, device) pairs and split the CPU cores among CPU workers
-    (``cluster.deploy.cpu_threads``)."""
+    (``engine.cores.cpu_threads``)."""
+    return [InstanceSpec(i, role, device, threads)
+            for i, ((role, device), threads) in enumerate(zip(instances, plan_threads(instances)))]
+
+
+def plan_threads(instances: list[tuple[str, str]]) -> list[CpuThreads]:
+    """Each instance's threads (``CpuThreads(1)`` off a CPU), lenders named by instance id."""
     cpu = [i for i, (_, device) in enumerate(instances) if device == "cpu"]
-    threads = dict(zip(cpu, cpu_threads([instances[i][0] for i in cpu], os.cpu_count() or 1)))
-    return [InstanceSpec(i, role, device, threads.get(i, 1)) for i, (role, device) in enumerate(instances)]
+    threads = {i: dataclasses.replace(t, lenders=tuple(cpu[j] for j in t.lenders))
+               for i, t in zip(cpu, cpu_threads([instances[i][0] for i in cpu], os.cpu_count() or 1))}
+    return [threads.get(i, CpuThreads(1)) for i in range(len(instances))]
 
 
 def share_cpu_cores(specs: list[InstanceSpec]) -> None:
-    """Before the first worker starts: when several CPU workers share the cores, their OpenMP
-    threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE``) instead of spinning on cores another
-    worker could use (instances borrow idle cores, ``cluster.deploy.cpu_threads``). Workers
-    fork from a server that reads the environment once; an operator's own setting stays."""
+    """Before the first worker starts: when several CPU workers share the cores, an idle
+    OpenMP thread spins for a short while only (``GOMP_SPINCOUNT``, ``KMP_BLOCKTIME``) and
+    then sleeps, so it does not hold a core that another worker (or the borrower of a lent
+    core, ``engine.cores``) needs. Not passive waiting: waking sleeping threads at every
+    parallel region makes a decode step 1.5-2x as slow. Workers fork from a server that
+    reads the environment once; an operator's own setting stays."""
     if sum(1 for spec in specs if spec.device == "cpu") > 1:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+        os.environ.setdefault("KMP_BLOCKTIME", "1")
+
+
+def new_board(specs: list[InstanceSpec]) -> CoreBoard | None:
+    """The board through which the CPU workers of ``specs`` lend cores (``engine.cores``), when
+    several share them (a redeploy may make one a lender later)."""
+    return CoreBoard.new() if sum(1 for spec in specs if spec.device == "cpu") > 1 else None
 
 
 def migrates(specs: list[InstanceSpec]) -> bool:
@@ -85,31 +104,35 @@ def _context():
     return ctx
 
 
-def launch_worker(config: EngineConfig, spec: InstanceSpec, peer_ids: tuple[int, ...]) -> Launched:
+def launch_worker(config: EngineConfig, spec: InstanceSpec, peer_ids: tuple[int, ...],
+                  board: CoreBoard | None = None) -> Launched:
     """Start the worker of ``spec`` on a background thread (``Launched.started``);
-    ``peer_ids`` are the instances it exports its pools to."""
-    return _launch([(config, spec, peer_ids)])[0]
+    ``peer_ids`` are the instances it exports its pools to; ``board``: the deployment's
+    (``engine.cores``), when its CPU workers share the cores."""
+    return _launch([(config, spec, peer_ids)], board)[0]
 
 
 def launch_all(config: EngineConfig, specs: list[InstanceSpec]) -> dict[int, Launched]:
     """Start every instance's worker, by instance id."""
     share_cpu_cores(specs)
     shared = migrates(specs)
-    launched = _launch([(config, spec, peer_ids(spec, specs) if shared else ()) for spec in specs])
+    board = new_board(specs)
+    launched = _launch([(config, spec, peer_ids(spec, specs) if shared else ()) for spec in specs], board)
     return {spec.instance_id: item for spec, item in zip(specs, launched)}
 
 
-def _launch(workers: list[tuple[EngineConfig, InstanceSpec, tuple[int, ...]]]) -> list[Launched]:
+def _launch(workers: list[tuple[EngineConfig, InstanceSpec, tuple[int, ...]]], board: CoreBoard | None) -> list[Launched]:
     ctx = _context()
     items, children = [], []
     for config, spec, peers in workers:
         parent, child = ctx.Pipe()
         process = ctx.Process(
             target=_worker_entry,
-            args=(spec.instance_id, spec.role, spec.device, config, child, spec.num_threads, peers),
+            args=(spec.instance_id, spec.role, spec.device, config, child, spec.threads, peers,
+                  board.flags if board is not None else None),
             name=f"hydrad-worker-{spec.instance_id}",
         )
-        items.append(Launched(process, parent))
+        items.append(Launched(process, parent, board=board))
         children.append(child)
 
     def start() -> None:

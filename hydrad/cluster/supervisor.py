@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import signal
 import time
 from collections import deque
@@ -32,8 +31,9 @@ from typing import Callable
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from hydrad.cluster.deploy import cpu_threads
-from hydrad.cluster.launch import InstanceSpec, Launched, launch_worker, migrates, peer_ids, share_cpu_cores
+from hydrad.cluster.launch import (
+    InstanceSpec, Launched, launch_worker, migrates, new_board, peer_ids, plan_threads, share_cpu_cores,
+)
 from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
@@ -114,6 +114,8 @@ class Supervisor:
         # Pools are shared between instances only when requests migrate between them.
         self.migrates = migrates(specs)
         self._launched = launched if launched is not None else {}
+        # Where the CPU workers say whether they have work, to lend their cores (``engine.cores``).
+        self.board = next((item.board for item in self._launched.values()), None) or new_board(self.specs)
         self._processes: dict[int, BaseProcess] = {}  # by instance id
         self._stopping = False
         self._restart_times: dict[int, deque[float]] = {}
@@ -177,7 +179,7 @@ class Supervisor:
         launched = self._launched.pop(spec.instance_id, None)
         if launched is None:
             share_cpu_cores(self.specs)
-            launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else ())
+            launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else (), self.board)
         if not launched.started.is_set():
             await asyncio.get_running_loop().run_in_executor(None, launched.started.wait)
         process, parent = launched.process, launched.conn
@@ -275,7 +277,8 @@ class Supervisor:
                     client.role = change.union
                     client.ready = dataclasses.replace(client.ready, latency_model=answer.latency_model,
                                                        latency_bound=answer.latency_bound,
-                                                       geometry=answer.geometry or client.ready.geometry)
+                                                       geometry=answer.geometry or client.ready.geometry,
+                                                       borrow_model=answer.borrow_model)
                     say(f"#{change.instance_id} serves {change.union} ({answer.seconds:.1f} s)")
             self.migrates = True
             say("sharing cache pools")
@@ -305,24 +308,24 @@ class Supervisor:
         return deployment
 
     async def _share_cores(self, say: Callable[[str], None]) -> None:
-        """Give each CPU instance the torch threads of its role in the new deployment
-        (``cluster.deploy.cpu_threads``), with the latency model it has at that count."""
-        cpu = [spec for spec in self.specs if spec.device == "cpu"]
-        threads = cpu_threads([self.clients[spec.instance_id].role for spec in cpu], os.cpu_count() or 1)
-        changed = [(spec, n) for spec, n in zip(cpu, threads) if n != spec.num_threads]
+        """Give each CPU instance the threads of its role in the new deployment (its share,
+        and what it borrows from whom: ``engine.cores``), with its latency models at them."""
+        plan = plan_threads([(client.role, spec.device) for client, spec in zip(self.clients, self.specs)])
+        changed = [(spec, threads) for spec, threads in zip(self.specs, plan)
+                   if spec.device == "cpu" and threads != spec.threads]
         if not changed:
             return
-        say("threads: " + ", ".join(f"#{spec.instance_id} {spec.num_threads} -> {n}" for spec, n in changed))
+        say("threads: " + ", ".join(f"#{spec.instance_id} {spec.threads} -> {threads}" for spec, threads in changed))
         answers = await asyncio.gather(*(self.clients[spec.instance_id].reconfigure(
-            self.clients[spec.instance_id].role, self.start_timeout, num_threads=n) for spec, n in changed))
-        for (spec, n), answer in zip(changed, answers):
-            if answer.error:  # it keeps its threads and model: slower or faster, still serving
-                logger.warning("instance %d keeps %d thread(s): %s", spec.instance_id, spec.num_threads, answer.error)
+            self.clients[spec.instance_id].role, self.start_timeout, threads=threads) for spec, threads in changed))
+        for (spec, threads), answer in zip(changed, answers):
+            if answer.error:  # it keeps its threads and models: slower or faster, still serving
+                logger.warning("instance %d keeps its threads (%s): %s", spec.instance_id, spec.threads, answer.error)
                 continue
             client = self.clients[spec.instance_id]
-            self.specs[spec.instance_id] = dataclasses.replace(spec, num_threads=n)
+            self.specs[spec.instance_id] = dataclasses.replace(spec, threads=threads)
             client.ready = dataclasses.replace(client.ready, latency_model=answer.latency_model,
-                                               latency_bound=answer.latency_bound)
+                                               latency_bound=answer.latency_bound, borrow_model=answer.borrow_model)
 
     async def _undo_expand(self, expanded: list) -> None:
         """Give back the stages the instances that did expand had just taken on."""

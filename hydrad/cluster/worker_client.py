@@ -22,6 +22,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Callable
 
+from hydrad.engine.cores import CpuThreads
 from hydrad.engine.inputs import EngineRequest, EngineStats
 from hydrad.errors import RequestError
 from hydrad.cluster.requests import RequestSink, RequestTable
@@ -163,11 +164,11 @@ class WorkerClient:
         finally:
             self._pool_waiters.pop(peer_id, None)
 
-    async def reconfigure(self, role: str, timeout: float, num_threads: int | None = None) -> Reconfigured:
-        """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``); ``num_threads``:
-        run with that many torch threads from now on."""
+    async def reconfigure(self, role: str, timeout: float, threads: CpuThreads | None = None) -> Reconfigured:
+        """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``); ``threads``: run on
+        these from now on (``engine.cores``)."""
         self._reconfigured = self._loop.create_future()
-        self._send(Reconfigure(role, num_threads))
+        self._send(Reconfigure(role, threads))
         return await asyncio.wait_for(self._reconfigured, timeout)
 
     async def retire(self, stages: str, timeout: float) -> Retired:

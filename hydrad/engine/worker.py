@@ -19,6 +19,7 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from hydrad.config import EngineConfig
+from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
 from hydrad.transport.messages import (
@@ -73,10 +74,13 @@ def worker_main(
     device: str,
     config: EngineConfig,
     conn: Connection,
-    num_threads: int,
+    threads: CpuThreads,
     peer_ids: tuple[int, ...] = (),
+    board_flags=None,
 ) -> None:
-    """Process entry point (spawned by the daemon's supervisor)."""
+    """Process entry point (started by the daemon's supervisor). ``threads``: its torch
+    threads on a CPU; ``board_flags``: the memory of the deployment's ``CoreBoard``, when
+    its CPU workers share the cores."""
     # Ctrl-C reaches the whole process group; the daemon decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -87,17 +91,13 @@ def worker_main(
     try:
         import torch
 
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(threads.own)
         from hydrad.engine.core import EngineCore
 
         engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=bool(peer_ids))
-        model = bound = None
-        if config.scheduler.derive_budgets:
-            from hydrad.engine.latency_model import latency_bound
-            from hydrad.engine.profiler import fit_latency_model
-
-            model, bound = fit_latency_model(engine), latency_bound(config.slo, engine.role)
-            engine.set_latency_model(model, bound)
+        board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
+        step_threads = StepThreads(engine, CoreLending(board, instance_id, threads))
+        model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False)
         pools = export_pools(engine.pools(), peer_ids) if peer_ids else {}
         from hydrad.engine.profiler import measure_bandwidth
 
@@ -109,9 +109,9 @@ def worker_main(
         conn.close()
         sys.exit(1)
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
-                          engine.geometry(), bandwidth, pools))
+                          engine.geometry(), bandwidth, pools, borrow_model))
     try:
-        run_worker(engine, conn)
+        run_worker(engine, conn, step_threads)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("daemon went away; exiting")
     except Exception as e:
@@ -122,45 +122,93 @@ def worker_main(
             pass
         sys.exit(1)
     finally:
+        step_threads.lending.publish(False)
         engine.shutdown()
         conn.close()
 
 
-def _reconfigure(engine, role: str, num_threads: int | None = None) -> Reconfigured:
-    """Expand the instance to ``role`` (on ``num_threads`` torch threads from now on, when
-    given) and give it the latency model and bound of its new role."""
-    import torch
+class StepThreads:
+    """The torch threads each step of a worker runs on, and the latency model measured at
+    that count. On a CPU: its own share of the cores, or more while the instances it
+    borrows from are idle (``engine.cores``); it publishes whether it has work itself, for
+    the instances that borrow from it (``run_worker``)."""
 
+    def __init__(self, engine, lending: CoreLending):
+        self.engine = engine
+        self.lending = lending
+        self.models: dict = {}  # threads -> LatencyModel
+        self.bound: float | None = None
+        self.current = lending.threads.own
+
+    def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True):
+        """Measure (or load) the latency models of ``role`` at every count it steps on (from
+        now on on ``threads``, when given), and fill steps by them. Returns the model at its
+        own share, the bound, and the model while borrowing (None: it never borrows). On an
+        error nothing changed."""
+        threads = self.lending.usable(threads or self.lending.threads)
+        own, most = threads.own, threads.most
+        models, bound = {}, None
+        try:
+            if self.engine.config.scheduler.derive_budgets:
+                from hydrad.engine.latency_model import latency_bound
+                from hydrad.engine.profiler import fit_latency_model
+
+                # Its share first: an instance that lends may derive its model from this one,
+                # and the daemon's own start (imports, the processor) is over before the probes
+                # that take every core.
+                for n in sorted({own, most}):
+                    self._set_torch_threads(n)
+                    models[n] = fit_latency_model(self.engine, allow_busy=allow_busy)
+                bound = latency_bound(self.engine.config.slo, role)
+        finally:
+            self._set_torch_threads(self.current)
+        self.lending.set(threads)
+        self.models, self.bound = models, bound
+        self._use(own, force=True)
+        return models.get(own), bound, models.get(most) if most != own else None
+
+    def set_bound(self, bound: float | None) -> None:
+        self.bound = bound
+        self.engine.set_latency_model(self.models.get(self.current, self.engine.scheduler.latency_model), bound)
+
+    def before_step(self) -> None:
+        """A borrower takes the threads it may use now."""
+        if self.lending.threads.borrow:
+            self._use(self.lending.threads_now())
+
+    def _use(self, n: int, force: bool = False) -> None:
+        if n == self.current and not force:
+            return
+        self._set_torch_threads(n)
+        self.current = n
+        if n in self.models:
+            self.engine.set_latency_model(self.models[n], self.bound)
+
+    def _set_torch_threads(self, n: int) -> None:
+        if self.engine.device.type == "cpu":
+            import torch
+
+            torch.set_num_threads(n)
+
+
+def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThreads | None) -> Reconfigured:
+    """Expand the instance to ``role`` (on ``threads`` from now on, when given) and give it
+    the latency models and bound of its new role."""
     start = time.monotonic()
-    threads_before = torch.get_num_threads()
     try:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         new_role = engine.expand(role)
-        model, bound = _latency(engine, new_role)
+        model, bound, borrow_model = step_threads.fit(new_role, threads)
     except Exception as e:  # the daemon reports it and keeps the deployment as it was
-        torch.set_num_threads(threads_before)
         logger.exception("taking on role %s failed", role)
         return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=f"{type(e).__name__}: {e}")
     return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound,
-                        geometry=engine.geometry())
+                        geometry=engine.geometry(), borrow_model=borrow_model)
 
 
-def _latency(engine, role: str):
-    """The latency model (cached, or measured between steps) and bound for ``role``."""
-    config = engine.config
-    if not config.scheduler.derive_budgets:
-        return None, None
-    from hydrad.engine.latency_model import latency_bound
-    from hydrad.engine.profiler import fit_latency_model
-
-    model, bound = fit_latency_model(engine, allow_busy=True), latency_bound(config.slo, role)
-    engine.set_latency_model(model, bound)
-    return model, bound
-
-
-def run_worker(engine: Engine, conn: Connection) -> None:
+def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | None = None) -> None:
     """Serve messages and step the engine until ``Shutdown`` has been honoured."""
+    if step_threads is None:
+        step_threads = StepThreads(engine, CoreLending(None, 0, CpuThreads(1)))
     live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
     draining = False
     retiring_since: float | None = None  # a Retire is under way
@@ -172,12 +220,13 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 from hydrad.engine.latency_model import latency_bound
 
                 bound = latency_bound(engine.config.slo, role)
-                engine.set_latency_model(engine.scheduler.latency_model, bound)
+                step_threads.set_bound(bound)
             conn.send(Retired(engine.instance_id, role, time.monotonic() - retiring_since, bound))
             retiring_since = None
         if draining and not engine.has_unfinished_requests():
             return
         busy = engine.has_work()
+        step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
         # Block for messages only when there is nothing to step.
         timeout = 0 if busy else None
         while conn.poll(timeout):
@@ -212,7 +261,7 @@ def run_worker(engine: Engine, conn: Connection) -> None:
             elif isinstance(msg, DetachPeer):
                 engine.detach_peer(msg.peer_id)
             elif isinstance(msg, Reconfigure):
-                conn.send(_reconfigure(engine, msg.role, msg.num_threads))
+                conn.send(_reconfigure(engine, step_threads, msg.role, msg.threads))
             elif isinstance(msg, Retire):
                 engine.retire(msg.stages)
                 retiring_since = time.monotonic()
@@ -226,6 +275,8 @@ def run_worker(engine: Engine, conn: Connection) -> None:
                 draining = True
             else:
                 raise TypeError(f"unexpected message {type(msg).__name__}")
+        if busy:
+            step_threads.before_step()
         output = engine.step() if busy else EngineOutput()
         offers, pulled = engine.take_offers(), engine.take_pulled()
         if output or output.timing is not None or offers or pulled:

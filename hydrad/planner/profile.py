@@ -4,7 +4,7 @@ The simulator needs, for the deployments of N devices:
 
 * the latency model of an instance as a worker of such a deployment runs it: on CPU a
   worker gets ``cores // N`` torch threads, its share, or up to all cores when it
-  borrows idle ones (``cluster.deploy.cpu_threads``), so the model is fitted
+  borrows idle ones (``engine.cores``), so the model is fitted
   (``engine.profiler.fit_latency_model``, which loads the daemon's disk cache when it
   has the file) on a vision+language instance in this process with the share and
   again with all cores (other counts are interpolated, ``latency_model.at_threads``);
@@ -122,7 +122,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
         thread_models = {}
         cores = os.cpu_count() or 1
         if devices.is_cpu and cores > devices.threads:
-            # Instances that borrow idle cores run on up to all of them (cluster.deploy.cpu_threads).
+            # Instances that borrow idle cores run on up to all of them while their lenders idle (engine.cores).
             torch.set_num_threads(cores)
             thread_models[cores] = fit_latency_model(engine, show_progress=show_progress)
             torch.set_num_threads(devices.threads)

@@ -9,15 +9,11 @@ numbers and kept for ``/admin/status`` (``hydractl status``).
 
 Nothing is measured for it: the simulator's machine (``SimSetup``) is built from what
 the workers reported when they became ready (or changed roles): their latency models,
-block geometry and copy bandwidth (``live_setup``). Each CPU worker runs with the
-threads its role gets in the running deployment (its share of the cores, or more when
-it borrows idle ones, ``cluster.deploy.cpu_threads``), so their models are measured at
-those counts: the model at the share comes from the instances on the share, the others
-by count. A role's latency model holds only the parts the role runs, so the vision
-terms come from an instance that encodes and the language terms from one that prefills
-or decodes; a part no instance on the share runs (the vision part, when only a borrower
-encodes) is taken from another count, an approximation until a deployment runs it on
-the share.
+block geometry and copy bandwidth (``live_setup``). Each CPU worker runs on its share
+of the cores, and its model is measured there; a worker that borrows idle cores
+(``engine.cores``) also reports its model at the count it borrows up to. A role's
+latency model holds only the parts the role runs, so the vision terms come from an
+instance that encodes and the language terms from one that prefills or decodes.
 
 The search runs in a child process at a lower CPU priority (``nice``), so that it
 neither holds the daemon's event loop nor takes the cores from the workers first; it
@@ -60,7 +56,9 @@ class InstanceFacts:
     geometry: object | None  # hydrad.engine.core.PoolGeometry
     copy_bandwidth: float | None
     max_model_len: int
-    threads: int = 1  # torch threads it runs on (CPU)
+    # A CPU instance that borrows idle cores: its model on ``borrow_threads`` threads.
+    borrow_model: LatencyModel | None = None
+    borrow_threads: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,18 +142,18 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
     extra = {"bandwidth": min(bandwidths)} if bandwidths else {}
     n = len(instances)
     share = max(1, (cores or 1) // n) if is_cpu else 1
-    # The model at the share from the instances that run on it (a part none of them runs
-    # comes from another count's instance), and the model at each other count whose
-    # instances fitted both parts (a count missing one is interpolated in the simulator).
-    at_share = sorted(instances, key=lambda f: f.threads != share)
+    # Each model reported at a borrowed count whose instances fitted both parts (a count
+    # missing one is taken from the share's model in the simulator).
     thread_models = {}
-    for threads in {f.threads for f in instances} - {share} if is_cpu else ():
+    for threads in {f.borrow_threads for f in instances if f.borrow_model is not None}:
+        borrowed = [dataclasses.replace(f, latency_model=f.borrow_model) for f in instances
+                    if f.borrow_model is not None and f.borrow_threads == threads]
         try:
-            thread_models[threads] = combine_models([f for f in instances if f.threads == threads])
+            thread_models[threads] = combine_models(borrowed)
         except ValueError:
             pass
     return SimSetup(
-        model=combine_models(at_share), thread_models=thread_models,
+        model=combine_models(instances), thread_models=thread_models,
         layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
         kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
         kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
@@ -280,7 +278,7 @@ class Replanner:
         window = f"the last {self.config.window:g} s"
         facts = [InstanceFacts(c.role, c.ready.latency_model, getattr(c.ready, "geometry", None),
                                getattr(c.ready, "copy_bandwidth", None), c.ready.max_model_len,
-                               supervisor.specs[c.instance_id].num_threads)
+                               getattr(c.ready, "borrow_model", None), supervisor.specs[c.instance_id].threads.most)
                  for c in supervisor.clients]
         slo = self.engine_config.slo
         try:

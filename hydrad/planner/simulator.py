@@ -10,8 +10,9 @@ enter through the cluster's real ``Router`` and move between instances through t
   per-step overhead), slowed down when more CPU threads are busy than there are cores
   (the workers' torch threads, and the daemon's Request Processor while it prepares a
   request: it runs on the same cores). Each CPU instance runs on the threads the live
-  deployment gives it (``cluster.deploy.cpu_threads``), with its model at that count;
-  an instance that borrows idle cores is slowed down while their owner steps;
+  deployment gives it, with its model at that count: its share, and an instance that
+  borrows idle cores more while the instances it borrows from have no work
+  (``engine.cores``);
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -39,11 +40,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from hydrad.cluster.deploy import cpu_threads
 from hydrad.cluster.relay import MigrationRelay
 from hydrad.cluster.router import Router
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.block_manager import BlockManager
+from hydrad.engine.cores import CpuThreads, cpu_threads
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
     LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
@@ -97,7 +98,7 @@ class SimSetup:
     message_seconds: float = 0.0  # one message between the daemon and a worker
     step_overhead: float = 0.0  # seconds per step beyond the model's prediction
     # CPU: cores the instances share and each instance's share of torch threads; None: one
-    # device each. Instances that borrow idle cores run on more (``cluster.deploy.cpu_threads``).
+    # device each. Instances that borrow idle cores run on more (``engine.cores``).
     cores: int | None = None
     threads: int = 1
     # Vision+language models measured at other thread counts than ``threads`` (``model``'s),
@@ -192,7 +193,7 @@ class SimResult:
 class SimInstance:
     """One instance as the router and the relay see it, stepping on the virtual clock."""
 
-    def __init__(self, sim: Simulation, instance_id: int, role: str, threads: int):
+    def __init__(self, sim: Simulation, instance_id: int, role: str, threads: CpuThreads):
         setup = sim.setup
         layout = setup.layouts[role]
         has_kv = "P" in role or "D" in role
@@ -205,14 +206,13 @@ class SimInstance:
         self.alive = True
         self.accepting = True
         self.threads = threads
-        model = setup.model if threads == setup.threads else at_threads({**setup.thread_models,
-                                                                         setup.threads: setup.model}, threads)
-        self.model = role_model(model, role)
+        models = {setup.threads: setup.model, **setup.thread_models}
+        # By thread count: its share and, when it borrows, the count it borrows up to.
+        self.models = {n: role_model(at_threads(models, n), role) for n in {threads.own, threads.most}}
+        self.step_threads = threads.own  # of the step under way, or the last one
+        self.model = self.models[threads.own]
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
-        if setup.fill_by_model:
-            # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
-            self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, role),
-                                             idle_bound=idle_bound(setup.slo))
+        self._use(threads.own)
         self.running = False  # in a step (or waiting on a copy)
         self.stalled = False
         self.inbox: list[tuple[int, object]] = []  # messages that arrived during a step
@@ -221,6 +221,20 @@ class SimInstance:
         self.pulled: list[Pulled] = []
         self.busy = 0.0
         self.num_steps = 0
+
+    def _use(self, threads: int) -> None:
+        """Step on ``threads`` threads, with the model at that count (the worker's ``StepThreads``)."""
+        self.step_threads, self.model = threads, self.models[threads]
+        if self.sim.setup.fill_by_model:
+            # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
+            setup = self.sim.setup
+            self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, self.role),
+                                             idle_bound=idle_bound(setup.slo))
+
+    @property
+    def has_work(self) -> bool:
+        """What the worker publishes for the instances that borrow its cores."""
+        return self.running or (not self.stalled and self.scheduler.has_work())
 
     # -- the relay's and the router's Instance interface --------------------------------------
     @property
@@ -278,6 +292,9 @@ class SimInstance:
         if not self.copies and (self.stalled or not s.has_work()):
             self._report()
             return
+        t = self.threads
+        if t.borrow and (n := t.own if any(sim.instances[i].has_work for i in t.lenders) else t.most) != self.step_threads:
+            self._use(n)
         out = s.schedule()
         for pull in out.pulls:
             start = max(now, self.copier_free)
@@ -296,9 +313,9 @@ class SimInstance:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
             seconds = self.model.step_seconds(step_shape(out, self.scheduler))
-        seconds = seconds * sim.slowdown(seconds, self.threads) + sim.setup.step_overhead
+        seconds = seconds * sim.slowdown(seconds, self.step_threads) + sim.setup.step_overhead
         self.running = True
-        sim.busy_threads += self.threads
+        sim.busy_threads += self.step_threads
         self.busy += seconds
         self.num_steps += 1
         sim.at(now + seconds, _STEP_END, self, out)
@@ -323,7 +340,7 @@ class SimInstance:
 
     def end_step(self, out) -> None:
         sim, s = self.sim, self.scheduler
-        sim.busy_threads -= self.threads
+        sim.busy_threads -= self.step_threads
         if out.encodes:
             s.update_after_encode(out)
         if out.chunks:
@@ -371,7 +388,7 @@ class Simulation:
         self._events: list = []
         self._seq = 0
         threads = (cpu_threads(roles, setup.cores, share=setup.threads) if setup.cores is not None
-                   else [setup.threads] * len(roles))
+                   else [CpuThreads(setup.threads)] * len(roles))
         self.instances = [SimInstance(self, i, role, n) for i, (role, n) in enumerate(zip(roles, threads))]
         self.router = Router(self.instances, setup.router_policy, seed=0)
         self.relay = MigrationRelay(self.router)

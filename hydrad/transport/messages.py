@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hydrad.engine.cores import CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats
 from hydrad.engine.migration import MigrationOffer, Pulled
 
@@ -79,11 +80,11 @@ class DetachPeer:
 class Reconfigure:
     """Take on the stages of ``role`` too (live redeploy, phase 1): build the model parts and
     pools they need while serving the current stages; answered by ``Reconfigured``.
-    ``num_threads``: the torch threads to run with from now on (a CPU instance's share of
-    the cores changes with the deployment, ``cluster.deploy.cpu_threads``)."""
+    ``threads``: a CPU instance's torch threads from now on (``engine.cores.CpuThreads``:
+    its share of the cores and what it borrows change with the deployment)."""
 
     role: str
-    num_threads: int | None = None
+    threads: CpuThreads | None = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,9 @@ class WorkerReady:
     # This instance's pools pickled once per peer (peer instance id -> bytes), when the
     # deployment migrates requests between instances.
     pools: dict[int, bytes] = field(default_factory=dict)
+    # The latency model while it runs on borrowed cores too (``engine.cores``); None when
+    # it never borrows.
+    borrow_model: object | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,7 @@ class Reconfigured:
     latency_bound: float | None = None
     error: str | None = None
     geometry: object | None = None
+    borrow_model: object | None = None  # as WorkerReady's
 
 
 @dataclass(frozen=True)

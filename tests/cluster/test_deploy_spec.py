@@ -1,7 +1,7 @@
 import pytest
 
 from hydrad.errors import ConfigError
-from hydrad.cluster.deploy import cpu_threads, parse_deploy, parse_devices, plan_instances
+from hydrad.cluster.deploy import parse_deploy, parse_devices, plan_instances
 
 
 @pytest.mark.parametrize("spec, roles", [
@@ -63,22 +63,3 @@ def test_plan_instances_pairs_roles_and_devices():
     assert plan_instances("auto", "cuda:0,1", 2) == [("EPD", "cuda:0"), ("EPD", "cuda:1")]
     with pytest.raises(ConfigError, match="has 1 instance.*gives 2.*--deploy 2EPD"):
         plan_instances("1EPD", "cpu:2", 0)
-
-
-@pytest.mark.parametrize("roles, cores, threads", [
-    (["EPD"], 2, [2]),
-    (["EPD", "EPD"], 2, [1, 1]),
-    # The decode-only instance's core idles between its steps: the EP instance borrows it.
-    (["EP", "D"], 2, [2, 1]),
-    # Instances that decode keep their share, lenders or not.
-    (["E", "PD"], 2, [1, 1]),
-    (["EPD", "D"], 2, [1, 1]),
-    # Two borrowers split the two decode-only instances' cores.
-    (["E", "P", "D", "D"], 4, [2, 2, 1, 1]),
-    (["EP", "D", "D", "D"], 8, [8, 2, 2, 2]),
-    # An uneven split rounds down; no instance gets more than the cores.
-    (["E", "P", "D"], 3, [1, 1, 1]),
-    (["EP", "D"], 1, [1, 1]),
-])
-def test_cpu_threads_lend_the_decode_only_instances_cores(roles, cores, threads):
-    assert cpu_threads(roles, cores) == threads

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 
 from hydrad.cluster.launch import check_listen, launch_all, plan_specs, stop_unadopted
+from hydrad.engine.cores import CpuThreads
 from hydrad.cluster.supervisor import Supervisor
 from hydrad.config_file import load_config
 from hydrad.errors import HydradError
@@ -132,17 +133,22 @@ def test_the_fork_server_preload_imports_what_an_engine_build_needs(tiny_llava_d
     assert int(result.stdout.strip()) < 30
 
 
-def test_cpu_workers_that_share_the_cores_wait_passively(monkeypatch):
+def test_cpu_workers_that_share_the_cores_spin_briefly(monkeypatch):
     from hydrad.cluster.launch import share_cpu_cores
 
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     specs = plan_specs([("EP", "cpu"), ("D", "cpu")])
-    assert [s.num_threads for s in specs] == [2, 1]
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    share_cpu_cores(plan_specs([("EPD", "cpu")]))  # one worker: its threads may spin
-    assert "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    share_cpu_cores(plan_specs([("EPD", "cpu")]))  # one worker: OpenMP's defaults
+    assert "GOMP_SPINCOUNT" not in os.environ
     share_cpu_cores(specs)
-    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the operator's choice stays
+    assert os.environ["GOMP_SPINCOUNT"] == "30000"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # the operator's choice stays
     share_cpu_cores(specs)
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["GOMP_SPINCOUNT"] == "1000"
+
+
+def test_plan_specs_names_the_lenders_by_instance_id(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    specs = plan_specs([("D", "cpu"), ("EPD", "cuda:0"), ("EP", "cpu"), ("D", "cpu")])
+    assert [s.threads for s in specs] == [CpuThreads(1), CpuThreads(1), CpuThreads(1, 2, (0, 3)), CpuThreads(1)]

@@ -4,6 +4,7 @@ trace window, and the decisions (taken or not) with their numbers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +16,7 @@ import pytest
 from hydrad.cluster.supervisor import RedeployError
 from hydrad.config_file import load_config
 from hydrad.engine.core import PoolGeometry
+from hydrad.engine.cores import CpuThreads
 from hydrad.engine.latency_model import LatencyModel
 from hydrad.errors import ConfigError
 from hydrad.planner.replan import InstanceFacts, Ranking, Replanner, combine_models, live_setup, rank_window
@@ -58,6 +60,19 @@ def test_the_machine_comes_from_the_workers_reports():
     assert setup.layouts["D"].num_kv_blocks > setup.layouts["PD"].num_kv_blocks
 
 
+def test_a_borrowers_model_on_borrowed_cores_is_the_simulators_model_at_that_count():
+    config = load_config(None).engine
+    fast = dataclasses.replace(BOTH, l_prefill=BOTH.l_prefill / 2)
+    ep = InstanceFacts("EP", BOTH, GEOMETRY, None, 2048, borrow_model=fast, borrow_threads=2)
+    setup = live_setup(config, [ep, facts("D", LANGUAGE)], is_cpu=True, cores=2, router_policy="round-robin")
+    assert setup.threads == 1 and list(setup.thread_models) == [2]
+    assert setup.thread_models[2].l_prefill == fast.l_prefill and setup.model.l_prefill == BOTH.l_prefill
+    # A borrower that fitted one part only: no model at its count (the simulator takes the share's).
+    e = InstanceFacts("E", VISION, GEOMETRY, None, 2048, borrow_model=VISION, borrow_threads=2)
+    assert live_setup(config, [e, facts("PD", LANGUAGE)], is_cpu=True, cores=2,
+                      router_policy="round-robin").thread_models == {}
+
+
 def write_trace(directory, start, n, rate, seed=0):
     rng = random.Random(seed)
     writer = TraceWriter(directory, max_bytes=1 << 20, max_files=2, model="m", deploy="2EPD", template_tokens=10)
@@ -94,7 +109,7 @@ class FakeSupervisor:
         self.clients = [SimpleNamespace(instance_id=i, role=r, ready=SimpleNamespace(
             latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048))
             for i, r in enumerate(roles)]
-        self.specs = [SimpleNamespace(num_threads=1) for _ in roles]
+        self.specs = [SimpleNamespace(threads=CpuThreads(1)) for _ in roles]
         self.busy = busy
         self.is_cpu = True
         self.fail = fail

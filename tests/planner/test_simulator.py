@@ -150,17 +150,20 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
     assert r1.ttft == pytest.approx(0.22)
 
 
-def test_a_borrower_runs_on_its_model_at_its_threads_and_shares_the_lenders_core():
-    # Two cores: EP borrows D's core (two threads, cluster.deploy.cpu_threads), on a model
-    # whose prefill is twice as fast as the one-thread model's; D runs on one thread.
+def test_a_borrower_runs_on_the_lenders_core_only_while_the_lender_has_no_work():
+    # Two cores: EP may borrow D's core (engine.cores), on a model whose prefill is twice as
+    # fast as the one-thread model's; D runs on one thread.
     fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
     setup = make_setup(cores=2, threads=1, bandwidth=1e15, thread_models={2: fast})
-    reqs = [SimRequest(0.0, 100, 2), SimRequest(0.061, 100, 1)]
-    r0, r1 = run(setup, ["EP", "D"], reqs).requests
-    # r0: prefill on EP alone, 10 + 50 ms; D's decode from 0.06 alone: 12 ms.
+    reqs = [SimRequest(0.0, 100, 2), SimRequest(0.061, 100, 1), SimRequest(0.2, 100, 1)]
+    r0, r1, r2 = run(setup, ["EP", "D"], reqs).requests
+    # r0: D is idle, EP prefills on two threads, 10 + 50 ms; D's decode from 0.06: 12 ms.
     assert r0.ttft == pytest.approx(0.06) and r0.gaps == pytest.approx([0.012])
-    # r1 reaches EP at 0.061 while D steps: three threads on two cores, 1.5 x 60 ms.
-    assert r1.ttft == pytest.approx(0.09)
+    # r1 reaches EP at 0.061 while D has work: EP steps on its own thread, 10 + 100 ms, and
+    # neither slows the other (two threads on two cores).
+    assert r1.ttft == pytest.approx(0.11)
+    # r2 at 0.2: D idle again, two threads.
+    assert r2.ttft == pytest.approx(0.06)
     # On one-thread models (nothing measured at two threads) EP's prefill takes 110 ms alone.
     (alone,) = run(make_setup(cores=2, threads=1), ["EP", "D"], [SimRequest(0.0, 100, 1)]).requests
     assert alone.ttft == pytest.approx(0.11)

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from hydrad.cluster.deploy import cpu_threads
+from hydrad.engine.cores import cpu_threads
 
 from daemon_process import HYDRACTL, REPO, Daemon, blocks_held_once_freed, http
 from test_daemon_deployments import MAX_TOKENS, _requests
@@ -92,7 +92,8 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
             assert status["deployment"]["deploy"] == spec
             # Each instance runs on its role's threads in the new deployment.
             roles = [i["role"] for i in status["instances"]]
-            assert [i["threads"] for i in status["instances"]] == cpu_threads(roles, os.cpu_count())
+            plan = cpu_threads(roles, os.cpu_count())
+            assert [(i["threads"], i["borrowed_threads"]) for i in status["instances"]] == [(t.own, t.borrow) for t in plan]
             assert len(results) > before or spec == chain[0]  # requests went on meanwhile
         time.sleep(0.5)
         stop.set()

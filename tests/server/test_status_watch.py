@@ -16,6 +16,7 @@ from rich.console import Console
 
 from daemon_process import HYDRACTL, REPO
 from hydrad.cli.status import watch_status
+from hydrad.engine.cores import CpuThreads
 from hydrad.errors import HydradError
 
 
@@ -124,7 +125,7 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
                                accepting=alive, num_inflight=0, tokens_per_second=lambda: 37.5)
 
     supervisor = SimpleNamespace(clients=[client(0, False), client(1, True)], crash_loops={}, restarting=set(),
-                                 num_restarts={}, specs=[SimpleNamespace(num_threads=1)] * 2)
+                                 num_restarts={}, specs=[SimpleNamespace(threads=CpuThreads(1))] * 2)
     body = status_body(supervisor, [None, None], model="m", max_model_len=64,
                        started=time.monotonic(), num_requests=0, window=captured_status(1)["requests"])
     assert [i["tokens_per_second"] for i in body["instances"]] == [None, 37.5]

@@ -1,0 +1,119 @@
+"""CPU workers sharing the cores: each one's threads, and lending idle cores through the board."""
+
+from __future__ import annotations
+
+import pytest
+
+from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, cpu_threads
+
+
+def T(own, borrow=0, lenders=()):
+    return CpuThreads(own, borrow, lenders)
+
+
+@pytest.mark.parametrize("roles, cores, threads", [
+    (["EPD"], 2, [T(2)]),
+    (["EPD", "EPD"], 2, [T(1), T(1)]),
+    # The decode-only instance's core idles between requests: the EP instance may borrow it.
+    (["EP", "D"], 2, [T(1, 1, (1,)), T(1)]),
+    # Instances that decode keep their share, lenders or not.
+    (["E", "PD"], 2, [T(1), T(1)]),
+    (["EPD", "D"], 2, [T(1), T(1)]),
+    # Two borrowers split the two decode-only instances' cores, each borrowing from both.
+    (["E", "P", "D", "D"], 4, [T(1, 1, (2, 3)), T(1, 1, (2, 3)), T(1), T(1)]),
+    (["EP", "D", "D", "D"], 8, [T(2, 6, (1, 2, 3)), T(2), T(2), T(2)]),
+    # An uneven split rounds down; no instance gets more than the cores.
+    (["E", "P", "D"], 3, [T(1), T(1), T(1)]),
+    (["EP", "D"], 1, [T(1), T(1)]),
+])
+def test_cpu_threads_lend_the_decode_only_instances_cores(roles, cores, threads):
+    assert cpu_threads(roles, cores) == threads
+    assert all(t.most <= max(cores, t.own) for t in threads)
+
+
+def test_threads_are_checked():
+    with pytest.raises(ValueError, match="own 0"):
+        CpuThreads(0)
+    with pytest.raises(ValueError, match="borrow them from"):
+        CpuThreads(1, 1)
+
+
+def test_a_borrower_takes_the_lent_threads_only_while_every_lender_is_idle():
+    board = CoreBoard.new()
+    d0, d1 = (CoreLending(board, i, T(1)) for i in (1, 2))
+    ep = CoreLending(board, 0, T(1, 2, (1, 2)))
+    assert ep.threads_now() == 3
+    d0.publish(True)
+    assert board.busy(1) and ep.threads_now() == 1
+    d1.publish(True)
+    d0.publish(False)
+    assert ep.threads_now() == 1
+    d1.publish(False)
+    assert ep.threads_now() == 3
+    # A worker that starts again in a lender's place starts idle.
+    d0.publish(True)
+    CoreLending(board, 1, T(1))
+    assert ep.threads_now() == 3
+
+
+def test_without_a_board_nothing_is_borrowed():
+    lending = CoreLending(None, 0, T(1, 1, (1,)))
+    assert lending.threads == T(1) and lending.threads_now() == 1
+    lending.publish(True)  # nothing to write to
+    lending.set(T(2, 1, (1,)))
+    assert lending.threads == T(2)
+
+
+def test_the_board_reaches_a_worker_process():
+    """The board's memory is handed to a process as it is started and is the same memory."""
+    import multiprocessing
+
+    board = CoreBoard.new()
+    ctx = multiprocessing.get_context("spawn")
+    process = ctx.Process(target=_publish_busy, args=(board.flags, 5))
+    process.start()
+    process.join(60)
+    assert process.exitcode == 0
+    assert board.busy(5)
+
+
+def _publish_busy(flags, instance_id: int) -> None:
+    CoreLending(CoreBoard(flags), instance_id, T(1)).publish(True)
+
+
+def test_a_borrowing_worker_steps_on_the_threads_and_model_of_the_moment(monkeypatch):
+    """``StepThreads``: a model measured at each count; before each step the count its lenders
+    allow, with the model at that count."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import hydrad.engine.profiler as profiler
+    from hydrad.config import SLOConfig
+    from hydrad.engine.worker import StepThreads
+
+    monkeypatch.setattr(profiler, "fit_latency_model",
+                        lambda engine, allow_busy: f"model at {torch.get_num_threads()} threads")
+    used = []
+    engine = SimpleNamespace(
+        device=torch.device("cpu"), role="EP",
+        config=SimpleNamespace(scheduler=SimpleNamespace(derive_budgets=True), slo=SLOConfig(ttft=2.0, tbt=0.1)),
+        set_latency_model=lambda model, bound: used.append((model, torch.get_num_threads(), bound)))
+    board = CoreBoard.new()
+    lender = CoreLending(board, 1, T(1))
+    before = torch.get_num_threads()
+    try:
+        threads = StepThreads(engine, CoreLending(board, 0, T(1, 1, (1,))))
+        model, bound, borrow_model = threads.fit("EP", allow_busy=False)
+        assert (model, borrow_model) == ("model at 1 threads", "model at 2 threads")
+        assert used[-1] == ("model at 1 threads", 1, bound) and bound == pytest.approx(0.9)
+        threads.before_step()  # the lender is idle
+        assert used[-1] == ("model at 2 threads", 2, bound)
+        lender.publish(True)
+        threads.before_step()
+        assert used[-1] == ("model at 1 threads", 1, bound)
+        count = len(used)
+        threads.before_step()  # nothing changed: nothing set again
+        assert len(used) == count
+    finally:
+        torch.set_num_threads(before)
