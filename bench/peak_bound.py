@@ -48,7 +48,7 @@ def prepare_seconds(model: str, prompt_words: int = 12) -> tuple[float, int, int
         return time.process_time() - start
 
     samples = sorted(cpu() for _ in range(31))
-    return samples[len(samples) // 2], len(prompt.token_ids), prompt.images[0].length, prompt.images[0].num_patches
+    return samples[len(samples) // 2], len(prompt.prompt_token_ids), prompt.images[0].length, prompt.images[0].num_patches
 
 
 def model_seconds(model: str, prompt_tokens: int, image: tuple[int, int], in_flight: int, output_tokens: int) -> dict:

@@ -92,7 +92,11 @@ def render(status: dict):
             device += f" ({i['threads']}{borrowed} threads)"
         instances.add_row(str(i["id"]), device, i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
                           _pct(i["kv_usage"]), _pct(i["image_usage"]), _rate(i["tokens_per_second"]))
-    budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}; {i['latency_model']}"
+    budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}"
+                    + (f" (÷ {c:.2f}: steps with decodes run {c:.2f}x the model now)"
+                       if (c := i.get("latency_calibration")) and abs(c - 1.0) > 0.005 else "")
+                    + f"; {i['latency_model']}"
+                    + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else "")
                     for i in status["instances"] if i.get("latency_model")]
     r = status["requests"]
     requests = Table(title=f"requests (last {r['window_seconds']:.0f} s)")

@@ -28,7 +28,7 @@ from hydrad.engine.inputs import (
     FinishedRequest,
     StepTiming,
 )
-from hydrad.engine.latency_model import LatencyModel, idle_bound
+from hydrad.engine.latency_model import Calibration, LatencyModel, idle_bound
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
@@ -161,6 +161,8 @@ class EngineCore:
         # Bytes per second of a pull's copy (set by the worker once measured; None: unknown,
         # and no step waits for a copy).
         self.copy_bandwidth: float | None = None
+        # How steps with decodes run against their prediction on the machine now.
+        self.calibration = Calibration()
         # Set when a step found nothing it could run (e.g. blocks held by offered requests):
         # no step can do better until a request arrives, leaves or is released.
         self._stalled = False
@@ -390,7 +392,10 @@ class EngineCore:
             return EngineOutput()
         vision = (lambda: self.runner.encode(out.encodes)) if out.encodes else None
         language = (lambda: self.runner.execute(out.chunks)) if out.chunks else None
+        start = time.perf_counter()
         (_, encode_secs), (sampled, language_secs) = self.streams.run(vision, language)
+        if out.num_decodes and self.scheduler.latency_model is not None:
+            self._calibrate(out, time.perf_counter() - start)
         timing = StepTiming(out.predicted_vision, encode_secs, out.predicted_language, language_secs)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step: %d images, %d tokens in %d chunks; vision %.1f ms (predicted %.1f), language %.1f ms "
@@ -410,10 +415,22 @@ class EngineCore:
             finished = [FinishedRequest(r.req_id, r.finish_reason, r.stage_times(now)) for r in result.finished]
         return EngineOutput(result.req_ids, result.token_ids, logprobs, finished, timing)
 
+    def _calibrate(self, out, seconds: float) -> None:
+        """A step that carried decodes took ``seconds``: keep such steps within their bound as
+        the machine runs now (``latency_model.Calibration``)."""
+        predicted = self.scheduler.latency_model.combine(out.predicted_vision, out.predicted_language)
+        if self.calibration.add(predicted, seconds):
+            self.scheduler.set_calibration(self.calibration.factor)
+            logger.debug("steps with decodes run %.2fx their prediction: filled to %.1f ms", self.calibration.factor,
+                         1e3 * self.scheduler.latency_bound / self.calibration.factor)
+
     def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
         """Fill steps by predicted latency up to ``bound`` seconds, and steps that carry no
         decode up to the prefill share of the TTFT (between steps only)."""
         slo = self.config.slo
+        if model is not self.scheduler.latency_model:  # a new model starts uncalibrated
+            self.calibration = Calibration()
+            self.scheduler.set_calibration(1.0)
         self.scheduler.set_latency_model(model, bound, idle_bound=idle_bound(slo))
 
     def get_stats(self) -> EngineStats:
@@ -427,6 +444,7 @@ class EngineCore:
             num_kv_blocks_used=kv.num_used_blocks if kv else 0,
             num_image_blocks_used=img.num_used_blocks if img else 0,
             num_preemptions=s.num_preemptions,
+            latency_calibration=s.calibration,
         )
 
     def shutdown(self) -> None:

@@ -96,3 +96,5 @@ class EngineStats:
     num_kv_blocks_used: int
     num_image_blocks_used: int
     num_preemptions: int
+    # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
+    latency_calibration: float = 1.0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -240,6 +241,44 @@ class LatencyModel:
             parts.append(f"error median {100 * self.error.median:.1f}%, max {100 * self.error.max:.1f}% "
                          f"on {self.error.num_probes} held-out probes")
         return "; ".join(parts)
+
+
+class Calibration:
+    """How the steps that carry decodes run against their prediction on the machine as it is
+    now, to keep their length within the TBT bound when it is slower (or faster) than when
+    the model was fitted: another process takes the cores, the clock drops.
+
+    ``factor`` is the ``quantile`` of measured / predicted seconds over the last ``window``
+    such steps, recomputed every ``every`` steps once ``every`` are known, within
+    [``low``, ``high``]. The scheduler divides the bound of a step that carries decodes by it
+    (``Scheduler.set_calibration``), so that that share of steps ends within the bound: the
+    SLO holds each request's p90 inter-token gap, which one step in ten over the TBT breaks.
+    """
+
+    def __init__(self, window: int = 64, every: int = 16, quantile: float = 0.9, low: float = 0.8,
+                 high: float = 2.0, min_seconds: float = 0.002):
+        if not 0 < quantile <= 1 or not 0 < low <= 1 <= high or every < 1 or window < every:
+            raise ValueError("calibration: 0 < quantile <= 1, 0 < low <= 1 <= high, 1 <= every <= window")
+        self.window, self.every, self.quantile, self.low, self.high = window, every, quantile, low, high
+        self.min_seconds = min_seconds
+        self.ratios: deque[float] = deque(maxlen=window)
+        self.factor = 1.0
+        self._since = 0
+
+    def add(self, predicted: float, measured: float) -> bool:
+        """One step's predicted and measured seconds; True when ``factor`` changed."""
+        if predicted < self.min_seconds:  # too short to tell the machine from the timer
+            return False
+        self.ratios.append(measured / predicted)
+        self._since += 1
+        if self._since < self.every:
+            return False
+        self._since = 0
+        ordered = sorted(self.ratios)
+        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        factor = min(self.high, max(self.low, q))
+        changed, self.factor = factor != self.factor, factor
+        return changed
 
 
 class StepBudget:

@@ -59,6 +59,8 @@ class SchedulerOutput:
     # Predicted seconds of the vision and the language work (0 without a latency model).
     predicted_vision: float = 0.0
     predicted_language: float = 0.0
+    # The first chunks are this many decodes.
+    num_decodes: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -118,6 +120,8 @@ class Scheduler:
         self.latency_model: LatencyModel | None = None
         self.latency_bound = 0.0
         self.idle_bound = 0.0
+        # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
+        self.calibration = 1.0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
         self.min_chunk = kv_manager.block_size if kv_manager is not None else 1
 
@@ -181,6 +185,13 @@ class Scheduler:
         self.latency_model = model
         self.latency_bound = bound
         self.idle_bound = max(bound, idle_bound or 0.0)
+
+    def set_calibration(self, factor: float) -> None:
+        """Steps that carry decodes run ``factor`` times their prediction now: fill them to the
+        bound divided by it."""
+        if factor <= 0:
+            raise ValueError(f"calibration factor must be > 0, got {factor}")
+        self.calibration = factor
 
     # -- admission ---------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -249,9 +260,10 @@ class Scheduler:
         # Requests that leave the running set while this step is built (preempted) are
         # dropped before it runs too: one may be admitted again within this very step.
         out = SchedulerOutput(dropped=self._dropped)
-        bound = self.latency_bound if self.latency_model is not None else 0.0
+        bound = self.latency_bound / self.calibration if self.latency_model is not None else 0.0
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
         self._schedule_decodes(out, budget)
+        out.num_decodes = len(out.chunks)
         if budget.empty and self.idle_bound > bound:
             # No stream waits on this step: prefill and encode may take the TTFT share.
             budget.relax(self.idle_bound)

@@ -57,12 +57,15 @@ def _latency(ready) -> dict:
     """The instance's latency model: its bound, a one-line summary and its held-out error."""
     model = ready.latency_model if ready is not None else None
     if model is None:
-        return {"latency_model": None, "latency_bound": None, "latency_error": None}
+        return {"latency_model": None, "latency_bound": None, "latency_error": None, "borrow_latency_model": None}
     error = model.error
+    borrow = getattr(ready, "borrow_model", None)
     return {
         "latency_model": model.summary(),
         "latency_bound": ready.latency_bound,
         "latency_error": {"median": error.median, "max": error.max, "num_probes": error.num_probes} if error else None,
+        # On borrowed cores too (engine.cores); None when it never borrows.
+        "borrow_latency_model": borrow.summary() if borrow is not None else None,
     }
 
 
@@ -100,6 +103,7 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "num_kv_blocks_used": s.num_kv_blocks_used if s else None,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
+            "latency_calibration": s.latency_calibration if s else None,
             # A worker that is down makes no tokens, whatever it made in its last seconds.
             "tokens_per_second": (None if not client.alive else
                                   client.tokens_per_second() if client.accepting else 0.0),

@@ -89,6 +89,9 @@ class Metrics:
         self.running = Gauge("hydrad_num_requests_running", "Requests running on the instance.", labels, registry=r)
         self.waiting = Gauge("hydrad_num_requests_waiting", "Requests waiting on the instance.", labels, registry=r)
         self.kv_usage = Gauge("hydrad_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.", labels, registry=r)
+        self.calibration = Gauge(
+            "hydrad_step_calibration_ratio", "How much longer than predicted the instance's recent steps with "
+            "decodes ran (their 90th percentile); their bound is divided by it.", labels, registry=r)
         self.image_usage = Gauge("hydrad_image_cache_usage_ratio", "Fraction of image-cache blocks in use.", labels,
                                  registry=r)
         step_labels = m + ["instance", "stage"]
@@ -209,6 +212,7 @@ class Metrics:
         self.running.labels(*labels).set(stats.num_running)
         self.waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_usage)
+        self.calibration.labels(*labels).set(stats.latency_calibration)
         self.image_usage.labels(*labels).set(stats.image_usage)
 
 

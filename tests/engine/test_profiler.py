@@ -317,3 +317,22 @@ def test_cpu_probes_run_one_at_a_time_and_a_waiter_takes_the_model_measured_mean
         profiler.store(path, model)
     waiter.join(30)
     assert result["model"] == model
+
+
+def test_an_engine_calibrates_its_steps_with_decodes_to_how_they_run(tiny_llava_dir):
+    """A model that predicts 10 s per step: the measured steps run far faster, so the factor
+    goes to its floor and the decode steps' bound grows by it; a new model starts over."""
+    core = make_engine(tiny_llava_dir)
+    try:
+        slow = LatencyModel(l_fixed=10.0, l_decode=1e-3, l_prefill=1e-5)
+        core.set_latency_model(slow, 50.0)
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        core.add_request(EngineRequest("r", [5, 6, 7, 8], params))
+        while core.has_unfinished_requests():
+            core.step()
+        assert core.calibration.factor == core.calibration.low
+        assert core.scheduler.calibration == core.calibration.low == core.get_stats().latency_calibration
+        core.set_latency_model(TRUE, 0.1)
+        assert core.scheduler.calibration == 1.0 and not core.calibration.ratios
+    finally:
+        core.shutdown()

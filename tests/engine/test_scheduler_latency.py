@@ -214,3 +214,48 @@ def test_without_a_model_only_the_caps_bind():
     s.add(make_request("a", num_prompt=100, max_tokens=2))
     out = s.schedule()
     assert out.chunks[0][1] == 16 and out.predicted_language == 0.0
+
+
+def test_a_calibrated_step_with_decodes_fills_to_the_bound_over_the_factor():
+    """Steps with decodes that run 1.5x their prediction are filled to bound / 1.5; a step
+    without decodes keeps its idle bound."""
+    rooms = {}
+    for factor in (1.0, 1.5):
+        s = scheduler_with(bound=0.03, idle_bound=0.5, kv_block_size=16)
+        s.set_calibration(factor)
+        decodes = [make_request(f"d{i}", num_prompt=16, max_tokens=1000) for i in range(4)]
+        for r in decodes:
+            s.add(r)
+        while not all(r.num_output_tokens for r in decodes):
+            step(s)
+        s.add(make_request("p", num_prompt=2000, max_tokens=2))
+        out = s.schedule()
+        predicted = s.latency_model.combine(out.predicted_vision, out.predicted_language)
+        assert out.num_decodes == 4
+        assert 0.03 / factor - 0.0002 < predicted <= 0.03 / factor * (1 + 1e-9)  # full to the next token
+        rooms[factor] = sum(n for r, n in out.chunks if r.req_id == "p")
+    assert rooms[1.0] > rooms[1.5] > 0
+    alone = scheduler_with(bound=0.03, idle_bound=0.5)
+    alone.set_calibration(2.0)
+    alone.add(make_request("q", num_prompt=3000, max_tokens=2))
+    out = alone.schedule()
+    assert out.num_decodes == 0 and out.predicted_language > 0.25  # the idle bound, not the bound / 2
+    with pytest.raises(ValueError, match="> 0"):
+        alone.set_calibration(0.0)
+
+
+def test_the_calibration_is_the_recent_steps_quantile_within_its_limits():
+    from hydrad.engine.latency_model import Calibration
+
+    c = Calibration(window=20, every=10, quantile=0.9, low=0.8, high=2.0)
+    changed = [c.add(0.010, 0.010 * (1.0 + 0.02 * i)) for i in range(10)]  # ratios 1.00 .. 1.18
+    assert changed == [False] * 9 + [True] and c.factor == pytest.approx(1.18)
+    assert not c.add(0.001, 1.0)  # too short to count
+    for _ in range(10):
+        c.add(0.010, 0.030)  # the machine got 3x slower: capped
+    assert c.factor == 2.0
+    for _ in range(20):
+        c.add(0.010, 0.005)  # and then 2x faster than the model: floored
+    assert c.factor == 0.8
+    with pytest.raises(ValueError):
+        Calibration(window=4, every=8)

@@ -94,6 +94,8 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
             roles = [i["role"] for i in status["instances"]]
             plan = cpu_threads(roles, os.cpu_count())
             assert [(i["threads"], i["borrowed_threads"]) for i in status["instances"]] == [(t.own, t.borrow) for t in plan]
+            # A borrower measured its model on the borrowed cores too.
+            assert [i["borrow_latency_model"] is not None for i in status["instances"]] == [bool(t.borrow) for t in plan]
             assert len(results) > before or spec == chain[0]  # requests went on meanwhile
         time.sleep(0.5)
         stop.set()

@@ -32,6 +32,7 @@ def test_finished_request_metrics_and_stage_times():
         'hydrad_generation_tokens_total{model_name="m"} 2.0',
         'hydrad_prompt_tokens_total{model_name="m"} 12.0',
         'hydrad_kv_cache_usage_ratio{device="cpu",instance="0",model_name="m",role="EPD"} 0.5',
+        'hydrad_step_calibration_ratio{device="cpu",instance="0",model_name="m",role="EPD"} 1.0',
         'hydrad_num_requests_waiting{device="cpu",instance="0",model_name="m",role="EPD"} 1.0',
         'hydrad_instance_up{device="cpu",instance="1",model_name="m",role="EPD"} 0.0',
         'hydrad_instance_up{device="cpu",instance="2",model_name="m",role="EPD"} 1.0',
