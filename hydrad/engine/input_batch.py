@@ -49,6 +49,10 @@ class InputBatch:
         # dropped since (a redeploy freed the KV pool), so ownership is checked, not assumed.
         self.owners: list[Request | None] = []
         self.num_rows_used = 0
+        # Rows with a generator of their own, and with a logit bias: a step whose rows have
+        # neither (the usual case) looks at no row's in Python.
+        self.num_seeded = 0
+        self.num_biased = 0
         self._grow(_INITIAL_ROWS)
 
     # -- rows ------------------------------------------------------------------------------
@@ -80,6 +84,8 @@ class InputBatch:
         if params.seed is not None and not params.greedy and req.generator is None:
             req.generator = self.sampler.generator_for(params.seed)
         self.generators[row] = req.generator if params.seed is not None else None
+        self.num_seeded += self.generators[row] is not None
+        self.num_biased += self.bias[row] is not None
         self.penalty_slot[row] = (self.penalties.allocate(req.prompt_token_ids, req.output_token_ids)
                                   if params.has_penalties else -1)
         return row
@@ -97,6 +103,8 @@ class InputBatch:
         if self.penalty_slot[row] >= 0:
             self.penalties.free(int(self.penalty_slot[row]))
             self.penalty_slot[row] = -1
+        self.num_seeded -= self.generators[row] is not None
+        self.num_biased -= self.bias[row] is not None
         self.generators[row] = None
         self.bias[row] = None
         self._free.append(row)
@@ -114,7 +122,7 @@ class InputBatch:
     def sampling_metadata(self, rows: np.ndarray, reqs: list[Request]) -> SamplingMetadata:
         """Settings of the rows that sample this step (``reqs`` in the same order)."""
         generators = []
-        if any(self.generators[r] is not None for r in rows.tolist()):
+        if self.num_seeded:
             generators = [(i, self.generators[r]) for i, r in enumerate(rows.tolist()) if self.generators[r] is not None]
         meta = SamplingMetadata(
             temperature=self.temperature[rows], top_k=self.top_k[rows], top_p=self.top_p[rows],
@@ -122,7 +130,7 @@ class InputBatch:
             presence_penalty=self.presence_penalty[rows], frequency_penalty=self.frequency_penalty[rows],
             penalty_slots=self.penalty_slot[rows], num_logprobs=self.num_logprobs[rows], generators=generators,
         )
-        bias = [(i, self.bias[r]) for i, r in enumerate(rows.tolist()) if self.bias[r] is not None]
+        bias = [(i, self.bias[r]) for i, r in enumerate(rows.tolist()) if self.bias[r] is not None] if self.num_biased else []
         if bias:
             meta.bias = ([i for i, (ids, _) in bias for _ in ids], [t for _, (ids, _) in bias for t in ids],
                          [v for _, (_, values) in bias for v in values])

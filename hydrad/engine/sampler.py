@@ -10,7 +10,8 @@ rows, no copy to the host per row):
 3. sampled rows: temperature, then transformers' warper order top-k, top-p, min-p,
    then one draw per row by inverse CDF (one uniform per row: from the instance's
    generator, or from the request's own generator when it has a seed, so a seeded
-   request's tokens do not depend on what shares its batch).
+   request's tokens do not depend on what shares its batch; that generator is a CPU
+   one on every device, so its state moves with the request between any instances).
 
 Candidates are kept sorted by logit, so top-p and min-p cut a prefix of them and one
 cumulative sum serves the filters and the draw. With top-k the sort covers k entries,
@@ -168,29 +169,30 @@ class PenaltyCache:
         self._free.extend(range(new_slots - 1, old_slots - 1, -1))
 
 
-def sorted_keep_counts(sorted_logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+def sorted_keep_counts(sorted_logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
                        total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For candidates sorted by logit (descending, -inf past a row's end): how many of
     each row's first candidates survive top-p then min-p (at least one), the weights
     ``exp(logit - max)`` and their running sum. ``total``: the row's whole weight when the
-    candidates are a subset of the distribution (top-p alone)."""
+    candidates are a subset of the distribution (top-p alone). ``top_p`` / ``min_p`` None:
+    off for every row (the caller knows it from the settings, without a pass over them)."""
     weights = torch.exp(sorted_logits - sorted_logits[:, :1])
     cum = torch.cumsum(weights, dim=-1)
     if total is None:
         total = cum[:, -1]
     keep = torch.full_like(total, sorted_logits.shape[-1], dtype=torch.int64)
-    if (top_p < 1.0).any():
+    if top_p is not None and (top_p < 1.0).any():
         # A token goes once the mass strictly before it reaches top_p (transformers' TopP).
         before = cum - weights
         keep = (before < top_p[:, None] * total[:, None]).sum(-1)
-    if (min_p > 0.0).any():
+    if min_p is not None and (min_p > 0.0).any():
         # transformers' MinP: probability below min_p times the most likely token's.
         keep = torch.minimum(keep, (weights >= min_p[:, None]).sum(-1))
     return keep.clamp_(min=1), weights, cum
 
 
-def _draw_sorted(sorted_logits: torch.Tensor, sorted_ids: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                 uniform: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
+def _draw_sorted(sorted_logits: torch.Tensor, sorted_ids: torch.Tensor, top_p: torch.Tensor | None,
+                 min_p: torch.Tensor | None, uniform: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
     keep, _, cum = sorted_keep_counts(sorted_logits, top_p, min_p, total)
     target = uniform * cum.gather(1, (keep - 1)[:, None])[:, 0]
     pos = torch.searchsorted(cum, target[:, None], right=True)[:, 0]
@@ -218,8 +220,12 @@ class Sampler:
             self._scratch = torch.empty(size, device=self.device)
         return self._scratch[:size].view(rows, width)
 
-    def generator_for(self, seed: int) -> torch.Generator:
-        return torch.Generator(device=self.device).manual_seed(seed)
+    @staticmethod
+    def generator_for(seed: int) -> torch.Generator:
+        """A seeded request's own generator: on the CPU whatever the device, so its state moves
+        with the request between instances on any devices (a CUDA generator's state cannot be
+        set on a CPU one, nor the reverse) and a seed draws the same numbers on each."""
+        return torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [num_rows, vocab] float32, one row per request that samples this step
@@ -280,10 +286,10 @@ class Sampler:
         uniform = torch.rand(len(rows), generator=self.generator, device=device)
         if meta.generators:
             position = {int(r): i for i, r in enumerate(rows)}
-            for row, generator in meta.generators:
-                i = position.get(row)
-                if i is not None:
-                    uniform[i] = torch.rand(1, generator=generator, device=device)[0]
+            seeded = [(i, generator) for row, generator in meta.generators if (i := position.get(row)) is not None]
+            if seeded:  # drawn on the CPU (``generator_for``), copied over in one go
+                draws = torch.cat([torch.rand(1, generator=generator) for _, generator in seeded])
+                uniform[_index(np.array([i for i, _ in seeded]), device)] = draws.to(device)
         return uniform
 
     def _draw(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray) -> torch.Tensor:
@@ -295,32 +301,36 @@ class Sampler:
         with_k = (top_k > 0) & (top_k < vocab)
         with_p = ~with_k & (top_p < 1.0)
         plain = ~with_k & ~with_p
-        tokens = torch.empty(len(rows), dtype=torch.long, device=device)
         t = lambda a, m: torch.from_numpy(a[m]).to(device)  # noqa: E731
-        if with_k.any():
+        # Settings off for every row of a kind need no tensor (nor a pass over one).
+        t_on = lambda a, m, off: t(a, m) if (a[m] != off).any() else None  # noqa: E731
+
+        def draw_top_k(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
             # A positive temperature keeps the order: take the top k, then scale only those.
-            idx = _index(np.flatnonzero(with_k), device)
-            k = t(top_k, with_k)
-            values, ids = logits[idx].topk(int(k.max()), dim=-1)
-            values = values / t(temperature, with_k)[:, None]
+            k = t(top_k, m)
+            values, ids = x.topk(int(top_k[m].max()), dim=-1)
+            values = values / t(temperature, m)[:, None]
             past_k = torch.arange(values.shape[-1], device=device)[None, :] >= k[:, None]
             values = values.masked_fill(past_k, float("-inf"))
-            tokens[idx] = _draw_sorted(values, ids, t(top_p, with_k), t(min_p, with_k), uniform[idx])
-        if with_p.any():
-            idx = _index(np.flatnonzero(with_p), device)
-            tokens[idx] = self._draw_top_p(logits[idx] / t(temperature, with_p)[:, None], t(top_p, with_p),
-                                           t(min_p, with_p), uniform[idx])
-        if plain.any():
-            idx = None if plain.all() else _index(np.flatnonzero(plain), device)
-            x = logits if idx is None else logits[idx]
-            temp = temperature[plain]
-            temp = torch.from_numpy(temp).to(device) if (temp != 1.0).any() else None
-            pad = -vocab % _BLOCK
-            drawn = _draw_unsorted(x, t(min_p, plain), uniform if idx is None else uniform[idx], temp,
-                                   self.scratch(x.shape[0], vocab + pad))
-            if idx is None:
-                return drawn
-            tokens[idx] = drawn
+            return _draw_sorted(values, ids, t_on(top_p, m, 1.0), t_on(min_p, m, 0.0), u)
+
+        def draw_top_p(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
+            return self._draw_top_p(x / t(temperature, m)[:, None], t(top_p, m), t(min_p, m), u)
+
+        def draw_plain(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
+            temp = t(temperature, m) if (temperature[m] != 1.0).any() else None
+            return _draw_unsorted(x, t_on(min_p, m, 0.0), u, temp, self.scratch(x.shape[0], vocab + -vocab % _BLOCK))
+
+        tokens = None
+        for mask, draw in ((with_k, draw_top_k), (with_p, draw_top_p), (plain, draw_plain)):
+            if not mask.any():
+                continue
+            if mask.all():  # every row of one kind: no copy of the logits, no scatter
+                return draw(logits, uniform, mask)
+            if tokens is None:
+                tokens = torch.empty(len(rows), dtype=torch.long, device=device)
+            idx = _index(np.flatnonzero(mask), device)
+            tokens[idx] = draw(logits[idx], uniform[idx], mask)
         return tokens
 
     def _draw_top_p(self, logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -348,9 +358,9 @@ class Sampler:
 _BLOCK = 128
 
 
-def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor,
+def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: torch.Tensor,
                    temperature: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row from ``softmax(logits / temperature)`` (after min-p), by inverse CDF.
+    """One token per row from ``softmax(logits / temperature)`` (after min-p; None: off), by inverse CDF.
     ``out``: a [rows, vocab rounded up to the block] buffer to work in (the logits are not
     changed)."""
     rows, vocab = logits.shape
@@ -365,7 +375,7 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor, uniform: torch.Ten
     weights.exp_()  # the largest weighs 1
     if width > vocab:
         out[:, vocab:].zero_()
-    if (min_p > 0).any():
+    if min_p is not None and (min_p > 0).any():
         weights.masked_fill_(weights < min_p[:, None], 0.0)
     blocks = out.view(rows, -1, _BLOCK)  # [rows, num_blocks, block]
     block_cum = torch.cumsum(blocks.sum(-1), dim=-1)  # [rows, num_blocks]

@@ -183,3 +183,27 @@ def test_unfiltered_draws_across_vocabulary_blocks_match_the_distribution(min_p)
     probs = (probs / probs.sum()).numpy()
     assert counts[probs == 0].sum() == 0
     assert np.abs(counts / counts.sum() - probs).max() < 0.012
+
+
+def test_the_batch_looks_up_generators_and_biases_only_of_rows_that_have_them():
+    import numpy as np
+
+    from hydrad.engine.input_batch import InputBatch
+    from hydrad.engine.inputs import EngineRequest
+    from hydrad.engine.request import Request
+    from hydrad.sampling_params import SamplingParams
+
+    def request(req_id, **params):
+        return Request(EngineRequest(req_id, [5, 6, 7], SamplingParams(max_tokens=4, temperature=0.7, **params)))
+
+    batch = InputBatch(8, 32, Sampler(0), torch.device("cpu"))
+    plain, seeded, biased = request("a"), request("b", seed=3), request("c", logit_bias={4: 5.0})
+    rows = np.array([batch.add(r) for r in (plain, seeded, biased)])
+    assert (batch.num_seeded, batch.num_biased) == (1, 1)
+    meta = batch.sampling_metadata(rows, [plain, seeded, biased])
+    assert [i for i, _ in meta.generators] == [1] and meta.bias == ([2], [4], [5.0])
+    batch.remove(seeded)
+    batch.remove(biased)
+    assert (batch.num_seeded, batch.num_biased) == (0, 0)
+    meta = batch.sampling_metadata(rows[:1], [plain])
+    assert meta.generators == [] and meta.bias is None
