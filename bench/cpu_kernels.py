@@ -11,7 +11,11 @@ Three measurements on the model given (default: the built-in ``small`` LLaVA):
 3. engine steps timed as the latency model's probes time them (``EngineTimer``: the median
    of repeated runs through the real runner), once with ``HYDRAD_CPU_PACKED_LINEAR=0`` and
    once with the packing on: 1 decode, 16 decodes at context 300, the same plus a 40-token
-   prefill chunk, and a 290-token prefill (one image request's prompt).
+   prefill chunk, and a 290-token prefill (one image request's prompt);
+4. decode steps of large batches (8 and 32 decodes at context 1024, 64 at 512, 128 at 300),
+   timed the same way, with the decodes' keys and values gathered as before (one padded
+   group in fresh memory every layer) and as now (groups of at most ``CPU_GATHER_BYTES``
+   in a buffer kept between steps).
 
     python bench/cpu_kernels.py --out cpu_kernels.json
 """
@@ -107,6 +111,44 @@ def bench_steps(path: str) -> dict:
     return results
 
 
+DECODE_BATCHES = ((8, 1024), (32, 1024), (64, 512), (128, 300))
+
+
+def _time_decode_batches(path: str, setting: str) -> dict[str, float]:
+    """In a fresh process (what glibc's allocator maps anew depends on what the process did
+    before): each decode batch's step time, milliseconds."""
+    from hydrad import LLM
+    from hydrad.engine.profiler import EngineTimer, Probe
+    from hydrad.models.attention import sdpa
+
+    if setting == "fresh":  # the earlier code: one group, gathered into new memory every layer
+        sdpa.CPU_GATHER_BYTES = 1 << 62
+        sdpa.SdpaBackend._gather_buffer_for = lambda self, elements, dtype: None
+    llm = LLM(path)
+    try:
+        timer = EngineTimer(llm.engine, repeats=9)
+        return {f"{n} decodes at {context}": 1e3 * timer(Probe(decodes=(context,) * n))
+                for n, context in DECODE_BATCHES}
+    finally:
+        llm.shutdown()
+
+
+def bench_decode_groups(path: str) -> dict:
+    import multiprocessing
+
+    results: dict = {}
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:
+        for setting in ("fresh", "kept", "fresh", "kept"):  # alternated, the better of two each
+            for name, ms in pool.apply(_time_decode_batches, (path, setting)).items():
+                row = results.setdefault(name, {})
+                row[f"{setting}_ms"] = min(ms, row.get(f"{setting}_ms", ms))
+    for name, r in results.items():
+        r["speedup"] = r["fresh_ms"] / r["kept_ms"]
+        print(f"  step, {name}: fresh gather {r['fresh_ms']:.1f} ms, kept buffer in groups {r['kept_ms']:.1f} ms "
+              f"({r['speedup']:.2f}x)", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: the built-in small LLaVA)")
@@ -126,8 +168,10 @@ def main() -> None:
     gather = bench_gather(text_config)
     print("engine steps (median of the latency model's probe runs):", flush=True)
     steps = bench_steps(path)
+    print("decode steps of large batches (median of the latency model's probe runs):", flush=True)
+    decode_groups = bench_decode_groups(path)
     write_json(args.out, {"machine": machine(), "model": path, "linears": linears, "gather": gather,
-                          "steps": steps})
+                          "steps": steps, "decode_groups": decode_groups})
 
 
 if __name__ == "__main__":

@@ -127,11 +127,64 @@ def test_metadata_prefill_chunks_and_decode_batch():
 
     decodes = meta.decode_batch
     assert decodes.token_ids.tolist() == [0, 6]
+    (group,) = decodes.groups
+    assert group.token_ids.tolist() == [0, 6]
     # Padded to the longer sequence's 3 blocks; the shorter one's extra slots are masked out.
-    assert decodes.block_ids.tolist() == [[7, 2, 4], [8, 0, 0]]
-    assert decodes.mask.shape == (2, 1, 1, 6)
-    assert torch.isinf(decodes.mask[:, 0, 0]).tolist() == [[False] * 5 + [True], [False] + [True] * 5]
-    assert not torch.isnan(decodes.mask).any() and decodes.mask.max() == 0
+    assert group.block_ids.tolist() == [[7, 2, 4], [8, 0, 0]]
+    assert group.mask.shape == (2, 1, 1, 6)
+    assert torch.isinf(group.mask[:, 0, 0]).tolist() == [[False] * 5 + [True], [False] + [True] * 5]
+    assert not torch.isnan(group.mask).any() and group.mask.max() == 0
+
+
+def test_decode_groups_stay_within_their_size_and_cover_every_decode():
+    # Decodes of context 9, 3, 20, 5, 1 and 12 (blocks of 4) around one prefill chunk.
+    lens = [9, 3, 20, 5, 1, 12]
+    query_lens = [1, 1, 1, 4, 1, 1, 1]
+    seq_lens = lens[:3] + [8] + lens[3:]
+    tables = [list(range(10 * b, 10 * b + -(-n // 4))) for b, n in enumerate(seq_lens)]
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, 4, torch.device("cpu"))
+    rows = [0, 1, 2, 7, 8, 9]  # each decode's row of the flattened batch
+    assert meta.decode_batch_within(10_000).groups[0].token_ids.tolist() == rows  # fits: one group, batch order
+    grouped = meta.decode_batch_within(24)
+    assert meta.decode_batch_within(24) is grouped  # built once for every layer
+    seen = []
+    for group in grouped.groups:
+        n, width = group.block_ids.shape
+        assert n * width * 4 <= 24 or n == 1
+        token_rows = group.token_ids.tolist()
+        seen += token_rows
+        for i, row in enumerate(token_rows):
+            b = rows.index(row)
+            length, seq = lens[b], [0, 1, 2, 4, 5, 6][b]  # the decode's sequence in the batch
+            assert group.block_ids[i, : -(-length // 4)].tolist() == tables[seq]
+            assert torch.isinf(group.mask[i, 0, 0]).tolist() == [False] * length + [True] * (4 * width - length)
+    assert sorted(seen) == rows
+    # Rows of similar lengths together: the 20-token decode pads nobody else.
+    assert [len(g.token_ids) for g in grouped.groups if 20 in [lens[rows.index(r)] for r in g.token_ids.tolist()]] == [1]
+
+
+@pytest.mark.parametrize("gather_bytes", [1, 32 << 10, 96 << 10])
+def test_sdpa_decode_groups_give_the_same_attention(monkeypatch, gather_bytes):
+    """Decodes gathered a few rows at a time into the kept buffer (or one row at a time, or all
+    at once) attend exactly as in one group."""
+    import hydrad.models.attention.sdpa as sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    lens = [37, 5, 64, 18, 1, 50, 23]
+    block_size, num_blocks = 4, 200
+    tables = [random.Random(i).sample(range(num_blocks), -(-n // block_size)) for i, n in enumerate(lens)]
+    kv_cache = torch.randn(2, num_blocks, block_size, 2, HEAD_DIM, generator=gen)
+    q = torch.randn(len(lens), 4, HEAD_DIM, generator=gen)
+    k = torch.randn(len(lens), 2, HEAD_DIM, generator=gen)
+    v = torch.randn(len(lens), 2, HEAD_DIM, generator=gen)
+
+    def attend():
+        meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size, torch.device("cpu"))
+        return SdpaBackend(torch.device("cpu")).forward(q, k, v, kv_cache.clone(), meta, HEAD_DIM**-0.5)
+
+    whole = attend()
+    monkeypatch.setattr(sdpa, "CPU_GATHER_BYTES", gather_bytes)
+    torch.testing.assert_close(attend(), whole, atol=1e-6, rtol=1e-6)
 
 
 def test_metadata_slot_mapping_and_offsets():

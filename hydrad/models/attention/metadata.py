@@ -23,14 +23,22 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class DecodeBatch:
-    """The sequences with exactly one new token, as one padded SDPA batch."""
+class DecodeGroup:
+    """Sequences with exactly one new token, as one padded SDPA batch."""
 
     token_ids: torch.Tensor  # [num_decodes] int64, their rows of the flattened batch
     # [num_decodes, max_num_blocks] int64, each sequence's KV blocks, padded with block 0
     block_ids: torch.Tensor
     # [num_decodes, 1, 1, max_num_blocks * block_size] additive fp32 mask, -inf past each sequence's length
     mask: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """The sequences with exactly one new token, in padded groups (``decode_batch_within``)."""
+
+    token_ids: torch.Tensor  # [num_decodes] int64, their rows of the flattened batch, in batch order
+    groups: tuple[DecodeGroup, ...]
 
 
 @dataclass
@@ -146,24 +154,55 @@ class AttentionMetadata:
             start += query_len
         return chunks
 
-    @cached_property
+    @property
     def decode_batch(self) -> DecodeBatch | None:
+        """The decodes as one padded group."""
+        return self.decode_batch_within(None)
+
+    def decode_batch_within(self, max_tokens: int | None) -> DecodeBatch | None:
+        """The decodes in groups of at most ``max_tokens`` padded key slots each (rows times
+        the group's longest context, rounded up to blocks; None: one group), so that what a
+        backend gathers for one group stays small. When one group would exceed it, rows of
+        similar lengths go together (less padding); a group holds at least one row. Built
+        once per ``max_tokens`` for every layer."""
+        built = self.__dict__.setdefault("_decode_batches", {})
+        if max_tokens not in built:
+            built[max_tokens] = self._decode_batch(max_tokens)
+        return built[max_tokens]
+
+    def _decode_batch(self, max_tokens: int | None) -> DecodeBatch | None:
         query_lens = np.asarray(self.query_lens_cpu)
         is_decode = query_lens == 1
         if not is_decode.any():
             return None
         seq_ids = np.flatnonzero(is_decode)
         token_ids = (np.cumsum(query_lens) - 1)[seq_ids]
-        lens = torch.tensor(np.asarray(self.seq_lens_cpu)[seq_ids])
-        max_num_blocks = -(-int(lens.max()) // self.block_size)
-        # [num_decodes, max_num_blocks * block_size]
-        visible = torch.arange(max_num_blocks * self.block_size) < lens[:, None]
+        lens = np.asarray(self.seq_lens_cpu)[seq_ids]
+        slots = -(-lens // self.block_size) * self.block_size  # each row's padded length
+        if max_tokens is None or len(lens) * int(slots.max()) <= max_tokens:
+            bounds = [np.arange(len(lens))]
+        else:
+            order = np.argsort(lens, kind="stable")
+            sorted_slots, bounds, start = slots[order], [], 0
+            while start < len(order):
+                # Sorted ascending: a group's last row is its longest.
+                width = np.arange(1, len(order) - start + 1) * sorted_slots[start:]
+                end = start + max(1, int(np.searchsorted(width, max_tokens, side="right")))
+                bounds.append(order[start:end])
+                start = end
         device = self.device
-        return DecodeBatch(
-            token_ids=torch.from_numpy(token_ids).to(device),
-            block_ids=self.block_tables_cpu[torch.from_numpy(seq_ids), :max_num_blocks].to(device),
-            mask=_additive_mask(visible[:, None, None, :], device),
-        )
+        groups = []
+        for rows in bounds:
+            group_lens = torch.from_numpy(lens[rows])
+            max_num_blocks = int(slots[rows].max()) // self.block_size
+            # [rows, max_num_blocks * block_size]
+            visible = torch.arange(max_num_blocks * self.block_size) < group_lens[:, None]
+            groups.append(DecodeGroup(
+                token_ids=torch.from_numpy(token_ids[rows]).to(device),
+                block_ids=self.block_tables_cpu[torch.from_numpy(seq_ids[rows]), :max_num_blocks].to(device),
+                mask=_additive_mask(visible[:, None, None, :], device),
+            ))
+        return DecodeBatch(token_ids=torch.from_numpy(token_ids).to(device), groups=tuple(groups))
 
 
 _ZERO, _NEG_INF = torch.tensor(0.0), torch.tensor(float("-inf"))

@@ -24,14 +24,31 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tenso
     slots[1].index_copy_(0, slot_mapping, v)
 
 
-def gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and the values of ``block_ids``, in order: [len(block_ids) * block_size,
     num_kv_heads, head_dim] each. Each is gathered as rows of a 2-d matrix (one block a row):
     torch's row gather copies whole rows in parallel, 1.3-3.6x as fast on a CPU as a gather
-    along the second dimension of the 5-d pool."""
+    along the second dimension of the 5-d pool. ``out``: a [2, >= the elements of one]
+    buffer of the pool's dtype to gather into (the results are views of it)."""
     _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache_layer.shape
-    return tuple(kv_cache_layer[i].view(num_blocks, -1).index_select(0, block_ids).view(-1, num_kv_heads, head_dim)
-                 for i in (0, 1))
+    n, row = block_ids.shape[0], block_size * num_kv_heads * head_dim
+
+    def rows(i: int) -> torch.Tensor:
+        source = kv_cache_layer[i].view(num_blocks, row)
+        if out is None:
+            return source.index_select(0, block_ids)
+        return torch.index_select(source, 0, block_ids, out=out[i, : n * row].view(n, row))
+
+    return tuple(rows(i).view(-1, num_kv_heads, head_dim) for i in (0, 1))
+
+
+# On a CPU the decodes' keys and values are gathered into one buffer kept between steps, a
+# group of decodes at a time, at most this many bytes of keys and values per group. A fresh
+# buffer of tens of MB per layer costs its page faults again at every step (the allocator
+# maps such sizes anew), which made a decode step's attention 2-4x as slow per context token
+# at 32 x 1024 tokens as at 8 x 1024; groups of 8-16 MB measured fastest (bench/cpu_kernels.py).
+CPU_GATHER_BYTES = 16 << 20
 
 
 class SdpaBackend:
@@ -40,6 +57,9 @@ class SdpaBackend:
 
     def __init__(self, device: torch.device):
         self.device = device
+        # The decode gather's buffer on a CPU (``CPU_GATHER_BYTES``); the CUDA allocator
+        # keeps freed blocks for reuse by itself.
+        self._gather_buffer: torch.Tensor | None = None
 
     def check_block_size(self, block_size: int) -> None:
         """Any block size works: blocks are gathered before the kernel sees them."""
@@ -58,9 +78,7 @@ class SdpaBackend:
         out = torch.empty_like(q)
         for chunk in meta.prefill_chunks:
             out[chunk.tokens] = self._prefill(q, k, v, kv_cache_layer, chunk, scale)
-        if meta.decode_batch is not None:
-            decodes = meta.decode_batch
-            out.index_copy_(0, decodes.token_ids, self._decode(q, kv_cache_layer, decodes, scale))
+        self._decode(q, kv_cache_layer, meta, scale, out)
         return out
 
     @staticmethod
@@ -84,23 +102,43 @@ class SdpaBackend:
         )
         return o[0].transpose(0, 1)
 
-    @staticmethod
-    def _decode(q, kv_cache_layer, decodes: DecodeBatch, scale: float) -> torch.Tensor:
-        # -> [num_decodes, num_heads, head_dim]
-        num_decodes = decodes.block_ids.shape[0]
+    def _decode(self, q, kv_cache_layer, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+        """Write the decodes' attention (if the batch has any) into their rows of ``out``
+        [num_tokens, num_heads, head_dim]."""
+        on_cpu = self.device.type == "cpu"
+        block = kv_cache_layer[0, 0]  # [block_size, num_kv_heads, head_dim]
+        if on_cpu:  # groups within CPU_GATHER_BYTES of keys and values
+            max_tokens = max(1, CPU_GATHER_BYTES // (2 * block[0].numel() * block.element_size()))
+        else:  # one group in fresh memory: the CUDA allocator reuses freed blocks by itself
+            max_tokens = None
+        decodes: DecodeBatch | None = meta.decode_batch_within(max_tokens)
+        if decodes is None:
+            return
         num_kv_heads = kv_cache_layer.shape[3]
-        # [num_decodes, num_blocks * block_size, num_kv_heads, head_dim] each: one gather of whole
-        # blocks (runs of contiguous memory) for every decode's keys, one for the values
-        keys, values = (blocks.unflatten(0, (num_decodes, -1))
-                        for blocks in gather_blocks(kv_cache_layer, decodes.block_ids.flatten()))
-        # The query heads that share a KV head attend as the rows of one query over its keys: the
-        # kernel then reads each KV head once, not once per query head.
-        o = F.scaled_dot_product_attention(
-            # [num_decodes, num_kv_heads, num_heads / num_kv_heads, head_dim]
-            q.index_select(0, decodes.token_ids).unflatten(1, (num_kv_heads, -1)),
-            keys.transpose(1, 2),  # [num_decodes, num_kv_heads, num_blocks * block_size, head_dim]
-            values.transpose(1, 2),
-            attn_mask=decodes.mask,
-            scale=scale,
-        )
-        return o.flatten(1, 2)
+        for group in decodes.groups:
+            num_decodes = group.block_ids.shape[0]
+            ids = group.block_ids.flatten()
+            buffer = self._gather_buffer_for(ids.shape[0] * block.numel(), block.dtype) if on_cpu else None
+            # [num_decodes, num_blocks * block_size, num_kv_heads, head_dim] each: one gather of
+            # whole blocks (runs of contiguous memory) for the group's keys, one for the values
+            keys, values = (blocks.unflatten(0, (num_decodes, -1))
+                            for blocks in gather_blocks(kv_cache_layer, ids, buffer))
+            # The query heads that share a KV head attend as the rows of one query over its keys:
+            # the kernel then reads each KV head once, not once per query head.
+            o = F.scaled_dot_product_attention(
+                # [num_decodes, num_kv_heads, num_heads / num_kv_heads, head_dim]
+                q.index_select(0, group.token_ids).unflatten(1, (num_kv_heads, -1)),
+                keys.transpose(1, 2),  # [num_decodes, num_kv_heads, num_blocks * block_size, head_dim]
+                values.transpose(1, 2),
+                attn_mask=group.mask,
+                scale=scale,
+            )
+            out.index_copy_(0, group.token_ids, o.flatten(1, 2))
+
+    def _gather_buffer_for(self, elements: int, dtype: torch.dtype) -> torch.Tensor:
+        """The kept [2, >= elements] gather buffer (grown for a group of one row longer than
+        the groups' size)."""
+        buffer = self._gather_buffer
+        if buffer is None or buffer.dtype != dtype or buffer.shape[1] < elements:
+            buffer = self._gather_buffer = torch.empty(2, elements, dtype=dtype, device=self.device)
+        return buffer
