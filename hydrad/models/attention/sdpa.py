@@ -1,10 +1,12 @@
 """Paged attention with torch's ``scaled_dot_product_attention``: any device, and the reference in tests.
 
-Decodes (query length 1) of the whole batch run as one padded SDPA call with a key-padding
-mask; each prefill chunk runs as its own call, over its own keys when nothing is cached
-before it, else over its context gathered from the cache. The gather indices and masks
-come from ``AttentionMetadata`` (built once per step). Every call passes 4-d tensors:
-torch's fused CPU kernel takes nothing else and would fall back to the slow math kernel.
+Decodes (query length 1) run as padded SDPA calls with a key-padding mask: on a CPU in groups
+of rows of similar lengths whose keys and values (at most ``CPU_GATHER_BYTES``) are gathered
+into a buffer kept between steps, elsewhere all in one call; each prefill chunk runs as its
+own call, over its own keys when nothing is cached before it, else over its context gathered
+from the cache. The gather indices and masks come from ``AttentionMetadata`` (built once per
+step). Every call passes 4-d tensors: torch's fused CPU kernel takes nothing else and would
+fall back to the slow math kernel.
 """
 
 from __future__ import annotations
