@@ -6,13 +6,15 @@ enter through the cluster's real ``Router`` and move between instances through t
 ``MigrationRelay`` (offers built by ``migration.offer_for``, rebuilt on the target by
 ``Request.from_offer``). Only the model and the pipes are replaced:
 
-* a step lasts what the instance's latency model predicts for it (plus a fixed
-  per-step overhead), slowed down when more CPU threads are busy than there are cores
-  (the workers' torch threads, and the daemon's Request Processor while it prepares a
-  request: it runs on the same cores). Each CPU instance runs on the threads the live
-  deployment gives it, with its model at that count: its share, and an instance that
-  borrows idle cores more while the instances it borrows from have no work
-  (``engine.cores``);
+* a step takes the work the instance's latency model predicts for it (plus a fixed
+  per-step overhead), done at a speed that changes whenever another step starts or ends:
+  slower while more CPU threads are busy than there are cores (the workers' torch threads,
+  and the daemon's Request Processor while it prepares a request: it runs on the same
+  cores). Each CPU instance runs on the threads the live deployment gives it, with its
+  model at that count: its share, and an instance that borrows idle cores more while the
+  instances it borrows from have no work (``engine.cores``); a borrowed step during which
+  a lender starts one goes on as on its own share, slower still (``CONTENDED_TEAM``),
+  while the lender's step keeps its core;
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -313,12 +315,15 @@ class SimInstance:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
             seconds = self.model.step_seconds(step_shape(out, self.scheduler))
-        seconds = seconds * sim.slowdown(seconds, self.step_threads) + sim.setup.step_overhead
+        contended = None
+        if self.step_threads > t.own:
+            # On the lenders' cores: if one of them starts a step meanwhile, this step goes on
+            # slower than on its own share alone (``CONTENDED_TEAM``).
+            alone = self.models[t.own].step_seconds(step_shape(out, self.scheduler))
+            contended = max(1.0, CONTENDED_TEAM * alone / max(seconds, 1e-9))
         self.running = True
-        sim.busy_threads += self.step_threads
-        self.busy += seconds
         self.num_steps += 1
-        sim.at(now + seconds, _STEP_END, self, out)
+        sim.start(self, out, seconds + sim.setup.step_overhead, contended)
 
     def _pull_first(self) -> bool:
         """As ``EngineCore._pull_first``: start the pulls admitted ahead of the step; True when
@@ -340,7 +345,6 @@ class SimInstance:
 
     def end_step(self, out) -> None:
         sim, s = self.sim, self.scheduler
-        sim.busy_threads -= self.step_threads
         if out.encodes:
             s.update_after_encode(out)
         if out.chunks:
@@ -371,6 +375,31 @@ class SimInstance:
                 relay.on_offer(self, offer)
 
 
+# A step on more threads than the instance's share (it borrows idle cores) goes on this many
+# times slower than the same step on its share alone while another instance's step runs on
+# the cores it borrowed: its OpenMP team then shares one core, and its threads wait for each
+# other. Measured on a 2-core CPU (a 290-row matmul loop on 2 threads beside a 1-thread
+# process: 57.7 ms per iteration against 46.5 ms on 1 thread alone and 25.8 ms on 2; the
+# 1-thread process was not slowed).
+CONTENDED_TEAM = 1.24
+
+
+@dataclass
+class _Step:
+    """A step under way: what is left of it, at the speed it runs now."""
+
+    out: object
+    work: float  # seconds left at full speed (alone on enough cores)
+    threads: int  # the threads it steps on
+    own: int  # the instance's own share
+    contended: float | None  # slowdown while it borrows and another step runs (None: it does not borrow)
+    processor: float  # share of the Request Processor's thread over the step, taken at its start
+    started: float
+    updated: float
+    rate: float = 0.0
+    token: int = 0
+
+
 # Event kinds.
 _ARRIVE, _DELIVER, _STEP_END, _WAKE = range(4)
 # Message kinds.
@@ -384,7 +413,8 @@ class Simulation:
                  slo_ttft: float, slo_tbt: float, stop_below: float | None = None):
         self.setup = setup
         self.now = 0.0
-        self.busy_threads = 0  # of the instances in a step
+        self.steps: dict[SimInstance, _Step] = {}  # the steps under way, by instance
+        self._tokens = 0
         self._events: list = []
         self._seq = 0
         threads = (cpu_threads(roles, setup.cores, share=setup.threads) if setup.cores is not None
@@ -417,16 +447,51 @@ class Simulation:
         """A message from the daemon to a worker."""
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
-    def slowdown(self, seconds: float, threads: int) -> float:
-        """How much longer a step of ``seconds`` (alone) on ``threads`` threads that starts now
-        takes: CPU threads beyond the cores share them. The busy threads are the other
-        instances' in a step and, for the share of the step it overlaps, the Request
-        Processor's one."""
+    # -- steps sharing the cores ------------------------------------------------------------------
+    def start(self, instance: SimInstance, out, seconds: float, contended: float | None) -> None:
+        """Begin ``instance``'s step of ``seconds`` at full speed; it ends when its work is done
+        at the speeds it gets while other steps start and end (``_speed``)."""
+        processor = self._processor_share(self.now, self.now + seconds) if self.setup.cores is not None else 0.0
+        self.steps[instance] = _Step(out, seconds, instance.step_threads, instance.threads.own, contended,
+                                     processor, self.now, self.now)
+        self._retime()
+
+    def end(self, instance: SimInstance, token: int):
+        """The step's output when ``token`` is its current end, else None (a stale end event)."""
+        step = self.steps.get(instance)
+        if step is None or step.token != token:
+            return None
+        del self.steps[instance]
+        instance.busy += self.now - step.started
+        self._retime()
+        return step.out
+
+    def _retime(self) -> None:
+        """After a step started or ended: every step under way goes on at its new speed."""
+        now = self.now
+        for instance, step in self.steps.items():
+            step.work = max(0.0, step.work - (now - step.updated) * step.rate)
+            step.updated = now
+            rate = 1.0 / self._slowdown(step)
+            if rate != step.rate:
+                step.rate = rate
+                self._tokens += 1
+                step.token = self._tokens
+                self.at(now + step.work / rate, _STEP_END, instance, step.token)
+
+    def _slowdown(self, step: _Step) -> float:
+        """How much slower than alone ``step`` runs now: CPU threads beyond the cores share
+        them (the other steps' threads, counting a contended borrower's own share only, and,
+        for the share of the step it overlaps, the Request Processor's thread); a borrowing
+        step beside another step runs as on its own share, ``CONTENDED_TEAM`` slower."""
         cores = self.setup.cores
         if cores is None:
             return 1.0
-        threads = self.busy_threads + threads + self._processor_share(self.now, self.now + seconds)
-        return max(1.0, threads / cores)
+        others = [s for s in self.steps.values() if s is not step]
+        busy = sum(s.own if s.contended is not None and len(self.steps) > 1 else s.threads for s in others)
+        if step.contended is not None and others:
+            return step.contended * max(1.0, (step.own + busy + step.processor) / cores)
+        return max(1.0, (step.threads + busy + step.processor) / cores)
 
     def _processor_share(self, start: float, end: float) -> float:
         """The fraction of [start, end] the Request Processor is busy (steps start in time order,
@@ -518,7 +583,10 @@ class Simulation:
             time, _, kind, target, payload = heapq.heappop(events)
             self.now = time
             if kind == _STEP_END:
-                target.end_step(payload)
+                out = self.end(target, payload)
+                if out is None:  # the step was re-timed: a later event ends it
+                    continue
+                target.end_step(out)
                 self._check_deadlines()
                 if self._missed >= self._max_missed:
                     stopped = True

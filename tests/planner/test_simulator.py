@@ -137,17 +137,35 @@ def test_a_request_queues_behind_a_busy_instance():
 
 
 def test_cpu_instances_beyond_the_cores_slow_each_other_down():
-    # One core, two instances of one thread: a step that starts while the other instance
-    # is in a step takes twice as long.
+    # One core, two instances of one thread: while both are in a step each runs at half speed.
     setup = make_setup(cores=1, threads=1, bandwidth=1e15)
     (alone,) = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 1)]).requests
     assert alone.ttft == pytest.approx(0.11)
     reqs = [SimRequest(0.0, 100, 2), SimRequest(0.111, 100, 1)]
     r0, r1 = run(setup, ["EP", "D"], reqs).requests
-    # r0: prefill on EP alone (0.11); D's decode starts at 0.11 alone (12 ms, until 0.122).
-    assert r0.gaps == pytest.approx([0.012])
-    # r1 reaches EP at 0.111 while D's decode runs: its prefill step takes 2 x 0.11.
-    assert r1.ttft == pytest.approx(0.22)
+    # r0: prefill on EP alone (0.11); D's decode (12 ms alone) starts at 0.11; r1 reaches EP at
+    # 0.111: from then on both steps run at half speed, so D's decode ends at 0.111 + 2 x 0.011.
+    assert r0.gaps == pytest.approx([0.023])
+    # r1's prefill (110 ms alone): 11 ms of it at half speed until 0.133, the other 99 ms alone.
+    assert r1.ttft == pytest.approx(0.133 + 0.099 - 0.111)
+
+
+def test_a_borrowing_step_slows_down_when_its_lender_starts_a_step():
+    # Two cores; EP borrows D's idle core for r1's prefill (10 + 50 ms on two threads, 10 + 100 ms
+    # on its own one), and D then starts decoding r0: EP's step goes on as on its own thread,
+    # CONTENDED_TEAM slower, while D's decodes run at full speed on their core.
+    from hydrad.planner.simulator import CONTENDED_TEAM
+
+    fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
+    setup = make_setup(cores=2, threads=1, bandwidth=1e15, thread_models={2: fast})
+    r0, r1 = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 3), SimRequest(0.03, 100, 1)]).requests
+    # r0: prefill on two threads (0 - 0.06), then two decodes on D from 0.06: 12 ms each.
+    assert r0.ttft == pytest.approx(0.06) and r0.gaps == pytest.approx([0.012, 0.012])
+    # r1: EP's step from 0.06 (D idle when it starts) runs at 0.06 / (1.24 x 0.11) of its
+    # two-thread speed while D decodes (until 0.084), then at full speed.
+    rate = 0.06 / (CONTENDED_TEAM * 0.11)
+    done = 0.024 * rate
+    assert r1.ttft == pytest.approx(0.084 + (0.06 - done) - 0.03)
 
 
 def test_a_borrower_runs_on_the_lenders_core_only_while_the_lender_has_no_work():
