@@ -34,6 +34,7 @@ from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
 from hydrad.engine.migration import MigrationOffer, PullCopier, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.scheduler import Scheduler
+from hydrad.engine.allocator import keep_freed_memory
 from hydrad.engine.streams import StageStreams
 from hydrad.errors import ConfigError, RequestError
 
@@ -102,6 +103,8 @@ class EngineCore:
         self.role = normalize_role(role)
         self.instance_id = instance_id
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # the step's tensors reuse freed pages (engine.allocator)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_path = resolve_model_path(config.model.path)
         has_vision = "E" in self.role

@@ -56,8 +56,8 @@ logger = logging.getLogger(__name__)
 # Bump when the probes, the features, the file layout or what a step costs change (the model
 # code: 5, the CLIP tower stops at its feature layer; 6, linear layers packed for oneDNN on a
 # CPU and KV blocks gathered as rows; 7, decodes gathered in groups into a kept buffer on a
-# CPU): older files then miss.
-_CACHE_VERSION = 7
+# CPU; 8, CPU engines keep freed memory, engine.allocator): older files then miss.
+_CACHE_VERSION = 8
 _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05
