@@ -5,9 +5,10 @@ them, ``cores // N`` torch threads. A decode-only instance's steps are short and
 memory-bound, and its cores idle between requests; the instances that encode or
 prefill and do not decode (E, P, EP: compute-bound) borrow them. A borrower runs on its
 share plus the lent threads only while every instance it borrows from is idle, and on
-its share alone while one of them has work: the workers never run more threads than
-there are cores, so neither slows the other down, and a lone request is still encoded
-and prefilled on every core.
+its share alone while one of them has work, so a lone request is still encoded and
+prefilled on every core. The count is picked as each step starts: a lender that gets work
+during a borrowed step runs beside it and keeps its core, while the borrower's step goes on
+about as slowly as on its own share (the planner's simulator models both).
 
 Whether an instance has work is a byte in a small block of shared memory (``CoreBoard``,
 one byte per instance id) that every CPU worker of the deployment maps: the lender
