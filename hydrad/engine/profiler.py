@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 # Bump when the probes, the features, the file layout or what a step costs change (the model
 # code: 5, the CLIP tower stops at its feature layer; 6, linear layers packed for oneDNN on a
 # CPU and KV blocks gathered as rows; 7, decodes gathered in groups into a kept buffer on a
-# CPU; 8, CPU engines keep freed memory, engine.allocator): older files then miss.
-_CACHE_VERSION = 8
+# CPU; 8, CPU engines keep freed memory, engine.allocator; 9, steps of several prompts among
+# the probes): older files then miss.
+_CACHE_VERSION = 9
 _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05
@@ -145,8 +146,12 @@ def design_probes(limits: Limits, seed: int = 0) -> tuple[list[Probe], list[Prob
             Probe(prefills=((mid, max(8, chunk // 4)),)),
             Probe(prefills=((top, max(8, chunk // 2)),)),
             Probe(decodes=(mid,) * 16, prefills=((0, max(8, chunk // 2)),)),
+            # Several prompts in one step, as a prefill-only instance's long steps hold: per
+            # token they cost more than one chunk (the activations outgrow the caches).
+            Probe(prefills=((0, max(8, chunk // 2)),) * 4),
         ]
         fit += [_shrink(p, limits) for p in language]
+        check.append(_shrink(Probe(prefills=((0, max(8, chunk * 3 // 5)),) * 2), limits))
         for _ in range(6):
             num_decodes = rng.randint(0, 48)
             context = rng.randint(low, top)
