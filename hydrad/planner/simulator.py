@@ -311,15 +311,16 @@ class SimInstance:
                 self.running = True
                 sim.at(min(done for done, _ in self.copies), _WAKE, self, None)
             return
-        if sim.setup.fill_by_model:
+        shape = None if sim.setup.fill_by_model else step_shape(out, self.scheduler)
+        if shape is None:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
-            seconds = self.model.step_seconds(step_shape(out, self.scheduler))
+            seconds = self.model.step_seconds(shape)
         contended = None
         if self.step_threads > t.own:
             # On the lenders' cores: if one of them starts a step meanwhile, this step goes on
             # slower than on its own share alone (``CONTENDED_TEAM``).
-            alone = self.models[t.own].step_seconds(step_shape(out, self.scheduler))
+            alone = self.models[t.own].step_seconds(shape or step_shape(out, self.scheduler))
             contended = max(1.0, CONTENDED_TEAM * alone / max(seconds, 1e-9))
         self.running = True
         self.num_steps += 1
@@ -450,7 +451,7 @@ class Simulation:
     # -- steps sharing the cores ------------------------------------------------------------------
     def start(self, instance: SimInstance, out, seconds: float, contended: float | None) -> None:
         """Begin ``instance``'s step of ``seconds`` at full speed; it ends when its work is done
-        at the speeds it gets while other steps start and end (``_speed``)."""
+        at the speeds it gets while other steps start and end (``_slowdown``)."""
         processor = self._processor_share(self.now, self.now + seconds) if self.setup.cores is not None else 0.0
         self.steps[instance] = _Step(out, seconds, instance.step_threads, instance.threads.own, contended,
                                      processor, self.now, self.now)
@@ -488,7 +489,8 @@ class Simulation:
         if cores is None:
             return 1.0
         others = [s for s in self.steps.values() if s is not step]
-        busy = sum(s.own if s.contended is not None and len(self.steps) > 1 else s.threads for s in others)
+        # Beside this step, a borrowing step is contended: it holds its own share's cores.
+        busy = sum(s.own if s.contended is not None else s.threads for s in others)
         if step.contended is not None and others:
             return step.contended * max(1.0, (step.own + busy + step.processor) / cores)
         return max(1.0, (step.threads + busy + step.processor) / cores)

@@ -23,24 +23,12 @@ from hydrad import LLM, SamplingParams
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS / "engine"), str(TESTS / "server")]
 
+# transformers on CPU in float32: the external reference for every test here.
+from test_disaggregation import conversations, reference  # noqa: E402, F401  (fixtures)
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def conversations():
-    from test_llm_correctness import conversations as make
-
-    return make.__wrapped__()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llava_dir, conversations):
-    """transformers on CPU in float32: the external reference for every test here."""
-    from test_llm_correctness import _reference_tokens
-
-    return _reference_tokens(tiny_llava_dir, conversations)
 
 
 @pytest.fixture
@@ -155,18 +143,13 @@ def family_conversations():
 def test_families_on_cuda_with_chunks_preemption_and_ipc(tiny_checkpoint, family_conversations, arch,
                                                         one_gpu_for_every_instance):
     from factories import hf_references
-    from test_llm_families import CACHE, MAX_TOKENS as FAMILY_TOKENS, PARAMS, TOKEN_BUDGET, _prompt_ids
+    from test_llm_families import CACHE, MAX_TOKENS as FAMILY_TOKENS, TOKEN_BUDGET, _check, _prompt_ids
 
     path = tiny_checkpoint(arch)
     refs = hf_references(path, family_conversations, FAMILY_TOKENS)
 
     def check(llm: LLM, what: str) -> list:
-        outs = llm.chat(family_conversations, PARAMS, use_tqdm=False)
-        for i, (out, (tokens, logprobs)) in enumerate(zip(outs, refs)):
-            assert out.token_ids == tokens, f"{what}: conversation {i}"
-            got = [entry.logprob for entry in out.logprobs]
-            assert got == pytest.approx(logprobs, abs=FAMILY_LOGPROB_TOL), f"{what}: conversation {i}"
-        return outs
+        return _check(llm, family_conversations, refs, what, tol=FAMILY_LOGPROB_TOL)
 
     longest = max(len(ids) for ids in _prompt_ids(path, family_conversations)) + FAMILY_TOKENS
     llm = LLM(str(path), devices="cuda:0", dtype="float32", token_budget=TOKEN_BUDGET, kv_block_size=4,

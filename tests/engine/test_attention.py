@@ -125,9 +125,7 @@ def test_metadata_prefill_chunks_and_decode_batch():
     # Query 0 sits at position 3 and sees keys 0 ... 3; query 1 sees all five.
     assert torch.isinf(chunk.mask).tolist() == [[False] * 4 + [True], [False] * 5]
 
-    decodes = meta.decode_batch
-    assert decodes.token_ids.tolist() == [0, 6]
-    (group,) = decodes.groups
+    group = meta.decode_batch
     assert group.token_ids.tolist() == [0, 6]
     # Padded to the longer sequence's 3 blocks; the shorter one's extra slots are masked out.
     assert group.block_ids.tolist() == [[7, 2, 4], [8, 0, 0]]
@@ -144,11 +142,12 @@ def test_decode_groups_stay_within_their_size_and_cover_every_decode():
     tables = [list(range(10 * b, 10 * b + -(-n // 4))) for b, n in enumerate(seq_lens)]
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, 4, torch.device("cpu"))
     rows = [0, 1, 2, 7, 8, 9]  # each decode's row of the flattened batch
-    assert meta.decode_batch_within(10_000).groups[0].token_ids.tolist() == rows  # fits: one group, batch order
-    grouped = meta.decode_batch_within(24)
-    assert meta.decode_batch_within(24) is grouped  # built once for every layer
+    (whole,) = meta.decode_groups(10_000)
+    assert whole.token_ids.tolist() == rows  # it fits: one group, in batch order
+    grouped = meta.decode_groups(24)
+    assert meta.decode_groups(24) is grouped  # built once for every layer
     seen = []
-    for group in grouped.groups:
+    for group in grouped:
         n, width = group.block_ids.shape
         assert n * width * 4 <= 24 or n == 1
         token_rows = group.token_ids.tolist()
@@ -160,7 +159,7 @@ def test_decode_groups_stay_within_their_size_and_cover_every_decode():
             assert torch.isinf(group.mask[i, 0, 0]).tolist() == [False] * length + [True] * (4 * width - length)
     assert sorted(seen) == rows
     # Rows of similar lengths together: the 20-token decode pads nobody else.
-    assert [len(g.token_ids) for g in grouped.groups if 20 in [lens[rows.index(r)] for r in g.token_ids.tolist()]] == [1]
+    assert [len(g.token_ids) for g in grouped if 20 in [lens[rows.index(r)] for r in g.token_ids.tolist()]] == [1]
 
 
 @pytest.mark.parametrize("gather_bytes", [1, 32 << 10, 96 << 10])

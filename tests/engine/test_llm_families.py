@@ -52,12 +52,12 @@ def reference(tiny_checkpoint, conversations):
     return get
 
 
-def _check(llm: LLM, conversations, reference, what: str):
+def _check(llm: LLM, conversations, reference, what: str, tol: float = LOGPROB_TOL):
     outs = llm.chat(conversations, PARAMS, use_tqdm=False)
     for i, (out, (tokens, logprobs)) in enumerate(zip(outs, reference)):
         assert out.token_ids == tokens, f"{what}: conversation {i}"
         got = [entry.logprob for entry in out.logprobs]
-        assert got == pytest.approx(logprobs, abs=LOGPROB_TOL), f"{what}: conversation {i}"
+        assert got == pytest.approx(logprobs, abs=tol), f"{what}: conversation {i}"
     return outs
 
 

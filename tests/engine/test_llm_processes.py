@@ -6,6 +6,8 @@ import multiprocessing
 
 import pytest
 
+from test_disaggregation import conversations, reference  # noqa: F401  (fixtures)
+
 from hydrad import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -25,17 +27,3 @@ def test_worker_processes_match_transformers(tiny_llava_dir, conversations, refe
             llm.chat(conversations[1], SamplingParams(max_tokens=100_000))
         assert llm.chat(conversations[5], SamplingParams(max_tokens=3, temperature=0.0))[0].token_ids == reference[5][:3]
     assert not [w for w in multiprocessing.active_children() if w.name.startswith("hydrad-worker")]
-
-
-@pytest.fixture(scope="module")
-def conversations():
-    from test_llm_correctness import conversations as make
-
-    return make.__wrapped__()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_llava_dir, conversations):
-    from test_llm_correctness import _reference_tokens
-
-    return _reference_tokens(tiny_llava_dir, conversations)

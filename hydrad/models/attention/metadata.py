@@ -23,7 +23,7 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
-class DecodeGroup:
+class DecodeBatch:
     """Sequences with exactly one new token, as one padded SDPA batch."""
 
     token_ids: torch.Tensor  # [num_decodes] int64, their rows of the flattened batch
@@ -31,14 +31,6 @@ class DecodeGroup:
     block_ids: torch.Tensor
     # [num_decodes, 1, 1, max_num_blocks * block_size] additive fp32 mask, -inf past each sequence's length
     mask: torch.Tensor
-
-
-@dataclass(frozen=True)
-class DecodeBatch:
-    """The sequences with exactly one new token, in padded groups (``decode_batch_within``)."""
-
-    token_ids: torch.Tensor  # [num_decodes] int64, their rows of the flattened batch, in batch order
-    groups: tuple[DecodeGroup, ...]
 
 
 @dataclass
@@ -156,25 +148,26 @@ class AttentionMetadata:
 
     @property
     def decode_batch(self) -> DecodeBatch | None:
-        """The decodes as one padded group."""
-        return self.decode_batch_within(None)
+        """Every decode in one padded batch (None: the batch has none)."""
+        groups = self.decode_groups(None)
+        return groups[0] if groups else None
 
-    def decode_batch_within(self, max_tokens: int | None) -> DecodeBatch | None:
-        """The decodes in groups of at most ``max_tokens`` padded key slots each (rows times
-        the group's longest context, rounded up to blocks; None: one group), so that what a
-        backend gathers for one group stays small. When one group would exceed it, rows of
-        similar lengths go together (less padding); a group holds at least one row. Built
-        once per ``max_tokens`` for every layer."""
-        built = self.__dict__.setdefault("_decode_batches", {})
+    def decode_groups(self, max_tokens: int | None) -> tuple[DecodeBatch, ...]:
+        """The decodes in padded batches of at most ``max_tokens`` key slots each (rows times
+        the batch's longest context, rounded up to blocks; None: one batch), so that what a
+        backend gathers for one stays small. When one batch would exceed it, rows of similar
+        lengths go together (less padding); a batch holds at least one row. Built once per
+        ``max_tokens`` for every layer."""
+        built = self.__dict__.setdefault("_built_decode_groups", {})
         if max_tokens not in built:
-            built[max_tokens] = self._decode_batch(max_tokens)
+            built[max_tokens] = self._decode_groups(max_tokens)
         return built[max_tokens]
 
-    def _decode_batch(self, max_tokens: int | None) -> DecodeBatch | None:
+    def _decode_groups(self, max_tokens: int | None) -> tuple[DecodeBatch, ...]:
         query_lens = np.asarray(self.query_lens_cpu)
         is_decode = query_lens == 1
         if not is_decode.any():
-            return None
+            return ()
         seq_ids = np.flatnonzero(is_decode)
         token_ids = (np.cumsum(query_lens) - 1)[seq_ids]
         lens = np.asarray(self.seq_lens_cpu)[seq_ids]
@@ -197,12 +190,12 @@ class AttentionMetadata:
             max_num_blocks = int(slots[rows].max()) // self.block_size
             # [rows, max_num_blocks * block_size]
             visible = torch.arange(max_num_blocks * self.block_size) < group_lens[:, None]
-            groups.append(DecodeGroup(
+            groups.append(DecodeBatch(
                 token_ids=torch.from_numpy(token_ids[rows]).to(device),
                 block_ids=self.block_tables_cpu[torch.from_numpy(seq_ids[rows]), :max_num_blocks].to(device),
                 mask=_additive_mask(visible[:, None, None, :], device),
             ))
-        return DecodeBatch(token_ids=torch.from_numpy(token_ids).to(device), groups=tuple(groups))
+        return tuple(groups)
 
 
 _ZERO, _NEG_INF = torch.tensor(0.0), torch.tensor(float("-inf"))

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hydrad.models.attention import SDPA_BLOCK_SIZE
-from hydrad.models.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from hydrad.models.attention.metadata import AttentionMetadata, PrefillChunk
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -113,11 +113,8 @@ class SdpaBackend:
             max_tokens = max(1, CPU_GATHER_BYTES // (2 * block[0].numel() * block.element_size()))
         else:  # one group in fresh memory: the CUDA allocator reuses freed blocks by itself
             max_tokens = None
-        decodes: DecodeBatch | None = meta.decode_batch_within(max_tokens)
-        if decodes is None:
-            return
         num_kv_heads = kv_cache_layer.shape[3]
-        for group in decodes.groups:
+        for group in meta.decode_groups(max_tokens):
             num_decodes = group.block_ids.shape[0]
             ids = group.block_ids.flatten()
             buffer = self._gather_buffer_for(ids.shape[0] * block.numel(), block.dtype) if on_cpu else None
