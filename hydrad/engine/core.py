@@ -394,7 +394,7 @@ class EngineCore:
             self._collect_pulls(block=True)
             return EngineOutput()
         vision = (lambda: self.runner.encode(out.encodes)) if out.encodes else None
-        language = (lambda: self.runner.execute(out.chunks)) if out.chunks else None
+        language = (lambda: self.runner.execute(out.chunks, out.num_decodes)) if out.chunks else None
         start = time.perf_counter()
         (_, encode_secs), (sampled, language_secs) = self.streams.run(vision, language)
         if out.num_decodes and self.scheduler.latency_model is not None:

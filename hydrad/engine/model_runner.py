@@ -139,17 +139,32 @@ class ModelRunner:
             self.batch.remove(req)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[tuple[Request, int]]) -> SamplerOutput:
+    def execute(self, chunks: list[tuple[Request, int]], num_decodes: int = 0) -> SamplerOutput:
         """Run prefill chunks and decodes in one flattened forward; sample one token for
-        every request whose chunk reaches the end of its tokens, in chunk order."""
+        every request whose chunk reaches the end of its tokens, in chunk order.
+
+        ``num_decodes``: the first chunks are this many decodes (one new token, the request's
+        last, past its prompt: the scheduler's order); their inputs are gathered column by
+        column rather than request by request."""
         batch = self.batch
         num_blocks = batch.num_blocks
-        rows, starts, query_lens, token_ids = [], [], [], []
-        mm_dst, mm_src = [], []
-        sample_rows, sample_pos, sample_reqs = [], [], []
-        offset = 0
         owners = batch.owners
-        for req, num_new in chunks:
+        decodes = [req for req, _ in chunks[:num_decodes]]
+        rows = [req.row for req in decodes]
+        capacity = len(owners)
+        for i in [i for i, (req, row) in enumerate(zip(decodes, rows))
+                  if row < 0 or row >= capacity or owners[row] is not req]:
+            rows[i] = batch.add(decodes[i])
+        for req, row in zip(decodes, rows):
+            if len(req.kv_block_ids) != num_blocks[row]:
+                batch.sync_blocks(row, req.kv_block_ids)
+        starts = [req.num_computed_tokens for req in decodes]
+        token_ids = [req.output_token_ids[-1] for req in decodes]
+        query_lens = [1] * num_decodes
+        sample_rows, sample_pos, sample_reqs = list(rows), list(range(num_decodes)), list(decodes)
+        mm_dst, mm_src = [], []
+        offset = num_decodes
+        for req, num_new in chunks[num_decodes:]:
             row = req.row
             if row < 0 or row >= len(owners) or owners[row] is not req:
                 row = batch.add(req)
@@ -190,7 +205,9 @@ class ModelRunner:
         hidden = self.model(embeds, positions, self.kv_cache, meta)
         if not sample_reqs:
             return SamplerOutput([])
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_pos, device=device)])
+        if len(sample_pos) < hidden.shape[0]:
+            hidden = hidden[torch.tensor(sample_pos, device=device)]
+        logits = self.model.compute_logits(hidden)  # (every token samples: they are in order)
         sample_rows_np = np.array(sample_rows, dtype=np.int64)
         out = self.sampler.sample(logits, batch.sampling_metadata(sample_rows_np, sample_reqs))
         batch.add_sampled(sample_rows_np, out.token_ids)

@@ -182,9 +182,10 @@ def sorted_keep_counts(sorted_logits: torch.Tensor, top_p: torch.Tensor | None, 
         total = cum[:, -1]
     keep = torch.full_like(total, sorted_logits.shape[-1], dtype=torch.int64)
     if top_p is not None and (top_p < 1.0).any():
-        # A token goes once the mass strictly before it reaches top_p (transformers' TopP).
-        before = cum - weights
-        keep = (before < top_p[:, None] * total[:, None]).sum(-1)
+        # A token goes once the mass strictly before it reaches top_p (transformers' TopP): the
+        # first stays, then one more per running sum (up to the token before) below the threshold.
+        below = torch.searchsorted(cum, (top_p * total)[:, None])[:, 0]  # running sums < threshold
+        keep = (below + 1).clamp_(max=sorted_logits.shape[-1])
     if min_p is not None and (min_p > 0.0).any():
         # transformers' MinP: probability below min_p times the most likely token's.
         keep = torch.minimum(keep, (weights >= min_p[:, None]).sum(-1))
@@ -239,12 +240,12 @@ class Sampler:
         logits = self._process(logits, meta)
 
         if greedy.all():
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)
             if greedy.any():
                 rows = _index(np.flatnonzero(greedy), logits.device)
-                tokens[rows] = logits[rows].argmax(dim=-1)
+                tokens[rows] = argmax_rows(logits[rows])
             sampled = np.flatnonzero(~greedy)
             if len(sampled) == num_rows:  # no row to leave out: no copy of the logits
                 tokens = self._draw(logits, meta, sampled)
@@ -307,11 +308,13 @@ class Sampler:
 
         def draw_top_k(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
             # A positive temperature keeps the order: take the top k, then scale only those.
-            k = t(top_k, m)
-            values, ids = x.topk(int(top_k[m].max()), dim=-1)
-            values = values / t(temperature, m)[:, None]
-            past_k = torch.arange(values.shape[-1], device=device)[None, :] >= k[:, None]
-            values = values.masked_fill(past_k, float("-inf"))
+            max_k = int(top_k[m].max())
+            values, ids = topk_rows(x, max_k)
+            if (temperature[m] != 1.0).any():
+                values = values / t(temperature, m)[:, None]
+            if (top_k[m] != max_k).any():  # rows of a smaller k: their candidates past it go
+                past_k = torch.arange(max_k, device=device)[None, :] >= t(top_k, m)[:, None]
+                values = values.masked_fill(past_k, float("-inf"))
             return _draw_sorted(values, ids, t_on(top_p, m, 1.0), t_on(min_p, m, 0.0), u)
 
         def draw_top_p(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
@@ -338,7 +341,7 @@ class Sampler:
         """Top-p without top-k: the top candidates when they hold the top-p mass, else a full sort."""
         vocab = logits.shape[-1]
         k = min(vocab, TOP_P_CANDIDATES)
-        values, ids = logits.topk(k, dim=-1)
+        values, ids = topk_rows(logits, k)
         total = torch.exp(logits - values[:, :1]).sum(-1)
         covered = torch.cumsum(torch.exp(values - values[:, :1]), dim=-1)[:, -1] >= top_p * total
         if k == vocab or covered.all():
@@ -377,14 +380,52 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
         out[:, vocab:].zero_()
     if min_p is not None and (min_p > 0).any():
         weights.masked_fill_(weights < min_p[:, None], 0.0)
-    blocks = out.view(rows, -1, _BLOCK)  # [rows, num_blocks, block]
-    block_cum = torch.cumsum(blocks.sum(-1), dim=-1)  # [rows, num_blocks]
+    num_blocks = width // _BLOCK
+    flat_blocks = out.view(-1, _BLOCK)  # [rows * num_blocks, block]
+    block_cum = torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1)  # [rows, num_blocks]
     target = uniform * block_cum[:, -1]
-    block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].clamp_(max=block_cum.shape[1] - 1)
-    before = torch.where(block > 0, block_cum.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
-    inner = torch.cumsum(blocks[torch.arange(rows, device=logits.device), block], dim=-1) + before[:, None]
-    pos = torch.searchsorted(inner, target[:, None], right=True)[:, 0].clamp_(max=_BLOCK - 1)
+    block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].clamp_(max=num_blocks - 1)
+    # The chosen block of each row in the flattened blocks (index_select: the fastest row gather on a CPU).
+    flat = torch.arange(0, rows * num_blocks, num_blocks, device=logits.device).add_(block)
+    before = torch.where(block > 0, block_cum.view(-1)[flat - 1], 0.0)  # the mass of the blocks before it
+    inner = torch.cumsum(flat_blocks.index_select(0, flat), dim=-1)
+    pos = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0].clamp_(max=_BLOCK - 1)
     return (block * _BLOCK + pos).clamp_(max=vocab - 1)
+
+
+# Width of the blocks whose maxima ``topk_rows`` ranks first on a CPU.
+_TOPK_BLOCK = 32
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima, as ``torch.argmax``). On a CPU numpy's:
+    torch's CPU argmax over a vocabulary is 5-10x slower (256 rows x 32k: 6.9 ms on two
+    threads against 1.2 ms)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
+def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x.topk(k, dim=-1)``: each row's k largest values, descending, and their ids. On a CPU
+    with rows far wider than k, torch's topk reads every entry k-wise; instead rank blocks of
+    ``_TOPK_BLOCK`` entries by their maximum (one pass), keep the k best blocks (every top-k
+    entry lies in one: k blocks have a larger maximum than a block left out) and the row's
+    tail, and take the top k of those candidates (1.7x faster at 256 x 32k, 2.5x at 16 rows)."""
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or 4 * k * _TOPK_BLOCK > vocab:
+        return x.topk(k, dim=-1)
+    num_blocks = vocab // _TOPK_BLOCK
+    blocks = x[:, : num_blocks * _TOPK_BLOCK].view(rows, num_blocks, _TOPK_BLOCK)
+    _, best = blocks.amax(dim=-1).topk(k, dim=-1, sorted=False)  # [rows, k]
+    candidates = blocks.gather(1, best[:, :, None].expand(-1, -1, _TOPK_BLOCK)).view(rows, -1)
+    ids = (best[:, :, None] * _TOPK_BLOCK + torch.arange(_TOPK_BLOCK)).view(rows, -1)
+    tail = num_blocks * _TOPK_BLOCK
+    if tail < vocab:
+        candidates = torch.cat([candidates, x[:, tail:]], dim=1)
+        ids = torch.cat([ids, torch.arange(tail, vocab).expand(rows, -1)], dim=1)
+    values, positions = candidates.topk(k, dim=-1)
+    return values, ids.gather(1, positions)
 
 
 def allowed_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -414,7 +455,7 @@ def _logprobs(raw: torch.Tensor, rows: np.ndarray, num_logprobs: np.ndarray, tok
     chosen_lp = raw.gather(1, chosen[:, None])[:, 0]
     ranks = (raw > chosen_lp[:, None]).sum(-1) + 1
     k = int(num_logprobs[rows].max())
-    top_lp, top_ids = raw.topk(k, dim=-1) if k > 0 else (None, None)
+    top_lp, top_ids = topk_rows(raw, k) if k > 0 else (None, None)
     chosen_lp, ranks, chosen = chosen_lp.tolist(), ranks.tolist(), chosen.tolist()
     top_lp = top_lp.tolist() if top_lp is not None else None
     top_ids = top_ids.tolist() if top_ids is not None else None

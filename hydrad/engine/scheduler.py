@@ -480,10 +480,33 @@ class Scheduler:
         now = time.monotonic()
         result = LanguageResult()
         req_ids, token_ids, sample_index = result.req_ids, result.token_ids, result.sample_index
-        index = -1
         max_model_len = self.max_model_len
+        num_decodes = out.num_decodes
+        # The decodes first, column by column: each samples, each is past its first token.
+        for index, req in enumerate([req for req, _ in out.chunks[:num_decodes]]):
+            if req.status is not _RUNNING:
+                continue  # aborted while the batch ran
+            req.timeline["decode_exec"] += exec_time
+            req.num_computed_tokens += 1
+            token_id = sampled[index]
+            req.output_token_ids.append(token_id)
+            req.num_tokens += 1
+            req_ids.append(req.req_id)
+            token_ids.append(token_id)
+            sample_index.append(index)
+            if token_id in req.stop_ids:
+                reason = "stop"
+            elif (req.num_tokens - req.num_prompt_tokens >= req.sampling_params.max_tokens
+                  or req.num_tokens >= max_model_len):
+                reason = "length"
+            else:
+                continue
+            self._remove(req)
+            self._finish(req, reason)
+            result.finished.append(req)
+        index = num_decodes - 1
         decoding, prefilling = self.decoding, self.prefilling
-        for req, num_new in out.chunks:
+        for req, num_new in out.chunks[num_decodes:]:
             computed = req.num_computed_tokens + num_new
             samples = computed == req.num_tokens
             if samples:

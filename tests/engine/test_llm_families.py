@@ -96,9 +96,9 @@ def test_every_layout_with_chunks_through_images_and_preemption(tiny_checkpoint,
     chunks = []
     execute = runner.execute
 
-    def recording(step_chunks):
+    def recording(step_chunks, num_decodes=0):
         chunks.extend((req, req.num_computed_tokens, n) for req, n in step_chunks)
-        return execute(step_chunks)
+        return execute(step_chunks, num_decodes)
 
     runner.execute = recording
     _check(llm, conversations, refs, f"{arch} {layout}")

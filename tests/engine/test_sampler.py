@@ -207,3 +207,35 @@ def test_the_batch_looks_up_generators_and_biases_only_of_rows_that_have_them():
     assert (batch.num_seeded, batch.num_biased) == (0, 0)
     meta = batch.sampling_metadata(rows[:1], [plain])
     assert meta.generators == [] and meta.bias is None
+
+
+@pytest.mark.parametrize("vocab", [6421, 32064])
+def test_blockwise_top_k_equals_torch_topk_on_wide_rows(vocab):
+    """On a CPU ``topk_rows`` ranks blocks by their maximum before the top k: the values are
+    torch's, in its order, and each id points at its value, wherever the maxima sit (in one
+    block, spread, in the tail past the last whole block, among -inf)."""
+    from hydrad.engine.sampler import topk_rows
+
+    generator = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=generator)
+    x[1, 64:96] += 50.0  # every top-k entry of the row in one block
+    x[2, -(vocab % 32 or 32):] += 50.0  # in the tail
+    x[3, 40:] = float("-inf")  # fewer finite entries than k
+    x[4, ::97] += 20.0  # one per block, spread
+    for k in (1, 7, 50):
+        values, ids = topk_rows(x, k)
+        expected, _ = x.topk(k, dim=-1)
+        assert torch.equal(values, expected)
+        assert torch.equal(x.gather(1, ids), values)
+        assert (ids.sort(dim=-1).values.diff(dim=-1) > 0).all()  # no entry twice
+
+
+def test_argmax_rows_takes_the_first_of_equal_maxima_as_torch():
+    from hydrad.engine.sampler import argmax_rows
+
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(1))
+    x[2, [10, 500, 900]] = 99.0
+    x[3] = 0.0
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert argmax_rows(x).tolist()[2:4] == [10, 0]
+    assert torch.equal(argmax_rows(x[1::2]), x[1::2].argmax(dim=-1))  # a strided view

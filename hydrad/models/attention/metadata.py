@@ -133,6 +133,8 @@ class AttentionMetadata:
 
     @cached_property
     def prefill_chunks(self) -> list[PrefillChunk]:
+        if self.max_query_len <= 1:  # decodes only
+            return []
         chunks, start = [], 0
         for b, (query_len, seq_len) in enumerate(zip(self.query_lens_cpu, self.seq_lens_cpu)):
             if query_len > 1:
