@@ -110,6 +110,18 @@ class InputBatch:
         self._free.append(row)
         self.num_rows_used -= 1
 
+    def rows_of(self, reqs: list[Request]) -> list[int]:
+        """The rows of ``reqs``, each added when it has none here, with their blocks synced
+        (a step's decodes, as columns)."""
+        owners, num_blocks, capacity = self.owners, self.num_blocks, self.capacity
+        rows = [req.row for req in reqs]
+        for i in [i for i, (req, row) in enumerate(zip(reqs, rows))
+                  if row < 0 or row >= capacity or owners[row] is not req]:
+            rows[i] = self.add(reqs[i])
+        for i in [i for i, (req, row) in enumerate(zip(reqs, rows)) if len(req.kv_block_ids) != num_blocks[row]]:
+            self.sync_blocks(rows[i], reqs[i].kv_block_ids)
+        return rows
+
     def sync_blocks(self, row: int, block_ids: list[int]) -> None:
         """Copy the blocks added to a request since the last step into its row."""
         known = self.num_blocks[row]

@@ -150,14 +150,7 @@ class ModelRunner:
         num_blocks = batch.num_blocks
         owners = batch.owners
         decodes = [req for req, _ in chunks[:num_decodes]]
-        rows = [req.row for req in decodes]
-        capacity = len(owners)
-        for i in [i for i, (req, row) in enumerate(zip(decodes, rows))
-                  if row < 0 or row >= capacity or owners[row] is not req]:
-            rows[i] = batch.add(decodes[i])
-        for req, row in zip(decodes, rows):
-            if len(req.kv_block_ids) != num_blocks[row]:
-                batch.sync_blocks(row, req.kv_block_ids)
+        rows = batch.rows_of(decodes)
         starts = [req.num_computed_tokens for req in decodes]
         token_ids = [req.output_token_ids[-1] for req in decodes]
         query_lens = [1] * num_decodes

@@ -400,9 +400,9 @@ _TOPK_BLOCK = 32
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first of equal maxima, as ``torch.argmax``). On a CPU numpy's:
     torch's CPU argmax over a vocabulary is 5-10x slower (256 rows x 32k: 6.9 ms on two
-    threads against 1.2 ms)."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    threads against 1.2 ms; in bfloat16 17 ms)."""
+    if x.device.type == "cpu" and x.is_floating_point():
+        return torch.from_numpy(x.float().numpy().argmax(axis=-1))  # bf16/fp16 widen exactly
     return x.argmax(dim=-1)
 
 

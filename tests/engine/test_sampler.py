@@ -239,3 +239,4 @@ def test_argmax_rows_takes_the_first_of_equal_maxima_as_torch():
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert argmax_rows(x).tolist()[2:4] == [10, 0]
     assert torch.equal(argmax_rows(x[1::2]), x[1::2].argmax(dim=-1))  # a strided view
+    assert torch.equal(argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
