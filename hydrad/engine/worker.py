@@ -179,6 +179,7 @@ class StepThreads:
     def _use(self, n: int, force: bool = False) -> None:
         if n == self.current and not force:
             return
+        logger.debug("steps on %d threads (was %d)", n, self.current)
         self._set_torch_threads(n)
         self.current = n
         if n in self.models:
@@ -226,6 +227,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
         if draining and not engine.has_unfinished_requests():
             return
         busy = engine.has_work()
+        if logger.isEnabledFor(logging.DEBUG) and busy != step_threads.lending.busy:
+            logger.debug("has work: %s", busy)
         step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
         # Block for messages only when there is nothing to step.
         timeout = 0 if busy else None

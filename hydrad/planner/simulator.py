@@ -12,9 +12,10 @@ enter through the cluster's real ``Router`` and move between instances through t
   and the daemon's Request Processor while it prepares a request: it runs on the same
   cores). Each CPU instance runs on the threads the live deployment gives it, with its
   model at that count: its share, and an instance that borrows idle cores more while the
-  instances it borrows from have no work (``engine.cores``); a borrowed step during which
-  a lender starts one goes on as on its own share, slower still (``CONTENDED_TEAM``),
-  while the lender's step keeps its core;
+  instances it borrows from have no work and no message on its way (``engine.cores``;
+  ``SimInstance.lends_no_core``); a borrowed step during which a lender starts one goes on
+  as on its own share, slower still (``CONTENDED_TEAM``), while the lender's step keeps
+  its core;
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -223,6 +224,7 @@ class SimInstance:
         self.pulled: list[Pulled] = []
         self.busy = 0.0
         self.num_steps = 0
+        self.messages_on_the_way = 0  # sent by the daemon, not yet delivered
 
     def _use(self, threads: int) -> None:
         """Step on ``threads`` threads, with the model at that count (the worker's ``StepThreads``)."""
@@ -237,6 +239,15 @@ class SimInstance:
     def has_work(self) -> bool:
         """What the worker publishes for the instances that borrow its cores."""
         return self.running or (not self.stalled and self.scheduler.has_work())
+
+    @property
+    def lends_no_core(self) -> bool:
+        """Whether a borrower starting a step now finds this lender busy: it has work, or a
+        message is on its way to it. Live, a message (pipe, daemon, pipe: about a millisecond)
+        reaches the lender, which publishes its work, before the borrower that caused it (its
+        step's offers) has taken its own new requests and picked its threads: a P or EP
+        instance's step that hands KV to a D instance is followed by one on its own share."""
+        return self.has_work or self.messages_on_the_way > 0
 
     # -- the relay's and the router's Instance interface --------------------------------------
     @property
@@ -295,7 +306,7 @@ class SimInstance:
             self._report()
             return
         t = self.threads
-        if t.borrow and (n := t.own if any(sim.instances[i].has_work for i in t.lenders) else t.most) != self.step_threads:
+        if t.borrow and (n := t.own if any(sim.instances[i].lends_no_core for i in t.lenders) else t.most) != self.step_threads:
             self._use(n)
         out = s.schedule()
         for pull in out.pulls:
@@ -379,10 +390,11 @@ class SimInstance:
 # A step on more threads than the instance's share (it borrows idle cores) goes on this many
 # times slower than the same step on its share alone while another instance's step runs on
 # the cores it borrowed: its OpenMP team then shares one core, and its threads wait for each
-# other. Measured on a 2-core CPU (a 290-row matmul loop on 2 threads beside a 1-thread
-# process: 57.7 ms per iteration against 46.5 ms on 1 thread alone and 25.8 ms on 2; the
-# 1-thread process was not slowed).
-CONTENDED_TEAM = 1.24
+# other. Measured on a 2-core CPU with the small LLaVA's real steps on two threads beside a
+# one-thread process stepping 8 decodes: four prompts of 297 tokens 665 ms against 483 ms on
+# one thread alone (1.38x), with four images encoded in the same step 823 against 544 ms
+# (1.51x); the decodes were 3% slower. (A plain matmul loop gave 1.24x.)
+CONTENDED_TEAM = 1.4
 
 
 @dataclass
@@ -446,6 +458,7 @@ class Simulation:
 
     def send(self, instance: SimInstance, kind: int, payload) -> None:
         """A message from the daemon to a worker."""
+        instance.messages_on_the_way += 1
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
     # -- steps sharing the cores ------------------------------------------------------------------
@@ -594,6 +607,7 @@ class Simulation:
                     stopped = True
                     break
             elif kind == _DELIVER:
+                target.messages_on_the_way -= 1
                 target.receive(*payload)
             elif kind == _ARRIVE:
                 self._arrive(payload)

@@ -151,21 +151,33 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
 
 
 def test_a_borrowing_step_slows_down_when_its_lender_starts_a_step():
-    # Two cores; EP borrows D's idle core for r1's prefill (10 + 50 ms on two threads, 10 + 100 ms
-    # on its own one), and D then starts decoding r0: EP's step goes on as on its own thread,
-    # CONTENDED_TEAM slower, while D's decodes run at full speed on their core.
+    # Four cores, two EP instances that borrow one core each while both D instances are idle
+    # (10 + 50 ms for a prefill on two threads, 10 + 100 ms on their own one). A borrowing step
+    # beside another step goes on as on its own thread, CONTENDED_TEAM slower (c below).
     from hydrad.planner.simulator import CONTENDED_TEAM
 
     fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
+    setup = make_setup(cores=4, threads=1, bandwidth=1e15, thread_models={2: fast})
+    r0, r1 = run(setup, ["EP", "EP", "D", "D"], [SimRequest(0.0, 100, 3), SimRequest(0.03, 100, 1)]).requests
+    c = CONTENDED_TEAM * 0.11 / 0.06
+    # r0 on EP0: alone until r1's step starts on EP1 at 0.03, then both contended.
+    assert r0.ttft == pytest.approx(0.03 + 0.03 * c)
+    # A D instance then decodes r0 (two steps of 12 ms, at full speed on its core) ...
+    assert r0.gaps == pytest.approx([0.012, 0.012])
+    # ... while EP1's step stays contended; it ends at full speed.
+    assert r1.ttft == pytest.approx(r0.ttft + 0.024 + (0.06 - 0.03 - 0.024 / c) - 0.03)
+
+
+def test_a_borrower_whose_step_hands_work_to_its_lender_steps_next_on_its_own_share():
+    # Two cores. r0's prefill on EP borrows D's idle core (0 - 0.06) and hands its KV to D at
+    # its end; r1, waiting since 0.03, starts then with that message on its way to D: live, D
+    # has published its work before EP picks its threads, so EP steps on its own thread (10 +
+    # 100 ms), beside D's decodes and neither slowed.
+    fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
     setup = make_setup(cores=2, threads=1, bandwidth=1e15, thread_models={2: fast})
     r0, r1 = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 3), SimRequest(0.03, 100, 1)]).requests
-    # r0: prefill on two threads (0 - 0.06), then two decodes on D from 0.06: 12 ms each.
     assert r0.ttft == pytest.approx(0.06) and r0.gaps == pytest.approx([0.012, 0.012])
-    # r1: EP's step from 0.06 (D idle when it starts) runs at 0.06 / (1.24 x 0.11) of its
-    # two-thread speed while D decodes (until 0.084), then at full speed.
-    rate = 0.06 / (CONTENDED_TEAM * 0.11)
-    done = 0.024 * rate
-    assert r1.ttft == pytest.approx(0.084 + (0.06 - done) - 0.03)
+    assert r1.ttft == pytest.approx(0.06 + 0.11 - 0.03)
 
 
 def test_a_borrower_runs_on_the_lenders_core_only_while_the_lender_has_no_work():
