@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import zlib
@@ -171,9 +172,8 @@ def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> s
                  "|---|---|" + "---|" * (len(rounds) + 1)]
         for label, unit, *_ in ratios(rounds[-1]):
             values = [r.get(label) for r in per_round]
-            known = sorted(v for v in values if v is not None)
-            median = known[len(known) // 2] if len(known) % 2 else (
-                (known[len(known) // 2 - 1] + known[len(known) // 2]) / 2 if known else None)
+            known = [v for v in values if v is not None]
+            median = statistics.median(known) if known else None
             lines.append(f"| {label} | {unit} | " + " | ".join(fmt(v) for v in values) + f" | {fmt(median)} |")
         return "\n".join(lines) + "\n"
     lines = [f"`{command}`", "", "| measurement | unit | hydrad | vLLM-cpu | hydrad ÷ vLLM |", "|---|---|---|---|---|"]

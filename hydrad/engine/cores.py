@@ -24,7 +24,10 @@ Plain Python (no torch): the planner's simulator uses ``cpu_threads`` too.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+logger = logging.getLogger("hydrad.worker")
 
 
 @dataclass(frozen=True)
@@ -103,12 +106,9 @@ class CoreLending:
         """``threads`` as this worker can run them: without a board, nothing is borrowed."""
         return threads if self.board is not None else CpuThreads(threads.own)
 
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
     def publish(self, busy: bool) -> None:
         if busy != self._busy and self.board is not None:
+            logger.debug("has work: %s", busy)
             self._busy = busy
             self.board.flags[self.instance_id] = int(busy)
 

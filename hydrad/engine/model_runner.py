@@ -147,8 +147,6 @@ class ModelRunner:
         last, past its prompt: the scheduler's order); their inputs are gathered column by
         column rather than request by request."""
         batch = self.batch
-        num_blocks = batch.num_blocks
-        owners = batch.owners
         decodes = [req for req, _ in chunks[:num_decodes]]
         rows = batch.rows_of(decodes)
         starts = [req.num_computed_tokens for req in decodes]
@@ -158,11 +156,7 @@ class ModelRunner:
         mm_dst, mm_src = [], []
         offset = num_decodes
         for req, num_new in chunks[num_decodes:]:
-            row = req.row
-            if row < 0 or row >= len(owners) or owners[row] is not req:
-                row = batch.add(req)
-            if len(req.kv_block_ids) != num_blocks[row]:
-                batch.sync_blocks(row, req.kv_block_ids)
+            (row,) = batch.rows_of([req])
             start = req.num_computed_tokens
             end = start + num_new
             rows.append(row)

@@ -480,7 +480,6 @@ class Scheduler:
         now = time.monotonic()
         result = LanguageResult()
         req_ids, token_ids, sample_index = result.req_ids, result.token_ids, result.sample_index
-        max_model_len = self.max_model_len
         num_decodes = out.num_decodes
         # The decodes first, column by column: each samples, each is past its first token.
         for index, req in enumerate([req for req, _ in out.chunks[:num_decodes]]):
@@ -489,17 +488,12 @@ class Scheduler:
             req.timeline["decode_exec"] += exec_time
             req.num_computed_tokens += 1
             token_id = sampled[index]
-            req.output_token_ids.append(token_id)
-            req.num_tokens += 1
+            req.append_token(token_id)
             req_ids.append(req.req_id)
             token_ids.append(token_id)
             sample_index.append(index)
-            if token_id in req.stop_ids:
-                reason = "stop"
-            elif (req.num_tokens - req.num_prompt_tokens >= req.sampling_params.max_tokens
-                  or req.num_tokens >= max_model_len):
-                reason = "length"
-            else:
+            reason = self._stop_reason(req, token_id)
+            if reason is None:
                 continue
             self._remove(req)
             self._finish(req, reason)
@@ -530,12 +524,8 @@ class Scheduler:
             req_ids.append(req.req_id)
             token_ids.append(token_id)
             sample_index.append(index)
-            params = req.sampling_params
-            if token_id in req.stop_ids:
-                reason = "stop"
-            elif req.num_tokens - req.num_prompt_tokens >= params.max_tokens or req.num_tokens >= max_model_len:
-                reason = "length"
-            else:
+            reason = self._stop_reason(req, token_id)
+            if reason is None:
                 if not self.can_decode:
                     self._offer(req, "kv")
                 elif req.req_id in prefilling:
@@ -546,6 +536,15 @@ class Scheduler:
             self._finish(req, reason)
             result.finished.append(req)
         return result
+
+    def _stop_reason(self, req: Request, token_id: int) -> str | None:
+        """Why ``req`` ends with its new ``token_id`` ("stop", "length"), or None: it goes on."""
+        if token_id in req.stop_ids:
+            return "stop"
+        if (req.num_tokens - req.num_prompt_tokens >= req.sampling_params.max_tokens
+                or req.num_tokens >= self.max_model_len):
+            return "length"
+        return None
 
     def _free_read_images(self, req: Request) -> None:
         for i in req.images_fully_read():

@@ -227,8 +227,6 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
         if draining and not engine.has_unfinished_requests():
             return
         busy = engine.has_work()
-        if logger.isEnabledFor(logging.DEBUG) and busy != step_threads.lending.busy:
-            logger.debug("has work: %s", busy)
         step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
         # Block for messages only when there is nothing to step.
         timeout = 0 if busy else None
