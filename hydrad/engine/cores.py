@@ -6,18 +6,21 @@ memory-bound, and its cores idle between requests; the instances that encode or
 prefill and do not decode (E, P, EP: compute-bound) borrow them. A borrower runs on its
 share plus the lent threads only while every instance it borrows from is idle, and on
 its share alone while one of them has work, so a lone request is still encoded and
-prefilled on every core. The count is picked as each step starts: a lender that gets work
-during a borrowed step runs beside it and keeps its core, while the borrower's step goes on
-more slowly than on its own share (1.4-1.5x). Under load a borrower seldom borrows: the KV
-its step hands to a D instance reaches that instance (through the daemon, about a
-millisecond) before the borrower, taking its own new requests first, picks its next step's
-threads. The planner's simulator models all three.
+prefilled on every core. The count is picked as each step starts, with the latency model
+the step is filled by, and picked again before every layer of the model
+(``worker.StepThreads``): a borrower hands the lent threads back within a layer when a
+lender gets work, and takes them again when the lender is idle, so a long prefill that
+starts while a decode instance has 0.2 s of decodes left borrows its core for the rest.
+(Under load a borrower seldom starts a step borrowing: the KV its step hands to a D
+instance reaches that instance, through the daemon in about a millisecond, before the
+borrower, taking its own new requests first, picks its next step's threads.) The planner's
+simulator models both.
 
 Whether an instance has work is a byte in a small block of shared memory (``CoreBoard``,
 one byte per instance id) that every CPU worker of the deployment maps: the lender
 writes its own byte when its state changes, and a borrower reads its lenders' bytes
-before each step. No message goes through the daemon, so a borrower sees a lender's
-new request within one of its own steps.
+before each step and each layer. No message goes through the daemon, so a borrower sees
+a lender's new request within one layer of its step.
 
 Plain Python (no torch): the planner's simulator uses ``cpu_threads`` too.
 """

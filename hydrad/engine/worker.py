@@ -131,14 +131,23 @@ class StepThreads:
     """The torch threads each step of a worker runs on, and the latency model measured at
     that count. On a CPU: its own share of the cores, or more while the instances it
     borrows from are idle (``engine.cores``); it publishes whether it has work itself, for
-    the instances that borrow from it (``run_worker``)."""
+    the instances that borrow from it (``run_worker``).
+
+    A borrower fills each step by the model at the count its lenders allow as the step
+    starts, and follows them between the model's layers: a forward pre-hook on every layer
+    (each entry of the model's ``nn.ModuleList``s) reads the board again and changes torch's
+    thread count when a lender has started or stopped having work, so a long prefill borrows
+    the core a decode instance frees halfway through it, and hands it back within a layer
+    when that instance gets work."""
 
     def __init__(self, engine, lending: CoreLending):
         self.engine = engine
         self.lending = lending
         self.models: dict = {}  # threads -> LatencyModel
         self.bound: float | None = None
-        self.current = lending.threads.own
+        self.current = lending.threads.own  # the count the step started on: its model's
+        self._torch_threads: int | None = None  # what torch runs on now
+        self._hooks: list = []
 
     def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True):
         """Measure (or load) the latency models of ``role`` at every count it steps on (from
@@ -148,6 +157,7 @@ class StepThreads:
         threads = self.lending.usable(threads or self.lending.threads)
         own, most = threads.own, threads.most
         models, bound = {}, None
+        self._unhook()  # the probes run at the count they are measured at
         try:
             if self.engine.config.scheduler.derive_budgets:
                 from hydrad.engine.latency_model import latency_bound
@@ -162,9 +172,11 @@ class StepThreads:
                 bound = latency_bound(self.engine.config.slo, role)
         finally:
             self._set_torch_threads(self.current)
+            self._hook_layers()
         self.lending.set(threads)
         self.models, self.bound = models, bound
         self._use(own, force=True)
+        self._hook_layers()
         return models.get(own), bound, models.get(most) if most != own else None
 
     def set_bound(self, bound: float | None) -> None:
@@ -172,9 +184,36 @@ class StepThreads:
         self.engine.set_latency_model(self.models.get(self.current, self.engine.scheduler.latency_model), bound)
 
     def before_step(self) -> None:
-        """A borrower takes the threads it may use now."""
+        """A borrower takes the threads it may use now, and the model at that count."""
         if self.lending.threads.borrow:
-            self._use(self.lending.threads_now())
+            n = self.lending.threads_now()
+            self._use(n)
+            self._set_torch_threads(n)
+
+    def between_layers(self) -> None:
+        """Within a step: follow the lenders (the model the step was filled by stays)."""
+        n = self.lending.threads_now()
+        if n != self._torch_threads:
+            logger.debug("threads %s -> %d between layers", self._torch_threads, n)
+            self._set_torch_threads(n)
+
+    def _hook_layers(self) -> None:
+        """Re-pick the thread count before every layer of a CPU borrower's model (its parts
+        may have changed with its role: the hooks are placed anew)."""
+        self._unhook()
+        model = getattr(self.engine, "model", None)
+        if not self.lending.threads.borrow or model is None or self.engine.device.type != "cpu":
+            return
+        from torch import nn
+
+        hook = lambda _module, _args: self.between_layers()  # noqa: E731
+        self._hooks = [layer.register_forward_pre_hook(hook)
+                       for module in model.modules() if isinstance(module, nn.ModuleList) for layer in module]
+
+    def _unhook(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def _use(self, n: int, force: bool = False) -> None:
         if n == self.current and not force:
@@ -186,10 +225,11 @@ class StepThreads:
             self.engine.set_latency_model(self.models[n], self.bound)
 
     def _set_torch_threads(self, n: int) -> None:
-        if self.engine.device.type == "cpu":
+        if self.engine.device.type == "cpu" and n != self._torch_threads:
             import torch
 
             torch.set_num_threads(n)
+            self._torch_threads = n
 
 
 def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThreads | None) -> Reconfigured:

@@ -13,9 +13,10 @@ enter through the cluster's real ``Router`` and move between instances through t
   cores). Each CPU instance runs on the threads the live deployment gives it, with its
   model at that count: its share, and an instance that borrows idle cores more while the
   instances it borrows from have no work and no message on its way (``engine.cores``;
-  ``SimInstance.lends_no_core``); a borrowed step during which a lender starts one goes on
-  as on its own share, slower still (``CONTENDED_TEAM``), while the lender's step keeps
-  its core;
+  ``SimInstance.lends_no_core``). A borrower's step is filled by the model at the count
+  of its start and then follows its lenders, as the worker re-picks its threads between
+  layers: it runs at the speed of its share while a lender has work, and of the borrowed
+  count while none has;
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -249,6 +250,13 @@ class SimInstance:
         instance's step that hands KV to a D instance is followed by one on its own share."""
         return self.has_work or self.messages_on_the_way > 0
 
+    def threads_now(self) -> int:
+        """The threads a borrower may run on at this moment (its share for any other)."""
+        t = self.threads
+        if not t.borrow or any(self.sim.instances[i].lends_no_core for i in t.lenders):
+            return t.own
+        return t.most
+
     # -- the relay's and the router's Instance interface --------------------------------------
     @property
     def num_inflight(self) -> int:
@@ -306,7 +314,7 @@ class SimInstance:
             self._report()
             return
         t = self.threads
-        if t.borrow and (n := t.own if any(sim.instances[i].lends_no_core for i in t.lenders) else t.most) != self.step_threads:
+        if t.borrow and (n := self.threads_now()) != self.step_threads:
             self._use(n)
         out = s.schedule()
         for pull in out.pulls:
@@ -327,15 +335,15 @@ class SimInstance:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
             seconds = self.model.step_seconds(shape)
-        contended = None
-        if self.step_threads > t.own:
-            # On the lenders' cores: if one of them starts a step meanwhile, this step goes on
-            # slower than on its own share alone (``CONTENDED_TEAM``).
-            alone = self.models[t.own].step_seconds(shape or step_shape(out, self.scheduler))
-            contended = max(1.0, CONTENDED_TEAM * alone / max(seconds, 1e-9))
+        overhead = sim.setup.step_overhead
+        alone = {self.step_threads: seconds + overhead}
+        if t.borrow:
+            # It follows its lenders within the step: its time alone at the other count too.
+            other = t.own if self.step_threads != t.own else t.most
+            alone[other] = self.models[other].step_seconds(shape or step_shape(out, self.scheduler)) + overhead
         self.running = True
         self.num_steps += 1
-        sim.start(self, out, seconds + sim.setup.step_overhead, contended)
+        sim.start(self, out, alone)
 
     def _pull_first(self) -> bool:
         """As ``EngineCore._pull_first``: start the pulls admitted ahead of the step; True when
@@ -387,30 +395,24 @@ class SimInstance:
                 relay.on_offer(self, offer)
 
 
-# A step on more threads than the instance's share (it borrows idle cores) goes on this many
-# times slower than the same step on its share alone while another instance's step runs on
-# the cores it borrowed: its OpenMP team then shares one core, and its threads wait for each
-# other. Measured on a 2-core CPU with the small LLaVA's real steps on two threads beside a
-# one-thread process stepping 8 decodes: four prompts of 297 tokens 665 ms against 483 ms on
-# one thread alone (1.38x), with four images encoded in the same step 823 against 544 ms
-# (1.51x); the decodes were 3% slower. (A plain matmul loop gave 1.24x.)
-CONTENDED_TEAM = 1.4
-
-
 @dataclass
 class _Step:
     """A step under way: what is left of it, at the speed it runs now."""
 
+    instance: SimInstance
     out: object
-    work: float  # seconds left at full speed (alone on enough cores)
-    threads: int  # the threads it steps on
-    own: int  # the instance's own share
-    contended: float | None  # slowdown while it borrows and another step runs (None: it does not borrow)
+    alone: dict[int, float]  # seconds alone on enough cores, by the thread count it runs on
     processor: float  # share of the Request Processor's thread over the step, taken at its start
     started: float
     updated: float
-    rate: float = 0.0
+    left: float = 1.0  # share of its work still to do
+    seconds: float = 0.0  # its whole length at the speed it runs now
     token: int = 0
+
+    @property
+    def threads(self) -> int:
+        """The threads it runs on now: a borrower's follow its lenders."""
+        return self.instance.threads_now() if len(self.alone) > 1 else next(iter(self.alone))
 
 
 # Event kinds.
@@ -462,12 +464,13 @@ class Simulation:
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
     # -- steps sharing the cores ------------------------------------------------------------------
-    def start(self, instance: SimInstance, out, seconds: float, contended: float | None) -> None:
-        """Begin ``instance``'s step of ``seconds`` at full speed; it ends when its work is done
-        at the speeds it gets while other steps start and end (``_slowdown``)."""
-        processor = self._processor_share(self.now, self.now + seconds) if self.setup.cores is not None else 0.0
-        self.steps[instance] = _Step(out, seconds, instance.step_threads, instance.threads.own, contended,
-                                     processor, self.now, self.now)
+    def start(self, instance: SimInstance, out, alone: dict[int, float]) -> None:
+        """Begin ``instance``'s step, of ``alone`` seconds by thread count when nothing else
+        runs; it ends when its work is done at the speeds it gets while other steps start and
+        end and, for a borrower, while its lenders get and finish work (``_retime``)."""
+        length = alone[instance.step_threads]
+        processor = self._processor_share(self.now, self.now + length) if self.setup.cores is not None else 0.0
+        self.steps[instance] = _Step(instance, out, alone, processor, self.now, self.now)
         self._retime()
 
     def end(self, instance: SimInstance, token: int):
@@ -481,32 +484,31 @@ class Simulation:
         return step.out
 
     def _retime(self) -> None:
-        """After a step started or ended: every step under way goes on at its new speed."""
+        """After a step started or ended, or a lender's work changed: every step under way
+        goes on at its new speed."""
         now = self.now
         for instance, step in self.steps.items():
-            step.work = max(0.0, step.work - (now - step.updated) * step.rate)
+            if step.seconds > 0.0:
+                step.left = max(0.0, step.left - (now - step.updated) / step.seconds)
             step.updated = now
-            rate = 1.0 / self._slowdown(step)
-            if rate != step.rate:
-                step.rate = rate
+            seconds = self._seconds(step)
+            if seconds != step.seconds:
+                step.seconds = seconds
                 self._tokens += 1
                 step.token = self._tokens
-                self.at(now + step.work / rate, _STEP_END, instance, step.token)
+                self.at(now + step.left * seconds, _STEP_END, instance, step.token)
 
-    def _slowdown(self, step: _Step) -> float:
-        """How much slower than alone ``step`` runs now: CPU threads beyond the cores share
-        them (the other steps' threads, counting a contended borrower's own share only, and,
-        for the share of the step it overlaps, the Request Processor's thread); a borrowing
-        step beside another step runs as on its own share, ``CONTENDED_TEAM`` slower."""
+    def _seconds(self, step: _Step) -> float:
+        """How long ``step`` would take as things are now: alone on the threads it runs on,
+        slowed while more CPU threads are busy than there are cores (the other steps'
+        threads and, for the share of the step it overlaps, the Request Processor's)."""
+        threads = step.threads
+        alone = step.alone[threads]
         cores = self.setup.cores
         if cores is None:
-            return 1.0
-        others = [s for s in self.steps.values() if s is not step]
-        # Beside this step, a borrowing step is contended: it holds its own share's cores.
-        busy = sum(s.own if s.contended is not None else s.threads for s in others)
-        if step.contended is not None and others:
-            return step.contended * max(1.0, (step.own + busy + step.processor) / cores)
-        return max(1.0, (step.threads + busy + step.processor) / cores)
+            return alone
+        busy = sum(s.threads for s in self.steps.values() if s is not step)
+        return alone * max(1.0, (threads + busy + step.processor) / cores)
 
     def _processor_share(self, start: float, end: float) -> float:
         """The fraction of [start, end] the Request Processor is busy (steps start in time order,
@@ -592,6 +594,7 @@ class Simulation:
         self._processor_busy.sort()
         self._pending = len(requests)
         events = self._events
+        borrowers = any(i.threads.borrow for i in self.instances)
         stopped = False
         start = requests[0].arrival if requests else 0.0
         while events:
@@ -613,6 +616,8 @@ class Simulation:
                 self._arrive(payload)
             else:
                 target.wake()
+            if borrowers:
+                self._retime()  # a lender may have got or finished its work
         if not stopped and self._pending:
             raise RuntimeError(f"{self._pending} requests never finished: the deployment cannot serve them")
         timings = list(self.timings.values())

@@ -117,3 +117,75 @@ def test_a_borrowing_worker_steps_on_the_threads_and_model_of_the_moment(monkeyp
         assert len(used) == count
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_borrowing_step_follows_its_lenders_between_layers(monkeypatch):
+    """Within a step a borrower re-picks torch's thread count before every layer: it drops
+    the lent thread at the next layer once a lender has work, takes it again once the lender
+    is idle, and keeps the model the step was filled by. A worker that does not borrow places
+    no hook."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import hydrad.engine.profiler as profiler
+    from hydrad.config import SLOConfig
+    from hydrad.engine.worker import StepThreads
+
+    monkeypatch.setattr(profiler, "fit_latency_model",
+                        lambda engine, allow_busy: f"model at {torch.get_num_threads()} threads")
+    board = CoreBoard.new()
+    lender = CoreLending(board, 1, T(1))
+    seen = []
+
+    class Layer(nn.Module):
+        def __init__(self, flip=None):
+            super().__init__()
+            self.flip = flip
+
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            if self.flip is not None:
+                lender.publish(self.flip)  # the lender starts or stops having work meanwhile
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(True), Layer(), Layer(False), Layer()])
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    used = []
+    engine = SimpleNamespace(
+        device=torch.device("cpu"), role="EP", model=Model(),
+        config=SimpleNamespace(scheduler=SimpleNamespace(derive_budgets=True), slo=SLOConfig(ttft=2.0, tbt=0.1)),
+        set_latency_model=lambda model, bound: used.append(model))
+    before = torch.get_num_threads()
+    try:
+        threads = StepThreads(engine, CoreLending(board, 0, T(1, 1, (1,))))
+        threads.fit("EP", allow_busy=False)
+        threads.before_step()  # the lender is idle: the step starts on two threads
+        assert used[-1] == "model at 2 threads"
+        engine.model(torch.zeros(1))
+        # Busy during layer 0: layer 1 runs on one thread; idle during layer 2: layer 3 on two.
+        assert seen == [2, 1, 1, 2]
+        assert used[-1] == "model at 2 threads"  # the step's model does not change mid-step
+        lender.publish(True)
+        threads.before_step()  # the next step starts on one thread, with its model
+        assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 1
+
+        seen.clear()
+        torch.set_num_threads(2)
+        threads.fit("EPD", T(1), allow_busy=False)  # it no longer borrows: no hooks
+        torch.set_num_threads(2)
+        lender.publish(False)
+        engine.model(torch.zeros(1))
+        assert seen == [2, 2, 2, 2]
+    finally:
+        lender.publish(False)
+        torch.set_num_threads(before)

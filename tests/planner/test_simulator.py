@@ -150,34 +150,34 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
     assert r1.ttft == pytest.approx(0.133 + 0.099 - 0.111)
 
 
-def test_a_borrowing_step_slows_down_when_its_lender_starts_a_step():
+def test_borrowers_on_four_cores_borrow_at_once_and_give_back_while_a_lender_has_work():
     # Four cores, two EP instances that borrow one core each while both D instances are idle
-    # (10 + 50 ms for a prefill on two threads, 10 + 100 ms on their own one). A borrowing step
-    # beside another step goes on as on its own thread, CONTENDED_TEAM slower (c below).
-    from hydrad.planner.simulator import CONTENDED_TEAM
-
+    # (10 + 50 ms for a prefill on two threads, 10 + 100 ms on their own one).
     fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
     setup = make_setup(cores=4, threads=1, bandwidth=1e15, thread_models={2: fast})
     r0, r1 = run(setup, ["EP", "EP", "D", "D"], [SimRequest(0.0, 100, 3), SimRequest(0.03, 100, 1)]).requests
-    c = CONTENDED_TEAM * 0.11 / 0.06
-    # r0 on EP0: alone until r1's step starts on EP1 at 0.03, then both contended.
-    assert r0.ttft == pytest.approx(0.03 + 0.03 * c)
-    # A D instance then decodes r0 (two steps of 12 ms, at full speed on its core) ...
+    # r0 on EP0 and, from 0.03, r1 on EP1: four threads on four cores, neither slowed.
+    assert r0.ttft == pytest.approx(0.06)
+    # A D instance then decodes r0 (two steps of 12 ms, on its own core) ...
     assert r0.gaps == pytest.approx([0.012, 0.012])
-    # ... while EP1's step stays contended; it ends at full speed.
-    assert r1.ttft == pytest.approx(r0.ttft + 0.024 + (0.06 - 0.03 - 0.024 / c) - 0.03)
+    # ... while EP1, half done, goes on on its own thread (a lender has work) until D is idle
+    # again at 0.084, then on two.
+    left = 0.5 - 0.024 / 0.11
+    assert r1.ttft == pytest.approx(0.084 + left * 0.06 - 0.03)
 
 
 def test_a_borrower_whose_step_hands_work_to_its_lender_steps_next_on_its_own_share():
     # Two cores. r0's prefill on EP borrows D's idle core (0 - 0.06) and hands its KV to D at
     # its end; r1, waiting since 0.03, starts then with that message on its way to D: live, D
     # has published its work before EP picks its threads, so EP steps on its own thread (10 +
-    # 100 ms), beside D's decodes and neither slowed.
+    # 100 ms) beside D's decodes, neither slowed, and takes D's core back between its layers
+    # once D is idle (0.084).
     fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
     setup = make_setup(cores=2, threads=1, bandwidth=1e15, thread_models={2: fast})
     r0, r1 = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 3), SimRequest(0.03, 100, 1)]).requests
     assert r0.ttft == pytest.approx(0.06) and r0.gaps == pytest.approx([0.012, 0.012])
-    assert r1.ttft == pytest.approx(0.06 + 0.11 - 0.03)
+    left = 1.0 - 0.024 / 0.11
+    assert r1.ttft == pytest.approx(0.084 + left * 0.06 - 0.03)
 
 
 def test_a_borrower_runs_on_the_lenders_core_only_while_the_lender_has_no_work():
@@ -189,9 +189,10 @@ def test_a_borrower_runs_on_the_lenders_core_only_while_the_lender_has_no_work()
     r0, r1, r2 = run(setup, ["EP", "D"], reqs).requests
     # r0: D is idle, EP prefills on two threads, 10 + 50 ms; D's decode from 0.06: 12 ms.
     assert r0.ttft == pytest.approx(0.06) and r0.gaps == pytest.approx([0.012])
-    # r1 reaches EP at 0.061 while D has work: EP steps on its own thread, 10 + 100 ms, and
-    # neither slows the other (two threads on two cores).
-    assert r1.ttft == pytest.approx(0.11)
+    # r1 reaches EP at 0.061 while D has work: EP's step starts on its own thread (10 + 100
+    # ms alone; neither slows the other, two threads on two cores) and takes the second
+    # thread when D is idle at 0.072: the rest at the two-thread speed.
+    assert r1.ttft == pytest.approx(0.011 + (1.0 - 0.011 / 0.11) * 0.06)
     # r2 at 0.2: D idle again, two threads.
     assert r2.ttft == pytest.approx(0.06)
     # On one-thread models (nothing measured at two threads) EP's prefill takes 110 ms alone.
