@@ -7,9 +7,9 @@ prefill and do not decode (E, P, EP: compute-bound) borrow them. A borrower runs
 share plus the lent threads only while every instance it borrows from is idle, and on
 its share alone while one of them has work, so a lone request is still encoded and
 prefilled on every core. The count is picked as each step starts, with the latency model
-the step is filled by, and picked again before every layer of the model
-(``worker.StepThreads``): a borrower hands the lent threads back within a layer when a
-lender gets work, and takes them again when the lender is idle, so a long prefill that
+the step is filled by, and picked again before every layer of the model and every
+operation in it (``worker.StepThreads``): a borrower hands the lent threads back within
+an operation when a lender gets work, and takes them again when the lender is idle, so a long prefill that
 starts while a decode instance has 0.2 s of decodes left borrows its core for the rest.
 (Under load a borrower seldom starts a step borrowing: the KV its step hands to a D
 instance reaches that instance, through the daemon in about a millisecond, before the
@@ -19,8 +19,8 @@ simulator models both.
 Whether an instance has work is a byte in a small block of shared memory (``CoreBoard``,
 one byte per instance id) that every CPU worker of the deployment maps: the lender
 writes its own byte when its state changes, and a borrower reads its lenders' bytes
-before each step and each layer. No message goes through the daemon, so a borrower sees
-a lender's new request within one layer of its step.
+before each step and each operation. No message goes through the daemon, so a borrower
+sees a lender's new request within one operation of its step.
 
 Plain Python (no torch): the planner's simulator uses ``cpu_threads`` too.
 """

@@ -134,11 +134,11 @@ class StepThreads:
     the instances that borrow from it (``run_worker``).
 
     A borrower fills each step by the model at the count its lenders allow as the step
-    starts, and follows them between the model's layers: a forward pre-hook on every layer
-    (each entry of the model's ``nn.ModuleList``s) reads the board again and changes torch's
-    thread count when a lender has started or stopped having work, so a long prefill borrows
-    the core a decode instance frees halfway through it, and hands it back within a layer
-    when that instance gets work."""
+    starts, and follows them within the step: a forward pre-hook on every layer (each entry
+    of the model's ``nn.ModuleList``s) and on every module without children in it reads the
+    board again and changes torch's thread count when a lender has started or stopped having
+    work, so a long prefill borrows the core a decode instance frees halfway through it, and
+    hands it back within one operation when that instance gets work."""
 
     def __init__(self, engine, lending: CoreLending):
         self.engine = engine
@@ -194,7 +194,7 @@ class StepThreads:
         """Within a step: follow the lenders (the model the step was filled by stays)."""
         n = self.lending.threads_now()
         if n != self._torch_threads:
-            logger.debug("threads %s -> %d between layers", self._torch_threads, n)
+            logger.debug("threads %s -> %d within the step", self._torch_threads, n)
             self._set_torch_threads(n)
 
     def _hook_layers(self) -> None:
@@ -207,8 +207,13 @@ class StepThreads:
         from torch import nn
 
         hook = lambda _module, _args: self.between_layers()  # noqa: E731
-        self._hooks = [layer.register_forward_pre_hook(hook)
-                       for module in model.modules() if isinstance(module, nn.ModuleList) for layer in module]
+        # Each layer and each module without children in it (its linear layers, norms,
+        # attention): a lender's step that starts meanwhile shares the cores with the
+        # borrowed threads for one operation at most.
+        layers = {id(layer): layer for module in model.modules() if isinstance(module, nn.ModuleList)
+                  for layer in module}
+        leaves = {id(m): m for layer in layers.values() for m in layer.modules() if next(m.children(), None) is None}
+        self._hooks = [m.register_forward_pre_hook(hook) for m in {**layers, **leaves}.values()]
 
     def _unhook(self) -> None:
         for handle in self._hooks:

@@ -15,7 +15,7 @@ enter through the cluster's real ``Router`` and move between instances through t
   instances it borrows from have no work and no message on its way (``engine.cores``;
   ``SimInstance.lends_no_core``). A borrower's step is filled by the model at the count
   of its start and then follows its lenders, as the worker re-picks its threads between
-  layers: it runs at the speed of its share while a lender has work, and of the borrowed
+  operations: it runs at the speed of its share while a lender has work, and of the borrowed
   count while none has;
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
