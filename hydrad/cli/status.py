@@ -43,7 +43,12 @@ def watch_status(fetch, out, interval: float, sleep=None) -> None:
     sleep = sleep or time.sleep
     if not out.is_terminal:
         while True:
-            out.print(snapshot())
+            # Rendered whole, then written in one call: an interrupt while it renders
+            # prints nothing of it, never half a snapshot.
+            with out.capture() as captured:
+                out.print(snapshot())
+            out.file.write(captured.get())
+            out.file.flush()
             sleep(interval)
     with Live(snapshot(), console=out, auto_refresh=False) as live:
         while True:

@@ -187,6 +187,8 @@ class StepThreads:
         """A borrower takes the threads it may use now, and the model at that count."""
         if self.lending.threads.borrow:
             n = self.lending.threads_now()
+            if n != self._torch_threads:
+                logger.debug("steps on %d threads (was %s)", n, self._torch_threads)
             self._use(n)
             self._set_torch_threads(n)
 
@@ -223,7 +225,6 @@ class StepThreads:
     def _use(self, n: int, force: bool = False) -> None:
         if n == self.current and not force:
             return
-        logger.debug("steps on %d threads (was %d)", n, self.current)
         self._set_torch_threads(n)
         self.current = n
         if n in self.models:
