@@ -170,9 +170,11 @@ class StepThreads:
                     self._set_torch_threads(n)
                     models[n] = fit_latency_model(self.engine, allow_busy=allow_busy)
                 bound = latency_bound(self.engine.config.slo, role)
+        except BaseException:
+            self._hook_layers()  # as they were
+            raise
         finally:
             self._set_torch_threads(self.current)
-            self._hook_layers()
         self.lending.set(threads)
         self.models, self.bound = models, bound
         self._use(own, force=True)
@@ -192,23 +194,24 @@ class StepThreads:
             self._use(n)
             self._set_torch_threads(n)
 
-    def between_layers(self) -> None:
-        """Within a step: follow the lenders (the model the step was filled by stays)."""
+    def follow_lenders(self) -> None:
+        """Within a step, before each layer and operation: take or hand back the lent
+        threads as the lenders' work says (the model the step was filled by stays)."""
         n = self.lending.threads_now()
         if n != self._torch_threads:
             logger.debug("threads %s -> %d within the step", self._torch_threads, n)
             self._set_torch_threads(n)
 
     def _hook_layers(self) -> None:
-        """Re-pick the thread count before every layer of a CPU borrower's model (its parts
-        may have changed with its role: the hooks are placed anew)."""
+        """Re-pick the thread count before every layer of a CPU borrower's model and every
+        operation in it (its parts may have changed with its role: the hooks are placed anew)."""
         self._unhook()
         model = getattr(self.engine, "model", None)
         if not self.lending.threads.borrow or model is None or self.engine.device.type != "cpu":
             return
         from torch import nn
 
-        hook = lambda _module, _args: self.between_layers()  # noqa: E731
+        hook = lambda _module, _args: self.follow_lenders()  # noqa: E731
         # Each layer and each module without children in it (its linear layers, norms,
         # attention): a lender's step that starts meanwhile shares the cores with the
         # borrowed threads for one operation at most.

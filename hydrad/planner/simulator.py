@@ -471,7 +471,6 @@ class Simulation:
         length = alone[instance.step_threads]
         processor = self._processor_share(self.now, self.now + length) if self.setup.cores is not None else 0.0
         self.steps[instance] = _Step(instance, out, alone, processor, self.now, self.now)
-        self._retime()
 
     def end(self, instance: SimInstance, token: int):
         """The step's output when ``token`` is its current end, else None (a stale end event)."""
@@ -480,12 +479,11 @@ class Simulation:
             return None
         del self.steps[instance]
         instance.busy += self.now - step.started
-        self._retime()
         return step.out
 
     def _retime(self) -> None:
-        """After a step started or ended, or a lender's work changed: every step under way
-        goes on at its new speed."""
+        """After each event (steps may have started or ended, a lender may have got or
+        finished its work): every step under way goes on at its new speed."""
         now = self.now
         for instance, step in self.steps.items():
             if step.seconds > 0.0:
@@ -594,7 +592,6 @@ class Simulation:
         self._processor_busy.sort()
         self._pending = len(requests)
         events = self._events
-        borrowers = any(i.threads.borrow for i in self.instances)
         stopped = False
         start = requests[0].arrival if requests else 0.0
         while events:
@@ -616,8 +613,7 @@ class Simulation:
                 self._arrive(payload)
             else:
                 target.wake()
-            if borrowers:
-                self._retime()  # a lender may have got or finished its work
+            self._retime()
         if not stopped and self._pending:
             raise RuntimeError(f"{self._pending} requests never finished: the deployment cannot serve them")
         timings = list(self.timings.values())

@@ -119,7 +119,7 @@ def test_a_borrowing_worker_steps_on_the_threads_and_model_of_the_moment(monkeyp
         torch.set_num_threads(before)
 
 
-def test_a_borrowing_step_follows_its_lenders_between_layers(monkeypatch):
+def test_a_borrowing_step_follows_its_lenders_within_the_step(monkeypatch):
     """Within a step a borrower re-picks torch's thread count before every layer: it drops
     the lent thread at the next layer once a lender has work, takes it again once the lender
     is idle, and keeps the model the step was filled by. A worker that does not borrow places
