@@ -16,7 +16,9 @@ enter through the cluster's real ``Router`` and move between instances through t
   ``SimInstance.lends_no_core``). A borrower's step is filled by the model at the count
   of its start and then follows its lenders, as the worker re-picks its threads between
   operations: it runs at the speed of its share while a lender has work, and of the borrowed
-  count while none has;
+  count while none has. As a worker's engine, an instance whose steps that carry decodes
+  run longer than predicted (slowed by the others) fills them to less of its bound
+  (``latency_model.Calibration``, the same rule on the virtual clock);
 * a message between the daemon and a worker (a new request, a migration hand-off, a
   release, a step's tokens) takes ``message_seconds``; a pull's copy takes its bytes
   over the measured copy bandwidth, on one copy thread per instance;
@@ -51,7 +53,7 @@ from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.cores import CpuThreads, cpu_threads
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
-    LANGUAGE_TERMS, VISION_TERMS, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
+    LANGUAGE_TERMS, VISION_TERMS, Calibration, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
 )
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.request import Request
@@ -226,11 +228,17 @@ class SimInstance:
         self.busy = 0.0
         self.num_steps = 0
         self.messages_on_the_way = 0  # sent by the daemon, not yet delivered
+        # As the engine's: steps that carry decodes and run longer than predicted (the cores
+        # shared) are filled to less of the bound.
+        self.calibration = Calibration()
 
     def _use(self, threads: int) -> None:
         """Step on ``threads`` threads, with the model at that count (the worker's ``StepThreads``)."""
         self.step_threads, self.model = threads, self.models[threads]
         if self.sim.setup.fill_by_model:
+            if self.model is not self.scheduler.latency_model:  # a new model starts uncalibrated
+                self.calibration = Calibration()
+                self.scheduler.set_calibration(1.0)
             # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
             setup = self.sim.setup
             self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, self.role),
@@ -363,8 +371,14 @@ class SimInstance:
         sim.at(self.copier_free, _WAKE, self, None)
         return True
 
-    def end_step(self, out) -> None:
+    def end_step(self, out, seconds: float) -> None:
+        """The step ``out`` ended after ``seconds`` on the virtual clock."""
         sim, s = self.sim, self.scheduler
+        if out.num_decodes and sim.setup.fill_by_model:
+            # As EngineCore._calibrate (its time excludes building the step).
+            predicted = self.model.combine(out.predicted_vision, out.predicted_language)
+            if self.calibration.add(predicted, seconds - sim.setup.step_overhead):
+                s.set_calibration(self.calibration.factor)
         if out.encodes:
             s.update_after_encode(out)
         if out.chunks:
@@ -473,13 +487,14 @@ class Simulation:
         self.steps[instance] = _Step(instance, out, alone, processor, self.now, self.now)
 
     def end(self, instance: SimInstance, token: int):
-        """The step's output when ``token`` is its current end, else None (a stale end event)."""
+        """The step's output and its length when ``token`` is its current end, else None (a
+        stale end event)."""
         step = self.steps.get(instance)
         if step is None or step.token != token:
             return None
         del self.steps[instance]
         instance.busy += self.now - step.started
-        return step.out
+        return step.out, self.now - step.started
 
     def _retime(self) -> None:
         """After each event (steps may have started or ended, a lender may have got or
@@ -598,10 +613,10 @@ class Simulation:
             time, _, kind, target, payload = heapq.heappop(events)
             self.now = time
             if kind == _STEP_END:
-                out = self.end(target, payload)
-                if out is None:  # the step was re-timed: a later event ends it
+                ended = self.end(target, payload)
+                if ended is None:  # the step was re-timed: a later event ends it
                     continue
-                target.end_step(out)
+                target.end_step(*ended)
                 self._check_deadlines()
                 if self._missed >= self._max_missed:
                     stopped = True

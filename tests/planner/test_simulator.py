@@ -150,6 +150,34 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
     assert r1.ttft == pytest.approx(0.133 + 0.099 - 0.111)
 
 
+def test_steps_with_decodes_that_run_over_their_prediction_are_filled_to_less_of_the_bound():
+    # As the engine's calibration: two EPD instances on one core, r0 on the first and r1 on
+    # the second (round robin), decode in lockstep, so each decode step (12 ms predicted)
+    # takes 24 ms. After 16 such steps their measured / predicted ratio, 2, divides the bound
+    # (150.5 ms) of the first instance's next steps: r2 (200 tokens) arrives at 0.5 s, and the
+    # step that takes its first chunk with r0's decode is 10 + 2 + 63 ms (75.25 ms). On two
+    # cores the steps take their prediction and the chunk is 138 tokens (150.5 ms).
+    slo = SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505, headroom=0.0)
+
+    def first_chunk(cores):
+        sim = Simulation(make_setup(slo=slo, cores=cores, threads=1),
+                         ["EPD", "EPD"], [SimRequest(0.0, 10, 60), SimRequest(0.0, 10, 60), SimRequest(0.5, 200, 1)],
+                         slo_ttft=10.0, slo_tbt=10.0)
+        steps = []
+        start = sim.start
+        sim.start = lambda instance, out, alone: (steps.append((instance.instance_id, out.num_decodes, out.num_tokens)),
+                                                   start(instance, out, alone))
+        sim.run()
+        return next(s for s in steps if s[0] == 0 and s[2] > s[1] and s[1] > 0), sim.instances[0].scheduler.calibration
+
+    (_, decodes, tokens), factor = first_chunk(cores=1)
+    assert factor == pytest.approx(2.0)
+    assert (decodes, tokens) == (1, 1 + 63)
+    (_, decodes, tokens), factor = first_chunk(cores=2)
+    assert factor == pytest.approx(1.0)
+    assert (decodes, tokens) == (1, 1 + 138)
+
+
 def test_borrowers_on_four_cores_borrow_at_once_and_give_back_while_a_lender_has_work():
     # Four cores, two EP instances that borrow one core each while both D instances are idle
     # (10 + 50 ms for a prefill on two threads, 10 + 100 ms on their own one).
