@@ -155,6 +155,10 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
         result = run_profile(mine, engine, device_set, slo_ttft=slo_ttft, slo_tbt=slo_tbt, top_k=top_k,
                              num_requests=num_requests, arrivals=arrivals, options=options, progress=advance)
     s = result.result
+    if result.setup.speeds:
+        console.print("steps replayed at " + ", ".join(f"{f:.2f}x the latency model ({n} thread(s))"
+                                                      for n, f in sorted(result.setup.speeds.items()))
+                      + ": the speed this machine runs the model's probes at now", highlight=False)
     console.print(f"searched {len(s.evaluations)} deployments with {s.num_replays} replays in {s.seconds:.1f} s; "
                   "Algorithm 2's candidates: " + ", ".join(f"{m} {format_deploy(list(r))}"
                                                            for m, r in s.algorithm2.items()), highlight=False)

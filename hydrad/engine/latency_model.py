@@ -203,6 +203,16 @@ class LatencyModel:
             return vision if vision <= bound else -1.0
         return (bound - vision) / self.overlap
 
+    def scaled(self, factor: float) -> LatencyModel:
+        """This model with every step ``factor`` times as long (the machine runs slower or
+        faster than when it was fitted: ``profiler.measure_speed``)."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"latency model scale must be finite and > 0, got {factor}")
+        if factor == 1.0:
+            return self
+        return LatencyModel(**{name: getattr(self, name) * factor for name in (*VISION_TERMS, *LANGUAGE_TERMS)},
+                            overlap=self.overlap, meta={**self.meta, "scaled": factor}, error=self.error)
+
     # -- persistence -------------------------------------------------------------------------
     def to_json(self) -> dict:
         body = {"version": FORMAT_VERSION, "coefficients": {k: getattr(self, k) for k in

@@ -556,6 +556,60 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
     return model
 
 
+# The probes ``measure_speed`` times again: the longest stored one of each kind up to this.
+_SPEED_PROBE_SECONDS = 0.15
+
+
+def speed_probes(model: LatencyModel, image_kinds=None) -> list[tuple[Probe, float]]:
+    """A few of the probes ``model`` was fitted on, with their stored seconds: of each kind
+    (images only, prefills only, decodes only) the longest one up to ``_SPEED_PROBE_SECONDS``
+    (the shortest when none is), among those whose images are of ``image_kinds`` (None: any)."""
+    by_kind: dict[str, list[tuple[Probe, float]]] = {}
+    for stored in model.meta.get("probes") or []:
+        probe = Probe(images=tuple(tuple(x) for x in stored.get("images", ())),
+                      prefills=tuple(tuple(x) for x in stored.get("prefills", ())),
+                      decodes=tuple(stored.get("decodes", ())))
+        seconds = stored.get("seconds")
+        if not seconds or not math.isfinite(seconds) or seconds <= 0:
+            continue
+        if image_kinds is not None and any(kind not in image_kinds for kind in probe.images):
+            continue
+        parts = (bool(probe.images), bool(probe.prefills), bool(probe.decodes))
+        kind = {(True, False, False): "images", (False, True, False): "prefills",
+                (False, False, True): "decodes"}.get(parts)
+        if kind is not None:
+            by_kind.setdefault(kind, []).append((probe, seconds))
+    # Within the limit the longest (the most signal), else the shortest.
+    rank = lambda ps: (ps[1] > _SPEED_PROBE_SECONDS, -ps[1] if ps[1] <= _SPEED_PROBE_SECONDS else ps[1])  # noqa: E731
+    kinds = {kind: min(found, key=rank) for kind, found in by_kind.items()}
+    return [kinds[k] for k in ("images", "prefills", "decodes") if k in kinds]
+
+
+def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float] | None = None,
+                  rounds: int = 3) -> float:
+    """How many times as long as when ``model`` was fitted this machine takes for a step now
+    (above 1: slower): the median ratio of a few of the model's own probes (``speed_probes``)
+    timed again ``rounds`` times on ``engine``, idle and on the threads the model was fitted
+    on. A CPU's speed drifts (other tenants, the clock: 15-45% on the 2-core machine this was
+    built on, within an hour) between a cached fit and a plan made from it; the planner's
+    replay runs its steps at the speed measured here. 1.0 when the model stored no probes."""
+    if timer is None:
+        images = probe_images(engine) if "E" in engine.role else []
+        timer = EngineTimer(engine, images=images)
+        kinds = set(timer.images)
+    else:
+        kinds = None
+    probes = speed_probes(model, kinds)
+    if not probes:
+        return 1.0
+    with _probing(engine.device if isinstance(timer, EngineTimer) else None):
+        ratios = [timer(probe) / seconds for _ in range(rounds) for probe, seconds in probes]
+    factor = statistics.median(ratios)
+    logger.info("this machine runs the latency model's probes at %.2fx their fitted time now (%.2f-%.2fx)", factor,
+                min(ratios), max(ratios))
+    return factor
+
+
 def derive(model: LatencyModel, key: dict) -> LatencyModel:
     """The model of ``key``'s parts taken from a model of more parts. Vision and language
     coefficients are fitted from separate probes (``fit_model``), so each part's stand alone;

@@ -103,6 +103,8 @@ class MachineOptions:
     step_overhead: float = DEFAULT_STEP_OVERHEAD
     router_policy: str = "round-robin"
     processor_threads: int = 1
+    # Time a few of the latency model's probes again and replay at the speed they run now.
+    check_speed: bool = True
 
 
 def machine_setup(config: EngineConfig, devices: Devices, options: MachineOptions = MachineOptions(),
@@ -111,7 +113,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
     import torch
 
     from hydrad.engine.core import EngineCore
-    from hydrad.engine.profiler import fit_latency_model, measure_bandwidth
+    from hydrad.engine.profiler import fit_latency_model, measure_bandwidth, measure_speed
 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(devices.threads)
@@ -119,12 +121,15 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
     try:
         engine = EngineCore(config, role="EPD", device=devices.devices[0])
         model = fit_latency_model(engine, show_progress=show_progress)
+        speeds = {devices.threads: measure_speed(engine, model)} if options.check_speed else {}
         thread_models = {}
         cores = os.cpu_count() or 1
         if devices.is_cpu and cores > devices.threads:
             # Instances that borrow idle cores run on up to all of them while their lenders idle (engine.cores).
             torch.set_num_threads(cores)
             thread_models[cores] = fit_latency_model(engine, show_progress=show_progress)
+            if options.check_speed:
+                speeds[cores] = measure_speed(engine, thread_models[cores])
             torch.set_num_threads(devices.threads)
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
@@ -137,6 +142,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             message_seconds=options.message_seconds, step_overhead=options.step_overhead,
             cores=cores if devices.is_cpu else None, threads=devices.threads, thread_models=thread_models,
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
+            speeds=speeds,
         )
     finally:
         if engine is not None:
@@ -183,6 +189,7 @@ class Profile:
                                                       for n, m in sorted(self.setup.thread_models.items())},
                         "latency_error": self.setup.model.error and {
                 "median": self.setup.model.error.median, "max": self.setup.model.error.max},
+                "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,

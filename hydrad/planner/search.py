@@ -125,7 +125,9 @@ class Planner:
         self.seed = seed
         self.num_replays = 0
         self.has_images = sum(1 for s in workload.shapes if s.images) / len(workload)
-        self.costs = {role: stage_costs(setup.model, role, workload, setup.slo, setup.scheduler)
+        # At the machine's speed now: what a stage takes, not what the workers fill steps by.
+        model = setup.model.scaled(setup.speed(setup.threads))
+        self.costs = {role: stage_costs(model, role, workload, setup.slo, setup.scheduler)
                       for role in ROLE_ORDER}
 
     # -- one deployment ---------------------------------------------------------------------------

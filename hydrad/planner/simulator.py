@@ -6,7 +6,8 @@ enter through the cluster's real ``Router`` and move between instances through t
 ``MigrationRelay`` (offers built by ``migration.offer_for``, rebuilt on the target by
 ``Request.from_offer``). Only the model and the pipes are replaced:
 
-* a step takes the work the instance's latency model predicts for it (plus a fixed
+* a step takes the work the instance's latency model predicts for it (times the speed
+  measured on the machine against the model now, ``SimSetup.speeds``, plus a fixed
   per-step overhead), done at a speed that changes whenever another step starts or ends:
   slower while more CPU threads are busy than there are cores (the workers' torch threads,
   and the daemon's Request Processor while it prepares a request: it runs on the same
@@ -117,10 +118,22 @@ class SimSetup:
     # (None: no queue). Its threads ([server] processor_threads) work on several requests
     # at once but share the daemon's interpreter lock and cores: one at a time models it.
     processor_threads: int | None = 1
+    # How many times its model's prediction a step takes on this machine now, by thread count
+    # (``profiler.measure_speed``; 1 where absent). Steps are filled by the model, as the
+    # workers fill them, and take this much longer.
+    speeds: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
             raise ValueError("bandwidth must be > 0, message and step overheads >= 0")
+        if any(not math.isfinite(f) or f <= 0 for f in self.speeds.values()):
+            raise ValueError(f"speeds must be finite and > 0, got {self.speeds}")
+
+    def speed(self, threads: int) -> float:
+        """The factor at ``threads`` (at the nearest count measured)."""
+        if not self.speeds:
+            return 1.0
+        return self.speeds[min(self.speeds, key=lambda n: (abs(n - threads), n))]
 
 
 def step_shape(out, scheduler: Scheduler) -> StepShape:
@@ -343,12 +356,14 @@ class SimInstance:
             seconds = self.model.combine(out.predicted_vision, out.predicted_language)
         else:
             seconds = self.model.step_seconds(shape)
-        overhead = sim.setup.step_overhead
-        alone = {self.step_threads: seconds + overhead}
+        setup = sim.setup
+        overhead = setup.step_overhead
+        alone = {self.step_threads: seconds * setup.speed(self.step_threads) + overhead}
         if t.borrow:
             # It follows its lenders within the step: its time alone at the other count too.
             other = t.own if self.step_threads != t.own else t.most
-            alone[other] = self.models[other].step_seconds(shape or step_shape(out, self.scheduler)) + overhead
+            alone[other] = (self.models[other].step_seconds(shape or step_shape(out, self.scheduler))
+                            * setup.speed(other) + overhead)
         self.running = True
         self.num_steps += 1
         sim.start(self, out, alone)
