@@ -585,14 +585,25 @@ def speed_probes(model: LatencyModel, image_kinds=None) -> list[tuple[Probe, flo
     return [kinds[k] for k in ("images", "prefills", "decodes") if k in kinds]
 
 
+@dataclass(frozen=True)
+class Speed:
+    """How this machine runs a latency model's probes now (``measure_speed``)."""
+
+    factor: float = 1.0  # median of measured / fitted seconds
+    spread: float = 0.0  # standard deviation of log(measured / fitted)
+
+
 def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float] | None = None,
-                  rounds: int = 3) -> float:
+                  rounds: int = 3) -> Speed:
     """How many times as long as when ``model`` was fitted this machine takes for a step now
     (above 1: slower): the median ratio of a few of the model's own probes (``speed_probes``)
     timed again ``rounds`` times on ``engine``, idle and on the threads the model was fitted
     on. A CPU's speed drifts (other tenants, the clock: 15-45% on the 2-core machine this was
     built on, within an hour) between a cached fit and a plan made from it; the planner's
-    replay runs its steps at the speed measured here. 1.0 when the model stored no probes."""
+    replay runs its steps at the speed measured here, spread as the timings were (the
+    standard deviation of their log ratios: the machine's noise, and how far the model is
+    off for some kinds of step more than for others). ``Speed()`` when the model stored no
+    probes."""
     if timer is None:
         images = probe_images(engine) if "E" in engine.role else []
         timer = EngineTimer(engine, images=images)
@@ -601,13 +612,13 @@ def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float
         kinds = None
     probes = speed_probes(model, kinds)
     if not probes:
-        return 1.0
+        return Speed()
     with _probing(engine.device if isinstance(timer, EngineTimer) else None):
         ratios = [timer(probe) / seconds for _ in range(rounds) for probe, seconds in probes]
-    factor = statistics.median(ratios)
-    logger.info("this machine runs the latency model's probes at %.2fx their fitted time now (%.2f-%.2fx)", factor,
-                min(ratios), max(ratios))
-    return factor
+    speed = Speed(statistics.median(ratios), statistics.pstdev(math.log(r) for r in ratios))
+    logger.info("this machine runs the latency model's probes at %.2fx their fitted time now (%.2f-%.2fx, "
+                "log spread %.2f)", speed.factor, min(ratios), max(ratios), speed.spread)
+    return speed
 
 
 def derive(model: LatencyModel, key: dict) -> LatencyModel:

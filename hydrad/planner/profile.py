@@ -23,6 +23,7 @@ here: ``message_seconds`` (default 2 ms: the idle E->P and P->D migration of
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Callable
 
 from hydrad.cluster.deploy import format_deploy, parse_devices
 from hydrad.config import EngineConfig, SLOConfig
+from hydrad.engine.latency_model import LatencyModel
 from hydrad.errors import ConfigError
 from hydrad.planner.search import ROLE_ORDER, Planner, SearchResult
 from hydrad.planner.simulator import InstanceLayout, SimSetup
@@ -41,6 +43,9 @@ logger = logging.getLogger("hydrad.planner")
 DEFAULT_MESSAGE_SECONDS = 0.002
 DEFAULT_STEP_OVERHEAD = 0.001
 DEFAULT_NUM_REQUESTS = 300
+# A borrower's speed on lent threads against its model at that count while its lender works
+# in bursts beside it: 0.57-0.76 on the 2-core machine this was built on (bench/borrow_speed.py).
+DEFAULT_BORROW_EFFICIENCY = 0.65
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,7 @@ class MachineOptions:
     processor_threads: int = 1
     # Time a few of the latency model's probes again and replay at the speed they run now.
     check_speed: bool = True
+    borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
 
 
 def machine_setup(config: EngineConfig, devices: Devices, options: MachineOptions = MachineOptions(),
@@ -142,12 +148,27 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             message_seconds=options.message_seconds, step_overhead=options.step_overhead,
             cores=cores if devices.is_cpu else None, threads=devices.threads, thread_models=thread_models,
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
-            speeds=speeds,
+            speeds={n: speed.factor for n, speed in speeds.items()}, step_noise=step_noise(model, speeds),
+            borrow_efficiency=options.borrow_efficiency,
         )
     finally:
         if engine is not None:
             engine.shutdown()
         torch.set_num_threads(threads_before)
+
+
+def step_noise(model: LatencyModel, speeds: dict) -> float:
+    """The spread of the replay's step times (``SimSetup.step_noise``): the model's error on
+    the probes it was not fitted on (its median relative error, as the standard deviation of
+    a normal whose median absolute value it is) and the spread of the speed check's timings
+    (``profiler.Speed``, pooled over the thread counts), independent."""
+    model_sd = model.error.median / _NORMAL_MEDIAN_ABS if model.error is not None else 0.0
+    machine_var = sum(speed.spread ** 2 for speed in speeds.values()) / len(speeds) if speeds else 0.0
+    return math.sqrt(model_sd ** 2 + machine_var)
+
+
+# The median of |z| for a standard normal z.
+_NORMAL_MEDIAN_ABS = 0.6745
 
 
 @dataclass
@@ -190,6 +211,7 @@ class Profile:
                         "latency_error": self.setup.model.error and {
                 "median": self.setup.model.error.median, "max": self.setup.model.error.max},
                 "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
+                "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,

@@ -161,7 +161,8 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         scheduler=config.scheduler, slo=config.slo, router_policy=router_policy,
         message_seconds=options.message_seconds, step_overhead=options.step_overhead,
         cores=cores if is_cpu else None, threads=share,
-        fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads, **extra,
+        fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
+        borrow_efficiency=options.borrow_efficiency, **extra,
     )
 
 

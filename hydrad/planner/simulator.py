@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -122,12 +123,25 @@ class SimSetup:
     # (``profiler.measure_speed``; 1 where absent). Steps are filled by the model, as the
     # workers fill them, and take this much longer.
     speeds: dict[int, float] = field(default_factory=dict)
+    # The spread of step times around that: each step's time is multiplied by exp(N(0, s))
+    # (s the standard deviation of log(measured / predicted); 0: steps take exactly their
+    # time). Queues grow with it: a slow step lets requests gather for the next.
+    step_noise: float = 0.0
+    # A borrower's speed on borrowed threads (while its lenders are idle) as a share of its
+    # model's at that count: the lenders' steps start again within a borrowed operation and
+    # share the lent core with it, and the instances share caches and memory bandwidth
+    # (``bench/borrow_speed.py``; at most the speed of its own share).
+    borrow_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
             raise ValueError("bandwidth must be > 0, message and step overheads >= 0")
         if any(not math.isfinite(f) or f <= 0 for f in self.speeds.values()):
             raise ValueError(f"speeds must be finite and > 0, got {self.speeds}")
+        if not 0.0 < self.borrow_efficiency <= 1.0:
+            raise ValueError(f"borrow_efficiency must be in (0, 1], got {self.borrow_efficiency}")
+        if not 0.0 <= self.step_noise < 2.0:
+            raise ValueError(f"step_noise must be in [0, 2), got {self.step_noise}")
 
     def speed(self, threads: int) -> float:
         """The factor at ``threads`` (at the nearest count measured)."""
@@ -358,12 +372,15 @@ class SimInstance:
             seconds = self.model.step_seconds(shape)
         setup = sim.setup
         overhead = setup.step_overhead
-        alone = {self.step_threads: seconds * setup.speed(self.step_threads) + overhead}
+        noise = sim.step_noise()
+        alone = {self.step_threads: seconds * setup.speed(self.step_threads) * noise + overhead}
         if t.borrow:
             # It follows its lenders within the step: its time alone at the other count too.
             other = t.own if self.step_threads != t.own else t.most
             alone[other] = (self.models[other].step_seconds(shape or step_shape(out, self.scheduler))
-                            * setup.speed(other) + overhead)
+                            * setup.speed(other) * noise + overhead)
+            # Borrowed stretches run at a share of the borrowed count's speed, never below the own.
+            alone[t.most] = min(alone[t.own], alone[t.most] / setup.borrow_efficiency)
         self.running = True
         self.num_steps += 1
         sim.start(self, out, alone)
@@ -481,6 +498,11 @@ class Simulation:
         # (start, end) of each request's preparation by the Request Processor, in time order.
         self._processor_busy: list[tuple[float, float]] = []
         self._processor_next = 0
+        self._noise = random.Random(0) if setup.step_noise > 0 else None  # the same draws every replay
+
+    def step_noise(self) -> float:
+        """The factor of the next step's time (``SimSetup.step_noise``)."""
+        return math.exp(self._noise.gauss(0.0, self.setup.step_noise)) if self._noise is not None else 1.0
 
     # -- the clock --------------------------------------------------------------------------------
     def at(self, time: float, kind: int, target, payload) -> None:

@@ -4,6 +4,7 @@ the disk cache, and real measurements on the tiny checkpoint checked against mea
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 
@@ -23,13 +24,16 @@ from hydrad.engine.latency_model import (
 )
 from hydrad.engine.profiler import (
     Probe,
+    Speed,
     cache_key,
     derive_from_known,
     design_probes,
     engine_limits,
     fit_latency_model,
     fit_model,
+    measure_speed,
     probe_images,
+    speed_probes,
 )
 from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
@@ -336,3 +340,71 @@ def test_an_engine_calibrates_its_steps_with_decodes_to_how_they_run(tiny_llava_
         assert core.scheduler.calibration == 1.0 and not core.calibration.ratios
     finally:
         core.shutdown()
+
+
+def _stored(images=(), prefills=(), decodes=(), seconds=0.1) -> dict:
+    return {"images": [list(x) for x in images], "prefills": [list(x) for x in prefills],
+            "decodes": list(decodes), "seconds": seconds}
+
+
+STORED = [
+    _stored(images=[(257, 256)], seconds=0.02), _stored(images=[(257, 256)] * 4, seconds=0.08),
+    _stored(images=[(577, 576)], seconds=0.05),  # another image size
+    _stored(prefills=[(0, 128)], seconds=0.06), _stored(prefills=[(0, 512)], seconds=0.25),
+    _stored(decodes=[300] * 8, seconds=0.2), _stored(decodes=[300] * 32, seconds=0.4),  # none within the limit
+    _stored(prefills=[(0, 16)], decodes=[300] * 8, seconds=0.03),  # mixed: never taken
+    _stored(prefills=[(0, 64)], seconds=float("nan")),
+]
+
+
+def test_the_speed_check_times_one_probe_of_each_kind_the_model_stored():
+    model = LatencyModel(l_fixed=0.01, meta={"probes": STORED})
+    picked = speed_probes(model)
+    # Per kind the longest within 0.15 s, else the shortest; mixed probes never.
+    assert picked == [(Probe(images=((257, 256),) * 4), 0.08), (Probe(prefills=((0, 128),)), 0.06),
+                      (Probe(decodes=(300,) * 8), 0.2)]
+    # Only probes of the images the engine can make.
+    picked = speed_probes(model, {(577, 576)})
+    assert picked[0] == (Probe(images=((577, 576),)), 0.05)
+    assert speed_probes(LatencyModel(l_fixed=0.01)) == []
+
+
+def test_the_speed_check_is_the_median_ratio_of_the_probes_timed_again():
+    model = LatencyModel(l_fixed=0.01, meta={"probes": STORED})
+    # Each probe now runs 1.3x (images), 1.2x (prefill), 1.5x (decodes) its stored time.
+    factors = {"images": 1.3, "prefills": 1.2, "decodes": 1.5}
+    timed = []
+
+    def timer(probe):
+        kind = "images" if probe.images else "prefills" if probe.prefills else "decodes"
+        timed.append(kind)
+        stored = next(s for p, s in speed_probes(model) if p == probe)
+        return stored * factors[kind]
+
+    speed = measure_speed(None, model, timer=timer, rounds=2)
+    assert timed == ["images", "prefills", "decodes"] * 2
+    assert speed.factor == pytest.approx(1.3)
+    assert speed.spread == pytest.approx(statistics.pstdev([math.log(1.3), math.log(1.2), math.log(1.5)]))
+    # A model without stored probes (made by hand) is taken as it is.
+    assert measure_speed(None, LatencyModel(l_fixed=0.01), timer=timer) == Speed(1.0, 0.0)
+
+
+def test_a_scaled_model_predicts_every_step_that_many_times_as_long():
+    shape = StepShape.of(images=[(257, 256)], prefills=[(0, 100)], decodes=[300] * 4)
+    scaled = TRUE.scaled(1.25)
+    assert scaled.step_seconds(shape) == pytest.approx(1.25 * TRUE.step_seconds(shape))
+    assert scaled.overlap == TRUE.overlap and scaled.meta["scaled"] == 1.25
+    assert TRUE.scaled(1.0) is TRUE
+    with pytest.raises(ValueError):
+        TRUE.scaled(0.0)
+
+
+def test_the_replays_step_noise_joins_the_models_error_and_the_speed_checks_spread():
+    from hydrad.engine.latency_model import FitError
+    from hydrad.planner.profile import step_noise
+
+    # A median relative error of 0.06745 is a normal's standard deviation of 0.1; the speed
+    # checks' spreads (0.1 and 0.2) pool to sqrt(0.025).
+    model = LatencyModel(l_fixed=0.01, error=FitError(median=0.06745, max=0.2, num_probes=9))
+    assert step_noise(model, {1: Speed(1.2, 0.1), 2: Speed(1.3, 0.2)}) == pytest.approx(math.sqrt(0.01 + 0.025))
+    assert step_noise(LatencyModel(l_fixed=0.01), {}) == 0.0

@@ -59,6 +59,10 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     goodputs = [r["goodput_rps"] for r in ranking]
     assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
     assert set(profile["algorithm2"]["candidates"]) == {"EP+D", "ED+P"}
+    # The speed the machine runs the model's probes at now (at one thread, and at the borrowers' count).
+    speeds = profile["machine"]["speed_vs_latency_model"]
+    assert "1" in speeds and all(0.2 < f < 5 for f in speeds.values())
+    assert "the latency model (1 thread(s))" in run.output
 
     # --deploy auto with the same SLO ([slo] defaults: TTFT 2 s, TBT 0.2 s) deploys the pick, and
     # re-plans while serving (every 2 s here) from the same trace, with the workers' own models.

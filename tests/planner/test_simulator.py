@@ -7,6 +7,9 @@ of every pool is back at the end (the real block managers are driven).
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 
 from hydrad.config import SchedulerConfig, SLOConfig
@@ -45,6 +48,20 @@ def test_one_request_on_one_instance_encode_prefill_decode():
     (r,) = run(make_setup(), ["EPD"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),))]).requests
     assert r.ttft == pytest.approx(0.21)
     assert r.gaps == pytest.approx([0.012, 0.012])
+
+
+def test_steps_take_the_machines_speed_and_are_filled_by_the_model():
+    # The machine runs steps at twice the model's prediction now: encode 0.2, prefill 0.22,
+    # decodes 24 ms.
+    (r,) = run(make_setup(speeds={1: 2.0}), ["EPD"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),))]).requests
+    assert r.ttft == pytest.approx(0.42)
+    assert r.gaps == pytest.approx([0.024, 0.024])
+    # Filled by the model, as the workers fill them: with a bound of 150.5 ms the first step
+    # still takes 140 prompt tokens (150 ms predicted), and runs 300 ms.
+    setup = make_setup(slo=SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505, headroom=0.0), speeds={1: 2.0})
+    r0, r1 = run(setup, ["EPD"], [SimRequest(0.0, 100, 3), SimRequest(0.0, 100, 2)]).requests
+    assert r0.ttft == pytest.approx(0.30)
+    assert r1.ttft == pytest.approx(0.30 + 0.144)
 
 
 def test_messages_delay_the_entry_and_every_output():
@@ -226,6 +243,30 @@ def test_a_borrower_runs_on_the_lenders_core_only_while_the_lender_has_no_work()
     # On one-thread models (nothing measured at two threads) EP's prefill takes 110 ms alone.
     (alone,) = run(make_setup(cores=2, threads=1), ["EP", "D"], [SimRequest(0.0, 100, 1)]).requests
     assert alone.ttft == pytest.approx(0.11)
+
+
+def test_borrowed_threads_run_at_the_borrow_efficiency_never_slower_than_its_own():
+    # As above, D idle: EP's prefill of 100 tokens takes 10 + 50 ms on two threads by the
+    # model; at an efficiency of 0.75, 80 ms; at 0.5 it would take 120 ms, more than on its
+    # own thread (110 ms), so 110 ms.
+    fast = LatencyModel(v_image=0.1, l_fixed=0.01, l_prefill=0.0005, l_decode=0.002, overlap=1.0)
+    for efficiency, ttft in ((0.75, 0.08), (0.5, 0.11)):
+        setup = make_setup(cores=2, threads=1, bandwidth=1e15, thread_models={2: fast}, borrow_efficiency=efficiency)
+        (r,) = run(setup, ["EP", "D"], [SimRequest(0.0, 100, 2)]).requests
+        assert r.ttft == pytest.approx(ttft)
+    with pytest.raises(ValueError, match="borrow_efficiency"):
+        make_setup(borrow_efficiency=0.0)
+
+
+def test_step_noise_spreads_step_times_around_the_model_the_same_way_every_replay():
+    # One request at a time: each prefill's time is 110 ms times exp(N(0, 0.2)).
+    reqs = [SimRequest(float(i), 100, 1) for i in range(40)]
+    ttfts = [r.ttft for r in run(make_setup(step_noise=0.2), ["EPD"], reqs).requests]
+    again = [r.ttft for r in run(make_setup(step_noise=0.2), ["EPD"], reqs).requests]
+    assert ttfts == again
+    logs = [math.log(t / 0.11) for t in ttfts]
+    assert 0.1 < statistics.pstdev(logs) < 0.3 and abs(statistics.median(logs)) < 0.15
+    assert all(r.ttft == pytest.approx(0.11) for r in run(make_setup(), ["EPD"], reqs).requests)
 
 
 def test_the_request_processor_takes_its_cpu_from_the_instances_steps():
