@@ -223,19 +223,25 @@ class Planner:
         for method, roles in a2.items():
             evaluations.setdefault(roles, Evaluation(roles, self.bound(roles))).methods.append(method)
         order = sorted(evaluations.values(), key=lambda e: -e.bound.rate)
-        top: list[float] = []  # goodputs of the best so far, descending
+        top: list[Evaluation] = []  # the best so far, best first
         keep = max(1, top_k)
         for done, ev in enumerate(order):
-            kth = top[keep - 1] if len(top) >= keep else 0.0
+            last = top[keep - 1] if len(top) >= keep else None
+            kth = last.goodput if last is not None else 0.0
             if progress is not None:
                 progress(done, len(order), ev.spec)
             if self.reach(ev.bound.rate) <= kth:
                 break  # no deployment from here on can enter the top
+            if last is not None and self._rank_key(last)[0] == -self.max_rate and ev.bound.rate < last.bound.rate:
+                # The top are all at the replay's limit, where equals rank by their capacity
+                # bound: from here on (lower bounds) a deployment could only rank below them.
+                break
             if kth > 0 and not self.passes(ev, kth):
                 ev.status = "below"
                 continue
-            top.append(self.bisect(ev, known_pass=kth or None))
-            top.sort(reverse=True)
+            self.bisect(ev, known_pass=kth or None)
+            top.append(ev)
+            top.sort(key=self._rank_key)
         # Algorithm 2's candidates are reported with their goodput even when out of the top.
         for ev in evaluations.values():
             if ev.methods and ev.status != "ranked":

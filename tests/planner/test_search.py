@@ -114,3 +114,21 @@ def test_pruning_never_drops_the_best_deployment():
     pick = result.algorithm2_pick
     assert pick is not None and pick.methods
     assert pick.goodput == max(e.goodput for e in result.evaluations if e.methods)
+
+
+def test_once_the_top_are_at_the_replays_limit_lower_bounds_are_not_replayed():
+    # 20 requests per replay: every deployment of four instances passes at the highest rate
+    # such a replay can tell, where equals rank by their capacity bound.
+    p = planner(num_requests=20)
+    result = p.search(4, top_k=2)
+    top = result.ranked[:2]
+    assert all(p._rank_key(e)[0] == -p.max_rate for e in top)
+    # The same two as bisecting every deployment and ranking them all.
+    every = planner(num_requests=20)
+    evaluations = [Evaluation(roles, every.bound(roles)) for roles in deployments(4)]
+    for ev in evaluations:
+        every.bisect(ev)
+    assert [e.spec for e in sorted(evaluations, key=every._rank_key)[:2]] == [e.spec for e in top]
+    # Deployments whose bound would let them reach the top's rate were skipped all the same.
+    skipped = [e for e in result.evaluations if e.status == "pruned" and p.reach(e.bound.rate) > top[-1].goodput]
+    assert skipped
