@@ -579,10 +579,15 @@ def speed_probes(model: LatencyModel, image_kinds=None) -> list[tuple[Probe, flo
                 (False, False, True): "decodes"}.get(parts)
         if kind is not None:
             by_kind.setdefault(kind, []).append((probe, seconds))
-    # Within the limit the longest (the most signal), else the shortest.
-    rank = lambda ps: (ps[1] > _SPEED_PROBE_SECONDS, -ps[1] if ps[1] <= _SPEED_PROBE_SECONDS else ps[1])  # noqa: E731
-    kinds = {kind: min(found, key=rank) for kind, found in by_kind.items()}
-    return [kinds[k] for k in ("images", "prefills", "decodes") if k in kinds]
+    picked = []
+    for kind in ("images", "prefills", "decodes"):
+        found = by_kind.get(kind, [])
+        within = [ps for ps in found if ps[1] <= _SPEED_PROBE_SECONDS]
+        if within:  # the longest: the most signal
+            picked.append(max(within, key=lambda ps: ps[1]))
+        elif found:
+            picked.append(min(found, key=lambda ps: ps[1]))
+    return picked
 
 
 @dataclass(frozen=True)

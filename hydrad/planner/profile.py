@@ -46,6 +46,8 @@ DEFAULT_NUM_REQUESTS = 300
 # A borrower's speed on lent threads against its model at that count while its lender works
 # in bursts beside it: 0.57-0.76 on the 2-core machine this was built on (bench/borrow_speed.py).
 DEFAULT_BORROW_EFFICIENCY = 0.65
+# The median of |z| for a standard normal z.
+_NORMAL_MEDIAN_ABS = 0.6745
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,6 @@ def step_noise(model: LatencyModel, speeds: dict) -> float:
     model_sd = model.error.median / _NORMAL_MEDIAN_ABS if model.error is not None else 0.0
     machine_var = sum(speed.spread ** 2 for speed in speeds.values()) / len(speeds) if speeds else 0.0
     return math.sqrt(model_sd ** 2 + machine_var)
-
-
-# The median of |z| for a standard normal z.
-_NORMAL_MEDIAN_ABS = 0.6745
 
 
 @dataclass

@@ -245,6 +245,9 @@ class SimInstance:
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
+        # As the engine's: steps that carry decodes and run longer than predicted (the cores
+        # shared) are filled to less of the bound; a new model starts it anew (``_use``).
+        self.calibration = Calibration()
         self._use(threads.own)
         self.running = False  # in a step (or waiting on a copy)
         self.stalled = False
@@ -255,9 +258,6 @@ class SimInstance:
         self.busy = 0.0
         self.num_steps = 0
         self.messages_on_the_way = 0  # sent by the daemon, not yet delivered
-        # As the engine's: steps that carry decodes and run longer than predicted (the cores
-        # shared) are filled to less of the bound.
-        self.calibration = Calibration()
 
     def _use(self, threads: int) -> None:
         """Step on ``threads`` threads, with the model at that count (the worker's ``StepThreads``)."""
