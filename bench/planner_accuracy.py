@@ -12,7 +12,10 @@ the devices from that trace (``hydractl profile``); then each of the ``--top``
 deployments is started live and its goodput measured by ``hydractl bench`` replaying the
 same trace (same request count, the trace's arrivals, the same goodput search), as
 ``hydractl profile --validate`` does. Reported: simulated and live goodput per
-deployment, their relative difference, and whether the live best is the simulated best.
+deployment, their relative difference, and whether the live best is the simulated best;
+and the same again with each deployment simulated at the machine's speed measured right
+before and after its live run (``validate``'s ``speed_check``), which separates the
+simulator's error from the machine's drift over the hour the live runs take.
 
 Workloads: ``textcaps`` (TextCaps-like, Poisson), ``mix`` (TextCaps and POPE, half
 each, Poisson), ``mooncake`` (POPE-like requests at the arrival times of Mooncake's
@@ -122,9 +125,9 @@ def record(model: str, devices: str, workload: str, trace, *, rate: float, num: 
 
 
 def accuracy(args) -> dict:
-    from hydrad.planner.profile import Devices, run_profile
+    from hydrad.planner.profile import Devices, MachineProbe, run_profile
     from hydrad.planner.trace import read_trace
-    from hydrad.planner.validate import validate
+    from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
 
     model = model_dir(args.model)
     rows = []
@@ -138,31 +141,45 @@ def accuracy(args) -> dict:
                            slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
         records = read_trace(trace_dir)
         config = daemon_config(model, args.devices, "auto", args.slo_ttft, args.slo_tbt)
-        started = time.perf_counter()
-        profile = run_profile(records, config.engine, Devices.parse(args.devices), slo_ttft=args.slo_ttft,
-                              slo_tbt=args.slo_tbt, top_k=args.top, num_requests=args.num_requests)
-        plan_seconds = time.perf_counter() - started
-        specs = [e.spec for e in profile.result.ranked[: args.top]]
-        console.print(f"{name}: simulated top {args.top}: " + ", ".join(
-            f"{e.spec} {e.goodput:.3g}" for e in profile.result.ranked[: args.top]), highlight=False)
-        live = validate(profile, config, trace_dir, specs, log_dir=work)
+        devices = Devices.parse(args.devices)
+        # One instance of the model in this process measures the machine's speed for the
+        # profile and again around each live run (validate's speed_check).
+        with MachineProbe(config.engine, devices) as probe:
+            started = time.perf_counter()
+            profile = run_profile(records, config.engine, devices, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt,
+                                  top_k=args.top, num_requests=args.num_requests, probe=probe)
+            plan_seconds = time.perf_counter() - started
+            specs = [e.spec for e in profile.result.ranked[: args.top]]
+            console.print(f"{name}: simulated top {args.top}: " + ", ".join(
+                f"{e.spec} {e.goodput:.3g}" for e in profile.result.ranked[: args.top]), highlight=False)
+            live = validate(profile, config, trace_dir, specs, log_dir=work, speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN))
         sim_best = max(live, key=lambda r: r["simulated_goodput_rps"])["deploy"]
         live_best = max(live, key=lambda r: r["live_goodput_rps"] or 0.0)["deploy"]
+        now_best = max(live, key=lambda r: r.get("simulated_at_run_speed_rps") or 0.0)["deploy"]
         rows.append({"workload": name, "spec": spec, "arrivals": "mooncake" if arrivals else "poisson",
                      "trace_requests": len(records), "trace_rate": profile.workload.mean_rate,
                      "plan_seconds": plan_seconds, "deployments": live, "simulated_best": sim_best,
                      "live_best": live_best, "ranking_agrees": sim_best == live_best,
+                     "simulated_best_at_run_speed": now_best, "ranking_agrees_at_run_speed": now_best == live_best,
                      "max_abs_error": max((abs(r["error"]) for r in live if r["error"] is not None), default=None),
                      "profile": profile.to_json(args.top)})
-    table = Table(title="simulated vs live goodput (req/s)")
-    for column in ("workload", "deployment", "simulated", "live", "error", "top pick agrees"):
+    table = Table(title="simulated vs live goodput (req/s): at the profile's speed, and at the speed around each run")
+    for column in ("workload", "deployment", "simulated", "live", "error", "top pick agrees", "speed around run",
+                   "simulated at it", "error at it", "top pick agrees at it"):
         table.add_column(column, justify="left" if column in ("workload", "deployment") else "right")
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:+.1f}%"
+
     for row in rows:
         for i, d in enumerate(row["deployments"]):
-            live_g, err = d["live_goodput_rps"], d["error"]
+            live_g, now = d["live_goodput_rps"], d.get("simulated_at_run_speed_rps")
             table.add_row(row["workload"] if i == 0 else "", d["deploy"], f"{d['simulated_goodput_rps']:.3g}",
-                          "-" if live_g is None else f"{live_g:.3g}", "-" if err is None else f"{100 * err:+.1f}%",
-                          ("yes" if row["ranking_agrees"] else "no") if i == 0 else "")
+                          "-" if live_g is None else f"{live_g:.3g}", pct(d["error"]),
+                          ("yes" if row["ranking_agrees"] else "no") if i == 0 else "",
+                          ", ".join(f"{f:.2f}x" for f in d.get("speed_around_run", {}).values()) or "-",
+                          "-" if now is None else f"{now:.3g}", pct(d.get("error_at_run_speed")),
+                          ("yes" if row["ranking_agrees_at_run_speed"] else "no") if i == 0 else "")
     console.print(table)
     return {"mode": "accuracy", "args": vars(args), "machine": machine(), "workloads": rows}
 

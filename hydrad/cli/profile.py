@@ -113,7 +113,8 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     from hydrad.config_file import load_config
     from hydrad.errors import ConfigError
     from hydrad.models.default import resolve_model_path
-    from hydrad.planner.profile import Devices, MachineOptions, attainment_curves, plot_curves, run_profile
+    from hydrad.planner.profile import (Devices, MachineOptions, MachineProbe, attainment_curves, plot_curves,
+                                        run_profile)
     from hydrad.planner.trace import read_trace
 
     if (trace_path is None) == (url is None):
@@ -144,43 +145,56 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     console.print(f"planning {len(device_set)} instance(s) on {device_set.spec} ({device_set.threads} thread(s) "
                   f"each) from {len(mine)} requests of {model.name}", highlight=False)
     options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy)
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=console, transient=True)
-    with progress:
-        task = progress.add_task("search", total=None)
+    # On CPU, --validate checks the machine's speed again around each live run, on this
+    # instance (on a GPU it would hold device memory the live daemons need).
+    probe = MachineProbe(engine, device_set) if validate and device_set.is_cpu else None
+    try:
+        progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=console, transient=True)
+        with progress:
+            task = progress.add_task("search", total=None)
 
-        def advance(done: int, total: int, spec: str) -> None:
-            progress.update(task, completed=done, total=total, description=f"search: {spec}")
+            def advance(done: int, total: int, spec: str) -> None:
+                progress.update(task, completed=done, total=total, description=f"search: {spec}")
 
-        result = run_profile(mine, engine, device_set, slo_ttft=slo_ttft, slo_tbt=slo_tbt, top_k=top_k,
-                             num_requests=num_requests, arrivals=arrivals, options=options, progress=advance)
-    s = result.result
-    if result.setup.speeds:
-        console.print("steps replayed at " + ", ".join(f"{f:.2f}x the latency model ({n} thread(s))"
-                                                      for n, f in sorted(result.setup.speeds.items()))
-                      + ": the speed this machine runs the model's probes at now", highlight=False)
-    console.print(f"searched {len(s.evaluations)} deployments with {s.num_replays} replays in {s.seconds:.1f} s; "
-                  "Algorithm 2's candidates: " + ", ".join(f"{m} {format_deploy(list(r))}"
-                                                           for m, r in s.algorithm2.items()), highlight=False)
-    if plot:
-        with console.status("attainment curves"):
-            attainment_curves(result, top_k)
-        plot_curves(result, plot, f"{model.name} on {device_set.spec}: TTFT <= {slo_ttft:g} s, "
-                                  f"TBT p90 <= {slo_tbt:g} s")
-    console.print(_table(result, top_k))
-    console.print(f"pick: [bold]{result.pick}[/]", highlight=False)
-    if validate:
-        _validate(result, config, trace_file, top_k, work_dir)
-    if out:
-        Path(out).write_text(json.dumps(result.to_json(top_k), indent=2))
-        console.print(f"results written to {out}")
+            result = run_profile(mine, engine, device_set, slo_ttft=slo_ttft, slo_tbt=slo_tbt, top_k=top_k,
+                                 num_requests=num_requests, arrivals=arrivals, options=options, progress=advance,
+                                 probe=probe)
+        s = result.result
+        if result.setup.speeds:
+            parts = result.setup.part_speeds
+
+            def kinds(n: int) -> str:
+                return "".join(f", {kind} {f:.2f}x" for kind, f in parts.get(n, {}).items())
+
+            console.print("steps replayed at " + ", ".join(f"{f:.2f}x the latency model ({n} thread(s){kinds(n)})"
+                                                          for n, f in sorted(result.setup.speeds.items()))
+                          + ": the speed this machine runs the model's probes at now", highlight=False)
+        console.print(f"searched {len(s.evaluations)} deployments with {s.num_replays} replays in {s.seconds:.1f} s; "
+                      "Algorithm 2's candidates: " + ", ".join(f"{m} {format_deploy(list(r))}"
+                                                               for m, r in s.algorithm2.items()), highlight=False)
+        if plot:
+            with console.status("attainment curves"):
+                attainment_curves(result, top_k)
+            plot_curves(result, plot, f"{model.name} on {device_set.spec}: TTFT <= {slo_ttft:g} s, "
+                                      f"TBT p90 <= {slo_tbt:g} s")
+        console.print(_table(result, top_k))
+        console.print(f"pick: [bold]{result.pick}[/]", highlight=False)
+        if validate:
+            _validate(result, config, trace_file, top_k, work_dir, probe)
+        if out:
+            Path(out).write_text(json.dumps(result.to_json(top_k), indent=2))
+            console.print(f"results written to {out}")
+    finally:
+        if probe is not None:
+            probe.close()
 
 
-def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path) -> None:
+def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path, probe) -> None:
     from rich.table import Table
 
     from hydrad.cli.bench import _ProgressObserver
-    from hydrad.planner.validate import validate
+    from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     specs = [e.spec for e in result.result.ranked[:top_k]]
@@ -189,13 +203,18 @@ def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path) -> N
                         TimeElapsedColumn(), console=console)
     with progress:
         rows = validate(result, config, trace_file, specs, log_dir=work_dir,
-                        observer_for=lambda spec: _ProgressObserver(progress))
+                        observer_for=lambda spec: _ProgressObserver(progress),
+                        speed_check=(lambda: probe.speeds(ROUNDS_AROUND_RUN)) if probe is not None else None)
     table = Table(title="simulated vs live goodput (req/s)")
-    for name in ("deployment", "simulated", "live", "error"):
+    for name in ("deployment", "simulated", "live", "error", "speed around the run", "simulated at it", "error"):
         table.add_column(name, justify="left" if name == "deployment" else "right")
     for row in rows:
         live, err = row["live_goodput_rps"], row["error"]
+        now, err_now = row.get("simulated_at_run_speed_rps"), row.get("error_at_run_speed")
+        speed = ", ".join(f"{f:.2f}x" for f in row.get("speed_around_run", {}).values())
         table.add_row(row["deploy"], f"{row['simulated_goodput_rps']:.3g}",
-                      "-" if live is None else f"{live:.3g}", "-" if err is None else f"{100 * err:+.1f}%")
+                      "-" if live is None else f"{live:.3g}", "-" if err is None else f"{100 * err:+.1f}%",
+                      speed or "-", "-" if now is None else f"{now:.3g}",
+                      "-" if err_now is None else f"{100 * err_now:+.1f}%")
     console.print(table)
     console.print(f"daemon logs in {work_dir}", highlight=False)

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
 VISION_TERMS = ("v_fixed", "v_image", "v_patch", "v_patch2", "v_token")
 LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")
 FORMAT_VERSION = 2
+# The median of |z| for a standard normal z: a spread from a median absolute deviation.
+NORMAL_MEDIAN_ABS = 0.6745
 
 
 def latency_bound(slo: SLOConfig, role: str) -> float:
@@ -212,6 +214,19 @@ class LatencyModel:
             return self
         return LatencyModel(**{name: getattr(self, name) * factor for name in (*VISION_TERMS, *LANGUAGE_TERMS)},
                             overlap=self.overlap, meta={**self.meta, "scaled": factor}, error=self.error)
+
+    def scaled_parts(self, images: float, prefills: float, decodes: float) -> LatencyModel:
+        """This model with each kind of work as many times as long: vision by ``images``, the
+        prefill terms by ``prefills``, the decode terms and the language step's fixed cost by
+        ``decodes`` (a decode step is mostly that cost; ``profiler.Speed.parts``)."""
+        factors = (images, prefills, decodes)
+        if any(not math.isfinite(f) or f <= 0 for f in factors):
+            raise ValueError(f"latency model scales must be finite and > 0, got {factors}")
+        scale = {**{name: images for name in VISION_TERMS}, "l_prefill": prefills, "l_attn": prefills,
+                 "l_decode": decodes, "l_ctx": decodes, "l_fixed": decodes}
+        return LatencyModel(**{name: getattr(self, name) * f for name, f in scale.items()}, overlap=self.overlap,
+                            meta={**self.meta, "scaled": dict(zip(("images", "prefills", "decodes"), factors))},
+                            error=self.error)
 
     # -- persistence -------------------------------------------------------------------------
     def to_json(self) -> dict:

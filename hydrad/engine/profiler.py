@@ -39,6 +39,7 @@ import torch
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
     LANGUAGE_TERMS,
+    NORMAL_MEDIAN_ABS,
     VISION_TERMS,
     FitError,
     LatencyModel,
@@ -574,9 +575,7 @@ def speed_probes(model: LatencyModel, image_kinds=None) -> list[tuple[Probe, flo
             continue
         if image_kinds is not None and any(kind not in image_kinds for kind in probe.images):
             continue
-        parts = (bool(probe.images), bool(probe.prefills), bool(probe.decodes))
-        kind = {(True, False, False): "images", (False, True, False): "prefills",
-                (False, False, True): "decodes"}.get(parts)
+        kind = probe_kind(probe)
         if kind is not None:
             by_kind.setdefault(kind, []).append((probe, seconds))
     picked = []
@@ -595,20 +594,34 @@ class Speed:
     """How this machine runs a latency model's probes now (``measure_speed``)."""
 
     factor: float = 1.0  # median of measured / fitted seconds
-    spread: float = 0.0  # standard deviation of log(measured / fitted)
+    # The standard deviation of log(measured / fitted), from their median absolute deviation:
+    # one timing taken while another tenant held the core does not set it.
+    spread: float = 0.0
+    # The median per kind of probe ("images", "prefills", "decodes"; the kinds timed): kinds
+    # of work slow down by different amounts (the images' convolutions and the prefills'
+    # matmuls against the decodes' gathers of KV).
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def probe_kind(probe: Probe) -> str | None:
+    """``"images"``, ``"prefills"`` or ``"decodes"`` for a probe of only that work, else None."""
+    parts = (bool(probe.images), bool(probe.prefills), bool(probe.decodes))
+    return {(True, False, False): "images", (False, True, False): "prefills",
+            (False, False, True): "decodes"}.get(parts)
 
 
 def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float] | None = None,
-                  rounds: int = 3) -> Speed:
+                  rounds: int = 5) -> Speed:
     """How many times as long as when ``model`` was fitted this machine takes for a step now
     (above 1: slower): the median ratio of a few of the model's own probes (``speed_probes``)
     timed again ``rounds`` times on ``engine``, idle and on the threads the model was fitted
-    on. A CPU's speed drifts (other tenants, the clock: 15-45% on the 2-core machine this was
-    built on, within an hour) between a cached fit and a plan made from it; the planner's
-    replay runs its steps at the speed measured here, spread as the timings were (the
-    standard deviation of their log ratios: the machine's noise, and how far the model is
-    off for some kinds of step more than for others). ``Speed()`` when the model stored no
-    probes."""
+    on, over all and per kind of probe. A CPU's speed drifts (other tenants, the clock:
+    15-45% on the 2-core machine this was built on, within an hour) between a cached fit and
+    a plan made from it; the planner's replay runs each kind of work at the speed measured
+    here, spread as the timings were (the machine's noise, and how far the model is off for
+    some kinds of step more than for others). Medians and a median deviation, so that one
+    timing taken while another tenant held the core (a prefill at 2.7x beside images and
+    decodes at 1.5x, here) moves neither. ``Speed()`` when the model stored no probes."""
     if timer is None:
         images = probe_images(engine) if "E" in engine.role else []
         timer = EngineTimer(engine, images=images)
@@ -619,10 +632,15 @@ def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float
     if not probes:
         return Speed()
     with _probing(engine.device if isinstance(timer, EngineTimer) else None):
-        ratios = [timer(probe) / seconds for _ in range(rounds) for probe, seconds in probes]
-    speed = Speed(statistics.median(ratios), statistics.pstdev(math.log(r) for r in ratios))
-    logger.info("this machine runs the latency model's probes at %.2fx their fitted time now (%.2f-%.2fx, "
-                "log spread %.2f)", speed.factor, min(ratios), max(ratios), speed.spread)
+        timed = [(probe_kind(probe), timer(probe) / seconds) for _ in range(rounds) for probe, seconds in probes]
+    ratios = [r for _, r in timed]
+    parts = {kind: statistics.median(r for k, r in timed if k == kind) for kind in dict.fromkeys(k for k, _ in timed)}
+    logs = [math.log(r) for r in ratios]
+    mid = statistics.median(logs)
+    spread = statistics.median(abs(x - mid) for x in logs) / NORMAL_MEDIAN_ABS
+    speed = Speed(statistics.median(ratios), spread, parts)
+    logger.info("this machine runs the latency model's probes at %.2fx their fitted time now (%s; log spread %.2f)",
+                speed.factor, ", ".join(f"{k} {f:.2f}x" for k, f in parts.items()), speed.spread)
     return speed
 
 

@@ -31,9 +31,9 @@ from typing import Callable
 
 from hydrad.cluster.deploy import format_deploy, parse_devices
 from hydrad.config import EngineConfig, SLOConfig
-from hydrad.engine.latency_model import LatencyModel
+from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS, LatencyModel
 from hydrad.errors import ConfigError
-from hydrad.planner.search import ROLE_ORDER, Planner, SearchResult
+from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, SearchResult
 from hydrad.planner.simulator import InstanceLayout, SimSetup
 from hydrad.planner.trace import TraceRecord
 from hydrad.planner.workload import Workload
@@ -46,8 +46,6 @@ DEFAULT_NUM_REQUESTS = 300
 # A borrower's speed on lent threads against its model at that count while its lender works
 # in bursts beside it: 0.57-0.76 on the 2-core machine this was built on (bench/borrow_speed.py).
 DEFAULT_BORROW_EFFICIENCY = 0.65
-# The median of |z| for a standard normal z.
-_NORMAL_MEDIAN_ABS = 0.6745
 
 
 @dataclass(frozen=True)
@@ -115,30 +113,85 @@ class MachineOptions:
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
 
 
+class MachineProbe:
+    """An instance of the model in this process, with the latency model of each thread count
+    a worker of a deployment of ``devices`` runs on (fitted, or loaded from the daemon's disk
+    cache): what ``machine_setup`` measures, and the speed check again later
+    (``speeds``), as ``hydractl profile --validate`` does around each live run. Use as a
+    context manager; torch's thread count is restored on exit."""
+
+    def __init__(self, config: EngineConfig, devices: Devices, *, show_progress: bool = True):
+        import torch
+
+        from hydrad.engine.core import EngineCore
+        from hydrad.engine.profiler import fit_latency_model
+
+        self.devices = devices
+        self.cores = os.cpu_count() or 1
+        self._threads_before = torch.get_num_threads()
+        torch.set_num_threads(devices.threads)
+        self.engine = None
+        try:
+            self.engine = EngineCore(config, role="EPD", device=devices.devices[0])
+            self.models = {devices.threads: fit_latency_model(self.engine, show_progress=show_progress)}
+            if devices.is_cpu and self.cores > devices.threads:
+                # Instances that borrow idle cores run on up to all of them while their lenders idle (engine.cores).
+                torch.set_num_threads(self.cores)
+                self.models[self.cores] = fit_latency_model(self.engine, show_progress=show_progress)
+                torch.set_num_threads(devices.threads)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def model(self) -> LatencyModel:
+        """The model at a worker's own share of threads."""
+        return self.models[self.devices.threads]
+
+    def speeds(self, rounds: int = 5) -> dict:
+        """``profiler.Speed`` of this machine now against each thread count's model, from
+        ``rounds`` timings of each probe."""
+        import torch
+
+        from hydrad.engine.profiler import measure_speed
+
+        speeds = {}
+        try:
+            for threads, model in sorted(self.models.items()):
+                torch.set_num_threads(threads)
+                speeds[threads] = measure_speed(self.engine, model, rounds=rounds)
+        finally:
+            torch.set_num_threads(self.devices.threads)
+        return speeds
+
+    def close(self) -> None:
+        import torch
+
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        torch.set_num_threads(self._threads_before)
+
+    def __enter__(self) -> MachineProbe:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def machine_setup(config: EngineConfig, devices: Devices, options: MachineOptions = MachineOptions(),
-                  *, show_progress: bool = True) -> SimSetup:
-    """How ``devices`` run instances of the model in ``config``: measured (or cached) here."""
-    import torch
+                  *, show_progress: bool = True, probe: MachineProbe | None = None) -> SimSetup:
+    """How ``devices`` run instances of the model in ``config``: measured (or cached) here;
+    ``probe``: on that instance (kept open), else on one made and closed here."""
+    from hydrad.engine.profiler import measure_bandwidth
 
-    from hydrad.engine.core import EngineCore
-    from hydrad.engine.profiler import fit_latency_model, measure_bandwidth, measure_speed
-
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(devices.threads)
-    engine = None
+    owned = probe is None
+    if probe is None:
+        probe = MachineProbe(config, devices, show_progress=show_progress)
     try:
-        engine = EngineCore(config, role="EPD", device=devices.devices[0])
-        model = fit_latency_model(engine, show_progress=show_progress)
-        speeds = {devices.threads: measure_speed(engine, model)} if options.check_speed else {}
-        thread_models = {}
-        cores = os.cpu_count() or 1
-        if devices.is_cpu and cores > devices.threads:
-            # Instances that borrow idle cores run on up to all of them while their lenders idle (engine.cores).
-            torch.set_num_threads(cores)
-            thread_models[cores] = fit_latency_model(engine, show_progress=show_progress)
-            if options.check_speed:
-                speeds[cores] = measure_speed(engine, thread_models[cores])
-            torch.set_num_threads(devices.threads)
+        model = probe.model
+        speeds = probe.speeds() if options.check_speed else {}
+        engine = probe.engine
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
         return SimSetup(
@@ -148,15 +201,39 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             max_model_len=engine.max_model_len,
             scheduler=config.scheduler, slo=config.slo, router_policy=options.router_policy, bandwidth=bandwidth,
             message_seconds=options.message_seconds, step_overhead=options.step_overhead,
-            cores=cores if devices.is_cpu else None, threads=devices.threads, thread_models=thread_models,
+            cores=probe.cores if devices.is_cpu else None, threads=devices.threads,
+            thread_models={n: m for n, m in probe.models.items() if n != devices.threads},
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
-            speeds={n: speed.factor for n, speed in speeds.items()}, step_noise=step_noise(model, speeds),
-            borrow_efficiency=options.borrow_efficiency,
+            speeds={n: speed.factor for n, speed in speeds.items()},
+            part_speeds={n: dict(speed.parts) for n, speed in speeds.items() if speed.parts},
+            step_noise=step_noise(model, speeds), borrow_efficiency=options.borrow_efficiency,
         )
     finally:
-        if engine is not None:
-            engine.shutdown()
-        torch.set_num_threads(threads_before)
+        if owned:
+            probe.close()
+
+
+def mean_speeds(*checks: dict) -> dict:
+    """The speed checks ``checks`` (``profiler.Speed`` by thread count) taken together: the
+    mean factor, and the root mean square spread, per thread count they all measured."""
+    from hydrad.engine.profiler import Speed
+
+    common = set.intersection(*(set(c) for c in checks)) if checks else set()
+
+    def parts(n: int) -> dict[str, float]:
+        kinds = set.intersection(*(set(c[n].parts) for c in checks))
+        return {k: sum(c[n].parts[k] for c in checks) / len(checks) for k in sorted(kinds)}
+
+    return {n: Speed(sum(c[n].factor for c in checks) / len(checks),
+                     math.sqrt(sum(c[n].spread ** 2 for c in checks) / len(checks)), parts(n)) for n in sorted(common)}
+
+
+def at_speeds(setup: SimSetup, speeds: dict) -> SimSetup:
+    """``setup`` replayed at ``speeds`` (``profiler.Speed`` by thread count), with the spread
+    they imply."""
+    return replace(setup, speeds={n: s.factor for n, s in speeds.items()},
+                   part_speeds={n: dict(s.parts) for n, s in speeds.items() if s.parts},
+                   step_noise=step_noise(setup.model, speeds))
 
 
 def step_noise(model: LatencyModel, speeds: dict) -> float:
@@ -164,7 +241,7 @@ def step_noise(model: LatencyModel, speeds: dict) -> float:
     the probes it was not fitted on (its median relative error, as the standard deviation of
     a normal whose median absolute value it is) and the spread of the speed check's timings
     (``profiler.Speed``, pooled over the thread counts), independent."""
-    model_sd = model.error.median / _NORMAL_MEDIAN_ABS if model.error is not None else 0.0
+    model_sd = model.error.median / NORMAL_MEDIAN_ABS if model.error is not None else 0.0
     machine_var = sum(speed.spread ** 2 for speed in speeds.values()) / len(speeds) if speeds else 0.0
     return math.sqrt(model_sd ** 2 + machine_var)
 
@@ -186,6 +263,15 @@ class Profile:
     @property
     def pick(self) -> str:
         return self.result.best.spec
+
+    def goodput_at(self, roles, speeds: dict) -> float:
+        """The simulated goodput of the deployment ``roles`` with the machine at ``speeds``
+        (``profiler.Speed`` by thread count) instead of the speed measured for the profile."""
+        p = self.planner
+        planner = Planner(at_speeds(self.setup, speeds), self.workload, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
+                          num_requests=p.num_requests, arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed)
+        roles = tuple(roles)
+        return planner.bisect(Evaluation(roles, planner.bound(roles)))
 
     def to_json(self, top_k: int) -> dict:
         r = self.result
@@ -209,6 +295,7 @@ class Profile:
                         "latency_error": self.setup.model.error and {
                 "median": self.setup.model.error.median, "max": self.setup.model.error.max},
                 "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
+                "speed_by_kind": {str(n): p for n, p in sorted(self.setup.part_speeds.items())},
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
@@ -233,12 +320,14 @@ class Profile:
 def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devices, *, slo_ttft: float,
                 slo_tbt: float, top_k: int = 3, num_requests: int = DEFAULT_NUM_REQUESTS, arrivals: str = "trace",
                 options: MachineOptions = MachineOptions(), setup: SimSetup | None = None,
-                progress: Callable[[int, int, str], None] | None = None, show_progress: bool = True) -> Profile:
-    """Measure (or load) this machine's numbers and rank every deployment of ``devices``."""
+                progress: Callable[[int, int, str], None] | None = None, show_progress: bool = True,
+                probe: MachineProbe | None = None) -> Profile:
+    """Measure (or load) this machine's numbers and rank every deployment of ``devices``;
+    ``probe``: measure on that instance of the model (left open)."""
     workload = Workload.from_records(records)
     config = replace(config, slo=replace(config.slo, ttft=slo_ttft, tbt=slo_tbt))
     if setup is None:
-        setup = machine_setup(config, devices, options, show_progress=show_progress)
+        setup = machine_setup(config, devices, options, show_progress=show_progress, probe=probe)
     planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
                       arrivals=arrivals, seed=config.seed)
     result = planner.search(len(devices), top_k, progress=progress)

@@ -126,7 +126,7 @@ class Planner:
         self.num_replays = 0
         self.has_images = sum(1 for s in workload.shapes if s.images) / len(workload)
         # At the machine's speed now: what a stage takes, not what the workers fill steps by.
-        model = setup.model.scaled(setup.speed(setup.threads))
+        model = setup.at_speed(setup.model, setup.threads)
         self.costs = {role: stage_costs(model, role, workload, setup.slo, setup.scheduler)
                       for role in ROLE_ORDER}
 

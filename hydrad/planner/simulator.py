@@ -123,6 +123,11 @@ class SimSetup:
     # (``profiler.measure_speed``; 1 where absent). Steps are filled by the model, as the
     # workers fill them, and take this much longer.
     speeds: dict[int, float] = field(default_factory=dict)
+    # The same per kind of work where the check timed each kind (``profiler.Speed.parts``:
+    # ``"images"``, ``"prefills"``, ``"decodes"``), by thread count: a step's vision, prefill
+    # and decode terms each take their kind's factor (``LatencyModel.scaled_parts``); a kind
+    # not timed takes the count's ``speeds`` factor. Empty: one factor per count.
+    part_speeds: dict[int, dict[str, float]] = field(default_factory=dict)
     # The spread of step times around that: each step's time is multiplied by exp(N(0, s))
     # (s the standard deviation of log(measured / predicted); 0: steps take exactly their
     # time). Queues grow with it: a slow step lets requests gather for the next.
@@ -136,8 +141,9 @@ class SimSetup:
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
             raise ValueError("bandwidth must be > 0, message and step overheads >= 0")
-        if any(not math.isfinite(f) or f <= 0 for f in self.speeds.values()):
-            raise ValueError(f"speeds must be finite and > 0, got {self.speeds}")
+        if any(not math.isfinite(f) or f <= 0 for f in
+               (*self.speeds.values(), *(f for parts in self.part_speeds.values() for f in parts.values()))):
+            raise ValueError(f"speeds must be finite and > 0, got {self.speeds}, {self.part_speeds}")
         if not 0.0 < self.borrow_efficiency <= 1.0:
             raise ValueError(f"borrow_efficiency must be in (0, 1], got {self.borrow_efficiency}")
         if not 0.0 <= self.step_noise < 2.0:
@@ -148,6 +154,15 @@ class SimSetup:
         if not self.speeds:
             return 1.0
         return self.speeds[min(self.speeds, key=lambda n: (abs(n - threads), n))]
+
+    def at_speed(self, model: LatencyModel, threads: int) -> LatencyModel:
+        """``model`` (on ``threads`` threads) as its steps run on the machine now: per kind of
+        work where the check timed the kinds, else at the count's one factor."""
+        if not self.part_speeds:
+            return model.scaled(self.speed(threads))
+        parts = self.part_speeds[min(self.part_speeds, key=lambda n: (abs(n - threads), n))]
+        whole = self.speed(threads)
+        return model.scaled_parts(*(parts.get(kind, whole) for kind in ("images", "prefills", "decodes")))
 
 
 def step_shape(out, scheduler: Scheduler) -> StepShape:
@@ -242,6 +257,9 @@ class SimInstance:
         models = {setup.threads: setup.model, **setup.thread_models}
         # By thread count: its share and, when it borrows, the count it borrows up to.
         self.models = {n: role_model(at_threads(models, n), role) for n in {threads.own, threads.most}}
+        # The same as its steps run now, per kind of work (None: one factor, on the fill's numbers).
+        self.run_models = ({n: setup.at_speed(m, n) for n, m in self.models.items()} if setup.part_speeds
+                           else None)
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
@@ -365,20 +383,24 @@ class SimInstance:
                 self.running = True
                 sim.at(min(done for done, _ in self.copies), _WAKE, self, None)
             return
-        shape = None if sim.setup.fill_by_model else step_shape(out, self.scheduler)
-        if shape is None:
-            seconds = self.model.combine(out.predicted_vision, out.predicted_language)
-        else:
-            seconds = self.model.step_seconds(shape)
         setup = sim.setup
+        run = self.run_models
+        shape = None if setup.fill_by_model and run is None else step_shape(out, self.scheduler)
+        if run is not None:
+            seconds = run[self.step_threads].step_seconds(shape)
+        elif shape is None:
+            seconds = self.model.combine(out.predicted_vision, out.predicted_language) * setup.speed(self.step_threads)
+        else:
+            seconds = self.model.step_seconds(shape) * setup.speed(self.step_threads)
         overhead = setup.step_overhead
         noise = sim.step_noise()
-        alone = {self.step_threads: seconds * setup.speed(self.step_threads) * noise + overhead}
+        alone = {self.step_threads: seconds * noise + overhead}
         if t.borrow:
             # It follows its lenders within the step: its time alone at the other count too.
             other = t.own if self.step_threads != t.own else t.most
-            alone[other] = (self.models[other].step_seconds(shape or step_shape(out, self.scheduler))
-                            * setup.speed(other) * noise + overhead)
+            shape = shape or step_shape(out, self.scheduler)
+            alone[other] = (run[other].step_seconds(shape) if run is not None
+                            else self.models[other].step_seconds(shape) * setup.speed(other)) * noise + overhead
             # Borrowed stretches run at a share of the borrowed count's speed, never below the own.
             alone[t.most] = min(alone[t.own], alone[t.most] / setup.borrow_efficiency)
         self.running = True

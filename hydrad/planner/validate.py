@@ -101,14 +101,31 @@ class LiveDaemon:
         os.unlink(self._config_file.name)
 
 
+# Timings of each probe per speed check around a live run (``MachineProbe.speeds``): five
+# back-to-back checks of three rounds ranged over 1.14-1.39x on the 2-core machine this was
+# built on, and a deployment's simulated goodput moves faster than its speed (the TBT bounds
+# the steps that decode); more rounds cost seconds against minutes of live search.
+ROUNDS_AROUND_RUN = 9
+
+
 def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Path,
-             observer_for: Callable[[str], object] | None = None) -> list[dict]:
-    """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one."""
+             observer_for: Callable[[str], object] | None = None,
+             speed_check: Callable[[], dict] | None = None) -> list[dict]:
+    """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one.
+
+    ``speed_check`` (``MachineProbe.speeds``): measure the machine's speed right before each
+    deployment's daemon starts and right after it stops, and simulate the deployment again
+    at the mean of the two. The profile's speed was measured before all the live runs, and
+    a shared CPU's speed moves within the hour they take: the second figure tells the
+    simulator's own error apart from the machine's drift."""
     from hydrad.bench import SLO, BenchConfig, GoodputSearch, run_bench
+    from hydrad.planner.profile import mean_speeds
 
     simulated = {e.spec: e.goodput for e in profile.result.ranked}
+    roles_of = {e.spec: e.roles for e in profile.result.evaluations}
     rows = []
     for spec in specs:
+        before = speed_check() if speed_check is not None else None
         cfg = dataclasses.replace(config, engine=dataclasses.replace(
             config.engine, parallel=dataclasses.replace(config.engine.parallel, deploy=spec,
                                                         devices=profile.devices.spec),
@@ -128,10 +145,18 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             daemon.stop()
         live = result.goodput_total
         sim = simulated.get(spec)
-        rows.append({"deploy": spec, "simulated_goodput_rps": sim, "live_goodput_rps": live,
-                     "error": (sim - live) / live if sim is not None and live else None,
-                     "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
-                     "interrupted": result.interrupted})
+        row = {"deploy": spec, "simulated_goodput_rps": sim, "live_goodput_rps": live,
+               "error": (sim - live) / live if sim is not None and live else None,
+               "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
+               "interrupted": result.interrupted}
+        if before is not None and not result.interrupted:
+            around = mean_speeds(before, speed_check())
+            sim_now = profile.goodput_at(roles_of[spec], around)
+            row.update({"speed_around_run": {str(n): s.factor for n, s in around.items()},
+                        "speed_around_run_by_kind": {str(n): s.parts for n, s in around.items()},
+                        "simulated_at_run_speed_rps": sim_now,
+                        "error_at_run_speed": (sim_now - live) / live if live else None})
+        rows.append(row)
         if result.interrupted:
             break
     profile.validation = rows

@@ -384,7 +384,23 @@ def test_the_speed_check_is_the_median_ratio_of_the_probes_timed_again():
     speed = measure_speed(None, model, timer=timer, rounds=2)
     assert timed == ["images", "prefills", "decodes"] * 2
     assert speed.factor == pytest.approx(1.3)
-    assert speed.spread == pytest.approx(statistics.pstdev([math.log(1.3), math.log(1.2), math.log(1.5)]))
+    # The spread from the median deviation of the log ratios from theirs (log 1.3): of 0,
+    # log(1.3 / 1.2) and log(1.5 / 1.3), each twice.
+    assert speed.spread == pytest.approx(math.log(1.3 / 1.2) / 0.6745)
+    # And per kind: the replay scales each kind of work by its own.
+    assert speed.parts == pytest.approx(factors)
+    # One timing taken while another tenant held the core moves none of it.
+    slow = {("prefills", 1)}
+    count = {}
+
+    def noisy(probe):
+        kind = "images" if probe.images else "prefills" if probe.prefills else "decodes"
+        count[kind] = count.get(kind, 0) + 1
+        return timer(probe) * (2.5 if (kind, count[kind]) in slow else 1.0)
+
+    robust = measure_speed(None, model, timer=noisy, rounds=3)
+    assert robust.factor == pytest.approx(1.3) and robust.parts == pytest.approx(factors)
+    assert robust.spread == pytest.approx(math.log(1.3 / 1.2) / 0.6745)
     # A model without stored probes (made by hand) is taken as it is.
     assert measure_speed(None, LatencyModel(l_fixed=0.01), timer=timer) == Speed(1.0, 0.0)
 
@@ -397,6 +413,24 @@ def test_a_scaled_model_predicts_every_step_that_many_times_as_long():
     assert TRUE.scaled(1.0) is TRUE
     with pytest.raises(ValueError):
         TRUE.scaled(0.0)
+
+
+def test_a_model_scaled_per_part_scales_vision_prefill_and_decode_work_apart():
+    vision = StepShape.of(images=[(257, 256)] * 2)
+    prefill = StepShape.of(prefills=[(0, 100), (50, 30)])
+    decode = StepShape.of(decodes=[300] * 4)
+    scaled = TRUE.scaled_parts(1.5, 1.2, 1.1)
+    assert scaled.vision_seconds(vision) == pytest.approx(1.5 * TRUE.vision_seconds(vision))
+    assert scaled.language_seconds(prefill) == pytest.approx(
+        1.2 * TRUE.language_seconds(prefill) - 0.1 * TRUE.l_fixed)  # the step's fixed cost goes with decodes
+    assert scaled.language_seconds(decode) == pytest.approx(1.1 * TRUE.language_seconds(decode))
+    assert scaled.overlap == TRUE.overlap
+    assert scaled.meta["scaled"] == {"images": 1.5, "prefills": 1.2, "decodes": 1.1}
+    shape = StepShape.of(images=[(257, 256)], prefills=[(0, 100)], decodes=[300] * 4)
+    same = TRUE.scaled_parts(1.25, 1.25, 1.25)
+    assert same.step_seconds(shape) == pytest.approx(TRUE.scaled(1.25).step_seconds(shape))
+    with pytest.raises(ValueError):
+        TRUE.scaled_parts(1.0, 0.0, 1.0)
 
 
 def test_the_replays_step_noise_joins_the_models_error_and_the_speed_checks_spread():

@@ -62,7 +62,9 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     # The speed the machine runs the model's probes at now (at one thread, and at the borrowers' count).
     speeds = profile["machine"]["speed_vs_latency_model"]
     assert "1" in speeds and all(0.2 < f < 5 for f in speeds.values())
-    assert "the latency model (1 thread(s))" in run.output
+    assert "the latency model (1 thread(s), images " in run.output
+    kinds = profile["machine"]["speed_by_kind"]
+    assert set(kinds["1"]) == {"images", "prefills", "decodes"} and all(0.2 < f < 5 for f in kinds["1"].values())
 
     # --deploy auto with the same SLO ([slo] defaults: TTFT 2 s, TBT 0.2 s) deploys the pick, and
     # re-plans while serving (every 2 s here) from the same trace, with the workers' own models.

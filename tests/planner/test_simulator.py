@@ -64,6 +64,21 @@ def test_steps_take_the_machines_speed_and_are_filled_by_the_model():
     assert r1.ttft == pytest.approx(0.30 + 0.144)
 
 
+def test_each_kind_of_work_takes_its_own_speed():
+    # Images at 2x (encode 0.2), prefills at 1.5x, decodes and the step's fixed cost at 1.2x:
+    # prefill 1.2 * 10 + 1.5 * 100 ms, decodes 1.2 * 12 ms.
+    setup = make_setup(speeds={1: 1.4}, part_speeds={1: {"images": 2.0, "prefills": 1.5, "decodes": 1.2}})
+    (r,) = run(setup, ["EPD"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),))]).requests
+    assert r.ttft == pytest.approx(0.2 + 0.012 + 0.15)
+    assert r.gaps == pytest.approx([0.0144, 0.0144])
+    # A kind the check did not time takes the count's one factor.
+    setup = make_setup(speeds={1: 1.4}, part_speeds={1: {"prefills": 1.5, "decodes": 1.2}})
+    (r,) = run(setup, ["EPD"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),))]).requests
+    assert r.ttft == pytest.approx(0.14 + 0.012 + 0.15)
+    with pytest.raises(ValueError):
+        make_setup(part_speeds={1: {"images": 0.0}})
+
+
 def test_messages_delay_the_entry_and_every_output():
     setup = make_setup(message_seconds=0.005)
     (r,) = run(setup, ["EPD"], [SimRequest(0.0, 100, 2, images=((0, 50, 50),), preprocess=0.03)]).requests

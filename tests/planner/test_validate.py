@@ -1,0 +1,122 @@
+"""``hydractl profile --validate``'s bookkeeping, without a live daemon: each deployment is
+simulated again at the machine's speed measured around its live run, next to its live
+goodput; speed checks taken together; a profile replayed at another speed."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from hydrad.config_file import load_config
+from hydrad.engine.profiler import Speed
+from hydrad.planner import validate as validate_module
+from hydrad.planner.profile import Devices, Profile, at_speeds, mean_speeds
+from hydrad.planner.validate import validate
+
+from test_search import planner
+
+
+def test_mean_speeds_averages_factors_and_pools_spreads():
+    a = {1: Speed(1.2, 0.1), 2: Speed(1.5, 0.3)}
+    b = {1: Speed(1.4, 0.2)}
+    both = mean_speeds(a, b)
+    assert list(both) == [1]  # only the counts every check measured
+    assert both[1].factor == pytest.approx(1.3)
+    assert both[1].spread == pytest.approx(math.sqrt((0.1 ** 2 + 0.2 ** 2) / 2))
+    assert mean_speeds(a) == a
+    # Per kind, of the kinds both timed.
+    c = {1: Speed(1.0, 0.0, {"images": 1.2, "decodes": 1.0})}
+    d = {1: Speed(1.0, 0.0, {"images": 1.4, "prefills": 1.1})}
+    assert mean_speeds(c, d)[1].parts == {"images": pytest.approx(1.3)}
+
+
+def test_at_speeds_sets_the_factors_and_the_spread_they_imply():
+    setup = planner().setup
+    slow = at_speeds(setup, {1: Speed(1.5, 0.2)})
+    assert slow.speeds == {1: 1.5} and slow.speed(1) == 1.5
+    assert slow.step_noise == pytest.approx(0.2)  # the synthetic model has no held-out error
+    assert setup.speeds == {} and setup.step_noise == 0.0  # the original is left alone
+    kinds = at_speeds(setup, {1: Speed(1.5, 0.2, {"images": 1.1, "prefills": 1.6, "decodes": 1.4})})
+    assert kinds.part_speeds == {1: {"images": 1.1, "prefills": 1.6, "decodes": 1.4}}
+    assert kinds.at_speed(setup.model, 1).l_prefill == pytest.approx(1.6 * setup.model.l_prefill)
+
+
+def _profile():
+    p = planner()
+    result = p.search(2, top_k=2)
+    return Profile(p.workload, Devices(("cpu", "cpu")), p.setup, 2.0, 0.1, p, result)
+
+
+def test_goodput_at_the_profiles_speed_is_the_searched_one_and_lower_when_slower():
+    profile = _profile()
+    best = profile.result.ranked[0]
+    same = profile.goodput_at(best.roles, {1: Speed(1.0, 0.0)})
+    assert same == pytest.approx(best.goodput, rel=profile.planner.rel_tol)
+    slower = profile.goodput_at(best.roles, {1: Speed(1.5, 0.0)})
+    assert slower < 0.85 * same
+
+
+class _FakeDaemon:
+    started: list[str] = []
+
+    def __init__(self, config, log_path, **kwargs):
+        _FakeDaemon.started.append(config.engine.parallel.deploy)
+        self.url = "http://127.0.0.1:1"
+
+    def stop(self):
+        pass
+
+
+def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(monkeypatch, tmp_path):
+    import hydrad.bench
+
+    profile = _profile()
+    specs = [e.spec for e in profile.result.ranked[:2]]
+    live = {specs[0]: 3.0, specs[1]: 2.0}
+    calls = []
+
+    def fake_bench(config, observer=None):
+        spec = _FakeDaemon.started[-1]
+        calls.append(("bench", spec))
+        run = SimpleNamespace(rate=live[spec], summary=SimpleNamespace(attainment=0.95))
+        return SimpleNamespace(goodput_total=live[spec], runs=[run], interrupted=False)
+
+    checks = iter([{1: Speed(1.2, 0.0)}, {1: Speed(1.4, 0.0)}, {1: Speed(1.0, 0.0)}, {1: Speed(1.0, 0.0)}])
+
+    def speed_check():
+        calls.append(("speed", _FakeDaemon.started[-1] if _FakeDaemon.started else None))
+        return next(checks)
+
+    _FakeDaemon.started = []
+    monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
+    monkeypatch.setattr(hydrad.bench, "run_bench", fake_bench)
+    rows = validate(profile, load_config(None), tmp_path / "trace.jsonl", specs, log_dir=tmp_path,
+                    speed_check=speed_check)
+    # A check before each daemon starts and after it stops.
+    assert calls == [("speed", None), ("bench", specs[0]), ("speed", specs[0]),
+                     ("speed", specs[0]), ("bench", specs[1]), ("speed", specs[1])]
+    first, second = rows
+    assert first["speed_around_run"] == {"1": pytest.approx(1.3)}
+    assert first["simulated_at_run_speed_rps"] == pytest.approx(
+        profile.goodput_at(profile.result.ranked[0].roles, {1: Speed(1.3, 0.0)}))
+    assert first["simulated_at_run_speed_rps"] < first["simulated_goodput_rps"]
+    assert first["error_at_run_speed"] == pytest.approx((first["simulated_at_run_speed_rps"] - 3.0) / 3.0)
+    assert second["speed_around_run"] == {"1": 1.0}
+    assert second["simulated_at_run_speed_rps"] == pytest.approx(second["simulated_goodput_rps"],
+                                                                 rel=profile.planner.rel_tol)
+    assert second["error"] == pytest.approx((second["simulated_goodput_rps"] - 2.0) / 2.0)
+    assert profile.validation == rows
+
+
+def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(monkeypatch, tmp_path):
+    import hydrad.bench
+
+    profile = _profile()
+    spec = profile.result.ranked[0].spec
+    monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
+    monkeypatch.setattr(hydrad.bench, "run_bench", lambda config, observer=None: SimpleNamespace(
+        goodput_total=1.0, runs=[], interrupted=False))
+    (row,) = validate(profile, load_config(None), tmp_path / "t.jsonl", [spec], log_dir=tmp_path)
+    assert "simulated_at_run_speed_rps" not in row and row["live_goodput_rps"] == 1.0
