@@ -212,9 +212,12 @@ def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path, prob
         live, err = row["live_goodput_rps"], row["error"]
         now, err_now = row.get("simulated_at_run_speed_rps"), row.get("error_at_run_speed")
         speed = ", ".join(f"{f:.2f}x" for f in row.get("speed_around_run", {}).values())
-        table.add_row(row["deploy"], f"{row['simulated_goodput_rps']:.3g}",
-                      "-" if live is None else f"{live:.3g}", "-" if err is None else f"{100 * err:+.1f}%",
-                      speed or "-", "-" if now is None else f"{now:.3g}",
-                      "-" if err_now is None else f"{100 * err_now:+.1f}%")
+        # ">=": at the replay's ceiling (raise --num-requests to tell higher rates apart).
+        at_least = ">=" if row.get("simulated_is_lower_bound") else ""
+        now_at_least = ">=" if row.get("simulated_at_run_speed_is_lower_bound") else ""
+        table.add_row(row["deploy"], f"{at_least}{row['simulated_goodput_rps']:.3g}",
+                      "-" if live is None else f"{live:.3g}", "-" if err is None else f"{at_least}{100 * err:+.1f}%",
+                      speed or "-", "-" if now is None else f"{now_at_least}{now:.3g}",
+                      "-" if err_now is None else f"{now_at_least}{100 * err_now:+.1f}%")
     console.print(table)
     console.print(f"daemon logs in {work_dir}", highlight=False)

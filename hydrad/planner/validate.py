@@ -145,14 +145,18 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             daemon.stop()
         live = result.goodput_total
         sim = simulated.get(spec)
+        ceiling = (1 - profile.planner.rel_tol) * profile.planner.max_rate
         row = {"deploy": spec, "simulated_goodput_rps": sim, "live_goodput_rps": live,
                "error": (sim - live) / live if sim is not None and live else None,
+               # At the replay's ceiling (Planner.max_rate) a goodput is only known to be at least that.
+               "simulated_is_lower_bound": sim is not None and sim >= ceiling,
                "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
                "interrupted": result.interrupted}
         if before is not None and not result.interrupted:
             around = mean_speeds(before, speed_check())
             sim_now = profile.goodput_at(roles_of[spec], around)
-            row.update({"speed_around_run": {str(n): s.factor for n, s in around.items()},
+            row.update({"simulated_at_run_speed_is_lower_bound": sim_now >= ceiling,
+                        "speed_around_run": {str(n): s.factor for n, s in around.items()},
                         "speed_around_run_by_kind": {str(n): s.parts for n, s in around.items()},
                         "simulated_at_run_speed_rps": sim_now,
                         "error_at_run_speed": (sim_now - live) / live if live else None})

@@ -108,6 +108,9 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
                                                                  rel=profile.planner.rel_tol)
     assert second["error"] == pytest.approx((second["simulated_goodput_rps"] - 2.0) / 2.0)
     assert profile.validation == rows
+    ceiling = (1 - profile.planner.rel_tol) * profile.planner.max_rate
+    for row in rows:
+        assert row["simulated_is_lower_bound"] == (row["simulated_goodput_rps"] >= ceiling)
 
 
 def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(monkeypatch, tmp_path):
