@@ -194,7 +194,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
         engine = probe.engine
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
-        return SimSetup(
+        setup = SimSetup(
             model=model, layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
             kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
             kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
@@ -204,10 +204,9 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             cores=probe.cores if devices.is_cpu else None, threads=devices.threads,
             thread_models={n: m for n, m in probe.models.items() if n != devices.threads},
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
-            speeds={n: speed.factor for n, speed in speeds.items()},
-            part_speeds={n: dict(speed.parts) for n, speed in speeds.items() if speed.parts},
-            step_noise=step_noise(model, speeds), borrow_efficiency=options.borrow_efficiency,
+            borrow_efficiency=options.borrow_efficiency,
         )
+        return at_speeds(setup, speeds)
     finally:
         if owned:
             probe.close()

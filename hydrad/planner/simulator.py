@@ -257,9 +257,8 @@ class SimInstance:
         models = {setup.threads: setup.model, **setup.thread_models}
         # By thread count: its share and, when it borrows, the count it borrows up to.
         self.models = {n: role_model(at_threads(models, n), role) for n in {threads.own, threads.most}}
-        # The same as its steps run now, per kind of work (None: one factor, on the fill's numbers).
-        self.run_models = ({n: setup.at_speed(m, n) for n, m in self.models.items()} if setup.part_speeds
-                           else None)
+        # The same as its steps run on the machine now (``SimSetup.at_speed``).
+        self.run_models = {n: setup.at_speed(m, n) for n, m in self.models.items()}
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
@@ -384,14 +383,13 @@ class SimInstance:
                 sim.at(min(done for done, _ in self.copies), _WAKE, self, None)
             return
         setup = sim.setup
-        run = self.run_models
-        shape = None if setup.fill_by_model and run is None else step_shape(out, self.scheduler)
-        if run is not None:
-            seconds = run[self.step_threads].step_seconds(shape)
-        elif shape is None:
+        shape = None
+        if setup.fill_by_model and not setup.part_speeds:
+            # One factor: the fill's own prediction, scaled (no need to rebuild the step's shape).
             seconds = self.model.combine(out.predicted_vision, out.predicted_language) * setup.speed(self.step_threads)
         else:
-            seconds = self.model.step_seconds(shape) * setup.speed(self.step_threads)
+            shape = step_shape(out, self.scheduler)
+            seconds = self.run_models[self.step_threads].step_seconds(shape)
         overhead = setup.step_overhead
         noise = sim.step_noise()
         alone = {self.step_threads: seconds * noise + overhead}
@@ -399,8 +397,7 @@ class SimInstance:
             # It follows its lenders within the step: its time alone at the other count too.
             other = t.own if self.step_threads != t.own else t.most
             shape = shape or step_shape(out, self.scheduler)
-            alone[other] = (run[other].step_seconds(shape) if run is not None
-                            else self.models[other].step_seconds(shape) * setup.speed(other)) * noise + overhead
+            alone[other] = self.run_models[other].step_seconds(shape) * noise + overhead
             # Borrowed stretches run at a share of the borrowed count's speed, never below the own.
             alone[t.most] = min(alone[t.own], alone[t.most] / setup.borrow_efficiency)
         self.running = True

@@ -123,6 +123,8 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
 
     simulated = {e.spec: e.goodput for e in profile.result.ranked}
     roles_of = {e.spec: e.roles for e in profile.result.evaluations}
+    # At the replay's ceiling (Planner.max_rate) a goodput is only known to be at least that.
+    ceiling = (1 - profile.planner.rel_tol) * profile.planner.max_rate
     rows = []
     for spec in specs:
         before = speed_check() if speed_check is not None else None
@@ -145,10 +147,8 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             daemon.stop()
         live = result.goodput_total
         sim = simulated.get(spec)
-        ceiling = (1 - profile.planner.rel_tol) * profile.planner.max_rate
         row = {"deploy": spec, "simulated_goodput_rps": sim, "live_goodput_rps": live,
                "error": (sim - live) / live if sim is not None and live else None,
-               # At the replay's ceiling (Planner.max_rate) a goodput is only known to be at least that.
                "simulated_is_lower_bound": sim is not None and sim >= ceiling,
                "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
                "interrupted": result.interrupted}

@@ -60,13 +60,14 @@ def test_goodput_at_the_profiles_speed_is_the_searched_one_and_lower_when_slower
 
 class _FakeDaemon:
     started: list[str] = []
+    stopped: list[str] = []
 
     def __init__(self, config, log_path, **kwargs):
         _FakeDaemon.started.append(config.engine.parallel.deploy)
         self.url = "http://127.0.0.1:1"
 
     def stop(self):
-        pass
+        _FakeDaemon.stopped.append(_FakeDaemon.started[-1])
 
 
 def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(monkeypatch, tmp_path):
@@ -86,17 +87,19 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
     checks = iter([{1: Speed(1.2, 0.0)}, {1: Speed(1.4, 0.0)}, {1: Speed(1.0, 0.0)}, {1: Speed(1.0, 0.0)}])
 
     def speed_check():
-        calls.append(("speed", _FakeDaemon.started[-1] if _FakeDaemon.started else None))
+        # Which daemons were started and stopped when the machine's speed was checked.
+        calls.append(("speed", len(_FakeDaemon.started), len(_FakeDaemon.stopped)))
         return next(checks)
 
-    _FakeDaemon.started = []
+    _FakeDaemon.started, _FakeDaemon.stopped = [], []
     monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
     monkeypatch.setattr(hydrad.bench, "run_bench", fake_bench)
     rows = validate(profile, load_config(None), tmp_path / "trace.jsonl", specs, log_dir=tmp_path,
                     speed_check=speed_check)
     # A check before each daemon starts and after it stops.
-    assert calls == [("speed", None), ("bench", specs[0]), ("speed", specs[0]),
-                     ("speed", specs[0]), ("bench", specs[1]), ("speed", specs[1])]
+    assert calls == [("speed", 0, 0), ("bench", specs[0]), ("speed", 1, 1),
+                     ("speed", 1, 1), ("bench", specs[1]), ("speed", 2, 2)]
+    assert _FakeDaemon.stopped == specs
     first, second = rows
     assert first["speed_around_run"] == {"1": pytest.approx(1.3)}
     assert first["simulated_at_run_speed_rps"] == pytest.approx(
@@ -118,6 +121,7 @@ def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(mon
 
     profile = _profile()
     spec = profile.result.ranked[0].spec
+    _FakeDaemon.started, _FakeDaemon.stopped = [], []
     monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
     monkeypatch.setattr(hydrad.bench, "run_bench", lambda config, observer=None: SimpleNamespace(
         goodput_total=1.0, runs=[], interrupted=False))
