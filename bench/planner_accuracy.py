@@ -15,7 +15,10 @@ same trace (same request count, the trace's arrivals, the same goodput search), 
 deployment, their relative difference, and whether the live best is the simulated best;
 and the same again with each deployment simulated at the machine's speed measured right
 before and after its live run (``validate``'s ``speed_check``), which separates the
-simulator's error from the machine's drift over the hour the live runs take.
+simulator's error from the machine's drift over the hour the live runs take; and again at
+the speed each deployment's workers measured on their own steps during its search
+(``EngineStats.live_speed``, read from ``/admin/status``), which takes the machine's speed
+under that load out of the comparison: what is left is the replay's own error.
 
 Workloads: ``textcaps`` (TextCaps-like, Poisson), ``mix`` (TextCaps and POPE, half
 each, Poisson), ``mooncake`` (POPE-like requests at the arrival times of Mooncake's
@@ -156,16 +159,21 @@ def accuracy(args) -> dict:
         sim_best = max(live, key=lambda r: r["simulated_goodput_rps"])["deploy"]
         live_best = max(live, key=lambda r: r["live_goodput_rps"] or 0.0)["deploy"]
         now_best = max(live, key=lambda r: r.get("simulated_at_run_speed_rps") or 0.0)["deploy"]
+        loaded_best = max(live, key=lambda r: r.get("simulated_at_live_speed_rps") or 0.0)["deploy"]
         rows.append({"workload": name, "spec": spec, "arrivals": "mooncake" if arrivals else "poisson",
                      "trace_requests": len(records), "trace_rate": profile.workload.mean_rate,
                      "plan_seconds": plan_seconds, "deployments": live, "simulated_best": sim_best,
                      "live_best": live_best, "ranking_agrees": sim_best == live_best,
                      "simulated_best_at_run_speed": now_best, "ranking_agrees_at_run_speed": now_best == live_best,
+                     "simulated_best_at_live_speed": loaded_best,
+                     "ranking_agrees_at_live_speed": loaded_best == live_best,
                      "max_abs_error": max((abs(r["error"]) for r in live if r["error"] is not None), default=None),
                      "profile": profile.to_json(args.top)})
-    table = Table(title="simulated vs live goodput (req/s): at the profile's speed, and at the speed around each run")
+    table = Table(title="simulated vs live goodput (req/s): at the profile's speed, at the speed around each run, "
+                        "and at the speed the workers measured on their own steps during it")
     for column in ("workload", "deployment", "simulated", "live", "error", "top pick agrees", "speed around run",
-                   "simulated at it", "error at it", "top pick agrees at it"):
+                   "simulated at it", "error at it", "top pick agrees at it", "workers' speed", "simulated at it",
+                   "error at it", "top pick agrees at it"):
         table.add_column(column, justify="left" if column in ("workload", "deployment") else "right")
 
     def pct(x):
@@ -173,13 +181,17 @@ def accuracy(args) -> dict:
 
     for row in rows:
         for i, d in enumerate(row["deployments"]):
-            live_g, now = d["live_goodput_rps"], d.get("simulated_at_run_speed_rps")
+            live_g, now, loaded = d["live_goodput_rps"], d.get("simulated_at_run_speed_rps"), \
+                d.get("simulated_at_live_speed_rps")
             table.add_row(row["workload"] if i == 0 else "", d["deploy"], f"{d['simulated_goodput_rps']:.3g}",
                           "-" if live_g is None else f"{live_g:.3g}", pct(d["error"]),
                           ("yes" if row["ranking_agrees"] else "no") if i == 0 else "",
                           ", ".join(f"{f:.2f}x" for f in d.get("speed_around_run", {}).values()) or "-",
                           "-" if now is None else f"{now:.3g}", pct(d.get("error_at_run_speed")),
-                          ("yes" if row["ranking_agrees_at_run_speed"] else "no") if i == 0 else "")
+                          ("yes" if row["ranking_agrees_at_run_speed"] else "no") if i == 0 else "",
+                          ", ".join(f"{k[0]} {f:.2f}x" for k, f in (d.get("live_speed_by_kind") or {}).items()) or "-",
+                          "-" if loaded is None else f"{loaded:.3g}", pct(d.get("error_at_live_speed")),
+                          ("yes" if row["ranking_agrees_at_live_speed"] else "no") if i == 0 else "")
     console.print(table)
     return {"mode": "accuracy", "args": vars(args), "machine": machine(), "workloads": rows}
 

@@ -205,19 +205,32 @@ def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path, prob
         rows = validate(result, config, trace_file, specs, log_dir=work_dir,
                         observer_for=lambda spec: _ProgressObserver(progress),
                         speed_check=(lambda: probe.speeds(ROUNDS_AROUND_RUN)) if probe is not None else None)
-    table = Table(title="simulated vs live goodput (req/s)")
-    for name in ("deployment", "simulated", "live", "error", "speed around the run", "simulated at it", "error"):
+    table = Table(title="simulated vs live goodput (req/s)",
+                  caption="speed around the run: an idle check before and after it, by thread count; workers' "
+                          "speed: their own steps' measured / predicted seconds during the search (images, "
+                          "prefills, decodes)")
+    for name in ("deployment", "simulated", "live", "error", "speed around the run", "simulated at it", "error",
+                 "workers' speed", "simulated at it", "error"):
         table.add_column(name, justify="left" if name == "deployment" else "right")
-    for row in rows:
-        live, err = row["live_goodput_rps"], row["error"]
-        now, err_now = row.get("simulated_at_run_speed_rps"), row.get("error_at_run_speed")
-        speed = ", ".join(f"{f:.2f}x" for f in row.get("speed_around_run", {}).values())
+
+    def rate(value, lower_bound: bool) -> str:
         # ">=": at the replay's ceiling (raise --num-requests to tell higher rates apart).
-        at_least = ">=" if row.get("simulated_is_lower_bound") else ""
-        now_at_least = ">=" if row.get("simulated_at_run_speed_is_lower_bound") else ""
-        table.add_row(row["deploy"], f"{at_least}{row['simulated_goodput_rps']:.3g}",
-                      "-" if live is None else f"{live:.3g}", "-" if err is None else f"{at_least}{100 * err:+.1f}%",
-                      speed or "-", "-" if now is None else f"{now_at_least}{now:.3g}",
-                      "-" if err_now is None else f"{now_at_least}{100 * err_now:+.1f}%")
+        return "-" if value is None else f"{'>=' if lower_bound else ''}{value:.3g}"
+
+    def error(value, lower_bound: bool) -> str:
+        return "-" if value is None else f"{'>=' if lower_bound else ''}{100 * value:+.1f}%"
+
+    for row in rows:
+        at_least = row.get("simulated_is_lower_bound", False)
+        now_at_least = row.get("simulated_at_run_speed_is_lower_bound", False)
+        loaded_at_least = row.get("simulated_at_live_speed_is_lower_bound", False)
+        speed = ", ".join(f"{f:.2f}x" for f in row.get("speed_around_run", {}).values())
+        loaded = ", ".join(f"{k[0]} {f:.2f}x" for k, f in (row.get("live_speed_by_kind") or {}).items())
+        table.add_row(row["deploy"], rate(row["simulated_goodput_rps"], at_least), rate(row["live_goodput_rps"], False),
+                      error(row["error"], at_least), speed or "-",
+                      rate(row.get("simulated_at_run_speed_rps"), now_at_least),
+                      error(row.get("error_at_run_speed"), now_at_least), loaded or "-",
+                      rate(row.get("simulated_at_live_speed_rps"), loaded_at_least),
+                      error(row.get("error_at_live_speed"), loaded_at_least))
     console.print(table)
     console.print(f"daemon logs in {work_dir}", highlight=False)

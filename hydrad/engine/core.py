@@ -28,7 +28,7 @@ from hydrad.engine.inputs import (
     FinishedRequest,
     StepTiming,
 )
-from hydrad.engine.latency_model import Calibration, LatencyModel, idle_bound
+from hydrad.engine.latency_model import Calibration, LatencyModel, LiveSpeed, idle_bound
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
@@ -164,8 +164,10 @@ class EngineCore:
         # Bytes per second of a pull's copy (set by the worker once measured; None: unknown,
         # and no step waits for a copy).
         self.copy_bandwidth: float | None = None
-        # How steps with decodes run against their prediction on the machine now.
+        # How steps with decodes run against their prediction on the machine now, and each
+        # kind of work (the machine's speed under load, for the planner).
         self.calibration = Calibration()
+        self.live_speed = LiveSpeed()
         # Set when a step found nothing it could run (e.g. blocks held by offered requests):
         # no step can do better until a request arrives, leaves or is released.
         self._stalled = False
@@ -397,8 +399,14 @@ class EngineCore:
         language = (lambda: self.runner.execute(out.chunks, out.num_decodes)) if out.chunks else None
         start = time.perf_counter()
         (_, encode_secs), (sampled, language_secs) = self.streams.run(vision, language)
-        if out.num_decodes and self.scheduler.latency_model is not None:
-            self._calibrate(out, time.perf_counter() - start)
+        model = self.scheduler.latency_model
+        if model is not None:
+            seconds = time.perf_counter() - start
+            predicted = model.combine(out.predicted_vision, out.predicted_language)
+            self.live_speed.add(out.predicted_vision, out.predicted_prefill, out.predicted_language, predicted,
+                                seconds)
+            if out.num_decodes:
+                self._calibrate(predicted, seconds)
         timing = StepTiming(out.predicted_vision, encode_secs, out.predicted_language, language_secs)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("step: %d images, %d tokens in %d chunks; vision %.1f ms (predicted %.1f), language %.1f ms "
@@ -418,10 +426,9 @@ class EngineCore:
             finished = [FinishedRequest(r.req_id, r.finish_reason, r.stage_times(now)) for r in result.finished]
         return EngineOutput(result.req_ids, result.token_ids, logprobs, finished, timing)
 
-    def _calibrate(self, out, seconds: float) -> None:
-        """A step that carried decodes took ``seconds``: keep such steps within their bound as
-        the machine runs now (``latency_model.Calibration``)."""
-        predicted = self.scheduler.latency_model.combine(out.predicted_vision, out.predicted_language)
+    def _calibrate(self, predicted: float, seconds: float) -> None:
+        """A step that carried decodes, predicted at ``predicted`` seconds, took ``seconds``: keep
+        such steps within their bound as the machine runs now (``latency_model.Calibration``)."""
         if self.calibration.add(predicted, seconds):
             self.scheduler.set_calibration(self.calibration.factor)
             logger.debug("steps with decodes run %.2fx their prediction: filled to %.1f ms", self.calibration.factor,
@@ -434,6 +441,7 @@ class EngineCore:
         if model is not self.scheduler.latency_model:  # a new model starts uncalibrated
             self.calibration = Calibration()
             self.scheduler.set_calibration(1.0)
+            self.live_speed = LiveSpeed()
         self.scheduler.set_latency_model(model, bound, idle_bound=idle_bound(slo))
 
     def get_stats(self) -> EngineStats:
@@ -448,6 +456,9 @@ class EngineCore:
             num_image_blocks_used=img.num_used_blocks if img else 0,
             num_preemptions=s.num_preemptions,
             latency_calibration=s.calibration,
+            live_speed=self.live_speed.parts(),
+            live_speed_steps=self.live_speed.counts(),
+            live_speed_spread=self.live_speed.spread(),
         )
 
     def shutdown(self) -> None:

@@ -98,3 +98,8 @@ class EngineStats:
     num_preemptions: int
     # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
     latency_calibration: float = 1.0
+    # Measured / predicted seconds of recent steps by kind of work ("images", "prefills",
+    # "decodes"; ``latency_model.LiveSpeed``): kinds with too few steps measured are absent.
+    live_speed: dict[str, float] = field(default_factory=dict)
+    live_speed_steps: dict[str, int] = field(default_factory=dict)
+    live_speed_spread: float = 0.0  # of log(measured / predicted) about each kind's median

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -306,6 +307,69 @@ class Calibration:
         return changed
 
 
+KINDS = ("images", "prefills", "decodes")
+
+
+class LiveSpeed:
+    """How many times their prediction an instance's steps take now, per kind of work:
+    the machine's speed against the latency model as the instance runs under load, the
+    figure ``profiler.measure_speed`` estimates from idle probes before a plan (same kinds,
+    same meaning: ``LatencyModel.scaled_parts``). Under load the steps share the machine's
+    memory bandwidth and caches with the other workers, the daemon and its clients; an idle
+    probe shares them with nothing.
+
+    A step counts for the kind that holds at least ``dominant`` of its predicted work
+    (vision: its images; language: its prefill terms, or its decodes with the language
+    step's fixed cost), as its measured / predicted seconds; a step of mixed work counts
+    for none, and nor does one predicted under ``min_seconds`` (the timer's noise). Each
+    kind's factor is the median of its last ``window`` steps, once ``min_steps`` are known.
+    Plain numbers, kept by the worker's engine (``EngineCore``) and reported in its stats.
+    """
+
+    def __init__(self, window: int = 128, min_steps: int = 8, dominant: float = 0.75, min_seconds: float = 0.002):
+        if window < min_steps or min_steps < 1 or not 0.5 < dominant <= 1:
+            raise ValueError("live speed: 1 <= min_steps <= window, 0.5 < dominant <= 1")
+        self.min_steps, self.dominant, self.min_seconds = min_steps, dominant, min_seconds
+        self.ratios: dict[str, deque[float]] = {kind: deque(maxlen=window) for kind in KINDS}
+
+    def add(self, vision: float, prefill: float, language: float, predicted: float, measured: float) -> None:
+        """One step: its predicted vision seconds, prefill-term seconds and language seconds
+        (prefill terms included), the predicted step (``LatencyModel.combine``) and the
+        measured one."""
+        if predicted < self.min_seconds or measured <= 0:
+            return
+        work = vision + language
+        if vision >= self.dominant * work:
+            kind = "images"
+        elif prefill >= self.dominant * work:
+            kind = "prefills"
+        elif language - prefill >= self.dominant * work:
+            kind = "decodes"
+        else:
+            return
+        self.ratios[kind].append(measured / predicted)
+
+    def parts(self) -> dict[str, float]:
+        """The factor of each kind with at least ``min_steps`` steps measured."""
+        return {kind: statistics.median(ratios) for kind, ratios in self.ratios.items()
+                if len(ratios) >= self.min_steps}
+
+    def counts(self) -> dict[str, int]:
+        return {kind: len(ratios) for kind, ratios in self.ratios.items()}
+
+    def spread(self) -> float:
+        """The standard deviation of log(measured / predicted) about each kind's median, from
+        their median absolute deviation (as ``profiler.Speed.spread``), over the kinds with
+        at least ``min_steps`` steps; 0 when there are none."""
+        deviations = []
+        for ratios in self.ratios.values():
+            if len(ratios) >= self.min_steps:
+                logs = [math.log(r) for r in ratios]
+                mid = statistics.median(logs)
+                deviations += [abs(x - mid) for x in logs]
+        return statistics.median(deviations) / NORMAL_MEDIAN_ABS if deviations else 0.0
+
+
 class StepBudget:
     """The step the scheduler is building, against its latency bound and hard caps.
 
@@ -322,6 +386,7 @@ class StepBudget:
         self._image_cap = image_cap
         self.vision = 0.0
         self.language = 0.0
+        self.prefill = 0.0  # the prefill terms of ``language`` (its fixed cost not included)
         self.empty = True
         self._num_language_units = 0
         if model is not None:
@@ -398,8 +463,9 @@ class StepBudget:
         """Account a chunk returned by ``fit_prefill``."""
         if self.model is not None:
             m = self.model
-            self.language += (m.l_fixed if self.language == 0.0 else 0.0) + m.l_prefill * num_tokens \
-                + m.l_attn * prefill_pairs(context, num_tokens) / 1e3
+            cost = m.l_prefill * num_tokens + m.l_attn * prefill_pairs(context, num_tokens) / 1e3
+            self.language += (m.l_fixed if self.language == 0.0 else 0.0) + cost
+            self.prefill += cost
         self.tokens_left -= num_tokens
         self.empty = False
         self._num_language_units += 1

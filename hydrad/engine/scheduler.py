@@ -59,6 +59,7 @@ class SchedulerOutput:
     # Predicted seconds of the vision and the language work (0 without a latency model).
     predicted_vision: float = 0.0
     predicted_language: float = 0.0
+    predicted_prefill: float = 0.0  # the prefill terms of predicted_language
     # The first chunks are this many decodes.
     num_decodes: int = 0
 
@@ -274,6 +275,7 @@ class Scheduler:
         if not self.incoming:
             self._admit_new(out, budget)
         out.predicted_vision, out.predicted_language = budget.vision, budget.language
+        out.predicted_prefill = budget.prefill
         self._dropped = []
         return out
 

@@ -227,6 +227,36 @@ def mean_speeds(*checks: dict) -> dict:
                      math.sqrt(sum(c[n].spread ** 2 for c in checks) / len(checks)), parts(n)) for n in sorted(common)}
 
 
+def live_speeds(reports, thread_counts) -> dict:
+    """The machine's speed under load (``profiler.Speed`` by thread count) from what the
+    workers measured on their own steps: ``reports`` holds one (factors, steps, spread)
+    triple per instance, its ``EngineStats.live_speed``, ``live_speed_steps`` and
+    ``live_speed_spread``. Per kind of work, the instances' factors weighted by their steps;
+    the overall factor over every kind; the root mean square spread, weighted the same; the
+    same at each of ``thread_counts`` (each worker measures against its model at the count it
+    runs on, the models the replay uses). {} when no instance measured any kind."""
+    from hydrad.engine.profiler import Speed
+
+    weights: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    spread_sum = spread_weight = 0.0
+    for factors, steps, spread in reports:
+        counted = 0
+        for kind, factor in factors.items():
+            n = steps.get(kind, 1)
+            counted += n
+            weights[kind] = weights.get(kind, 0) + n
+            sums[kind] = sums.get(kind, 0.0) + n * factor
+        spread_sum += counted * spread ** 2
+        spread_weight += counted
+    if not weights:
+        return {}
+    parts = {kind: sums[kind] / weights[kind] for kind in sorted(weights)}
+    factor = sum(sums.values()) / sum(weights.values())
+    spread = math.sqrt(spread_sum / spread_weight)
+    return {n: Speed(factor, spread, dict(parts)) for n in sorted(thread_counts)}
+
+
 def at_speeds(setup: SimSetup, speeds: dict) -> SimSetup:
     """``setup`` replayed at ``speeds`` (``profiler.Speed`` by thread count), with the spread
     they imply."""

@@ -9,7 +9,9 @@ numbers and kept for ``/admin/status`` (``hydractl status``).
 
 Nothing is measured for it: the simulator's machine (``SimSetup``) is built from what
 the workers reported when they became ready (or changed roles): their latency models,
-block geometry and copy bandwidth (``live_setup``). Each CPU worker runs on its share
+block geometry and copy bandwidth (``live_setup``); and it runs at the speed the workers
+measure on their own steps now, per kind of work (``EngineStats.live_speed``), as the
+profile runs at the speed of its check. Each CPU worker runs on its share
 of the cores, and its model is measured there; a worker that borrows idle cores
 (``engine.cores``) also reports its model at the count it borrows up to. A role's
 latency model holds only the parts the role runs, so the vision terms come from an
@@ -31,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydrad.cluster.deploy import format_deploy
@@ -59,6 +61,11 @@ class InstanceFacts:
     # A CPU instance that borrows idle cores: its model on ``borrow_threads`` threads.
     borrow_model: LatencyModel | None = None
     borrow_threads: int = 0
+    # Measured / predicted seconds of its recent steps by kind of work, and how many steps
+    # of each (``EngineStats.live_speed``, ``live_speed_steps``): the machine under load.
+    live_speed: dict[str, float] = field(default_factory=dict)
+    live_speed_steps: dict[str, int] = field(default_factory=dict)
+    live_speed_spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ def combine_models(instances: Sequence[InstanceFacts]) -> LatencyModel:
 def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_cpu: bool, cores: int | None,
                router_policy: str, options=None):
     """The simulator's machine from what the running instances reported."""
-    from hydrad.planner.profile import MachineOptions, role_layouts
+    from hydrad.planner.profile import MachineOptions, at_speeds, live_speeds, role_layouts
     from hydrad.planner.simulator import SimSetup
 
     options = options or MachineOptions(router_policy=router_policy)
@@ -152,7 +159,7 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
             thread_models[threads] = combine_models(borrowed)
         except ValueError:
             pass
-    return SimSetup(
+    setup = SimSetup(
         model=combine_models(instances), thread_models=thread_models,
         layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
         kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
@@ -164,6 +171,11 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
         borrow_efficiency=options.borrow_efficiency, **extra,
     )
+    # The machine as the workers measured it on their own steps: a replay at speed 1 would
+    # plan for the machine as it was when the models were fitted.
+    speeds = live_speeds([(f.live_speed, f.live_speed_steps, f.live_speed_spread) for f in instances],
+                         {share, *thread_models})
+    return at_speeds(setup, speeds) if speeds else setup
 
 
 def rank_window(trace_dir: str | Path, model: str, since: float, setup, current: Sequence[str], *,
@@ -195,6 +207,16 @@ def rank_window(trace_dir: str | Path, model: str, since: float, setup, current:
         planner.bisect(running)
     return Ranking(len(records), roles, best.roles, running.goodput, best.goodput, workload.mean_rate,
                    time.perf_counter() - start, planner.max_rate)
+
+
+async def _stats(client, timeout: float = 2.0):
+    """An instance's ``EngineStats``; None when it is down or does not answer in time."""
+    from hydrad.cluster.worker_client import WorkerLost
+
+    try:
+        return await client.get_stats(timeout)
+    except (WorkerLost, asyncio.TimeoutError):
+        return None
 
 
 def _lower_priority() -> None:
@@ -277,10 +299,14 @@ class Replanner:
         if busy:
             return decision("skip", busy)
         window = f"the last {self.config.window:g} s"
+        stats = await asyncio.gather(*(_stats(c) for c in supervisor.clients))
         facts = [InstanceFacts(c.role, c.ready.latency_model, getattr(c.ready, "geometry", None),
                                getattr(c.ready, "copy_bandwidth", None), c.ready.max_model_len,
-                               getattr(c.ready, "borrow_model", None), supervisor.specs[c.instance_id].threads.most)
-                 for c in supervisor.clients]
+                               getattr(c.ready, "borrow_model", None), supervisor.specs[c.instance_id].threads.most,
+                               live_speed=dict(st.live_speed) if st else {},
+                               live_speed_steps=dict(st.live_speed_steps) if st else {},
+                               live_speed_spread=st.live_speed_spread if st else 0.0)
+                 for c, st in zip(supervisor.clients, stats)]
         slo = self.engine_config.slo
         try:
             setup = live_setup(self.engine_config, facts, is_cpu=supervisor.is_cpu, cores=os.cpu_count(),

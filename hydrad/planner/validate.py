@@ -101,6 +101,16 @@ class LiveDaemon:
         os.unlink(self._config_file.name)
 
 
+def workers_speed(url: str) -> list[tuple[dict, dict, float]]:
+    """What each worker of the daemon at ``url`` measured of its own steps against its latency
+    model (``/admin/status``: ``live_speed``, ``live_speed_steps``, ``live_speed_spread``),
+    as ``profile.live_speeds`` takes it."""
+    with urllib.request.urlopen(url + "/admin/status", timeout=30) as response:
+        status = json.loads(response.read())
+    return [(i.get("live_speed") or {}, i.get("live_speed_steps") or {}, i.get("live_speed_spread") or 0.0)
+            for i in status["instances"]]
+
+
 # Timings of each probe per speed check around a live run (``MachineProbe.speeds``): five
 # back-to-back checks of three rounds ranged over 1.14-1.39x on the 2-core machine this was
 # built on, and a deployment's simulated goodput moves faster than its speed (the TBT bounds
@@ -117,9 +127,13 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
     deployment's daemon starts and right after it stops, and simulate the deployment again
     at the mean of the two. The profile's speed was measured before all the live runs, and
     a shared CPU's speed moves within the hour they take: the second figure tells the
-    simulator's own error apart from the machine's drift."""
+    simulator's own error apart from the machine's drift.
+
+    Each deployment is also simulated at the speed its workers measured on their own steps
+    during its search (``workers_speed``, read before the daemon stops): the machine as it
+    ran under that load, which an idle check cannot see."""
     from hydrad.bench import SLO, BenchConfig, GoodputSearch, run_bench
-    from hydrad.planner.profile import mean_speeds
+    from hydrad.planner.profile import live_speeds, mean_speeds
 
     simulated = {e.spec: e.goodput for e in profile.result.ranked}
     roles_of = {e.spec: e.roles for e in profile.result.evaluations}
@@ -143,6 +157,7 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
                                 search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol),
                                 arrivals=profile.planner.arrivals, seed=config.engine.seed)
             result = run_bench(bench, observer_for(spec) if observer_for else None)
+            reports = workers_speed(daemon.url)
         finally:
             daemon.stop()
         live = result.goodput_total
@@ -152,6 +167,18 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
                "simulated_is_lower_bound": sim is not None and sim >= ceiling,
                "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
                "interrupted": result.interrupted}
+        # At the speed the workers measured on their own steps under the search's load: the
+        # replay's error with the machine's speed taken out.
+        loaded = live_speeds(reports, {profile.devices.threads, *profile.setup.thread_models})
+        if loaded and not result.interrupted:
+            sim_loaded = profile.goodput_at(roles_of[spec], loaded)
+            any_speed = next(iter(loaded.values()))
+            steps = {kind: sum(counts.get(kind, 0) for _, counts, _ in reports) for kind in any_speed.parts}
+            row.update({"live_speed": any_speed.factor, "live_speed_by_kind": any_speed.parts,
+                        "live_speed_steps": steps, "live_speed_spread": any_speed.spread,
+                        "simulated_at_live_speed_rps": sim_loaded,
+                        "simulated_at_live_speed_is_lower_bound": sim_loaded >= ceiling,
+                        "error_at_live_speed": (sim_loaded - live) / live if live else None})
         if before is not None and not result.interrupted:
             around = mean_speeds(before, speed_check())
             sim_now = profile.goodput_at(roles_of[spec], around)

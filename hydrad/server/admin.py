@@ -104,6 +104,10 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
             "latency_calibration": s.latency_calibration if s else None,
+            # Measured / predicted seconds of its recent steps, by kind of work.
+            "live_speed": s.live_speed if s else None,
+            "live_speed_steps": s.live_speed_steps if s else None,
+            "live_speed_spread": s.live_speed_spread if s else None,
             # A worker that is down makes no tokens, whatever it made in its last seconds.
             "tokens_per_second": (None if not client.alive else
                                   client.tokens_per_second() if client.accepting else 0.0),

@@ -92,6 +92,10 @@ class Metrics:
         self.calibration = Gauge(
             "hydrad_step_calibration_ratio", "How much longer than predicted the instance's recent steps with "
             "decodes ran (their 90th percentile); their bound is divided by it.", labels, registry=r)
+        self.live_speed = Gauge(
+            "hydrad_step_speed_ratio", "Median measured / predicted seconds of the instance's recent steps of one "
+            "kind of work (images, prefills, decodes): the machine's speed under load against the latency model.",
+            m + ["instance", "kind"], registry=r)
         self.image_usage = Gauge("hydrad_image_cache_usage_ratio", "Fraction of image-cache blocks in use.", labels,
                                  registry=r)
         step_labels = m + ["instance", "stage"]
@@ -213,6 +217,8 @@ class Metrics:
         self.waiting.labels(*labels).set(stats.num_waiting)
         self.kv_usage.labels(*labels).set(stats.kv_usage)
         self.calibration.labels(*labels).set(stats.latency_calibration)
+        for kind, factor in stats.live_speed.items():
+            self.live_speed.labels(self._model, str(instance_id), kind).set(factor)
         self.image_usage.labels(*labels).set(stats.image_usage)
 
 

@@ -342,6 +342,43 @@ def test_an_engine_calibrates_its_steps_with_decodes_to_how_they_run(tiny_llava_
         core.shutdown()
 
 
+def test_an_engine_measures_each_kind_of_its_steps_against_the_model(tiny_llava_dir):
+    """Every step with work is measured against its prediction (its prefill terms apart);
+    the stats report each kind's median once enough steps of it ran; a new model starts over."""
+    from hydrad.engine.latency_model import LiveSpeed
+
+    core = make_engine(tiny_llava_dir)
+    try:
+        model = LatencyModel(l_fixed=0.01, l_decode=1e-3, l_prefill=1e-3)  # a prefill step: 80% prefill terms
+        core.set_latency_model(model, 50.0)
+        seen = []
+
+        class Recorder(LiveSpeed):
+            def add(self, vision, prefill, language, predicted, measured):
+                seen.append((vision, prefill, language, predicted, measured))
+                super().add(vision, prefill, language, predicted, measured)
+
+        core.live_speed = Recorder()
+        params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        core.add_request(EngineRequest("r", list(range(5, 45)), params))
+        while core.has_unfinished_requests():
+            core.step()
+        assert len(seen) == 20  # one prefill step (the 40-token prompt fits), 19 decode steps
+        vision, prefill, language, predicted, measured = seen[0]
+        assert (vision, prefill) == (0.0, pytest.approx(40 * 1e-3)) and language == pytest.approx(0.01 + 40 * 1e-3)
+        assert predicted == language and measured > 0
+        assert all(p == 0.0 and lang == pytest.approx(0.011, rel=0.2) for _, p, lang, _, _ in seen[1:])
+        stats = core.get_stats()
+        assert stats.live_speed_steps == {"images": 0, "prefills": 1, "decodes": 19}
+        assert list(stats.live_speed) == ["decodes"]  # too few prefill steps to tell
+        assert stats.live_speed["decodes"] == pytest.approx(
+            statistics.median(m / p for *_, p, m in seen[1:]))
+        core.set_latency_model(TRUE, 0.1)
+        assert core.get_stats().live_speed == {} and not isinstance(core.live_speed, Recorder)
+    finally:
+        core.shutdown()
+
+
 def _stored(images=(), prefills=(), decodes=(), seconds=0.1) -> dict:
     return {"images": [list(x) for x in images], "prefills": [list(x) for x in prefills],
             "decodes": list(decodes), "seconds": seconds}

@@ -259,3 +259,53 @@ def test_the_calibration_is_the_recent_steps_quantile_within_its_limits():
     assert c.factor == 0.8
     with pytest.raises(ValueError):
         Calibration(window=4, every=8)
+
+
+def test_a_step_predicts_its_prefill_terms_apart_from_its_decodes():
+    """``predicted_prefill`` is the prefill chunks' share of ``predicted_language``: the
+    language step's fixed cost and the decodes are not in it."""
+    s = scheduler_with(bound=0.05, kv_block_size=16)
+    decode = make_request("d", num_prompt=16, max_tokens=100)
+    s.add(decode)
+    step(s)
+    out = s.schedule()
+    assert out.predicted_prefill == 0.0 and out.predicted_language > 0  # decodes only
+    s.update_after_language(out, [7])
+    s.add(make_request("p", num_prompt=200, max_tokens=2))
+    out = s.schedule()
+    ((_, one), (req, n)) = out.chunks
+    assert req.req_id == "p" and n > 0
+    expected = MODEL.l_prefill * n + MODEL.l_attn * prefill_pairs(req.num_computed_tokens, n) / 1e3
+    assert out.predicted_prefill == pytest.approx(expected)
+    decode_part = MODEL.l_fixed + MODEL.l_decode + MODEL.l_ctx * (decode.num_computed_tokens + 1) / 1e3
+    assert out.predicted_language == pytest.approx(expected + decode_part)
+
+
+def test_the_live_speed_is_each_kinds_median_over_steps_of_that_kind():
+    from hydrad.engine.latency_model import LiveSpeed
+
+    speed = LiveSpeed(window=16, min_steps=4, dominant=0.75)
+    for ratio in (1.2, 1.4, 1.3, 9.0):  # one step slowed by something else: the median holds
+        speed.add(0.010, 0.0, 0.0, 0.010, 0.010 * ratio)  # images only
+    for ratio in (1.5, 1.6, 1.7):
+        speed.add(0.0, 0.018, 0.020, 0.020, 0.020 * ratio)  # prefill terms 90% of the step
+    speed.add(0.0, 0.0, 0.005, 0.005, 0.006)  # decodes only
+    speed.add(0.005, 0.004, 0.006, 0.011, 0.050)  # mixed: counts for no kind
+    speed.add(0.0, 0.0, 0.001, 0.001, 0.010)  # under min_seconds: the timer's noise
+    assert speed.counts() == {"images": 4, "prefills": 3, "decodes": 1}
+    assert speed.parts() == {"images": pytest.approx(1.35)}  # only kinds with min_steps
+    speed.add(0.0, 0.016, 0.020, 0.020, 0.020 * 1.6)  # 80% prefill: still a prefill step
+    assert speed.parts()["prefills"] == pytest.approx(1.6)
+    # The spread: of the log ratios about each kind's median (median absolute deviation).
+    import math
+    import statistics
+
+    from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS
+
+    logs = {"images": [math.log(r) for r in (1.2, 1.4, 1.3, 9.0)],
+            "prefills": [math.log(r) for r in (1.5, 1.6, 1.7, 1.6)]}
+    deviations = [abs(x - statistics.median(v)) for v in logs.values() for x in v]
+    assert speed.spread() == pytest.approx(statistics.median(deviations) / NORMAL_MEDIAN_ABS)
+    assert LiveSpeed().spread() == 0.0 and LiveSpeed().parts() == {}
+    with pytest.raises(ValueError):
+        LiveSpeed(window=2, min_steps=4)

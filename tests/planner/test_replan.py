@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from hydrad.cluster.supervisor import RedeployError
+from hydrad.cluster.worker_client import WorkerLost
 from hydrad.config_file import load_config
 from hydrad.engine.core import PoolGeometry
 from hydrad.engine.cores import CpuThreads
@@ -73,6 +75,38 @@ def test_a_borrowers_model_on_borrowed_cores_is_the_simulators_model_at_that_cou
                       router_policy="round-robin").thread_models == {}
 
 
+def test_the_machine_runs_at_the_speed_the_workers_measured_on_their_own_steps():
+    config = load_config(None).engine
+    ep = InstanceFacts("EP", BOTH, GEOMETRY, None, 2048, borrow_model=BOTH, borrow_threads=2,
+                       live_speed={"images": 1.4, "prefills": 1.2}, live_speed_steps={"images": 30, "prefills": 10},
+                       live_speed_spread=0.1)
+    d = dataclasses.replace(facts("D", LANGUAGE), live_speed={"decodes": 1.1, "prefills": 1.6},
+                            live_speed_steps={"decodes": 90, "prefills": 30}, live_speed_spread=0.2)
+    setup = live_setup(config, [ep, d], is_cpu=True, cores=2, router_policy="round-robin")
+    parts = {"decodes": 1.1, "images": 1.4, "prefills": (10 * 1.2 + 30 * 1.6) / 40}  # weighted by their steps
+    assert setup.part_speeds == {1: pytest.approx(parts), 2: pytest.approx(parts)}  # the share and the borrowed count
+    assert setup.speeds[1] == pytest.approx((30 * 1.4 + 10 * 1.2 + 90 * 1.1 + 30 * 1.6) / 160)
+    # The steps' spread (the models stored no held-out error).
+    assert setup.step_noise == pytest.approx(math.sqrt((40 * 0.1 ** 2 + 120 * 0.2 ** 2) / 160))
+    assert setup.at_speed(setup.model, 1).v_image == pytest.approx(1.4 * BOTH.v_image)
+    # Nothing measured yet (a worker just started): the models as fitted.
+    still = live_setup(config, [facts("EP", BOTH), facts("D", LANGUAGE)], is_cpu=True, cores=2,
+                       router_policy="round-robin")
+    assert still.speeds == {} and still.part_speeds == {}
+
+
+def test_live_speeds_pools_the_instances_by_their_steps():
+    from hydrad.planner.profile import live_speeds
+
+    speeds = live_speeds([({"images": 1.5}, {"images": 10}, 0.3), ({"images": 1.0, "decodes": 2.0},
+                                                                   {"images": 30, "decodes": 10}, 0.0)], [1])
+    (speed,) = speeds.values()
+    assert speed.parts == {"images": pytest.approx(1.125), "decodes": 2.0}
+    assert speed.factor == pytest.approx((15 + 30 + 20) / 50)
+    assert speed.spread == pytest.approx(math.sqrt(10 * 0.09 / 50))
+    assert live_speeds([({}, {}, 0.0)], [1, 2]) == {}
+
+
 def write_trace(directory, start, n, rate, seed=0):
     rng = random.Random(seed)
     writer = TraceWriter(directory, max_bytes=1 << 20, max_files=2, model="m", deploy="2EPD", template_tokens=10)
@@ -104,11 +138,20 @@ def test_a_window_is_ranked_and_the_running_deployment_gets_its_goodput(tmp_path
                        num_requests=100).num_requests == 0
 
 
+def _stats_of(instance_id):
+    async def get_stats(timeout):
+        if instance_id == 1:  # down, or too busy to answer
+            raise WorkerLost("gone")
+        return SimpleNamespace(live_speed={"images": 1.3}, live_speed_steps={"images": 20}, live_speed_spread=0.0)
+
+    return get_stats
+
+
 class FakeSupervisor:
     def __init__(self, roles, busy=None, fail=None):
         self.clients = [SimpleNamespace(instance_id=i, role=r, ready=SimpleNamespace(
-            latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048))
-            for i, r in enumerate(roles)]
+            latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048),
+            get_stats=_stats_of(i)) for i, r in enumerate(roles)]
         self.specs = [SimpleNamespace(threads=CpuThreads(1)) for _ in roles]
         self.busy = busy
         self.is_cpu = True
@@ -177,6 +220,8 @@ def test_decisions_keep_redeploy_and_wait_for_the_minimum_interval(tmp_path):
     assert (trace_dir, model, since, roles) == (str(tmp_path), "m", 10_000.0 - 1800.0, ["EPD", "EPD"])
     assert kwargs["min_requests"] == 50 and kwargs["num_requests"] == 300
     assert setup.model.overlap == BOTH.overlap
+    # At the speed the workers that answered measured on their own steps.
+    assert setup.part_speeds == {1: {"images": 1.3}} and setup.speeds == {1: 1.3}
     # Every decision is kept, with its numbers, for /admin/status.
     status = r.status()
     assert [d["action"] for d in status["decisions"]] == ["keep", "keep", "redeploy", "keep", "redeploy"]

@@ -1,6 +1,6 @@
 """``hydractl profile --validate``'s bookkeeping, without a live daemon: each deployment is
-simulated again at the machine's speed measured around its live run, next to its live
-goodput; speed checks taken together; a profile replayed at another speed."""
+simulated again at the machine's speed measured around its live run, and at the speed its
+workers measured on their own steps during it, next to its live goodput; speed checks taken together; a profile replayed at another speed."""
 
 from __future__ import annotations
 
@@ -91,14 +91,24 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
         calls.append(("speed", len(_FakeDaemon.started), len(_FakeDaemon.stopped)))
         return next(checks)
 
+    loaded = {specs[0]: [({"images": 1.5, "decodes": 1.1}, {"images": 40, "decodes": 40}, 0.1),
+                         ({"prefills": 1.3}, {"prefills": 20}, 0.0)],
+              specs[1]: [({}, {}, 0.0), ({}, {}, 0.0)]}  # too few steps of any kind
+
+    def workers_speed(url):
+        # Read from the daemon after its search, before it stops.
+        calls.append(("workers", len(_FakeDaemon.started), len(_FakeDaemon.stopped)))
+        return loaded[_FakeDaemon.started[-1]]
+
     _FakeDaemon.started, _FakeDaemon.stopped = [], []
     monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
+    monkeypatch.setattr(validate_module, "workers_speed", workers_speed)
     monkeypatch.setattr(hydrad.bench, "run_bench", fake_bench)
     rows = validate(profile, load_config(None), tmp_path / "trace.jsonl", specs, log_dir=tmp_path,
                     speed_check=speed_check)
     # A check before each daemon starts and after it stops.
-    assert calls == [("speed", 0, 0), ("bench", specs[0]), ("speed", 1, 1),
-                     ("speed", 1, 1), ("bench", specs[1]), ("speed", 2, 2)]
+    assert calls == [("speed", 0, 0), ("bench", specs[0]), ("workers", 1, 0), ("speed", 1, 1),
+                     ("speed", 1, 1), ("bench", specs[1]), ("workers", 2, 1), ("speed", 2, 2)]
     assert _FakeDaemon.stopped == specs
     first, second = rows
     assert first["speed_around_run"] == {"1": pytest.approx(1.3)}
@@ -106,6 +116,16 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
         profile.goodput_at(profile.result.ranked[0].roles, {1: Speed(1.3, 0.0)}))
     assert first["simulated_at_run_speed_rps"] < first["simulated_goodput_rps"]
     assert first["error_at_run_speed"] == pytest.approx((first["simulated_at_run_speed_rps"] - 3.0) / 3.0)
+    # At the speed the workers measured under the search's load, pooled by their steps.
+    assert first["live_speed_by_kind"] == {"decodes": 1.1, "images": 1.5, "prefills": 1.3}
+    assert first["live_speed"] == pytest.approx((40 * 1.5 + 40 * 1.1 + 20 * 1.3) / 100)
+    assert first["live_speed_steps"] == {"decodes": 40, "images": 40, "prefills": 20}
+    parts = Speed(first["live_speed"], first["live_speed_spread"], first["live_speed_by_kind"])
+    assert first["simulated_at_live_speed_rps"] == pytest.approx(
+        profile.goodput_at(profile.result.ranked[0].roles, {1: parts}))
+    assert first["simulated_at_live_speed_rps"] < first["simulated_goodput_rps"]
+    assert first["error_at_live_speed"] == pytest.approx((first["simulated_at_live_speed_rps"] - 3.0) / 3.0)
+    assert "simulated_at_live_speed_rps" not in second
     assert second["speed_around_run"] == {"1": 1.0}
     assert second["simulated_at_run_speed_rps"] == pytest.approx(second["simulated_goodput_rps"],
                                                                  rel=profile.planner.rel_tol)
@@ -125,5 +145,6 @@ def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(mon
     monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
     monkeypatch.setattr(hydrad.bench, "run_bench", lambda config, observer=None: SimpleNamespace(
         goodput_total=1.0, runs=[], interrupted=False))
+    monkeypatch.setattr(validate_module, "workers_speed", lambda url: [({}, {}, 0.0)])
     (row,) = validate(profile, load_config(None), tmp_path / "t.jsonl", [spec], log_dir=tmp_path)
     assert "simulated_at_run_speed_rps" not in row and row["live_goodput_rps"] == 1.0

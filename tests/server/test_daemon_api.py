@@ -313,6 +313,12 @@ def test_metrics(daemon, client, model_name):
     counts = [float(line.split()[-1]) for line in text.splitlines()
               if line.startswith("hydrad_step_prediction_ratio_count") and 'stage="language"' in line]
     assert counts and sum(counts) > 0
+    # what each worker measured of its own steps against its model, by kind, as --validate reads it
+    from hydrad.planner.validate import workers_speed
+
+    reports = workers_speed(daemon.url)
+    assert len(reports) == 2 and all(set(steps) == {"images", "prefills", "decodes"} for _, steps, _ in reports)
+    assert all(set(factors) <= set(steps) and spread >= 0 for factors, steps, spread in reports)
     for instance in ("0", "1"):
         assert f'hydrad_kv_cache_usage_ratio{{device="cpu",instance="{instance}"' in text
         assert f'hydrad_num_requests_running{{device="cpu",instance="{instance}"' in text

@@ -134,3 +134,17 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
     Console(file=buf, width=120).print(render(body))
     rows = [line for line in buf.getvalue().splitlines() if "EPD" in line]
     assert rows[0].rstrip(" │").endswith("-") and rows[1].rstrip(" │").endswith("37.5"), rows
+
+
+def test_status_shows_how_each_instance_runs_against_its_model_by_kind():
+    from hydrad.cli.status import render
+
+    body = captured_status(1)
+    body["instances"][0]["live_speed"] = {"images": 1.31}
+    body["instances"][1]["live_speed"] = {"prefills": 1.42, "decodes": 1.18}
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render(body))
+    out = buf.getvalue()
+    assert "#0 E: steps up to 100.0 ms; its steps run images 1.31x their prediction; encode" in out, out
+    assert "#1 P: steps up to 100.0 ms; its steps run prefills 1.42x, decodes 1.18x their prediction" in out, out
+    assert "#2 D: steps up to 100.0 ms; encode" in out  # nothing measured yet: nothing said
