@@ -94,13 +94,12 @@ def main() -> None:
             rows.append({"alone": alone, "beside": beside, "slowdown": {k: beside[k] / alone[k] for k in alone}})
     kinds = list(rows[0]["alone"])
     table = Table(title="speed probes on one thread against their fitted time: alone, and beside a neighbour")
-    table.add_column("round", justify="right")
-    for kind in kinds:
-        for name in ("alone", "beside", "slowdown"):
-            table.add_column(f"{kind}: {name}", justify="right")
+    for name in ("round", "kind", "alone", "beside", "slowdown"):
+        table.add_column(name, justify="left" if name == "kind" else "right")
     for i, row in enumerate(rows):
-        table.add_row(str(i + 1), *(f"{row[name][kind]:.3f}" for kind in kinds
-                                    for name in ("alone", "beside", "slowdown")))
+        for kind in kinds:
+            table.add_row(str(i + 1) if kind == kinds[0] else "", kind,
+                          *(f"{row[name][kind]:.3f}" for name in ("alone", "beside", "slowdown")))
     console.print(table)
     median = {kind: statistics.median(row["slowdown"][kind] for row in rows) for kind in kinds}
     console.print("median slowdown beside a neighbour: " + ", ".join(f"{k} {v:.3f}x" for k, v in median.items()))

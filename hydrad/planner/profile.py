@@ -46,6 +46,11 @@ DEFAULT_NUM_REQUESTS = 300
 # A borrower's speed on lent threads against its model at that count while its lender works
 # in bursts beside it: 0.57-0.76 on the 2-core machine this was built on (bench/borrow_speed.py).
 DEFAULT_BORROW_EFFICIENCY = 0.65
+# How much longer each kind of work takes on one thread while another worker computes on
+# the other core (shared caches and memory bandwidth): the medians of four rounds on the
+# 2-core machine this was built on were 1.01x for images, 1.03x for prefills and 1.09x for
+# the memory-bound decodes (bench/corun_speed.py).
+DEFAULT_CORUN_SLOWDOWN = {"images": 0.01, "prefills": 0.03, "decodes": 0.09}
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,7 @@ class MachineOptions:
     # Time a few of the latency model's probes again and replay at the speed they run now.
     check_speed: bool = True
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
+    corun_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_CORUN_SLOWDOWN))
 
 
 class MachineProbe:
@@ -205,6 +211,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             thread_models={n: m for n, m in probe.models.items() if n != devices.threads},
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
             borrow_efficiency=options.borrow_efficiency,
+            corun_slowdown=dict(options.corun_slowdown),
         )
         return at_speeds(setup, speeds)
     finally:
@@ -293,11 +300,14 @@ class Profile:
     def pick(self) -> str:
         return self.result.best.spec
 
-    def goodput_at(self, roles, speeds: dict) -> float:
+    def goodput_at(self, roles, speeds: dict, *, under_load: bool = False) -> float:
         """The simulated goodput of the deployment ``roles`` with the machine at ``speeds``
-        (``profiler.Speed`` by thread count) instead of the speed measured for the profile."""
+        (``profiler.Speed`` by thread count) instead of the speed measured for the profile;
+        ``under_load``: speeds the workers measured while serving, which hold the slowdown
+        of steps running beside each other (``SimSetup.corun_slowdown`` is then not added)."""
         p = self.planner
-        planner = Planner(at_speeds(self.setup, speeds), self.workload, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
+        setup = replace(self.setup, corun_slowdown={}) if under_load else self.setup
+        planner = Planner(at_speeds(setup, speeds), self.workload, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
                           num_requests=p.num_requests, arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed)
         roles = tuple(roles)
         return planner.bisect(Evaluation(roles, planner.bound(roles)))
@@ -326,6 +336,7 @@ class Profile:
                 "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
                 "speed_by_kind": {str(n): p for n, p in sorted(self.setup.part_speeds.items())},
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
+                "corun_slowdown": dict(self.setup.corun_slowdown),
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,

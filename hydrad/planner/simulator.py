@@ -11,8 +11,10 @@ enter through the cluster's real ``Router`` and move between instances through t
   per-step overhead), done at a speed that changes whenever another step starts or ends:
   slower while more CPU threads are busy than there are cores (the workers' torch threads,
   and the daemon's Request Processor while it prepares a request: it runs on the same
-  cores). Each CPU instance runs on the threads the live deployment gives it, with its
-  model at that count: its share, and an instance that borrows idle cores more while the
+  cores), and by each kind of work's measured slowdown while another step runs on the
+  other cores (``SimSetup.corun_slowdown``: shared caches and memory bandwidth). Each
+  CPU instance runs on the threads the live deployment gives it, with its model at that
+  count: its share, and an instance that borrows idle cores more while the
   instances it borrows from have no work and no message on its way (``engine.cores``;
   ``SimInstance.lends_no_core``). A borrower's step is filled by the model at the count
   of its start and then follows its lenders, as the worker re-picks its threads between
@@ -137,6 +139,11 @@ class SimSetup:
     # share the lent core with it, and the instances share caches and memory bandwidth
     # (``bench/borrow_speed.py``; at most the speed of its own share).
     borrow_efficiency: float = 1.0
+    # CPU: how much longer each kind of work (``"images"``, ``"prefills"``, ``"decodes"``)
+    # takes while another instance's step runs on the other cores: they share the caches and
+    # the memory bandwidth (``bench/corun_speed.py``; a kind absent: no slowdown). A step
+    # takes the mean of its kinds' factors, weighted by their predicted time.
+    corun_slowdown: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
@@ -146,6 +153,8 @@ class SimSetup:
             raise ValueError(f"speeds must be finite and > 0, got {self.speeds}, {self.part_speeds}")
         if not 0.0 < self.borrow_efficiency <= 1.0:
             raise ValueError(f"borrow_efficiency must be in (0, 1], got {self.borrow_efficiency}")
+        if any(not 0.0 <= f < 1.0 for f in self.corun_slowdown.values()):
+            raise ValueError(f"corun_slowdown must be in [0, 1) per kind, got {self.corun_slowdown}")
         if not 0.0 <= self.step_noise < 2.0:
             raise ValueError(f"step_noise must be in [0, 2), got {self.step_noise}")
 
@@ -402,7 +411,7 @@ class SimInstance:
             alone[t.most] = min(alone[t.own], alone[t.most] / setup.borrow_efficiency)
         self.running = True
         self.num_steps += 1
-        sim.start(self, out, alone)
+        sim.start(self, out, alone, corun_factor(setup.corun_slowdown, out))
 
     def _pull_first(self) -> bool:
         """As ``EngineCore._pull_first``: start the pulls admitted ahead of the step; True when
@@ -473,11 +482,24 @@ class _Step:
     left: float = 1.0  # share of its work still to do
     seconds: float = 0.0  # its whole length at the speed it runs now
     token: int = 0
+    corun: float = 1.0  # how many times as long while another step runs (SimSetup.corun_slowdown)
 
     @property
     def threads(self) -> int:
         """The threads it runs on now: a borrower's follow its lenders."""
         return self.instance.threads_now() if len(self.alone) > 1 else next(iter(self.alone))
+
+
+def corun_factor(slowdown: dict[str, float], out) -> float:
+    """How many times as long the step ``out`` takes while another step runs: its kinds'
+    factors (``SimSetup.corun_slowdown``), weighted by their predicted time."""
+    work = out.predicted_vision + out.predicted_language
+    if not slowdown or work <= 0.0:
+        return 1.0
+    decodes = out.predicted_language - out.predicted_prefill
+    extra = (out.predicted_vision * slowdown.get("images", 0.0) + out.predicted_prefill * slowdown.get("prefills", 0.0)
+             + decodes * slowdown.get("decodes", 0.0))
+    return 1.0 + extra / work
 
 
 # Event kinds.
@@ -534,13 +556,14 @@ class Simulation:
         self.at(self.now + self.setup.message_seconds, _DELIVER, instance, (kind, payload))
 
     # -- steps sharing the cores ------------------------------------------------------------------
-    def start(self, instance: SimInstance, out, alone: dict[int, float]) -> None:
+    def start(self, instance: SimInstance, out, alone: dict[int, float], corun: float = 1.0) -> None:
         """Begin ``instance``'s step, of ``alone`` seconds by thread count when nothing else
-        runs; it ends when its work is done at the speeds it gets while other steps start and
-        end and, for a borrower, while its lenders get and finish work (``_retime``)."""
+        runs (``corun`` times as long while another step runs); it ends when its work is done
+        at the speeds it gets while other steps start and end and, for a borrower, while its
+        lenders get and finish work (``_retime``)."""
         length = alone[instance.step_threads]
         processor = self._processor_share(self.now, self.now + length) if self.setup.cores is not None else 0.0
-        self.steps[instance] = _Step(instance, out, alone, processor, self.now, self.now)
+        self.steps[instance] = _Step(instance, out, alone, processor, self.now, self.now, corun=corun)
 
     def end(self, instance: SimInstance, token: int):
         """The step's output and its length when ``token`` is its current end, else None (a
@@ -577,7 +600,7 @@ class Simulation:
         if cores is None:
             return alone
         busy = sum(s.threads for s in self.steps.values() if s is not step)
-        return alone * max(1.0, (threads + busy + step.processor) / cores)
+        return alone * max(1.0, (threads + busy + step.processor) / cores) * (step.corun if busy else 1.0)
 
     def _processor_share(self, start: float, end: float) -> float:
         """The fraction of [start, end] the Request Processor is busy (steps start in time order,

@@ -171,7 +171,7 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
         # replay's error with the machine's speed taken out.
         loaded = live_speeds(reports, {profile.devices.threads, *profile.setup.thread_models})
         if loaded and not result.interrupted:
-            sim_loaded = profile.goodput_at(roles_of[spec], loaded)
+            sim_loaded = profile.goodput_at(roles_of[spec], loaded, under_load=True)
             any_speed = next(iter(loaded.values()))
             steps = {kind: sum(counts.get(kind, 0) for _, counts, _ in reports) for kind in any_speed.parts}
             row.update({"live_speed": any_speed.factor, "live_speed_by_kind": any_speed.parts,

@@ -93,6 +93,11 @@ def test_the_machine_runs_at_the_speed_the_workers_measured_on_their_own_steps()
     still = live_setup(config, [facts("EP", BOTH), facts("D", LANGUAGE)], is_cpu=True, cores=2,
                        router_policy="round-robin")
     assert still.speeds == {} and still.part_speeds == {}
+    # Speeds measured while serving hold the slowdown of steps running beside each other; the
+    # models as fitted do not, and the replay adds it.
+    from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN
+
+    assert setup.corun_slowdown == {} and still.corun_slowdown == DEFAULT_CORUN_SLOWDOWN
 
 
 def test_live_speeds_pools_the_instances_by_their_steps():

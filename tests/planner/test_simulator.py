@@ -182,6 +182,26 @@ def test_cpu_instances_beyond_the_cores_slow_each_other_down():
     assert r1.ttft == pytest.approx(0.133 + 0.099 - 0.111)
 
 
+def test_steps_on_separate_cores_slow_each_other_by_their_kinds_corun_slowdown():
+    # Two cores, one thread each: no core is shared, but while both instances are in a step,
+    # prefill terms take 1.5x and decodes 1.25x (shared caches and memory bandwidth).
+    setup = make_setup(cores=2, threads=1, bandwidth=1e15, corun_slowdown={"prefills": 0.5, "decodes": 0.25})
+    reqs = [SimRequest(0.0, 100, 2), SimRequest(0.111, 100, 1)]
+    r0, r1 = run(setup, ["EP", "D"], reqs).requests
+    # r0's prefill on EP alone: 110 ms. D's decode (12 ms) starts at 0.11; from 0.111 r1's
+    # prefill runs beside it: its 11 ms left take 1.25x, so it ends at 0.111 + 0.01375.
+    assert r0.ttft == pytest.approx(0.11)
+    assert r0.gaps == pytest.approx([0.001 + 0.01375])
+    # r1's prefill step (10 ms fixed cost, counted as decodes; 100 ms of prefill terms) runs
+    # at 1 + (0.1 * 0.5 + 0.01 * 0.25) / 0.11 times its time while D's decode runs, then alone.
+    factor = 1 + (0.1 * 0.5 + 0.01 * 0.25) / 0.11
+    assert r1.ttft == pytest.approx(0.01375 + (0.11 - 0.01375 / factor))
+    (p0, p1) = run(make_setup(cores=2, threads=1, bandwidth=1e15), ["EP", "D"], reqs).requests
+    assert p0.gaps == pytest.approx([0.012]) and p1.ttft == pytest.approx(0.11)  # without it
+    with pytest.raises(ValueError, match="corun_slowdown"):
+        make_setup(corun_slowdown={"decodes": 1.5})
+
+
 def test_steps_with_decodes_that_run_over_their_prediction_are_filled_to_less_of_the_bound():
     # As the engine's calibration: two EPD instances on one core, r0 on the first and r1 on
     # the second (round robin), decode in lockstep, so each decode step (12 ms predicted)
@@ -197,8 +217,8 @@ def test_steps_with_decodes_that_run_over_their_prediction_are_filled_to_less_of
                          slo_ttft=10.0, slo_tbt=10.0)
         steps = []
         start = sim.start
-        sim.start = lambda instance, out, alone: (steps.append((instance.instance_id, out.num_decodes, out.num_tokens)),
-                                                   start(instance, out, alone))
+        sim.start = lambda instance, out, alone, corun=1.0: (
+            steps.append((instance.instance_id, out.num_decodes, out.num_tokens)), start(instance, out, alone, corun))
         sim.run()
         return next(s for s in steps if s[0] == 0 and s[2] > s[1] and s[1] > 0), sim.instances[0].scheduler.calibration
 

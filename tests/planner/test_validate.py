@@ -122,7 +122,7 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
     assert first["live_speed_steps"] == {"decodes": 40, "images": 40, "prefills": 20}
     parts = Speed(first["live_speed"], first["live_speed_spread"], first["live_speed_by_kind"])
     assert first["simulated_at_live_speed_rps"] == pytest.approx(
-        profile.goodput_at(profile.result.ranked[0].roles, {1: parts}))
+        profile.goodput_at(profile.result.ranked[0].roles, {1: parts}, under_load=True))
     assert first["simulated_at_live_speed_rps"] < first["simulated_goodput_rps"]
     assert first["error_at_live_speed"] == pytest.approx((first["simulated_at_live_speed_rps"] - 3.0) / 3.0)
     assert "simulated_at_live_speed_rps" not in second
@@ -148,3 +148,19 @@ def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(mon
     monkeypatch.setattr(validate_module, "workers_speed", lambda url: [({}, {}, 0.0)])
     (row,) = validate(profile, load_config(None), tmp_path / "t.jsonl", [spec], log_dir=tmp_path)
     assert "simulated_at_run_speed_rps" not in row and row["live_goodput_rps"] == 1.0
+
+
+def test_goodput_at_speeds_measured_under_load_leaves_out_the_corun_slowdown():
+    """Speeds the workers measured while serving hold the slowdown of steps running beside
+    each other; added again, the replay would count it twice."""
+    from dataclasses import replace
+
+    profile = _profile()
+    profile.setup = replace(profile.setup, cores=2, threads=1, corun_slowdown={"prefills": 0.5, "decodes": 0.5})
+    roles = profile.result.ranked[0].roles
+    assert len(roles) == 2
+    idle = profile.goodput_at(roles, {1: Speed(1.0, 0.0)})
+    loaded = profile.goodput_at(roles, {1: Speed(1.0, 0.0)}, under_load=True)
+    assert loaded > idle
+    profile.setup = replace(profile.setup, corun_slowdown={})
+    assert profile.goodput_at(roles, {1: Speed(1.0, 0.0)}) == pytest.approx(loaded)
