@@ -165,7 +165,9 @@ class EngineCore:
         # and no step waits for a copy).
         self.copy_bandwidth: float | None = None
         # How steps with decodes run against their prediction on the machine now, and each
-        # kind of work (the machine's speed under load, for the planner).
+        # kind of work (the machine's speed under load, for the planner). The latter is kept
+        # across models: each step is measured against the model that predicted it, and a
+        # borrower switches between its models at every change of its thread count.
         self.calibration = Calibration()
         self.live_speed = LiveSpeed()
         # Set when a step found nothing it could run (e.g. blocks held by offered requests):
@@ -441,7 +443,6 @@ class EngineCore:
         if model is not self.scheduler.latency_model:  # a new model starts uncalibrated
             self.calibration = Calibration()
             self.scheduler.set_calibration(1.0)
-            self.live_speed = LiveSpeed()
         self.scheduler.set_latency_model(model, bound, idle_bound=idle_bound(slo))
 
     def get_stats(self) -> EngineStats:

@@ -157,7 +157,10 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
                                 search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol),
                                 arrivals=profile.planner.arrivals, seed=config.engine.seed)
             result = run_bench(bench, observer_for(spec) if observer_for else None)
-            reports = workers_speed(daemon.url)
+            try:
+                reports = workers_speed(daemon.url)
+            except (OSError, ValueError, KeyError):  # the live figures above stand without it
+                reports = []
         finally:
             daemon.stop()
         live = result.goodput_total
