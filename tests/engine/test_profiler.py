@@ -373,10 +373,34 @@ def test_an_engine_measures_each_kind_of_its_steps_against_the_model(tiny_llava_
         assert list(stats.live_speed) == ["decodes"]  # too few prefill steps to tell
         assert stats.live_speed["decodes"] == pytest.approx(
             statistics.median(m / p for *_, p, m in seen[1:]))
+        assert stats.live_speed_spread >= 0.0
         # Kept across models (a borrower switches models with its thread count): each step
         # was measured against the model that predicted it.
         core.set_latency_model(TRUE, 0.1)
         assert core.get_stats().live_speed == stats.live_speed
+    finally:
+        core.shutdown()
+
+
+def test_a_step_logs_its_prediction_and_its_threads_cpu_time_at_debug_level(tiny_llava_dir, caplog):
+    import logging
+    import re
+
+    core = make_engine(tiny_llava_dir)
+    try:
+        core.set_latency_model(TRUE, 50.0)
+        core.add_request(EngineRequest("r", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0,
+                                                                         ignore_eos=True)))
+        with caplog.at_level(logging.DEBUG, logger="hydrad.engine.core"):
+            while core.has_unfinished_requests():
+                core.step()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step:")]
+        assert len(lines) == 3, lines
+        for line in lines:
+            m = re.search(r"language ([\d.]+) ms \(predicted ([\d.]+)\); step thread's CPU ([\d.]+) ms", line)
+            assert m and float(m.group(2)) > 0, line
+            # This thread ran the step (dual streams are off on a CPU): its CPU time is most of it.
+            assert 0.0 < float(m.group(3)) <= 2.0 * float(m.group(1)) + 5.0, line
     finally:
         core.shutdown()
 
