@@ -164,3 +164,35 @@ def test_goodput_at_speeds_measured_under_load_leaves_out_the_corun_slowdown():
     assert loaded > idle
     profile.setup = replace(profile.setup, corun_slowdown={})
     assert profile.goodput_at(roles, {1: Speed(1.0, 0.0)}) == pytest.approx(loaded)
+
+
+def test_the_validate_table_shows_each_comparison(monkeypatch, tmp_path):
+    """``hydractl profile --validate``'s table: the profile's speed, the idle checks around
+    the run and the workers' own speed, each with its simulated goodput and error; ">=" at
+    the replay's ceiling; "-" where a figure is missing."""
+    import io
+
+    from rich.console import Console
+
+    import hydrad.cli.profile as cli_profile
+
+    rows = [{"deploy": "2EPD", "simulated_goodput_rps": 12.0, "live_goodput_rps": 10.0, "error": 0.2,
+             "simulated_is_lower_bound": False, "speed_around_run": {"1": 1.1, "2": 1.2},
+             "simulated_at_run_speed_rps": 11.0, "error_at_run_speed": 0.1,
+             "simulated_at_run_speed_is_lower_bound": False,
+             "live_speed_by_kind": {"images": 1.31, "prefills": 1.12, "decodes": 1.05},
+             "simulated_at_live_speed_rps": 50.0, "error_at_live_speed": 4.0,
+             "simulated_at_live_speed_is_lower_bound": True},
+            {"deploy": "1EP+1D", "simulated_goodput_rps": 9.0, "live_goodput_rps": None, "error": None}]
+    monkeypatch.setattr(validate_module, "validate", lambda *args, **kwargs: rows)
+    buf = io.StringIO()
+    monkeypatch.setattr(cli_profile, "console", Console(file=buf, width=250))
+    profile = _profile()
+    cli_profile._validate(profile, load_config(None), tmp_path / "t.jsonl", 2, tmp_path, None)
+    lines = buf.getvalue().splitlines()
+    first = next(line for line in lines if "2EPD" in line)
+    cells = [c.strip() for c in first.split("│")[1:-1]]
+    assert cells == ["2EPD", "12", "10", "+20.0%", "1.10x, 1.20x", "11", "+10.0%", "i 1.31x, p 1.12x, d 1.05x",
+                     ">=50", ">=+400.0%"]
+    second = [c.strip() for c in next(line for line in lines if "1EP+1D" in line).split("│")[1:-1]]
+    assert second == ["1EP+1D", "9", "-", "-", "-", "-", "-", "-", "-", "-"]
