@@ -46,8 +46,24 @@ if TYPE_CHECKING:
 VISION_TERMS = ("v_fixed", "v_image", "v_patch", "v_patch2", "v_token")
 LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")
 FORMAT_VERSION = 2
+# The kinds of work a step's time splits into (``LatencyModel.scaled_parts``): its vision
+# terms, its prefill terms, and its decode terms with the language step's fixed cost.
+KINDS = ("images", "prefills", "decodes")
 # The median of |z| for a standard normal z: a spread from a median absolute deviation.
 NORMAL_MEDIAN_ABS = 0.6745
+
+
+def log_spread(groups) -> float:
+    """The standard deviation of log ratios about their group's median (each of ``groups`` a
+    collection of ratios), from the median absolute deviation: one ratio taken while another
+    tenant held the core does not set it. 0 without ratios."""
+    deviations = []
+    for ratios in groups:
+        logs = [math.log(r) for r in ratios]
+        if logs:
+            mid = statistics.median(logs)
+            deviations += [abs(x - mid) for x in logs]
+    return statistics.median(deviations) / NORMAL_MEDIAN_ABS if deviations else 0.0
 
 
 def latency_bound(slo: SLOConfig, role: str) -> float:
@@ -226,7 +242,7 @@ class LatencyModel:
         scale = {**{name: images for name in VISION_TERMS}, "l_prefill": prefills, "l_attn": prefills,
                  "l_decode": decodes, "l_ctx": decodes, "l_fixed": decodes}
         return LatencyModel(**{name: getattr(self, name) * f for name, f in scale.items()}, overlap=self.overlap,
-                            meta={**self.meta, "scaled": dict(zip(("images", "prefills", "decodes"), factors))},
+                            meta={**self.meta, "scaled": dict(zip(KINDS, factors))},
                             error=self.error)
 
     # -- persistence -------------------------------------------------------------------------
@@ -307,9 +323,6 @@ class Calibration:
         return changed
 
 
-KINDS = ("images", "prefills", "decodes")
-
-
 class LiveSpeed:
     """How many times their prediction an instance's steps take now, per kind of work:
     the machine's speed against the latency model as the instance runs under load, the
@@ -361,13 +374,7 @@ class LiveSpeed:
         """The standard deviation of log(measured / predicted) about each kind's median, from
         their median absolute deviation (as ``profiler.Speed.spread``), over the kinds with
         at least ``min_steps`` steps; 0 when there are none."""
-        deviations = []
-        for ratios in self.ratios.values():
-            if len(ratios) >= self.min_steps:
-                logs = [math.log(r) for r in ratios]
-                mid = statistics.median(logs)
-                deviations += [abs(x - mid) for x in logs]
-        return statistics.median(deviations) / NORMAL_MEDIAN_ABS if deviations else 0.0
+        return log_spread(r for r in self.ratios.values() if len(r) >= self.min_steps)
 
 
 class StepBudget:

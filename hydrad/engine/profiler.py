@@ -38,13 +38,14 @@ import torch
 
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
+    KINDS,
     LANGUAGE_TERMS,
-    NORMAL_MEDIAN_ABS,
     VISION_TERMS,
     FitError,
     LatencyModel,
     StepShape,
     fit_least_squares,
+    log_spread,
     role_parts,
 )
 from hydrad.engine.request import Request
@@ -579,7 +580,7 @@ def speed_probes(model: LatencyModel, image_kinds=None) -> list[tuple[Probe, flo
         if kind is not None:
             by_kind.setdefault(kind, []).append((probe, seconds))
     picked = []
-    for kind in ("images", "prefills", "decodes"):
+    for kind in KINDS:
         found = by_kind.get(kind, [])
         within = [ps for ps in found if ps[1] <= _SPEED_PROBE_SECONDS]
         if within:  # the longest: the most signal
@@ -635,10 +636,7 @@ def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float
         timed = [(probe_kind(probe), timer(probe) / seconds) for _ in range(rounds) for probe, seconds in probes]
     ratios = [r for _, r in timed]
     parts = {kind: statistics.median(r for k, r in timed if k == kind) for kind in dict.fromkeys(k for k, _ in timed)}
-    logs = [math.log(r) for r in ratios]
-    mid = statistics.median(logs)
-    spread = statistics.median(abs(x - mid) for x in logs) / NORMAL_MEDIAN_ABS
-    speed = Speed(statistics.median(ratios), spread, parts)
+    speed = Speed(statistics.median(ratios), log_spread([ratios]), parts)
     logger.info("this machine runs the latency model's probes at %.2fx their fitted time now (%s; log spread %.2f)",
                 speed.factor, ", ".join(f"{k} {f:.2f}x" for k, f in parts.items()), speed.spread)
     return speed

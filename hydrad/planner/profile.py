@@ -264,10 +264,13 @@ def live_speeds(reports, thread_counts) -> dict:
     return {n: Speed(factor, spread, dict(parts)) for n in sorted(thread_counts)}
 
 
-def at_speeds(setup: SimSetup, speeds: dict) -> SimSetup:
+def at_speeds(setup: SimSetup, speeds: dict, *, under_load: bool = False) -> SimSetup:
     """``setup`` replayed at ``speeds`` (``profiler.Speed`` by thread count), with the spread
-    they imply."""
-    return replace(setup, speeds={n: s.factor for n, s in speeds.items()},
+    they imply. ``under_load``: speeds the workers measured on their own steps while serving
+    (``live_speeds``), which hold the slowdown of steps running beside each other already,
+    so ``SimSetup.corun_slowdown`` is not added on top."""
+    corun = {} if under_load else setup.corun_slowdown
+    return replace(setup, speeds={n: s.factor for n, s in speeds.items()}, corun_slowdown=corun,
                    part_speeds={n: dict(s.parts) for n, s in speeds.items() if s.parts},
                    step_noise=step_noise(setup.model, speeds))
 
@@ -303,12 +306,11 @@ class Profile:
     def goodput_at(self, roles, speeds: dict, *, under_load: bool = False) -> float:
         """The simulated goodput of the deployment ``roles`` with the machine at ``speeds``
         (``profiler.Speed`` by thread count) instead of the speed measured for the profile;
-        ``under_load``: speeds the workers measured while serving, which hold the slowdown
-        of steps running beside each other (``SimSetup.corun_slowdown`` is then not added)."""
+        ``under_load``: as ``at_speeds``."""
         p = self.planner
-        setup = replace(self.setup, corun_slowdown={}) if under_load else self.setup
-        planner = Planner(at_speeds(setup, speeds), self.workload, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
-                          num_requests=p.num_requests, arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed)
+        planner = Planner(at_speeds(self.setup, speeds, under_load=under_load), self.workload,
+                          slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt, num_requests=p.num_requests,
+                          arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed)
         roles = tuple(roles)
         return planner.bisect(Evaluation(roles, planner.bound(roles)))
 

@@ -172,11 +172,10 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         borrow_efficiency=options.borrow_efficiency, corun_slowdown=dict(options.corun_slowdown), **extra,
     )
     # The machine as the workers measured it on their own steps: a replay at speed 1 would
-    # plan for the machine as it was when the models were fitted. Measured while serving, it
-    # holds the slowdown of steps running beside each other already.
+    # plan for the machine as it was when the models were fitted.
     speeds = live_speeds([(f.live_speed, f.live_speed_steps, f.live_speed_spread) for f in instances],
                          {share, *thread_models})
-    return at_speeds(dataclasses.replace(setup, corun_slowdown={}), speeds) if speeds else setup
+    return at_speeds(setup, speeds, under_load=True) if speeds else setup
 
 
 def rank_window(trace_dir: str | Path, model: str, since: float, setup, current: Sequence[str], *,

@@ -57,7 +57,7 @@ from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.cores import CpuThreads, cpu_threads
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
-    LANGUAGE_TERMS, VISION_TERMS, Calibration, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
+    KINDS, LANGUAGE_TERMS, VISION_TERMS, Calibration, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
 )
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.request import Request
@@ -171,7 +171,7 @@ class SimSetup:
             return model.scaled(self.speed(threads))
         parts = self.part_speeds[min(self.part_speeds, key=lambda n: (abs(n - threads), n))]
         whole = self.speed(threads)
-        return model.scaled_parts(*(parts.get(kind, whole) for kind in ("images", "prefills", "decodes")))
+        return model.scaled_parts(*(parts.get(kind, whole) for kind in KINDS))
 
 
 def step_shape(out, scheduler: Scheduler) -> StepShape:

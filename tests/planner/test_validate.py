@@ -1,10 +1,12 @@
 """``hydractl profile --validate``'s bookkeeping, without a live daemon: each deployment is
 simulated again at the machine's speed measured around its live run, and at the speed its
-workers measured on their own steps during it, next to its live goodput; speed checks taken together; a profile replayed at another speed."""
+workers measured on their own steps during it, next to its live goodput; speed checks
+taken together; a profile replayed at another speed; the table ``--validate`` prints."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +43,10 @@ def test_at_speeds_sets_the_factors_and_the_spread_they_imply():
     kinds = at_speeds(setup, {1: Speed(1.5, 0.2, {"images": 1.1, "prefills": 1.6, "decodes": 1.4})})
     assert kinds.part_speeds == {1: {"images": 1.1, "prefills": 1.6, "decodes": 1.4}}
     assert kinds.at_speed(setup.model, 1).l_prefill == pytest.approx(1.6 * setup.model.l_prefill)
+    # Speeds measured under load hold the co-running slowdown: it is not added on top.
+    corun = replace(setup, corun_slowdown={"decodes": 0.1})
+    assert at_speeds(corun, {1: Speed(1.5, 0.2)}).corun_slowdown == {"decodes": 0.1}
+    assert at_speeds(corun, {1: Speed(1.5, 0.2)}, under_load=True).corun_slowdown == {}
 
 
 def _profile():
@@ -153,8 +159,6 @@ def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(mon
 def test_goodput_at_speeds_measured_under_load_leaves_out_the_corun_slowdown():
     """Speeds the workers measured while serving hold the slowdown of steps running beside
     each other; added again, the replay would count it twice."""
-    from dataclasses import replace
-
     profile = _profile()
     profile.setup = replace(profile.setup, cores=2, threads=1, corun_slowdown={"prefills": 0.5, "decodes": 0.5})
     roles = profile.result.ranked[0].roles
