@@ -405,8 +405,9 @@ class StepBudget:
     def predicted(self) -> float:
         return self.model.combine(self.vision, self.language) if self.model is not None else 0.0
 
-    def relax(self, bound: float) -> None:
-        """Raise the bound to ``bound`` (a step that turned out to carry no decode)."""
+    def set_bound(self, bound: float) -> None:
+        """Fill the rest of the step up to ``bound`` instead: higher for a step that turned out
+        to carry no decode, lower for one whose streams have less time left."""
         self.bound = bound
         if self.model is not None:
             self._language_room = self.model.max_language(self.vision, bound)

@@ -75,6 +75,9 @@ class MigrationOffer:
     # the processor (``EngineRequest.mrope_positions``); they travel, never recomputed.
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
+    # When its latest token was sampled (system-wide monotonic clock): the target's next
+    # token is due one TBT after it (``Scheduler``'s deadlines). None: no token yet.
+    last_token_time: float | None = None
 
     @property
     def next_stage(self) -> str:
@@ -127,6 +130,7 @@ def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
         timeline=dict(req.timeline),
         mrope_positions=req.mrope_positions,
         mrope_delta=req.mrope_delta,
+        last_token_time=req.last_token_time,
     )
 
 

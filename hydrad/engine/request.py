@@ -70,6 +70,9 @@ class Request:
         }
         # torch.Generator for seeded sampling, created by the sampler on first use.
         self.generator = None
+        # When its latest token was sampled, on the scheduler's clock (carried across migration):
+        # its next one is due a TBT later. None until the first.
+        self.last_token_time: float | None = None
         # Set while migrating in: (kind, source instance, source block ids, num computed tokens).
         self.pull: tuple[str, int, list, int] | None = None
 
@@ -89,6 +92,7 @@ class Request:
         )
         req.set_output(offer.output_token_ids)
         req.timeline = dict(offer.timeline)
+        req.last_token_time = offer.last_token_time
         # A request that had not started moves whole: nothing to pull, it starts here.
         req.pull = None if offer.kind == "prompt" else (offer.kind, offer.source, offer.block_ids,
                                                        offer.num_computed_tokens)

@@ -17,6 +17,12 @@ top):
    encoding (image blocks for all their images are taken at once, so two requests
    can never each hold half of what they need), text-only ones straight to prefill.
 
+A step that carries decodes is also kept within each stream's deadline: the next token
+of a stream that was not in the step before (migrated in after its first token, or
+waiting here) is due one bound after its previous one, so the step is filled only to
+what the most pressed of them has left (``_bound_by_deadlines``). Time is read from
+``clock`` (the planner's simulator passes its virtual one).
+
 The first unit of work of an empty step is always admitted, so a step makes progress
 even when the bound cannot be met. A request's prefill starts only after all its
 images are encoded. A stage this instance does not hold is offered to another
@@ -92,8 +98,11 @@ class Scheduler:
         image_manager: BlockManager | None,
         max_model_len: int,
         role: str = "EPD",
+        clock=time.monotonic,
     ):
         self.config = config
+        # Seconds, system-wide (the planner's simulator passes its virtual clock).
+        self.clock = clock
         self.kv = kv_manager
         self.images = image_manager
         self.max_model_len = max_model_len
@@ -263,11 +272,13 @@ class Scheduler:
         out = SchedulerOutput(dropped=self._dropped)
         bound = self.latency_bound / self.calibration if self.latency_model is not None else 0.0
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
-        self._schedule_decodes(out, budget)
+        pressed = self._schedule_decodes(out, budget)
         out.num_decodes = len(out.chunks)
         if budget.empty and self.idle_bound > bound:
             # No stream waits on this step: prefill and encode may take the TTFT share.
-            budget.relax(self.idle_bound)
+            budget.set_bound(self.idle_bound)
+        elif pressed and self.latency_model is not None:
+            self._bound_by_deadlines(pressed, budget)
         self._schedule_prefills(out, budget)
         for req in list(self.encoding.values()):
             self._schedule_images(req, budget, out)
@@ -279,9 +290,12 @@ class Scheduler:
         self._dropped = []
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: StepBudget) -> None:
+    def _schedule_decodes(self, out: SchedulerOutput, budget: StepBudget) -> list[float]:
+        """Admit the running decodes; returns when the previous token of each admitted stream
+        that was not in the step before was sampled (``_bound_by_deadlines``)."""
         chunks = out.chunks
         step = self._step
+        pressed = []
         bs = self.kv.block_size if self.kv is not None else 0
         for req in list(self.decoding.values()):
             if req.status is not _RUNNING:  # preempted earlier in this pass
@@ -293,7 +307,27 @@ class Scheduler:
                 budget.undo_decode(num_slots)  # not run after all
                 continue
             chunks.append((req, 1))
+            if req.scheduled_step != step - 1 and req.last_token_time is not None:
+                pressed.append(req.last_token_time)
             req.scheduled_step = step
+        return pressed
+
+    def _bound_by_deadlines(self, pressed: list[float], budget: StepBudget) -> None:
+        """Each stream's next token is due ``latency_bound`` after its previous one. A stream
+        that was in the step before gets its token one step and the time between steps
+        later, which the bound's headroom covers. One whose previous token came from
+        elsewhere (``pressed``: when it was sampled on another instance before a migration,
+        or before a wait here) may have less left: the step is filled only to what the most
+        pressed of them has left, unless even the decodes alone cannot make that one's
+        deadline (its gap is lost whatever this step carries)."""
+        floor = budget.predicted()  # the decodes alone
+        # Latest sampling time at which a stream's deadline still leaves room for the decodes.
+        cutoff = self.clock() - self.latency_bound + floor * self.calibration
+        live = [t for t in pressed if t >= cutoff]
+        if live:
+            left = (min(live) - cutoff) / self.calibration + floor
+            if left < budget.bound:
+                budget.set_bound(left)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: StepBudget) -> None:
         for req in list(self.prefilling.values()):
@@ -459,7 +493,7 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------
     def update_after_encode(self, out: SchedulerOutput, exec_time: float = 0.0) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for req, _ in out.encodes:
             req.num_encoded_images += 1
         for req in {id(r): r for r, _ in out.encodes}.values():
@@ -479,7 +513,7 @@ class Scheduler:
 
         ``sampled`` holds one token per chunk that completes its request's tokens, in chunk
         order (the runner samples exactly those rows)."""
-        now = time.monotonic()
+        now = self.clock()
         result = LanguageResult()
         req_ids, token_ids, sample_index = result.req_ids, result.token_ids, result.sample_index
         num_decodes = out.num_decodes
@@ -491,6 +525,7 @@ class Scheduler:
             req.num_computed_tokens += 1
             token_id = sampled[index]
             req.append_token(token_id)
+            req.last_token_time = now
             req_ids.append(req.req_id)
             token_ids.append(token_id)
             sample_index.append(index)
@@ -521,6 +556,7 @@ class Scheduler:
                 continue
             token_id = sampled[index]
             req.append_token(token_id)
+            req.last_token_time = now
             if "first_token" not in timeline:
                 timeline["first_token"] = now
             req_ids.append(req.req_id)

@@ -270,7 +270,8 @@ class SimInstance:
         self.run_models = {n: setup.at_speed(m, n) for n, m in self.models.items()}
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
-        self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role)
+        self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role,
+                                   clock=lambda: sim.now)
         # As the engine's: steps that carry decodes and run longer than predicted (the cores
         # shared) are filled to less of the bound; a new model starts it anew (``_use``).
         self.calibration = Calibration()

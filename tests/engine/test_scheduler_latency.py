@@ -13,7 +13,7 @@ import random
 import pytest
 
 from hydrad.engine.latency_model import LatencyModel, StepShape, prefill_pairs
-from hydrad.engine.request import RequestStatus
+from hydrad.engine.request import Request, RequestStatus
 from hydrad.engine.scheduler import Scheduler
 from test_scheduler import make_request, make_scheduler
 
@@ -309,3 +309,122 @@ def test_the_live_speed_is_each_kinds_median_over_steps_of_that_kind():
     assert LiveSpeed().spread() == 0.0 and LiveSpeed().parts() == {}
     with pytest.raises(ValueError):
         LiveSpeed(window=2, min_steps=4)
+
+
+class Clock:
+    """The scheduler's seconds, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _decoding_with_a_long_prompt_waiting(clock: Clock, bound: float = 0.1):
+    """Four streams decoding (their last tokens sampled at the clock's time) and a long prompt
+    waiting to prefill, on a scheduler filled to ``bound``."""
+    s = scheduler_with(bound=bound, idle_bound=0.5, kv_block_size=16, clock=clock)
+    decodes = [make_request(f"d{i}", num_prompt=16, max_tokens=1000) for i in range(4)]
+    for r in decodes:
+        s.add(r)
+    while not all(r.num_output_tokens for r in decodes):
+        step(s)
+    s.add(make_request("p", num_prompt=4000, max_tokens=2))
+    return s, decodes
+
+
+def _predicted(s: Scheduler, out) -> float:
+    return s.latency_model.combine(out.predicted_vision, out.predicted_language)
+
+
+def _pull_in(s: Scheduler, clock: Clock, req_id: str, age: float) -> Request:
+    """A stream migrating in whose previous token was sampled ``age`` seconds ago at its
+    source, pulled in during one step of ``s`` (its clock does not move)."""
+    from hydrad.engine.migration import MigrationOffer
+    from hydrad.sampling_params import SamplingParams
+
+    offer = MigrationOffer(
+        req_id=req_id, source=1, kind="kv", block_ids=[0, 1, 2, 3], prompt_token_ids=list(range(5, 69)),
+        output_token_ids=[7], num_computed_tokens=64,
+        sampling_params=SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), images=[],
+        eos_token_ids=(2,), generator_state=None,
+        timeline={"arrival": 0.0, "encode_exec": 0.0, "prefill_exec": 0.0, "decode_exec": 0.0},
+        last_token_time=clock.now - age)
+    s.add(Request.from_offer(offer))
+    out = s.schedule()
+    (pull,) = out.pulls
+    s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    s.finish_pull(pull.req)
+    return pull.req
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.5])
+def test_a_step_ends_before_its_most_pressed_streams_next_token_is_due(factor):
+    """Each stream's next token is due one bound after its previous one. Streams that were in
+    the step before leave the step its whole bound (the headroom covers the time between
+    steps); a stream whose previous token came 60 ms ago leaves it what it has left (in
+    predicted seconds, over the calibration factor)."""
+    clock = Clock()
+    s, decodes = _decoding_with_a_long_prompt_waiting(clock)
+    s.set_calibration(factor)
+    clock.now += 0.005  # 5 ms since every stream's last token
+    out = s.schedule()
+    assert out.num_decodes == 4
+    assert 0.1 / factor - 0.0002 < _predicted(s, out) <= 0.1 / factor * (1 + 1e-9)  # the whole bound
+    s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    _pull_in(s, clock, "m", age=0.06)
+    out = s.schedule()
+    assert out.num_decodes == 5 and any(r.req_id == "p" for r, n in out.chunks)
+    left = (0.1 - 0.06) / factor
+    assert left - 0.0002 < _predicted(s, out) <= left * (1 + 1e-9)
+    s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    out = s.schedule()  # it was in the step before, as all the others
+    assert 0.1 / factor - 0.0002 < _predicted(s, out) <= 0.1 / factor * (1 + 1e-9)
+
+
+def test_a_stream_whose_gap_is_lost_anyway_does_not_shrink_the_step():
+    """When even the decodes alone cannot reach a stream before its deadline, the step is
+    filled to the others' deadlines, as if that stream had none."""
+    clock = Clock()
+    s, _ = _decoding_with_a_long_prompt_waiting(clock)
+    _pull_in(s, clock, "late", age=0.0995)  # 0.5 ms left: less than the decodes take
+    out = s.schedule()
+    assert out.num_decodes == 5
+    assert 0.1 - 0.0002 < _predicted(s, out) <= 0.1 * (1 + 1e-9)
+    s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    _pull_in(s, clock, "late2", age=0.0995)
+    _pull_in(s, clock, "pressed", age=0.03)
+    out = s.schedule()
+    assert out.num_decodes == 7
+    assert 0.07 - 0.0002 < _predicted(s, out) <= 0.07 * (1 + 1e-9)
+
+
+def test_a_migrated_streams_next_token_is_due_a_bound_after_the_one_sampled_at_its_source():
+    """A prefill instance samples the first token and hands the KV over; the decode
+    instance's step that carries the first decode ends a bound after that first token,
+    however long the hand-over and the wait for the step took."""
+    from hydrad.engine.migration import offer_for
+
+    clock = Clock()
+    source = scheduler_with(bound=0.5, kv_block_size=16, clock=clock)
+    source.set_role("P", source.kv, source.images)
+    r = make_request("m", num_prompt=64, max_tokens=8)
+    source.add(r)
+    while not source.new_offers:
+        step(source)
+    clock.now += 0.01
+    ((req, kind),) = source.new_offers
+    offer = offer_for(req, kind, 0)
+    assert kind == "kv" and offer.last_token_time == pytest.approx(clock.now - 0.01)
+    target, _ = _decoding_with_a_long_prompt_waiting(clock)
+    target.add(Request.from_offer(offer))
+    out = target.schedule()
+    (pull,) = out.pulls
+    target.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    target.finish_pull(pull.req)
+    clock.now += 0.035  # the copy, and the step under way when it arrived
+    out = target.schedule()
+    assert out.num_decodes == 5 and any(r.req_id == "m" for r, n in out.chunks[:5])
+    left = 0.1 - 0.045
+    assert left - 0.0002 < _predicted(target, out) <= left * (1 + 1e-9)
