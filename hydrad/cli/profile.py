@@ -95,12 +95,15 @@ def _table(profile, top_k: int):
               help="Milliseconds per message between the daemon and a worker.")
 @click.option("--step-overhead-ms", type=float, default=1.0, show_default=True,
               help="Milliseconds per step beyond the latency model (scheduling, pipes).")
+@click.option("--client-cpu-ms", type=click.FloatRange(min=0, max=999), default=0.0, show_default=True,
+              help="CPU milliseconds per request of clients running on the planned machine's cores (a "
+              "benchmark client beside the daemon; 0: clients run elsewhere).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the ranking and its inputs as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate of the top K as PNG.")
 @click.option("--validate", is_flag=True, help="Start each top deployment live, replay the trace with the bench "
               "client, and compare simulated with live goodput.")
 def profile(trace_path, url, admin_token, limit, devices, model_path, config_file, slo_ttft, slo_tbt, top_k,
-            num_requests, arrivals, message_ms, step_overhead_ms, out, plot, validate) -> None:
+            num_requests, arrivals, message_ms, step_overhead_ms, client_cpu_ms, out, plot, validate) -> None:
     """Rank every deployment of the devices for a recorded workload by simulated goodput."""
     import dataclasses
     import json
@@ -144,7 +147,8 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     device_set = Devices.parse(devices)
     console.print(f"planning {len(device_set)} instance(s) on {device_set.spec} ({device_set.threads} thread(s) "
                   f"each) from {len(mine)} requests of {model.name}", highlight=False)
-    options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy)
+    options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy,
+                             client_seconds=client_cpu_ms / 1e3)
     # On CPU, --validate checks the machine's speed again around each live run, on this
     # instance (on a GPU it would hold device memory the live daemons need).
     probe = MachineProbe(engine, device_set) if validate and device_set.is_cpu else None

@@ -117,6 +117,8 @@ class MachineOptions:
     check_speed: bool = True
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
     corun_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_CORUN_SLOWDOWN))
+    # CPU seconds per request of clients on the same cores (``SimSetup.client_seconds``).
+    client_seconds: float = 0.0
 
 
 class MachineProbe:
@@ -211,7 +213,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             thread_models={n: m for n, m in probe.models.items() if n != devices.threads},
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
             borrow_efficiency=options.borrow_efficiency,
-            corun_slowdown=dict(options.corun_slowdown),
+            corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
         )
         return at_speeds(setup, speeds)
     finally:
@@ -267,10 +269,12 @@ def live_speeds(reports, thread_counts) -> dict:
 def at_speeds(setup: SimSetup, speeds: dict, *, under_load: bool = False) -> SimSetup:
     """``setup`` replayed at ``speeds`` (``profiler.Speed`` by thread count), with the spread
     they imply. ``under_load``: speeds the workers measured on their own steps while serving
-    (``live_speeds``), which hold the slowdown of steps running beside each other already,
-    so ``SimSetup.corun_slowdown`` is not added on top."""
+    (``live_speeds``), which hold the slowdown of steps running beside each other and beside
+    the clients already, so neither ``SimSetup.corun_slowdown`` nor ``client_seconds`` is added
+    on top."""
     corun = {} if under_load else setup.corun_slowdown
-    return replace(setup, speeds={n: s.factor for n, s in speeds.items()}, corun_slowdown=corun,
+    client = 0.0 if under_load else setup.client_seconds
+    return replace(setup, speeds={n: s.factor for n, s in speeds.items()}, corun_slowdown=corun, client_seconds=client,
                    part_speeds={n: dict(s.parts) for n, s in speeds.items() if s.parts},
                    step_noise=step_noise(setup.model, speeds))
 
@@ -338,7 +342,7 @@ class Profile:
                 "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
                 "speed_by_kind": {str(n): p for n, p in sorted(self.setup.part_speeds.items())},
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
-                "corun_slowdown": dict(self.setup.corun_slowdown),
+                "corun_slowdown": dict(self.setup.corun_slowdown), "client_seconds": self.setup.client_seconds,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,

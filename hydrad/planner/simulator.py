@@ -144,6 +144,11 @@ class SimSetup:
     # the memory bandwidth (``bench/corun_speed.py``; a kind absent: no slowdown). A step
     # takes the mean of its kinds' factors, weighted by their predicted time.
     corun_slowdown: dict[str, float] = field(default_factory=dict)
+    # CPU: seconds of CPU the clients spend per request on the same cores (a benchmark's
+    # client on the measured machine, ``BenchResult.client_cpu_per_request``; 0: clients run
+    # elsewhere, as in production). Taken as a steady load of this times the replay's
+    # arrival rate threads.
+    client_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
@@ -155,6 +160,8 @@ class SimSetup:
             raise ValueError(f"borrow_efficiency must be in (0, 1], got {self.borrow_efficiency}")
         if any(not 0.0 <= f < 1.0 for f in self.corun_slowdown.values()):
             raise ValueError(f"corun_slowdown must be in [0, 1) per kind, got {self.corun_slowdown}")
+        if not 0.0 <= self.client_seconds < 1.0:
+            raise ValueError(f"client_seconds must be in [0, 1), got {self.client_seconds}")
         if not 0.0 <= self.step_noise < 2.0:
             raise ValueError(f"step_noise must be in [0, 2), got {self.step_noise}")
 
@@ -539,6 +546,8 @@ class Simulation:
                               "image": setup.image_block_bytes / setup.bandwidth}
         # (start, end) of each request's preparation by the Request Processor, in time order.
         self._processor_busy: list[tuple[float, float]] = []
+        # Threads' worth of the clients' CPU on the cores (``SimSetup.client_seconds``).
+        self._client_threads = 0.0
         self._processor_next = 0
         self._noise = random.Random(0) if setup.step_noise > 0 else None  # the same draws every replay
 
@@ -601,7 +610,8 @@ class Simulation:
         if cores is None:
             return alone
         busy = sum(s.threads for s in self.steps.values() if s is not step)
-        return alone * max(1.0, (threads + busy + step.processor) / cores) * (step.corun if busy else 1.0)
+        load = threads + busy + step.processor + self._client_threads
+        return alone * max(1.0, load / cores) * (step.corun if busy else 1.0)
 
     def _processor_share(self, start: float, end: float) -> float:
         """The fraction of [start, end] the Request Processor is busy (steps start in time order,
@@ -685,6 +695,9 @@ class Simulation:
                     self._processor_busy.append((ready - spec.preprocess, ready))
             self.at(ready, _ARRIVE, None, i)
         self._processor_busy.sort()
+        if len(requests) > 1 and self.setup.client_seconds:
+            span = requests[-1].arrival - requests[0].arrival
+            self._client_threads = self.setup.client_seconds * (len(requests) - 1) / span if span > 0 else 0.0
         self._pending = len(requests)
         events = self._events
         stopped = False

@@ -169,7 +169,9 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
                "error": (sim - live) / live if sim is not None and live else None,
                "simulated_is_lower_bound": sim is not None and sim >= ceiling,
                "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
-               "interrupted": result.interrupted}
+               "interrupted": result.interrupted,
+               # The bench client's CPU per request, taken from the same cores as the daemon's.
+               "client_cpu_seconds_per_request": result.client_cpu_per_request}
         # At the speed the workers measured on their own steps under the search's load: the
         # replay's error with the machine's speed taken out.
         loaded = live_speeds(reports, {profile.devices.threads, *profile.setup.thread_models})

@@ -149,7 +149,10 @@ def test_goodput_search_finds_the_knee(make_config, write_jsonl, tmp_path):
 def test_sweep_json_shape(make_config):
     result = run_bench(make_config(rates=(20.0, 40.0), num_requests=3, api_key="secret"))
     doc = json.loads(result.to_json())
-    assert set(doc) == {"config", "summary", "requests", "sweep", "interrupted"}
+    assert set(doc) == {"config", "summary", "requests", "sweep", "interrupted", "client_cpu_seconds"}
+    # The client's own CPU over the runs (the fake server runs in its own process).
+    assert 0.0 < doc["client_cpu_seconds"] < 60.0
+    assert result.num_sent == 6 and result.client_cpu_per_request == pytest.approx(doc["client_cpu_seconds"] / 6)
     assert "api_key" not in doc["config"] and doc["config"]["model"] == "fake-model"
     keys = {"ttft_p50", "ttft_p90", "ttft_p99", "tbt_p50", "tbt_p90", "tbt_p99", "e2e_p50", "e2e_p90", "e2e_p99",
             "attainment", "throughput_rps", "output_tokens_per_s", "goodput_rps", "errors"}

@@ -50,9 +50,10 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     out = tmp_path / "profile.json"
     run = CliRunner().invoke(cli, ["profile", "--trace", str(trace_dir), "--model", str(tiny_llava_dir), "--config",
                                    str(config), "--devices", "cpu:2", "--slo-ttft", "2", "--slo-tbt", "0.2",
-                                   "--out", str(out)])
+                                   "--client-cpu-ms", "15", "--out", str(out)])
     assert run.exit_code == 0, run.output
     profile = json.loads(out.read_text())
+    assert profile["machine"]["client_seconds"] == pytest.approx(0.015)  # a bench client beside the daemon
     assert profile["search"]["deployments"] == 13
     ranking = profile["ranking"]
     assert ranking and ranking[0]["deploy"] == profile["pick"]

@@ -319,6 +319,24 @@ def test_the_request_processor_takes_its_cpu_from_the_instances_steps():
     assert r0.ttft == pytest.approx(0.01 + 0.11)
 
 
+def test_clients_on_the_same_cores_take_their_cpu_from_every_step():
+    # One instance of two threads on two cores; two requests 0.5 s apart (2 req/s over the
+    # trace) and clients that spend 0.1 s of CPU per request: a steady 0.2 threads, so every
+    # step takes (2 + 0.2) / 2 = 1.1x its time alone.
+    reqs = [SimRequest(0.0, 100, 1), SimRequest(0.5, 100, 1)]
+    for r in run(make_setup(cores=2, threads=2, client_seconds=0.1), ["EPD"], reqs).requests:
+        assert r.ttft == pytest.approx(0.11 * 1.1)
+    # Twice the rate: 0.4 threads, 1.2x.
+    reqs = [SimRequest(0.0, 100, 1), SimRequest(0.25, 100, 1)]
+    for r in run(make_setup(cores=2, threads=2, client_seconds=0.1), ["EPD"], reqs).requests:
+        assert r.ttft == pytest.approx(0.11 * 1.2)
+    # With cores to spare (four) or none configured (devices of their own), they slow nothing.
+    for setup in (make_setup(cores=4, threads=2, client_seconds=0.1), make_setup(client_seconds=0.1)):
+        assert all(r.ttft == pytest.approx(0.11) for r in run(setup, ["EPD"], reqs).requests)
+    with pytest.raises(ValueError, match="client_seconds"):
+        make_setup(client_seconds=-0.1)
+
+
 def test_attainment_uses_the_bench_rule_and_a_run_stops_when_out_of_reach():
     setup = make_setup()
     # One request every 100 ms, each needing 210 ms alone: a queue builds up.

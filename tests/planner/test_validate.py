@@ -47,6 +47,10 @@ def test_at_speeds_sets_the_factors_and_the_spread_they_imply():
     corun = replace(setup, corun_slowdown={"decodes": 0.1})
     assert at_speeds(corun, {1: Speed(1.5, 0.2)}).corun_slowdown == {"decodes": 0.1}
     assert at_speeds(corun, {1: Speed(1.5, 0.2)}, under_load=True).corun_slowdown == {}
+    # The clients' CPU slowed the steps the workers measured too: not added again.
+    clients = replace(corun, client_seconds=0.02)
+    assert at_speeds(clients, {1: Speed(1.5, 0.2)}).client_seconds == 0.02
+    assert at_speeds(clients, {1: Speed(1.5, 0.2)}, under_load=True).client_seconds == 0.0
 
 
 def _profile():
@@ -88,7 +92,8 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
         spec = _FakeDaemon.started[-1]
         calls.append(("bench", spec))
         run = SimpleNamespace(rate=live[spec], summary=SimpleNamespace(attainment=0.95))
-        return SimpleNamespace(goodput_total=live[spec], runs=[run], interrupted=False)
+        return SimpleNamespace(goodput_total=live[spec], runs=[run], interrupted=False,
+                               client_cpu_per_request=0.01 * live[spec])
 
     checks = iter([{1: Speed(1.2, 0.0)}, {1: Speed(1.4, 0.0)}, {1: Speed(1.0, 0.0)}, {1: Speed(1.0, 0.0)}])
 
@@ -117,6 +122,8 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
                      ("speed", 1, 1), ("bench", specs[1]), ("workers", 2, 1), ("speed", 2, 2)]
     assert _FakeDaemon.stopped == specs
     first, second = rows
+    # The bench client's CPU per request in each search, as the bench measured it.
+    assert first["client_cpu_seconds_per_request"] == 0.03 and second["client_cpu_seconds_per_request"] == 0.02
     assert first["speed_around_run"] == {"1": pytest.approx(1.3)}
     assert first["simulated_at_run_speed_rps"] == pytest.approx(
         profile.goodput_at(profile.result.ranked[0].roles, {1: Speed(1.3, 0.0)}))
@@ -150,7 +157,7 @@ def test_validate_without_a_speed_check_reports_only_the_profiles_simulation(mon
     _FakeDaemon.started, _FakeDaemon.stopped = [], []
     monkeypatch.setattr(validate_module, "LiveDaemon", _FakeDaemon)
     monkeypatch.setattr(hydrad.bench, "run_bench", lambda config, observer=None: SimpleNamespace(
-        goodput_total=1.0, runs=[], interrupted=False))
+        goodput_total=1.0, runs=[], interrupted=False, client_cpu_per_request=None))
     monkeypatch.setattr(validate_module, "workers_speed", lambda url: [({}, {}, 0.0)])
     (row,) = validate(profile, load_config(None), tmp_path / "t.jsonl", [spec], log_dir=tmp_path)
     assert "simulated_at_run_speed_rps" not in row and row["live_goodput_rps"] == 1.0
