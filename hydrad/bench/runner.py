@@ -43,6 +43,9 @@ class RateRun:
     summary: Summary
     interrupted: bool = False
     concurrency: int | None = None
+    # The client's own CPU seconds (this process) while the run's requests were in flight;
+    # their bodies (images encoded) are built before it starts and not counted.
+    client_cpu_seconds: float = 0.0
 
     @property
     def label(self) -> str:
@@ -87,9 +90,13 @@ class BenchResult:
     # Highest passing rate over all instances; None for fixed-rate runs.
     goodput_total: float | None
     interrupted: bool
-    # The client's own CPU seconds over the runs (this process): a client on the server's
-    # machine takes them from its cores (``SimSetup.client_seconds``).
-    client_cpu_seconds: float = 0.0
+
+    @property
+    def client_cpu_seconds(self) -> float:
+        """The client's own CPU while requests were in flight, over the runs (this process):
+        a client on the server's machine takes it from the server's cores
+        (``SimSetup.client_seconds``)."""
+        return sum(r.client_cpu_seconds for r in self.runs)
 
     @property
     def num_sent(self) -> int:
@@ -259,7 +266,7 @@ class Bench:
         bodies = await self._payloads([self.workload.request(i, 0) for i in range(num)]) if num else None
         self.observer.run_started(f"{concurrency} in flight", num)
         results: list[RequestResult] = []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         interrupted = True
         try:
             await self._closed_loop(concurrency, bodies, duration, session, url, headers, results)
@@ -267,7 +274,8 @@ class Bench:
         finally:
             elapsed = time.perf_counter() - start
             summary = summarize(results, None, elapsed, concurrency)
-            run = RateRun(summary.rate, tuple(results), summary, interrupted, concurrency)
+            run = RateRun(summary.rate, tuple(results), summary, interrupted, concurrency,
+                          client_cpu_seconds=time.process_time() - cpu)
             self.runs.append(run)
             self.observer.run_finished(run)
         return run
@@ -313,7 +321,7 @@ class Bench:
         bodies = await self._payloads([self.workload.request(i, salt) for i in range(len(offsets))])
         results: list[RequestResult] = []
         tasks: list[asyncio.Task] = []
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         try:
             for offset, body in zip(offsets, bodies):
                 delay = start + offset - time.perf_counter()
@@ -329,7 +337,8 @@ class Bench:
             await asyncio.gather(*tasks, return_exceptions=True)
             interrupted = len(results) < len(offsets)
             duration = time.perf_counter() - start
-            run = RateRun(rate, tuple(results), summarize(results, rate, duration), interrupted)
+            run = RateRun(rate, tuple(results), summarize(results, rate, duration), interrupted,
+                          client_cpu_seconds=time.process_time() - cpu)
             self.runs.append(run)
             self.observer.run_finished(run)
         return run
@@ -338,7 +347,6 @@ class Bench:
 def run_bench(config: BenchConfig, observer: BenchObserver | None = None) -> BenchResult:
     """Run a benchmark to completion, or until Ctrl-C, and return what was measured."""
     bench = Bench(config, observer)
-    cpu = time.process_time()
 
     async def main() -> BenchResult:
         try:
@@ -348,5 +356,4 @@ def run_bench(config: BenchConfig, observer: BenchObserver | None = None) -> Ben
             pass
         return bench.result()
 
-    result = asyncio.run(main())
-    return replace(result, client_cpu_seconds=time.process_time() - cpu)
+    return asyncio.run(main())
