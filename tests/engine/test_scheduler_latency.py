@@ -216,23 +216,48 @@ def test_without_a_model_only_the_caps_bind():
     assert out.chunks[0][1] == 16 and out.predicted_language == 0.0
 
 
+class Clock:
+    """The scheduler's seconds, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _decoding_with_a_long_prompt_waiting(clock: Clock | None = None, bound: float = 0.1):
+    """Four streams decoding (their last tokens sampled at the clock's time) and a long prompt
+    waiting to prefill, on a scheduler filled to ``bound``."""
+    s = scheduler_with(bound=bound, idle_bound=0.5, kv_block_size=16, clock=clock)
+    decodes = [make_request(f"d{i}", num_prompt=16, max_tokens=1000) for i in range(4)]
+    for r in decodes:
+        s.add(r)
+    while not all(r.num_output_tokens for r in decodes):
+        step(s)
+    s.add(make_request("p", num_prompt=4000, max_tokens=2))
+    return s, decodes
+
+
+def _predicted(s: Scheduler, out) -> float:
+    return s.latency_model.combine(out.predicted_vision, out.predicted_language)
+
+
+def _full_to(s: Scheduler, out, bound: float) -> bool:
+    """The step is predicted within ``bound`` and the next token would not have fitted."""
+    return bound - 0.0002 < _predicted(s, out) <= bound * (1 + 1e-9)
+
+
 def test_a_calibrated_step_with_decodes_fills_to_the_bound_over_the_factor():
     """Steps with decodes that run 1.5x their prediction are filled to bound / 1.5; a step
     without decodes keeps its idle bound."""
     rooms = {}
     for factor in (1.0, 1.5):
-        s = scheduler_with(bound=0.03, idle_bound=0.5, kv_block_size=16)
+        s, _ = _decoding_with_a_long_prompt_waiting(bound=0.03)
         s.set_calibration(factor)
-        decodes = [make_request(f"d{i}", num_prompt=16, max_tokens=1000) for i in range(4)]
-        for r in decodes:
-            s.add(r)
-        while not all(r.num_output_tokens for r in decodes):
-            step(s)
-        s.add(make_request("p", num_prompt=2000, max_tokens=2))
         out = s.schedule()
-        predicted = s.latency_model.combine(out.predicted_vision, out.predicted_language)
         assert out.num_decodes == 4
-        assert 0.03 / factor - 0.0002 < predicted <= 0.03 / factor * (1 + 1e-9)  # full to the next token
+        assert _full_to(s, out, 0.03 / factor)
         rooms[factor] = sum(n for r, n in out.chunks if r.req_id == "p")
     assert rooms[1.0] > rooms[1.5] > 0
     alone = scheduler_with(bound=0.03, idle_bound=0.5)
@@ -311,33 +336,6 @@ def test_the_live_speed_is_each_kinds_median_over_steps_of_that_kind():
         LiveSpeed(window=2, min_steps=4)
 
 
-class Clock:
-    """The scheduler's seconds, moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _decoding_with_a_long_prompt_waiting(clock: Clock, bound: float = 0.1):
-    """Four streams decoding (their last tokens sampled at the clock's time) and a long prompt
-    waiting to prefill, on a scheduler filled to ``bound``."""
-    s = scheduler_with(bound=bound, idle_bound=0.5, kv_block_size=16, clock=clock)
-    decodes = [make_request(f"d{i}", num_prompt=16, max_tokens=1000) for i in range(4)]
-    for r in decodes:
-        s.add(r)
-    while not all(r.num_output_tokens for r in decodes):
-        step(s)
-    s.add(make_request("p", num_prompt=4000, max_tokens=2))
-    return s, decodes
-
-
-def _predicted(s: Scheduler, out) -> float:
-    return s.latency_model.combine(out.predicted_vision, out.predicted_language)
-
-
 def _pull_in(s: Scheduler, clock: Clock, req_id: str, age: float) -> Request:
     """A stream migrating in whose previous token was sampled ``age`` seconds ago at its
     source, pulled in during one step of ``s`` (its clock does not move)."""
@@ -371,16 +369,16 @@ def test_a_step_ends_before_its_most_pressed_streams_next_token_is_due(factor):
     clock.now += 0.005  # 5 ms since every stream's last token
     out = s.schedule()
     assert out.num_decodes == 4
-    assert 0.1 / factor - 0.0002 < _predicted(s, out) <= 0.1 / factor * (1 + 1e-9)  # the whole bound
+    assert _full_to(s, out, 0.1 / factor)  # the whole bound
     s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
     _pull_in(s, clock, "m", age=0.06)
     out = s.schedule()
     assert out.num_decodes == 5 and any(r.req_id == "p" for r, n in out.chunks)
     left = (0.1 - 0.06) / factor
-    assert left - 0.0002 < _predicted(s, out) <= left * (1 + 1e-9)
+    assert _full_to(s, out, left)
     s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
     out = s.schedule()  # it was in the step before, as all the others
-    assert 0.1 / factor - 0.0002 < _predicted(s, out) <= 0.1 / factor * (1 + 1e-9)
+    assert _full_to(s, out, 0.1 / factor)
 
 
 def test_a_stream_whose_gap_is_lost_anyway_does_not_shrink_the_step():
@@ -391,13 +389,13 @@ def test_a_stream_whose_gap_is_lost_anyway_does_not_shrink_the_step():
     _pull_in(s, clock, "late", age=0.0995)  # 0.5 ms left: less than the decodes take
     out = s.schedule()
     assert out.num_decodes == 5
-    assert 0.1 - 0.0002 < _predicted(s, out) <= 0.1 * (1 + 1e-9)
+    assert _full_to(s, out, 0.1)
     s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
     _pull_in(s, clock, "late2", age=0.0995)
     _pull_in(s, clock, "pressed", age=0.03)
     out = s.schedule()
     assert out.num_decodes == 7
-    assert 0.07 - 0.0002 < _predicted(s, out) <= 0.07 * (1 + 1e-9)
+    assert _full_to(s, out, 0.07)
 
 
 def test_a_migrated_streams_next_token_is_due_a_bound_after_the_one_sampled_at_its_source():
@@ -427,4 +425,4 @@ def test_a_migrated_streams_next_token_is_due_a_bound_after_the_one_sampled_at_i
     out = target.schedule()
     assert out.num_decodes == 5 and any(r.req_id == "m" for r, n in out.chunks[:5])
     left = 0.1 - 0.045
-    assert left - 0.0002 < _predicted(target, out) <= left * (1 + 1e-9)
+    assert _full_to(target, out, left)
