@@ -2,7 +2,7 @@
 
     python bench/planner_accuracy.py accuracy [--model DIR] [--devices cpu:2] [--workloads textcaps,mix,mooncake]
         [--slo-ttft 2] [--slo-tbt 0.1] [--record-rate 1] [--record-requests 200] [--num-requests 200]
-        [--top 3] [--out planner_accuracy.json]
+        [--top 3] [--live-rounds 1] [--out planner_accuracy.json]
     python bench/planner_accuracy.py auto [--model DIR] [--devices cpu:2] [--hand 1EP+1D,2EPD,1E+1PD]
         [--vllm-python VENV/bin/python | --vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
 
@@ -16,7 +16,10 @@ daemon, so the replays count its CPU: the seconds per request it took while it r
 the trace (``BenchResult.client_cpu_per_request``), as a steady load at each replayed
 rate (``SimSetup.client_seconds``; ``hydractl profile --client-cpu-ms``;
 ``--clients-elsewhere`` leaves it out). Reported: simulated and live goodput per
-deployment, their relative difference, and whether the live best is the simulated best;
+deployment, their relative difference, and whether the live best is the simulated best
+(with ``--live-rounds N``, the live goodput is the mean of N searches, alternately
+forward and backward through the deployments, each reported: one deployment's live
+goodput moves by more than 15% between runs an hour apart on a shared 2-core machine);
 and the same again with each deployment simulated at the machine's speed measured right
 before and after its live run (``validate``'s ``speed_check``), which separates the
 simulator's error from the machine's drift over the hour the live runs take; and again at
@@ -132,6 +135,34 @@ def record(model: str, devices: str, workload: str, trace, *, rate: float, num: 
     return trace_dir, result.client_cpu_per_request or 0.0
 
 
+# The figures of a validate row that are compared with the live goodput, and their errors.
+_COMPARED = (("simulated_at_run_speed_rps", "error_at_run_speed"),
+             ("simulated_at_live_speed_rps", "error_at_live_speed"))
+
+
+def combine_rounds(rows: list[dict]) -> dict:
+    """One deployment's validate rows of several live rounds as one: the live goodput is
+    their mean (each round's in ``live_goodput_rounds``), and every error is taken against
+    it. The replays at the speeds around each run and under its load are averaged the same
+    way; the first round's other fields (speeds, points) stand for the rest, and each
+    round's row is kept whole under ``rounds``."""
+    if len(rows) == 1:
+        return rows[0]
+    row = dict(rows[0])
+    lives = [r["live_goodput_rps"] for r in rows]
+    sim = row["simulated_goodput_rps"]
+    live = sum(lives) / len(lives) if all(lives) else None
+    row.update({"live_goodput_rps": live, "live_goodput_rounds": lives,
+                "error": (sim - live) / live if sim is not None and live else None,
+                "interrupted": any(r["interrupted"] for r in rows), "rounds": rows})
+    for key, error in _COMPARED:
+        values = [r.get(key) for r in rows]
+        if live and all(v is not None for v in values):
+            row[key] = sum(values) / len(values)
+            row[error] = (row[key] - live) / live
+    return row
+
+
 def accuracy(args) -> dict:
     from hydrad.planner.profile import Devices, MachineOptions, MachineProbe, run_profile
     from hydrad.planner.trace import read_trace
@@ -163,7 +194,19 @@ def accuracy(args) -> dict:
             specs = [e.spec for e in profile.result.ranked[: args.top]]
             console.print(f"{name}: simulated top {args.top}: " + ", ".join(
                 f"{e.spec} {e.goodput:.3g}" for e in profile.result.ranked[: args.top]), highlight=False)
-            live = validate(profile, config, trace_dir, specs, log_dir=work, speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN))
+            rounds = []
+            for k in range(args.live_rounds):
+                # Forward, then backward: each deployment's rounds fall at different times.
+                order = specs if k % 2 == 0 else specs[::-1]
+                if args.live_rounds > 1:
+                    console.rule(f"{name}: live round {k + 1} of {args.live_rounds}")
+                log_dir = work / f"round{k + 1}"
+                log_dir.mkdir(exist_ok=True)
+                rows_k = validate(profile, config, trace_dir, order, log_dir=log_dir,
+                                  speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN))
+                rounds.append({r["deploy"]: r for r in rows_k})
+            live = [combine_rounds([rnd[spec] for rnd in rounds if spec in rnd]) for spec in specs
+                    if any(spec in rnd for rnd in rounds)]
         sim_best = max(live, key=lambda r: r["simulated_goodput_rps"])["deploy"]
         live_best = max(live, key=lambda r: r["live_goodput_rps"] or 0.0)["deploy"]
         now_best = max(live, key=lambda r: r.get("simulated_at_run_speed_rps") or 0.0)["deploy"]
@@ -194,7 +237,9 @@ def accuracy(args) -> dict:
             live_g, now, loaded = d["live_goodput_rps"], d.get("simulated_at_run_speed_rps"), \
                 d.get("simulated_at_live_speed_rps")
             table.add_row(row["workload"] if i == 0 else "", d["deploy"], f"{d['simulated_goodput_rps']:.3g}",
-                          "-" if live_g is None else f"{live_g:.3g}", pct(d["error"]),
+                          "-" if live_g is None else f"{live_g:.3g}" + (
+                              " (" + ", ".join("-" if g is None else f"{g:.3g}" for g in d["live_goodput_rounds"]) + ")"
+                              if "live_goodput_rounds" in d else ""), pct(d["error"]),
                           ("yes" if row["ranking_agrees"] else "no") if i == 0 else "",
                           ", ".join(f"{f:.2f}x" for f in d.get("speed_around_run", {}).values()) or "-",
                           "-" if now is None else f"{now:.3g}", pct(d.get("error_at_run_speed")),
@@ -280,6 +325,9 @@ def main() -> None:
     parser.add_argument("--record-requests", type=int, default=200)
     parser.add_argument("--num-requests", type=int, default=200, help="Requests per rate, simulated and live.")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--live-rounds", type=int, default=1,
+                        help="accuracy: search each deployment's live goodput this many times (forward, then "
+                        "backward) and compare the replay with their mean; each round's figure is reported.")
     parser.add_argument("--clients-elsewhere", action="store_true",
                         help="accuracy: replay without the bench client's CPU on the cores (as a plan for "
                         "clients on other machines would).")

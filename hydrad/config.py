@@ -59,14 +59,15 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # τ_t: tokens (decode tokens + prefill chunk tokens) per step.
+    # τ_t: hard cap on tokens (decode tokens + prefill chunk tokens) per step.
     token_budget: int = 2048
-    # τ_e: images encoded per step.
+    # τ_e: hard cap on images encoded per step.
     image_budget: int = 4
     # Requests running at once on one instance.
     max_num_seqs: int = 256
-    # Measure τ_t and τ_e at instance start against the [slo] targets (cached on disk);
-    # when set, token_budget and image_budget above are not used.
+    # Fit each instance's latency model at its start (cached on disk) and fill every step up
+    # to its [slo] bound by the model's prediction, within the caps above; off: only the
+    # caps bind.
     derive_budgets: bool = True
 
     def __post_init__(self) -> None:
@@ -87,15 +88,10 @@ class SLOConfig:
     # delivery of a token to the client come out of it (a step predicted at exactly the TBT
     # runs over it about half the time).
     headroom: float = 0.1
-    # KV context of the decodes in the batches that budgets are measured with, on instances
-    # that decode; None: a quarter of the model's context length.
-    decode_context_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.ttft <= 0 or self.tbt <= 0:
             raise ConfigError("slo.ttft and slo.tbt must be > 0 seconds")
-        if self.decode_context_len is not None and self.decode_context_len < 0:
-            raise ConfigError(f"slo.decode_context_len must be >= 0, got {self.decode_context_len}")
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"slo.alpha must be in (0, 1], got {self.alpha}")
         if not 0 <= self.headroom < 1:

@@ -4,13 +4,15 @@ The file has one table per config dataclass: ``[server]`` (with
 ``[server.remote_images]``), ``[model]``, ``[cache]``, ``[scheduler]``,
 ``[parallel]``, ``[slo]``, ``[trace]``, ``[planner]``, and a top-level ``seed``. Keys left out take the
 dataclass defaults; unknown keys and wrongly typed values are errors, so a typo
-never passes silently. Command-line flags override the file (``overrides``,
+never passes silently. A retired key (``_RETIRED``) is accepted with a warning that says
+why it no longer does anything, so a file written for an earlier version still starts. Command-line flags override the file (``overrides``,
 dotted keys such as ``"server.port"``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -24,7 +26,14 @@ from typing import Any
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SLOConfig
 from hydrad.errors import ConfigError
 
+logger = logging.getLogger("hydrad.config")
+
 ROUTER_POLICIES = ("round-robin", "least-load", "random")
+# Keys that earlier versions read and this one ignores: dotted key -> why.
+_RETIRED = {
+    "slo.decode_context_len": "steps are sized by the fitted latency model, which covers every decode "
+    "context; no batch is probed at a fixed context any more",
+}
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -246,6 +255,9 @@ def _make(cls: type, table: Any, prefix: str) -> Any:
         raise ConfigError(f"[{prefix}] must be a table")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
+    for key in [k for k in table if k not in names and f"{prefix}.{k}" in _RETIRED]:
+        logger.warning("%s.%s is ignored: %s", prefix, key, _RETIRED[f"{prefix}.{key}"])
+        table = {k: v for k, v in table.items() if k != key}
     unknown = set(table) - names
     if unknown:
         raise ConfigError(f"unknown key {prefix}.{sorted(unknown)[0]}")

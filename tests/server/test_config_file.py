@@ -94,6 +94,19 @@ def test_errors_name_the_file_and_key(tmp_path, text, message):
     assert str(path) in str(info.value)
 
 
+def test_a_retired_key_is_ignored_with_a_warning(tmp_path, caplog):
+    """A file written for an earlier version still loads; the log says what no longer applies."""
+    path = write(tmp_path, "[slo]\ntbt = 0.1\ndecode_context_len = 1024\n")
+    with caplog.at_level("WARNING", logger="hydrad.config"):
+        config = load_config(path)
+    assert config.engine.slo.tbt == 0.1
+    assert not hasattr(config.engine.slo, "decode_context_len")
+    assert any("slo.decode_context_len is ignored" in r.getMessage() for r in caplog.records)
+    # Only retired keys pass: a near miss is still an error.
+    with pytest.raises(ConfigError, match="unknown key slo.decode_context"):
+        load_config(write(tmp_path, "[slo]\ndecode_context = 1024\n"))
+
+
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found"):
         load_config("/nonexistent/hydrad.toml")
