@@ -20,8 +20,10 @@ top):
 A step that carries decodes is also kept within each stream's deadline: the next token
 of a stream that was not in the step before (migrated in after its first token, or
 waiting here) is due one bound after its previous one, so the step is filled only to
-what the most pressed of them has left (``_bound_by_deadlines``). Time is read from
-``clock`` (the planner's simulator passes its virtual one).
+what the most pressed of them has left (``_bound_by_deadlines``). While decodes are
+handed over from another instance, every step also leaves room under its bound for the
+next one's first step here (``_bound_for_handoffs``). Time is read from ``clock`` (the
+planner's simulator passes its virtual one).
 
 The first unit of work of an empty step is always admitted, so a step makes progress
 even when the bound cannot be met. A request's prefill starts only after all its
@@ -38,6 +40,7 @@ synthetic outputs and synthetic latency models.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +52,11 @@ from hydrad.engine.migration import Pull
 from hydrad.engine.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
+# Seconds after a decode was last handed over from another instance during which steps
+# leave room for the next one (``Scheduler._bound_for_handoffs``).
+HANDOFF_WINDOW = 10.0
+# The least share of the step bound such a step keeps for prefills and encodes.
+HANDOFF_SHARE = 0.5
 
 
 @dataclass
@@ -130,6 +138,8 @@ class Scheduler:
         self.latency_model: LatencyModel | None = None
         self.latency_bound = 0.0
         self.idle_bound = 0.0
+        # When the last decode handed over from another instance arrived (``clock``).
+        self._last_handoff = -math.inf
         # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
         self.calibration = 1.0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
@@ -233,6 +243,8 @@ class Scheduler:
         self.requests[req.req_id] = req
         queue = self.incoming if req.pull is not None else self.waiting
         queue.appendleft(req) if front else queue.append(req)
+        if req.pull is not None and req.pull[0] == "kv" and req.output_token_ids:
+            self._last_handoff = self.clock()
 
     def abort(self, req_id: str) -> Request | None:
         req = self.requests.get(req_id)
@@ -274,11 +286,14 @@ class Scheduler:
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
         pressed = self._schedule_decodes(out, budget)
         out.num_decodes = len(out.chunks)
-        if budget.empty and self.idle_bound > bound:
+        handoffs = self.latency_model is not None and self.clock() - self._last_handoff < HANDOFF_WINDOW
+        if budget.empty and self.idle_bound > bound and not handoffs:
             # No stream waits on this step: prefill and encode may take the TTFT share.
             budget.set_bound(self.idle_bound)
         elif pressed and self.latency_model is not None:
             self._bound_by_deadlines(pressed, budget)
+        if handoffs:
+            self._bound_for_handoffs(bound, budget)
         self._schedule_prefills(out, budget)
         for req in list(self.encoding.values()):
             self._schedule_images(req, budget, out)
@@ -289,6 +304,21 @@ class Scheduler:
         out.predicted_prefill = budget.prefill
         self._dropped = []
         return out
+
+    def _bound_for_handoffs(self, bound: float, budget: StepBudget) -> None:
+        """A stream handed over from another instance after its first token is pulled between
+        steps: arriving while a step runs, it waits for that step's end, then for its own
+        first step here, and that gap can miss the TBT on its own (for a short answer it is
+        the p90). While decodes arrive that way (one within ``HANDOFF_WINDOW`` seconds),
+        each step leaves room under the bound for that first step: the decodes it carries
+        and one more (without decodes: the TTFT share is not taken either). The step keeps
+        at least ``HANDOFF_SHARE`` of the bound for other work, so that many decodes do
+        not stop prefills."""
+        m = self.latency_model
+        first_step = budget.predicted() + m.l_decode + m.l_ctx  # one more decode at 1k context
+        if budget.empty:
+            first_step += m.l_fixed
+        budget.set_bound(min(budget.bound, max(bound - first_step, HANDOFF_SHARE * bound)))
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: StepBudget) -> list[float]:
         """Admit the running decodes; returns when the previous token of each admitted stream

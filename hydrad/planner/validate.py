@@ -121,7 +121,8 @@ ROUNDS_AROUND_RUN = 9
 def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Path,
              observer_for: Callable[[str], object] | None = None,
              speed_check: Callable[[], dict] | None = None) -> list[dict]:
-    """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one.
+    """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one. Each
+    live daemon keeps its request trace under ``log_dir`` (``trace_dir`` in its row).
 
     ``speed_check`` (``MachineProbe.speeds``): measure the machine's speed right before each
     deployment's daemon starts and right after it stops, and simulate the deployment again
@@ -146,7 +147,10 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             config.engine, parallel=dataclasses.replace(config.engine.parallel, deploy=spec,
                                                         devices=profile.devices.spec),
             slo=dataclasses.replace(config.engine.slo, ttft=profile.slo_ttft, tbt=profile.slo_tbt)))
-        daemon = LiveDaemon(cfg, log_dir / f"daemon-{spec}.log")
+        # Its own trace, as a production daemon keeps one: what each request met (TTFT, gaps,
+        # time per stage, instances) when the live and simulated figures disagree.
+        trace_dir = log_dir / f"trace-{spec}"
+        daemon = LiveDaemon(cfg, log_dir / f"daemon-{spec}.log", trace_dir=trace_dir)
         try:
             # A deployment simulated at 0 is searched from the trace's rate; the bracket goes
             # down to the search's default (start / 16): below it, runs of a fixed number of
@@ -169,7 +173,7 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
                "error": (sim - live) / live if sim is not None and live else None,
                "simulated_is_lower_bound": sim is not None and sim >= ceiling,
                "live_points": [[r.rate, r.summary.attainment] for r in result.runs],
-               "interrupted": result.interrupted,
+               "interrupted": result.interrupted, "trace_dir": str(trace_dir),
                # The bench client's CPU per request, taken from the same cores as the daemon's.
                "client_cpu_seconds_per_request": result.client_cpu_per_request}
         # At the speed the workers measured on their own steps under the search's load: the

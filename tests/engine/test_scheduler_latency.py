@@ -8,13 +8,14 @@ guarantee (integrity after every step, preemption, abort) holds with the model o
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 
 from hydrad.engine.latency_model import LatencyModel, StepShape, prefill_pairs
 from hydrad.engine.request import Request, RequestStatus
-from hydrad.engine.scheduler import Scheduler
+from hydrad.engine.scheduler import HANDOFF_SHARE, HANDOFF_WINDOW, Scheduler
 from test_scheduler import make_request, make_scheduler
 
 # Seconds: 2 ms per step, 0.1 ms per prefill token, 0.2 ms per decode, 0.05 ms per 1k KV
@@ -248,6 +249,14 @@ def _full_to(s: Scheduler, out, bound: float) -> bool:
     return bound - 0.0002 < _predicted(s, out) <= bound * (1 + 1e-9)
 
 
+def _handoff_room(s: Scheduler, out, bound: float) -> float:
+    """``bound`` while decodes are handed over from another instance: less the step's
+    decodes and one more (``Scheduler._bound_for_handoffs``), down to half of it."""
+    decodes = [r.num_computed_tokens + 1 for r, n in out.chunks if is_decode(r, s)]
+    first = s.latency_model.step_seconds(StepShape.of(decodes=decodes + [1000]))
+    return max(bound - first, HANDOFF_SHARE * bound)
+
+
 def test_a_calibrated_step_with_decodes_fills_to_the_bound_over_the_factor():
     """Steps with decodes that run 1.5x their prediction are filled to bound / 1.5; a step
     without decodes keeps its idle bound."""
@@ -262,7 +271,7 @@ def test_a_calibrated_step_with_decodes_fills_to_the_bound_over_the_factor():
     assert rooms[1.0] > rooms[1.5] > 0
     alone = scheduler_with(bound=0.03, idle_bound=0.5)
     alone.set_calibration(2.0)
-    alone.add(make_request("q", num_prompt=3000, max_tokens=2))
+    alone.add(make_request("q", num_prompt=4000, max_tokens=2))
     out = alone.schedule()
     assert out.num_decodes == 0 and out.predicted_language > 0.25  # the idle bound, not the bound / 2
     with pytest.raises(ValueError, match="> 0"):
@@ -378,7 +387,8 @@ def test_a_step_ends_before_its_most_pressed_streams_next_token_is_due(factor):
     assert _full_to(s, out, left)
     s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
     out = s.schedule()  # it was in the step before, as all the others
-    assert _full_to(s, out, 0.1 / factor)
+    # The whole bound, less room for the next stream handed over.
+    assert _full_to(s, out, _handoff_room(s, out, 0.1 / factor))
 
 
 def test_a_stream_whose_gap_is_lost_anyway_does_not_shrink_the_step():
@@ -389,7 +399,7 @@ def test_a_stream_whose_gap_is_lost_anyway_does_not_shrink_the_step():
     _pull_in(s, clock, "late", age=0.0995)  # 0.5 ms left: less than the decodes take
     out = s.schedule()
     assert out.num_decodes == 5
-    assert _full_to(s, out, 0.1)
+    assert _full_to(s, out, _handoff_room(s, out, 0.1))
     s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
     _pull_in(s, clock, "late2", age=0.0995)
     _pull_in(s, clock, "pressed", age=0.03)
@@ -426,3 +436,63 @@ def test_a_migrated_streams_next_token_is_due_a_bound_after_the_one_sampled_at_i
     assert out.num_decodes == 5 and any(r.req_id == "m" for r, n in out.chunks[:5])
     left = 0.1 - 0.045
     assert _full_to(target, out, left)
+
+
+def test_while_decodes_are_handed_over_every_step_leaves_room_for_the_next_one():
+    """A stream handed over after its first token waits for the step under way here, then
+    for its own first step: while hand-overs arrive, a step without decodes stays under the
+    TBT bound (not the idle bound) less that first step, and a step with decodes under the
+    bound less its decodes and one more; never under half the bound. Ten seconds after the
+    last hand-over, steps take their whole bounds again."""
+    clock = Clock()
+    s = scheduler_with(bound=0.1, idle_bound=0.5, kv_block_size=16, clock=clock)
+    s.add(make_request("a", num_prompt=4000, max_tokens=2))
+    out = s.schedule()
+    assert _full_to(s, out, 0.5)  # no decodes, no hand-over: the idle bound
+    s.update_after_language(out, [])
+    _pull_in(s, clock, "m", age=0.0)  # a hand-over, pulled in while "a" finishes its prefill
+    s.add(make_request("b", num_prompt=4000, max_tokens=2))
+    out = s.schedule()
+    assert out.num_decodes == 2 and any(r.req_id == "b" for r, n in out.chunks)  # "a" and "m" decode
+    room = _handoff_room(s, out, 0.1)
+    assert 0.09 < room < 0.1 and _full_to(s, out, room)
+    s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    # Decodes that take most of the bound (2 ms each here): half of it is kept for prompts.
+    many = scheduler_with(model=dataclasses.replace(MODEL, l_decode=0.002), bound=0.026, idle_bound=0.5,
+                          kv_block_size=16, clock=clock)
+    for i in range(4):
+        many.add(make_request(f"d{i}", num_prompt=16, max_tokens=1000))
+    while len(many.decoding) < 4:
+        step(many)
+    _pull_in(many, clock, "m", age=0.0)
+    many.add(make_request("p", num_prompt=4000, max_tokens=2))
+    out = many.schedule()
+    assert out.num_decodes == 5 and any(r.req_id == "p" for r, n in out.chunks)
+    assert _handoff_room(many, out, 0.026) == HANDOFF_SHARE * 0.026 and _full_to(many, out, 0.013)
+    many.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    # Long after the last hand-over, a lone prompt takes the idle bound again.
+    clock.now += HANDOFF_WINDOW
+    idle = scheduler_with(bound=0.1, idle_bound=0.5, kv_block_size=16, clock=clock)
+    idle._last_handoff = s._last_handoff
+    idle.add(make_request("c", num_prompt=4000, max_tokens=2))
+    assert _full_to(idle, idle.schedule(), 0.5)
+
+
+def test_a_prompt_handed_over_is_no_decode_hand_over():
+    """Only a stream that has sampled a token elsewhere waits on a step here: an image or
+    prompt handed over (E to P) leaves steps their bounds."""
+    from hydrad.engine.migration import MigrationOffer
+    from hydrad.sampling_params import SamplingParams
+
+    clock = Clock()
+    s = scheduler_with(bound=0.1, idle_bound=0.5, kv_block_size=16, clock=clock)
+    offer = MigrationOffer(
+        req_id="x", source=1, kind="kv", block_ids=[0, 1], prompt_token_ids=list(range(5, 37)),
+        output_token_ids=[], num_computed_tokens=16,
+        sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), images=[],
+        eos_token_ids=(2,), generator_state=None,
+        timeline={"arrival": 0.0, "encode_exec": 0.0, "prefill_exec": 0.0, "decode_exec": 0.0})
+    s.add(Request.from_offer(offer))
+    s.add(make_request("a", num_prompt=4000, max_tokens=2))
+    out = s.schedule()
+    assert out.num_decodes == 0 and _full_to(s, out, 0.5)

@@ -72,8 +72,11 @@ class _FakeDaemon:
     started: list[str] = []
     stopped: list[str] = []
 
+    traces: list = []
+
     def __init__(self, config, log_path, **kwargs):
         _FakeDaemon.started.append(config.engine.parallel.deploy)
+        _FakeDaemon.traces.append(kwargs.get("trace_dir"))
         self.url = "http://127.0.0.1:1"
 
     def stop(self):
@@ -122,6 +125,9 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
                      ("speed", 1, 1), ("bench", specs[1]), ("workers", 2, 1), ("speed", 2, 2)]
     assert _FakeDaemon.stopped == specs
     first, second = rows
+    # Each live daemon keeps its own trace, beside its log.
+    assert _FakeDaemon.traces[-2:] == [tmp_path / f"trace-{spec}" for spec in specs]
+    assert [row["trace_dir"] for row in rows] == [str(tmp_path / f"trace-{spec}") for spec in specs]
     # The bench client's CPU per request in each search, as the bench measured it.
     assert first["client_cpu_seconds_per_request"] == 0.03 and second["client_cpu_seconds_per_request"] == 0.02
     assert first["speed_around_run"] == {"1": pytest.approx(1.3)}
