@@ -237,4 +237,4 @@ def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path, prob
                       rate(row.get("simulated_at_live_speed_rps"), loaded_at_least),
                       error(row.get("error_at_live_speed"), loaded_at_least))
     console.print(table)
-    console.print(f"daemon logs in {work_dir}", highlight=False)
+    console.print(f"the live daemons' logs and request traces are in {work_dir}", highlight=False)
