@@ -151,7 +151,7 @@ def combine_rounds(rows: list[dict]) -> dict:
     row = dict(rows[0])
     lives = [r["live_goodput_rps"] for r in rows]
     sim = row["simulated_goodput_rps"]
-    live = sum(lives) / len(lives) if all(lives) else None
+    live = sum(lives) / len(lives) if all(g is not None for g in lives) else None
     row.update({"live_goodput_rps": live, "live_goodput_rounds": lives,
                 "error": (sim - live) / live if sim is not None and live else None,
                 "interrupted": any(r["interrupted"] for r in rows), "rounds": rows})

@@ -5,8 +5,9 @@ The file has one table per config dataclass: ``[server]`` (with
 ``[parallel]``, ``[slo]``, ``[trace]``, ``[planner]``, and a top-level ``seed``. Keys left out take the
 dataclass defaults; unknown keys and wrongly typed values are errors, so a typo
 never passes silently. A retired key (``_RETIRED``) is accepted with a warning that says
-why it no longer does anything, so a file written for an earlier version still starts. Command-line flags override the file (``overrides``,
-dotted keys such as ``"server.port"``).
+why it no longer does anything, so a file written for an earlier version still starts.
+Command-line flags override the file (``overrides``, dotted keys such as
+``"server.port"``).
 """
 
 from __future__ import annotations
@@ -255,9 +256,11 @@ def _make(cls: type, table: Any, prefix: str) -> Any:
         raise ConfigError(f"[{prefix}] must be a table")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
-    for key in [k for k in table if k not in names and f"{prefix}.{k}" in _RETIRED]:
+    retired = [k for k in table if k not in names and f"{prefix}.{k}" in _RETIRED]
+    for key in retired:
         logger.warning("%s.%s is ignored: %s", prefix, key, _RETIRED[f"{prefix}.{key}"])
-        table = {k: v for k, v in table.items() if k != key}
+    if retired:
+        table = {k: v for k, v in table.items() if k not in retired}
     unknown = set(table) - names
     if unknown:
         raise ConfigError(f"unknown key {prefix}.{sorted(unknown)[0]}")

@@ -286,7 +286,9 @@ class Scheduler:
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
         pressed = self._schedule_decodes(out, budget)
         out.num_decodes = len(out.chunks)
-        handoffs = self.latency_model is not None and self.clock() - self._last_handoff < HANDOFF_WINDOW
+        # The clock is read only on instances that decodes were ever handed to.
+        handoffs = (self.latency_model is not None and self._last_handoff > -math.inf
+                    and self.clock() - self._last_handoff < HANDOFF_WINDOW)
         if budget.empty and self.idle_bound > bound and not handoffs:
             # No stream waits on this step: prefill and encode may take the TTFT share.
             budget.set_bound(self.idle_bound)
