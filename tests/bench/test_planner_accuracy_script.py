@@ -1,0 +1,75 @@
+"""The pure parts of ``bench/planner_accuracy.py``: how live rounds combine, and how the
+Mooncake trace's ticks are spread. The live parts are the benchmark itself."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def script():
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("planner_accuracy")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _row(live, sim=4.0, run_speed=None, live_speed=None, interrupted=False):
+    return {"deploy": "2EPD", "simulated_goodput_rps": sim, "live_goodput_rps": live,
+            "simulated_at_run_speed_rps": run_speed, "simulated_at_live_speed_rps": live_speed,
+            "interrupted": interrupted, "error": None}
+
+
+def test_mean_goodput_counts_zero_but_not_a_round_without_goodput(script):
+    assert script.mean_goodput([3.0, 5.0]) == 4.0
+    assert script.mean_goodput([0.0, 4.0]) == 2.0
+    assert script.mean_goodput([4.0, None]) is None
+    assert script.mean_goodput([]) is None
+
+
+def test_one_round_is_kept_as_it_is(script):
+    row = _row(5.0)
+    assert script.combine_rounds([row]) is row
+
+
+def test_rounds_combine_into_their_mean_and_every_error_is_taken_against_it(script):
+    rows = [_row(4.0, run_speed=5.0, live_speed=4.5), _row(6.0, run_speed=3.0, live_speed=5.5, interrupted=True)]
+    row = script.combine_rounds(rows)
+    assert row["live_goodput_rps"] == 5.0
+    assert row["live_goodput_rounds"] == [4.0, 6.0]
+    assert row["error"] == pytest.approx((4.0 - 5.0) / 5.0)
+    assert row["simulated_at_run_speed_rps"] == 4.0 and row["error_at_run_speed"] == pytest.approx(-0.2)
+    assert row["simulated_at_live_speed_rps"] == 5.0 and row["error_at_live_speed"] == 0.0
+    assert row["interrupted"] is True
+    assert row["rounds"] == rows
+    assert rows[0]["live_goodput_rps"] == 4.0, "the rounds' rows are left as they were"
+
+
+def test_a_round_without_goodput_leaves_no_mean_and_no_error(script):
+    row = script.combine_rounds([_row(4.0, run_speed=5.0), _row(None, run_speed=5.0)])
+    assert row["live_goodput_rps"] is None and row["error"] is None
+    assert "error_at_run_speed" not in row
+
+
+def test_spread_ticks_keeps_each_ticks_count_within_its_tick(script, tmp_path):
+    src = tmp_path / "trace.jsonl"
+    ticks = [0, 0, 0, 3000, 3000, 9000]
+    src.write_text("".join(json.dumps({"timestamp": t, "input_length": i}) + "\n" for i, t in enumerate(ticks)))
+    rows = [json.loads(line) for line in script.spread_ticks(src, tmp_path / "out.jsonl").read_text().splitlines()]
+    stamps = [r["timestamp"] for r in rows]
+    assert stamps == sorted(stamps)
+    tick_of = {r["input_length"]: ticks[r["input_length"]] for r in rows}
+    # Each request stays within its own tick: [t, next tick); the last tick gets the mean width.
+    for r in rows:
+        t = tick_of[r["input_length"]]
+        width = {0: 3000, 3000: 6000, 9000: 4500}[t]
+        assert t <= r["timestamp"] < t + width
+    assert len({r["timestamp"] for r in rows}) == len(rows), "a tick's requests no longer arrive together"
