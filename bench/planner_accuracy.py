@@ -360,6 +360,8 @@ def main() -> None:
                         help="auto: the lowest rate of vLLM's goodput search.")
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.live_rounds < 1:
+        parser.error("--live-rounds must be at least 1")
     payload = accuracy(args) if args.mode == "accuracy" else auto(args)
     write_json(args.out, payload)
 
