@@ -142,6 +142,12 @@ _COMPARED = (("simulated_at_run_speed_rps", "error_at_run_speed"),
              ("simulated_at_live_speed_rps", "error_at_live_speed"))
 
 
+def round_order(items: list, k: int) -> list:
+    """The order of live round ``k`` (from 0): forward, then backward, and so on, so that a slow
+    stretch of the machine does not fall on the same deployment in every round."""
+    return list(items) if k % 2 == 0 else list(items)[::-1]
+
+
 def mean_goodput(rounds: list[float | None]) -> float | None:
     """The mean of one deployment's goodputs over live rounds: a round that found none (no
     rate met the SLO) makes the mean None, a goodput of 0 counts."""
@@ -204,8 +210,7 @@ def accuracy(args) -> dict:
                 f"{e.spec} {e.goodput:.3g}" for e in profile.result.ranked[: args.top]), highlight=False)
             rounds = []
             for k in range(args.live_rounds):
-                # Forward, then backward: each deployment's rounds fall at different times.
-                order = specs if k % 2 == 0 else specs[::-1]
+                order = round_order(specs, k)
                 if args.live_rounds > 1:
                     console.rule(f"{name}: live round {k + 1} of {args.live_rounds}")
                 log_dir = work / f"round{k + 1}"
@@ -289,9 +294,7 @@ def auto(args) -> dict:
     rounds: dict[str, list] = {name: [] for name in names}
     deployments = []
     for k in range(args.live_rounds):
-        # Forward, then backward: the planner's daemon and each by-hand one alternate in time,
-        # so a slow stretch of the machine does not fall on one of them only.
-        for name in names if k % 2 == 0 else names[::-1]:
+        for name in round_order(names, k):
             title = "hydrad start --deploy auto --trace" if name == "auto" else f"by hand: {name}"
             console.rule(title + (f" (round {k + 1} of {args.live_rounds})" if args.live_rounds > 1 else ""))
             extra = {"args": ("--trace", str(trace_dir))} if name == "auto" else None
@@ -300,6 +303,7 @@ def auto(args) -> dict:
             if name == "auto":
                 deployments.append(deployment)
     results = {name: {"goodput_rps": mean_goodput(rounds[name]), "goodput_rounds": rounds[name]} for name in names}
+    # "deployment": the first round's, as before rounds existed; "deployments": every round's.
     results["auto"]["deployment"] = deployments[0]
     results["auto"]["deployments"] = deployments
     goodput = results["auto"]["goodput_rps"]

@@ -28,6 +28,12 @@ def _row(live, sim=4.0, run_speed=None, live_speed=None, interrupted=False):
             "interrupted": interrupted, "error": None}
 
 
+def test_rounds_alternate_forward_and_backward(script):
+    names = ["auto", "2EPD", "1EP+1D"]
+    assert [script.round_order(names, k) for k in range(3)] == [names, names[::-1], names]
+    assert names == ["auto", "2EPD", "1EP+1D"], "the list given is left as it was"
+
+
 def test_mean_goodput_counts_zero_but_not_a_round_without_goodput(script):
     assert script.mean_goodput([3.0, 5.0]) == 4.0
     assert script.mean_goodput([0.0, 4.0]) == 2.0
