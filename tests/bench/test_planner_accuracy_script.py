@@ -79,3 +79,18 @@ def test_spread_ticks_keeps_each_ticks_count_within_its_tick(script, tmp_path):
         width = {0: 3000, 3000: 6000, 9000: 4500}[t]
         assert t <= r["timestamp"] < t + width
     assert len({r["timestamp"] for r in rows}) == len(rows), "a tick's requests no longer arrive together"
+
+
+def test_serving_slowdown_is_the_median_over_every_live_run_of_loaded_over_idle_speed(script):
+    def run(loaded, idle, threads="1"):
+        return {"live_speed_by_kind": loaded, "speed_around_run_by_kind": {threads: idle, "2": {"images": 100.0}}}
+
+    one_round = run({"images": 1.2, "decodes": 1.1}, {"images": 1.0, "decodes": 1.0})
+    two_rounds = {"rounds": [run({"images": 1.5}, {"images": 1.0}), run({"images": 2.2}, {"images": 2.0})]}
+    no_check = {"live_speed_by_kind": {"images": 9.0}}  # interrupted: no speed around the run
+    slowdown = script.serving_slowdown([one_round, two_rounds, no_check], threads=1)
+    assert slowdown.keys() == {"images", "decodes"}
+    # images: 1.2, 1.5 and 1.1 against the idle check at the workers' thread count, not at 2.
+    assert slowdown["images"]["slowdown"] == pytest.approx(0.2) and slowdown["images"]["runs"] == 3
+    assert slowdown["decodes"]["slowdown"] == pytest.approx(0.1) and slowdown["decodes"]["runs"] == 1
+    assert script.serving_slowdown([no_check], threads=1) == {}
