@@ -200,7 +200,7 @@ def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
 
 
 def accuracy(args) -> dict:
-    from hydrad.planner.profile import Devices, MachineOptions, MachineProbe, run_profile
+    from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions, MachineProbe, run_profile
     from hydrad.planner.trace import read_trace
     from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
 
@@ -284,8 +284,6 @@ def accuracy(args) -> dict:
                           "-" if loaded is None else f"{loaded:.3g}", pct(d.get("error_at_live_speed")),
                           ("yes" if row["ranking_agrees_at_live_speed"] else "no") if i == 0 else "")
     console.print(table)
-    from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN, Devices
-
     serving = serving_slowdown([d for row in rows for d in row["deployments"]], Devices.parse(args.devices).threads)
     if serving:
         console.print("serving slowdown, the workers' steps against the idle speed check around the same run "
