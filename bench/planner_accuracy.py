@@ -193,7 +193,7 @@ def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
         for run in row.get("rounds") or [row]:
             loaded = run.get("live_speed_by_kind") or {}
             idle = (run.get("speed_around_run_by_kind") or {}).get(str(threads)) or {}
-            for kind in sorted(loaded.keys() & idle.keys()):
+            for kind in loaded.keys() & idle.keys():
                 if idle[kind] > 0:
                     ratios.setdefault(kind, []).append(loaded[kind] / idle[kind])
     return {kind: {"slowdown": statistics.median(r) - 1.0, "runs": len(r)} for kind, r in sorted(ratios.items())}

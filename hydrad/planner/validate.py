@@ -194,6 +194,7 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             row.update({"simulated_at_run_speed_is_lower_bound": sim_now >= ceiling,
                         "speed_around_run": {str(n): s.factor for n, s in around.items()},
                         "speed_around_run_by_kind": {str(n): s.parts for n, s in around.items()},
+                        "speed_around_run_spread": {str(n): s.spread for n, s in around.items()},
                         "simulated_at_run_speed_rps": sim_now,
                         "error_at_run_speed": (sim_now - live) / live if live else None})
         rows.append(row)

@@ -98,7 +98,7 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
         return SimpleNamespace(goodput_total=live[spec], runs=[run], interrupted=False,
                                client_cpu_per_request=0.01 * live[spec])
 
-    checks = iter([{1: Speed(1.2, 0.0)}, {1: Speed(1.4, 0.0)}, {1: Speed(1.0, 0.0)}, {1: Speed(1.0, 0.0)}])
+    checks = iter([{1: Speed(1.2, 0.1)}, {1: Speed(1.4, 0.3)}, {1: Speed(1.0, 0.0)}, {1: Speed(1.0, 0.0)}])
 
     def speed_check():
         # Which daemons were started and stopped when the machine's speed was checked.
@@ -131,8 +131,10 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
     # The bench client's CPU per request in each search, as the bench measured it.
     assert first["client_cpu_seconds_per_request"] == 0.03 and second["client_cpu_seconds_per_request"] == 0.02
     assert first["speed_around_run"] == {"1": pytest.approx(1.3)}
+    # The two checks' spreads as one, the root mean square (profile.mean_speeds).
+    assert first["speed_around_run_spread"] == {"1": pytest.approx(0.05 ** 0.5)}
     assert first["simulated_at_run_speed_rps"] == pytest.approx(
-        profile.goodput_at(profile.result.ranked[0].roles, {1: Speed(1.3, 0.0)}))
+        profile.goodput_at(profile.result.ranked[0].roles, {1: Speed(1.3, 0.05 ** 0.5)}))
     assert first["simulated_at_run_speed_rps"] < first["simulated_goodput_rps"]
     assert first["error_at_run_speed"] == pytest.approx((first["simulated_at_run_speed_rps"] - 3.0) / 3.0)
     # At the speed the workers measured under the search's load, pooled by their steps.

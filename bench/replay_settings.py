@@ -1,0 +1,146 @@
+"""Two settings of the planner's replay against the same live runs, paired.
+
+    python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
+        [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no]
+        [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--out FILE.json]
+
+Each RUN.json is the output of ``bench/planner_accuracy.py accuracy``, whose recorded traces
+are still on disk (the run's working folder, beside each deployment's ``trace_dir``). Every
+live round of every deployment in them is replayed twice at the speed measured around it
+(``speed_around_run``, per kind and with its spread where the run stored it, else
+``--spread``), once with setting A and once with B, and each goodput is compared with that
+round's live goodput. A setting is a ``corun_slowdown`` per kind and whether the bench
+client's CPU per request (measured while the run recorded its trace) is replayed as a load
+of its own. The defaults: A is the replay before the serving slowdown (the probes beside a
+copy of themselves, ``bench/corun_speed.py``, and the client's CPU), B is the replay's
+default now (``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load). Both replays of
+a round share everything else (the machine's latency models and copy bandwidth, measured or
+cached here), so the difference between their errors is the settings' alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from common import machine, model_dir, write_json
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+console = Console()
+
+OLD_CORUN = "images=0.01,prefills=0.03,decodes=0.09"
+
+
+def parse_kinds(text: str) -> dict[str, float]:
+    """``images=0.14,prefills=0.1`` as a dict; a usage error names the bad part."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        kind, sep, value = part.partition("=")
+        try:
+            if not sep or kind not in ("images", "prefills", "decodes"):
+                raise ValueError
+            out[kind] = float(value)
+        except ValueError:
+            raise SystemExit(f"bad corun setting {part!r}: expected images|prefills|decodes=<fraction>") from None
+    return out
+
+
+def summarize(errors: list[float]) -> dict:
+    """Relative errors (simulated - live) / live of many rounds, summed up."""
+    return {"rounds": len(errors), "mean": statistics.mean(errors), "median": statistics.median(errors),
+            "mean_abs": statistics.mean(abs(e) for e in errors), "within_15pct": sum(abs(e) <= 0.15 for e in errors)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="JSON files of bench/planner_accuracy.py accuracy")
+    parser.add_argument("--model", help="Checkpoint folder (default: the built-in small model).")
+    parser.add_argument("--a-corun", default=OLD_CORUN)
+    parser.add_argument("--a-client", choices=("yes", "no"), default="yes",
+                        help="replay the bench client's CPU as a load of its own in A")
+    parser.add_argument("--b-corun", default=None, help="default: the replay's DEFAULT_CORUN_SLOWDOWN")
+    parser.add_argument("--b-client", choices=("yes", "no"), default="no")
+    parser.add_argument("--spread", type=float, default=0.1,
+                        help="the speed check's spread for runs that did not store it")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+
+    from hydrad.cluster.deploy import parse_deploy
+    from hydrad.engine.profiler import Speed
+    from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions, MachineProbe, at_speeds,
+                                        machine_setup)
+    from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner
+    from hydrad.planner.trace import read_trace
+    from hydrad.planner.workload import Workload
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from planner_accuracy import daemon_config
+
+    settings = {"A": (parse_kinds(args.a_corun), args.a_client == "yes"),
+                "B": (parse_kinds(args.b_corun) if args.b_corun else dict(DEFAULT_CORUN_SLOWDOWN),
+                      args.b_client == "yes")}
+    runs = []
+    for path in args.runs:
+        try:
+            runs.append((Path(path).stem, json.loads(Path(path).read_text())))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"cannot read {path}: {e}") from None
+    first = runs[0][1]["args"]
+    devices = Devices.parse(first["devices"])
+    config = daemon_config(model_dir(args.model), first["devices"], "auto", first["slo_ttft"], first["slo_tbt"])
+    work = [(name, run, w, dep, r) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
+            for r in dep.get("rounds") or [dep] if r.get("speed_around_run") and r.get("live_goodput_rps")]
+    rows = []
+    with MachineProbe(config.engine, devices) as probe, Progress(console=console) as progress:
+        base = machine_setup(config.engine, devices, MachineOptions(check_speed=False), show_progress=False,
+                             probe=probe)
+        task = progress.add_task("replaying each live round twice", total=len(work))
+        workloads = {}
+        for name, run, w, dep, r in work:
+            trace = Path(dep["trace_dir"]).parents[1] / "trace"
+            if trace not in workloads:
+                if not trace.exists():
+                    raise SystemExit(f"{name}: the recorded trace {trace} is gone; run the accuracy benchmark again")
+                workloads[trace] = Workload.from_records(read_trace(trace))
+            spreads = r.get("speed_around_run_spread") or {}
+            speeds = {int(n): Speed(f, spreads.get(n, args.spread), r["speed_around_run_by_kind"].get(n, {}))
+                      for n, f in r["speed_around_run"].items()}
+            roles = tuple(sorted(parse_deploy(dep["deploy"]), key=ROLE_ORDER.index))
+            row = {"run": name, "workload": w["workload"], "deploy": dep["deploy"], "live_rps": r["live_goodput_rps"]}
+            for label, (corun, client) in settings.items():
+                setup = replace(base, corun_slowdown=corun,
+                                client_seconds=w["client_cpu_seconds_per_request"] if client else 0.0)
+                planner = Planner(at_speeds(setup, speeds), workloads[trace], slo_ttft=run["args"]["slo_ttft"],
+                                  slo_tbt=run["args"]["slo_tbt"], num_requests=run["args"]["num_requests"],
+                                  seed=config.engine.seed)
+                goodput = planner.bisect(Evaluation(roles, planner.bound(roles)))
+                row[label] = goodput
+                row[f"error_{label}"] = (goodput - row["live_rps"]) / row["live_rps"]
+            rows.append(row)
+            progress.advance(task)
+    table = Table(title="the same live rounds replayed with settings A and B (req/s; error against live)")
+    for column in ("run", "workload", "deployment", "live", "A", "error", "B", "error"):
+        table.add_column(column, justify="left" if column in ("run", "workload", "deployment") else "right")
+    for row in rows:
+        table.add_row(row["run"], row["workload"], row["deploy"], f"{row['live_rps']:.3g}", f"{row['A']:.3g}",
+                      f"{100 * row['error_A']:+.0f}%", f"{row['B']:.3g}", f"{100 * row['error_B']:+.0f}%")
+    console.print(table)
+    summary = {label: summarize([row[f"error_{label}"] for row in rows]) for label in settings} if rows else {}
+    for label, s in summary.items():
+        corun, client = settings[label]
+        console.print(f"{label} (corun {corun}, client CPU {'replayed' if client else 'not replayed'}): "
+                      f"mean error {100 * s['mean']:+.1f}%, median {100 * s['median']:+.1f}%, mean absolute "
+                      f"{100 * s['mean_abs']:.1f}%, within 15% {s['within_15pct']} of {s['rounds']}", highlight=False)
+    write_json(args.out, {"mode": "replay_settings", "machine": machine(), "runs": [name for name, _ in runs],
+                          "settings": {k: {"corun_slowdown": c, "client_cpu": cl} for k, (c, cl) in settings.items()},
+                          "rounds": rows, "summary": summary})
+
+
+if __name__ == "__main__":
+    main()
