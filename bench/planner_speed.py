@@ -28,6 +28,7 @@ console = Console()
 def synthetic_setup():
     from hydrad.config import SchedulerConfig, SLOConfig
     from hydrad.engine.latency_model import LatencyModel
+    from hydrad.planner.profile import DEFAULT_WARM_REQUESTS
     from hydrad.planner.search import ROLE_ORDER
     from hydrad.planner.simulator import InstanceLayout, SimSetup
 
@@ -35,7 +36,7 @@ def synthetic_setup():
                          l_ctx=5e-4, overlap=0.95)
     return SimSetup(model, {r: InstanceLayout(4096, 256) for r in ROLE_ORDER}, 16, 256, 32768, 524288, 2048,
                     SchedulerConfig(), SLOConfig(ttft=2.0, tbt=0.1), message_seconds=0.002, step_overhead=0.001,
-                    cores=2, threads=1)
+                    cores=2, threads=1, warm_requests=DEFAULT_WARM_REQUESTS)
 
 
 def records(n: int, rate: float, seed: int = 0):

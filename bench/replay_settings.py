@@ -1,19 +1,22 @@
 """Two settings of the planner's replay against the same live runs, paired.
 
     python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
-        [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no]
-        [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--out FILE.json]
+        [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N]
+        [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--out FILE.json]
 
 Each RUN.json is the output of ``bench/planner_accuracy.py accuracy``, whose recorded traces
 are still on disk (the run's working folder, beside each deployment's ``trace_dir``). Every
 live round of every deployment in them is replayed twice at the speed measured around it
 (``speed_around_run``, per kind and with its spread where the run stored it, else
 ``--spread``), once with setting A and once with B, and each goodput is compared with that
-round's live goodput. A setting is a ``corun_slowdown`` per kind and whether the bench
+round's live goodput. A setting is a ``corun_slowdown`` per kind, whether the bench
 client's CPU per request (measured while the run recorded its trace) is replayed as a load
-of its own. The defaults: A is the replay before the serving slowdown (the probes beside a
-copy of themselves, ``bench/corun_speed.py``, and the client's CPU), B is the replay's
-default now (``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load). Both replays of
+of its own, and the requests of the warm-up replay that calibrates the instances before
+each counted one (``SimSetup.warm_requests``; 0: they start cold). The defaults: A is the
+replay before the serving slowdown (the probes beside a copy of themselves,
+``bench/corun_speed.py``, the client's CPU, cold instances), B is the replay's default now
+(``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load,
+``profile.DEFAULT_WARM_REQUESTS``). Both replays of
 a round share everything else (the machine's latency models and copy bandwidth, measured or
 cached here), so the difference between their errors is the settings' alone.
 """
@@ -65,7 +68,9 @@ def main() -> None:
     parser.add_argument("--a-client", choices=("yes", "no"), default="yes",
                         help="replay the bench client's CPU as a load of its own in A")
     parser.add_argument("--b-corun", default=None, help="default: the replay's DEFAULT_CORUN_SLOWDOWN")
+    parser.add_argument("--a-warm", type=int, default=0, help="warm-up requests of each replay in A")
     parser.add_argument("--b-client", choices=("yes", "no"), default="no")
+    parser.add_argument("--b-warm", type=int, default=None, help="default: the replay's DEFAULT_WARM_REQUESTS")
     parser.add_argument("--spread", type=float, default=0.1,
                         help="the speed check's spread for runs that did not store it")
     parser.add_argument("--out")
@@ -73,8 +78,8 @@ def main() -> None:
 
     from hydrad.cluster.deploy import parse_deploy
     from hydrad.engine.profiler import Speed
-    from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions, MachineProbe, at_speeds,
-                                        machine_setup)
+    from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, DEFAULT_WARM_REQUESTS, Devices, MachineOptions,
+                                        MachineProbe, at_speeds, machine_setup)
     from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner
     from hydrad.planner.trace import read_trace
     from hydrad.planner.workload import Workload
@@ -82,9 +87,11 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from planner_accuracy import daemon_config
 
-    settings = {"A": (parse_kinds(args.a_corun), args.a_client == "yes"),
+    if min(args.a_warm, DEFAULT_WARM_REQUESTS if args.b_warm is None else args.b_warm) < 0:
+        raise SystemExit("warm-up requests must be >= 0")
+    settings = {"A": (parse_kinds(args.a_corun), args.a_client == "yes", args.a_warm),
                 "B": (parse_kinds(args.b_corun) if args.b_corun else dict(DEFAULT_CORUN_SLOWDOWN),
-                      args.b_client == "yes")}
+                      args.b_client == "yes", DEFAULT_WARM_REQUESTS if args.b_warm is None else args.b_warm)}
     runs = []
     for path in args.runs:
         try:
@@ -113,8 +120,8 @@ def main() -> None:
                       for n, f in r["speed_around_run"].items()}
             roles = tuple(sorted(parse_deploy(dep["deploy"]), key=ROLE_ORDER.index))
             row = {"run": name, "workload": w["workload"], "deploy": dep["deploy"], "live_rps": r["live_goodput_rps"]}
-            for label, (corun, client) in settings.items():
-                setup = replace(base, corun_slowdown=corun,
+            for label, (corun, client, warm) in settings.items():
+                setup = replace(base, corun_slowdown=corun, warm_requests=warm,
                                 client_seconds=w["client_cpu_seconds_per_request"] if client else 0.0)
                 planner = Planner(at_speeds(setup, speeds), workloads[trace], slo_ttft=run["args"]["slo_ttft"],
                                   slo_tbt=run["args"]["slo_tbt"], num_requests=run["args"]["num_requests"],
@@ -133,12 +140,14 @@ def main() -> None:
     console.print(table)
     summary = {label: summarize([row[f"error_{label}"] for row in rows]) for label in settings} if rows else {}
     for label, s in summary.items():
-        corun, client = settings[label]
-        console.print(f"{label} (corun {corun}, client CPU {'replayed' if client else 'not replayed'}): "
+        corun, client, warm = settings[label]
+        console.print(f"{label} (corun {corun}, client CPU {'replayed' if client else 'not replayed'}, "
+                      f"{warm} warm-up requests): "
                       f"mean error {100 * s['mean']:+.1f}%, median {100 * s['median']:+.1f}%, mean absolute "
                       f"{100 * s['mean_abs']:.1f}%, within 15% {s['within_15pct']} of {s['rounds']}", highlight=False)
     write_json(args.out, {"mode": "replay_settings", "machine": machine(), "runs": [name for name, _ in runs],
-                          "settings": {k: {"corun_slowdown": c, "client_cpu": cl} for k, (c, cl) in settings.items()},
+                          "settings": {k: {"corun_slowdown": c, "client_cpu": cl, "warm_requests": wr}
+                                       for k, (c, cl, wr) in settings.items()},
                           "rounds": rows, "summary": summary})
 
 

@@ -100,8 +100,10 @@ class BenchConfig:
     rates: tuple[float, ...] = ()
     search: GoodputSearch | None = None
     # Closed loop: this many requests in flight, each sent as soon as one finishes (peak
-    # throughput); ``warmup`` requests are run the same way first and not counted.
+    # throughput).
     concurrency: int | None = None
+    # Requests run first and not counted: in a closed loop the same way; with rates or a
+    # search, sent at the first rate (the search's start) and waited for.
     warmup: int = 0
     sampling: Sampling = Sampling()
     arrivals: str = "poisson"
@@ -130,8 +132,6 @@ class BenchConfig:
             raise ConfigError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.warmup < 0:
             raise ConfigError(f"warmup must be >= 0 requests, got {self.warmup}")
-        if self.warmup and self.concurrency is None:
-            raise ConfigError("warmup requests go with a closed loop (a concurrency)")
         if not all(r > 0 and math.isfinite(r) for r in self.rates):
             raise ConfigError(f"request rates must be > 0, got {list(self.rates)}")
         if self.arrivals not in ARRIVAL_KINDS:

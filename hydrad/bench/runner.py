@@ -183,6 +183,9 @@ class Bench:
             base = self.config.base_url
             self.model = await resolve_model(session, base, self.config.api_key, self.config.model)
             url = f"{base}/v1/chat/completions"
+            if self.config.warmup and self.config.concurrency is None:
+                first = self.config.search.start_rate if self.config.search is not None else self.config.rates[0]
+                await self._warm_up(first, session, url, headers)
             if self.config.search is not None:
                 await self._search(self.config.search, session, url, headers)
             elif self.config.concurrency is not None:
@@ -314,19 +317,34 @@ class Bench:
                 task.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
 
-    async def _run_rate(self, rate: float, session, url, headers) -> RateRun:
-        salt = len(self.runs)
-        offsets = self._arrivals(rate, salt)
-        self.observer.run_started(f"{rate:.4g} req/s", len(offsets))
-        bodies = await self._payloads([self.workload.request(i, salt) for i in range(len(offsets))])
-        results: list[RequestResult] = []
+    async def _warm_up(self, rate: float, session, url, headers) -> None:
+        """``warmup`` requests sent at ``rate`` (the first rate) before the counted runs, and
+        waited for; neither kept nor reported. A freshly started server serves its first
+        requests slower than the rest (its workers calibrate their steps, allocate, fill
+        caches): the runs then measure it as it serves."""
+        num = self.config.warmup
+        if self.trace is not None:
+            offsets = trace_arrivals(self.trace, rate, num, None)
+        else:
+            offsets = poisson_arrivals(rate, random.Random(f"{self.config.seed}/warmup"), num, None)
+        bodies = await self._payloads([self.workload.request(i, "warmup") for i in range(len(offsets))])
+        await self._open_loop(offsets, bodies, session, url, headers, None)
+
+    async def _open_loop(self, offsets: list[float], bodies: list[bytes], session, url, headers,
+                         results: list[RequestResult] | None) -> None:
+        """Send each body at its offset (seconds from now) and wait for every answer;
+        ``results`` None: warmup, neither kept nor reported."""
         tasks: list[asyncio.Task] = []
-        start, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         try:
             for offset, body in zip(offsets, bodies):
                 delay = start + offset - time.perf_counter()
                 if delay > 0:
                     await asyncio.sleep(delay)
+                if results is None:
+                    tasks.append(asyncio.create_task(
+                        stream_chat(session, url, body, headers, self.config.request_timeout)))
+                    continue
                 tasks.append(asyncio.create_task(self._send(session, url, body, headers, results)))
                 self.observer.request_sent()
             await asyncio.gather(*tasks)
@@ -335,6 +353,17 @@ class Bench:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run_rate(self, rate: float, session, url, headers) -> RateRun:
+        salt = len(self.runs)
+        offsets = self._arrivals(rate, salt)
+        self.observer.run_started(f"{rate:.4g} req/s", len(offsets))
+        bodies = await self._payloads([self.workload.request(i, salt) for i in range(len(offsets))])
+        results: list[RequestResult] = []
+        start, cpu = time.perf_counter(), time.process_time()
+        try:
+            await self._open_loop(offsets, bodies, session, url, headers, results)
+        finally:
             interrupted = len(results) < len(offsets)
             duration = time.perf_counter() - start
             run = RateRun(rate, tuple(results), summarize(results, rate, duration), interrupted,

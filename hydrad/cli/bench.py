@@ -122,7 +122,7 @@ def _report(result) -> None:
 @click.option("--concurrency", type=click.IntRange(min=1),
               help="Closed loop: keep C requests in flight, each sent when one finishes (peak throughput).")
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True,
-              help="With --concurrency: requests run first and not counted.")
+              help="Requests run first and not counted: with --concurrency the same way, else at the first rate.")
 @click.option("--search-start", type=float, default=1.0, show_default=True, help="First rate of --goodput.")
 @click.option("--search-tol", type=float, default=0.05, show_default=True,
               help="--goodput stops when its bracket is this narrow, relative to the rate.")
@@ -155,8 +155,6 @@ def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, go
 
     if sum((rate is not None, sweep is not None, goodput, concurrency is not None)) != 1:
         raise click.UsageError("give exactly one of --rate, --sweep, --goodput and --concurrency")
-    if warmup and concurrency is None:
-        raise click.UsageError("--warmup goes with --concurrency")
     config = BenchConfig(
         url=url,
         slo=SLO(ttft=slo_ttft, tbt=slo_tbt),

@@ -55,6 +55,12 @@ DEFAULT_BORROW_EFFICIENCY = 0.65
 # the other core alone: 1.01x, 1.03x and 1.09x, bench/corun_speed.py) and what else serving
 # adds to a step: the daemon's and the client's processes on the same cores between steps.
 DEFAULT_CORUN_SLOWDOWN = {"images": 0.14, "prefills": 0.10, "decodes": 0.10}
+# A goodput is what a daemon sustains while serving: each replay starts on instances
+# calibrated by a warm-up replay of its first requests (``SimSetup.warm_requests``), as the
+# live goodput search runs its rates one after another on one daemon (and warms it up
+# first, ``BenchConfig.warmup``). Enough for the calibration's first updates (every 16
+# steps that carry decodes).
+DEFAULT_WARM_REQUESTS = 32
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,7 @@ class MachineOptions:
     corun_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_CORUN_SLOWDOWN))
     # CPU seconds per request of clients on the same cores (``SimSetup.client_seconds``).
     client_seconds: float = 0.0
+    warm_requests: int = DEFAULT_WARM_REQUESTS
 
 
 class MachineProbe:
@@ -218,6 +225,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
             borrow_efficiency=options.borrow_efficiency,
             corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
+            warm_requests=options.warm_requests,
         )
         return at_speeds(setup, speeds)
     finally:

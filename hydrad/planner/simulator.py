@@ -48,6 +48,7 @@ import heapq
 import math
 import random
 from collections import deque
+from copy import deepcopy
 from dataclasses import dataclass, field, replace
 
 from hydrad.cluster.relay import MigrationRelay
@@ -149,6 +150,12 @@ class SimSetup:
     # elsewhere, as in production). Taken as a steady load of this times the replay's
     # arrival rate threads.
     client_seconds: float = 0.0
+    # Requests of a warm-up replay run before the counted one (the first ones of the same
+    # replay): each instance then starts calibrated as a worker that has served them
+    # (``latency_model.Calibration``: steps that carry decodes filled by how they ran), as
+    # the instances of a daemon that has been serving do. 0: every instance starts cold, as
+    # a freshly started daemon's, whose first steps are filled to the model's bound.
+    warm_requests: int = 0
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
@@ -162,6 +169,8 @@ class SimSetup:
             raise ValueError(f"corun_slowdown must be in [0, 1) per kind, got {self.corun_slowdown}")
         if not 0.0 <= self.client_seconds < 1.0:
             raise ValueError(f"client_seconds must be in [0, 1), got {self.client_seconds}")
+        if self.warm_requests < 0:
+            raise ValueError(f"warm_requests must be >= 0, got {self.warm_requests}")
         if not 0.0 <= self.step_noise < 2.0:
             raise ValueError(f"step_noise must be in [0, 2), got {self.step_noise}")
 
@@ -292,6 +301,13 @@ class SimInstance:
         self.busy = 0.0
         self.num_steps = 0
         self.messages_on_the_way = 0  # sent by the daemon, not yet delivered
+
+    def warm_from(self, other: SimInstance) -> None:
+        """Start with the calibration ``other`` (this instance in a warm-up replay) ended with,
+        when it ended on the model this one starts on (a new model starts uncalibrated)."""
+        if self.sim.setup.fill_by_model and other.step_threads == self.step_threads:
+            self.calibration = deepcopy(other.calibration)
+            self.scheduler.set_calibration(self.calibration.factor)
 
     def _use(self, threads: int) -> None:
         """Step on ``threads`` threads, with the model at that count (the worker's ``StepThreads``)."""
@@ -738,7 +754,14 @@ def simulate(setup: SimSetup, roles: list[str], requests: list[SimRequest], *, s
     gaps, and SLO attainment. ``stop_below``: stop as soon as the attainment must end below it."""
     if not roles:
         raise ValueError("a deployment needs at least one instance")
-    return Simulation(setup, roles, requests, slo_ttft=slo_ttft, slo_tbt=slo_tbt, stop_below=stop_below).run()
+    sim = Simulation(setup, roles, requests, slo_ttft=slo_ttft, slo_tbt=slo_tbt, stop_below=stop_below)
+    if setup.warm_requests and setup.fill_by_model and requests:
+        # The instances as a daemon's that has served the first requests (``SimSetup.warm_requests``).
+        warm = Simulation(setup, roles, sim.requests[: setup.warm_requests], slo_ttft=slo_ttft, slo_tbt=slo_tbt)
+        warm.run()
+        for instance, warmed in zip(sim.instances, warm.instances):
+            instance.warm_from(warmed)
+    return sim.run()
 
 
 __all__ = ["InstanceLayout", "RequestTiming", "SimRequest", "SimResult", "SimSetup",

@@ -116,11 +116,17 @@ def workers_speed(url: str) -> list[tuple[dict, dict, float]]:
 # built on, and a deployment's simulated goodput moves faster than its speed (the TBT bounds
 # the steps that decode); more rounds cost seconds against minutes of live search.
 ROUNDS_AROUND_RUN = 9
+# Requests sent at a live search's first rate before it and not counted (``BenchConfig.warmup``):
+# the replay's instances start as a serving daemon's (``profile.DEFAULT_WARM_REQUESTS``), and a
+# daemon just started is not one yet (its workers fill their first steps before they have
+# calibrated them: on a machine slower than its latency model, a burst at the start misses
+# its TBT).
+LIVE_WARMUP = 24
 
 
 def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Path,
              observer_for: Callable[[str], object] | None = None,
-             speed_check: Callable[[], dict] | None = None) -> list[dict]:
+             speed_check: Callable[[], dict] | None = None, warmup: int = LIVE_WARMUP) -> list[dict]:
     """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one. Each
     live daemon keeps its request trace under ``log_dir`` (``trace_dir`` in its row).
 
@@ -132,7 +138,9 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
 
     Each deployment is also simulated at the speed its workers measured on their own steps
     during its search (``workers_speed``, read before the daemon stops): the machine as it
-    ran under that load, which an idle check cannot see."""
+    ran under that load, which an idle check cannot see.
+
+    ``warmup`` requests of the trace go to each daemon before its search, not counted."""
     from hydrad.bench import SLO, BenchConfig, GoodputSearch, run_bench
     from hydrad.planner.profile import live_speeds, mean_speeds
 
@@ -159,7 +167,7 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             bench = BenchConfig(url=daemon.url, slo=SLO(profile.slo_ttft, profile.slo_tbt), workload=str(trace_file),
                                 num_requests=profile.planner.num_requests,
                                 search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol),
-                                arrivals=profile.planner.arrivals, seed=config.engine.seed)
+                                arrivals=profile.planner.arrivals, seed=config.engine.seed, warmup=warmup)
             result = run_bench(bench, observer_for(spec) if observer_for else None)
             try:
                 reports = workers_speed(daemon.url)

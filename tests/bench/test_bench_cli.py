@@ -59,7 +59,6 @@ def test_bad_sampling_flags(server_url, args, message):
          "exactly one of --rate, --sweep, --goodput and --concurrency"),
         (["--workload", "text", "--rate", "1", "--concurrency", "4"],
          "exactly one of --rate, --sweep, --goodput and --concurrency"),
-        (["--workload", "text", "--rate", "1", "--warmup", "4"], "--warmup goes with --concurrency"),
         (["--workload", "text", "--sweep", "5:1:1"], "a sweep needs 0 < R1 <= R2"),
         (["--workload", "text", "--sweep", "1-5"], "expected R1:R2:STEP"),
         (["--workload", "nosuch", "--rate", "1"], "unknown workload 'nosuch'"),

@@ -33,7 +33,7 @@ def test_bad_sweeps(args):
         {"image_format": "gif"},
         {"concurrency": 4},
         {"rates": (), "concurrency": 0},
-        {"warmup": 2},
+        {"warmup": -1},
         {"rates": (), "concurrency": 2, "warmup": -1},
         {"rates": (), "concurrency": 2, "trace": "t.jsonl", "arrivals": "trace"},
     ],

@@ -226,6 +226,24 @@ def test_closed_loop_warmup_is_sent_but_not_counted(make_config, write_jsonl, fa
     assert len(fake_requests()) == 7
 
 
+def test_open_loop_warmup_is_sent_first_and_not_counted(make_config, write_jsonl, fake_requests):
+    path = write_jsonl([{"prompt": "ttft=0.01", "output_tokens": 2}])
+    result = run_bench(make_config(workload=str(path), rates=(40.0, 80.0), num_requests=4, warmup=3))
+    assert [run.summary.num_requests for run in result.runs] == [4, 4]
+    assert len(fake_requests()) == 11
+
+
+def test_goodput_search_warms_up_once_before_its_first_rate(make_config, write_jsonl, fake_requests):
+    from hydrad.bench import GoodputSearch
+
+    path = write_jsonl([{"prompt": "ttft=0.01", "output_tokens": 2}])
+    result = run_bench(make_config(workload=str(path), rates=(), num_requests=3, warmup=5,
+                                   search=GoodputSearch(start_rate=50.0, rel_tol=0.5, max_rate=100.0)))
+    counted = sum(run.summary.num_requests for run in result.runs)
+    assert len(result.runs) >= 2 and counted == 3 * len(result.runs)
+    assert len(fake_requests()) == counted + 5
+
+
 def test_closed_loop_for_a_duration(make_config, write_jsonl):
     # 0.2 s requests, 2 in flight, 0.5 s: requests start at 0, 0.2 and 0.4 s on each slot.
     path = write_jsonl([{"prompt": "ttft=0.2", "output_tokens": 1}])

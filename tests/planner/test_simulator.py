@@ -230,6 +230,28 @@ def test_steps_with_decodes_that_run_over_their_prediction_are_filled_to_less_of
     assert (decodes, tokens) == (1, 1 + 138)
 
 
+def test_a_warm_replay_starts_with_the_calibration_its_first_requests_leave():
+    # Steps run at twice the model (bound 150.5 ms). r0 decodes 60 tokens (12 ms predicted,
+    # 24 ms each); r1 (200 tokens) arrives at 0.05 s, after two of them. Cold, the instance
+    # has not calibrated yet: the step with r1's first chunk is filled to 150.5 ms (138
+    # tokens) and runs 301 ms, r0's longest gap. Warm (a warm-up replay of r0 alone: 59
+    # decode steps at 2x), the bound is halved: 63 tokens, 150.5 ms.
+    slo = SLOConfig(ttft=10.0, tbt=0.1505, alpha=0.01505, headroom=0.0)
+    requests = [SimRequest(0.0, 10, 60), SimRequest(0.05, 200, 1)]
+
+    def longest_gap(speed, warm):
+        setup = make_setup(slo=slo, speeds={1: speed}, warm_requests=warm)
+        r0, _ = simulate(setup, ["EPD"], requests, slo_ttft=10.0, slo_tbt=10.0).requests
+        return max(r0.gaps)
+
+    assert longest_gap(2.0, warm=0) == pytest.approx(2 * (0.012 + 0.138))
+    assert longest_gap(2.0, warm=1) == pytest.approx(2 * (0.012 + 0.063))
+    # Steps that run as predicted leave the calibration where it starts.
+    assert longest_gap(1.0, warm=1) == longest_gap(1.0, warm=0) == pytest.approx(0.012 + 0.138)
+    with pytest.raises(ValueError, match="warm_requests"):
+        make_setup(warm_requests=-1)
+
+
 def test_borrowers_on_four_cores_borrow_at_once_and_give_back_while_a_lender_has_work():
     # Four cores, two EP instances that borrow one core each while both D instances are idle
     # (10 + 50 ms for a prefill on two threads, 10 + 100 ms on their own one).
