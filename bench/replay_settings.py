@@ -1,22 +1,27 @@
 """Two settings of the planner's replay against the same live runs, paired.
 
     python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
-        [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N]
-        [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--out FILE.json]
+        [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N] [--a-noise-correlation R]
+        [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--b-noise-correlation R]
+        [--at around-run|profile] [--out FILE.json]
 
 Each RUN.json is the output of ``bench/planner_accuracy.py accuracy``, whose recorded traces
 are still on disk (the run's working folder, beside each deployment's ``trace_dir``). Every
 live round of every deployment in them is replayed twice at the speed measured around it
 (``speed_around_run``, per kind and with its spread where the run stored it, else
 ``--spread``), once with setting A and once with B, and each goodput is compared with that
-round's live goodput. A setting is a ``corun_slowdown`` per kind, whether the bench
+round's live goodput (``--at profile``: each deployment once per setting at the speed its
+profile measured before the live runs, against the mean of its live rounds: the run's
+headline comparison). A setting is a ``corun_slowdown`` per kind, whether the bench
 client's CPU per request (measured while the run recorded its trace) is replayed as a load
 of its own, and the requests of the warm-up replay that calibrates the instances before
-each counted one (``SimSetup.warm_requests``; 0: they start cold). The defaults: A is the
+each counted one (``SimSetup.warm_requests``; 0: they start cold), and the correlation of
+each step's time noise with its instance's previous step's (``SimSetup.noise_correlation``).
+The defaults: A is the
 replay before the serving slowdown (the probes beside a copy of themselves,
-``bench/corun_speed.py``, the client's CPU, cold instances), B is the replay's default now
-(``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load,
-``profile.DEFAULT_WARM_REQUESTS``). Both replays of
+``bench/corun_speed.py``, the client's CPU, cold instances, noise drawn anew each step), B
+is the replay's default now (``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load,
+``profile.DEFAULT_WARM_REQUESTS``, ``profile.DEFAULT_NOISE_CORRELATION``). Both replays of
 a round share everything else (the machine's latency models and copy bandwidth, measured or
 cached here), so the difference between their errors is the settings' alone.
 """
@@ -69,8 +74,15 @@ def main() -> None:
                         help="replay the bench client's CPU as a load of its own in A")
     parser.add_argument("--b-corun", default=None, help="default: the replay's DEFAULT_CORUN_SLOWDOWN")
     parser.add_argument("--a-warm", type=int, default=0, help="warm-up requests of each replay in A")
+    parser.add_argument("--a-noise-correlation", type=float, default=0.0)
     parser.add_argument("--b-client", choices=("yes", "no"), default="no")
     parser.add_argument("--b-warm", type=int, default=None, help="default: the replay's DEFAULT_WARM_REQUESTS")
+    parser.add_argument("--b-noise-correlation", type=float, default=None,
+                        help="default: the replay's DEFAULT_NOISE_CORRELATION")
+    parser.add_argument("--at", choices=("around-run", "profile"), default="around-run",
+                        help="around-run: each live round at the speed measured around it; profile: each "
+                        "deployment at the speed its profile measured (as the run's headline figure), against "
+                        "the mean of its live rounds")
     parser.add_argument("--spread", type=float, default=0.1,
                         help="the speed check's spread for runs that did not store it")
     parser.add_argument("--out")
@@ -78,8 +90,8 @@ def main() -> None:
 
     from hydrad.cluster.deploy import parse_deploy
     from hydrad.engine.profiler import Speed
-    from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, DEFAULT_WARM_REQUESTS, Devices, MachineOptions,
-                                        MachineProbe, at_speeds, machine_setup)
+    from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, DEFAULT_NOISE_CORRELATION, DEFAULT_WARM_REQUESTS,
+                                        Devices, MachineOptions, MachineProbe, at_speeds, machine_setup)
     from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner
     from hydrad.planner.trace import read_trace
     from hydrad.planner.workload import Workload
@@ -87,11 +99,17 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from planner_accuracy import daemon_config
 
-    if min(args.a_warm, DEFAULT_WARM_REQUESTS if args.b_warm is None else args.b_warm) < 0:
-        raise SystemExit("warm-up requests must be >= 0")
-    settings = {"A": (parse_kinds(args.a_corun), args.a_client == "yes", args.a_warm),
-                "B": (parse_kinds(args.b_corun) if args.b_corun else dict(DEFAULT_CORUN_SLOWDOWN),
-                      args.b_client == "yes", DEFAULT_WARM_REQUESTS if args.b_warm is None else args.b_warm)}
+    settings = {
+        "A": {"corun_slowdown": parse_kinds(args.a_corun), "client_cpu": args.a_client == "yes",
+              "warm_requests": args.a_warm, "noise_correlation": args.a_noise_correlation},
+        "B": {"corun_slowdown": parse_kinds(args.b_corun) if args.b_corun else dict(DEFAULT_CORUN_SLOWDOWN),
+              "client_cpu": args.b_client == "yes",
+              "warm_requests": DEFAULT_WARM_REQUESTS if args.b_warm is None else args.b_warm,
+              "noise_correlation": (DEFAULT_NOISE_CORRELATION if args.b_noise_correlation is None
+                                    else args.b_noise_correlation)}}
+    for setting in settings.values():
+        if setting["warm_requests"] < 0 or not 0 <= setting["noise_correlation"] < 1:
+            raise SystemExit("warm-up requests must be >= 0 and a noise correlation in [0, 1)")
     runs = []
     for path in args.runs:
         try:
@@ -101,13 +119,17 @@ def main() -> None:
     first = runs[0][1]["args"]
     devices = Devices.parse(first["devices"])
     config = daemon_config(model_dir(args.model), first["devices"], "auto", first["slo_ttft"], first["slo_tbt"])
-    work = [(name, run, w, dep, r) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
-            for r in dep.get("rounds") or [dep] if r.get("speed_around_run") and r.get("live_goodput_rps")]
+    if args.at == "profile":
+        work = [(name, run, w, dep, dep) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
+                if dep.get("live_goodput_rps")]
+    else:
+        work = [(name, run, w, dep, r) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
+                for r in dep.get("rounds") or [dep] if r.get("speed_around_run") and r.get("live_goodput_rps")]
     rows = []
     with MachineProbe(config.engine, devices) as probe, Progress(console=console) as progress:
         base = machine_setup(config.engine, devices, MachineOptions(check_speed=False), show_progress=False,
                              probe=probe)
-        task = progress.add_task("replaying each live round twice", total=len(work))
+        task = progress.add_task("replaying each live round twice" if args.at == "around-run" else "replaying each deployment twice", total=len(work))
         workloads = {}
         for name, run, w, dep, r in work:
             trace = Path(dep["trace_dir"]).parents[1] / "trace"
@@ -115,15 +137,28 @@ def main() -> None:
                 if not trace.exists():
                     raise SystemExit(f"{name}: the recorded trace {trace} is gone; run the accuracy benchmark again")
                 workloads[trace] = Workload.from_records(read_trace(trace))
-            spreads = r.get("speed_around_run_spread") or {}
-            speeds = {int(n): Speed(f, spreads.get(n, args.spread), r["speed_around_run_by_kind"].get(n, {}))
-                      for n, f in r["speed_around_run"].items()}
+            noise = None
+            if args.at == "profile":
+                # The profile's own speeds, and the spread it replayed with.
+                machine_json = w["profile"]["machine"]
+                speeds = {int(n): Speed(f, args.spread, machine_json.get("speed_by_kind", {}).get(n, {}))
+                          for n, f in machine_json["speed_vs_latency_model"].items()}
+                noise = machine_json["step_noise"]
+            else:
+                spreads = r.get("speed_around_run_spread") or {}
+                speeds = {int(n): Speed(f, spreads.get(n, args.spread), r["speed_around_run_by_kind"].get(n, {}))
+                          for n, f in r["speed_around_run"].items()}
             roles = tuple(sorted(parse_deploy(dep["deploy"]), key=ROLE_ORDER.index))
             row = {"run": name, "workload": w["workload"], "deploy": dep["deploy"], "live_rps": r["live_goodput_rps"]}
-            for label, (corun, client, warm) in settings.items():
-                setup = replace(base, corun_slowdown=corun, warm_requests=warm,
-                                client_seconds=w["client_cpu_seconds_per_request"] if client else 0.0)
-                planner = Planner(at_speeds(setup, speeds), workloads[trace], slo_ttft=run["args"]["slo_ttft"],
+            for label, setting in settings.items():
+                setup = replace(base, corun_slowdown=setting["corun_slowdown"],
+                                warm_requests=setting["warm_requests"],
+                                noise_correlation=setting["noise_correlation"],
+                                client_seconds=w["client_cpu_seconds_per_request"] if setting["client_cpu"] else 0.0)
+                setup = at_speeds(setup, speeds)
+                if noise is not None:
+                    setup = replace(setup, step_noise=noise)
+                planner = Planner(setup, workloads[trace], slo_ttft=run["args"]["slo_ttft"],
                                   slo_tbt=run["args"]["slo_tbt"], num_requests=run["args"]["num_requests"],
                                   seed=config.engine.seed)
                 goodput = planner.bisect(Evaluation(roles, planner.bound(roles)))
@@ -140,14 +175,14 @@ def main() -> None:
     console.print(table)
     summary = {label: summarize([row[f"error_{label}"] for row in rows]) for label in settings} if rows else {}
     for label, s in summary.items():
-        corun, client, warm = settings[label]
-        console.print(f"{label} (corun {corun}, client CPU {'replayed' if client else 'not replayed'}, "
-                      f"{warm} warm-up requests): "
+        setting = settings[label]
+        console.print(f"{label} (corun {setting['corun_slowdown']}, client CPU "
+                      f"{'replayed' if setting['client_cpu'] else 'not replayed'}, {setting['warm_requests']} "
+                      f"warm-up requests, noise correlation {setting['noise_correlation']:g}): "
                       f"mean error {100 * s['mean']:+.1f}%, median {100 * s['median']:+.1f}%, mean absolute "
                       f"{100 * s['mean_abs']:.1f}%, within 15% {s['within_15pct']} of {s['rounds']}", highlight=False)
     write_json(args.out, {"mode": "replay_settings", "machine": machine(), "runs": [name for name, _ in runs],
-                          "settings": {k: {"corun_slowdown": c, "client_cpu": cl, "warm_requests": wr}
-                                       for k, (c, cl, wr) in settings.items()},
+                          "at": args.at, "settings": settings,
                           "rounds": rows, "summary": summary})
 
 

@@ -61,6 +61,12 @@ DEFAULT_CORUN_SLOWDOWN = {"images": 0.14, "prefills": 0.10, "decodes": 0.10}
 # first, ``BenchConfig.warmup``). Enough for the calibration's first updates (every 16
 # steps that carry decodes).
 DEFAULT_WARM_REQUESTS = 32
+# How a step's time noise runs on from the instance's previous step's (``SimSetup.noise_correlation``).
+# Live steps of a `2EPD` at 6.5 req/s here ran slow in stretches (log measured / predicted:
+# lag-one autocorrelation 0.59-0.66, 0.33-0.36 five steps on), but replaying the 72 live
+# rounds of four accuracy runs with 0.6 instead of 0 moved their mean error by 0.1 point
+# (bench/replay_settings.py, bench/RESULTS.md): off by default.
+DEFAULT_NOISE_CORRELATION = 0.0
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,7 @@ class MachineOptions:
     # CPU seconds per request of clients on the same cores (``SimSetup.client_seconds``).
     client_seconds: float = 0.0
     warm_requests: int = DEFAULT_WARM_REQUESTS
+    noise_correlation: float = DEFAULT_NOISE_CORRELATION
 
 
 class MachineProbe:
@@ -225,7 +232,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
             borrow_efficiency=options.borrow_efficiency,
             corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
-            warm_requests=options.warm_requests,
+            warm_requests=options.warm_requests, noise_correlation=options.noise_correlation,
         )
         return at_speeds(setup, speeds)
     finally:

@@ -169,7 +169,8 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         message_seconds=options.message_seconds, step_overhead=options.step_overhead,
         cores=cores if is_cpu else None, threads=share,
         fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
-        borrow_efficiency=options.borrow_efficiency, corun_slowdown=dict(options.corun_slowdown), **extra,
+        borrow_efficiency=options.borrow_efficiency, corun_slowdown=dict(options.corun_slowdown),
+        warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, **extra,
     )
     # The machine as the workers measured it on their own steps: a replay at speed 1 would
     # plan for the machine as it was when the models were fitted.

@@ -135,6 +135,11 @@ class SimSetup:
     # (s the standard deviation of log(measured / predicted); 0: steps take exactly their
     # time). Queues grow with it: a slow step lets requests gather for the next.
     step_noise: float = 0.0
+    # How that spread runs in time: each step's log factor is this times the same instance's
+    # previous step's plus the rest drawn anew (an AR(1) process with the spread of
+    # ``step_noise``). 0: every step draws anew. Live steps run slow in stretches (the
+    # machine's other tenants, the daemon's own bursts): stretches let requests gather.
+    noise_correlation: float = 0.0
     # A borrower's speed on borrowed threads (while its lenders are idle) as a share of its
     # model's at that count: the lenders' steps start again within a borrowed operation and
     # share the lent core with it, and the instances share caches and memory bandwidth
@@ -173,6 +178,8 @@ class SimSetup:
             raise ValueError(f"warm_requests must be >= 0, got {self.warm_requests}")
         if not 0.0 <= self.step_noise < 2.0:
             raise ValueError(f"step_noise must be in [0, 2), got {self.step_noise}")
+        if not 0.0 <= self.noise_correlation < 1.0:
+            raise ValueError(f"noise_correlation must be in [0, 1), got {self.noise_correlation}")
 
     def speed(self, threads: int) -> float:
         """The factor at ``threads`` (at the nearest count measured)."""
@@ -300,6 +307,7 @@ class SimInstance:
         self.pulled: list[Pulled] = []
         self.busy = 0.0
         self.num_steps = 0
+        self.log_noise = 0.0  # its last step's log time factor (``SimSetup.noise_correlation``)
         self.messages_on_the_way = 0  # sent by the daemon, not yet delivered
 
     def warm_from(self, other: SimInstance) -> None:
@@ -424,7 +432,7 @@ class SimInstance:
             shape = step_shape(out, self.scheduler)
             seconds = self.run_models[self.step_threads].step_seconds(shape)
         overhead = setup.step_overhead
-        noise = sim.step_noise()
+        noise = sim.step_noise(self)
         alone = {self.step_threads: seconds * noise + overhead}
         if t.borrow:
             # It follows its lenders within the step: its time alone at the other count too.
@@ -567,9 +575,16 @@ class Simulation:
         self._processor_next = 0
         self._noise = random.Random(0) if setup.step_noise > 0 else None  # the same draws every replay
 
-    def step_noise(self) -> float:
-        """The factor of the next step's time (``SimSetup.step_noise``)."""
-        return math.exp(self._noise.gauss(0.0, self.setup.step_noise)) if self._noise is not None else 1.0
+    def step_noise(self, instance: SimInstance) -> float:
+        """The factor of ``instance``'s next step's time (``SimSetup.step_noise``,
+        ``SimSetup.noise_correlation``)."""
+        if self._noise is None:
+            return 1.0
+        rho = self.setup.noise_correlation
+        draw = self._noise.gauss(0.0, self.setup.step_noise)
+        if rho:
+            draw = instance.log_noise = rho * instance.log_noise + math.sqrt(1.0 - rho * rho) * draw
+        return math.exp(draw)
 
     # -- the clock --------------------------------------------------------------------------------
     def at(self, time: float, kind: int, target, payload) -> None:

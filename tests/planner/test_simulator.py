@@ -326,6 +326,26 @@ def test_step_noise_spreads_step_times_around_the_model_the_same_way_every_repla
     assert all(r.ttft == pytest.approx(0.11) for r in run(make_setup(), ["EPD"], reqs).requests)
 
 
+def test_correlated_step_noise_keeps_its_spread_and_runs_in_stretches():
+    # The same prefills one at a time, 400 of them: each step's log factor is 0.8 times the
+    # previous one's plus a fresh draw, so consecutive steps are alike (lag-one correlation
+    # near 0.8, not 0), and the spread of all of them stays 0.2.
+    def logs(correlation):
+        reqs = [SimRequest(float(i), 100, 1) for i in range(400)]
+        setup = make_setup(step_noise=0.2, noise_correlation=correlation)
+        return [math.log(r.ttft / 0.11) for r in run(setup, ["EPD"], reqs).requests]
+
+    def lag_one(x):
+        mean, var = statistics.fmean(x), statistics.pvariance(x)
+        return statistics.fmean((a - mean) * (b - mean) for a, b in zip(x, x[1:])) / var
+
+    fresh, stretched = logs(0.0), logs(0.8)
+    assert abs(lag_one(fresh)) < 0.15 and 0.65 < lag_one(stretched) < 0.9
+    assert 0.15 < statistics.pstdev(fresh) < 0.25 and 0.13 < statistics.pstdev(stretched) < 0.27
+    with pytest.raises(ValueError, match="noise_correlation"):
+        make_setup(noise_correlation=1.0)
+
+
 def test_the_request_processor_takes_its_cpu_from_the_instances_steps():
     # One instance of two threads on two cores. r0 (ready at 10 ms) prefills 100 tokens, 110 ms
     # alone; the processor prepares r1 from 20 to 70 ms meanwhile, on one of the two cores: the
