@@ -112,3 +112,18 @@ def test_the_validation_daemons_config_reads_back_as_written(tmp_path):
     out = tmp_path / "out.toml"
     out.write_text(config_toml(config))
     assert load_config(out) == config
+
+
+def test_the_processor_service_time_is_the_median_traced_time_per_image_count():
+    from hydrad.planner.workload import Workload
+
+    # Text-only requests took 2-10 ms, one-image ones 10-50 ms (larger images, and a few
+    # that waited for the processor): each replayed request takes its count's median.
+    times = {0: [0.002, 0.004, 0.006, 0.008, 0.010], 1: [0.010, 0.020, 0.030, 0.040, 0.050]}
+    records = [make_record(model="m", deploy="1EP+1D", template_tokens=12,
+                           **facts(10 * n + i, preprocess=t, images=[(640, 480, 256, 5)] * n,
+                                   prompt_tokens=300 if n else 44))
+               for n, ts in times.items() for i, t in enumerate(ts)]
+    workload = Workload.from_records(records)
+    by_images = {len(s.images): s.preprocess for s in workload.shapes}
+    assert by_images == {0: 0.006, 1: 0.030}
