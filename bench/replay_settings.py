@@ -59,6 +59,17 @@ def parse_kinds(text: str) -> dict[str, float]:
     return out
 
 
+def make_setting(corun: str | None, client: str, warm: int, noise_correlation: float, defaults: dict) -> dict:
+    """One replay setting from its command-line values; ``corun`` None: ``defaults``'
+    corun_slowdown. A usage error names the bad value."""
+    if warm < 0:
+        raise SystemExit(f"warm-up requests must be >= 0, got {warm}")
+    if not 0 <= noise_correlation < 1:
+        raise SystemExit(f"a noise correlation must be in [0, 1), got {noise_correlation}")
+    return {"corun_slowdown": parse_kinds(corun) if corun is not None else dict(defaults["corun_slowdown"]),
+            "client_cpu": client == "yes", "warm_requests": warm, "noise_correlation": noise_correlation}
+
+
 def summarize(errors: list[float]) -> dict:
     """Relative errors (simulated - live) / live of many rounds, summed up."""
     return {"rounds": len(errors), "mean": statistics.mean(errors), "median": statistics.median(errors),
@@ -72,13 +83,12 @@ def main() -> None:
     parser.add_argument("--a-corun", default=OLD_CORUN)
     parser.add_argument("--a-client", choices=("yes", "no"), default="yes",
                         help="replay the bench client's CPU as a load of its own in A")
-    parser.add_argument("--b-corun", default=None, help="default: the replay's DEFAULT_CORUN_SLOWDOWN")
     parser.add_argument("--a-warm", type=int, default=0, help="warm-up requests of each replay in A")
     parser.add_argument("--a-noise-correlation", type=float, default=0.0)
+    parser.add_argument("--b-corun", help="default: the replay's DEFAULT_CORUN_SLOWDOWN")
     parser.add_argument("--b-client", choices=("yes", "no"), default="no")
-    parser.add_argument("--b-warm", type=int, default=None, help="default: the replay's DEFAULT_WARM_REQUESTS")
-    parser.add_argument("--b-noise-correlation", type=float, default=None,
-                        help="default: the replay's DEFAULT_NOISE_CORRELATION")
+    parser.add_argument("--b-warm", type=int, help="default: the replay's DEFAULT_WARM_REQUESTS")
+    parser.add_argument("--b-noise-correlation", type=float, help="default: the replay's DEFAULT_NOISE_CORRELATION")
     parser.add_argument("--at", choices=("around-run", "profile"), default="around-run",
                         help="around-run: each live round at the speed measured around it; profile: each "
                         "deployment at the speed its profile measured (as the run's headline figure), against "
@@ -99,17 +109,14 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from planner_accuracy import daemon_config
 
+    defaults = {"corun_slowdown": DEFAULT_CORUN_SLOWDOWN, "warm_requests": DEFAULT_WARM_REQUESTS,
+                "noise_correlation": DEFAULT_NOISE_CORRELATION}
     settings = {
-        "A": {"corun_slowdown": parse_kinds(args.a_corun), "client_cpu": args.a_client == "yes",
-              "warm_requests": args.a_warm, "noise_correlation": args.a_noise_correlation},
-        "B": {"corun_slowdown": parse_kinds(args.b_corun) if args.b_corun else dict(DEFAULT_CORUN_SLOWDOWN),
-              "client_cpu": args.b_client == "yes",
-              "warm_requests": DEFAULT_WARM_REQUESTS if args.b_warm is None else args.b_warm,
-              "noise_correlation": (DEFAULT_NOISE_CORRELATION if args.b_noise_correlation is None
-                                    else args.b_noise_correlation)}}
-    for setting in settings.values():
-        if setting["warm_requests"] < 0 or not 0 <= setting["noise_correlation"] < 1:
-            raise SystemExit("warm-up requests must be >= 0 and a noise correlation in [0, 1)")
+        "A": make_setting(args.a_corun, args.a_client, args.a_warm, args.a_noise_correlation, defaults),
+        "B": make_setting(args.b_corun, args.b_client,
+                          defaults["warm_requests"] if args.b_warm is None else args.b_warm,
+                          defaults["noise_correlation"] if args.b_noise_correlation is None
+                          else args.b_noise_correlation, defaults)}
     runs = []
     for path in args.runs:
         try:
@@ -129,7 +136,8 @@ def main() -> None:
     with MachineProbe(config.engine, devices) as probe, Progress(console=console) as progress:
         base = machine_setup(config.engine, devices, MachineOptions(check_speed=False), show_progress=False,
                              probe=probe)
-        task = progress.add_task("replaying each live round twice" if args.at == "around-run" else "replaying each deployment twice", total=len(work))
+        what = "live round" if args.at == "around-run" else "deployment"
+        task = progress.add_task(f"replaying each {what} twice", total=len(work))
         workloads = {}
         for name, run, w, dep, r in work:
             trace = Path(dep["trace_dir"]).parents[1] / "trace"
@@ -139,7 +147,8 @@ def main() -> None:
                 workloads[trace] = Workload.from_records(read_trace(trace))
             noise = None
             if args.at == "profile":
-                # The profile's own speeds, and the spread it replayed with.
+                # The profile's own speeds, and the step noise it replayed with (which
+                # replaces the one at_speeds derives from the spread below).
                 machine_json = w["profile"]["machine"]
                 speeds = {int(n): Speed(f, args.spread, machine_json.get("speed_by_kind", {}).get(n, {}))
                           for n, f in machine_json["speed_vs_latency_model"].items()}

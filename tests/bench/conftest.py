@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -11,6 +12,18 @@ import pytest
 from hydrad.bench import SLO, BenchConfig
 
 FAKE_SERVER = Path(__file__).with_name("fake_server.py")
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench_script():
+    """Imports a script of ``bench/`` by module name (``bench/`` is on ``sys.path`` while the
+    test module runs, as it is for the script itself)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module
+    finally:
+        sys.path.remove(str(BENCH))
 
 
 @pytest.fixture(scope="session")

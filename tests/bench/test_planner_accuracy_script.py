@@ -3,23 +3,14 @@ Mooncake trace's ticks are spread. The live parts are the benchmark itself."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def script():
-    sys.path.insert(0, str(BENCH))
-    try:
-        yield importlib.import_module("planner_accuracy")
-    finally:
-        sys.path.remove(str(BENCH))
+def script(bench_script):
+    return bench_script("planner_accuracy")
 
 
 def _row(live, sim=4.0, run_speed=None, live_speed=None, interrupted=False):

@@ -94,6 +94,8 @@ def test_validate_simulates_each_deployment_again_at_the_speed_around_its_run(mo
     def fake_bench(config, observer=None):
         spec = _FakeDaemon.started[-1]
         calls.append(("bench", spec))
+        # Each daemon is warmed up before its search (the replay starts warm too).
+        assert config.warmup == validate_module.LIVE_WARMUP > 0 and config.search is not None
         run = SimpleNamespace(rate=live[spec], summary=SimpleNamespace(attainment=0.95))
         return SimpleNamespace(goodput_total=live[spec], runs=[run], interrupted=False,
                                client_cpu_per_request=0.01 * live[spec])
