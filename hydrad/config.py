@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from hydrad.errors import ConfigError
 
 _DTYPES = ("float32", "bfloat16", "float16", "auto")
+# hydrad.models.attention.BACKENDS, and "auto"
+_ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -21,10 +23,16 @@ class ModelConfig:
     dtype: str = "auto"
     # Cap on prompt + output tokens; None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
+    # The language model's paged attention: "sdpa", "flash_attn" (CUDA, float16 or bfloat16),
+    # or "auto": flash-attn where it can run and is installed, else SDPA.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ConfigError(f"model.attention_backend must be one of {', '.join(_ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"model.max_model_len must be >= 2, got {self.max_model_len}")
 

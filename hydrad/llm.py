@@ -70,6 +70,7 @@ class LLM:
         devices: str = "cpu:1",
         dtype: str = "auto",
         max_model_len: int | None = None,
+        attention_backend: str = "auto",
         kv_block_size: int | None = None,
         num_kv_blocks: int | None = None,
         kv_cache_memory_mb: int = 512,
@@ -96,7 +97,8 @@ class LLM:
         instances = plan_instances(deploy, devices, num_cuda)
         model_path = resolve_model_path(model)
         self.config = EngineConfig(
-            model=ModelConfig(path=str(model_path), dtype=dtype, max_model_len=max_model_len),
+            model=ModelConfig(path=str(model_path), dtype=dtype, max_model_len=max_model_len,
+                              attention_backend=attention_backend),
             cache=CacheConfig(
                 kv_block_size=kv_block_size,
                 num_kv_blocks=num_kv_blocks,

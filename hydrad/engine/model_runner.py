@@ -180,7 +180,7 @@ class ModelRunner:
         seq_lens = np.array(starts, dtype=np.int64) + query_lens_np
         max_num_blocks = -(-int(seq_lens.max()) // self.kv_block_size)
         meta = AttentionMetadata.build(query_lens_np, seq_lens, batch.block_table[rows_np, :max_num_blocks],
-                                       self.kv_block_size, device)
+                                       self.kv_block_size, device, mask_dtype=self.dtype)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if mm_dst:

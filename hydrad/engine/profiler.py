@@ -401,6 +401,7 @@ def cache_key(engine, parts: str | None = None) -> dict:
         "dual_streams": engine.streams.enabled,
         "packed_linear": packing_supported(engine.device, engine.dtype),
         "kv_block_size": engine.kv_manager.block_size if engine.kv_manager is not None else 16,
+        "attention_backend": engine.attention_backend,
     }
 
 

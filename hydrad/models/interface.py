@@ -104,7 +104,7 @@ class VisionLanguageModel(nn.Module):
                 built += VISION_PARTS
             if language and not self.has_language:
                 text_config = self.hf_config.text_config
-                backend = attn_backend or get_attn_backend(self.device)
+                backend = attn_backend or get_attn_backend(self.device, dtype=self.dtype)
                 self.language_model = LlamaModel(text_config, backend, self.dtype)
                 if not self.tie_word_embeddings:
                     self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False,

@@ -52,7 +52,7 @@ def make_paged_batch(block_size, num_heads, num_kv_heads, dtype, seed=0, seqs=SE
         new_k.append(k[seq_len - query_len :])
         new_v.append(v[seq_len - query_len :])
     meta = AttentionMetadata.build(
-        [q for q, _ in seqs], [s for _, s in seqs], block_tables, block_size, torch.device("cpu")
+        [q for q, _ in seqs], [s for _, s in seqs], block_tables, block_size, torch.device("cpu"), mask_dtype=dtype
     )
     return kv_cache, meta, contexts, torch.cat(new_q), torch.cat(new_k), torch.cat(new_v)
 
@@ -81,6 +81,31 @@ def test_sdpa_paged_matches_dense_causal(block_size, num_heads, num_kv_heads, dt
         slots = table[positions // block_size].long() * block_size + positions % block_size
         cached = kv_cache.flatten(1, 2)[:, slots]
         assert torch.equal(cached[0], ctx_k) and torch.equal(cached[1], ctx_v)
+
+
+def test_masks_take_the_models_dtype(tiny_llava_dir, monkeypatch):
+    """Every mask SDPA is handed is in the queries' dtype: torch's cuDNN kernel (the default on
+    Hopper GPUs) reads a float32 mask beside bfloat16 or float16 queries as if it were in their
+    dtype, without a word, and every masked call (prefill chunks after cached context, decodes)
+    came out wrong there. The engine builds them so, in its model's dtype."""
+    import hydrad.models.attention.sdpa as sdpa
+    from hydrad import LLM, SamplingParams
+
+    seen = []
+    attend = sdpa.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        if attn_mask is not None:
+            seen.append((q.dtype, attn_mask.dtype))
+        return attend(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", spy)
+    llm = LLM(str(tiny_llava_dir), dtype="bfloat16", token_budget=8)
+    llm.generate(["a prompt of more than eight tokens, chunked"], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert seen and all(mask == q == torch.bfloat16 for q, mask in seen), set(seen)
+    meta = AttentionMetadata.build([1, 3], [3, 4], [[0, 1], [2, 3]], 2, torch.device("cpu"), mask_dtype=torch.float16)
+    assert {c.mask.dtype for c in meta.prefill_chunks} == {meta.decode_batch.mask.dtype} == {torch.float16}
+    assert meta.decode_batch.mask.isneginf().any() and (meta.decode_batch.mask == 0).any()
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -213,3 +238,30 @@ def test_backend_registry():
         get_attn_backend("cpu", "flash_attn")
     with pytest.raises(ConfigError, match="unknown attention backend"):
         get_attn_backend("cpu", "xformers")
+
+
+def test_auto_takes_flash_attn_only_where_its_kernels_run(monkeypatch):
+    """"auto" picks flash-attn on CUDA in float16 or bfloat16 when it is installed; float32,
+    a CPU, or no flash-attn take SDPA. Asked for by name, flash-attn refuses float32 in one line."""
+    import importlib.util
+
+    from hydrad.config import _ATTENTION_BACKENDS, ModelConfig
+    from hydrad.models.attention import BACKENDS, backend_name
+    from hydrad.models.attention.flash_attn import FlashAttnBackend
+
+    assert _ATTENTION_BACKENDS == ("auto", *BACKENDS)
+    with pytest.raises(ConfigError, match="model.attention_backend"):
+        ModelConfig(attention_backend="xformers")
+    find_spec = importlib.util.find_spec
+    installed = {"flash_attn": True}
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if installed.get(name) else find_spec(name, *a))
+    assert backend_name("cuda:0", "auto", torch.bfloat16) == "flash_attn"
+    assert backend_name("cuda:0", None, torch.float16) == "flash_attn"
+    assert backend_name("cuda:0", "auto", torch.float32) == "sdpa"
+    assert backend_name("cpu", "auto", torch.bfloat16) == "sdpa"
+    assert backend_name("cuda:0", "sdpa", torch.bfloat16) == "sdpa"
+    installed["flash_attn"] = False
+    assert backend_name("cuda:0", "auto", torch.bfloat16) == "sdpa"
+    with pytest.raises(ConfigError, match="float16 or bfloat16, got float32"):
+        FlashAttnBackend(torch.device("cuda:0"), torch.float32)

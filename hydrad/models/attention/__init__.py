@@ -8,7 +8,8 @@ last dimension is contiguous) and one layer's cache
 causally over its whole paged context (query j of a sequence with query length q and
 context length s sees keys 0 ... s - q + j). ``check_block_size(block_size)`` raises
 ``ConfigError`` when the backend cannot use KV blocks of that size; ``default_block_size`` is
-the KV block size an unconfigured cache takes.
+the KV block size an unconfigured cache takes. A backend is built for one device and one
+dtype (flash-attn's kernels take float16 and bfloat16 only).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.errors import ConfigError
 
-__all__ = ["AttentionMetadata", "get_attn_backend", "BACKENDS", "SDPA_BLOCK_SIZE"]
+__all__ = ["AttentionMetadata", "backend_name", "get_attn_backend", "BACKENDS", "FLASH_ATTN_DTYPES", "SDPA_BLOCK_SIZE"]
 
 # The SDPA backend's default KV block size (any size works for it).
 SDPA_BLOCK_SIZE = 16
@@ -33,13 +34,24 @@ BACKENDS = {
 }
 
 
-def get_attn_backend(device: torch.device | str, name: str | None = None):
-    """The backend ``name`` for ``device``; by default flash-attn on CUDA when installed, else SDPA."""
-    device = torch.device(device)
-    if name is None:
-        cuda_flash = device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+# The dtypes flash-attn's kernels take.
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def backend_name(device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None) -> str:
+    """The backend ``name`` resolves to for ``device`` and ``dtype`` (the model's). ``None`` or
+    ``"auto"``: flash-attn on CUDA in float16 or bfloat16 when it is installed, else SDPA."""
+    if name in (None, "auto"):
+        cuda_flash = (torch.device(device).type == "cuda" and dtype in FLASH_ATTN_DTYPES
+                      and importlib.util.find_spec("flash_attn") is not None)
         name = "flash_attn" if cuda_flash else "sdpa"
     if name not in BACKENDS:
-        raise ConfigError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    module, cls = BACKENDS[name]
-    return getattr(importlib.import_module(module), cls)(device)
+        raise ConfigError(f"unknown attention backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    return name
+
+
+def get_attn_backend(device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None):
+    """The backend ``name`` (``backend_name``) built for ``device`` and ``dtype``."""
+    device = torch.device(device)
+    module, cls = BACKENDS[backend_name(device, name, dtype)]
+    return getattr(importlib.import_module(module), cls)(device, dtype)

@@ -5,13 +5,16 @@ and values straight from the paged cache through ``block_table`` and aligns the 
 mask bottom-right, so a chunk's queries see the context cached before them. The cache
 write is the same slot-mapped copy as in the SDPA backend.
 
-This backend has not been run on a GPU yet; the SDPA backend is the tested reference.
+It takes float16 and bfloat16 only; "auto" picks it on CUDA in those dtypes when flash-attn
+is installed. The SDPA backend is the tested reference: tests/cuda/test_flash_attn.py compares
+the two on a GPU (the README says what of it has run).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hydrad.models.attention import FLASH_ATTN_DTYPES
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.models.attention.sdpa import write_kv_cache
 from hydrad.errors import ConfigError
@@ -24,9 +27,14 @@ class FlashAttnBackend:
     name = "flash_attn"
     default_block_size = _PAGE_SIZE_MULTIPLE
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, dtype: torch.dtype | None = None):
         if device.type != "cuda":
             raise ConfigError(f"attention backend 'flash_attn' needs a CUDA device, got {device}; use 'sdpa'")
+        if dtype is not None and dtype not in FLASH_ATTN_DTYPES:
+            raise ConfigError(
+                f"attention backend 'flash_attn' needs model.dtype float16 or bfloat16, got "
+                f"{str(dtype).removeprefix('torch.')}; change it or use 'sdpa'"
+            )
         try:
             from flash_attn import flash_attn_varlen_func
         except ImportError as e:

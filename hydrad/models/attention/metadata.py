@@ -17,7 +17,7 @@ class PrefillChunk:
     # [num_blocks] int64, the sequence's KV blocks in order; None when the chunk is the whole
     # context (nothing cached before it), so it attends over its own keys only
     block_ids: torch.Tensor | None
-    # [query_len, seq_len] additive fp32 mask: query j sees keys 0 ... seq_len - query_len + j;
+    # [query_len, seq_len] additive mask (``mask_dtype``): query j sees keys 0 ... seq_len - query_len + j;
     # None when block_ids is None
     mask: torch.Tensor | None
 
@@ -29,7 +29,8 @@ class DecodeBatch:
     token_ids: torch.Tensor  # [num_decodes] int64, their rows of the flattened batch
     # [num_decodes, max_num_blocks] int64, each sequence's KV blocks, padded with block 0
     block_ids: torch.Tensor
-    # [num_decodes, 1, 1, max_num_blocks * block_size] additive fp32 mask, -inf past each sequence's length
+    # [num_decodes, 1, 1, max_num_blocks * block_size] additive mask (``mask_dtype``), -inf past each
+    # sequence's length
     mask: torch.Tensor
 
 
@@ -58,6 +59,10 @@ class AttentionMetadata:
     block_size: int
     # [B, max_num_blocks] int64 on the host: the block tables the gather indices are built from
     block_tables_cpu: torch.Tensor
+    # The dtype of the additive masks: the queries'. torch's cuDNN attention (the default SDPA
+    # kernel on Hopper GPUs) reads a float32 mask beside float16 or bfloat16 queries as if it
+    # were in their dtype, silently: its NaNs and shifted -infs made every masked call wrong.
+    mask_dtype: torch.dtype = torch.float32
 
     @classmethod
     def build(
@@ -67,9 +72,11 @@ class AttentionMetadata:
         block_tables,
         block_size: int,
         device: torch.device,
+        mask_dtype: torch.dtype = torch.float32,
     ) -> AttentionMetadata:
         """``query_lens``, ``seq_lens``: one per sequence; ``block_tables``: [B, max_num_blocks]
-        (a 2-d array padded with any block id, or a list of block-id lists)."""
+        (a 2-d array padded with any block id, or a list of block-id lists); ``mask_dtype``:
+        the model's dtype."""
         query_lens = np.asarray(query_lens, dtype=np.int64)
         seq_lens = np.asarray(seq_lens, dtype=np.int64)
         if isinstance(block_tables, np.ndarray):
@@ -114,6 +121,7 @@ class AttentionMetadata:
             max_seq_len=int(seq_lens.max(initial=0)),
             block_size=block_size,
             block_tables_cpu=table_t,
+            mask_dtype=mask_dtype,
         )
 
     @property
@@ -144,7 +152,7 @@ class AttentionMetadata:
                 else:
                     block_ids = self.block_tables_cpu[b, : -(-seq_len // self.block_size)].to(self.device)
                     visible = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
-                    chunks.append(PrefillChunk(tokens, block_ids, _additive_mask(visible, self.device)))
+                    chunks.append(PrefillChunk(tokens, block_ids, _additive_mask(visible, self.device, self.mask_dtype)))
             start += query_len
         return chunks
 
@@ -195,15 +203,17 @@ class AttentionMetadata:
             groups.append(DecodeBatch(
                 token_ids=torch.from_numpy(token_ids[rows]).to(device),
                 block_ids=self.block_tables_cpu[torch.from_numpy(seq_ids[rows]), :max_num_blocks].to(device),
-                mask=_additive_mask(visible[:, None, None, :], device),
+                mask=_additive_mask(visible[:, None, None, :], device, self.mask_dtype),
             ))
         return tuple(groups)
 
 
-_ZERO, _NEG_INF = torch.tensor(0.0), torch.tensor(float("-inf"))
+_ZERO, _NEG_INF = torch.tensor(0.0), torch.tensor(float("-inf"))  # float32
 
 
-def _additive_mask(visible: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _additive_mask(visible: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # SDPA would turn a boolean mask into this one in every layer; every row has a visible key.
     # One pass over the mask (zeros then a masked fill is two, and a third for the negation).
-    return torch.where(visible, _ZERO, _NEG_INF).to(device)
+    if dtype == torch.float32:
+        return torch.where(visible, _ZERO, _NEG_INF).to(device)
+    return torch.where(visible, _ZERO.to(dtype), _NEG_INF.to(dtype)).to(device)

@@ -57,7 +57,7 @@ class SdpaBackend:
     name = "sdpa"
     default_block_size = SDPA_BLOCK_SIZE
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, dtype: torch.dtype | None = None):
         self.device = device
         # The decode gather's buffer on a CPU (``CPU_GATHER_BYTES``); the CUDA allocator
         # keeps freed blocks for reuse by itself.
