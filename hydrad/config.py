@@ -23,8 +23,9 @@ class ModelConfig:
     dtype: str = "auto"
     # Cap on prompt + output tokens; None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None
-    # The language model's paged attention: "sdpa", "flash_attn" (CUDA, float16 or bfloat16),
-    # or "auto": flash-attn where it can run and is installed, else SDPA.
+    # The language model's paged attention: "sdpa", "flash_attn" (CUDA, float16 or bfloat16,
+    # KV blocks of a multiple of 256 tokens), or "auto": flash-attn where it can run and is
+    # installed, else SDPA.
     attention_backend: str = "auto"
 
     def __post_init__(self) -> None:

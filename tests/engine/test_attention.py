@@ -242,7 +242,7 @@ def test_backend_registry():
 
 def test_auto_takes_flash_attn_only_where_its_kernels_run(monkeypatch):
     """"auto" picks flash-attn on CUDA in float16 or bfloat16 when it is installed; float32,
-    a CPU, or no flash-attn take SDPA. Asked for by name, flash-attn refuses float32 in one line."""
+    a CPU, a configured KV block size it cannot page, or no flash-attn take SDPA. Asked for by name, flash-attn refuses float32 in one line."""
     import importlib.util
 
     from hydrad.config import _ATTENTION_BACKENDS, ModelConfig
@@ -261,6 +261,9 @@ def test_auto_takes_flash_attn_only_where_its_kernels_run(monkeypatch):
     assert backend_name("cuda:0", "auto", torch.float32) == "sdpa"
     assert backend_name("cpu", "auto", torch.bfloat16) == "sdpa"
     assert backend_name("cuda:0", "sdpa", torch.bfloat16) == "sdpa"
+    # a configured block size flash-attn cannot page: "auto" keeps SDPA; 512 suits both
+    assert backend_name("cuda:0", "auto", torch.bfloat16, block_size=16) == "sdpa"
+    assert backend_name("cuda:0", "auto", torch.bfloat16, block_size=512) == "flash_attn"
     installed["flash_attn"] = False
     assert backend_name("cuda:0", "auto", torch.bfloat16) == "sdpa"
     with pytest.raises(ConfigError, match="float16 or bfloat16, got float32"):

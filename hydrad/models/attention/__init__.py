@@ -22,7 +22,7 @@ import torch
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.errors import ConfigError
 
-__all__ = ["AttentionMetadata", "backend_name", "get_attn_backend", "BACKENDS", "FLASH_ATTN_DTYPES", "SDPA_BLOCK_SIZE"]
+__all__ = ["AttentionMetadata", "backend_name", "get_attn_backend", "BACKENDS", "FLASH_ATTN_BLOCK_MULTIPLE", "FLASH_ATTN_DTYPES", "SDPA_BLOCK_SIZE"]
 
 # The SDPA backend's default KV block size (any size works for it).
 SDPA_BLOCK_SIZE = 16
@@ -34,15 +34,19 @@ BACKENDS = {
 }
 
 
-# The dtypes flash-attn's kernels take.
+# The dtypes flash-attn's kernels take, and the multiple of its paged kernels' block size.
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_ATTN_BLOCK_MULTIPLE = 256
 
 
-def backend_name(device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None) -> str:
-    """The backend ``name`` resolves to for ``device`` and ``dtype`` (the model's). ``None`` or
-    ``"auto"``: flash-attn on CUDA in float16 or bfloat16 when it is installed, else SDPA."""
+def backend_name(device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None,
+                 block_size: int | None = None) -> str:
+    """The backend ``name`` resolves to for ``device``, ``dtype`` (the model's) and the
+    configured KV block size (None: unset). ``None`` or ``"auto"``: flash-attn on CUDA in
+    float16 or bfloat16 when it is installed and the block size suits it, else SDPA."""
     if name in (None, "auto"):
         cuda_flash = (torch.device(device).type == "cuda" and dtype in FLASH_ATTN_DTYPES
+                      and (block_size is None or block_size % FLASH_ATTN_BLOCK_MULTIPLE == 0)
                       and importlib.util.find_spec("flash_attn") is not None)
         name = "flash_attn" if cuda_flash else "sdpa"
     if name not in BACKENDS:
@@ -50,8 +54,9 @@ def backend_name(device: torch.device | str, name: str | None = None, dtype: tor
     return name
 
 
-def get_attn_backend(device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None):
+def get_attn_backend(device: torch.device | str, name: str | None = None, dtype: torch.dtype | None = None,
+                     block_size: int | None = None):
     """The backend ``name`` (``backend_name``) built for ``device`` and ``dtype``."""
     device = torch.device(device)
-    module, cls = BACKENDS[backend_name(device, name, dtype)]
+    module, cls = BACKENDS[backend_name(device, name, dtype, block_size)]
     return getattr(importlib.import_module(module), cls)(device, dtype)

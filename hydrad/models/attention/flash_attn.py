@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from hydrad.models.attention import FLASH_ATTN_DTYPES
+from hydrad.models.attention import FLASH_ATTN_BLOCK_MULTIPLE, FLASH_ATTN_DTYPES
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.models.attention.sdpa import write_kv_cache
 from hydrad.errors import ConfigError
 
 # flash-attn 2's paged kernels take pages (KV-cache blocks) of a multiple of this many tokens.
-_PAGE_SIZE_MULTIPLE = 256
+_PAGE_SIZE_MULTIPLE = FLASH_ATTN_BLOCK_MULTIPLE
 
 
 class FlashAttnBackend:
