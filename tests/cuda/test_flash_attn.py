@@ -66,7 +66,7 @@ def test_kernel_matches_sdpa(batch, dtype, num_heads, num_kv_heads, head_dim):
     # q, k, v: views into one fused projection, as the model hands them over
     qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(device, dtype)
     q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q, k, v = q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, -1, head_dim), v.view(num_tokens, -1, head_dim)
+    q, k, v = (x.view(num_tokens, -1, head_dim) for x in (q, k, v))
     scale = head_dim ** -0.5
 
     flash, sdpa = get_attn_backend(device, "flash_attn", dtype), get_attn_backend(device, "sdpa", dtype)

@@ -242,7 +242,8 @@ def test_backend_registry():
 
 def test_auto_takes_flash_attn_only_where_its_kernels_run(monkeypatch):
     """"auto" picks flash-attn on CUDA in float16 or bfloat16 when it is installed; float32,
-    a CPU, a configured KV block size it cannot page, or no flash-attn take SDPA. Asked for by name, flash-attn refuses float32 in one line."""
+    a CPU, a configured KV block size it cannot page, or no flash-attn take SDPA. Asked for
+    by name, flash-attn refuses float32 in one line."""
     import importlib.util
 
     from hydrad.config import _ATTENTION_BACKENDS, ModelConfig

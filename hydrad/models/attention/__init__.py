@@ -22,7 +22,8 @@ import torch
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.errors import ConfigError
 
-__all__ = ["AttentionMetadata", "backend_name", "get_attn_backend", "BACKENDS", "FLASH_ATTN_BLOCK_MULTIPLE", "FLASH_ATTN_DTYPES", "SDPA_BLOCK_SIZE"]
+__all__ = ["AttentionMetadata", "backend_name", "get_attn_backend", "BACKENDS", "FLASH_ATTN_BLOCK_MULTIPLE",
+           "FLASH_ATTN_DTYPES", "SDPA_BLOCK_SIZE"]
 
 # The SDPA backend's default KV block size (any size works for it).
 SDPA_BLOCK_SIZE = 16
@@ -34,7 +35,8 @@ BACKENDS = {
 }
 
 
-# The dtypes flash-attn's kernels take, and the multiple of its paged kernels' block size.
+# The dtypes flash-attn's kernels take, and the multiple of tokens its paged kernels' blocks
+# (pages) must hold.
 FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_ATTN_BLOCK_MULTIPLE = 256
 

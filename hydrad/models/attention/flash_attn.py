@@ -19,13 +19,11 @@ from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.models.attention.sdpa import write_kv_cache
 from hydrad.errors import ConfigError
 
-# flash-attn 2's paged kernels take pages (KV-cache blocks) of a multiple of this many tokens.
-_PAGE_SIZE_MULTIPLE = FLASH_ATTN_BLOCK_MULTIPLE
 
 
 class FlashAttnBackend:
     name = "flash_attn"
-    default_block_size = _PAGE_SIZE_MULTIPLE
+    default_block_size = FLASH_ATTN_BLOCK_MULTIPLE
 
     def __init__(self, device: torch.device, dtype: torch.dtype | None = None):
         if device.type != "cuda":
@@ -45,10 +43,10 @@ class FlashAttnBackend:
         self._varlen = flash_attn_varlen_func
 
     def check_block_size(self, block_size: int) -> None:
-        if block_size % _PAGE_SIZE_MULTIPLE:
+        if block_size % FLASH_ATTN_BLOCK_MULTIPLE:
             raise ConfigError(
                 f"attention backend 'flash_attn' needs cache.kv_block_size to be a multiple of "
-                f"{_PAGE_SIZE_MULTIPLE}, got {block_size}; change it or use 'sdpa'"
+                f"{FLASH_ATTN_BLOCK_MULTIPLE}, got {block_size}; change it or use 'sdpa'"
             )
 
     def forward(

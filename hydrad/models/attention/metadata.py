@@ -17,8 +17,8 @@ class PrefillChunk:
     # [num_blocks] int64, the sequence's KV blocks in order; None when the chunk is the whole
     # context (nothing cached before it), so it attends over its own keys only
     block_ids: torch.Tensor | None
-    # [query_len, seq_len] additive mask (``mask_dtype``): query j sees keys 0 ... seq_len - query_len + j;
-    # None when block_ids is None
+    # [query_len, seq_len] additive mask (``mask_dtype``): query j sees keys
+    # 0 ... seq_len - query_len + j; None when block_ids is None
     mask: torch.Tensor | None
 
 
@@ -152,7 +152,8 @@ class AttentionMetadata:
                 else:
                     block_ids = self.block_tables_cpu[b, : -(-seq_len // self.block_size)].to(self.device)
                     visible = torch.ones(query_len, seq_len, dtype=torch.bool).tril(seq_len - query_len)
-                    chunks.append(PrefillChunk(tokens, block_ids, _additive_mask(visible, self.device, self.mask_dtype)))
+                    mask = _additive_mask(visible, self.device, self.mask_dtype)
+                    chunks.append(PrefillChunk(tokens, block_ids, mask))
             start += query_len
         return chunks
 
@@ -208,12 +209,10 @@ class AttentionMetadata:
         return tuple(groups)
 
 
-_ZERO, _NEG_INF = torch.tensor(0.0), torch.tensor(float("-inf"))  # float32
+_ZERO, _NEG_INF = torch.tensor(0.0), torch.tensor(float("-inf"))
 
 
 def _additive_mask(visible: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     # SDPA would turn a boolean mask into this one in every layer; every row has a visible key.
     # One pass over the mask (zeros then a masked fill is two, and a third for the negation).
-    if dtype == torch.float32:
-        return torch.where(visible, _ZERO, _NEG_INF).to(device)
     return torch.where(visible, _ZERO.to(dtype), _NEG_INF.to(dtype)).to(device)
