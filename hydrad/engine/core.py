@@ -114,15 +114,12 @@ class EngineCore:
 
         self.hf_config = hf_config = load_config(self.model_path)
         model_cls = get_model_class(hf_config)
-        attn_backend = None
-        if has_language:
-            attn_backend = get_attn_backend(self.device, config.model.attention_backend, self.dtype,
-                                            config.cache.kv_block_size)
-        self.kv_block_size = _kv_block_size(config.cache, attn_backend)
         # The language model's attention backend ("sdpa", "flash_attn"), or the one it would
         # have (an instance without one yet)
         self.attention_backend = backend_name(self.device, config.model.attention_backend, self.dtype,
                                               config.cache.kv_block_size)
+        attn_backend = get_attn_backend(self.device, self.attention_backend, self.dtype) if has_language else None
+        self.kv_block_size = _kv_block_size(config.cache, attn_backend)
         self.model = model_cls(
             hf_config,
             load_vision=has_vision,
@@ -215,8 +212,7 @@ class EngineCore:
         needs_vision = "E" in role and not self.model.has_vision
         needs_language = ("P" in role or "D" in role) and not self.model.has_language
         if needs_vision or needs_language:
-            backend = (get_attn_backend(self.device, self.config.model.attention_backend, self.dtype,
-                                        self.config.cache.kv_block_size) if needs_language else None)
+            backend = get_attn_backend(self.device, self.attention_backend, self.dtype) if needs_language else None
             if backend is not None and self.kv_manager is None:
                 # An instance that held no KV cache yet takes its block size from the backend.
                 self.kv_block_size = _kv_block_size(self.config.cache, backend)

@@ -35,7 +35,7 @@ class Multiple32Backend(SdpaBackend):
 
 @pytest.fixture
 def multiple32(monkeypatch):
-    monkeypatch.setattr("hydrad.engine.core.get_attn_backend", lambda device, name=None, dtype=None, block_size=None: Multiple32Backend(device))
+    monkeypatch.setattr("hydrad.engine.core.get_attn_backend", lambda device, *args: Multiple32Backend(device))
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
