@@ -217,7 +217,8 @@ def accuracy(args) -> dict:
                                        work=work)
         # The live runs' client shares the cores with the daemon; the default corun_slowdown,
         # measured beside it, holds its share unless asked to count it on its own as well.
-        options = MachineOptions(client_seconds=client_cpu if args.count_client_cpu else 0.0)
+        options = MachineOptions(client_seconds=client_cpu if args.count_client_cpu else 0.0,
+                                 speed_history=args.speed_history)
         records = read_trace(trace_dir)
         config = daemon_config(model, args.devices, "auto", args.slo_ttft, args.slo_tbt)
         devices = Devices.parse(args.devices)
@@ -386,6 +387,9 @@ def main() -> None:
     parser.add_argument("--count-client-cpu", action="store_true",
                         help="accuracy: replay the bench client's CPU per request (measured while recording) "
                         "as a load of its own, beside the default corun_slowdown that was measured with it.")
+    parser.add_argument("--speed-history", type=int, default=None,
+                        help="accuracy: plan at the median of the speed check, this many recent ones and the fit "
+                        "(hydractl profile --speed-history; default 8, 0: the check alone).")
     parser.add_argument("--warmup", type=int, default=None,
                         help="Requests sent to each live daemon (vLLM's too) at its search's first rate before "
                         "it, not counted (default: hydrad.planner.validate.LIVE_WARMUP; 0: none). The replay "

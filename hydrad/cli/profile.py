@@ -98,12 +98,16 @@ def _table(profile, top_k: int):
 @click.option("--client-cpu-ms", type=click.FloatRange(min=0, max=999), default=0.0, show_default=True,
               help="CPU milliseconds per request of clients running on the planned machine's cores (a "
               "benchmark client beside the daemon; 0: clients run elsewhere).")
+@click.option("--speed-history", type=click.IntRange(min=0), default=None,
+              help="Replay at the median of the machine's speed check now, up to this many recent checks "
+              "and the fitted model (default 8; 0: the check now alone).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the ranking and its inputs as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate of the top K as PNG.")
 @click.option("--validate", is_flag=True, help="Start each top deployment live, replay the trace with the bench "
               "client, and compare simulated with live goodput.")
 def profile(trace_path, url, admin_token, limit, devices, model_path, config_file, slo_ttft, slo_tbt, top_k,
-            num_requests, arrivals, message_ms, step_overhead_ms, client_cpu_ms, out, plot, validate) -> None:
+            num_requests, arrivals, message_ms, step_overhead_ms, client_cpu_ms, speed_history, out, plot,
+            validate) -> None:
     """Rank every deployment of the devices for a recorded workload by simulated goodput."""
     import dataclasses
     import json
@@ -148,7 +152,7 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     console.print(f"planning {len(device_set)} instance(s) on {device_set.spec} ({device_set.threads} thread(s) "
                   f"each) from {len(mine)} requests of {model.name}", highlight=False)
     options = MachineOptions(message_ms / 1e3, step_overhead_ms / 1e3, config.server.router_policy,
-                             client_seconds=client_cpu_ms / 1e3)
+                             client_seconds=client_cpu_ms / 1e3, speed_history=speed_history)
     # On CPU, --validate checks the machine's speed again around each live run, on this
     # instance (on a GPU it would hold device memory the live daemons need).
     probe = MachineProbe(engine, device_set) if validate and device_set.is_cpu else None
@@ -171,9 +175,17 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
             def kinds(n: int) -> str:
                 return "".join(f", {kind} {f:.2f}x" for kind, f in parts.get(n, {}).items())
 
-            console.print("steps replayed at " + ", ".join(f"{f:.2f}x the latency model ({n} thread(s){kinds(n)})"
-                                                          for n, f in sorted(result.setup.speeds.items()))
-                          + ": the speed this machine runs the model's probes at now", highlight=False)
+            basis = result.setup.speed_basis
+
+            def why(n: int) -> str:
+                b = basis.get(n)
+                if not b or not b["with_fit"]:
+                    return ""
+                return f"; now {b['check_now']:.2f}x, with {b['earlier_checks']} earlier check(s) and the fit"
+
+            console.print("steps replayed at " + ", ".join(f"{f:.2f}x the latency model ({n} thread(s){kinds(n)}"
+                                                          f"{why(n)})" for n, f in sorted(result.setup.speeds.items()))
+                          + ": the speed this machine runs the model's probes at", highlight=False)
         console.print(f"searched {len(s.evaluations)} deployments with {s.num_replays} replays in {s.seconds:.1f} s; "
                       "Algorithm 2's candidates: " + ", ".join(f"{m} {format_deploy(list(r))}"
                                                                for m, r in s.algorithm2.items()), highlight=False)

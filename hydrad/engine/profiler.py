@@ -643,6 +643,90 @@ def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float
     return speed
 
 
+# -- speed history ----------------------------------------------------------------------------
+# A plan runs for an hour or more, and one speed check sees a few seconds: on the 2-core
+# machine this was built on, the check before a plan was off from the speed measured around
+# the live runs that followed by up to 30% (a slow minute, another tenant; 18 plans), while
+# the fitted model itself, taken as the machine's speed, was off by up to 15%. So a plan takes the
+# median of the recent checks (``SPEED_HISTORY`` of them, none older than
+# ``SPEED_HISTORY_SECONDS``), the one just taken and the fit itself as one more at 1.0x: one
+# check in a slow minute then moves the plan by half its error at most, and a machine that
+# stays slower than its fit outvotes the fit within a few checks (bench/RESULTS.md).
+SPEED_HISTORY = 8
+SPEED_HISTORY_SECONDS = 24 * 3600.0
+
+
+def _fit_id(model: LatencyModel) -> str:
+    """The fit a speed was measured against: a refit starts a new history."""
+    body = json.dumps(model.to_json()["coefficients"], sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+
+def speed_history_path(model: LatencyModel) -> Path | None:
+    """Beside the model's cache file; None for a model not from the cache (no key)."""
+    key = model.meta.get("key")
+    return cache_path(key).with_suffix(".speeds.jsonl") if isinstance(key, dict) and "model" in key else None
+
+
+def record_speed(model: LatencyModel, speed: Speed, *, now: float | None = None) -> None:
+    """Append ``speed``, a check against ``model``, to its history (one JSON line each)."""
+    path = speed_history_path(model)
+    if path is None:
+        return
+    line = json.dumps({"time": time.time() if now is None else now, "fit": _fit_id(model), "factor": speed.factor,
+                       "spread": speed.spread, "parts": speed.parts})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= 4 * SPEED_HISTORY:
+            # Keep the file short: rename a trimmed copy into place.
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+                f.write("\n".join(lines[-SPEED_HISTORY:] + [line]) + "\n")
+            os.replace(f.name, path)
+        else:
+            with open(path, "a") as f:  # one short write: appends from several processes stay whole
+                f.write(line + "\n")
+    except OSError as e:
+        logger.warning("could not record the speed check in %s: %s", path, e)
+
+
+def recent_speeds(model: LatencyModel, *, count: int = SPEED_HISTORY, max_age: float = SPEED_HISTORY_SECONDS,
+                  now: float | None = None) -> list[Speed]:
+    """The last ``count`` checks against ``model`` no older than ``max_age`` seconds, oldest
+    first; lines that do not parse, or were measured against another fit, are skipped."""
+    path = speed_history_path(model)
+    if path is None or count <= 0:
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    now = time.time() if now is None else now
+    fit = _fit_id(model)
+    found = []
+    for line in lines:
+        try:
+            entry = json.loads(line)
+            if entry["fit"] != fit or not now - max_age <= float(entry["time"]) <= now:
+                continue
+            speed = Speed(float(entry["factor"]), float(entry["spread"]),
+                          {str(k): float(v) for k, v in entry["parts"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if math.isfinite(speed.factor) and speed.factor > 0:
+            found.append(speed)
+    return found[-count:]
+
+
+def typical_speed(now: Speed, earlier: list[Speed]) -> Speed:
+    """The speed to plan with: the median of the ``earlier`` checks, the check ``now`` and the
+    fit itself (1.0x), overall and per kind that ``now`` timed; the spread is ``now``'s (how
+    steps scatter around the speed, not how the speed moves)."""
+    checks = [*earlier, now, Speed(1.0, 0.0, {kind: 1.0 for kind in now.parts})]
+    parts = {kind: statistics.median(s.parts[kind] for s in checks if kind in s.parts) for kind in now.parts}
+    return Speed(statistics.median(s.factor for s in checks), now.spread, parts)
+
+
 def derive(model: LatencyModel, key: dict) -> LatencyModel:
     """The model of ``key``'s parts taken from a model of more parts. Vision and language
     coefficients are fitted from separate probes (``fit_model``), so each part's stand alone;

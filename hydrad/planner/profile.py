@@ -129,8 +129,11 @@ class MachineOptions:
     step_overhead: float = DEFAULT_STEP_OVERHEAD
     router_policy: str = "round-robin"
     processor_threads: int = 1
-    # Time a few of the latency model's probes again and replay at the speed they run now.
+    # Time a few of the latency model's probes again and replay at the speed they run now:
+    # the median of that check, up to ``speed_history`` recent ones and the fit
+    # (``planning_speeds``; None: ``profiler.SPEED_HISTORY``; 0: the check alone).
     check_speed: bool = True
+    speed_history: int | None = None
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
     corun_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_CORUN_SLOWDOWN))
     # CPU seconds per request of clients on the same cores (``SimSetup.client_seconds``).
@@ -176,16 +179,17 @@ class MachineProbe:
 
     def speeds(self, rounds: int = 5) -> dict:
         """``profiler.Speed`` of this machine now against each thread count's model, from
-        ``rounds`` timings of each probe."""
+        ``rounds`` timings of each probe; each check joins that model's speed history."""
         import torch
 
-        from hydrad.engine.profiler import measure_speed
+        from hydrad.engine.profiler import measure_speed, record_speed
 
         speeds = {}
         try:
             for threads, model in sorted(self.models.items()):
                 torch.set_num_threads(threads)
                 speeds[threads] = measure_speed(self.engine, model, rounds=rounds)
+                record_speed(model, speeds[threads])
         finally:
             torch.set_num_threads(self.devices.threads)
         return speeds
@@ -216,7 +220,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
         probe = MachineProbe(config, devices, show_progress=show_progress)
     try:
         model = probe.model
-        speeds = probe.speeds() if options.check_speed else {}
+        speeds, basis = planning_speeds(probe, options.speed_history) if options.check_speed else ({}, {})
         engine = probe.engine
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
@@ -232,12 +236,35 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
             borrow_efficiency=options.borrow_efficiency,
             corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
-            warm_requests=options.warm_requests, noise_correlation=options.noise_correlation,
+            warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, speed_basis=basis,
         )
         return at_speeds(setup, speeds)
     finally:
         if owned:
             probe.close()
+
+
+def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[dict, dict]:
+    """The speeds a plan is made at (``profiler.Speed`` by thread count): a check now, taken
+    with up to ``history`` recent ones and the fit (``profiler.typical_speed``; None:
+    ``profiler.SPEED_HISTORY``; 0: the check alone); and how each came about, for the
+    profile's report."""
+    from hydrad.engine.profiler import SPEED_HISTORY, recent_speeds, typical_speed
+
+    history = SPEED_HISTORY if history is None else history
+    earlier = {n: recent_speeds(model, count=history) for n, model in probe.models.items()} if history > 0 else {}
+    now = probe.speeds()
+    if history <= 0:
+        return now, {n: {"check_now": s.factor, "earlier_checks": 0, "with_fit": False, "planned_at": s.factor}
+                     for n, s in sorted(now.items())}
+    speeds = {n: typical_speed(speed, earlier[n]) for n, speed in now.items()}
+    basis = {}
+    for n in sorted(now):
+        basis[n] = {"check_now": now[n].factor, "earlier_checks": len(earlier[n]), "with_fit": True,
+                    "planned_at": speeds[n].factor}
+        logger.info("planning at %.2fx the latency model's speed on %d thread(s): the median of this check "
+                    "(%.2fx), %d earlier one(s) and the fit", speeds[n].factor, n, now[n].factor, len(earlier[n]))
+    return speeds, basis
 
 
 def mean_speeds(*checks: dict) -> dict:
@@ -360,6 +387,7 @@ class Profile:
                 "median": self.setup.model.error.median, "max": self.setup.model.error.max},
                 "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
                 "speed_by_kind": {str(n): p for n, p in sorted(self.setup.part_speeds.items())},
+                "speed_basis": {str(n): b for n, b in sorted(self.setup.speed_basis.items())},
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
                 "corun_slowdown": dict(self.setup.corun_slowdown), "client_seconds": self.setup.client_seconds,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,

@@ -131,6 +131,9 @@ class SimSetup:
     # and decode terms each take their kind's factor (``LatencyModel.scaled_parts``); a kind
     # not timed takes the count's ``speeds`` factor. Empty: one factor per count.
     part_speeds: dict[int, dict[str, float]] = field(default_factory=dict)
+    # How ``speeds`` came about, by thread count (``profile.planning_speeds``): reported, not
+    # replayed.
+    speed_basis: dict[int, dict] = field(default_factory=dict)
     # The spread of step times around that: each step's time is multiplied by exp(N(0, s))
     # (s the standard deviation of log(measured / predicted); 0: steps take exactly their
     # time). Queues grow with it: a slow step lets requests gather for the next.

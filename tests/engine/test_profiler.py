@@ -31,9 +31,14 @@ from hydrad.engine.profiler import (
     engine_limits,
     fit_latency_model,
     fit_model,
+    SPEED_HISTORY,
     measure_speed,
     probe_images,
+    recent_speeds,
+    record_speed,
+    speed_history_path,
     speed_probes,
+    typical_speed,
 )
 from hydrad.errors import ConfigError
 from hydrad.sampling_params import SamplingParams
@@ -484,6 +489,63 @@ def test_the_speed_check_is_the_median_ratio_of_the_probes_timed_again():
     assert robust.spread == pytest.approx(math.log(1.3 / 1.2) / 0.6745)
     # A model without stored probes (made by hand) is taken as it is.
     assert measure_speed(None, LatencyModel(l_fixed=0.01), timer=timer) == Speed(1.0, 0.0)
+
+
+def keyed_model(l_fixed: float = 0.01) -> LatencyModel:
+    """A model as the cache holds one: with the key its speed history is filed under."""
+    key = {"model": "/models/small", "parts": "vision+language", "device": "cpu:x86_64:1threads"}
+    return LatencyModel(l_fixed=l_fixed, meta={"key": key})
+
+
+def test_speed_checks_are_kept_per_fit_newest_last_and_within_their_age(cache_dir):
+    model = keyed_model()
+    assert recent_speeds(model) == []
+    for i in range(5):
+        record_speed(model, Speed(1.0 + i / 10, 0.05, {"decodes": 1.0 + i / 10}), now=1000.0 + i)
+    found = recent_speeds(model, now=1010.0)
+    assert [s.factor for s in found] == pytest.approx([1.0, 1.1, 1.2, 1.3, 1.4])
+    assert found[-1] == Speed(pytest.approx(1.4), 0.05, {"decodes": pytest.approx(1.4)})
+    # The last few; none older than the age limit; none from the future (a clock set back).
+    assert [s.factor for s in recent_speeds(model, count=2, now=1010.0)] == pytest.approx([1.3, 1.4])
+    assert [s.factor for s in recent_speeds(model, max_age=7.5, now=1010.0)] == pytest.approx([1.3, 1.4])
+    assert recent_speeds(model, now=999.0) == []
+    # A refit (other coefficients) starts a new history; a model without a key keeps none.
+    assert recent_speeds(keyed_model(0.02), now=1010.0) == []
+    assert speed_history_path(LatencyModel(l_fixed=0.01)) is None
+    record_speed(LatencyModel(l_fixed=0.01), Speed(2.0))
+    # A torn or foreign line is skipped, not fatal.
+    path = speed_history_path(model)
+    assert path.parent == cache_dir and path.suffix == ".jsonl"
+    with open(path, "a") as f:
+        f.write('{"time": 1009, "fit": "x"\nnot json\n')
+    assert len(recent_speeds(model, now=1010.0)) == 5
+
+
+def test_the_speed_history_file_stays_short(cache_dir):
+    model = keyed_model()
+    for i in range(10 * SPEED_HISTORY):
+        record_speed(model, Speed(1.0 + i / 1000), now=float(i))
+    lines = speed_history_path(model).read_text().splitlines()
+    assert SPEED_HISTORY < len(lines) <= 4 * SPEED_HISTORY
+    # The newest are kept.
+    assert recent_speeds(model, now=1e6, max_age=1e7)[-1].factor == pytest.approx(1.0 + (10 * SPEED_HISTORY - 1) / 1000)
+
+
+def test_a_plan_takes_the_median_of_recent_checks_the_check_now_and_the_fit():
+    parts = {"images": 1.4, "decodes": 1.2}
+    slow = Speed(1.3, 0.08, parts)
+    # Alone, one slow check moves the plan halfway: the median of it and the fit's 1.0x.
+    alone = typical_speed(slow, [])
+    assert alone.factor == pytest.approx(1.15)
+    assert alone.parts == pytest.approx({"images": 1.2, "decodes": 1.1})
+    assert alone.spread == 0.08  # how steps scatter now, not how the speed moved
+    # After steady checks at 0.95x, a slow one moves nothing much.
+    steady = [Speed(0.95, 0.05, {"images": 0.95, "decodes": 0.95})] * 4
+    assert typical_speed(slow, steady).factor == pytest.approx(0.95)
+    # A machine that stays slower than its fit outvotes the fit.
+    slower = [Speed(1.3, 0.05, {"images": 1.3, "decodes": 1.3})] * 2
+    assert typical_speed(slow, slower).factor == pytest.approx(1.3)
+    assert typical_speed(slow, slower).parts == pytest.approx({"images": 1.3, "decodes": 1.25})
 
 
 def test_a_scaled_model_predicts_every_step_that_many_times_as_long():

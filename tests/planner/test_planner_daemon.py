@@ -66,6 +66,9 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     assert "the latency model (1 thread(s), images " in run.output
     kinds = profile["machine"]["speed_by_kind"]
     assert set(kinds["1"]) == {"images", "prefills", "decodes"} and all(0.2 < f < 5 for f in kinds["1"].values())
+    # Planned at the median of the check now, the recent ones and the fit.
+    basis = profile["machine"]["speed_basis"]["1"]
+    assert basis["with_fit"] and basis["planned_at"] == pytest.approx(speeds["1"]) and 0.2 < basis["check_now"] < 5
 
     # --deploy auto with the same SLO ([slo] defaults: TTFT 2 s, TBT 0.2 s) deploys the pick, and
     # re-plans while serving (every 2 s here) from the same trace, with the workers' own models.

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from hydrad.config_file import load_config
-from hydrad.engine.profiler import Speed
+from hydrad.engine.latency_model import LatencyModel
+from hydrad.engine.profiler import Speed, recent_speeds, record_speed
 from hydrad.planner import validate as validate_module
-from hydrad.planner.profile import Devices, Profile, at_speeds, mean_speeds
+from hydrad.planner.profile import Devices, Profile, at_speeds, mean_speeds, planning_speeds
 from hydrad.planner.validate import validate
 
 from test_search import planner
@@ -32,6 +33,39 @@ def test_mean_speeds_averages_factors_and_pools_spreads():
     c = {1: Speed(1.0, 0.0, {"images": 1.2, "decodes": 1.0})}
     d = {1: Speed(1.0, 0.0, {"images": 1.4, "prefills": 1.1})}
     assert mean_speeds(c, d)[1].parts == {"images": pytest.approx(1.3)}
+
+
+class CheckingProbe:
+    """A ``MachineProbe`` whose speed check answers ``now`` and joins the history, as the real one's does."""
+
+    def __init__(self, now: dict):
+        key = {"model": "/models/small", "parts": "vision+language"}
+        self.models = {n: LatencyModel(l_fixed=0.01 * n, meta={"key": {**key, "device": f"cpu:{n}threads"}})
+                       for n in now}
+        self.now = now
+
+    def speeds(self, rounds: int = 5) -> dict:
+        for n, speed in self.now.items():
+            record_speed(self.models[n], speed)
+        return dict(self.now)
+
+
+def test_a_plan_is_made_at_the_median_of_the_check_now_recent_checks_and_the_fit(monkeypatch, tmp_path):
+    monkeypatch.setenv("HYDRAD_CACHE_DIR", str(tmp_path))
+    probe = CheckingProbe({1: Speed(1.4, 0.1, {"decodes": 1.4}), 2: Speed(0.9, 0.1, {"decodes": 0.9})})
+    # The first plan: the check and the fit, per thread count.
+    speeds, basis = planning_speeds(probe)
+    assert {n: s.factor for n, s in speeds.items()} == pytest.approx({1: 1.2, 2: 0.95})
+    assert speeds[1].parts == pytest.approx({"decodes": 1.2}) and speeds[1].spread == 0.1
+    assert basis[1] == {"check_now": 1.4, "earlier_checks": 0, "with_fit": True, "planned_at": pytest.approx(1.2)}
+    # Each check joined its model's history: the next plan counts it.
+    assert [s.factor for s in recent_speeds(probe.models[1])] == [1.4]
+    probe.now = {1: Speed(1.0, 0.1, {"decodes": 1.0}), 2: Speed(0.9, 0.1, {"decodes": 0.9})}
+    speeds, basis = planning_speeds(probe)
+    assert speeds[1].factor == pytest.approx(1.0) and basis[1]["earlier_checks"] == 1
+    # 0: the check now alone.
+    speeds, basis = planning_speeds(probe, history=0)
+    assert speeds[1].factor == 1.0 and basis[1]["with_fit"] is False
 
 
 def test_at_speeds_sets_the_factors_and_the_spread_they_imply():
