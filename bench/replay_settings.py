@@ -3,7 +3,7 @@
     python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
         [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N] [--a-noise-correlation R]
         [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--b-noise-correlation R]
-        [--at around-run|profile] [--out FILE.json]
+        [--at around-run|profile] [--a-speed check|history] [--b-speed check|history] [--out FILE.json]
 
 Each RUN.json is the output of ``bench/planner_accuracy.py accuracy``, whose recorded traces
 are still on disk (the run's working folder, beside each deployment's ``trace_dir``). Every
@@ -16,12 +16,19 @@ headline comparison). A setting is a ``corun_slowdown`` per kind, whether the be
 client's CPU per request (measured while the run recorded its trace) is replayed as a load
 of its own, and the requests of the warm-up replay that calibrates the instances before
 each counted one (``SimSetup.warm_requests``; 0: they start cold), and the correlation of
-each step's time noise with its instance's previous step's (``SimSetup.noise_correlation``).
-The defaults: A is the
+each step's time noise with its instance's previous step's (``SimSetup.noise_correlation``),
+and, with ``--at profile``, the speed the profile is replayed at (``--a-speed``,
+``--b-speed``): ``check``, the check the profile took as it started, alone; ``history``,
+the median of that check, the run's checks before it (the earlier profiles' checks and the
+checks around the earlier live runs, as the JSON holds them: the mean of the two around
+each run; the last ``profiler.SPEED_HISTORY``) and the fit, as ``profile.planning_speeds``
+plans (a run made with the history: the speed it planned at). With ``--at profile`` it also
+prints how far each setting's speed was from the mean speed measured around the workload's
+live runs. The defaults: A is the
 replay before the serving slowdown (the probes beside a copy of themselves,
 ``bench/corun_speed.py``, the client's CPU, cold instances, noise drawn anew each step), B
 is the replay's default now (``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load,
-``profile.DEFAULT_WARM_REQUESTS``, ``profile.DEFAULT_NOISE_CORRELATION``). Both replays of
+``profile.DEFAULT_WARM_REQUESTS``, ``profile.DEFAULT_NOISE_CORRELATION``, the history). Both replays of
 a round share everything else (the machine's latency models and copy bandwidth, measured or
 cached here), so the difference between their errors is the settings' alone.
 """
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import replace
@@ -59,7 +67,8 @@ def parse_kinds(text: str) -> dict[str, float]:
     return out
 
 
-def make_setting(corun: str | None, client: str, warm: int, noise_correlation: float, defaults: dict) -> dict:
+def make_setting(corun: str | None, client: str, warm: int, noise_correlation: float, defaults: dict,
+                 speed: str = "check") -> dict:
     """One replay setting from its command-line values; ``corun`` None: ``defaults``'
     corun_slowdown. A usage error names the bad value."""
     if warm < 0:
@@ -67,7 +76,66 @@ def make_setting(corun: str | None, client: str, warm: int, noise_correlation: f
     if not 0 <= noise_correlation < 1:
         raise SystemExit(f"a noise correlation must be in [0, 1), got {noise_correlation}")
     return {"corun_slowdown": parse_kinds(corun) if corun is not None else dict(defaults["corun_slowdown"]),
-            "client_cpu": client == "yes", "warm_requests": warm, "noise_correlation": noise_correlation}
+            "client_cpu": client == "yes", "warm_requests": warm, "noise_correlation": noise_correlation,
+            "speed": speed}
+
+
+def profile_checks(workload: dict, spread: float) -> dict:
+    """The speed check (``profiler.Speed`` by thread count) a profile took as it started (a run
+    that stored it overall only: per kind, the speeds planned at scaled by its factor over the
+    one planned at)."""
+    from hydrad.engine.profiler import Speed
+
+    machine_json = workload["profile"]["machine"]
+    planned = machine_json.get("speed_by_kind", {})
+    basis = machine_json.get("speed_basis") or {}
+    if basis:
+        return {int(n): Speed(b["check_now"], spread, b.get("check_now_by_kind") or {
+            kind: f * b["check_now"] / b["planned_at"] for kind, f in planned.get(n, {}).items()})
+            for n, b in basis.items()}
+    return {int(n): Speed(f, spread, planned.get(n, {})) for n, f in machine_json["speed_vs_latency_model"].items()}
+
+
+def checks_around_runs(workload: dict, spread: float) -> list[dict]:
+    """The checks around the workload's live runs (the mean of the two around each), round by round."""
+    from hydrad.engine.profiler import Speed
+
+    deployments = workload["deployments"]
+    rounds = max((len(d.get("rounds") or [d]) for d in deployments), default=0)
+    found = []
+    for k in range(rounds):
+        for dep in deployments:
+            r = (dep.get("rounds") or [dep])[k] if k < len(dep.get("rounds") or [dep]) else None
+            if r and r.get("speed_around_run"):
+                found.append({int(n): Speed(f, spread, (r.get("speed_around_run_by_kind") or {}).get(n, {}))
+                              for n, f in r["speed_around_run"].items()})
+    return found
+
+
+def planned_speeds(run: dict, index: int, how: str, spread: float) -> dict:
+    """The speeds (by thread count) the profile of ``run``'s workload ``index`` is replayed at:
+    ``check``, its own check alone; ``history``, as ``profile.planning_speeds`` plans."""
+    from hydrad.engine.profiler import SPEED_HISTORY, Speed, typical_speed
+
+    workload = run["workloads"][index]
+    now = profile_checks(workload, spread)
+    if how == "check":
+        return now
+    machine_json = workload["profile"]["machine"]
+    if any(b.get("with_fit") for b in (machine_json.get("speed_basis") or {}).values()):
+        return {int(n): Speed(f, spread, machine_json.get("speed_by_kind", {}).get(n, {}))
+                for n, f in machine_json["speed_vs_latency_model"].items()}
+    earlier = []
+    for w in run["workloads"][:index]:
+        earlier += [profile_checks(w, spread), *checks_around_runs(w, spread)]
+    return {n: typical_speed(speed, [c[n] for c in earlier if n in c][-SPEED_HISTORY:]) for n, speed in now.items()}
+
+
+def speed_off(speeds: dict, workload: dict) -> list[float]:
+    """|log| of each thread count's speed over the mean speed around the workload's live runs."""
+    around = checks_around_runs(workload, 0.0)
+    return [abs(math.log(speed.factor / statistics.mean(c[n].factor for c in around if n in c)))
+            for n, speed in speeds.items() if any(n in c for c in around)]
 
 
 def summarize(errors: list[float]) -> dict:
@@ -93,6 +161,9 @@ def main() -> None:
                         help="around-run: each live round at the speed measured around it; profile: each "
                         "deployment at the speed its profile measured (as the run's headline figure), against "
                         "the mean of its live rounds")
+    parser.add_argument("--a-speed", choices=("check", "history"), default="check",
+                        help="--at profile: replay A at the profile's check alone, or at the median with the history")
+    parser.add_argument("--b-speed", choices=("check", "history"), default="history")
     parser.add_argument("--spread", type=float, default=0.1,
                         help="the speed check's spread for runs that did not store it")
     parser.add_argument("--out")
@@ -112,11 +183,11 @@ def main() -> None:
     defaults = {"corun_slowdown": DEFAULT_CORUN_SLOWDOWN, "warm_requests": DEFAULT_WARM_REQUESTS,
                 "noise_correlation": DEFAULT_NOISE_CORRELATION}
     settings = {
-        "A": make_setting(args.a_corun, args.a_client, args.a_warm, args.a_noise_correlation, defaults),
+        "A": make_setting(args.a_corun, args.a_client, args.a_warm, args.a_noise_correlation, defaults, args.a_speed),
         "B": make_setting(args.b_corun, args.b_client,
                           defaults["warm_requests"] if args.b_warm is None else args.b_warm,
                           defaults["noise_correlation"] if args.b_noise_correlation is None
-                          else args.b_noise_correlation, defaults)}
+                          else args.b_noise_correlation, defaults, args.b_speed)}
     runs = []
     for path in args.runs:
         try:
@@ -129,6 +200,10 @@ def main() -> None:
     if args.at == "profile":
         work = [(name, run, w, dep, dep) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
                 if dep.get("live_goodput_rps")]
+        # How far each setting's speed was from the speed around the live runs, per workload.
+        off = {label: [x for _, run in runs for i, w in enumerate(run["workloads"])
+                       for x in speed_off(planned_speeds(run, i, setting["speed"], args.spread), w)]
+               for label, setting in settings.items()}
     else:
         work = [(name, run, w, dep, r) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
                 for r in dep.get("rounds") or [dep] if r.get("speed_around_run") and r.get("live_goodput_rps")]
@@ -147,12 +222,9 @@ def main() -> None:
                 workloads[trace] = Workload.from_records(read_trace(trace))
             noise = None
             if args.at == "profile":
-                # The profile's own speeds, and the step noise it replayed with (which
-                # replaces the one at_speeds derives from the spread below).
-                machine_json = w["profile"]["machine"]
-                speeds = {int(n): Speed(f, args.spread, machine_json.get("speed_by_kind", {}).get(n, {}))
-                          for n, f in machine_json["speed_vs_latency_model"].items()}
-                noise = machine_json["step_noise"]
+                # The step noise the profile replayed with (which replaces the one at_speeds
+                # derives from the spread).
+                noise = w["profile"]["machine"]["step_noise"]
             else:
                 spreads = r.get("speed_around_run_spread") or {}
                 speeds = {int(n): Speed(f, spreads.get(n, args.spread), r["speed_around_run_by_kind"].get(n, {}))
@@ -160,6 +232,8 @@ def main() -> None:
             roles = tuple(sorted(parse_deploy(dep["deploy"]), key=ROLE_ORDER.index))
             row = {"run": name, "workload": w["workload"], "deploy": dep["deploy"], "live_rps": r["live_goodput_rps"]}
             for label, setting in settings.items():
+                if args.at == "profile":
+                    speeds = planned_speeds(run, run["workloads"].index(w), setting["speed"], args.spread)
                 setup = replace(base, corun_slowdown=setting["corun_slowdown"],
                                 warm_requests=setting["warm_requests"],
                                 noise_correlation=setting["noise_correlation"],
@@ -187,12 +261,23 @@ def main() -> None:
         setting = settings[label]
         console.print(f"{label} (corun {setting['corun_slowdown']}, client CPU "
                       f"{'replayed' if setting['client_cpu'] else 'not replayed'}, {setting['warm_requests']} "
-                      f"warm-up requests, noise correlation {setting['noise_correlation']:g}): "
+                      f"warm-up requests, noise correlation {setting['noise_correlation']:g}"
+                      f"{', at the ' + setting['speed'] if args.at == 'profile' else ''}): "
                       f"mean error {100 * s['mean']:+.1f}%, median {100 * s['median']:+.1f}%, mean absolute "
                       f"{100 * s['mean_abs']:.1f}%, within 15% {s['within_15pct']} of {s['rounds']}", highlight=False)
+    speed_summary = {}
+    if args.at == "profile":
+        for label, logs in off.items():
+            if logs:
+                speed_summary[label] = {"profiles_by_threads": len(logs), "mean_abs": math.expm1(statistics.mean(logs)),
+                                        "max_abs": math.expm1(max(logs))}
+                console.print(f"{label}'s speed against the mean speed around the live runs: off by "
+                              f"{100 * speed_summary[label]['mean_abs']:.0f}% on average, at most "
+                              f"{100 * speed_summary[label]['max_abs']:.0f}% ({len(logs)} profiles x thread counts)",
+                              highlight=False)
     write_json(args.out, {"mode": "replay_settings", "machine": machine(), "runs": [name for name, _ in runs],
                           "at": args.at, "settings": settings,
-                          "rounds": rows, "summary": summary})
+                          "rounds": rows, "summary": summary, "speed_vs_around_run": speed_summary})
 
 
 if __name__ == "__main__":

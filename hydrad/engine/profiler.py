@@ -644,14 +644,14 @@ def measure_speed(engine, model: LatencyModel, *, timer: Callable[[Probe], float
 
 
 # -- speed history ----------------------------------------------------------------------------
-# A plan runs for an hour or more, and one speed check sees a few seconds: on the 2-core
-# machine this was built on, the check before a plan was off from the speed measured around
-# the live runs that followed by up to 30% (a slow minute, another tenant; 18 plans), while
-# the fitted model itself, taken as the machine's speed, was off by up to 15%. So a plan takes the
+# A plan runs for an hour or more, and one speed check sees a few seconds of it (a slow
+# minute, another tenant): on the 2-core machine this was built on, the check before a plan
+# was further from the speed measured around the live runs that followed than the fitted
+# model itself was (bench/replay_settings.py --at profile). So a plan takes the
 # median of the recent checks (``SPEED_HISTORY`` of them, none older than
 # ``SPEED_HISTORY_SECONDS``), the one just taken and the fit itself as one more at 1.0x: one
 # check in a slow minute then moves the plan by half its error at most, and a machine that
-# stays slower than its fit outvotes the fit within a few checks (bench/RESULTS.md).
+# stays slower than its fit outvotes the fit within a few checks.
 SPEED_HISTORY = 8
 SPEED_HISTORY_SECONDS = 24 * 3600.0
 

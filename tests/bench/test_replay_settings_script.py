@@ -3,6 +3,8 @@ replays themselves are the benchmark."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 
@@ -31,9 +33,41 @@ def test_errors_are_summed_up_with_their_sign_and_by_size(script):
 def test_a_setting_takes_its_defaults_and_rejects_bad_values_in_one_line(script):
     defaults = {"corun_slowdown": {"images": 0.14}}
     assert script.make_setting(None, "no", 32, 0.0, defaults) == {
-        "corun_slowdown": {"images": 0.14}, "client_cpu": False, "warm_requests": 32, "noise_correlation": 0.0}
+        "corun_slowdown": {"images": 0.14}, "client_cpu": False, "warm_requests": 32, "noise_correlation": 0.0,
+        "speed": "check"}
     assert script.make_setting("decodes=0.1", "yes", 0, 0.6, defaults)["corun_slowdown"] == {"decodes": 0.1}
     with pytest.raises(SystemExit, match="warm-up requests must be >= 0, got -1"):
         script.make_setting(None, "no", -1, 0.0, defaults)
     with pytest.raises(SystemExit, match=r"noise correlation must be in \[0, 1\), got 1.0"):
         script.make_setting(None, "no", 0, 1.0, defaults)
+
+
+def workload(check: float, around: list[float], basis: dict | None = None) -> dict:
+    """One workload of an accuracy run's JSON: its profile's check, one deployment's rounds."""
+    machine = {"speed_vs_latency_model": {"1": check}, "speed_by_kind": {"1": {"decodes": check}}}
+    if basis is not None:
+        machine["speed_basis"] = {"1": basis}
+    return {"profile": {"machine": machine},
+            "deployments": [{"rounds": [{"speed_around_run": {"1": f}, "speed_around_run_by_kind": {"1": {"decodes": f}}}
+                                        for f in around]}]}
+
+
+def test_a_profile_is_replayed_at_its_check_or_at_the_median_with_the_runs_earlier_checks(script):
+    run = {"workloads": [workload(1.3, [1.0, 1.1]), workload(1.4, [1.0])]}
+    assert script.planned_speeds(run, 1, "check", 0.1)[1].factor == 1.4
+    # The first profile: its check and the fit; the second: 1.3, 1.0, 1.1 before it, 1.4, the fit.
+    assert script.planned_speeds(run, 0, "history", 0.1)[1].factor == pytest.approx(1.15)
+    second = script.planned_speeds(run, 1, "history", 0.1)[1]
+    assert second.factor == pytest.approx(1.1) and second.parts == pytest.approx({"decodes": 1.1})
+    # A run planned with the history: the speed it planned at, and its check alone from the basis.
+    planned = {"check_now": 1.5, "check_now_by_kind": {"decodes": 1.5}, "earlier_checks": 3, "with_fit": True,
+               "planned_at": 1.2}
+    run = {"workloads": [workload(1.2, [1.0], planned)]}
+    assert script.planned_speeds(run, 0, "history", 0.1)[1].factor == 1.2
+    assert script.planned_speeds(run, 0, "check", 0.1)[1].factor == 1.5
+    # Stored overall only: per kind, the planned speed scaled by the check's factor over the planned one.
+    del planned["check_now_by_kind"]
+    assert script.planned_speeds(run, 0, "check", 0.1)[1].parts == pytest.approx({"decodes": 1.5})
+    # How far off the mean speed around the live runs each was (|log|).
+    assert script.speed_off(script.planned_speeds(run, 0, "check", 0.1), run["workloads"][0]) == \
+        pytest.approx([math.log(1.5)])

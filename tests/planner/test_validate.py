@@ -57,7 +57,8 @@ def test_a_plan_is_made_at_the_median_of_the_check_now_recent_checks_and_the_fit
     speeds, basis = planning_speeds(probe)
     assert {n: s.factor for n, s in speeds.items()} == pytest.approx({1: 1.2, 2: 0.95})
     assert speeds[1].parts == pytest.approx({"decodes": 1.2}) and speeds[1].spread == 0.1
-    assert basis[1] == {"check_now": 1.4, "earlier_checks": 0, "with_fit": True, "planned_at": pytest.approx(1.2)}
+    assert basis[1] == {"check_now": 1.4, "check_now_by_kind": {"decodes": 1.4}, "earlier_checks": 0,
+                        "with_fit": True, "planned_at": pytest.approx(1.2)}
     # Each check joined its model's history: the next plan counts it.
     assert [s.factor for s in recent_speeds(probe.models[1])] == [1.4]
     probe.now = {1: Speed(1.0, 0.1, {"decodes": 1.0}), 2: Speed(0.9, 0.1, {"decodes": 0.9})}
