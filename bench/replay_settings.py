@@ -100,13 +100,11 @@ def checks_around_runs(workload: dict, spread: float) -> list[dict]:
     """The checks around the workload's live runs (the mean of the two around each), round by round."""
     from hydrad.engine.profiler import Speed
 
-    deployments = workload["deployments"]
-    rounds = max((len(d.get("rounds") or [d]) for d in deployments), default=0)
+    rounds = [dep.get("rounds") or [dep] for dep in workload["deployments"]]
     found = []
-    for k in range(rounds):
-        for dep in deployments:
-            r = (dep.get("rounds") or [dep])[k] if k < len(dep.get("rounds") or [dep]) else None
-            if r and r.get("speed_around_run"):
+    for k in range(max(map(len, rounds), default=0)):
+        for r in (each[k] for each in rounds if k < len(each)):
+            if r.get("speed_around_run"):
                 found.append({int(n): Speed(f, spread, (r.get("speed_around_run_by_kind") or {}).get(n, {}))
                               for n, f in r["speed_around_run"].items()})
     return found

@@ -252,18 +252,18 @@ def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[di
     from hydrad.engine.profiler import SPEED_HISTORY, recent_speeds, typical_speed
 
     history = SPEED_HISTORY if history is None else history
-    earlier = {n: recent_speeds(model, count=history) for n, model in probe.models.items()} if history > 0 else {}
+    # The history as it was before this check, which joins it.
+    earlier = {n: recent_speeds(model, count=history) if history > 0 else [] for n, model in probe.models.items()}
     now = probe.speeds()
-    if history <= 0:
-        return now, {n: {"check_now": s.factor, "check_now_by_kind": dict(s.parts), "earlier_checks": 0,
-                         "with_fit": False, "planned_at": s.factor} for n, s in sorted(now.items())}
-    speeds = {n: typical_speed(speed, earlier[n]) for n, speed in now.items()}
-    basis = {}
-    for n in sorted(now):
-        basis[n] = {"check_now": now[n].factor, "check_now_by_kind": dict(now[n].parts),
-                    "earlier_checks": len(earlier[n]), "with_fit": True, "planned_at": speeds[n].factor}
-        logger.info("planning at %.2fx the latency model's speed on %d thread(s): the median of this check "
-                    "(%.2fx), %d earlier one(s) and the fit", speeds[n].factor, n, now[n].factor, len(earlier[n]))
+    speeds = {n: typical_speed(speed, earlier[n]) if history > 0 else speed for n, speed in now.items()}
+    basis = {n: {"check_now": now[n].factor, "check_now_by_kind": dict(now[n].parts),
+                 "earlier_checks": len(earlier[n]), "with_fit": history > 0, "planned_at": speeds[n].factor}
+             for n in sorted(now)}
+    if history > 0:
+        for n, b in basis.items():
+            logger.info("planning at %.2fx the latency model's speed on %d thread(s): the median of this check "
+                        "(%.2fx), %d earlier one(s) and the fit", b["planned_at"], n, b["check_now"],
+                        b["earlier_checks"])
     return speeds, basis
 
 

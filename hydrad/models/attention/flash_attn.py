@@ -20,7 +20,6 @@ from hydrad.models.attention.sdpa import write_kv_cache
 from hydrad.errors import ConfigError
 
 
-
 class FlashAttnBackend:
     name = "flash_attn"
     default_block_size = FLASH_ATTN_BLOCK_MULTIPLE
