@@ -23,6 +23,10 @@ deployment, their relative difference, and whether the live best is the simulate
 (with ``--live-rounds N``, the live goodput is the mean of N searches, alternately
 forward and backward through the deployments, each reported: one deployment's live
 goodput moves by more than 15% between runs an hour apart on a shared 2-core machine);
+how far the top pick was from the best other deployment live, against the standard error
+of that difference over the rounds (``live_margin``: a margin within two standard errors
+is one the live rounds do not settle, reported beside the agreement, which is counted as
+it is);
 and the same again with each deployment simulated at the machine's speed measured right
 before and after its live run (``validate``'s ``speed_check``), which separates the
 simulator's error from the machine's drift over the hour the live runs take; and again at
@@ -56,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -181,6 +186,32 @@ def combine_rounds(rows: list[dict]) -> dict:
     return row
 
 
+def live_margin(rows: list[dict], pick: str) -> dict | None:
+    """How far ``pick`` (the simulation's top deployment) was from the best of the others
+    live, against how much the live rounds themselves scatter: the difference of the means
+    over the other's mean (> 0: ``pick`` ahead), and the standard error of that difference
+    from the rounds' sample variances (sqrt(s_a^2/n_a + s_b^2/n_b), same scale). A margin
+    within two standard errors is one the live rounds do not settle. None without another
+    deployment, or with a round that found no goodput; the standard error is None with a
+    single round of either."""
+    rounds = {r["deploy"]: r.get("live_goodput_rounds") or [r["live_goodput_rps"]] for r in rows}
+    if pick not in rounds or any(g is None for rs in rounds.values() for g in rs):
+        return None
+    others = [d for d in rounds if d != pick]
+    if not others:
+        return None
+    other = max(others, key=lambda d: statistics.mean(rounds[d]))
+    a, b = rounds[pick], rounds[other]
+    base = statistics.mean(b)
+    if base <= 0:
+        return None
+    margin = (statistics.mean(a) - base) / base
+    se = math.sqrt(statistics.variance(a) / len(a) + statistics.variance(b) / len(b)) / base \
+        if len(a) > 1 and len(b) > 1 else None
+    return {"pick": pick, "other": other, "margin": margin, "standard_error": se,
+            "settled": se is not None and abs(margin) > 2 * se}
+
+
 def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
     """How much longer each kind of work took while serving than in the idle speed check:
     per kind, over every live run of ``rows`` (validate rows, one per deployment, their
@@ -257,6 +288,7 @@ def accuracy(args) -> dict:
                      "simulated_best_at_run_speed": now_best, "ranking_agrees_at_run_speed": now_best == live_best,
                      "simulated_best_at_live_speed": loaded_best,
                      "ranking_agrees_at_live_speed": loaded_best == live_best,
+                     "live_margin": live_margin(live, sim_best),
                      "max_abs_error": max((abs(r["error"]) for r in live if r["error"] is not None), default=None),
                      "profile": profile.to_json(args.top)})
     table = Table(title="simulated vs live goodput (req/s): at the profile's speed, at the speed around each run, "
@@ -285,6 +317,13 @@ def accuracy(args) -> dict:
                           "-" if loaded is None else f"{loaded:.3g}", pct(d.get("error_at_live_speed")),
                           ("yes" if row["ranking_agrees_at_live_speed"] else "no") if i == 0 else "")
     console.print(table)
+    for row in rows:
+        m = row["live_margin"]
+        if m is not None:
+            se = "-" if m["standard_error"] is None else f"{100 * m['standard_error']:.0f}%"
+            console.print(f"{row['workload']}: live, the top pick {m['pick']} against {m['other']}: "
+                          f"{100 * m['margin']:+.1f}%, standard error {se} over the rounds"
+                          + ("" if m["settled"] else " (not settled by the live rounds)"), highlight=False)
     serving = serving_slowdown([d for row in rows for d in row["deployments"]], Devices.parse(args.devices).threads)
     if serving:
         console.print("serving slowdown, the workers' steps against the idle speed check around the same run "

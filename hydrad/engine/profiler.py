@@ -18,6 +18,7 @@ that requests' images take; sizes that come out alike are probed once.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -677,15 +678,21 @@ def record_speed(model: LatencyModel, speed: Speed, *, now: float | None = None)
                        "spread": speed.spread, "parts": speed.parts})
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        lines = path.read_text().splitlines() if path.exists() else []
-        if len(lines) >= 4 * SPEED_HISTORY:
-            # Keep the file short: rename a trimmed copy into place.
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-                f.write("\n".join(lines[-SPEED_HISTORY:] + [line]) + "\n")
-            os.replace(f.name, path)
-        else:
-            with open(path, "a") as f:  # one short write: appends from several processes stay whole
-                f.write(line + "\n")
+        # One writer at a time (two profiles, or a profile and a ``--validate``, can share a
+        # cache): a trim reads the file and renames a copy over it, and an append between the
+        # two would be lost. The lock is a file of its own, since the rename
+        # replaces the history's inode.
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            lines = path.read_text().splitlines() if path.exists() else []
+            if len(lines) >= 4 * SPEED_HISTORY:
+                # Keep the file short: rename a trimmed copy into place.
+                with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+                    f.write("\n".join(lines[-SPEED_HISTORY:] + [line]) + "\n")
+                os.replace(f.name, path)
+            else:
+                with open(path, "a") as f:
+                    f.write(line + "\n")
     except OSError as e:
         logger.warning("could not record the speed check in %s: %s", path, e)
 

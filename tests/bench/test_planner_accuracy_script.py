@@ -85,3 +85,29 @@ def test_serving_slowdown_is_the_median_over_every_live_run_of_loaded_over_idle_
     assert slowdown["images"]["slowdown"] == pytest.approx(0.2) and slowdown["images"]["runs"] == 3
     assert slowdown["decodes"]["slowdown"] == pytest.approx(0.1) and slowdown["decodes"]["runs"] == 1
     assert script.serving_slowdown([no_check], threads=1) == {}
+
+
+def _ranked(deploy, rounds):
+    return {"deploy": deploy, "live_goodput_rounds": rounds, "live_goodput_rps": sum(rounds) / len(rounds)}
+
+
+def test_live_margin_is_the_top_picks_lead_over_the_best_other_against_the_rounds_scatter(script):
+    rows = [_ranked("2EPD", [7.0, 9.0]), _ranked("1EP+1EPD", [7.5, 8.5]), _ranked("1ED+1P", [5.0, 5.2])]
+    m = script.live_margin(rows, "2EPD")
+    assert m["other"] == "1EP+1EPD" and m["margin"] == pytest.approx(0.0)
+    # s^2 = 2 and 0.5 over two rounds each: sqrt(2/2 + 0.5/2) = sqrt(1.25), over 8.
+    assert m["standard_error"] == pytest.approx(1.25 ** 0.5 / 8.0)
+    assert m["settled"] is False
+    # Behind by far more than the rounds scatter: settled, and negative.
+    far = script.live_margin([_ranked("1ED+1P", [5.0, 5.2]), _ranked("2EPD", [8.0, 8.2])], "1ED+1P")
+    assert far["margin"] == pytest.approx((5.1 - 8.1) / 8.1) and far["settled"] is True
+
+
+def test_live_margin_without_rounds_to_compare_has_no_error_or_nothing(script):
+    one_round = script.live_margin([{"deploy": "a", "live_goodput_rps": 4.0}, {"deploy": "b", "live_goodput_rps": 5.0}],
+                                   "a")
+    assert one_round["margin"] == pytest.approx(-0.2)
+    assert one_round["standard_error"] is None and one_round["settled"] is False
+    assert script.live_margin([_ranked("a", [4.0, 5.0])], "a") is None
+    assert script.live_margin([_ranked("a", [4.0, 5.0]), {"deploy": "b", "live_goodput_rps": None,
+                                                          "live_goodput_rounds": [None, 3.0]}], "a") is None

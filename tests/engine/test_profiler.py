@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import statistics
 import time
 
@@ -529,6 +530,31 @@ def test_the_speed_history_file_stays_short(cache_dir):
     assert SPEED_HISTORY < len(lines) <= 4 * SPEED_HISTORY
     # The newest are kept.
     assert recent_speeds(model, now=1e6, max_age=1e7)[-1].factor == pytest.approx(1.0 + (10 * SPEED_HISTORY - 1) / 1000)
+
+
+def _record_many(start: int, count: int) -> None:
+    for i in range(start, start + count):
+        record_speed(keyed_model(), Speed(1.0 + i / 1000), now=float(i))
+
+
+def test_speed_checks_recorded_by_several_processes_at_once_are_not_lost(cache_dir):
+    """A trim renames a copy over the file; an append from another process between its read
+    and its rename would be lost, and the count of lines would come out short."""
+    writers, each = 4, 60
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_record_many, args=(k * each, each)) for k in range(writers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    # Serialized, the count of lines follows the trim rule whatever the order of the writes.
+    expected = 0
+    for _ in range(writers * each):
+        expected = SPEED_HISTORY + 1 if expected >= 4 * SPEED_HISTORY else expected + 1
+    lines = speed_history_path(keyed_model()).read_text().splitlines()
+    assert len(lines) == expected
+    assert all(json.loads(line)["fit"] for line in lines)
 
 
 def test_a_plan_takes_the_median_of_recent_checks_the_check_now_and_the_fit():
