@@ -680,8 +680,7 @@ def record_speed(model: LatencyModel, speed: Speed, *, now: float | None = None)
         path.parent.mkdir(parents=True, exist_ok=True)
         # One writer at a time (two profiles, or a profile and a ``--validate``, can share a
         # cache): a trim reads the file and renames a copy over it, and an append between the
-        # two would be lost. The lock is a file of its own, since the rename
-        # replaces the history's inode.
+        # two would be lost. The lock is a file of its own: the rename replaces the history's inode.
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             lines = path.read_text().splitlines() if path.exists() else []
