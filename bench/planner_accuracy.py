@@ -192,13 +192,12 @@ def live_margin(rows: list[dict], pick: str) -> dict | None:
     over the other's mean (> 0: ``pick`` ahead), and the standard error of that difference
     from the rounds' sample variances (sqrt(s_a^2/n_a + s_b^2/n_b), same scale). A margin
     within two standard errors is one the live rounds do not settle. None without another
-    deployment, or with a round that found no goodput; the standard error is None with a
-    single round of either."""
+    deployment whose every round found a goodput, or when one of ``pick``'s found none; the
+    standard error is None with a single round of either."""
     rounds = {r["deploy"]: r.get("live_goodput_rounds") or [r["live_goodput_rps"]] for r in rows}
-    if pick not in rounds or any(g is None for rs in rounds.values() for g in rs):
-        return None
-    others = [d for d in rounds if d != pick]
-    if not others:
+    known = {d: rs for d, rs in rounds.items() if all(g is not None for g in rs)}
+    others = [d for d in known if d != pick]
+    if pick not in known or not others:
         return None
     other = max(others, key=lambda d: statistics.mean(rounds[d]))
     a, b = rounds[pick], rounds[other]

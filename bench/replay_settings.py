@@ -196,14 +196,21 @@ def main() -> None:
     devices = Devices.parse(first["devices"])
     config = daemon_config(model_dir(args.model), first["devices"], "auto", first["slo_ttft"], first["slo_tbt"])
     if args.at == "profile":
-        work = [(name, run, w, dep, dep) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
-                if dep.get("live_goodput_rps")]
-        # How far each setting's speed was from the speed around the live runs, per workload.
-        off = {label: [x for _, run in runs for i, w in enumerate(run["workloads"])
-                       for x in speed_off(planned_speeds(run, i, setting["speed"], args.spread), w)]
-               for label, setting in settings.items()}
+        work = [(name, run, (k, i, w), dep, dep) for k, (name, run) in enumerate(runs)
+                for i, w in enumerate(run["workloads"])
+                for dep in w["deployments"] if dep.get("live_goodput_rps")]
+        # Each setting's speeds per workload, planned once (keyed by the run's place in the
+        # list: two runs' files can share a name): replayed below, and how far they were from
+        # the speed around the live runs.
+        planned = {(k, i, label): planned_speeds(run, i, setting["speed"], args.spread)
+                   for k, (_, run) in enumerate(runs) for i in range(len(run["workloads"]))
+                   for label, setting in settings.items()}
+        off = {label: [x for k, (_, run) in enumerate(runs) for i, w in enumerate(run["workloads"])
+                       for x in speed_off(planned[k, i, label], w)] for label in settings}
     else:
-        work = [(name, run, w, dep, r) for name, run in runs for w in run["workloads"] for dep in w["deployments"]
+        work = [(name, run, (k, i, w), dep, r) for k, (name, run) in enumerate(runs)
+                for i, w in enumerate(run["workloads"])
+                for dep in w["deployments"]
                 for r in dep.get("rounds") or [dep] if r.get("speed_around_run") and r.get("live_goodput_rps")]
     rows = []
     with MachineProbe(config.engine, devices) as probe, Progress(console=console) as progress:
@@ -212,7 +219,7 @@ def main() -> None:
         what = "live round" if args.at == "around-run" else "deployment"
         task = progress.add_task(f"replaying each {what} twice", total=len(work))
         workloads = {}
-        for name, run, w, dep, r in work:
+        for name, run, (k, index, w), dep, r in work:
             trace = Path(dep["trace_dir"]).parents[1] / "trace"
             if trace not in workloads:
                 if not trace.exists():
@@ -231,7 +238,7 @@ def main() -> None:
             row = {"run": name, "workload": w["workload"], "deploy": dep["deploy"], "live_rps": r["live_goodput_rps"]}
             for label, setting in settings.items():
                 if args.at == "profile":
-                    speeds = planned_speeds(run, run["workloads"].index(w), setting["speed"], args.spread)
+                    speeds = planned[k, index, label]
                 setup = replace(base, corun_slowdown=setting["corun_slowdown"],
                                 warm_requests=setting["warm_requests"],
                                 noise_correlation=setting["noise_correlation"],

@@ -111,3 +111,8 @@ def test_live_margin_without_rounds_to_compare_has_no_error_or_nothing(script):
     assert script.live_margin([_ranked("a", [4.0, 5.0])], "a") is None
     assert script.live_margin([_ranked("a", [4.0, 5.0]), {"deploy": "b", "live_goodput_rps": None,
                                                           "live_goodput_rounds": [None, 3.0]}], "a") is None
+    # A third deployment with a round that found none leaves the margin to the others.
+    rows = [_ranked("a", [4.0, 5.0]), _ranked("b", [3.0, 3.0]),
+            {"deploy": "c", "live_goodput_rps": None, "live_goodput_rounds": [None, 9.0]}]
+    assert script.live_margin(rows, "a")["other"] == "b"
+    assert script.live_margin(rows, "c") is None
