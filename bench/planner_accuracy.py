@@ -47,12 +47,13 @@ output tokens per request; TTFT <= 2 s, TBT p90 <= 0.1 s): a trace is recorded,
 ``hydrad start --deploy auto --trace`` starts from it, and its live goodput is compared
 with the best of the ``--hand`` deployments (measured live; with ``--live-rounds N``, each
 daemon's goodput is the mean of N searches, the daemons taken alternately forward and
-backward) and with vLLM-cpu on the same
-cores: started by the script once hydrad's runs are over, alone, on a copy of the
-checkpoint in its layout (``--vllm-python``: the Python of a vLLM-cpu install, see
+backward) and with vLLM-cpu on the same cores, which takes its turn in every round after
+(forward) or before (backward) hydrad's daemons: started by the script alone, on a copy of
+the checkpoint in its layout (``--vllm-python``: the Python of a vLLM-cpu install, see
 ``../shared/peer/``), or a server already running (``--vllm-url``, which then shares the
-cores with hydrad's runs). vLLM's search stops at ``--vllm-min-rate``: below it, its
-goodput is reported as under that rate.
+cores with hydrad's runs). vLLM's goodput is the mean of its rounds, each reported with the
+attainment at every rate its search ran. Its search stops at ``--vllm-min-rate``: a round
+below it counts as that rate, and the ratio over vLLM is then a lower bound.
 """
 
 from __future__ import annotations
@@ -161,6 +162,16 @@ def mean_goodput(rounds: list[float | None]) -> float | None:
     """The mean of one deployment's goodputs over live rounds: a round that found none (no
     rate met the SLO) makes the mean None, a goodput of 0 counts."""
     return sum(rounds) / len(rounds) if rounds and all(g is not None for g in rounds) else None
+
+
+def floored_mean(rounds: list[float | None], floor: float) -> tuple[float | None, bool]:
+    """The mean of vLLM's goodputs over live rounds, where a round that found no goodput down
+    to the search's lowest rate ``floor`` counts as ``floor``: the mean is then an upper bound
+    of vLLM's (so hydrad's ratio over it a lower bound), flagged by the second value."""
+    if not rounds:
+        return None, False
+    below = any(g is None for g in rounds)
+    return sum(floor if g is None else g for g in rounds) / len(rounds), below
 
 
 def combine_rounds(rows: list[dict]) -> dict:
@@ -360,48 +371,72 @@ def auto(args) -> dict:
             daemon.stop()
         return result.goodput_total, status.get("deployment", {})
 
-    names = ["auto", *args.hand.split(",")]
+    vllm_search = dataclasses.replace(search, min_rate=args.vllm_min_rate)
+    vllm_runs: list[dict] = []
+    vllm_model = vllm_copy(Path(model), work / "vllm-model") if args.vllm_python else None
+
+    def vllm_goodput() -> float | None:
+        server, url = None, args.vllm_url
+        run: dict = {}
+        if args.vllm_python:
+            console.print("starting vLLM-cpu (alone)")
+            server = vllm_server(args.vllm_python, vllm_model, work / f"vllm-{len(vllm_runs)}.log")
+            run["start_seconds"] = server.start()
+            url = server.url
+        try:
+            result = bench(url, str(workload), slo=slo, search=vllm_search, num_requests=args.num_requests,
+                           label="vllm", warmup=args.warmup)
+        finally:
+            if server is not None:
+                server.stop()
+        run["goodput_rps"] = result.goodput_total
+        run["sweep"] = {f"{r.rate:g}": r.summary.attainment for r in result.runs if r.summary is not None}
+        vllm_runs.append(run)
+        return result.goodput_total
+
+    with_vllm = bool(args.vllm_url or args.vllm_python)
+    names = ["auto", *args.hand.split(",")] + (["vllm"] if with_vllm else [])
     rounds: dict[str, list] = {name: [] for name in names}
     deployments = []
     for k in range(args.live_rounds):
         for name in round_order(names, k):
-            title = "hydrad start --deploy auto --trace" if name == "auto" else f"by hand: {name}"
+            title = {"auto": "hydrad start --deploy auto --trace", "vllm": "vLLM-cpu"}.get(name, f"by hand: {name}")
             console.rule(title + (f" (round {k + 1} of {args.live_rounds})" if args.live_rounds > 1 else ""))
+            if name == "vllm":
+                rounds[name].append(vllm_goodput())
+                continue
             extra = {"args": ("--trace", str(trace_dir))} if name == "auto" else None
             goodput, deployment = live_goodput(name, extra)
             rounds[name].append(goodput)
             if name == "auto":
                 deployments.append(deployment)
-    results = {name: {"goodput_rps": mean_goodput(rounds[name]), "goodput_rounds": rounds[name]} for name in names}
+    hydrad_names = [n for n in names if n != "vllm"]
+    results = {name: {"goodput_rps": mean_goodput(rounds[name]), "goodput_rounds": rounds[name]}
+               for name in hydrad_names}
     # "deployment": the first round's, as before rounds existed; "deployments": every round's.
     results["auto"]["deployment"] = deployments[0]
     results["auto"]["deployments"] = deployments
     goodput = results["auto"]["goodput_rps"]
-    best_hand = max(names[1:], key=lambda k: results[k]["goodput_rps"] or 0.0)
+    best_hand = max(hydrad_names[1:], key=lambda k: results[k]["goodput_rps"] or 0.0)
     out = {"mode": "auto", "args": vars(args), "machine": machine(), "results": results, "best_hand": best_hand,
            "auto_over_best_hand": (goodput or 0.0) / (results[best_hand]["goodput_rps"] or float("nan"))}
-    if args.vllm_url or args.vllm_python:
-        server = None
-        url = args.vllm_url
-        if args.vllm_python:
-            console.rule("starting vLLM-cpu (alone)")
-            server = vllm_server(args.vllm_python, vllm_copy(Path(model), work / "vllm-model"), work / "vllm.log")
-            out["vllm_start_seconds"] = server.start()
-            url = server.url
-        console.rule(f"vLLM at {url}")
-        vllm_search = dataclasses.replace(search, min_rate=args.vllm_min_rate)
-        try:
-            vllm = bench(url, str(workload), slo=slo, search=vllm_search, num_requests=args.num_requests,
-                         label="vllm", warmup=args.warmup)
-        finally:
-            if server is not None:
-                server.stop()
-        out["vllm_goodput_rps"] = vllm.goodput_total
-        out["vllm_sweep"] = {f"{r.rate:g}": r.summary.attainment for r in vllm.runs if r.summary is not None}
-        # Under the lowest rate searched, vLLM's goodput is below it: the ratio is then a lower bound.
-        floor = vllm.goodput_total or args.vllm_min_rate
-        out["auto_over_vllm"] = (goodput or 0.0) / floor
-        out["auto_over_vllm_is_lower_bound"] = not vllm.goodput_total
+    if with_vllm:
+        # vLLM takes its turn in every round, like hydrad's daemons, so that a fast or slow
+        # stretch of the machine falls on both; a round under the lowest rate searched counts
+        # as that rate, and the ratio is then a lower bound.
+        floor_mean, below = floored_mean(rounds["vllm"], args.vllm_min_rate)
+        out["vllm_goodput_rps"] = mean_goodput(rounds["vllm"])
+        out["vllm_goodput_rounds"] = rounds["vllm"]
+        out["vllm_runs"] = vllm_runs
+        # The first round's, under the keys single-round runs have always written.
+        out["vllm_sweep"] = vllm_runs[0]["sweep"]
+        if "start_seconds" in vllm_runs[0]:
+            out["vllm_start_seconds"] = vllm_runs[0]["start_seconds"]
+        out["auto_over_vllm"] = (goodput or 0.0) / floor_mean
+        out["auto_over_vllm_is_lower_bound"] = below
+        console.print("vLLM-cpu, goodput by round: " + ", ".join(
+            "< " + f"{args.vllm_min_rate:g}" if g is None else f"{g:.3g}" for g in rounds["vllm"])
+            + f"; --deploy auto over vLLM-cpu: {'>= ' if below else ''}{out['auto_over_vllm']:.2f}x", highlight=False)
     console.print_json(json.dumps({k: v for k, v in out.items() if k not in ("args", "machine")}))
     return out
 

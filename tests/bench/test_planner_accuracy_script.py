@@ -116,3 +116,81 @@ def test_live_margin_without_rounds_to_compare_has_no_error_or_nothing(script):
             {"deploy": "c", "live_goodput_rps": None, "live_goodput_rounds": [None, 9.0]}]
     assert script.live_margin(rows, "a")["other"] == "b"
     assert script.live_margin(rows, "c") is None
+
+
+def test_floored_mean_counts_a_round_below_the_search_as_its_lowest_rate(script):
+    assert script.floored_mean([2.0, 1.0], 0.5) == (1.5, False)
+    mean, below = script.floored_mean([2.0, None], 0.5)
+    assert mean == pytest.approx(1.25) and below is True
+    assert script.floored_mean([], 0.5) == (None, False)
+
+
+def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypatch, tmp_path):
+    """``auto`` with vLLM: every round searches hydrad's daemons and vLLM, in alternating
+    order, and the ratio over vLLM is taken against the mean of its rounds (a round below
+    the search's lowest rate counting as that rate). Servers and searches are fakes."""
+    import argparse
+    import types
+
+    import hydrad.planner.validate as validate
+
+    order, vllm_goodputs = [], iter([2.0, None, 1.0])
+    hydrad_goodputs = {"auto": 9.0, "2EPD": 10.0, "1EP+1D": 7.0}
+
+    class Daemon:
+        def __init__(self, config, log_path, **extra):
+            self.deploy, self.url = config, "http://daemon"
+
+        def stop(self):
+            pass
+
+    class Server:
+        url = "http://vllm"
+
+        def __init__(self, *a):
+            pass
+
+        def start(self):
+            return 1.5
+
+        def stop(self):
+            pass
+
+    def bench(url, workload, *, slo, search, num_requests, label, warmup):
+        order.append(label)
+        goodput = next(vllm_goodputs) if label == "vllm" else hydrad_goodputs[label]
+        run = types.SimpleNamespace(rate=4.0, summary=types.SimpleNamespace(attainment=0.5))
+        return types.SimpleNamespace(goodput_total=goodput, runs=[run])
+
+    class Response:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return json.dumps({"deployment": {"deploy": "2EPD"}}).encode()
+
+    monkeypatch.setattr(validate, "LiveDaemon", Daemon)
+    monkeypatch.setattr(script, "model_dir", lambda model: str(tmp_path))
+    monkeypatch.setattr(script, "record", lambda *a, **k: (tmp_path / "trace", None))
+    monkeypatch.setattr(script, "daemon_config", lambda model, devices, deploy, *a: deploy)
+    monkeypatch.setattr(script, "bench", bench)
+    monkeypatch.setattr(script, "vllm_copy", lambda src, dst: dst)
+    monkeypatch.setattr(script, "vllm_server", Server)
+    monkeypatch.setattr(script.urllib.request, "urlopen", lambda url: Response())
+    args = argparse.Namespace(model=None, devices="cpu:2", slo_ttft=2.0, slo_tbt=0.1, record_rate=1.0,
+                              record_requests=10, num_requests=10, hand="2EPD,1EP+1D", live_rounds=3,
+                              search_start=4.0, vllm_python="python", vllm_url=None, vllm_min_rate=0.5, warmup=0)
+    out = script.auto(args)
+    forward = ["auto", "2EPD", "1EP+1D", "vllm"]
+    assert order == forward + forward[::-1] + forward
+    assert out["vllm_goodput_rounds"] == [2.0, None, 1.0]
+    assert out["vllm_goodput_rps"] is None, "a round below the search leaves no plain mean"
+    assert out["auto_over_vllm"] == pytest.approx(9.0 / ((2.0 + 0.5 + 1.0) / 3))
+    assert out["auto_over_vllm_is_lower_bound"] is True
+    assert out["best_hand"] == "2EPD" and out["auto_over_best_hand"] == pytest.approx(0.9)
+    assert [r["sweep"] for r in out["vllm_runs"]] == [{"4": 0.5}] * 3
+    assert out["vllm_sweep"] == {"4": 0.5} and out["vllm_start_seconds"] == 1.5
+    assert "vllm" not in out["results"]
