@@ -166,12 +166,13 @@ def mean_goodput(rounds: list[float | None]) -> float | None:
 
 def floored_mean(rounds: list[float | None], floor: float) -> tuple[float | None, bool]:
     """The mean of vLLM's goodputs over live rounds, where a round that found no goodput down
-    to the search's lowest rate ``floor`` counts as ``floor``: the mean is then an upper bound
-    of vLLM's (so hydrad's ratio over it a lower bound), flagged by the second value."""
+    to the search's lowest rate ``floor`` (a search in which no rate passed reports 0; None
+    when it could not tell) counts as ``floor``: the mean is then an upper bound of vLLM's
+    (so hydrad's ratio over it a lower bound), flagged by the second value."""
     if not rounds:
         return None, False
-    below = any(g is None for g in rounds)
-    return sum(floor if g is None else g for g in rounds) / len(rounds), below
+    counted = [floor if not g else g for g in rounds]
+    return sum(counted) / len(counted), any(not g for g in rounds)
 
 
 def combine_rounds(rows: list[dict]) -> dict:
@@ -425,7 +426,9 @@ def auto(args) -> dict:
         # stretch of the machine falls on both; a round under the lowest rate searched counts
         # as that rate, and the ratio is then a lower bound.
         floor_mean, below = floored_mean(rounds["vllm"], args.vllm_min_rate)
-        out["vllm_goodput_rps"] = mean_goodput(rounds["vllm"])
+        # The figure the ratio divides by: with a round under the lowest rate counted as it,
+        # an upper bound of vLLM's goodput (flagged by auto_over_vllm_is_lower_bound).
+        out["vllm_goodput_rps"] = floor_mean
         out["vllm_goodput_rounds"] = rounds["vllm"]
         out["vllm_runs"] = vllm_runs
         # The first round's, under the keys single-round runs have always written.
@@ -435,7 +438,7 @@ def auto(args) -> dict:
         out["auto_over_vllm"] = (goodput or 0.0) / floor_mean
         out["auto_over_vllm_is_lower_bound"] = below
         console.print("vLLM-cpu, goodput by round: " + ", ".join(
-            "< " + f"{args.vllm_min_rate:g}" if g is None else f"{g:.3g}" for g in rounds["vllm"])
+            "< " + f"{args.vllm_min_rate:g}" if not g else f"{g:.3g}" for g in rounds["vllm"])
             + f"; --deploy auto over vLLM-cpu: {'>= ' if below else ''}{out['auto_over_vllm']:.2f}x", highlight=False)
     console.print_json(json.dumps({k: v for k, v in out.items() if k not in ("args", "machine")}))
     return out

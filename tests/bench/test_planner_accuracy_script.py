@@ -123,6 +123,9 @@ def test_floored_mean_counts_a_round_below_the_search_as_its_lowest_rate(script)
     mean, below = script.floored_mean([2.0, None], 0.5)
     assert mean == pytest.approx(1.25) and below is True
     assert script.floored_mean([], 0.5) == (None, False)
+    # A search in which no rate passed reports a goodput of 0: under the lowest rate too.
+    mean, below = script.floored_mean([0.0, 1.0, 0.6], 0.5)
+    assert mean == pytest.approx(0.7) and below is True
 
 
 def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypatch, tmp_path):
@@ -134,7 +137,7 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
 
     import hydrad.planner.validate as validate
 
-    order, vllm_goodputs = [], iter([2.0, None, 1.0])
+    order, vllm_goodputs = [], iter([2.0, 0.0, 1.0])
     hydrad_goodputs = {"auto": 9.0, "2EPD": 10.0, "1EP+1D": 7.0}
 
     class Daemon:
@@ -186,8 +189,8 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
     out = script.auto(args)
     forward = ["auto", "2EPD", "1EP+1D", "vllm"]
     assert order == forward + forward[::-1] + forward
-    assert out["vllm_goodput_rounds"] == [2.0, None, 1.0]
-    assert out["vllm_goodput_rps"] is None, "a round below the search leaves no plain mean"
+    assert out["vllm_goodput_rounds"] == [2.0, 0.0, 1.0]
+    assert out["vllm_goodput_rps"] == pytest.approx((2.0 + 0.5 + 1.0) / 3), "counted with the floor"
     assert out["auto_over_vllm"] == pytest.approx(9.0 / ((2.0 + 0.5 + 1.0) / 3))
     assert out["auto_over_vllm_is_lower_bound"] is True
     assert out["best_hand"] == "2EPD" and out["auto_over_best_hand"] == pytest.approx(0.9)
