@@ -5,7 +5,7 @@
 CPU workers of a deployment each run on their own share of the cores, and the planner's
 simulator slows a step only while more threads are busy than there are cores. Two steps
 on separate cores still share the caches and the memory bandwidth. This times the
-latency model's speed probes (``profiler.speed_probes``: one with images, one prefill,
+latency model's speed probes (``machine_speed.speed_probes``: one with images, one prefill,
 one of decodes; the probes the planner's speed check times) on one torch thread, per
 round: alone, then while a second process runs the same probes in a loop on its own
 thread. Both conditions in every round, one right after the other, so the machine's
@@ -35,7 +35,8 @@ def _probes(model: str):
     torch.set_num_threads(1)
     from hydrad.config import EngineConfig, ModelConfig
     from hydrad.engine.core import EngineCore
-    from hydrad.engine.profiler import EngineTimer, fit_latency_model, probe_images, speed_probes
+    from hydrad.engine.profiler import EngineTimer, fit_latency_model, probe_images
+    from hydrad.engine.machine_speed import speed_probes
 
     engine = EngineCore(EngineConfig(model=ModelConfig(path=model)), role="EPD")
     fitted = fit_latency_model(engine, show_progress=False)
@@ -59,7 +60,7 @@ def main() -> None:
     parser.add_argument("--timings", type=int, default=5, help="timings of each probe per condition (median)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from hydrad.engine.profiler import probe_kind
+    from hydrad.engine.machine_speed import probe_kind
 
     model = str(model_dir(args.model))
     with console.status("fitting or loading the latency model"):

@@ -243,7 +243,7 @@ def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
 
 def accuracy(args) -> dict:
     from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions, MachineProbe, run_profile
-    from hydrad.planner.trace import read_trace
+    from hydrad.trace import read_trace
     from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
 
     model = model_dir(args.model)

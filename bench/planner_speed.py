@@ -40,7 +40,7 @@ def synthetic_setup():
 
 
 def records(n: int, rate: float, seed: int = 0):
-    from hydrad.planner.trace import make_record
+    from hydrad.trace import make_record
 
     rng, t, out = random.Random(seed), 0.0, []
     for _ in range(n):

@@ -3,7 +3,8 @@
     python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
         [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N] [--a-noise-correlation R]
         [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--b-noise-correlation R]
-        [--at around-run|profile] [--a-speed check|history] [--b-speed check|history] [--out FILE.json]
+        [--at around-run|profile] [--a-speed check|history|sample] [--b-speed check|history|sample] [--chain]
+        [--out FILE.json]
 
 Each RUN.json is the output of ``bench/planner_accuracy.py accuracy``, whose recorded traces
 are still on disk (the run's working folder, beside each deployment's ``trace_dir``). Every
@@ -21,14 +22,18 @@ and, with ``--at profile``, the speed the profile is replayed at (``--a-speed``,
 ``--b-speed``): ``check``, the check the profile took as it started, alone; ``history``,
 the median of that check, the run's checks before it (the earlier profiles' checks and the
 checks around the earlier live runs, as the JSON holds them: the mean of the two around
-each run; the last ``profiler.SPEED_HISTORY``) and the fit, as ``profile.planning_speeds``
-plans (a run made with the history: the speed it planned at). With ``--at profile`` it also
+each run; the last ``machine_speed.SPEED_HISTORY``) and the fit, as ``profile.planning_speeds``
+plans (a run made with the history: the speed it planned at); ``sample``, at each check of
+the speed sample a profile averages its goodput over (``machine_speed.speed_sample``: those
+earlier checks, the profile's and the fit), the goodput their mean. ``--chain``: a profile's
+earlier checks are those of every run given before it, in the order given, for each
+setting (the history then rebuilt for runs made with it too). With ``--at profile`` it also
 prints how far each setting's speed was from the mean speed measured around the workload's
 live runs. The defaults: A is the
 replay before the serving slowdown (the probes beside a copy of themselves,
 ``bench/corun_speed.py``, the client's CPU, cold instances, noise drawn anew each step), B
 is the replay's default now (``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load,
-``profile.DEFAULT_WARM_REQUESTS``, ``profile.DEFAULT_NOISE_CORRELATION``, the history). Both replays of
+``profile.DEFAULT_WARM_REQUESTS``, ``profile.DEFAULT_NOISE_CORRELATION``, the speed sample). Both replays of
 a round share everything else (the machine's latency models and copy bandwidth, measured or
 cached here), so the difference between their errors is the settings' alone.
 """
@@ -81,10 +86,10 @@ def make_setting(corun: str | None, client: str, warm: int, noise_correlation: f
 
 
 def profile_checks(workload: dict, spread: float) -> dict:
-    """The speed check (``profiler.Speed`` by thread count) a profile took as it started (a run
+    """The speed check (``machine_speed.Speed`` by thread count) a profile took as it started (a run
     that stored it overall only: per kind, the speeds planned at scaled by its factor over the
     one planned at)."""
-    from hydrad.engine.profiler import Speed
+    from hydrad.engine.machine_speed import Speed
 
     machine_json = workload["profile"]["machine"]
     planned = machine_json.get("speed_by_kind", {})
@@ -98,7 +103,7 @@ def profile_checks(workload: dict, spread: float) -> dict:
 
 def checks_around_runs(workload: dict, spread: float) -> list[dict]:
     """The checks around the workload's live runs (the mean of the two around each), round by round."""
-    from hydrad.engine.profiler import Speed
+    from hydrad.engine.machine_speed import Speed
 
     rounds = [dep.get("rounds") or [dep] for dep in workload["deployments"]]
     found = []
@@ -110,23 +115,33 @@ def checks_around_runs(workload: dict, spread: float) -> list[dict]:
     return found
 
 
-def planned_speeds(run: dict, index: int, how: str, spread: float) -> dict:
+def planned_speeds(run: dict, index: int, how: str, spread: float, chained: list[dict] | None = None):
     """The speeds (by thread count) the profile of ``run``'s workload ``index`` is replayed at:
-    ``check``, its own check alone; ``history``, as ``profile.planning_speeds`` plans."""
-    from hydrad.engine.profiler import SPEED_HISTORY, Speed, typical_speed
+    ``check``, its own check alone; ``history``, as ``profile.planning_speeds`` plans;
+    ``sample``, the checks a profile averages its goodput over (a list of them,
+    ``machine_speed.speed_sample``). The earlier checks are ``chained`` when given (the checks
+    of every run before this profile, ``--chain``), else the run's own before this workload,
+    and for ``history`` a run made with the history plans at the speed it stored."""
+    from hydrad.engine.machine_speed import SPEED_HISTORY, Speed, speed_sample, typical_speed
 
     workload = run["workloads"][index]
     now = profile_checks(workload, spread)
     if how == "check":
         return now
     machine_json = workload["profile"]["machine"]
-    if any(b.get("with_fit") for b in (machine_json.get("speed_basis") or {}).values()):
+    if chained is None and how == "history" and any(
+            b.get("with_fit") for b in (machine_json.get("speed_basis") or {}).values()):
         return {int(n): Speed(f, spread, machine_json.get("speed_by_kind", {}).get(n, {}))
                 for n, f in machine_json["speed_vs_latency_model"].items()}
-    earlier = []
-    for w in run["workloads"][:index]:
-        earlier += [profile_checks(w, spread), *checks_around_runs(w, spread)]
-    return {n: typical_speed(speed, [c[n] for c in earlier if n in c][-SPEED_HISTORY:]) for n, speed in now.items()}
+    earlier = chained
+    if earlier is None:
+        earlier = []
+        for w in run["workloads"][:index]:
+            earlier += [profile_checks(w, spread), *checks_around_runs(w, spread)]
+    by_count = {n: [c[n] for c in earlier if n in c][-SPEED_HISTORY:] for n in now}
+    if how == "sample":
+        return speed_sample(now, by_count)
+    return {n: typical_speed(speed, by_count[n]) for n, speed in now.items()}
 
 
 def speed_off(speeds: dict, workload: dict) -> list[float]:
@@ -159,21 +174,25 @@ def main() -> None:
                         help="around-run: each live round at the speed measured around it; profile: each "
                         "deployment at the speed its profile measured (as the run's headline figure), against "
                         "the mean of its live rounds")
-    parser.add_argument("--a-speed", choices=("check", "history"), default="check",
-                        help="--at profile: replay A at the profile's check alone, or at the median with the history")
-    parser.add_argument("--b-speed", choices=("check", "history"), default="history")
+    parser.add_argument("--a-speed", choices=("check", "history", "sample"), default="check",
+                        help="--at profile: replay A at the profile's check alone, at the median with the history, "
+                        "or at each check of the speed sample, its goodput the mean")
+    parser.add_argument("--b-speed", choices=("check", "history", "sample"), default="sample")
+    parser.add_argument("--chain", action="store_true",
+                        help="--at profile: each profile's earlier checks are those of the runs given before it, "
+                        "in the order given (else its own run's before it)")
     parser.add_argument("--spread", type=float, default=0.1,
                         help="the speed check's spread for runs that did not store it")
     parser.add_argument("--out")
     args = parser.parse_args()
 
     from hydrad.cluster.deploy import parse_deploy
-    from hydrad.engine.profiler import Speed
+    from hydrad.engine.machine_speed import Speed
     from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, DEFAULT_NOISE_CORRELATION, DEFAULT_WARM_REQUESTS,
                                         Devices, MachineOptions, MachineProbe, at_speeds, machine_setup)
     from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner
-    from hydrad.planner.trace import read_trace
     from hydrad.planner.workload import Workload
+    from hydrad.trace import read_trace
 
     sys.path.insert(0, str(Path(__file__).parent))
     from planner_accuracy import daemon_config
@@ -202,11 +221,17 @@ def main() -> None:
         # Each setting's speeds per workload, planned once (keyed by the run's place in the
         # list: two runs' files can share a name): replayed below, and how far they were from
         # the speed around the live runs.
-        planned = {(k, i, label): planned_speeds(run, i, setting["speed"], args.spread)
+        chains, seen = {}, []
+        for k, (_, run) in enumerate(runs):
+            for i, w in enumerate(run["workloads"]):
+                chains[k, i] = list(seen) if args.chain else None
+                seen += [profile_checks(w, args.spread), *checks_around_runs(w, args.spread)]
+        planned = {(k, i, label): planned_speeds(run, i, setting["speed"], args.spread, chains[k, i])
                    for k, (_, run) in enumerate(runs) for i in range(len(run["workloads"]))
                    for label, setting in settings.items()}
         off = {label: [x for k, (_, run) in enumerate(runs) for i, w in enumerate(run["workloads"])
-                       for x in speed_off(planned[k, i, label], w)] for label in settings}
+                       if isinstance(planned[k, i, label], dict) for x in speed_off(planned[k, i, label], w)]
+               for label in settings}
     else:
         work = [(name, run, (k, i, w), dep, r) for k, (name, run) in enumerate(runs)
                 for i, w in enumerate(run["workloads"])
@@ -243,13 +268,16 @@ def main() -> None:
                                 warm_requests=setting["warm_requests"],
                                 noise_correlation=setting["noise_correlation"],
                                 client_seconds=w["client_cpu_seconds_per_request"] if setting["client_cpu"] else 0.0)
-                setup = at_speeds(setup, speeds)
-                if noise is not None:
-                    setup = replace(setup, step_noise=noise)
-                planner = Planner(setup, workloads[trace], slo_ttft=run["args"]["slo_ttft"],
-                                  slo_tbt=run["args"]["slo_tbt"], num_requests=run["args"]["num_requests"],
-                                  seed=config.engine.seed)
-                goodput = planner.bisect(Evaluation(roles, planner.bound(roles)))
+                each = []
+                for at in speeds if isinstance(speeds, list) else [speeds]:  # a speed sample: the mean
+                    at_setup = at_speeds(setup, at)
+                    if noise is not None:
+                        at_setup = replace(at_setup, step_noise=noise)
+                    planner = Planner(at_setup, workloads[trace], slo_ttft=run["args"]["slo_ttft"],
+                                      slo_tbt=run["args"]["slo_tbt"], num_requests=run["args"]["num_requests"],
+                                      seed=config.engine.seed)
+                    each.append(planner.bisect(Evaluation(roles, planner.bound(roles))))
+                goodput = statistics.mean(each)
                 row[label] = goodput
                 row[f"error_{label}"] = (goodput - row["live_rps"]) / row["live_rps"]
             rows.append(row)

@@ -159,7 +159,7 @@ class TraceConfig:
 
     @property
     def directory(self) -> Path:
-        from hydrad.planner.trace import default_trace_dir
+        from hydrad.trace import default_trace_dir
 
         return Path(self.dir).expanduser() if self.dir else default_trace_dir()
 

@@ -215,7 +215,7 @@ def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float
 
 def _read_lines(path: Path) -> list[tuple[str, str]]:
     """(where, line) for every line of a workload file, or of a hydrad trace directory."""
-    from hydrad.planner.trace import trace_files
+    from hydrad.trace import trace_files
 
     files = trace_files(path) if path.is_dir() else [path]
     if not files:
@@ -233,7 +233,7 @@ def _read_lines(path: Path) -> list[tuple[str, str]]:
 def _trace_entry(obj: dict, where: str) -> dict | None:
     """A line of a hydrad request trace as a workload line; None for a request that did not
     run to its end (aborted, failed), which a replay leaves out."""
-    from hydrad.planner.trace import TraceRecord
+    from hydrad.trace import TraceRecord
 
     try:
         record = TraceRecord.from_json(obj)
@@ -245,7 +245,7 @@ def _trace_entry(obj: dict, where: str) -> dict | None:
 def load_file_workload(path: str | Path, seed: int) -> FileWorkload:
     """A JSONL workload file, or a hydrad request trace (a file, or the daemon's trace
     directory): each traced request that ran to its end becomes one request."""
-    from hydrad.planner.trace import FORMAT
+    from hydrad.trace import FORMAT
 
     path = Path(path)
     entries, timestamps = [], []

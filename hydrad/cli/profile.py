@@ -31,7 +31,7 @@ def _records_from_daemon(url: str, admin_token: str | None, limit: int, out_dir:
     """(records, trace file, model folder, devices) of a running daemon's recent trace."""
     import json
 
-    from hydrad.planner.trace import parse_lines
+    from hydrad.trace import parse_lines
 
     body = _fetch(url, f"/admin/trace?limit={limit}", admin_token)
     trace_file = out_dir / "trace.jsonl"
@@ -53,20 +53,30 @@ def _table(profile, top_k: int):
     costs = profile.planner.costs
     table = Table(title=f"{result.n} instance(s), TTFT <= {profile.slo_ttft:g} s, TBT p90 <= {profile.slo_tbt:g} s; "
                         f"rates in req/s; attainment at the trace's {profile.workload.mean_rate:.3g} req/s")
-    for name in ("#", "deployment", "goodput", "attainment", "bottleneck", "bound", "Algorithm 2"):
-        table.add_column(name, justify="right" if name in ("#", "goodput", "bound", "attainment") else "left",
-                         no_wrap=name != "Algorithm 2")
     shown = result.ranked[:top_k]
     if a2 is not None and a2 not in shown:
         shown = shown + [a2]
+    spread = any(e.goodput_by_speed for e in shown)
+    columns = ("#", "deployment", "goodput", *(("at recent speeds",) if spread else ()), "attainment", "bottleneck",
+               "bound", "Algorithm 2")
+    for name in columns:
+        table.add_column(name, justify="right" if name in ("#", "goodput", "at recent speeds", "bound", "attainment")
+                         else "left", no_wrap=name != "Algorithm 2")
+
+    def rate(goodput: float) -> str:
+        # At the replay's limit the goodput is only known to be at least that (search.SPAN).
+        return f"{'>=' if goodput >= 0.95 * profile.planner.max_rate else ''}{goodput:.3g}"
+
     for e in shown:
         rank = result.ranked.index(e) + 1
         att = f"{100 * e.trace_attainment:.1f}%" if e.trace_attainment is not None else "-"
         mark = ", ".join(e.methods) + (" (pick)" if e is a2 else "") if e.methods else ""
-        # At the replay's limit the goodput is only known to be at least that (search.SPAN).
-        capped = ">=" if e.goodput >= 0.95 * profile.planner.max_rate else ""
-        table.add_row(str(rank), e.spec, f"{capped}{e.goodput:.3g}", att, e.bottleneck(costs), f"{e.bound.rate:.3g}",
-                      mark)
+        span = (f"{min(e.goodput_by_speed):.3g}-{rate(max(e.goodput_by_speed))}" if e.goodput_by_speed else "-",)
+        table.add_row(str(rank), e.spec, rate(e.goodput), *(span if spread else ()), att, e.bottleneck(costs),
+                      f"{e.bound.rate:.3g}", mark)
+    if spread:
+        table.caption = (f"goodput: the mean of the goodputs at the {len(profile.setup.speed_sample)} recent speeds "
+                         "of the machine (its speed checks and the fit); at recent speeds: the lowest and highest")
     return table
 
 
@@ -122,7 +132,7 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     from hydrad.models.default import resolve_model_path
     from hydrad.planner.profile import (Devices, MachineOptions, MachineProbe, attainment_curves, plot_curves,
                                         run_profile)
-    from hydrad.planner.trace import read_trace
+    from hydrad.trace import read_trace
 
     if (trace_path is None) == (url is None):
         raise click.UsageError("give exactly one of --trace and --url")

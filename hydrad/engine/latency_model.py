@@ -224,7 +224,7 @@ class LatencyModel:
 
     def scaled(self, factor: float) -> LatencyModel:
         """This model with every step ``factor`` times as long (the machine runs slower or
-        faster than when it was fitted: ``profiler.measure_speed``)."""
+        faster than when it was fitted: ``machine_speed.measure_speed``)."""
         if not math.isfinite(factor) or factor <= 0:
             raise ValueError(f"latency model scale must be finite and > 0, got {factor}")
         if factor == 1.0:
@@ -235,7 +235,7 @@ class LatencyModel:
     def scaled_parts(self, images: float, prefills: float, decodes: float) -> LatencyModel:
         """This model with each kind of work as many times as long: vision by ``images``, the
         prefill terms by ``prefills``, the decode terms and the language step's fixed cost by
-        ``decodes`` (a decode step is mostly that cost; ``profiler.Speed.parts``)."""
+        ``decodes`` (a decode step is mostly that cost; ``machine_speed.Speed.parts``)."""
         factors = (images, prefills, decodes)
         if any(not math.isfinite(f) or f <= 0 for f in factors):
             raise ValueError(f"latency model scales must be finite and > 0, got {factors}")
@@ -326,7 +326,7 @@ class Calibration:
 class LiveSpeed:
     """How many times their prediction an instance's steps take now, per kind of work:
     the machine's speed against the latency model as the instance runs under load, the
-    figure ``profiler.measure_speed`` estimates from idle probes before a plan (same kinds,
+    figure ``machine_speed.measure_speed`` estimates from idle probes before a plan (same kinds,
     same meaning: ``LatencyModel.scaled_parts``). Under load the steps share the machine's
     memory bandwidth and caches with the other workers, the daemon and its clients; an idle
     probe shares them with nothing.
@@ -372,7 +372,7 @@ class LiveSpeed:
 
     def spread(self) -> float:
         """The standard deviation of log(measured / predicted) about each kind's median, from
-        their median absolute deviation (as ``profiler.Speed.spread``), over the kinds with
+        their median absolute deviation (as ``machine_speed.Speed.spread``), over the kinds with
         at least ``min_steps`` steps; 0 when there are none."""
         return log_spread(r for r in self.ratios.values() if len(r) >= self.min_steps)
 

@@ -39,7 +39,7 @@ def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
     try:
         # Planning reads the trace and the latency models (torch): only once there is a trace.
         from hydrad.planner.profile import Devices, MachineOptions, plan_deployment
-        from hydrad.planner.trace import read_trace
+        from hydrad.trace import read_trace
 
         records = read_trace(source, model=model)[-MAX_REQUESTS:]
         if len(records) < MIN_REQUESTS:

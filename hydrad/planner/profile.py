@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -35,8 +36,8 @@ from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS, LatencyModel
 from hydrad.errors import ConfigError
 from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, SearchResult
 from hydrad.planner.simulator import InstanceLayout, SimSetup
-from hydrad.planner.trace import TraceRecord
 from hydrad.planner.workload import Workload
+from hydrad.trace import TraceRecord
 
 logger = logging.getLogger("hydrad.planner")
 
@@ -131,7 +132,7 @@ class MachineOptions:
     processor_threads: int = 1
     # Time a few of the latency model's probes again and replay at the speed they run now:
     # the median of that check, up to ``speed_history`` recent ones and the fit
-    # (``planning_speeds``; None: ``profiler.SPEED_HISTORY``; 0: the check alone).
+    # (``planning_speeds``; None: ``machine_speed.SPEED_HISTORY``; 0: the check alone).
     check_speed: bool = True
     speed_history: int | None = None
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
@@ -140,6 +141,10 @@ class MachineOptions:
     client_seconds: float = 0.0
     warm_requests: int = DEFAULT_WARM_REQUESTS
     noise_correlation: float = DEFAULT_NOISE_CORRELATION
+    # Rank the deployments the search bisected by the mean of their goodput at each check of
+    # the speed sample (``machine_speed.speed_sample``: the recent checks, this one and the
+    # fit), not by their goodput at the median speed alone (``Profile.average_over_speeds``).
+    average_speeds: bool = True
 
 
 class MachineProbe:
@@ -178,11 +183,11 @@ class MachineProbe:
         return self.models[self.devices.threads]
 
     def speeds(self, rounds: int = 5) -> dict:
-        """``profiler.Speed`` of this machine now against each thread count's model, from
+        """``machine_speed.Speed`` of this machine now against each thread count's model, from
         ``rounds`` timings of each probe; each check joins that model's speed history."""
         import torch
 
-        from hydrad.engine.profiler import measure_speed, record_speed
+        from hydrad.engine.machine_speed import measure_speed, record_speed
 
         speeds = {}
         try:
@@ -220,7 +225,8 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
         probe = MachineProbe(config, devices, show_progress=show_progress)
     try:
         model = probe.model
-        speeds, basis = planning_speeds(probe, options.speed_history) if options.check_speed else ({}, {})
+        speeds, basis, sample = (planning_speeds(probe, options.speed_history) if options.check_speed
+                                 else ({}, {}, []))
         engine = probe.engine
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
@@ -237,6 +243,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             borrow_efficiency=options.borrow_efficiency,
             corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
             warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, speed_basis=basis,
+            speed_sample=tuple(sample) if options.average_speeds else (),
         )
         return at_speeds(setup, speeds)
     finally:
@@ -244,18 +251,20 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             probe.close()
 
 
-def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[dict, dict]:
-    """The speeds a plan is made at (``profiler.Speed`` by thread count): a check now, taken
-    with up to ``history`` recent ones and the fit (``profiler.typical_speed``; None:
-    ``profiler.SPEED_HISTORY``; 0: the check alone); and how each came about, for the
-    profile's report."""
-    from hydrad.engine.profiler import SPEED_HISTORY, recent_speeds, typical_speed
+def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[dict, dict, list[dict]]:
+    """The speeds a plan is made at (``machine_speed.Speed`` by thread count): a check now, taken
+    with up to ``history`` recent ones and the fit (``machine_speed.typical_speed``; None:
+    ``machine_speed.SPEED_HISTORY``; 0: the check alone); how each came about, for the
+    profile's report; and the checks a plan averages its goodput over
+    (``machine_speed.speed_sample``; with ``history`` 0, the check now alone)."""
+    from hydrad.engine.machine_speed import SPEED_HISTORY, recent_speeds, speed_sample, typical_speed
 
     history = SPEED_HISTORY if history is None else history
     # The history as it was before this check, which joins it.
     earlier = {n: recent_speeds(model, count=history) if history > 0 else [] for n, model in probe.models.items()}
     now = probe.speeds()
     speeds = {n: typical_speed(speed, earlier[n]) if history > 0 else speed for n, speed in now.items()}
+    sample = speed_sample(now, earlier) if history > 0 else [dict(now)]
     basis = {n: {"check_now": now[n].factor, "check_now_by_kind": dict(now[n].parts),
                  "earlier_checks": len(earlier[n]), "with_fit": history > 0, "planned_at": speeds[n].factor}
              for n in sorted(now)}
@@ -264,13 +273,13 @@ def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[di
             logger.info("planning at %.2fx the latency model's speed on %d thread(s): the median of this check "
                         "(%.2fx), %d earlier one(s) and the fit", b["planned_at"], n, b["check_now"],
                         b["earlier_checks"])
-    return speeds, basis
+    return speeds, basis, sample
 
 
 def mean_speeds(*checks: dict) -> dict:
-    """The speed checks ``checks`` (``profiler.Speed`` by thread count) taken together: the
+    """The speed checks ``checks`` (``machine_speed.Speed`` by thread count) taken together: the
     mean factor, and the root mean square spread, per thread count they all measured."""
-    from hydrad.engine.profiler import Speed
+    from hydrad.engine.machine_speed import Speed
 
     common = set.intersection(*(set(c) for c in checks)) if checks else set()
 
@@ -283,14 +292,14 @@ def mean_speeds(*checks: dict) -> dict:
 
 
 def live_speeds(reports, thread_counts) -> dict:
-    """The machine's speed under load (``profiler.Speed`` by thread count) from what the
+    """The machine's speed under load (``machine_speed.Speed`` by thread count) from what the
     workers measured on their own steps: ``reports`` holds one (factors, steps, spread)
     triple per instance, its ``EngineStats.live_speed``, ``live_speed_steps`` and
     ``live_speed_spread``. Per kind of work, the instances' factors weighted by their steps;
     the overall factor over every kind; the root mean square spread, weighted the same; the
     same at each of ``thread_counts`` (each worker measures against its model at the count it
     runs on, the models the replay uses). {} when no instance measured any kind."""
-    from hydrad.engine.profiler import Speed
+    from hydrad.engine.machine_speed import Speed
 
     weights: dict[str, float] = {}
     sums: dict[str, float] = {}
@@ -313,7 +322,7 @@ def live_speeds(reports, thread_counts) -> dict:
 
 
 def at_speeds(setup: SimSetup, speeds: dict, *, under_load: bool = False) -> SimSetup:
-    """``setup`` replayed at ``speeds`` (``profiler.Speed`` by thread count), with the spread
+    """``setup`` replayed at ``speeds`` (``machine_speed.Speed`` by thread count), with the spread
     they imply. ``under_load``: speeds the workers measured on their own steps while serving
     (``live_speeds``), which hold the slowdown of steps running beside each other and beside
     the clients already, so neither ``SimSetup.corun_slowdown`` nor ``client_seconds`` is added
@@ -329,7 +338,7 @@ def step_noise(model: LatencyModel, speeds: dict) -> float:
     """The spread of the replay's step times (``SimSetup.step_noise``): the model's error on
     the probes it was not fitted on (its median relative error, as the standard deviation of
     a normal whose median absolute value it is) and the spread of the speed check's timings
-    (``profiler.Speed``, pooled over the thread counts), independent."""
+    (``machine_speed.Speed``, pooled over the thread counts), independent."""
     model_sd = model.error.median / NORMAL_MEDIAN_ABS if model.error is not None else 0.0
     machine_var = sum(speed.spread ** 2 for speed in speeds.values()) / len(speeds) if speeds else 0.0
     return math.sqrt(model_sd ** 2 + machine_var)
@@ -355,7 +364,7 @@ class Profile:
 
     def goodput_at(self, roles, speeds: dict, *, under_load: bool = False) -> float:
         """The simulated goodput of the deployment ``roles`` with the machine at ``speeds``
-        (``profiler.Speed`` by thread count) instead of the speed measured for the profile;
+        (``machine_speed.Speed`` by thread count) instead of the speed measured for the profile;
         ``under_load``: as ``at_speeds``."""
         p = self.planner
         planner = Planner(at_speeds(self.setup, speeds, under_load=under_load), self.workload,
@@ -363,6 +372,29 @@ class Profile:
                           arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed)
         roles = tuple(roles)
         return planner.bisect(Evaluation(roles, planner.bound(roles)))
+
+    def average_over_speeds(self, evaluations: list[Evaluation] | None = None) -> None:
+        """Each of ``evaluations`` (None: every deployment the search ranked) takes as its
+        goodput the mean of its goodput at each check of the setup's speed sample
+        (``SimSetup.speed_sample``), replayed with the same step noise; the ranking is made
+        again on it. Nothing changes without a sample of two checks or more. The search
+        itself runs at the median speed, and the deployments it did not bisect stay below
+        (a few percent of goodput moves none of them past the ``SLACK`` of its bound)."""
+        sample = self.setup.speed_sample
+        if len(sample) < 2:
+            return
+        p = self.planner
+        planners = [Planner(replace(at_speeds(self.setup, speeds), step_noise=self.setup.step_noise), self.workload,
+                            slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt, num_requests=p.num_requests,
+                            arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed) for speeds in sample]
+        for ev in self.result.ranked if evaluations is None else evaluations:
+            if ev.goodput_by_speed is not None or ev.goodput is None:
+                continue
+            each = [q.bisect(Evaluation(ev.roles, q.bound(ev.roles))) for q in planners]
+            ev.goodput_at_planned_speed, ev.goodput_by_speed = ev.goodput, each
+            ev.goodput = sum(each) / len(each)
+        self.result.num_replays += sum(q.num_replays for q in planners)
+        self.result.rerank(p.rank_key)
 
     def to_json(self, top_k: int) -> dict:
         r = self.result
@@ -372,6 +404,7 @@ class Profile:
             "deploy": e.spec, "goodput_rps": e.goodput, "attainment_at_trace_rate": e.trace_attainment,
             "bottleneck": e.bottleneck(costs), "bound_rps": e.bound.rate, "algorithm2": e.methods,
             "utilization": e.utilization, "points": [list(p) for p in sorted(e.points)],
+            "goodput_at_planned_speed_rps": e.goodput_at_planned_speed, "goodput_by_speed_rps": e.goodput_by_speed,
         } for e in r.ranked]
         coefficients = {k: v for k, v in self.setup.model.to_json()["coefficients"].items()}
         return {
@@ -388,6 +421,8 @@ class Profile:
                 "speed_vs_latency_model": {str(n): f for n, f in sorted(self.setup.speeds.items())},
                 "speed_by_kind": {str(n): p for n, p in sorted(self.setup.part_speeds.items())},
                 "speed_basis": {str(n): b for n, b in sorted(self.setup.speed_basis.items())},
+                "speed_sample": [{str(n): {"factor": s.factor, "by_kind": dict(s.parts)} for n, s in sorted(c.items())}
+                                 for c in self.setup.speed_sample],
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
                 "corun_slowdown": dict(self.setup.corun_slowdown), "client_seconds": self.setup.client_seconds,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
@@ -424,7 +459,14 @@ def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devic
     planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
                       arrivals=arrivals, seed=config.seed)
     result = planner.search(len(devices), top_k, progress=progress)
-    return Profile(workload, devices, setup, slo_ttft, slo_tbt, planner, result)
+    profile = Profile(workload, devices, setup, slo_ttft, slo_tbt, planner, result)
+    if len(setup.speed_sample) > 1:
+        start = time.perf_counter()
+        if progress is not None:
+            progress(0, 1, f"the ranked deployments at {len(setup.speed_sample)} recent speeds")
+        profile.average_over_speeds()
+        result.seconds += time.perf_counter() - start
+    return profile
 
 
 def attainment_curves(profile: Profile, top_k: int, points: int = 10) -> dict[str, list[tuple[float, float]]]:
@@ -472,6 +514,7 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
     if baseline is not None and baseline.goodput is None:
         profile.planner.bisect(baseline)
+        profile.average_over_speeds([baseline])
 
     def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
         return f"{'>=' if goodput >= 0.95 * profile.planner.max_rate else ''}{goodput:.3g}"

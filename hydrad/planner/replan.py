@@ -185,7 +185,7 @@ def rank_window(trace_dir: str | Path, model: str, since: float, setup, current:
     arrived at ``since`` (UNIX time) or later, and bisect the running one's goodput too (it
     may be out of the search's top)."""
     from hydrad.planner.search import Evaluation, Planner
-    from hydrad.planner.trace import read_trace, trace_files
+    from hydrad.trace import read_trace, trace_files
     from hydrad.planner.workload import Workload
 
     start = time.perf_counter()

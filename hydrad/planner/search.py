@@ -68,6 +68,10 @@ class Evaluation:
     methods: list[str] = field(default_factory=list)  # Algorithm 2's methods that chose it
     trace_attainment: float | None = None  # attainment at the trace's own rate
     utilization: list[float] | None = None  # per instance, at the goodput rate
+    # With a speed sample (``profile.Profile.average_over_speeds``): the goodput at each of
+    # its checks, and the goodput at the speed the search ran at; ``goodput`` is then their mean.
+    goodput_by_speed: list[float] | None = None
+    goodput_at_planned_speed: float | None = None
 
     @property
     def spec(self) -> str:
@@ -101,6 +105,11 @@ class SearchResult:
     @property
     def best(self) -> Evaluation:
         return self.ranked[0]
+
+    def rerank(self, key: Callable[[Evaluation], tuple]) -> None:
+        """Order the ranked evaluations by ``key`` again (their goodput changed), the rest after them."""
+        ranked = sorted(self.ranked, key=key)
+        self.evaluations = ranked + [e for e in self.evaluations if e.status != "ranked"]
 
     @property
     def algorithm2_pick(self) -> Evaluation | None:
@@ -160,7 +169,7 @@ class Planner:
         within ``SPAN`` TTFTs, and a deployment that absorbs the burst would pass at any rate."""
         return self.num_requests / (SPAN * self.slo_ttft)
 
-    def _rank_key(self, ev: Evaluation) -> tuple[float, float, str]:
+    def rank_key(self, ev: Evaluation) -> tuple[float, float, str]:
         """Best first: by goodput, those at the replay's limit (known only to reach it) as
         equals, then by capacity bound."""
         goodput = self.max_rate if ev.goodput >= (1 - self.rel_tol) * self.max_rate else ev.goodput
@@ -232,7 +241,7 @@ class Planner:
                 progress(done, len(order), ev.spec)
             if self.reach(ev.bound.rate) <= kth:
                 break  # no deployment from here on can enter the top
-            if last is not None and self._rank_key(last)[0] == -self.max_rate and ev.bound.rate < last.bound.rate:
+            if last is not None and self.rank_key(last)[0] == -self.max_rate and ev.bound.rate < last.bound.rate:
                 # The top are all at the replay's limit, where equals rank by their capacity
                 # bound: from here on (lower bounds) a deployment could only rank below them.
                 break
@@ -241,12 +250,12 @@ class Planner:
                 continue
             self.bisect(ev, known_pass=kth or None)
             top.append(ev)
-            top.sort(key=self._rank_key)
+            top.sort(key=self.rank_key)
         # Algorithm 2's candidates are reported with their goodput even when out of the top.
         for ev in evaluations.values():
             if ev.methods and ev.status != "ranked":
                 self.bisect(ev)
-        ranked = sorted((e for e in evaluations.values() if e.status == "ranked"), key=self._rank_key)
+        ranked = sorted((e for e in evaluations.values() if e.status == "ranked"), key=self.rank_key)
         picks = [e for e in ranked if e.methods]
         for ev in ranked[:keep] + [e for e in picks[:1] if e not in ranked[:keep]]:
             self.describe(ev)

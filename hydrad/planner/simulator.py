@@ -123,10 +123,10 @@ class SimSetup:
     # at once but share the daemon's interpreter lock and cores: one at a time models it.
     processor_threads: int | None = 1
     # How many times its model's prediction a step takes on this machine now, by thread count
-    # (``profiler.measure_speed``; 1 where absent). Steps are filled by the model, as the
+    # (``machine_speed.measure_speed``; 1 where absent). Steps are filled by the model, as the
     # workers fill them, and take this much longer.
     speeds: dict[int, float] = field(default_factory=dict)
-    # The same per kind of work where the check timed each kind (``profiler.Speed.parts``:
+    # The same per kind of work where the check timed each kind (``machine_speed.Speed.parts``:
     # ``"images"``, ``"prefills"``, ``"decodes"``), by thread count: a step's vision, prefill
     # and decode terms each take their kind's factor (``LatencyModel.scaled_parts``); a kind
     # not timed takes the count's ``speeds`` factor. Empty: one factor per count.
@@ -134,6 +134,10 @@ class SimSetup:
     # How ``speeds`` came about, by thread count (``profile.planning_speeds``): reported, not
     # replayed.
     speed_basis: dict[int, dict] = field(default_factory=dict)
+    # The speed checks a profile averages each ranked deployment's goodput over
+    # (``profile.planning_speeds``: ``machine_speed.Speed`` by thread count, each): the
+    # planner's, not replayed as such (each is replayed as a setup of its own).
+    speed_sample: tuple = ()
     # The spread of step times around that: each step's time is multiplied by exp(N(0, s))
     # (s the standard deviation of log(measured / predicted); 0: steps take exactly their
     # time). Queues grow with it: a slow step lets requests gather for the next.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from hydrad.bench.arrivals import Trace, poisson_arrivals, trace_arrivals
 from hydrad.errors import ConfigError
 from hydrad.planner.simulator import SimRequest
-from hydrad.planner.trace import TraceRecord
+from hydrad.trace import TraceRecord
 
 ARRIVALS = ("trace", "poisson")
 # The quantile of a trace's preprocess times (per image count) taken as the Request

@@ -155,7 +155,7 @@ async def engine_ctx(app: web.Application):
         logger.info("prompts of more than %d characters are refused before tokenizing (max_model_len %d)",
                     processor.max_prompt_chars, processor.max_model_len)
     if config.trace.enabled:
-        from hydrad.planner.trace import TraceWriter, count_template_tokens
+        from hydrad.trace import TraceWriter, count_template_tokens
 
         app[ENGINE].trace = TraceWriter(
             config.trace.directory, max_bytes=config.trace.max_file_mb << 20, max_files=config.trace.max_files,

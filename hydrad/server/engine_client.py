@@ -73,7 +73,7 @@ class EngineClient:
         self.max_model_len = max_model_len
         self.http_session = http_session
         self.model_name = processor.model_name
-        # The request trace (``hydrad.planner.trace.TraceWriter``), None when off.
+        # The request trace (``hydrad.trace.TraceWriter``), None when off.
         self.trace = None
         self._token_text: dict[int, str] = {}
         # Streams with outputs to write once the outputs being delivered are all in.
@@ -360,7 +360,7 @@ class ChoiceStream:
         )
         trace = parent.client.trace
         if trace is not None:
-            from hydrad.planner.trace import wall_clock
+            from hydrad.trace import wall_clock
 
             first = parent.first_token_time
             trace.record(

@@ -71,3 +71,26 @@ def test_a_profile_is_replayed_at_its_check_or_at_the_median_with_the_runs_earli
     # How far off the mean speed around the live runs each was (|log|).
     assert script.speed_off(script.planned_speeds(run, 0, "check", 0.1), run["workloads"][0]) == \
         pytest.approx([math.log(1.5)])
+
+
+def test_a_profile_is_replayed_over_its_speed_sample_or_on_the_checks_of_earlier_runs(script):
+    run = {"workloads": [workload(1.3, [1.0, 1.1]), workload(1.4, [1.0])]}
+    # The speed sample: the run's earlier checks (1.3, then the two around the first runs), the check, the fit.
+    sample = script.planned_speeds(run, 1, "sample", 0.1)
+    assert [c[1].factor for c in sample] == pytest.approx([1.3, 1.0, 1.1, 1.4, 1.0])
+    assert [c[1].factor for c in script.planned_speeds(run, 0, "sample", 0.1)] == [1.3, 1.0]
+    # Chained: the checks of the runs before, here 1.2 and 1.25, count for the first profile too,
+    # and a run planned with the history is planned again from them.
+    chained = [{1: script_speed(1.2)}, {1: script_speed(1.25)}]
+    assert [c[1].factor for c in script.planned_speeds(run, 0, "sample", 0.1, chained)] == [1.2, 1.25, 1.3, 1.0]
+    assert script.planned_speeds(run, 0, "history", 0.1, chained)[1].factor == pytest.approx(1.225)
+    planned = {"check_now": 1.5, "earlier_checks": 3, "with_fit": True, "planned_at": 1.1}
+    stored = {"workloads": [workload(1.1, [1.0], planned)]}
+    assert script.planned_speeds(stored, 0, "history", 0.1)[1].factor == 1.1
+    assert script.planned_speeds(stored, 0, "history", 0.1, chained)[1].factor == pytest.approx(1.225)
+
+
+def script_speed(factor: float):
+    from hydrad.engine.machine_speed import Speed
+
+    return Speed(factor, 0.1, {"decodes": factor})

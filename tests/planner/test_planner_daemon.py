@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from daemon_process import Daemon, http
 from hydrad.cli.hydractl_main import cli
 from hydrad.bench import SLO, BenchConfig, run_bench
-from hydrad.planner.trace import read_trace
+from hydrad.trace import read_trace
 
 pytestmark = pytest.mark.slow
 

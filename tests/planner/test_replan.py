@@ -22,7 +22,7 @@ from hydrad.engine.cores import CpuThreads
 from hydrad.engine.latency_model import LatencyModel
 from hydrad.errors import ConfigError
 from hydrad.planner.replan import InstanceFacts, Ranking, Replanner, combine_models, live_setup, rank_window
-from hydrad.planner.trace import TraceWriter
+from hydrad.trace import TraceWriter
 
 VISION = LatencyModel(v_fixed=0.002, v_image=0.03, meta={"key": {"parts": "vision"}})
 LANGUAGE = LatencyModel(l_fixed=0.006, l_prefill=0.0006, l_attn=2e-5, l_decode=0.0012, l_ctx=5e-4,

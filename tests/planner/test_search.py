@@ -13,7 +13,7 @@ from hydrad.engine.latency_model import LatencyModel
 from hydrad.planner.capacity import algorithm2, apportion, stage_shares
 from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, deployments
 from hydrad.planner.simulator import InstanceLayout, SimSetup
-from hydrad.planner.trace import make_record
+from hydrad.trace import make_record
 from hydrad.planner.workload import Workload
 
 # Encode is cheap, prefill dear, decode in between: on two instances one method wins clearly.
@@ -122,13 +122,13 @@ def test_once_the_top_are_at_the_replays_limit_lower_bounds_are_not_replayed():
     p = planner(num_requests=20)
     result = p.search(4, top_k=2)
     top = result.ranked[:2]
-    assert all(p._rank_key(e)[0] == -p.max_rate for e in top)
+    assert all(p.rank_key(e)[0] == -p.max_rate for e in top)
     # The same two as bisecting every deployment and ranking them all.
     every = planner(num_requests=20)
     evaluations = [Evaluation(roles, every.bound(roles)) for roles in deployments(4)]
     for ev in evaluations:
         every.bisect(ev)
-    assert [e.spec for e in sorted(evaluations, key=every._rank_key)[:2]] == [e.spec for e in top]
+    assert [e.spec for e in sorted(evaluations, key=every.rank_key)[:2]] == [e.spec for e in top]
     # Deployments whose bound would let them reach the top's rate were skipped all the same.
     skipped = [e for e in result.evaluations if e.status == "pruned" and p.reach(e.bound.rate) > top[-1].goodput]
     assert skipped

@@ -13,9 +13,10 @@ import pytest
 
 from hydrad.config_file import load_config
 from hydrad.engine.latency_model import LatencyModel
-from hydrad.engine.profiler import Speed, recent_speeds, record_speed
+from hydrad.engine.machine_speed import Speed, recent_speeds, record_speed
 from hydrad.planner import validate as validate_module
 from hydrad.planner.profile import Devices, Profile, at_speeds, mean_speeds, planning_speeds
+from hydrad.planner.search import Planner
 from hydrad.planner.validate import validate
 
 from test_search import planner
@@ -54,19 +55,23 @@ def test_a_plan_is_made_at_the_median_of_the_check_now_recent_checks_and_the_fit
     monkeypatch.setenv("HYDRAD_CACHE_DIR", str(tmp_path))
     probe = CheckingProbe({1: Speed(1.4, 0.1, {"decodes": 1.4}), 2: Speed(0.9, 0.1, {"decodes": 0.9})})
     # The first plan: the check and the fit, per thread count.
-    speeds, basis = planning_speeds(probe)
+    speeds, basis, sample = planning_speeds(probe)
     assert {n: s.factor for n, s in speeds.items()} == pytest.approx({1: 1.2, 2: 0.95})
+    # The goodput is averaged over the check and the fit.
+    assert [{n: s.factor for n, s in c.items()} for c in sample] == [{1: 1.4, 2: 0.9}, {1: 1.0, 2: 1.0}]
     assert speeds[1].parts == pytest.approx({"decodes": 1.2}) and speeds[1].spread == 0.1
     assert basis[1] == {"check_now": 1.4, "check_now_by_kind": {"decodes": 1.4}, "earlier_checks": 0,
                         "with_fit": True, "planned_at": pytest.approx(1.2)}
     # Each check joined its model's history: the next plan counts it.
     assert [s.factor for s in recent_speeds(probe.models[1])] == [1.4]
     probe.now = {1: Speed(1.0, 0.1, {"decodes": 1.0}), 2: Speed(0.9, 0.1, {"decodes": 0.9})}
-    speeds, basis = planning_speeds(probe)
+    speeds, basis, sample = planning_speeds(probe)
     assert speeds[1].factor == pytest.approx(1.0) and basis[1]["earlier_checks"] == 1
+    assert [c[1].factor for c in sample] == [1.4, 1.0, 1.0]  # the earlier check, this one, the fit
     # 0: the check now alone.
-    speeds, basis = planning_speeds(probe, history=0)
+    speeds, basis, sample = planning_speeds(probe, history=0)
     assert speeds[1].factor == 1.0 and basis[1]["with_fit"] is False
+    assert sample == [probe.now]
 
 
 def test_at_speeds_sets_the_factors_and_the_spread_they_imply():
@@ -92,6 +97,57 @@ def _profile():
     p = planner()
     result = p.search(2, top_k=2)
     return Profile(p.workload, Devices(("cpu", "cpu")), p.setup, 2.0, 0.1, p, result)
+
+
+def test_a_profile_ranks_by_the_mean_goodput_over_its_speed_sample():
+    p = planner()
+    # A sample of three checks: the fit, one 30% slower, one 10% faster.
+    sample = ({1: Speed(1.0, 0.0)}, {1: Speed(1.3, 0.0)}, {1: Speed(0.9, 0.0)})
+    setup = replace(p.setup, speed_sample=sample)
+    p = Planner(setup, p.workload, slo_ttft=2.0, slo_tbt=0.1, num_requests=p.num_requests)
+    result = p.search(2, top_k=2)
+    profile = Profile(p.workload, Devices(("cpu", "cpu")), setup, 2.0, 0.1, p, result)
+    searched = {e.spec: e.goodput for e in result.ranked}
+    profile.average_over_speeds()
+    ranked = profile.result.ranked
+    assert len(ranked) >= 2
+    for e in ranked:
+        assert e.goodput_at_planned_speed == searched[e.spec]
+        each = [profile.goodput_at(e.roles, speeds) for speeds in sample]
+        assert e.goodput_by_speed == pytest.approx(each)
+        assert e.goodput == pytest.approx(sum(each) / 3)
+        # Slower checks, lower goodput: the mean lies between the slowest and the fastest.
+        assert e.goodput_by_speed[1] < e.goodput_by_speed[0] <= e.goodput_by_speed[2]
+    # Ranked again on the mean; in the JSON, each deployment's goodput at each check.
+    assert [e.goodput for e in ranked] == sorted((e.goodput for e in ranked), reverse=True)
+    row = profile.to_json(2)["ranking"][0]
+    assert row["goodput_rps"] == ranked[0].goodput and len(row["goodput_by_speed_rps"]) == 3
+    assert len(profile.to_json(2)["machine"]["speed_sample"]) == 3
+    # Averaged once: a second call changes nothing.
+    before = [e.goodput for e in ranked]
+    profile.average_over_speeds()
+    assert [e.goodput for e in profile.result.ranked] == before
+
+
+def test_a_profile_without_a_speed_sample_keeps_its_goodput_at_the_speed_it_searched_at():
+    profile = _profile()
+    before = [(e.spec, e.goodput) for e in profile.result.ranked]
+    profile.average_over_speeds()
+    assert [(e.spec, e.goodput) for e in profile.result.ranked] == before
+    assert all(e.goodput_by_speed is None for e in profile.result.ranked)
+
+
+def test_a_ranking_made_again_orders_by_the_new_goodput_and_keeps_the_rest_after_it():
+    from hydrad.planner.search import Evaluation, SearchResult
+
+    p = planner()
+    evs = [Evaluation(("EPD", "EPD"), p.bound(("EPD", "EPD")), "ranked", 3.0),
+           Evaluation(("EP", "D"), p.bound(("EP", "D")), "ranked", 2.0),
+           Evaluation(("E", "PD"), p.bound(("E", "PD")), "below")]
+    result = SearchResult(2, evs, {}, 0, 0.0)
+    evs[1].goodput = 4.0
+    result.rerank(p.rank_key)
+    assert [e.spec for e in result.evaluations] == ["1EP+1D", "2EPD", "1E+1PD"]
 
 
 def test_goodput_at_the_profiles_speed_is_the_searched_one_and_lower_when_slower():

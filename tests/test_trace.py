@@ -9,7 +9,7 @@ import pytest
 from hydrad.bench.workloads import load_workload
 from hydrad.config_file import load_config
 from hydrad.errors import ConfigError
-from hydrad.planner.trace import FORMAT, TraceRecord, TraceWriter, make_record, read_trace, trace_files
+from hydrad.trace import FORMAT, TraceRecord, TraceWriter, make_record, read_trace, trace_files
 
 
 def facts(i: int = 0, **kwargs) -> dict:
