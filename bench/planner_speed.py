@@ -2,7 +2,8 @@
 
     python bench/planner_speed.py [--model DIR] [--requests 1000] [--instances 2,4,8] [--num-requests 300]
 
-The workload is TextCaps-like (one image of 256 tokens, 11 prompt words, 10-30 output
+After each search it times what a profile adds: every ranked deployment bisected again at
+each of 10 speeds (``Profile.average_over_speeds``). The workload is TextCaps-like (one image of 256 tokens, 11 prompt words, 10-30 output
 tokens, Poisson arrivals at 2 req/s). The latency model is the one ``hydractl profile``
 would use for ``--model`` (fitted on this machine with one torch thread, or loaded from
 the cache); without ``--model``, fixed coefficients of the same order as the built-in
@@ -23,6 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+
+# A speed sample as large as the default history gives (8 earlier checks, the check, the
+# fit), spread as the checks here spread: 0.95-1.2x.
+SAMPLE_SPEEDS = (1.0, 0.95, 1.03, 1.08, 1.2, 0.98, 1.05, 1.12, 1.0, 1.0)
 
 
 def synthetic_setup():
@@ -63,6 +68,8 @@ def main() -> None:
 
     import dataclasses
 
+    from hydrad.engine.machine_speed import Speed
+    from hydrad.planner.profile import Devices, Profile
     from hydrad.planner.search import Planner, deployments
     from hydrad.planner.simulator import simulate
     from hydrad.planner.workload import Workload
@@ -103,16 +110,30 @@ def main() -> None:
         setup_n = dataclasses.replace(setup, cores=None) if n > 2 else setup  # GPUs: one device each
         planner = Planner(setup_n, workload, slo_ttft=2.0, slo_tbt=0.1, num_requests=args.num_requests)
         result = planner.search(n, top_k=3)
-        searches.append({"instances": n, "deployments": len(deployments(n)), "seconds": result.seconds,
-                         "replays": result.num_replays, "ranked": len(result.ranked),
-                         "top": [(e.spec, e.goodput) for e in result.ranked[:3]],
-                         "algorithm2": {m: "+".join(r) for m, r in result.algorithm2.items()}})
-    table = Table(title=f"full search, {args.num_requests} requests per replay")
-    for column in ("instances", "deployments", "replays", "bisected", "seconds", "top 3 (goodput req/s)"):
+        search = {"instances": n, "deployments": len(deployments(n)), "seconds": result.seconds,
+                  "replays": result.num_replays, "ranked": len(result.ranked),
+                  "top": [(e.spec, e.goodput) for e in result.ranked[:3]],
+                  "algorithm2": {m: "+".join(r) for m, r in result.algorithm2.items()}}
+        # What a profile adds after the search: every ranked deployment again at each check of
+        # a speed sample as large as the default history gives (Profile.average_over_speeds).
+        sample = tuple({n_: Speed(f, 0.0) for n_ in (setup_n.speeds or {setup_n.threads: 1.0})}
+                       for f in SAMPLE_SPEEDS)
+        profile = Profile(workload, Devices(("cpu",) * n), dataclasses.replace(setup_n, speed_sample=sample), 2.0,
+                          0.1, planner, result)
+        start = time.perf_counter()
+        profile.average_over_speeds()
+        search["over_speeds_seconds"] = time.perf_counter() - start
+        search["top_over_speeds"] = [(e.spec, e.goodput) for e in result.ranked[:3]]
+        searches.append(search)
+    table = Table(title=f"full search, {args.num_requests} requests per replay; then the ranked deployments at "
+                        f"{len(SAMPLE_SPEEDS)} speeds ({min(SAMPLE_SPEEDS):g}-{max(SAMPLE_SPEEDS):g}x)")
+    for column in ("instances", "deployments", "replays", "bisected", "seconds", "top 3 (goodput req/s)",
+                   "at the speeds: seconds"):
         table.add_column(column, justify="right")
     for s in searches:
         table.add_row(str(s["instances"]), str(s["deployments"]), str(s["replays"]), str(s["ranked"]),
-                      f"{s['seconds']:.2f}", ", ".join(f"{d} {g:.3g}" for d, g in s["top"]))
+                      f"{s['seconds']:.2f}", ", ".join(f"{d} {g:.3g}" for d, g in s["top"]),
+                      f"{s['over_speeds_seconds']:.2f}")
     console.print(table)
     write_json(args.out, {"machine": machine(), "replays": replays, "searches": searches})
 

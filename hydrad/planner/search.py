@@ -44,6 +44,8 @@ ROLE_ORDER = ("E", "EP", "ED", "EPD", "P", "PD", "D")
 SLACK = 1.1
 # A replay tells a rate only if its arrivals span this many TTFTs (``Planner.max_rate``).
 SPAN = 3.0
+# The first step of a bracket started from a guess (``Planner.bisect``).
+GUESS_STEP = 1.15
 
 
 def deployments(n: int) -> list[tuple[str, ...]]:
@@ -182,23 +184,33 @@ class Planner:
         ev.points.append((rate, attainment))
         return attainment >= GOODPUT_ATTAINMENT
 
-    def bisect(self, ev: Evaluation, known_pass: float | None = None) -> float:
-        """The goodput of ``ev``'s deployment; ``known_pass``: a rate it is known to pass."""
+    def bisect(self, ev: Evaluation, known_pass: float | None = None, guess: float | None = None) -> float:
+        """The goodput of ``ev``'s deployment; ``known_pass``: a rate it is known to pass;
+        ``guess``: a rate near its goodput (the same deployment's at another speed), where the
+        bracket starts in steps of ``GUESS_STEP`` that square while they miss it."""
         cap = min(ev.bound.rate, self.max_rate)
         lower, upper = cap / 256, min(cap * 16, self.max_rate)
         lo, hi = known_pass, None
-        rate = min(max(0.8 * cap, 1.25 * known_pass) if known_pass else 0.6 * cap, upper)
+        if known_pass:
+            rate, step = max(0.8 * cap, 1.25 * known_pass), 2.0
+        elif guess:
+            rate, step = max(guess, lower), GUESS_STEP
+        else:
+            rate, step = 0.6 * cap, 2.0
+        rate = min(rate, upper)
         while lo is None or hi is None:
             if self.passes(ev, rate):
                 lo = rate
                 if rate >= upper:
                     break
-                rate = min(rate * 2, upper)
+                rate = min(rate * step, upper)
             else:
                 hi = rate
                 if lo is not None or rate <= lower:
                     break
-                rate = max(rate / 2, lower)
+                rate = max(rate / step, lower)
+            if step < 2.0:
+                step = step * step
         if lo is not None and hi is not None:
             while (hi - lo) / lo > self.rel_tol:
                 mid = (lo + hi) / 2

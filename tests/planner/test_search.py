@@ -132,3 +132,25 @@ def test_once_the_top_are_at_the_replays_limit_lower_bounds_are_not_replayed():
     # Deployments whose bound would let them reach the top's rate were skipped all the same.
     skipped = [e for e in result.evaluations if e.status == "pruned" and p.reach(e.bound.rate) > top[-1].goodput]
     assert skipped
+
+
+def test_a_bisection_started_from_a_guess_finds_the_same_goodput_in_no_more_replays():
+    p = planner()
+    roles = ("EP", "D")
+    plain = Evaluation(roles, p.bound(roles))
+    before = p.num_replays
+    goodput = p.bisect(plain)
+    plain_replays = p.num_replays - before
+    assert goodput > 0
+    # A guess near the goodput (another speed's), above it and below it: the same goodput
+    # within the bisection's tolerance, from no more replays.
+    for guess in (1.1 * goodput, 0.85 * goodput):
+        ev = Evaluation(roles, p.bound(roles))
+        before = p.num_replays
+        found = p.bisect(ev, guess=guess)
+        assert found == pytest.approx(goodput, rel=2 * p.rel_tol)
+        assert p.num_replays - before <= plain_replays
+    # A guess far off still brackets it: the steps square while they miss.
+    far = Evaluation(roles, p.bound(roles))
+    assert p.bisect(far, guess=goodput / 20) == pytest.approx(goodput, rel=2 * p.rel_tol)
+    assert p.bisect(Evaluation(roles, p.bound(roles)), guess=goodput * 5) == pytest.approx(goodput, rel=2 * p.rel_tol)

@@ -114,8 +114,9 @@ def test_a_profile_ranks_by_the_mean_goodput_over_its_speed_sample():
     for e in ranked:
         assert e.goodput_at_planned_speed == searched[e.spec]
         each = [profile.goodput_at(e.roles, speeds) for speeds in sample]
-        assert e.goodput_by_speed == pytest.approx(each)
-        assert e.goodput == pytest.approx(sum(each) / 3)
+        # Each bisected again (from the searched goodput as a guess): the same within the bisection's tolerance.
+        assert e.goodput_by_speed == pytest.approx(each, rel=2 * p.rel_tol)
+        assert e.goodput == pytest.approx(sum(e.goodput_by_speed) / 3)
         # Slower checks, lower goodput: the mean lies between the slowest and the fastest.
         assert e.goodput_by_speed[1] < e.goodput_by_speed[0] <= e.goodput_by_speed[2]
     # Ranked again on the mean; in the JSON, each deployment's goodput at each check.
