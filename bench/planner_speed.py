@@ -76,7 +76,7 @@ def main() -> None:
 
     if args.model:
         from hydrad.config import EngineConfig, ModelConfig, SLOConfig
-        from hydrad.planner.profile import Devices, machine_setup
+        from hydrad.planner.profile import machine_setup
 
         config = EngineConfig(model=ModelConfig(path=args.model), slo=SLOConfig(ttft=2.0, tbt=0.1))
         setup = machine_setup(config, Devices(("cpu", "cpu")))

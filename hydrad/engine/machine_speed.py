@@ -6,7 +6,8 @@ few of the model's own stored probes again (one of each kind of work) and gives 
 times their fitted time they take now, overall and per kind (``Speed``); each check is
 kept in a history beside the model's cache file (``record_speed``, ``recent_speeds``), and
 a plan is made at the median of the recent checks, the check just taken and the fit
-(``typical_speed``). The planner replays at that speed (``hydrad.planner.profile``);
+(``typical_speed``), and on CPU ranks by the mean goodput over all of them
+(``speed_sample``). The planner replays at those speeds (``hydrad.planner.profile``);
 ``docs/planner.md`` says why.
 """
 
@@ -24,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from hydrad.engine.latency_model import KINDS, LatencyModel, log_spread
 from hydrad.engine.profiler import EngineTimer, Probe, cache_path, probe_images, probing
