@@ -368,10 +368,7 @@ class Profile:
         """The simulated goodput of the deployment ``roles`` with the machine at ``speeds``
         (``machine_speed.Speed`` by thread count) instead of the speed measured for the profile;
         ``under_load``: as ``at_speeds``."""
-        p = self.planner
-        planner = Planner(at_speeds(self.setup, speeds, under_load=under_load), self.workload,
-                          slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt, num_requests=p.num_requests,
-                          arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed)
+        planner = self.planner.at(at_speeds(self.setup, speeds, under_load=under_load))
         roles = tuple(roles)
         return planner.bisect(Evaluation(roles, planner.bound(roles)))
 
@@ -385,10 +382,8 @@ class Profile:
         sample = self.setup.speed_sample
         if len(sample) < 2:
             return
-        p = self.planner
-        planners = [Planner(replace(at_speeds(self.setup, speeds), step_noise=self.setup.step_noise), self.workload,
-                            slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt, num_requests=p.num_requests,
-                            arrivals=p.arrivals, rel_tol=p.rel_tol, seed=p.seed) for speeds in sample]
+        planners = [self.planner.at(replace(at_speeds(self.setup, speeds), step_noise=self.setup.step_noise))
+                    for speeds in sample]
         for ev in self.result.ranked if evaluations is None else evaluations:
             if ev.goodput_by_speed is not None or ev.goodput is None:
                 continue
@@ -396,7 +391,7 @@ class Profile:
             ev.goodput_at_planned_speed, ev.goodput_by_speed = ev.goodput, each
             ev.goodput = sum(each) / len(each)
         self.result.num_replays += sum(q.num_replays for q in planners)
-        self.result.rerank(p.rank_key)
+        self.result.rerank(self.planner.rank_key)
 
     def to_json(self, top_k: int) -> dict:
         r = self.result

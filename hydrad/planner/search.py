@@ -141,6 +141,11 @@ class Planner:
         self.costs = {role: stage_costs(model, role, workload, setup.slo, setup.scheduler)
                       for role in ROLE_ORDER}
 
+    def at(self, setup: SimSetup) -> Planner:
+        """This planner (workload, SLO, requests per replay, arrivals, tolerance, seed) on ``setup``."""
+        return Planner(setup, self.workload, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
+                       num_requests=self.num_requests, arrivals=self.arrivals, rel_tol=self.rel_tol, seed=self.seed)
+
     # -- one deployment ---------------------------------------------------------------------------
     def replay(self, roles, rate: float, *, early: bool = True) -> SimResult:
         """One replay at ``rate``; ``early``: stop once 90% attainment is out of reach."""

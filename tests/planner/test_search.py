@@ -154,3 +154,13 @@ def test_a_bisection_started_from_a_guess_finds_the_same_goodput_in_no_more_repl
     far = Evaluation(roles, p.bound(roles))
     assert p.bisect(far, guess=goodput / 20) == pytest.approx(goodput, rel=2 * p.rel_tol)
     assert p.bisect(Evaluation(roles, p.bound(roles)), guess=goodput * 5) == pytest.approx(goodput, rel=2 * p.rel_tol)
+
+
+def test_a_planner_on_another_setup_keeps_everything_else():
+    from dataclasses import replace
+
+    p = planner(num_requests=80, arrivals="poisson", rel_tol=0.1, seed=3)
+    slower = replace(p.setup, speeds={1: 1.5})
+    q = p.at(slower)
+    assert q.setup is slower and q.workload is p.workload
+    assert (q.slo_ttft, q.slo_tbt, q.num_requests, q.arrivals, q.rel_tol, q.seed) == (2.0, 0.1, 80, "poisson", 0.1, 3)
