@@ -3,7 +3,8 @@
     python bench/planner_speed.py [--model DIR] [--requests 1000] [--instances 2,4,8] [--num-requests 300]
 
 After each search it times what a profile adds: every ranked deployment bisected again at
-each of 10 speeds (``Profile.average_over_speeds``). The workload is TextCaps-like (one image of 256 tokens, 11 prompt words, 10-30 output
+each of 10 speeds (``Profile.average_over_speeds``), in one process and in one per core
+(``--processes``). The workload is TextCaps-like (one image of 256 tokens, 11 prompt words, 10-30 output
 tokens, Poisson arrivals at 2 req/s). The latency model is the one ``hydractl profile``
 would use for ``--model`` (fitted on this machine with one torch thread, or loaded from
 the cache); without ``--model``, fixed coefficients of the same order as the built-in
@@ -63,17 +64,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--instances", default="2,4,8")
     parser.add_argument("--num-requests", type=int, default=300, help="Requests per replay in the search.")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="Processes the averaging runs in, beside one (default: one per usable core).")
     parser.add_argument("--out")
     args = parser.parse_args()
 
+    import copy as copy_module
     import dataclasses
 
     from hydrad.engine.machine_speed import Speed
     from hydrad.planner.profile import Devices, Profile
-    from hydrad.planner.search import Planner, deployments
+    from hydrad.planner.search import Planner, deployments, usable_cores
     from hydrad.planner.simulator import simulate
     from hydrad.planner.workload import Workload
 
+    args.processes = args.processes or usable_cores()
     if args.model:
         from hydrad.config import EngineConfig, ModelConfig, SLOConfig
         from hydrad.planner.profile import machine_setup
@@ -118,22 +123,30 @@ def main() -> None:
         # a speed sample as large as the default history gives (Profile.average_over_speeds).
         sample = tuple({n_: Speed(f, 0.0) for n_ in (setup_n.speeds or {setup_n.threads: 1.0})}
                        for f in SAMPLE_SPEEDS)
-        profile = Profile(workload, Devices(("cpu",) * n), dataclasses.replace(setup_n, speed_sample=sample), 2.0,
-                          0.1, planner, result)
-        start = time.perf_counter()
-        profile.average_over_speeds()
-        search["over_speeds_seconds"] = time.perf_counter() - start
-        search["top_over_speeds"] = [(e.spec, e.goodput) for e in result.ranked[:3]]
+        # In one process, then in one per core (the same goodputs).
+        tops = []
+        for processes in (1, args.processes):
+            copy = copy_module.deepcopy(result)
+            profile = Profile(workload, Devices(("cpu",) * n), dataclasses.replace(setup_n, speed_sample=sample),
+                              2.0, 0.1, planner, copy)
+            start = time.perf_counter()
+            profile.average_over_speeds(processes=processes)
+            search[f"over_speeds_seconds_{processes}"] = time.perf_counter() - start
+            tops.append([(e.spec, e.goodput) for e in copy.ranked[:3]])
+        if tops[0] != tops[1]:
+            raise SystemExit(f"the averaging in {args.processes} processes differs from one: {tops}")
+        search["over_speeds_seconds"] = search["over_speeds_seconds_1"]  # the key earlier runs wrote
+        search["top_over_speeds"] = tops[0]
         searches.append(search)
     table = Table(title=f"full search, {args.num_requests} requests per replay; then the ranked deployments at "
                         f"{len(SAMPLE_SPEEDS)} speeds ({min(SAMPLE_SPEEDS):g}-{max(SAMPLE_SPEEDS):g}x)")
     for column in ("instances", "deployments", "replays", "bisected", "seconds", "top 3 (goodput req/s)",
-                   "at the speeds: seconds"):
+                   "at the speeds: seconds", f"in {args.processes} processes"):
         table.add_column(column, justify="right")
     for s in searches:
         table.add_row(str(s["instances"]), str(s["deployments"]), str(s["replays"]), str(s["ranked"]),
                       f"{s['seconds']:.2f}", ", ".join(f"{d} {g:.3g}" for d, g in s["top"]),
-                      f"{s['over_speeds_seconds']:.2f}")
+                      f"{s['over_speeds_seconds_1']:.2f}", f"{s[f'over_speeds_seconds_{args.processes}']:.2f}")
     console.print(table)
     write_json(args.out, {"machine": machine(), "replays": replays, "searches": searches})
 

@@ -10,21 +10,10 @@ from hydrad.cli.common import console
 
 
 def _fetch(url: str, path: str, admin_token: str | None) -> bytes:
-    import urllib.error
-    import urllib.request
+    from hydrad.cli.daemon_http import daemon_request
 
-    from hydrad.errors import HydradError
-
-    request = urllib.request.Request(url.rstrip("/") + path)
-    if admin_token:
-        request.add_header("Authorization", f"Bearer {admin_token}")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.read()
-    except urllib.error.HTTPError as e:
-        raise HydradError(f"{url}{path}: HTTP {e.code}: {e.read().decode(errors='replace')[:200]}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise HydradError(f"cannot reach the daemon at {url}: {getattr(e, 'reason', e)}") from None
+    with daemon_request(url, path, admin_token, timeout=60) as response:
+        return response.read()
 
 
 def _records_from_daemon(url: str, admin_token: str | None, limit: int, out_dir: Path):
@@ -111,13 +100,16 @@ def _table(profile, top_k: int):
 @click.option("--speed-history", type=click.IntRange(min=0), default=None,
               help="Replay at the median of the machine's speed check now, up to this many recent checks "
               "and the fitted model (default 8; 0: the check now alone).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None,
+              help="Processes that replay the ranked deployments at the recent speeds (default: one per core "
+              "this command may use; 1 beside a busy daemon keeps the planning off its other cores).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the ranking and its inputs as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate of the top K as PNG.")
 @click.option("--validate", is_flag=True, help="Start each top deployment live, replay the trace with the bench "
               "client, and compare simulated with live goodput.")
 def profile(trace_path, url, admin_token, limit, devices, model_path, config_file, slo_ttft, slo_tbt, top_k,
-            num_requests, arrivals, message_ms, step_overhead_ms, client_cpu_ms, speed_history, out, plot,
-            validate) -> None:
+            num_requests, arrivals, message_ms, step_overhead_ms, client_cpu_ms, speed_history, jobs, out,
+            plot, validate) -> None:
     """Rank every deployment of the devices for a recorded workload by simulated goodput."""
     import dataclasses
     import json
@@ -177,7 +169,7 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
 
             result = run_profile(mine, engine, device_set, slo_ttft=slo_ttft, slo_tbt=slo_tbt, top_k=top_k,
                                  num_requests=num_requests, arrivals=arrivals, options=options, progress=advance,
-                                 probe=probe)
+                                 probe=probe, processes=jobs)
         s = result.result
         if result.setup.speeds:
             parts = result.setup.part_speeds

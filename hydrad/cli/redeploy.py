@@ -24,7 +24,7 @@ def redeploy(spec: str, url: str, admin_token: str | None, timeout: float) -> No
 
     with console.status(f"redeploying as {spec}", spinner="dots") as status:
         result = None
-        for line in post_lines(url.rstrip("/") + "/admin/redeploy", {"deploy": spec}, admin_token, timeout):
+        for line in post_lines(url, "/admin/redeploy", {"deploy": spec}, admin_token, timeout):
             if "progress" in line:
                 console.print(f"  {line['progress']}", highlight=False)
                 status.update(f"redeploying as {spec}: {line['progress']}")
@@ -37,28 +37,13 @@ def redeploy(spec: str, url: str, admin_token: str | None, timeout: float) -> No
     console.print(f"serving as [bold]{result['deploy']}[/] after {result['seconds']:.1f} s", highlight=False)
 
 
-def post_lines(url: str, body: dict, admin_token: str | None, timeout: float):
-    """POST ``body`` and yield the JSON object of every line of the answer as it comes."""
+def post_lines(url: str, path: str, body: dict, admin_token: str | None, timeout: float):
+    """POST ``body`` to ``url`` + ``path`` and yield the JSON object of every line of the answer as it comes."""
     import json
-    import urllib.error
-    import urllib.request
 
-    from hydrad.errors import HydradError
+    from hydrad.cli.daemon_http import daemon_request
 
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    if admin_token:
-        request.add_header("Authorization", f"Bearer {admin_token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            for raw in response:
-                if raw.strip():
-                    yield json.loads(raw)
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.load(e)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        raise HydradError(f"{url}: HTTP {e.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise HydradError(f"cannot reach the daemon at {url}: {getattr(e, 'reason', e)}") from None
+    with daemon_request(url, path, admin_token, body=body, timeout=timeout) as response:
+        for raw in response:
+            if raw.strip():
+                yield json.loads(raw)

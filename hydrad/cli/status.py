@@ -58,25 +58,11 @@ def watch_status(fetch, out, interval: float, sleep=None) -> None:
 
 def fetch_status(url: str, admin_token: str | None) -> dict:
     import json
-    import urllib.error
-    import urllib.request
 
-    from hydrad.errors import HydradError
+    from hydrad.cli.daemon_http import daemon_request
 
-    request = urllib.request.Request(url.rstrip("/") + "/admin/status")
-    if admin_token:
-        request.add_header("Authorization", f"Bearer {admin_token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.load(response)
-    except urllib.error.HTTPError as e:
-        try:
-            message = json.load(e)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = e.reason
-        raise HydradError(f"{url}: HTTP {e.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as e:
-        raise HydradError(f"cannot reach the daemon at {url}: {getattr(e, 'reason', e)}") from None
+    with daemon_request(url, "/admin/status", admin_token) as response:
+        return json.load(response)
 
 
 def render(status: dict):

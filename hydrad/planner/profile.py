@@ -34,7 +34,7 @@ from hydrad.cluster.deploy import format_deploy, parse_devices
 from hydrad.config import EngineConfig, SLOConfig
 from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS, LatencyModel
 from hydrad.errors import ConfigError
-from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, SearchResult
+from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, SearchResult, bisect_at_each
 from hydrad.planner.simulator import InstanceLayout, SimSetup
 from hydrad.planner.workload import Workload
 from hydrad.trace import TraceRecord
@@ -372,25 +372,32 @@ class Profile:
         roles = tuple(roles)
         return planner.bisect(Evaluation(roles, planner.bound(roles)))
 
-    def average_over_speeds(self, evaluations: list[Evaluation] | None = None) -> None:
+    def average_over_speeds(self, evaluations: list[Evaluation] | None = None, *, processes: int | None = None,
+                            progress: Callable[[int, int], None] | None = None) -> None:
         """Each of ``evaluations`` (None: every deployment the search ranked) takes as its
         goodput the mean of its goodput at each check of the setup's speed sample
         (``SimSetup.speed_sample``), replayed with the same step noise; the ranking is made
         again on it. Nothing changes without a sample of two checks or more. The search
         itself runs at the median speed, and the deployments it did not bisect stay below
-        (a few percent of goodput moves none of them past the ``SLACK`` of its bound)."""
+        (a few percent of goodput moves none of them past the ``SLACK`` of its bound). The
+        checks are bisected in up to ``processes`` processes (``search.bisect_at_each``; None:
+        one per usable core), with the same results as in one."""
         sample = self.setup.speed_sample
         if len(sample) < 2:
             return
+        todo = [ev for ev in (self.result.ranked if evaluations is None else evaluations)
+                if ev.goodput_by_speed is None and ev.goodput is not None]
+        if not todo:
+            return
         planners = [self.planner.at(replace(at_speeds(self.setup, speeds), step_noise=self.setup.step_noise))
                     for speeds in sample]
-        for ev in self.result.ranked if evaluations is None else evaluations:
-            if ev.goodput_by_speed is not None or ev.goodput is None:
-                continue
-            each = [q.bisect(Evaluation(ev.roles, q.bound(ev.roles)), guess=ev.goodput) for q in planners]
+        by_speed, replays = bisect_at_each(planners, [(ev.roles, ev.goodput) for ev in todo], processes=processes,
+                                           progress=progress)
+        for i, ev in enumerate(todo):
+            each = [goodputs[i] for goodputs in by_speed]
             ev.goodput_at_planned_speed, ev.goodput_by_speed = ev.goodput, each
             ev.goodput = sum(each) / len(each)
-        self.result.num_replays += sum(q.num_replays for q in planners)
+        self.result.num_replays += replays
         self.result.rerank(self.planner.rank_key)
 
     def to_json(self, top_k: int) -> dict:
@@ -446,9 +453,12 @@ def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devic
                 slo_tbt: float, top_k: int = 3, num_requests: int = DEFAULT_NUM_REQUESTS, arrivals: str = "trace",
                 options: MachineOptions = MachineOptions(), setup: SimSetup | None = None,
                 progress: Callable[[int, int, str], None] | None = None, show_progress: bool = True,
-                probe: MachineProbe | None = None) -> Profile:
+                probe: MachineProbe | None = None, processes: int | None = None,
+                also: tuple[tuple[str, ...], ...] = ()) -> Profile:
     """Measure (or load) this machine's numbers and rank every deployment of ``devices``;
-    ``probe``: measure on that instance of the model (left open)."""
+    ``probe``: measure on that instance of the model (left open); ``processes``: how many
+    the averaging over recent speeds may run in (``Profile.average_over_speeds``); ``also``:
+    deployments bisected to their goodput (and averaged) even where the search left them out."""
     workload = Workload.from_records(records)
     config = replace(config, slo=replace(config.slo, ttft=slo_ttft, tbt=slo_tbt))
     if setup is None:
@@ -456,12 +466,20 @@ def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devic
     planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
                       arrivals=arrivals, seed=config.seed)
     result = planner.search(len(devices), top_k, progress=progress)
+    for roles in also:
+        ev = next((e for e in result.evaluations if e.roles == tuple(roles)), None)
+        if ev is not None and ev.goodput is None:
+            planner.bisect(ev)
+    if also:
+        result.rerank(planner.rank_key)
     profile = Profile(workload, devices, setup, slo_ttft, slo_tbt, planner, result)
     if len(setup.speed_sample) > 1:
         start = time.perf_counter()
+        what = f"the ranked deployments at {len(setup.speed_sample)} recent speeds"
         if progress is not None:
-            progress(0, 1, f"the ranked deployments at {len(setup.speed_sample)} recent speeds")
-        profile.average_over_speeds()
+            progress(0, len(setup.speed_sample), what)
+        profile.average_over_speeds(processes=processes,
+                                    progress=None if progress is None else lambda done, n: progress(done, n, what))
         result.seconds += time.perf_counter() - start
     return profile
 
@@ -504,14 +522,11 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
                     options: MachineOptions = MachineOptions()) -> tuple[str, str]:
     """``--deploy auto``: the planner's pick for ``config``'s SLO, and one line on why."""
     slo: SLOConfig = config.slo
-    profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
-                          num_requests=num_requests, options=options, show_progress=True)
-    best = profile.result.best
     default = ("EPD",) * len(devices)
+    profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
+                          num_requests=num_requests, options=options, show_progress=True, also=(default,))
+    best = profile.result.best
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
-    if baseline is not None and baseline.goodput is None:
-        profile.planner.bisect(baseline)
-        profile.average_over_speeds([baseline])
 
     def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
         return f"{'>=' if goodput >= 0.95 * profile.planner.max_rate else ''}{goodput:.3g}"

@@ -28,7 +28,12 @@ any rate. Goodputs are capped there (raise ``num_requests`` to see further).
 from __future__ import annotations
 
 import itertools
+import logging
+import multiprocessing
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -46,6 +51,8 @@ SLACK = 1.1
 SPAN = 3.0
 # The first step of a bracket started from a guess (``Planner.bisect``).
 GUESS_STEP = 1.15
+
+logger = logging.getLogger("hydrad.planner")
 
 
 def deployments(n: int) -> list[tuple[str, ...]]:
@@ -284,3 +291,65 @@ class Planner:
     def sweep(self, roles, rates: list[float]) -> list[tuple[float, float]]:
         """Attainment at each rate (full replays), for plots."""
         return [(r, self.replay(roles, r, early=False).attainment) for r in rates]
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on every platform
+        return os.cpu_count() or 1
+
+
+# A process of ``bisect_at_each``'s pool: the planners it was started with.
+_held_planners: list[Planner] = []
+
+
+def _hold(planners: list[Planner]) -> None:
+    global _held_planners
+    _held_planners = planners
+
+
+def _bisect_one(i: int, roles: tuple[str, ...], guess: float | None,
+                planners: list[Planner] | None = None) -> tuple[float, int]:
+    """The goodput of ``roles`` on planner ``i`` (of ``planners``, else of those this process
+    holds) from ``guess``, and the replays it took."""
+    q = (_held_planners if planners is None else planners)[i]
+    before = q.num_replays
+    goodput = q.bisect(Evaluation(tuple(roles), q.bound(roles)), guess=guess)
+    return goodput, q.num_replays - before
+
+
+def bisect_at_each(planners: list[Planner], jobs: list[tuple[tuple[str, ...], float | None]], *,
+                   processes: int | None = None,
+                   progress: Callable[[int, int], None] | None = None) -> tuple[list[list[float]], int]:
+    """The goodput of each deployment of ``jobs`` ((roles, guess) pairs, ``Planner.bisect``'s
+    ``guess``) on each of ``planners`` (the same workload on other setups): the goodputs by
+    planner, and the replays they took. Every bisection is independent of the others and a
+    replay's draws are its own (``simulate``), so they run in up to ``processes`` processes
+    (None: one per usable core), each started with every planner and handed one bisection
+    at a time, with the very same results as in this one. Spawned, not forked: the caller
+    may hold torch's threads. Where no process can be started, they run here."""
+    tasks = [(i, roles, guess) for i in range(len(planners)) for roles, guess in jobs]
+    processes = min(usable_cores() if processes is None else processes, len(tasks))
+    out: list[tuple[float, int]] = []
+
+    def done(result: tuple[float, int]) -> None:
+        out.append(result)
+        if progress is not None:
+            progress(len(out), len(tasks))
+
+    if processes > 1:
+        try:
+            with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                     initializer=_hold, initargs=(planners,)) as pool:
+                for result in pool.map(_bisect_one, *zip(*tasks)):
+                    done(result)
+        except (BrokenProcessPool, OSError) as e:
+            logger.warning("planning in %d processes failed (%s: %s); planning in this one", processes,
+                           type(e).__name__, e)
+            out.clear()
+    for i, roles, guess in tasks[len(out):]:
+        done(_bisect_one(i, roles, guess, planners))
+    by_planner = [[goodput for goodput, _ in out[i * len(jobs):(i + 1) * len(jobs)]] for i in range(len(planners))]
+    return by_planner, sum(replays for _, replays in out)

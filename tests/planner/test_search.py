@@ -164,3 +164,46 @@ def test_a_planner_on_another_setup_keeps_everything_else():
     q = p.at(slower)
     assert q.setup is slower and q.workload is p.workload
     assert (q.slo_ttft, q.slo_tbt, q.num_requests, q.arrivals, q.rel_tol, q.seed) == (2.0, 0.1, 80, "poisson", 0.1, 3)
+
+
+def _planners_at(speeds):
+    from dataclasses import replace
+
+    p = planner(num_requests=80)
+    return [p.at(replace(p.setup, speeds={1: f}, step_noise=0.05)) for f in speeds]
+
+
+JOBS = [(("EPD", "EPD"), None), (("EP", "D"), 2.0)]
+
+
+def test_bisections_at_each_setup_are_the_same_in_processes_as_in_this_one():
+    from hydrad.planner.search import bisect_at_each
+
+    here = _planners_at((1.0, 1.3, 0.9))
+    expected, replays = bisect_at_each(here, JOBS, processes=1)
+    assert replays == sum(q.num_replays for q in here) > 0
+    # Slower setups, lower goodputs: each row is its own setup's.
+    assert expected[1][0] < expected[0][0] <= expected[2][0]
+    elsewhere = _planners_at((1.0, 1.3, 0.9))
+    calls = []
+    got, replays_elsewhere = bisect_at_each(elsewhere, JOBS, processes=2, progress=lambda d, n: calls.append((d, n)))
+    assert got == expected and replays_elsewhere == replays
+    # Replayed in other processes: these planners never ran one.
+    assert all(q.num_replays == 0 for q in elsewhere)
+    assert calls == [(k, 6) for k in range(1, 7)]  # one a bisection
+
+
+def test_bisections_run_here_when_no_process_can_start(monkeypatch, caplog):
+    from hydrad.planner import search
+
+    class NoProcesses:
+        def __init__(self, *args, **kwargs):
+            raise OSError("no processes here")
+
+    expected, _ = search.bisect_at_each(_planners_at((1.0, 1.2)), JOBS, processes=1)
+    monkeypatch.setattr(search, "ProcessPoolExecutor", NoProcesses)
+    here = _planners_at((1.0, 1.2))
+    with caplog.at_level("WARNING", logger="hydrad.planner"):
+        got, _ = search.bisect_at_each(here, JOBS, processes=4)
+    assert got == expected and all(q.num_replays > 0 for q in here)
+    assert "no processes here" in caplog.text

@@ -309,3 +309,31 @@ def test_the_validate_table_shows_each_comparison(monkeypatch, tmp_path):
                      ">=50", ">=+400.0%"]
     second = [c.strip() for c in next(line for line in lines if "1EP+1D" in line).split("│")[1:-1]]
     assert second == ["1EP+1D", "9", "-", "-", "-", "-", "-", "-", "-", "-"]
+
+
+def test_a_profile_bisects_and_averages_the_deployments_asked_for_beside_its_top():
+    import random
+
+    from hydrad.config import EngineConfig
+    from hydrad.planner.profile import run_profile
+    from hydrad.trace import make_record
+
+    rng, t, records = random.Random(0), 0.0, []
+    for _ in range(300):
+        t += rng.expovariate(2.0)
+        records.append(make_record(timestamp=t, model="m", prompt_tokens=282, template_tokens=10,
+                                   images=[(640, 480, 256, 5)], output_tokens=rng.randint(10, 30), max_tokens=30,
+                                   finish_reason="length", preprocess=0.01, ttft=0.1, e2e=1.0, gaps=[], stages={},
+                                   instances=[0], deploy="1EPD"))
+    setup = replace(planner().setup, speed_sample=({1: Speed(1.0, 0.0)}, {1: Speed(1.2, 0.0)}))
+    kwargs = dict(slo_ttft=2.0, slo_tbt=0.1, top_k=1, num_requests=80, setup=setup, processes=1)
+    alone = run_profile(records, EngineConfig(), Devices(("cpu", "cpu")), **kwargs)
+    asked = ("EP", "EPD")
+    assert next(e for e in alone.result.evaluations if e.roles == asked).goodput is None  # the search left it out
+    profile = run_profile(records, EngineConfig(), Devices(("cpu", "cpu")), also=(asked,), **kwargs)
+    ev = next(e for e in profile.result.ranked if e.roles == asked)
+    assert ev.goodput == pytest.approx(sum(ev.goodput_by_speed) / 2) and ev.goodput_by_speed[1] < ev.goodput_by_speed[0]
+    ranked = profile.result.ranked
+    assert [e.goodput for e in ranked] == sorted((e.goodput for e in ranked), reverse=True)
+    # The rest of the ranking is the same as without it.
+    assert [(e.spec, e.goodput) for e in ranked if e is not ev] == [(e.spec, e.goodput) for e in alone.result.ranked]
