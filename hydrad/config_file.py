@@ -179,6 +179,11 @@ class PlannerConfig:
     min_interval: float = 1800.0
     # Requests each simulated replay takes from the window (more: slower and steadier).
     num_requests: int = 300
+    # `--deploy auto` at start reuses the plan it kept (``planner.auto``: the last one made
+    # at a start or redeployed to while serving) for the same model, devices, SLO and trace
+    # while it is younger than this, unless the trace has gained as many requests as it was
+    # made from; 0: plan at every start.
+    reuse_hours: float = 24.0
 
     def __post_init__(self) -> None:
         for name in ("interval", "window", "min_interval"):
@@ -188,6 +193,8 @@ class PlannerConfig:
             raise ConfigError("planner.min_requests must be >= 1 and planner.num_requests >= 10")
         if self.margin < 0:
             raise ConfigError(f"planner.margin must be >= 0, got {self.margin}")
+        if self.reuse_hours < 0:
+            raise ConfigError(f"planner.reuse_hours must be >= 0, got {self.reuse_hours}")
 
 
 @dataclass(frozen=True)

@@ -294,9 +294,12 @@ def parse_lines(lines: list[str], where: str) -> list[TraceRecord]:
     return records
 
 
-def read_trace(path: str | Path, *, model: str | None = None, completed_only: bool = True) -> list[TraceRecord]:
+def read_trace(path: str | Path, *, model: str | None = None, completed_only: bool = True,
+               newest: int | None = None) -> list[TraceRecord]:
     """Records of a trace file or directory, sorted by arrival; only those of ``model`` (a
-    model name) when given, and only requests that ran to their end unless told otherwise."""
+    model name) when given, and only requests that ran to their end unless told otherwise;
+    ``newest``: only the last that many, the directory's files read newest first until they
+    are found (a full trace is four files of 64 MiB)."""
     path = Path(path)
     if path.is_dir():
         files = trace_files(path)
@@ -307,18 +310,17 @@ def read_trace(path: str | Path, *, model: str | None = None, completed_only: bo
     else:
         raise ConfigError(f"trace not found: {path}")
     records: list[TraceRecord] = []
-    for file in files:
+    for file in reversed(files):
         try:
             lines = file.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read trace {file}: {getattr(e, 'strerror', None) or e}") from None
-        records += parse_lines(lines, str(file))
-    if model is not None:
-        records = [r for r in records if r.model == model]
-    if completed_only:
-        records = [r for r in records if r.completed]
+        records += [r for r in parse_lines(lines, str(file))
+                    if (model is None or r.model == model) and (r.completed or not completed_only)]
+        if newest is not None and len(records) >= newest:
+            break
     records.sort(key=lambda r: r.timestamp)
-    return records
+    return records if newest is None else records[-newest:] if newest > 0 else []
 
 
 def wall_clock(monotonic_time: float) -> float:

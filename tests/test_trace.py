@@ -53,6 +53,13 @@ def test_the_writer_rotates_and_keeps_max_files(tmp_path):
     stamps = [r.timestamp for r in records]
     assert stamps == sorted(stamps) and stamps[-1] == 1039.0 and stamps[0] > 1000.0
     assert w.recent(3) == (tmp_path / "trace" / "trace.jsonl").read_text().splitlines()[-3:]
+    # The newest N: the same as the last N of all, read from the newest files only.
+    for n in (1, 5, len(records) - 1, len(records), len(records) + 10):
+        assert read_trace(tmp_path / "trace", newest=n) == records[-n:]
+    (tmp_path / "trace" / "trace.2.jsonl").write_text("not json\n")  # the oldest file is not read for a few
+    assert read_trace(tmp_path / "trace", newest=3) == records[-3:]
+    with pytest.raises(ConfigError, match="trace.2.jsonl:1"):
+        read_trace(tmp_path / "trace")
 
 
 def test_reading_filters_unfinished_requests_and_other_models(tmp_path):

@@ -56,7 +56,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
         from hydrad.planner.auto import choose_deployment
 
         spec, reason = choose_deployment(config, trace_path)
-        deployment = {"spec": spec, "reason": reason}
+        deployment = {"spec": spec, "reason": reason, "auto": True}
         parallel = dataclasses.replace(config.engine.parallel, deploy=spec)
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
     parallel = config.engine.parallel

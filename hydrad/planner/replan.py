@@ -233,7 +233,8 @@ class Replanner:
     stand-in, run in the child process unless ``executor`` says otherwise."""
 
     def __init__(self, daemon_config, supervisor, model_name: str, *, trace_dir: Path | None = None,
-                 rank: Callable[..., Ranking] = rank_window, executor=None, clock: Callable[[], float] = time.time):
+                 rank: Callable[..., Ranking] = rank_window, executor=None, clock: Callable[[], float] = time.time,
+                 keep_plans: bool = False):
         self.config = daemon_config.planner
         self.engine_config: EngineConfig = daemon_config.engine
         self.router_policy = daemon_config.server.router_policy
@@ -244,6 +245,8 @@ class Replanner:
         self._executor = executor
         self._own_executor = executor is None
         self.clock = clock
+        # Started with --deploy auto: each redeploy is kept as the plan a restart comes back on.
+        self.keep_plans = keep_plans
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)
         self.last_redeploy: float | None = None
         self._task: asyncio.Task | None = None
@@ -350,7 +353,16 @@ class Replanner:
             changed = await supervisor.redeploy(list(ranking.best), reason=f"auto: {summary}")
         except RedeployError as e:
             return decision("failed", f"{summary}: the redeploy to {best} failed: {e}", **numbers)
+        if self.keep_plans:
+            self._keep(best, f"auto: {summary}", now, ranking.num_requests)
         return decision("redeploy", f"{summary}: redeployed to {best} in {changed.seconds:.1f} s", **numbers)
+
+    def _keep(self, deploy: str, reason: str, now: float, num_requests: int) -> None:
+        from hydrad.planner.auto import PLAN_FILE, KeptPlan, plan_key, save_plan
+
+        devices = [self.supervisor.specs[c.instance_id].device for c in self.supervisor.clients]
+        key = plan_key(self.model_name, devices, self.engine_config.slo, self.router_policy, self.trace_dir)
+        save_plan(self.trace_dir / PLAN_FILE, KeptPlan(key, deploy, reason, now, num_requests, now))
 
     def _pool(self):
         if self._executor is None:

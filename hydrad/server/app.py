@@ -58,8 +58,8 @@ ADMISSION = web.AppKey("admission", Admission)
 STARTED = web.AppKey("started", float)
 # The re-planning loop (planner.auto), or None.
 REPLANNER = web.AppKey("replanner", object)
-# The deployment started with and why: {"spec": "1EP+1D", "reason": "..."} (the
-# supervisor's history has it, and every change since).
+# The deployment started with and why: {"spec": "1EP+1D", "reason": "...", "auto": True
+# when --deploy auto chose it} (the supervisor's history has it, and every change since).
 DEPLOYMENT = web.AppKey("deployment", dict)
 # The other front-end processes ([server] frontend_processes), started by ``serve``.
 FRONTENDS = web.AppKey("frontends", Frontends)
@@ -166,7 +166,8 @@ async def engine_ctx(app: web.Application):
     if config.planner.auto:
         from hydrad.planner.replan import Replanner
 
-        replanner = Replanner(config, supervisor, processor.model_name)
+        replanner = Replanner(config, supervisor, processor.model_name,
+                              keep_plans=bool(app[DEPLOYMENT].get("auto")))
         replanner.start()
         logger.info("re-planning every %g s on the last %g s of the trace (planner.auto)", config.planner.interval,
                     config.planner.window)

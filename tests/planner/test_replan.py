@@ -157,7 +157,7 @@ class FakeSupervisor:
         self.clients = [SimpleNamespace(instance_id=i, role=r, ready=SimpleNamespace(
             latency_model=BOTH, geometry=GEOMETRY, copy_bandwidth=None, max_model_len=2048),
             get_stats=_stats_of(i)) for i, r in enumerate(roles)]
-        self.specs = [SimpleNamespace(threads=CpuThreads(1)) for _ in roles]
+        self.specs = [SimpleNamespace(threads=CpuThreads(1), device="cpu") for _ in roles]
         self.busy = busy
         self.is_cpu = True
         self.fail = fail
@@ -172,7 +172,7 @@ class FakeSupervisor:
         return SimpleNamespace(seconds=1.5)
 
 
-def replanner(supervisor, rankings, tmp_path, **planner):
+def replanner(supervisor, rankings, tmp_path, keep_plans=False, **planner):
     """A Replanner whose search answers ``rankings`` in turn, on a clock advanced by hand."""
     config = load_config(None, {"planner.auto": True, "planner.min_interval": 600.0, "planner.margin": 0.2,
                                 **{f"planner.{k}": v for k, v in planner.items()}})
@@ -188,7 +188,7 @@ def replanner(supervisor, rankings, tmp_path, **planner):
 
     clock = SimpleNamespace(now=10_000.0)
     r = Replanner(config, supervisor, "m", trace_dir=tmp_path, rank=rank, executor=ThreadPoolExecutor(1),
-                  clock=lambda: clock.now)
+                  clock=lambda: clock.now, keep_plans=keep_plans)
     return r, calls, clock
 
 
@@ -232,6 +232,26 @@ def test_decisions_keep_redeploy_and_wait_for_the_minimum_interval(tmp_path):
     assert [d["action"] for d in status["decisions"]] == ["keep", "keep", "redeploy", "keep", "redeploy"]
     assert status["decisions"][2]["best_goodput"] == 3.0 and status["decisions"][2]["current_goodput"] == 1.0
     json.dumps(status)
+
+
+def test_a_daemon_started_with_deploy_auto_keeps_each_redeploy_as_the_plan_a_restart_reuses(tmp_path):
+    from hydrad.planner.auto import PLAN_FILE, load_plan, plan_key, reusable
+
+    for keep in (False, True):
+        supervisor = FakeSupervisor(["EPD", "EPD"])
+        r, _, clock = replanner(supervisor, [ranking(("EPD", "EPD"), 1.0), ranking(("EP", "D"), 3.0)], tmp_path,
+                                keep_plans=keep)
+        keep_decision, redeploy = (asyncio.run(r.replan()) for _ in range(2))
+        assert keep_decision.action == "keep" and redeploy.action == "redeploy"
+        kept = load_plan(tmp_path / PLAN_FILE)
+        if not keep:
+            assert kept is None  # started with an explicit deployment: nothing kept
+            continue
+        assert kept.deploy == "1EP+1D" and kept.reason.startswith("auto: 200 requests")
+        assert kept.made_at == clock.now == kept.newest and kept.num_requests == 200
+        config = load_config(None, {})
+        key = plan_key("m", ["cpu", "cpu"], config.engine.slo, config.server.router_policy, tmp_path)
+        assert kept.key == key and reusable(kept, key, [], reuse_hours=24, now=clock.now + 60) is None
 
 
 def test_nothing_is_changed_when_busy_short_of_requests_or_failing(tmp_path):

@@ -1,0 +1,128 @@
+"""``hydrad start --deploy auto``'s choice (``hydrad.planner.auto``): planned from the trace
+and kept, a kept plan reused at the next start while it is young and the trace has not
+outgrown it, and planned again whenever what it was made for changed."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from hydrad.config_file import load_config
+from hydrad.planner import auto
+from hydrad.planner import profile as profile_module
+from hydrad.trace import make_record
+
+
+def write_trace(directory, n, start=1000.0, model="m"):
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "trace.jsonl", "a", encoding="utf-8") as f:
+        for i in range(n):
+            record = make_record(timestamp=start + i, model=model, prompt_tokens=40, template_tokens=10, images=[],
+                                 output_tokens=8, max_tokens=8, finish_reason="length", preprocess=0.001, ttft=0.1,
+                                 e2e=0.5, gaps=[0.05] * 7, stages={}, instances=[0], deploy="2EPD")
+            f.write(json.dumps(record.to_json()) + "\n")
+
+
+@pytest.fixture()
+def planning(monkeypatch):
+    """``plan_deployment`` replaced by one that answers 1EP+1D and counts its calls."""
+    calls = []
+
+    def plan(records, engine, devices, **kwargs):
+        calls.append(len(records))
+        if isinstance(plan.answer, Exception):
+            raise plan.answer
+        return plan.answer, f"planner's pick from {len(records)} traced requests"
+
+    plan.answer = "1EP+1D"
+    plan.calls = calls
+    monkeypatch.setattr(profile_module, "plan_deployment", plan)
+    return plan
+
+
+def config_for(tmp_path, **overrides):
+    return load_config(None, {"model.path": str(tmp_path / "m"), "parallel.devices": "cpu:2",
+                              "trace.dir": str(tmp_path / "trace"), **overrides})
+
+
+def test_a_plan_is_kept_and_reused_at_the_next_start(tmp_path, planning, caplog):
+    write_trace(tmp_path / "trace", 40)
+    config = config_for(tmp_path)
+    assert auto.choose_deployment(config) == ("1EP+1D", "planner's pick from 40 traced requests")
+    assert planning.calls == [40]
+    kept = auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE)
+    assert kept.deploy == "1EP+1D" and kept.num_requests == 40 and kept.newest == 1039.0
+    assert kept.key.devices == ("cpu", "cpu") and kept.key.model == "m"
+    # The next start: the kept plan, without planning.
+    with caplog.at_level(logging.INFO, logger="hydrad.planner"):
+        spec, reason = auto.choose_deployment(config)
+    assert spec == "1EP+1D" and planning.calls == [40]
+    assert reason.startswith("the plan of 0 min ago, kept in ") and reason.endswith("from 40 traced requests")
+    assert "deploy auto: 1EP+1D (the plan of" in caplog.text
+    # Fewer new requests than it was planned from: still reused.
+    write_trace(tmp_path / "trace", 39, start=2000.0)
+    assert auto.choose_deployment(config)[0] == "1EP+1D" and planning.calls == [40]
+    # As many new ones as it was planned from: planned again, on the newest.
+    write_trace(tmp_path / "trace", 1, start=3000.0)
+    planning.answer = "1ED+1P"
+    with caplog.at_level(logging.INFO, logger="hydrad.planner"):
+        assert auto.choose_deployment(config)[0] == "1ED+1P"
+    assert planning.calls == [40, 80]
+    assert "40 requests traced since the kept plan, which was made from 40" in caplog.text
+    assert auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE).deploy == "1ED+1P"
+
+
+def test_a_plan_for_other_inputs_or_too_old_is_made_again(tmp_path, planning, caplog):
+    write_trace(tmp_path / "trace", 20)
+    auto.choose_deployment(config_for(tmp_path))
+    assert len(planning.calls) == 1
+    # Another SLO, router policy or device count: planned again (and kept in its place).
+    for overrides in ({"slo.ttft": 3.0}, {"server.router_policy": "least-load"}, {"parallel.devices": "cpu:3"}):
+        with caplog.at_level(logging.INFO, logger="hydrad.planner"):
+            auto.choose_deployment(config_for(tmp_path, **overrides))
+        assert "the kept plan was made for another " in caplog.text
+        caplog.clear()
+    assert len(planning.calls) == 4
+    # reuse_hours = 0: every start plans.
+    config = config_for(tmp_path, **{"planner.reuse_hours": 0.0})
+    auto.choose_deployment(config)
+    auto.choose_deployment(config)
+    assert len(planning.calls) == 6
+    # Older than reuse_hours: planned again.
+    path = tmp_path / "trace" / auto.PLAN_FILE
+    old = json.loads(path.read_text())
+    old["made_at"] -= 25 * 3600
+    path.write_text(json.dumps(old))
+    with caplog.at_level(logging.INFO, logger="hydrad.planner"):
+        auto.choose_deployment(config_for(tmp_path))
+    assert len(planning.calls) == 7 and "h old (reuse_hours = 24)" in caplog.text
+
+
+def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, planning, caplog):
+    write_trace(tmp_path / "trace", 20)
+    path = tmp_path / "trace" / auto.PLAN_FILE
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="hydrad.planner"):
+        assert auto.choose_deployment(config_for(tmp_path))[0] == "1EP+1D"
+    assert "ignoring the kept plan" in caplog.text and auto.load_plan(path).deploy == "1EP+1D"
+    path.unlink()
+    planning.answer = RuntimeError("no machine")
+    spec, reason = auto.choose_deployment(config_for(tmp_path))
+    assert spec == "2EPD" and "RuntimeError: no machine" in reason and not path.exists()
+
+
+def test_reasons_a_kept_plan_is_not_reused(tmp_path):
+    slo = load_config(None, {}).engine.slo
+    key = auto.plan_key("m", ["cpu", "cpu"], slo, "round-robin", tmp_path)
+    plan = auto.KeptPlan(key, "1EP+1D", "why", made_at=1000.0, num_requests=100, newest=900.0)
+    assert auto.KeptPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    assert auto.reusable(None, key, [], reuse_hours=24, now=1000.0) == "no plan kept"
+    assert auto.reusable(plan, key, [], reuse_hours=24, now=1060.0) is None
+    assert "reuse_hours = 0" in auto.reusable(plan, key, [], reuse_hours=0, now=1060.0)
+    other = auto.plan_key("m2", ["cpu", "cpu"], slo, "round-robin", tmp_path / "elsewhere")
+    assert auto.reusable(plan, other, [], reuse_hours=24, now=1060.0) == \
+        "the kept plan was made for another model, trace"
+    assert "h old" in auto.reusable(plan, key, [], reuse_hours=1, now=1000.0 + 3600)
+    assert "clock was set back" in auto.reusable(plan, key, [], reuse_hours=24, now=900.0)
