@@ -120,3 +120,15 @@ def test_the_unit_waits_for_the_drain_and_the_workers():
     unit = (REPO / "systemd" / "hydrad.service").read_text()
     stop_sec = int(re.search(r"^TimeoutStopSec=(\d+)$", unit, re.M).group(1))
     assert stop_sec >= load_config(REPO / "etc" / "hydrad.toml").server.shutdown_timeout + 20
+
+
+def test_the_unit_keeps_the_trace_and_the_cache_in_the_directories_it_makes_writable():
+    """Under ProtectSystem=strict only the unit's own directories are writable: the trace (and
+    the plan --deploy auto keeps beside it) and the model cache must live there."""
+    import re
+
+    unit = (REPO / "systemd" / "hydrad.service").read_text()
+    env = dict(re.findall(r"^Environment=(\w+)=(\S+)$", unit, re.M))
+    assert "ProtectSystem=strict" in unit and "ProtectHome=true" in unit
+    assert env["HYDRAD_STATE_DIR"] == "/var/lib/" + re.search(r"^StateDirectory=(\S+)$", unit, re.M).group(1)
+    assert env["HYDRAD_CACHE_DIR"] == "/var/cache/" + re.search(r"^CacheDirectory=(\S+)$", unit, re.M).group(1)
