@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from hydrad.errors import ConfigError
+from hydrad.paths import state_dir
 
 logger = logging.getLogger("hydrad.trace")
 
@@ -33,14 +33,6 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 CURRENT = "trace.jsonl"
 # Finish reasons of requests that ran to their end: the ones a replay reproduces.
 COMPLETED = ("stop", "length")
-
-
-def state_dir() -> Path:
-    """``$HYDRAD_STATE_DIR``, else ``$XDG_STATE_HOME/hydrad``, else ``~/.local/state/hydrad``."""
-    if explicit := os.environ.get("HYDRAD_STATE_DIR"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_STATE_HOME") or "~/.local/state"
-    return Path(xdg).expanduser() / "hydrad"
 
 
 def default_trace_dir() -> Path:

@@ -404,7 +404,7 @@ def cache_key(engine, parts: str | None = None) -> dict:
 
 
 def cache_path(key: dict) -> Path:
-    from hydrad.models.default import cache_dir
+    from hydrad.paths import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "latency" / f"{Path(key['model']).name}-{key['parts'].strip('+')}-{digest}.json"
@@ -441,7 +441,7 @@ def measure_bandwidth(engine, *, repeats: int = 5) -> float:
     """Bytes per second of the runner's block copy (``copy_in``, as a pull runs it), between
     blocks of the engine's own KV pool; cached on disk per machine, threads, device and
     block size."""
-    from hydrad.models.default import cache_dir
+    from hydrad.paths import cache_dir
 
     pool = engine.runner.kv_cache
     block_bytes = engine.geometry().kv_block_bytes
@@ -510,7 +510,7 @@ def probing(device: torch.device | None) -> Iterator[None]:
         return
     import fcntl
 
-    from hydrad.models.default import cache_dir
+    from hydrad.paths import cache_dir
 
     lock_path = cache_dir() / "latency" / ".cpu-probes.lock"
     try:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from hydrad.errors import CheckpointError
+from hydrad.paths import cache_dir
 
 DEFAULT_ARCH = "llava"
 DEFAULT_SIZE = "small"
 DEFAULT_SEED = 0
-
-
-def cache_dir() -> Path:
-    """``$HYDRAD_CACHE_DIR``, else ``$XDG_CACHE_HOME/hydrad``, else ``~/.cache/hydrad``."""
-    if explicit := os.environ.get("HYDRAD_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
-    return Path(xdg).expanduser() / "hydrad"
 
 
 def default_model_path() -> Path:
