@@ -287,11 +287,12 @@ def parse_lines(lines: list[str], where: str) -> list[TraceRecord]:
 
 
 def read_trace(path: str | Path, *, model: str | None = None, completed_only: bool = True,
-               newest: int | None = None) -> list[TraceRecord]:
+               newest: int | None = None, since: float | None = None) -> list[TraceRecord]:
     """Records of a trace file or directory, sorted by arrival; only those of ``model`` (a
     model name) when given, and only requests that ran to their end unless told otherwise;
-    ``newest``: only the last that many, the directory's files read newest first until they
-    are found (a full trace is four files of 64 MiB)."""
+    ``newest``: only the last that many; ``since``: only those that arrived then (UNIX time)
+    or later. With either, the directory's files are read newest first, and no further than
+    they need (a full trace is four files of 64 MiB)."""
     path = Path(path)
     if path.is_dir():
         files = trace_files(path)
@@ -307,9 +308,14 @@ def read_trace(path: str | Path, *, model: str | None = None, completed_only: bo
             lines = file.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"cannot read trace {file}: {getattr(e, 'strerror', None) or e}") from None
-        records += [r for r in parse_lines(lines, str(file))
-                    if (model is None or r.model == model) and (r.completed or not completed_only)]
+        parsed = parse_lines(lines, str(file))
+        records += [r for r in parsed if (model is None or r.model == model) and (r.completed or not completed_only)
+                    and (since is None or r.timestamp >= since)]
         if newest is not None and len(records) >= newest:
+            break
+        if since is not None and parsed and min(r.timestamp + r.e2e for r in parsed) < since:
+            # A request is written as it ends (its arrival plus e2e): this file began before
+            # ``since``, so every request in the older ones ended, and arrived, before it.
             break
     records.sort(key=lambda r: r.timestamp)
     return records if newest is None else records[-newest:] if newest > 0 else []

@@ -56,8 +56,12 @@ def test_the_writer_rotates_and_keeps_max_files(tmp_path):
     # The newest N: the same as the last N of all, read from the newest files only.
     for n in (1, 5, len(records) - 1, len(records), len(records) + 10):
         assert read_trace(tmp_path / "trace", newest=n) == records[-n:]
+    # Since a time: the same as those of all that arrived then or later.
+    for since in (0.0, stamps[0], stamps[len(stamps) // 2], stamps[-1], stamps[-1] + 1):
+        assert read_trace(tmp_path / "trace", since=since) == [r for r in records if r.timestamp >= since]
     (tmp_path / "trace" / "trace.2.jsonl").write_text("not json\n")  # the oldest file is not read for a few
     assert read_trace(tmp_path / "trace", newest=3) == records[-3:]
+    assert read_trace(tmp_path / "trace", since=stamps[-1]) == records[-1:]
     with pytest.raises(ConfigError, match="trace.2.jsonl:1"):
         read_trace(tmp_path / "trace")
 
@@ -134,3 +138,21 @@ def test_the_processor_service_time_is_the_median_traced_time_per_image_count():
     workload = Workload.from_records(records)
     by_images = {len(s.images): s.preprocess for s in workload.shapes}
     assert by_images == {0: 0.006, 1: 0.030}
+
+
+def test_reading_since_a_time_reaches_into_an_older_file_past_a_long_request(tmp_path):
+    """A request is written when it ends: the newest file can hold one that arrived before
+    ``since`` (a long one) while the file before it holds requests that arrived after."""
+    from hydrad.trace import make_record
+
+    def line(t, e2e=1.9):
+        return json.dumps(make_record(model="m", deploy="2EPD", template_tokens=0, **facts(0, timestamp=t, e2e=e2e))
+                          .to_json()) + "\n"
+
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    (folder / "trace.1.jsonl").write_text("".join(line(1000.0 + i) for i in range(10)))
+    (folder / "trace.jsonl").write_text(line(990.0, e2e=25.0) + "".join(line(1010.0 + i) for i in range(5)))
+    stamps = [r.timestamp for r in read_trace(folder, since=1005.0)]
+    assert stamps == [1005.0 + i for i in range(10)]
+    assert [r.timestamp for r in read_trace(folder, since=985.0)][:2] == [990.0, 1000.0]

@@ -192,7 +192,7 @@ def rank_window(trace_dir: str | Path, model: str, since: float, setup, current:
     trace_dir = Path(trace_dir)
     records = []
     if trace_dir.is_dir() and trace_files(trace_dir):
-        records = [r for r in read_trace(trace_dir, model=model) if r.timestamp >= since]
+        records = read_trace(trace_dir, model=model, since=since)
     if len(records) < min_requests:
         return Ranking(len(records))
     workload = Workload.from_records(records)
