@@ -2,9 +2,16 @@
 
     python bench/planner_accuracy.py accuracy [--model DIR] [--devices cpu:2] [--workloads textcaps,mix,mooncake]
         [--slo-ttft 2] [--slo-tbt 0.1] [--record-rate 1] [--record-requests 200] [--num-requests 200]
-        [--top 3] [--live-rounds 1] [--out planner_accuracy.json]
+        [--top 3] [--live-rounds 1] [--sampling greedy|defaults|filtered] [--out planner_accuracy.json]
     python bench/planner_accuracy.py auto [--model DIR] [--devices cpu:2] [--hand 1EP+1D,2EPD,1E+1PD]
-        [--live-rounds 1] [--vllm-python VENV/bin/python | --vllm-url http://127.0.0.1:8001] [--out planner_auto.json]
+        [--live-rounds 1] [--vllm-python VENV/bin/python | --vllm-url http://127.0.0.1:8001]
+        [--sampling greedy|defaults|filtered] [--out planner_auto.json]
+
+``--sampling``: how every request samples, in the recorded trace and in every live run
+(``hydrad.bench.SAMPLING_PRESETS``: greedy by default; the API's defaults, temperature 1;
+or temperature 0.8 with top-p 0.9 and top-k 50). The simulator replays steps as the
+latency model predicts them, which holds no sampling terms: a run with sampled requests
+tests that.
 
 ``accuracy``: for each workload, a daemon (``1EP+1D``) records a trace of the workload
 sent by ``hydractl bench`` at ``--record-rate``; the planner ranks every deployment of
@@ -100,10 +107,14 @@ def spread_ticks(src: Path, dst: Path, seed: int = 0) -> Path:
     return dst
 
 
-def daemon_config(model: str, devices: str, deploy: str, slo_ttft: float, slo_tbt: float):
+def daemon_config(model: str, devices: str, deploy: str, slo_ttft: float, slo_tbt: float, *,
+                  reuse_plans: bool = True):
+    """The daemon's configuration; ``reuse_plans`` False: ``--deploy auto`` plans at every start."""
     from hydrad.config_file import load_config
 
     config = load_config(None)
+    if not reuse_plans:
+        config = dataclasses.replace(config, planner=dataclasses.replace(config.planner, reuse_hours=0.0))
     engine = config.engine
     return dataclasses.replace(config, engine=dataclasses.replace(
         engine, model=dataclasses.replace(engine.model, path=model),
@@ -112,14 +123,15 @@ def daemon_config(model: str, devices: str, deploy: str, slo_ttft: float, slo_tb
 
 
 def bench(url: str, workload: str, *, slo, rates=(), search=None, num_requests: int, trace=None,
-          arrivals: str = "poisson", label: str = "", warmup: int = 0):
-    from hydrad.bench import BenchConfig, run_bench
+          arrivals: str = "poisson", label: str = "", warmup: int = 0, sampling: str = "greedy"):
+    from hydrad.bench import SAMPLING_PRESETS, BenchConfig, run_bench
 
     from hydrad.cli.bench import _ProgressObserver
 
     config = BenchConfig(url=url, slo=slo, workload=workload, rates=tuple(rates), search=search,
                          num_requests=num_requests, trace=str(trace) if trace else None,
-                         arrivals="trace" if trace or arrivals == "trace" else "poisson", warmup=warmup)
+                         arrivals="trace" if trace or arrivals == "trace" else "poisson", warmup=warmup,
+                         sampling=SAMPLING_PRESETS[sampling])
     progress = Progress(TextColumn(f"{label} " + "{task.description}"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("met {task.fields[met]} errors {task.fields[errors]}"), TimeElapsedColumn(),
                         console=console)
@@ -128,7 +140,7 @@ def bench(url: str, workload: str, *, slo, rates=(), search=None, num_requests: 
 
 
 def record(model: str, devices: str, workload: str, trace, *, rate: float, num: int, slo_ttft: float,
-           slo_tbt: float, work: Path, deploy: str = "1EP+1D") -> tuple[Path, float]:
+           slo_tbt: float, work: Path, deploy: str = "1EP+1D", sampling: str = "greedy") -> tuple[Path, float]:
     """A trace of ``workload`` sent at ``rate`` to a live daemon, and the bench client's CPU
     seconds per request while it sent it."""
     from hydrad.bench import SLO
@@ -139,7 +151,7 @@ def record(model: str, devices: str, workload: str, trace, *, rate: float, num: 
                         trace_dir=trace_dir)
     try:
         result = bench(daemon.url, workload, slo=SLO(slo_ttft, slo_tbt), rates=(rate,), num_requests=num,
-                       trace=trace, label="record")
+                       trace=trace, label="record", sampling=sampling)
         if result.summary is None or result.summary.errors:
             raise SystemExit(f"recording failed: {result.summary}")
     finally:
@@ -242,6 +254,7 @@ def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
 
 
 def accuracy(args) -> dict:
+    from hydrad.bench import SAMPLING_PRESETS
     from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions, MachineProbe, run_profile
     from hydrad.trace import read_trace
     from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
@@ -256,7 +269,7 @@ def accuracy(args) -> dict:
         console.rule(f"{name}: recording {args.record_requests} requests at {args.record_rate} req/s")
         trace_dir, client_cpu = record(model, args.devices, spec, arrivals, rate=args.record_rate,
                                        num=args.record_requests, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt,
-                                       work=work)
+                                       work=work, sampling=args.sampling)
         # The live runs' client shares the cores with the daemon; the default corun_slowdown,
         # measured beside it, holds its share unless asked to count it on its own as well.
         options = MachineOptions(client_seconds=client_cpu if args.count_client_cpu else 0.0,
@@ -282,7 +295,8 @@ def accuracy(args) -> dict:
                 log_dir = work / f"round{k + 1}"
                 log_dir.mkdir(exist_ok=True)
                 rows_k = validate(profile, config, trace_dir, order, log_dir=log_dir,
-                                  speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN), warmup=args.warmup)
+                                  speed_check=lambda: probe.speeds(ROUNDS_AROUND_RUN), warmup=args.warmup,
+                                  sampling=SAMPLING_PRESETS[args.sampling])
                 rounds.append({r["deploy"]: r for r in rows_k})
             live = [combine_rounds([rnd[spec] for rnd in rounds if spec in rnd]) for spec in specs
                     if any(spec in rnd for rnd in rounds)]
@@ -357,17 +371,20 @@ def auto(args) -> dict:
     slo = SLO(args.slo_ttft, args.slo_tbt)
     console.rule("recording the workload's trace")
     trace_dir, _ = record(model, args.devices, str(workload), None, rate=args.record_rate,
-                          num=args.record_requests, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work)
+                          num=args.record_requests, slo_ttft=args.slo_ttft, slo_tbt=args.slo_tbt, work=work,
+                          sampling=args.sampling)
     search = GoodputSearch(start_rate=args.search_start, rel_tol=0.05)
 
     def live_goodput(deploy: str, extra: dict | None = None) -> tuple[float | None, dict]:
-        config = daemon_config(model, args.devices, deploy, args.slo_ttft, args.slo_tbt)
+        # Every round of auto plans: the rounds measure the planner, not the plan it kept.
+        config = daemon_config(model, args.devices, deploy, args.slo_ttft, args.slo_tbt,
+                               reuse_plans=deploy != "auto")
         daemon = LiveDaemon(config, work / f"daemon-{deploy}.log", **(extra or {}))
         try:
             with urllib.request.urlopen(daemon.url + "/admin/status") as response:
                 status = json.loads(response.read())
             result = bench(daemon.url, str(workload), slo=slo, search=search, num_requests=args.num_requests,
-                           label=deploy, warmup=args.warmup)
+                           label=deploy, warmup=args.warmup, sampling=args.sampling)
         finally:
             daemon.stop()
         return result.goodput_total, status.get("deployment", {})
@@ -386,7 +403,7 @@ def auto(args) -> dict:
             url = server.url
         try:
             result = bench(url, str(workload), slo=slo, search=vllm_search, num_requests=args.num_requests,
-                           label="vllm", warmup=args.warmup)
+                           label="vllm", warmup=args.warmup, sampling=args.sampling)
         finally:
             if server is not None:
                 server.stop()
@@ -456,6 +473,9 @@ def main() -> None:
     parser.add_argument("--record-requests", type=int, default=200)
     parser.add_argument("--num-requests", type=int, default=200, help="Requests per rate, simulated and live.")
     parser.add_argument("--top", type=int, default=3)
+    parser.add_argument("--sampling", choices=("greedy", "defaults", "filtered"), default="greedy",
+                        help="How every request samples, recorded and live: greedy, the API's defaults "
+                        "(temperature 1), or temperature 0.8 with top-p 0.9 and top-k 50.")
     parser.add_argument("--live-rounds", type=int, default=1,
                         help="Search each deployment's live goodput this many times (forward, then backward) "
                         "and take their mean (accuracy: compared with the replay; auto: --deploy auto against "

@@ -46,13 +46,9 @@ from pathlib import Path
 
 from common import Server, free_port, machine, vllm_copy, vllm_server, write_json
 
-from hydrad.bench import SLO, BenchConfig, Sampling, run_bench
+from hydrad.bench import SAMPLING_PRESETS, SLO, BenchConfig, run_bench
 
-SAMPLINGS = {
-    "greedy": Sampling(temperature=0.0),
-    "defaults": Sampling(temperature=1.0),
-    "filtered": Sampling(temperature=0.8, top_p=0.9, top_k=50),
-}
+SAMPLINGS = SAMPLING_PRESETS
 SCENARIOS = ("start", "peak", "single", "poisson", "streams")
 
 

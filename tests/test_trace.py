@@ -117,7 +117,8 @@ def test_the_validation_daemons_config_reads_back_as_written(tmp_path):
 
     path = tmp_path / "in.toml"
     path.write_text('seed = 3\n[slo]\nttft = 1.5\ntbt = 0.08\n[cache]\nnum_kv_blocks = 100\n'
-                    '[server.remote_images]\nallowed_domains = ["a.example"]\n[parallel]\ndeploy = "1EP+1D"\n')
+                    '[server.remote_images]\nallowed_domains = ["a.example"]\n[parallel]\ndeploy = "1EP+1D"\n'
+                    '[planner]\nreuse_hours = 0.0\nmargin = 0.5\n')
     config = load_config(path)
     config = dataclasses.replace(config, trace=dataclasses.replace(config.trace, dir="/srv/t", enabled=False))
     out = tmp_path / "out.toml"

@@ -5,11 +5,12 @@ Modules: ``config`` (what to run), ``workloads`` and ``images`` (request content
 (TTFT/TBT, SLO, goodput), ``runner`` (rates, sweeps, goodput search, closed loop), ``plot``.
 """
 
-from hydrad.bench.config import SLO, BenchConfig, GoodputSearch, Sampling, sweep_rates
+from hydrad.bench.config import SAMPLING_PRESETS, SLO, BenchConfig, GoodputSearch, Sampling, sweep_rates
 from hydrad.bench.metrics import RequestResult, Summary
 from hydrad.bench.runner import Bench, BenchResult, RateRun, run_bench
 
 __all__ = [
+    "SAMPLING_PRESETS",
     "SLO",
     "Bench",
     "BenchConfig",

@@ -84,6 +84,15 @@ class Sampling:
         return out
 
 
+# The samplings benchmarks compare by name: greedy (exact comparisons), the API's
+# defaults (temperature 1), and temperature with top-p and top-k filtering.
+SAMPLING_PRESETS = {
+    "greedy": Sampling(temperature=0.0),
+    "defaults": Sampling(temperature=1.0),
+    "filtered": Sampling(temperature=0.8, top_p=0.9, top_k=50),
+}
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     """One benchmark: fixed rates (one, or a sweep), a goodput search, or a closed loop of

@@ -44,7 +44,7 @@ def config_toml(config) -> str:
 
     for name, obj in (("server", config.server), ("model", engine.model), ("cache", engine.cache),
                       ("scheduler", engine.scheduler), ("parallel", engine.parallel), ("slo", engine.slo),
-                      ("trace", config.trace)):
+                      ("trace", config.trace), ("planner", config.planner)):
         table(name, obj)
     return "\n".join(lines) + "\n"
 
@@ -126,9 +126,11 @@ LIVE_WARMUP = 24
 
 def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Path,
              observer_for: Callable[[str], object] | None = None,
-             speed_check: Callable[[], dict] | None = None, warmup: int = LIVE_WARMUP) -> list[dict]:
+             speed_check: Callable[[], dict] | None = None, warmup: int = LIVE_WARMUP,
+             sampling=None) -> list[dict]:
     """Live goodput of each of ``specs`` on ``trace_file``, next to the simulated one. Each
-    live daemon keeps its request trace under ``log_dir`` (``trace_dir`` in its row).
+    live daemon keeps its request trace under ``log_dir`` (``trace_dir`` in its row); every
+    request samples as ``sampling`` says (a ``hydrad.bench.Sampling``; None: greedy).
 
     ``speed_check`` (``MachineProbe.speeds``): measure the machine's speed right before each
     deployment's daemon starts and right after it stops, and simulate the deployment again
@@ -141,7 +143,7 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
     ran under that load, which an idle check cannot see.
 
     ``warmup`` requests of the trace go to each daemon before its search, not counted."""
-    from hydrad.bench import SLO, BenchConfig, GoodputSearch, run_bench
+    from hydrad.bench import SLO, BenchConfig, GoodputSearch, Sampling, run_bench
     from hydrad.planner.profile import live_speeds, mean_speeds
 
     simulated = {e.spec: e.goodput for e in profile.result.ranked}
@@ -167,7 +169,8 @@ def validate(profile, config, trace_file: Path, specs: list[str], *, log_dir: Pa
             bench = BenchConfig(url=daemon.url, slo=SLO(profile.slo_ttft, profile.slo_tbt), workload=str(trace_file),
                                 num_requests=profile.planner.num_requests,
                                 search=GoodputSearch(start_rate=start, rel_tol=profile.planner.rel_tol),
-                                arrivals=profile.planner.arrivals, seed=config.engine.seed, warmup=warmup)
+                                arrivals=profile.planner.arrivals, seed=config.engine.seed, warmup=warmup,
+                                sampling=sampling or Sampling())
             result = run_bench(bench, observer_for(spec) if observer_for else None)
             try:
                 reports = workers_speed(daemon.url)

@@ -161,10 +161,10 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
             self.up = True
             return 1.5
 
-    def bench(url, workload, *, slo, search, num_requests, label, warmup):
+    def bench(url, workload, *, slo, search, num_requests, label, warmup, sampling):
         # Each search runs on its own server, alone on the cores: the last one started and
-        # the only one up.
-        assert [x.deploy for x in servers if x.up] == [label] and servers[-1].up
+        # the only one up; every request samples as asked.
+        assert [x.deploy for x in servers if x.up] == [label] and servers[-1].up and sampling == "filtered"
         assert search.lower == (0.5 if label == "vllm" else search.start_rate / 16)
         order.append(label)
         goodput = next(vllm_goodputs) if label == "vllm" else hydrad_goodputs[label]
@@ -184,15 +184,24 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
     monkeypatch.setattr(validate, "LiveDaemon", Daemon)
     monkeypatch.setattr(script, "model_dir", lambda model: str(tmp_path))
     monkeypatch.setattr(script, "record", lambda *a, **k: (tmp_path / "trace", None))
-    monkeypatch.setattr(script, "daemon_config", lambda model, devices, deploy, *a: deploy)
+    reuse = {}
+
+    def daemon_config(model, devices, deploy, *a, reuse_plans=True):
+        reuse[deploy] = reuse_plans
+        return deploy
+
+    monkeypatch.setattr(script, "daemon_config", daemon_config)
     monkeypatch.setattr(script, "bench", bench)
     monkeypatch.setattr(script, "vllm_copy", lambda src, dst: dst)
     monkeypatch.setattr(script, "vllm_server", Server)
     monkeypatch.setattr(script.urllib.request, "urlopen", lambda url: Response())
     args = argparse.Namespace(model=None, devices="cpu:2", slo_ttft=2.0, slo_tbt=0.1, record_rate=1.0,
                               record_requests=10, num_requests=10, hand="2EPD,1EP+1D", live_rounds=3,
-                              search_start=4.0, vllm_python="python", vllm_url=None, vllm_min_rate=0.5, warmup=0)
+                              search_start=4.0, vllm_python="python", vllm_url=None, vllm_min_rate=0.5, warmup=0,
+                              sampling="filtered")
     out = script.auto(args)
+    # --deploy auto plans in every round; the deployments by hand have no plan to keep.
+    assert reuse == {"auto": False, "2EPD": True, "1EP+1D": True}
     forward = ["auto", "2EPD", "1EP+1D", "vllm"]
     assert order == forward + forward[::-1] + forward
     assert out["vllm_goodput_rounds"] == [2.0, 0.0, 1.0]
