@@ -9,8 +9,8 @@ line says why.
 A plan takes seconds to tens of seconds (the machine's speed check, the search and the
 averaging over recent speeds: ``docs/planner.md``), and a restart would pay it each time.
 So each plan is kept (``plan.json`` in the trace folder) with what it was made for: the
-model, the devices, the ``[slo]`` targets, the router policy, the trace and the newest
-request it read. A start reuses it while it is younger than ``[planner] reuse_hours`` and
+model, the devices, the ``[slo]`` targets and the rest of the engine's configuration, the
+router policy, the trace and the newest request it read. A start reuses it while it is younger than ``[planner] reuse_hours`` and
 the trace holds fewer new requests than the plan was made from (the workload it saw is
 still at least half of what there is now); otherwise it plans again and keeps the new one.
 A daemon started with ``--deploy auto`` that re-plans while serving (``[planner] auto``,
@@ -20,6 +20,9 @@ back on it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -45,6 +48,9 @@ class PlanKey:
     model: str
     devices: tuple[str, ...]
     slo: tuple[float, float, float, float]  # ttft, tbt, alpha, headroom
+    # A digest of the rest of the engine's configuration (dtype, caches, scheduler, ...:
+    # what the instances' steps and pools depend on), the deployment itself left out.
+    engine: str
     router_policy: str
     trace: str  # the trace read, resolved
     version: str  # hydrad's: another planner may rank differently
@@ -66,18 +72,22 @@ class KeptPlan:
     @classmethod
     def from_json(cls, d: dict) -> KeptPlan:
         k = d["key"]
-        key = PlanKey(str(k["model"]), tuple(map(str, k["devices"])), tuple(map(float, k["slo"])),
+        key = PlanKey(str(k["model"]), tuple(map(str, k["devices"])), tuple(map(float, k["slo"])), str(k["engine"]),
                       str(k["router_policy"]), str(k["trace"]), str(k["version"]))
         return cls(key, str(d["deploy"]), str(d["reason"]), float(d["made_at"]), int(d["num_requests"]),
                    float(d["newest"]))
 
 
-def plan_key(model: str, devices: list[str], slo, router_policy: str, source: Path) -> PlanKey:
+def plan_key(model: str, devices: list[str], engine, router_policy: str, source: Path) -> PlanKey:
     """The key of a plan for the model named ``model`` on ``devices`` (one device string per
-    instance) for ``slo`` (an ``SLOConfig``), planned from the trace at ``source``."""
+    instance) with ``engine`` (an ``EngineConfig``), planned from the trace at ``source``."""
     from hydrad import __version__
 
-    return PlanKey(model, tuple(devices), (slo.ttft, slo.tbt, slo.alpha, slo.headroom), router_policy,
+    settings = dataclasses.asdict(engine)
+    settings["parallel"].pop("deploy", None)
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    slo = engine.slo
+    return PlanKey(model, tuple(devices), (slo.ttft, slo.tbt, slo.alpha, slo.headroom), digest, router_policy,
                    str(Path(source).resolve()), __version__)
 
 
@@ -96,14 +106,19 @@ def load_plan(path: Path) -> KeptPlan | None:
 def save_plan(path: Path, plan: KeptPlan) -> None:
     """Keep ``plan`` at ``path`` (written whole, then renamed into place); a failure is
     logged, never raised: it only costs the next start a plan."""
+    temp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".plan-", suffix=".json", delete=False,
                                          encoding="utf-8") as f:
+            temp = f.name
             json.dump(plan.to_json(), f, indent=1)
-        os.replace(f.name, path)
-    except OSError as e:
-        logger.warning("deploy auto: cannot keep the plan in %s (%s)", path, e.strerror or e)
+        os.replace(temp, path)
+    except (OSError, TypeError, ValueError) as e:
+        logger.warning("deploy auto: cannot keep the plan in %s (%s)", path, getattr(e, "strerror", None) or e)
+        if temp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
 
 
 def reusable(plan: KeptPlan | None, key: PlanKey, records, *, reuse_hours: float, now: float) -> str | None:
@@ -151,7 +166,7 @@ def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
             reason = (f"one EPD instance per device: {source} holds {len(records)} finished request(s) of "
                       f"{model}, fewer than {MIN_REQUESTS}")
         else:
-            key = plan_key(model, devices, config.engine.slo, config.server.router_policy, source)
+            key = plan_key(model, devices, config.engine, config.server.router_policy, source)
             plan_path = config.trace.directory / PLAN_FILE
             kept = load_plan(plan_path)
             now = time.time()

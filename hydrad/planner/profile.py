@@ -476,8 +476,8 @@ def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devic
     if len(setup.speed_sample) > 1:
         start = time.perf_counter()
         what = f"the ranked deployments at {len(setup.speed_sample)} recent speeds"
-        if progress is not None:
-            progress(0, len(setup.speed_sample), what)
+        if progress is not None:  # one step a bisection, as average_over_speeds reports them
+            progress(0, len(setup.speed_sample) * sum(e.goodput is not None for e in result.ranked), what)
         profile.average_over_speeds(processes=processes,
                                     progress=None if progress is None else lambda done, n: progress(done, n, what))
         result.seconds += time.perf_counter() - start

@@ -361,7 +361,7 @@ class Replanner:
         from hydrad.planner.auto import PLAN_FILE, KeptPlan, plan_key, save_plan
 
         devices = [self.supervisor.specs[c.instance_id].device for c in self.supervisor.clients]
-        key = plan_key(self.model_name, devices, self.engine_config.slo, self.router_policy, self.trace_dir)
+        key = plan_key(self.model_name, devices, self.engine_config, self.router_policy, self.trace_dir)
         save_plan(self.trace_dir / PLAN_FILE, KeptPlan(key, deploy, reason, now, num_requests, now))
 
     def _pool(self):

@@ -4,6 +4,7 @@ outgrown it, and planned again whenever what it was made for changed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -79,17 +80,23 @@ def test_a_plan_for_other_inputs_or_too_old_is_made_again(tmp_path, planning, ca
     auto.choose_deployment(config_for(tmp_path))
     assert len(planning.calls) == 1
     # Another SLO, router policy or device count: planned again (and kept in its place).
-    for overrides in ({"slo.ttft": 3.0}, {"server.router_policy": "least-load"}, {"parallel.devices": "cpu:3"}):
+    for overrides in ({"slo.ttft": 3.0}, {"server.router_policy": "least-load"}, {"parallel.devices": "cpu:3"},
+                      {"model.dtype": "bfloat16"}, {"cache.kv_cache_memory_mb": 64}):
         with caplog.at_level(logging.INFO, logger="hydrad.planner"):
             auto.choose_deployment(config_for(tmp_path, **overrides))
         assert "the kept plan was made for another " in caplog.text
         caplog.clear()
-    assert len(planning.calls) == 4
+    assert len(planning.calls) == 6
+    # The deployment the daemon ran since is not part of the key.
+    kept = auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE)
+    config = config_for(tmp_path, **{"cache.kv_cache_memory_mb": 64})
+    ran = dataclasses.replace(config.engine, parallel=dataclasses.replace(config.engine.parallel, deploy="1EP+1D"))
+    assert auto.plan_key("m", ["cpu", "cpu"], ran, "round-robin", tmp_path / "trace") == kept.key
     # reuse_hours = 0: every start plans.
     config = config_for(tmp_path, **{"planner.reuse_hours": 0.0})
     auto.choose_deployment(config)
     auto.choose_deployment(config)
-    assert len(planning.calls) == 6
+    assert len(planning.calls) == 8
     # Older than reuse_hours: planned again.
     path = tmp_path / "trace" / auto.PLAN_FILE
     old = json.loads(path.read_text())
@@ -97,7 +104,7 @@ def test_a_plan_for_other_inputs_or_too_old_is_made_again(tmp_path, planning, ca
     path.write_text(json.dumps(old))
     with caplog.at_level(logging.INFO, logger="hydrad.planner"):
         auto.choose_deployment(config_for(tmp_path))
-    assert len(planning.calls) == 7 and "h old (reuse_hours = 24)" in caplog.text
+    assert len(planning.calls) == 9 and "h old (reuse_hours = 24)" in caplog.text
 
 
 def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, planning, caplog):
@@ -114,14 +121,14 @@ def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, 
 
 
 def test_reasons_a_kept_plan_is_not_reused(tmp_path):
-    slo = load_config(None, {}).engine.slo
-    key = auto.plan_key("m", ["cpu", "cpu"], slo, "round-robin", tmp_path)
+    engine = load_config(None, {}).engine
+    key = auto.plan_key("m", ["cpu", "cpu"], engine, "round-robin", tmp_path)
     plan = auto.KeptPlan(key, "1EP+1D", "why", made_at=1000.0, num_requests=100, newest=900.0)
     assert auto.KeptPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
     assert auto.reusable(None, key, [], reuse_hours=24, now=1000.0) == "no plan kept"
     assert auto.reusable(plan, key, [], reuse_hours=24, now=1060.0) is None
     assert "reuse_hours = 0" in auto.reusable(plan, key, [], reuse_hours=0, now=1060.0)
-    other = auto.plan_key("m2", ["cpu", "cpu"], slo, "round-robin", tmp_path / "elsewhere")
+    other = auto.plan_key("m2", ["cpu", "cpu"], engine, "round-robin", tmp_path / "elsewhere")
     assert auto.reusable(plan, other, [], reuse_hours=24, now=1060.0) == \
         "the kept plan was made for another model, trace"
     assert "h old" in auto.reusable(plan, key, [], reuse_hours=1, now=1000.0 + 3600)

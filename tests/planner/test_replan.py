@@ -249,8 +249,9 @@ def test_a_daemon_started_with_deploy_auto_keeps_each_redeploy_as_the_plan_a_res
             continue
         assert kept.deploy == "1EP+1D" and kept.reason.startswith("auto: 200 requests")
         assert kept.made_at == clock.now == kept.newest and kept.num_requests == 200
-        config = load_config(None, {})
-        key = plan_key("m", ["cpu", "cpu"], config.engine.slo, config.server.router_policy, tmp_path)
+        config = r.engine_config  # the daemon's: its deployment is the one running, not "auto"
+        key = plan_key("m", ["cpu", "cpu"], dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, deploy="auto")), "round-robin", tmp_path)
         assert kept.key == key and reusable(kept, key, [], reuse_hours=24, now=clock.now + 60) is None
 
 
