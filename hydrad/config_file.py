@@ -179,10 +179,10 @@ class PlannerConfig:
     min_interval: float = 1800.0
     # Requests each simulated replay takes from the window (more: slower and steadier).
     num_requests: int = 300
-    # `--deploy auto` at start reuses the plan it kept (``planner.auto``: the last one made
-    # at a start or redeployed to while serving) for the same model, devices, SLO and trace
-    # while it is younger than this, unless the trace has gained as many requests as it was
-    # made from; 0: plan at every start.
+    # `--deploy auto` keeps each plan it makes (and, with `auto`, each deployment it
+    # redeploys to); a start reuses it for the same model, devices, engine settings and
+    # trace while it is younger than this, unless the trace has gained as many requests as
+    # it was made from. 0: plan at every start.
     reuse_hours: float = 24.0
 
     def __post_init__(self) -> None:
