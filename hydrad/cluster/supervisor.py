@@ -129,6 +129,7 @@ class Supervisor:
         self._tasks: set[asyncio.Task] = set()
         # Every deployment since start, the current one last.
         self.history: list[Deployment] = []
+        self.num_failed_redeploys = 0  # started and not completed
         self._redeploying = False
 
     @property
@@ -297,7 +298,11 @@ class Supervisor:
                         client.ready = dataclasses.replace(client.ready, latency_bound=answer.latency_bound)
                     say(f"#{change.instance_id} is {answer.role} ({answer.seconds:.1f} s)")
             await self._share_cores(say)
+        except RedeployError:
+            self.num_failed_redeploys += 1
+            raise
         except (WorkerLost, asyncio.TimeoutError) as e:
+            self.num_failed_redeploys += 1
             raise RedeployError(f"the redeploy to {target} did not complete: {e or 'timed out'}") from None
         finally:
             self._redeploying = False

@@ -248,6 +248,7 @@ class Replanner:
         # Started with --deploy auto: each redeploy is kept as the plan a restart comes back on.
         self.keep_plans = keep_plans
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)
+        self.num_decisions: dict[str, int] = {}  # by action, since start (for the metrics)
         self.last_redeploy: float | None = None
         self._task: asyncio.Task | None = None
 
@@ -286,6 +287,7 @@ class Replanner:
     async def replan(self) -> Decision:
         decision = await self._decide()
         self.decisions.append(decision)
+        self.num_decisions[decision.action] = self.num_decisions.get(decision.action, 0) + 1
         log = logger.warning if decision.action == "failed" else logger.info
         log("re-planning: %s", decision.line())
         return decision

@@ -293,11 +293,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    clients = request.app[SUPERVISOR].clients
+    supervisor = request.app[SUPERVISOR]
+    clients = supervisor.clients
     registry = request.app[METRICS]
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
+    replanner = request.app[REPLANNER]
+    registry.set_deployment(supervisor.deployment, supervisor.history, supervisor.num_failed_redeploys,
+                            replanner.num_decisions if replanner is not None else None)
     request.app[MONITOR].refresh()
     snapshots = await request.app[FRONTENDS].snapshots()
     if not snapshots:

@@ -8,7 +8,7 @@ from bisect import bisect_left
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -65,6 +65,44 @@ class TokenMetrics(Collector):
         yield counter
 
 
+class DeploymentMetrics(Collector):
+    """The deployment served and how it changed, as the supervisor and the re-planner keep it
+    (``Metrics.set_deployment``, at each scrape): empty families in a process without them."""
+
+    # A redeploy's trigger, by the reason it was given (the re-planner's start with "auto:").
+    TRIGGERS = ("admin", "auto")
+
+    def __init__(self, model: str):
+        self.model = model
+        self.deploy: str | None = None
+        self.redeploys: dict[str, int] = {}
+        self.redeploy_seconds: dict[str, float] = {}
+        self.failed_redeploys = 0
+        self.decisions: dict[str, int] = {}
+
+    def collect(self):
+        info = GaugeMetricFamily("hydrad_deployment_info", "The deployment being served (1, by its spec).",
+                                 labels=["model_name", "deploy"])
+        redeploys = CounterMetricFamily("hydrad_redeploys", "Completed live redeploys, by trigger (admin: "
+                                        "hydractl redeploy or the admin API; auto: the re-planner).",
+                                        labels=["model_name", "trigger"])
+        seconds = CounterMetricFamily("hydrad_redeploy_seconds", "Time the completed live redeploys took, by "
+                                      "trigger.", labels=["model_name", "trigger"])
+        failed = CounterMetricFamily("hydrad_redeploy_failures", "Live redeploys that could not complete (the "
+                                     "deployment stayed as it was).", labels=["model_name"])
+        decisions = CounterMetricFamily("hydrad_replan_decisions", "The re-planner's decisions ([planner] auto), "
+                                        "by action: keep, redeploy, skip, failed.", labels=["model_name", "action"])
+        if self.deploy is not None:
+            info.add_metric([self.model, self.deploy], 1)
+            for trigger in self.TRIGGERS:
+                redeploys.add_metric([self.model, trigger], self.redeploys.get(trigger, 0))
+                seconds.add_metric([self.model, trigger], self.redeploy_seconds.get(trigger, 0.0))
+            failed.add_metric([self.model], self.failed_redeploys)
+            for action, count in sorted(self.decisions.items()):
+                decisions.add_metric([self.model, action], count)
+        yield from (info, redeploys, seconds, failed, decisions)
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -72,6 +110,8 @@ class Metrics:
         self._model = model_name
         self.tokens = TokenMetrics(model_name)
         r.register(self.tokens)
+        self.deployment = DeploymentMetrics(model_name)
+        r.register(self.deployment)
         self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("hydrad_stage_queue_time_seconds", "Time waiting for a stage, per request.",
@@ -220,6 +260,19 @@ class Metrics:
         for kind, factor in stats.live_speed.items():
             self.live_speed.labels(self._model, str(instance_id), kind).set(factor)
         self.image_usage.labels(*labels).set(stats.image_usage)
+
+    def set_deployment(self, deploy: str, history, failed_redeploys: int, decisions: dict[str, int] | None) -> None:
+        """The deployment served now; ``history``: every deployment since start (the
+        supervisor's ``Deployment`` records, the first the start); ``decisions``: the
+        re-planner's count of each action (None: not re-planning)."""
+        d = self.deployment
+        d.deploy, d.failed_redeploys = deploy, failed_redeploys
+        d.redeploys, d.redeploy_seconds = {}, {}
+        for change in history[1:]:
+            trigger = "auto" if change.reason.startswith("auto:") else "admin"
+            d.redeploys[trigger] = d.redeploys.get(trigger, 0) + 1
+            d.redeploy_seconds[trigger] = d.redeploy_seconds.get(trigger, 0.0) + (change.seconds or 0.0)
+        d.decisions = dict(decisions or {})
 
 
 class MergedRegistry:

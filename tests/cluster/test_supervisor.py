@@ -139,3 +139,33 @@ def test_a_restarted_worker_takes_no_work_until_the_pools_are_shared(monkeypatch
         assert restarted.accepting and supervisor.router.select_stage("D") is restarted
 
     asyncio.run(main())
+
+
+def test_a_redeploy_that_cannot_complete_is_counted_and_changes_nothing():
+    from types import SimpleNamespace
+
+    from hydrad.cluster.supervisor import RedeployError
+    from hydrad.cluster.worker_client import WorkerLost
+
+    async def main():
+        supervisor = make_supervisor(["EP", "D"])
+        supervisor.history.append(SimpleNamespace(deploy="1EP+1D"))
+        answers = iter([SimpleNamespace(error="out of memory for the image pool"), WorkerLost("worker 1 is down")])
+
+        async def reconfigure(role, timeout):
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        for client in supervisor.clients:
+            client.reconfigure = reconfigure
+        # 1EP+1D -> 1E+1PD: instance 1 takes on P first, and cannot; then it is lost doing so.
+        with pytest.raises(RedeployError, match="could not take on P: out of memory"):
+            await supervisor.redeploy(["E", "PD"])
+        with pytest.raises(RedeployError, match="did not complete: worker 1 is down"):
+            await supervisor.redeploy(["E", "PD"])
+        assert supervisor.num_failed_redeploys == 2
+        assert supervisor.deployment == "1EP+1D" and len(supervisor.history) == 1 and supervisor.busy is None
+
+    asyncio.run(main())

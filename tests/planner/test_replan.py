@@ -230,6 +230,7 @@ def test_decisions_keep_redeploy_and_wait_for_the_minimum_interval(tmp_path):
     # Every decision is kept, with its numbers, for /admin/status.
     status = r.status()
     assert [d["action"] for d in status["decisions"]] == ["keep", "keep", "redeploy", "keep", "redeploy"]
+    assert r.num_decisions == {"keep": 3, "redeploy": 2}  # since start, for the metrics
     assert status["decisions"][2]["best_goodput"] == 3.0 and status["decisions"][2]["current_goodput"] == 1.0
     json.dumps(status)
 

@@ -109,6 +109,18 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
         history = [d["deploy"] for d in status["deployment"]["history"]]
         assert history == [start, *chain]
         assert all(d["seconds"] > 0 for d in status["deployment"]["history"][1:])
+        # The same in the metrics: the deployment served now, every redeploy and its time.
+        samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                   for line in http("GET", daemon.url + "/metrics").text.splitlines()
+                   if line.startswith(("hydrad_deployment_info{", "hydrad_redeploy"))}
+        model = tiny_llava_dir.name
+        assert [k for k in samples if k.startswith("hydrad_deployment_info{")] == [
+            f'hydrad_deployment_info{{deploy="{chain[-1]}",model_name="{model}"}}']
+        assert samples[f'hydrad_redeploys_total{{model_name="{model}",trigger="admin"}}'] == len(chain)
+        assert samples[f'hydrad_redeploys_total{{model_name="{model}",trigger="auto"}}'] == 0
+        assert samples[f'hydrad_redeploy_failures_total{{model_name="{model}"}}'] == 0
+        assert samples[f'hydrad_redeploy_seconds_total{{model_name="{model}",trigger="admin"}}'] == pytest.approx(
+            sum(d["seconds"] for d in status["deployment"]["history"][1:]), rel=1e-3)
         held = blocks_held_once_freed(daemon, 10)
         assert held == [(0, 0)] * len(held)
         assert daemon.stop() == 0, daemon.log()[-3000:]

@@ -41,6 +41,40 @@ def test_finished_request_metrics_and_stage_times():
         assert line in text, line
 
 
+def test_the_deployment_and_its_changes():
+    from hydrad.cluster.supervisor import Deployment
+    from hydrad.server.metrics import MergedRegistry
+
+    metrics = Metrics("m")
+    # A process that serves no deployment (a front-end process): the families, no samples.
+    assert 'hydrad_deployment_info{' not in generate_latest(metrics.registry).decode()
+    assert "# TYPE hydrad_redeploys_total counter" in generate_latest(metrics.registry).decode()
+    history = [Deployment("2EPD", 1.0, "start"), Deployment("1EP+1D", 2.0, "redeploy", 3.0),
+               Deployment("2EPD", 3.0, "auto: 200 requests ...", 1.5), Deployment("1E+1PD", 4.0, "redeploy", 2.0)]
+    metrics.set_deployment("1E+1PD", history, 1, {"keep": 4, "redeploy": 1})
+    text = generate_latest(metrics.registry).decode()
+    for line in [
+        'hydrad_deployment_info{deploy="1E+1PD",model_name="m"} 1.0',
+        'hydrad_redeploys_total{model_name="m",trigger="admin"} 2.0',
+        'hydrad_redeploys_total{model_name="m",trigger="auto"} 1.0',
+        'hydrad_redeploy_seconds_total{model_name="m",trigger="admin"} 5.0',
+        'hydrad_redeploy_seconds_total{model_name="m",trigger="auto"} 1.5',
+        'hydrad_redeploy_failures_total{model_name="m"} 1.0',
+        'hydrad_replan_decisions_total{action="keep",model_name="m"} 4.0',
+        'hydrad_replan_decisions_total{action="redeploy",model_name="m"} 1.0',
+    ]:
+        assert line in text, line
+    assert text.count("hydrad_deployment_info{") == 1  # only the one served now
+    # Merged with a front-end process's (which has none), the numbers stay the daemon's.
+    merged = MergedRegistry([list(metrics.registry.collect()), list(Metrics("m").registry.collect())])
+    assert 'hydrad_redeploys_total{model_name="m",trigger="admin"} 2.0' in generate_latest(merged).decode()
+    # Not re-planning: no decisions.
+    metrics.set_deployment("1E+1PD", history[:1], 0, None)
+    text = generate_latest(metrics.registry).decode()
+    assert "hydrad_replan_decisions_total{" not in text
+    assert 'hydrad_redeploys_total{model_name="m",trigger="admin"} 0.0' in text
+
+
 def test_registries_are_per_app():
     a, b = Metrics("m"), Metrics("m")
     a.observe_finished("stop", 1.0, 1, 0, None)
