@@ -301,6 +301,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+# ``bisect_at_each``'s processes unless told: each imports the planner (about 55 MB) and the
+# bisections of a profile number a few dozen.
+MAX_PROCESSES = 16
+
 # A process of ``bisect_at_each``'s pool: the planners it was started with.
 _held_planners: list[Planner] = []
 
@@ -327,11 +331,11 @@ def bisect_at_each(planners: list[Planner], jobs: list[tuple[tuple[str, ...], fl
     ``guess``) on each of ``planners`` (the same workload on other setups): the goodputs by
     planner, and the replays they took. Every bisection is independent of the others and a
     replay's draws are its own (``simulate``), so they run in up to ``processes`` processes
-    (None: one per usable core), each started with every planner and handed one bisection
-    at a time, with the very same results as in this one. Spawned, not forked: the caller
+    (None: one per usable core, up to ``MAX_PROCESSES``), each started with every planner
+    and handed one bisection at a time, with the very same results as in this one. Spawned, not forked: the caller
     may hold torch's threads. Where no process can be started, they run here."""
     tasks = [(i, roles, guess) for i in range(len(planners)) for roles, guess in jobs]
-    processes = min(usable_cores() if processes is None else processes, len(tasks))
+    processes = min(min(usable_cores(), MAX_PROCESSES) if processes is None else processes, len(tasks))
     out: list[tuple[float, int]] = []
 
     def done(result: tuple[float, int]) -> None:
