@@ -332,8 +332,9 @@ def bisect_at_each(planners: list[Planner], jobs: list[tuple[tuple[str, ...], fl
     planner, and the replays they took. Every bisection is independent of the others and a
     replay's draws are its own (``simulate``), so they run in up to ``processes`` processes
     (None: one per usable core, up to ``MAX_PROCESSES``), each started with every planner
-    and handed one bisection at a time, with the very same results as in this one. Spawned, not forked: the caller
-    may hold torch's threads. Where no process can be started, they run here."""
+    and handed one bisection at a time, with the very same results as in this one. Spawned,
+    not forked: the caller may hold torch's threads. Where no process can be started, they
+    run here."""
     tasks = [(i, roles, guess) for i in range(len(planners)) for roles, guess in jobs]
     processes = min(min(usable_cores(), MAX_PROCESSES) if processes is None else processes, len(tasks))
     out: list[tuple[float, int]] = []
