@@ -99,7 +99,6 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
         assert result.summary.errors == 0
         run = CliRunner().invoke(cli, ["status", "--url", daemon.url])
         assert run.exit_code == 0 and "re-planning every 2 s" in run.output, run.output
-        ran = {change["deploy"] for change in status["deployment"]["history"]} | {profile["pick"]}
     finally:
         assert daemon.stop() == 0
 
@@ -107,7 +106,9 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     from hydrad.planner.auto import PLAN_FILE, load_plan
 
     kept = load_plan(trace_dir / PLAN_FILE)
-    assert kept is not None and kept.deploy in ran | {d["best"] for d in status["planner"]["decisions"]}
+    # The re-planner may have redeployed until the daemon stopped: the plan is its last pick.
+    assert kept is not None and kept.reason.startswith(("planner's pick", "auto: ")), kept
+    assert len(kept.key.devices) == 2
     config.write_text(config.read_text().replace("auto = true", "auto = false"))
     daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2", "--deploy",
                      "auto", "--trace", str(trace_dir)], tmp_path / "log3")
