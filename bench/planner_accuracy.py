@@ -462,6 +462,8 @@ def auto(args) -> dict:
 
 
 def main() -> None:
+    from hydrad.bench import SAMPLING_PRESETS
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=("accuracy", "auto"))
     parser.add_argument("--model", help="Checkpoint folder (default: the built-in small model).")
@@ -473,7 +475,7 @@ def main() -> None:
     parser.add_argument("--record-requests", type=int, default=200)
     parser.add_argument("--num-requests", type=int, default=200, help="Requests per rate, simulated and live.")
     parser.add_argument("--top", type=int, default=3)
-    parser.add_argument("--sampling", choices=("greedy", "defaults", "filtered"), default="greedy",
+    parser.add_argument("--sampling", choices=tuple(SAMPLING_PRESETS), default="greedy",
                         help="How every request samples, recorded and live: greedy, the API's defaults "
                         "(temperature 1), or temperature 0.8 with top-p 0.9 and top-k 50.")
     parser.add_argument("--live-rounds", type=int, default=1,

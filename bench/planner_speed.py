@@ -16,6 +16,7 @@ deployment takes; the replay is timed on 1EP+1D and 2EPD at three rates.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -65,7 +66,7 @@ def main() -> None:
     parser.add_argument("--instances", default="2,4,8")
     parser.add_argument("--num-requests", type=int, default=300, help="Requests per replay in the search.")
     parser.add_argument("--processes", type=int, default=None,
-                        help="Processes the averaging runs in, beside one (default: one per usable core).")
+                        help="Processes the averaging runs in, beside one (default: one per core).")
     parser.add_argument("--out")
     args = parser.parse_args()
 
@@ -74,11 +75,11 @@ def main() -> None:
 
     from hydrad.engine.machine_speed import Speed
     from hydrad.planner.profile import Devices, Profile
-    from hydrad.planner.search import Planner, deployments, usable_cores
+    from hydrad.planner.search import Planner, deployments
     from hydrad.planner.simulator import simulate
     from hydrad.planner.workload import Workload
 
-    args.processes = args.processes or usable_cores()
+    args.processes = args.processes or os.cpu_count() or 1
     if args.model:
         from hydrad.config import EngineConfig, ModelConfig, SLOConfig
         from hydrad.planner.profile import machine_setup
@@ -125,18 +126,17 @@ def main() -> None:
                        for f in SAMPLE_SPEEDS)
         # In one process, then in one per core (the same goodputs).
         tops = []
-        for processes in (1, args.processes):
+        for key, processes in (("over_speeds_seconds", 1), ("over_speeds_seconds_in_processes", args.processes)):
             copy = copy_module.deepcopy(result)
             profile = Profile(workload, Devices(("cpu",) * n), dataclasses.replace(setup_n, speed_sample=sample),
                               2.0, 0.1, planner, copy)
             start = time.perf_counter()
             profile.average_over_speeds(processes=processes)
-            search[f"over_speeds_seconds_{processes}"] = time.perf_counter() - start
+            search[key] = time.perf_counter() - start
             tops.append([(e.spec, e.goodput) for e in copy.ranked[:3]])
         if tops[0] != tops[1]:
             raise SystemExit(f"the averaging in {args.processes} processes differs from one: {tops}")
-        search["over_speeds_seconds"] = search["over_speeds_seconds_1"]  # the key earlier runs wrote
-        search["top_over_speeds"] = tops[0]
+        search["processes"], search["top_over_speeds"] = args.processes, tops[0]
         searches.append(search)
     table = Table(title=f"full search, {args.num_requests} requests per replay; then the ranked deployments at "
                         f"{len(SAMPLE_SPEEDS)} speeds ({min(SAMPLE_SPEEDS):g}-{max(SAMPLE_SPEEDS):g}x)")
@@ -146,7 +146,7 @@ def main() -> None:
     for s in searches:
         table.add_row(str(s["instances"]), str(s["deployments"]), str(s["replays"]), str(s["ranked"]),
                       f"{s['seconds']:.2f}", ", ".join(f"{d} {g:.3g}" for d, g in s["top"]),
-                      f"{s['over_speeds_seconds_1']:.2f}", f"{s[f'over_speeds_seconds_{args.processes}']:.2f}")
+                      f"{s['over_speeds_seconds']:.2f}", f"{s['over_speeds_seconds_in_processes']:.2f}")
     console.print(table)
     write_json(args.out, {"machine": machine(), "replays": replays, "searches": searches})
 

@@ -40,7 +40,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Handler.seen.append(("POST", self.path, body, self.headers.get("Content-Type")))
+        Handler.seen.append(("POST", self.path, body, self.headers.get("Content-Type"),
+                             self.headers.get("Authorization")))
         self._send(200, b'{"progress": "one"}\n\n{"deploy": "1EP+1D", "seconds": 1.5}\n')
 
 
@@ -67,7 +68,7 @@ def test_a_get_sends_the_admin_token_and_reads_the_answer(daemon_url):
 def test_a_post_answers_line_by_line(daemon_url):
     lines = list(post_lines(daemon_url, "/admin/redeploy", {"deploy": "1EP+1D"}, "t", 5.0))
     assert lines == [{"progress": "one"}, {"deploy": "1EP+1D", "seconds": 1.5}]
-    assert Handler.seen == [("POST", "/admin/redeploy", {"deploy": "1EP+1D"}, "application/json")]
+    assert Handler.seen == [("POST", "/admin/redeploy", {"deploy": "1EP+1D"}, "application/json", "Bearer t")]
 
 
 def test_failures_are_one_line_with_the_daemons_message(daemon_url):

@@ -101,8 +101,8 @@ def _table(profile, top_k: int):
               help="Replay at the median of the machine's speed check now, up to this many recent checks "
               "and the fitted model (default 8; 0: the check now alone).")
 @click.option("--jobs", type=click.IntRange(min=1), default=None,
-              help="Processes that replay the ranked deployments at the recent speeds (default: one per core "
-              "this command may use, up to 16; 1 beside a busy daemon keeps the planning off its other cores).")
+              help="Processes that replay the ranked deployments at the recent speeds (default: one per core, "
+              "up to 16; 1 beside a busy daemon keeps the planning off its other cores).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the ranking and its inputs as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate of the top K as PNG.")
 @click.option("--validate", is_flag=True, help="Start each top deployment live, replay the trace with the bench "

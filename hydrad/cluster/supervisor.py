@@ -66,6 +66,9 @@ class Deployment:
     since: float
     reason: str
     seconds: float | None = None
+    # What asked for it: "start", "admin" (hydractl redeploy, the admin API) or "auto" (the
+    # re-planner).
+    trigger: str = "start"
 
 
 @dataclass(frozen=True)
@@ -246,7 +249,7 @@ class Supervisor:
     def deployment(self) -> str:
         return format_deploy([c.role for c in self.clients])
 
-    async def redeploy(self, roles: list[str], *, reason: str = "redeploy",
+    async def redeploy(self, roles: list[str], *, reason: str = "redeploy", trigger: str = "admin",
                        progress: Callable[[str], None] | None = None) -> Deployment:
         """Change the instances' roles while serving (``hydrad.cluster.redeploy``): expand,
         share pools, switch the router, hand the lost stages over and drop them."""
@@ -306,7 +309,7 @@ class Supervisor:
             raise RedeployError(f"the redeploy to {target} did not complete: {e or 'timed out'}") from None
         finally:
             self._redeploying = False
-        deployment = Deployment(target, time.time(), reason, time.monotonic() - start)
+        deployment = Deployment(target, time.time(), reason, time.monotonic() - start, trigger)
         self.history.append(deployment)
         logger.info("redeployed as %s in %.1f s (%s)", target, deployment.seconds, reason)
         say(f"serving as {target} after {deployment.seconds:.1f} s")

@@ -9,8 +9,8 @@ line says why.
 A plan takes seconds to tens of seconds (the machine's speed check, the search and the
 averaging over recent speeds: ``docs/planner.md``), and a restart would pay it each time.
 So each plan is kept (``plan.json`` in the trace folder) with what it was made for: the
-model, the devices, the ``[slo]`` targets and the rest of the engine's configuration, the
-router policy, the trace and the newest request it read. A start reuses it while it is younger than ``[planner] reuse_hours`` and
+model, the devices, the engine's configuration (``[slo]`` included), the router policy,
+the trace and the newest request it read. A start reuses it while it is younger than ``[planner] reuse_hours`` and
 the trace holds fewer new requests than the plan was made from (the workload it saw is
 still at least half of what there is now); otherwise it plans again and keeps the new one.
 A daemon started with ``--deploy auto`` that re-plans while serving (``[planner] auto``,
@@ -47,10 +47,9 @@ class PlanKey:
 
     model: str
     devices: tuple[str, ...]
-    slo: tuple[float, float, float, float]  # ttft, tbt, alpha, headroom
-    # A digest of the rest of the engine's configuration (dtype, caches, scheduler, ...:
-    # what the instances' steps and pools depend on), the deployment itself left out.
-    engine: str
+    # A digest of the engine's configuration ([slo], dtype, caches, scheduler, ...: the
+    # targets and what the instances' steps and pools depend on), the deployment left out.
+    engine_settings: str
     router_policy: str
     trace: str  # the trace read, resolved
     version: str  # hydrad's: another planner may rank differently
@@ -66,13 +65,12 @@ class KeptPlan:
     newest: float  # the newest one's arrival (UNIX time)
 
     def to_json(self) -> dict:
-        return {**asdict(self), "key": {**asdict(self.key), "devices": list(self.key.devices),
-                                        "slo": list(self.key.slo)}}
+        return {**asdict(self), "key": {**asdict(self.key), "devices": list(self.key.devices)}}
 
     @classmethod
     def from_json(cls, d: dict) -> KeptPlan:
         k = d["key"]
-        key = PlanKey(str(k["model"]), tuple(map(str, k["devices"])), tuple(map(float, k["slo"])), str(k["engine"]),
+        key = PlanKey(str(k["model"]), tuple(map(str, k["devices"])), str(k["engine_settings"]),
                       str(k["router_policy"]), str(k["trace"]), str(k["version"]))
         return cls(key, str(d["deploy"]), str(d["reason"]), float(d["made_at"]), int(d["num_requests"]),
                    float(d["newest"]))
@@ -86,9 +84,7 @@ def plan_key(model: str, devices: list[str], engine, router_policy: str, source:
     settings = dataclasses.asdict(engine)
     settings["parallel"].pop("deploy", None)
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    slo = engine.slo
-    return PlanKey(model, tuple(devices), (slo.ttft, slo.tbt, slo.alpha, slo.headroom), digest, router_policy,
-                   str(Path(source).resolve()), __version__)
+    return PlanKey(model, tuple(devices), digest, router_policy, str(Path(source).resolve()), __version__)
 
 
 def load_plan(path: Path) -> KeptPlan | None:
@@ -128,8 +124,9 @@ def reusable(plan: KeptPlan | None, key: PlanKey, records, *, reuse_hours: float
     if reuse_hours <= 0:
         return "[planner] reuse_hours = 0"
     if plan.key != key:
-        changed = [name for name in PlanKey.__dataclass_fields__ if getattr(plan.key, name) != getattr(key, name)]
-        return f"the kept plan was made for another {', '.join(changed)}"
+        changed = [name.replace("_", " ") for name in PlanKey.__dataclass_fields__
+                   if getattr(plan.key, name) != getattr(key, name)]
+        return f"the kept plan was made for other inputs: {', '.join(changed)}"
     age = now - plan.made_at
     if age < 0:
         return "the kept plan was made later than now (the clock was set back)"

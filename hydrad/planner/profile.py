@@ -381,7 +381,7 @@ class Profile:
         itself runs at the median speed, and the deployments it did not bisect stay below
         (a few percent of goodput moves none of them past the ``SLACK`` of its bound). The
         checks are bisected in up to ``processes`` processes (``search.bisect_at_each``; None:
-        one per usable core), with the same results as in one."""
+        one per core), with the same results as in one."""
         sample = self.setup.speed_sample
         if len(sample) < 2:
             return
@@ -476,8 +476,6 @@ def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devic
     if len(setup.speed_sample) > 1:
         start = time.perf_counter()
         what = f"the ranked deployments at {len(setup.speed_sample)} recent speeds"
-        if progress is not None:  # one step a bisection, as average_over_speeds reports them
-            progress(0, len(setup.speed_sample) * sum(e.goodput is not None for e in result.ranked), what)
         profile.average_over_speeds(processes=processes,
                                     progress=None if progress is None else lambda done, n: progress(done, n, what))
         result.seconds += time.perf_counter() - start

@@ -352,7 +352,7 @@ class Replanner:
 
         self.last_redeploy = now
         try:
-            changed = await supervisor.redeploy(list(ranking.best), reason=f"auto: {summary}")
+            changed = await supervisor.redeploy(list(ranking.best), reason=f"auto: {summary}", trigger="auto")
         except RedeployError as e:
             return decision("failed", f"{summary}: the redeploy to {best} failed: {e}", **numbers)
         if self.keep_plans:

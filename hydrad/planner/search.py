@@ -293,14 +293,6 @@ class Planner:
         return [(r, self.replay(roles, r, early=False).attainment) for r in rates]
 
 
-def usable_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on every platform
-        return os.cpu_count() or 1
-
-
 # ``bisect_at_each``'s processes unless told: each imports the planner (about 55 MB) and the
 # bisections of a profile number a few dozen.
 MAX_PROCESSES = 16
@@ -331,13 +323,15 @@ def bisect_at_each(planners: list[Planner], jobs: list[tuple[tuple[str, ...], fl
     ``guess``) on each of ``planners`` (the same workload on other setups): the goodputs by
     planner, and the replays they took. Every bisection is independent of the others and a
     replay's draws are its own (``simulate``), so they run in up to ``processes`` processes
-    (None: one per usable core, up to ``MAX_PROCESSES``), each started with every planner
+    (None: one per core, up to ``MAX_PROCESSES``), each started with every planner
     and handed one bisection at a time, with the very same results as in this one. Spawned,
     not forked: the caller may hold torch's threads. Where no process can be started, they
     run here."""
     tasks = [(i, roles, guess) for i in range(len(planners)) for roles, guess in jobs]
-    processes = min(min(usable_cores(), MAX_PROCESSES) if processes is None else processes, len(tasks))
+    processes = min(min(os.cpu_count() or 1, MAX_PROCESSES) if processes is None else processes, len(tasks))
     out: list[tuple[float, int]] = []
+    if progress is not None:
+        progress(0, len(tasks))  # processes take a while to start
 
     def done(result: tuple[float, int]) -> None:
         out.append(result)

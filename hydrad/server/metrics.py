@@ -69,7 +69,7 @@ class DeploymentMetrics(Collector):
     """The deployment served and how it changed, as the supervisor and the re-planner keep it
     (``Metrics.set_deployment``, at each scrape): empty families in a process without them."""
 
-    # A redeploy's trigger, by the reason it was given (the re-planner's start with "auto:").
+    # What can ask for a redeploy (``supervisor.Deployment.trigger``).
     TRIGGERS = ("admin", "auto")
 
     def __init__(self, model: str):
@@ -269,9 +269,8 @@ class Metrics:
         d.deploy, d.failed_redeploys = deploy, failed_redeploys
         d.redeploys, d.redeploy_seconds = {}, {}
         for change in history[1:]:
-            trigger = "auto" if change.reason.startswith("auto:") else "admin"
-            d.redeploys[trigger] = d.redeploys.get(trigger, 0) + 1
-            d.redeploy_seconds[trigger] = d.redeploy_seconds.get(trigger, 0.0) + (change.seconds or 0.0)
+            d.redeploys[change.trigger] = d.redeploys.get(change.trigger, 0) + 1
+            d.redeploy_seconds[change.trigger] = d.redeploy_seconds.get(change.trigger, 0.0) + (change.seconds or 0.0)
         d.decisions = dict(decisions or {})
 
 

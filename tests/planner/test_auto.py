@@ -84,7 +84,7 @@ def test_a_plan_for_other_inputs_or_too_old_is_made_again(tmp_path, planning, ca
                       {"model.dtype": "bfloat16"}, {"cache.kv_cache_memory_mb": 64}):
         with caplog.at_level(logging.INFO, logger="hydrad.planner"):
             auto.choose_deployment(config_for(tmp_path, **overrides))
-        assert "the kept plan was made for another " in caplog.text
+        assert "the kept plan was made for other inputs: " in caplog.text
         caplog.clear()
     assert len(planning.calls) == 6
     # The deployment the daemon ran since is not part of the key.
@@ -130,6 +130,9 @@ def test_reasons_a_kept_plan_is_not_reused(tmp_path):
     assert "reuse_hours = 0" in auto.reusable(plan, key, [], reuse_hours=0, now=1060.0)
     other = auto.plan_key("m2", ["cpu", "cpu"], engine, "round-robin", tmp_path / "elsewhere")
     assert auto.reusable(plan, other, [], reuse_hours=24, now=1060.0) == \
-        "the kept plan was made for another model, trace"
+        "the kept plan was made for other inputs: model, trace"
+    slower = load_config(None, {"slo.ttft": 3.0}).engine
+    assert auto.reusable(plan, auto.plan_key("m", ["cpu", "cpu"], slower, "round-robin", tmp_path), [],
+                         reuse_hours=24, now=1060.0) == "the kept plan was made for other inputs: engine settings"
     assert "h old" in auto.reusable(plan, key, [], reuse_hours=1, now=1000.0 + 3600)
     assert "clock was set back" in auto.reusable(plan, key, [], reuse_hours=24, now=900.0)

@@ -163,9 +163,10 @@ class FakeSupervisor:
         self.fail = fail
         self.redeploys = []
 
-    async def redeploy(self, roles, *, reason):
+    async def redeploy(self, roles, *, reason, trigger):
         if self.fail:
             raise RedeployError(self.fail)
+        assert trigger == "auto"
         self.redeploys.append((list(roles), reason))
         for client, role in zip(self.clients, roles):
             client.role = role

@@ -21,7 +21,8 @@ MODEL = LatencyModel(v_fixed=0.002, v_image=0.03, l_fixed=0.006, l_prefill=0.000
                      l_decode=0.0012, l_ctx=5e-4, overlap=0.95)
 
 
-def workload(n=300, rate=2.0, seed=0) -> Workload:
+def trace_records(n=300, rate=2.0, seed=0) -> list:
+    """``n`` finished one-image requests of model "m", Poisson at ``rate``."""
     rng = random.Random(seed)
     records, t = [], 0.0
     for _ in range(n):
@@ -30,7 +31,11 @@ def workload(n=300, rate=2.0, seed=0) -> Workload:
                                    images=[(640, 480, 256, 5)], output_tokens=rng.randint(10, 30), max_tokens=30,
                                    finish_reason="length", preprocess=0.01, ttft=0.1, e2e=1.0, gaps=[], stages={},
                                    instances=[0], deploy="1EPD"))
-    return Workload.from_records(records)
+    return records
+
+
+def workload(n=300, rate=2.0, seed=0) -> Workload:
+    return Workload.from_records(trace_records(n, rate, seed))
 
 
 def planner(num_requests=120, **kwargs) -> Planner:
@@ -190,7 +195,7 @@ def test_bisections_at_each_setup_are_the_same_in_processes_as_in_this_one():
     assert got == expected and replays_elsewhere == replays
     # Replayed in other processes: these planners never ran one.
     assert all(q.num_replays == 0 for q in elsewhere)
-    assert calls == [(k, 6) for k in range(1, 7)]  # one a bisection
+    assert calls == [(k, 6) for k in range(0, 7)]  # at the start, then one a bisection
 
 
 def test_bisections_run_here_when_no_process_can_start(monkeypatch, caplog):

@@ -19,7 +19,7 @@ from hydrad.planner.profile import Devices, Profile, at_speeds, mean_speeds, pla
 from hydrad.planner.search import Planner
 from hydrad.planner.validate import validate
 
-from test_search import planner
+from test_search import planner, trace_records
 
 
 def test_mean_speeds_averages_factors_and_pools_spreads():
@@ -312,19 +312,10 @@ def test_the_validate_table_shows_each_comparison(monkeypatch, tmp_path):
 
 
 def test_a_profile_bisects_and_averages_the_deployments_asked_for_beside_its_top():
-    import random
-
     from hydrad.config import EngineConfig
     from hydrad.planner.profile import run_profile
-    from hydrad.trace import make_record
 
-    rng, t, records = random.Random(0), 0.0, []
-    for _ in range(300):
-        t += rng.expovariate(2.0)
-        records.append(make_record(timestamp=t, model="m", prompt_tokens=282, template_tokens=10,
-                                   images=[(640, 480, 256, 5)], output_tokens=rng.randint(10, 30), max_tokens=30,
-                                   finish_reason="length", preprocess=0.01, ttft=0.1, e2e=1.0, gaps=[], stages={},
-                                   instances=[0], deploy="1EPD"))
+    records = trace_records()
     setup = replace(planner().setup, speed_sample=({1: Speed(1.0, 0.0)}, {1: Speed(1.2, 0.0)}))
     kwargs = dict(slo_ttft=2.0, slo_tbt=0.1, top_k=1, num_requests=80, setup=setup, processes=1)
     alone = run_profile(records, EngineConfig(), Devices(("cpu", "cpu")), **kwargs)

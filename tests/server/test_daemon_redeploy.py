@@ -109,6 +109,7 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
         history = [d["deploy"] for d in status["deployment"]["history"]]
         assert history == [start, *chain]
         assert all(d["seconds"] > 0 for d in status["deployment"]["history"][1:])
+        assert [d["trigger"] for d in status["deployment"]["history"]] == ["start"] + ["admin"] * len(chain)
         # The same in the metrics: the deployment served now, every redeploy and its time.
         samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
                    for line in http("GET", daemon.url + "/metrics").text.splitlines()

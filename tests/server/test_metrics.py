@@ -49,8 +49,9 @@ def test_the_deployment_and_its_changes():
     # A process that serves no deployment (a front-end process): the families, no samples.
     assert 'hydrad_deployment_info{' not in generate_latest(metrics.registry).decode()
     assert "# TYPE hydrad_redeploys_total counter" in generate_latest(metrics.registry).decode()
-    history = [Deployment("2EPD", 1.0, "start"), Deployment("1EP+1D", 2.0, "redeploy", 3.0),
-               Deployment("2EPD", 3.0, "auto: 200 requests ...", 1.5), Deployment("1E+1PD", 4.0, "redeploy", 2.0)]
+    history = [Deployment("2EPD", 1.0, "start"), Deployment("1EP+1D", 2.0, "redeploy", 3.0, "admin"),
+               Deployment("2EPD", 3.0, "auto: 200 requests ...", 1.5, "auto"),
+               Deployment("1E+1PD", 4.0, "redeploy", 2.0, "admin")]
     metrics.set_deployment("1E+1PD", history, 1, {"keep": 4, "redeploy": 1})
     text = generate_latest(metrics.registry).decode()
     for line in [
