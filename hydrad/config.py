@@ -52,6 +52,9 @@ class CacheConfig:
     # Number of image blocks; None: derived from image_cache_memory_mb.
     num_image_blocks: int | None = None
     image_cache_memory_mb: int = 256
+    # Keep the KV of full blocks after their request for later requests with the same prefix
+    # (tokens and images): they skip its prefill, and the encoding of its images.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_block_size is not None and self.kv_block_size < 1:

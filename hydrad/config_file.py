@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydrad.cluster.router import POLICIES
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, SLOConfig
 from hydrad.errors import ConfigError
 
 logger = logging.getLogger("hydrad.config")
 
-ROUTER_POLICIES = ("round-robin", "least-load", "random")
+ROUTER_POLICIES = POLICIES
 # Keys that earlier versions read and this one ignores: dotted key -> why.
 _RETIRED = {
     "slo.decode_context_len": "steps are sized by the fitted latency model, which covers every decode "

@@ -29,6 +29,8 @@ class CompletionOutput:
     # One entry per token, when SamplingParams.logprobs is set.
     logprobs: list[TokenLogprobs] | None = None
     stage_times: dict[str, float] | None = None
+    # Prompt tokens found in the prefix cache (their prefill skipped).
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -44,6 +46,8 @@ class RequestOutput:
     num_images: int = 0
     stage_times: dict[str, float] | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # Prompt tokens found in the prefix cache (the first completion's).
+    num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
@@ -77,6 +81,7 @@ class LLM:
         image_block_size: int | None = None,
         num_image_blocks: int | None = None,
         image_cache_memory_mb: int = 256,
+        prefix_caching: bool = True,
         token_budget: int = 2048,
         image_budget: int = 4,
         max_num_seqs: int = 256,
@@ -106,6 +111,7 @@ class LLM:
                 image_block_size=image_block_size,
                 num_image_blocks=num_image_blocks,
                 image_cache_memory_mb=image_cache_memory_mb,
+                prefix_caching=prefix_caching,
             ),
             scheduler=SchedulerConfig(
                 token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs, derive_budgets=False
@@ -215,6 +221,7 @@ class LLM:
                 for finished in step.finished:
                     if finished.req_id in unfinished:
                         completion, detok = completions[finished.req_id]
+                        completion.num_cached_tokens = finished.num_cached_tokens
                         self._finish(finished.req_id, completion, detok, finished.finish_reason,
                                      finished.stage_times, unfinished, progress)
         finally:
@@ -225,6 +232,7 @@ class LLM:
             first = out.outputs[0]
             out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
             out.logprobs, out.stage_times = first.logprobs, first.stage_times
+            out.num_cached_tokens = first.num_cached_tokens
         return outputs
 
     @staticmethod

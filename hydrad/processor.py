@@ -289,6 +289,7 @@ class InputProcessor:
             image.offset = offset
             if image.image_size is None:  # the size as sent, for the request trace
                 image.image_size = (pil.height, pil.width)
+            image.digest()  # here, once: the engine matches cached prefixes by it
         prompt = ProcessedPrompt(token_ids, inputs)
         if self.model_cls.uses_mrope:
             from hydrad.models.qwen2_vl import get_mrope_positions

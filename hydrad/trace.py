@@ -76,6 +76,8 @@ class TraceRecord:
     stages: dict[str, float]
     instances: tuple[int, ...]  # entry instance, then each migration's target
     deploy: str
+    # Prompt tokens found in a prefix cache where its prefill started (their prefill skipped).
+    cached_tokens: int = 0
 
     @property
     def completed(self) -> bool:
@@ -93,7 +95,7 @@ class TraceRecord:
             "tbt": {"count": self.num_gaps, "p50": _round(self.tbt_p50), "p90": _round(self.tbt_p90),
                     "max": _round(self.tbt_max)},
             "stages": {k: _round(v) for k, v in sorted(self.stages.items())},
-            "instances": list(self.instances), "deploy": self.deploy,
+            "instances": list(self.instances), "deploy": self.deploy, "cached_tokens": self.cached_tokens,
         }
 
     @classmethod
@@ -113,8 +115,10 @@ class TraceRecord:
             tbt_p50=_float(tbt.get("p50")), tbt_p90=_float(tbt.get("p90")), tbt_max=_float(tbt.get("max")),
             stages={str(k): float(v) for k, v in (obj.get("stages") or {}).items()},
             instances=tuple(int(i) for i in obj.get("instances", ())), deploy=str(obj.get("deploy", "")),
+            cached_tokens=int(obj.get("cached_tokens", 0)),
         )
-        if record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images):
+        if (record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images)
+                or not 0 <= record.cached_tokens < record.prompt_tokens):
             raise ValueError("token counts out of range")
         return record
 
@@ -150,7 +154,8 @@ def _percentile(ordered: list[float], q: float) -> float:
 def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_tokens: int,
                 images: list[tuple[int | None, int | None, int, int, int]], output_tokens: int, max_tokens: int,
                 finish_reason: str, preprocess: float, ttft: float | None, e2e: float, gaps: list[float] | None,
-                stages: dict[str, float] | None, instances: list[int], deploy: str) -> TraceRecord:
+                stages: dict[str, float] | None, instances: list[int], deploy: str,
+                cached_tokens: int = 0) -> TraceRecord:
     """A record from what the daemon knows when a completion ends; ``images`` holds
     (width, height, tokens, offset, patches) per image."""
     ordered = sorted(gaps or ())
@@ -161,7 +166,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
         template_tokens=template_tokens, images=tuple(TraceImage(*i) for i in images), output_tokens=output_tokens,
         max_tokens=max_tokens, finish_reason=finish_reason, preprocess=max(0.0, preprocess), ttft=ttft, e2e=e2e,
         num_gaps=len(ordered), tbt_p50=stats[0], tbt_p90=stats[1], tbt_max=stats[2], stages=dict(stages or {}),
-        instances=tuple(instances), deploy=deploy,
+        instances=tuple(instances), deploy=deploy, cached_tokens=cached_tokens,
     )
 
 

@@ -103,7 +103,7 @@ class RecordingSink:
     def on_token(self, token_id, logprobs) -> None:
         self.events.append(("token", token_id, logprobs))
 
-    def on_finish(self, finish_reason, stage_times) -> None:
+    def on_finish(self, finish_reason, stage_times, num_cached_tokens=0) -> None:
         self.events.append(("finish", finish_reason, stage_times))
 
     def on_error(self, error) -> None:

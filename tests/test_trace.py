@@ -40,6 +40,23 @@ def test_a_record_keeps_the_shape_and_latencies_and_reads_back():
         TraceRecord.from_json({**record.to_json(), "format": "other"})
 
 
+def test_the_prompt_tokens_found_cached_are_kept_and_read_where_older_lines_lack_them():
+    record = make_record(model="m", deploy="2EPD", template_tokens=12, cached_tokens=288, **facts())
+    obj = json.loads(json.dumps(record.to_json()))
+    assert obj["cached_tokens"] == 288 and TraceRecord.from_json(obj).cached_tokens == 288
+    older = {k: v for k, v in obj.items() if k != "cached_tokens"}
+    assert TraceRecord.from_json(older).cached_tokens == 0
+    with pytest.raises(ValueError):  # never the whole prompt: its last token is computed
+        TraceRecord.from_json({**obj, "cached_tokens": 300})
+    # The planner's request shapes carry it to the simulator.
+    from hydrad.planner.workload import Workload
+
+    later = make_record(model="m", deploy="2EPD", template_tokens=12, **facts(1))
+    workload = Workload.from_records([record, later])
+    assert [s.cached_tokens for s in workload.shapes] == [288, 0]
+    assert [r.cached_tokens for r in workload.requests(1.0, 3)] == [288, 0, 288]
+
+
 def test_the_writer_rotates_and_keeps_max_files(tmp_path):
     w = writer(tmp_path, max_bytes=2000)
     for i in range(40):

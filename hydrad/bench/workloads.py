@@ -128,6 +128,48 @@ class MixWorkload:
         return profile.sample(rng)
 
 
+class ChatWorkload:
+    """Conversations of ``turns`` turns about one image each (a profile's image, questions and
+    answer lengths): turn t asks the conversation so far — its image, the earlier questions
+    and the answers (synthetic text of the answer lengths, as if the model had given them) —
+    and one more question, so each turn's prompt begins with the one before it (what prefix
+    caching keeps). Conversations run ``window`` at a time, interleaved: a conversation's
+    next turn comes ``window`` requests after its last, answered by then as a user's would be
+    (keep it at least the number of requests in flight). ``chat:PROFILE:TURNS[:WINDOW]``."""
+
+    timestamps = None
+
+    def __init__(self, profile: Profile, turns: int, window: int = 32, *, seed: int):
+        if turns < 1 or window < 1:
+            raise ConfigError(f"a chat workload needs turns and a window >= 1, got {turns} and {window}")
+        self.profile = profile
+        self.turns = turns
+        self.window = window
+        self.seed = seed
+
+    def position(self, index: int) -> tuple[int, int]:
+        """(conversation, turn) of request ``index``."""
+        block, within = divmod(index, self.window * self.turns)
+        turn, slot = divmod(within, self.window)
+        return block * self.window + slot, turn
+
+    def request(self, index: int, salt: int | str) -> RequestSpec:
+        conversation, turn = self.position(index)
+        rng = _rng(self.seed, salt, "chat", conversation)
+        p = self.profile
+        images = ()
+        if p.image_sizes:
+            width, height = rng.choice(p.image_sizes)
+            images = (SynthImage(width, height, rng.getrandbits(63)),)
+        parts = []
+        for t in range(turn + 1):
+            parts.append(make_prompt(rng.randint(*p.prompt_tokens), rng))
+            output_tokens = rng.randint(*p.output_tokens)
+            if t < turn:
+                parts.append(make_prompt(output_tokens, rng))
+        return RequestSpec(" ".join(parts), output_tokens, images)
+
+
 class TraceTextWorkload:
     """Text requests with a trace's lengths; equal Mooncake hash ids give equal prompt prefixes."""
 
@@ -292,14 +334,22 @@ def _parse_mix(spec: str) -> tuple[list[Profile], list[float]]:
 
 
 def load_workload(spec: str, seed: int, trace: Trace | None = None) -> Workload:
-    """Resolve ``spec``: a profile name, ``mix:a=w,b=w``, or a path to a JSONL file or a
-    hydrad request trace (file or directory).
+    """Resolve ``spec``: a profile name, ``mix:a=w,b=w``, ``chat:PROFILE:TURNS`` (multi-turn
+    conversations, ``ChatWorkload``), or a path to a JSONL file or a hydrad request trace (file
+    or directory).
 
     With the ``text`` profile and a trace that carries lengths (Mooncake), the requests
     take their prompt and output lengths from the trace.
     """
     if spec.startswith("mix:"):
         return MixWorkload(*_parse_mix(spec[len("mix:"):]), seed=seed)
+    if spec.startswith("chat:"):
+        name, *numbers = spec[len("chat:"):].split(":")
+        if (name not in PROFILES or len(numbers) not in (1, 2) or not all(n.isdigit() and int(n) >= 1
+                                                                          for n in numbers)):
+            raise ConfigError(f"chat workload {spec!r}: expected chat:PROFILE:TURNS[:WINDOW] with a profile of "
+                              f"{', '.join(PROFILES)} and TURNS, WINDOW >= 1")
+        return ChatWorkload(PROFILES[name], *map(int, numbers), seed=seed)
     if spec in PROFILES:
         if spec == "text" and trace is not None and trace.input_lengths is not None:
             return TraceTextWorkload(trace, seed)
@@ -307,6 +357,6 @@ def load_workload(spec: str, seed: int, trace: Trace | None = None) -> Workload:
     if spec.endswith(".jsonl") or Path(spec).exists():
         return load_file_workload(spec, seed)
     raise ConfigError(
-        f"unknown workload {spec!r}: expected one of {', '.join(PROFILES)}, 'mix:NAME=W,...', a .jsonl file "
-        "or a hydrad trace"
+        f"unknown workload {spec!r}: expected one of {', '.join(PROFILES)}, 'mix:NAME=W,...', "
+        "'chat:NAME:TURNS', a .jsonl file or a hydrad trace"
     )

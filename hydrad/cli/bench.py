@@ -113,7 +113,8 @@ def _report(result) -> None:
 @click.option("--model", help="Model name; default: the first one the server lists in /v1/models.")
 @click.option("--api-key", envvar="OPENAI_API_KEY", help="Sent as 'Authorization: Bearer KEY'. [env: OPENAI_API_KEY]")
 @click.option("--workload", required=True, metavar="SPEC",
-              help="textcaps, pope, mme, textvqa, vizwiz, text, mix:NAME=W,..., or a .jsonl file.")
+              help="textcaps, pope, mme, textvqa, vizwiz, text, mix:NAME=W,..., chat:NAME:TURNS[:WINDOW] (multi-turn "
+                   "conversations about one image, WINDOW at a time), or a .jsonl file.")
 @click.option("--num-requests", type=click.IntRange(min=1), help="Requests per rate (default 100).")
 @click.option("--duration", type=float, help="Send requests for this many seconds per rate instead.")
 @click.option("--rate", type=float, help="One run at this many requests per second.")

@@ -73,7 +73,7 @@ def render(status: dict):
     deploy = f", {deployment['deploy']}" if deployment.get("deploy") else ""
     instances = Table(title=f"hydrad: {status['model']}{deploy} (max_model_len {status['max_model_len']}, "
                             f"up {_duration(status['uptime_seconds'])})")
-    for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "tok/s"):
+    for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "prefix hits", "tok/s"):
         instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True)
     for i in status["instances"]:
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
@@ -82,7 +82,7 @@ def render(status: dict):
             borrowed = f"+{i['borrowed_threads']}" if i.get("borrowed_threads") else ""
             device += f" ({i['threads']}{borrowed} threads)"
         instances.add_row(str(i["id"]), device, i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
-                          _pct(i["kv_usage"]), _pct(i["image_usage"]), _rate(i["tokens_per_second"]))
+                          _pct(i["kv_usage"]), _pct(i["image_usage"]), _hits(i), _rate(i["tokens_per_second"]))
     budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}"
                     + (f" (÷ {c:.2f}: steps with decodes run {c:.2f}x the model now)"
                        if (c := i.get("latency_calibration")) and abs(c - 1.0) > 0.005 else "")
@@ -134,6 +134,14 @@ def _deployment_line(d: dict) -> str:
 
     took = f", changed in {d['seconds']:.1f} s" if d.get("seconds") is not None else ""
     return f"{time.strftime('%H:%M:%S', time.localtime(d['since']))} {d['deploy']} ({d['reason']}{took})"
+
+
+def _hits(instance: dict) -> str:
+    """The share of looked-up prompt tokens found cached (``-``: the instance looks nothing up)."""
+    queries = instance.get("prefix_cache_queries")
+    if not queries:
+        return "-"
+    return f"{100 * instance['prefix_cache_hits'] / queries:.0f}%"
 
 
 def _n(value) -> str:

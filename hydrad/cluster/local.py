@@ -106,7 +106,7 @@ class LocalCluster:
             del self._shrinking[instance_id]
 
     def add_request(self, req: EngineRequest) -> None:
-        entry = self.router.select(has_images=bool(req.images))
+        entry = self.router.select(has_images=bool(req.images), request=req)
         entry.engine.add_request(req)
         self.relay.open(req.req_id, entry)
 

@@ -59,7 +59,7 @@ class ProcessCluster:
         self._open.add(req.req_id)
 
     async def _submit(self, req: EngineRequest) -> None:
-        entry = self.router.select(has_images=bool(req.images))
+        entry = self.router.select(has_images=bool(req.images), request=req)
         entry.add_request(req, _Forward(req.req_id, self._deltas))
 
     def abort_requests(self, req_ids: Iterable[str]) -> None:
@@ -100,7 +100,7 @@ class ProcessCluster:
                     output.logprobs.append(extra)
             else:
                 self._open.discard(req_id)
-                output.finished.append(FinishedRequest(req_id, value, extra))
+                output.finished.append(FinishedRequest(req_id, value, *extra))
         return output
 
     def shutdown(self) -> None:
@@ -123,8 +123,8 @@ class _Forward:
     def on_token(self, token_id, logprobs) -> None:
         self.outputs.put((self.req_id, "token", token_id, logprobs))
 
-    def on_finish(self, finish_reason, stage_times) -> None:
-        self.outputs.put((self.req_id, "finish", finish_reason, stage_times))
+    def on_finish(self, finish_reason, stage_times, num_cached_tokens=0) -> None:
+        self.outputs.put((self.req_id, "finish", finish_reason, (stage_times, num_cached_tokens)))
 
     def on_error(self, error) -> None:
         self.outputs.put((self.req_id, "error", error, None))

@@ -84,7 +84,9 @@ class MigrationRelay:
             return None
         # An offer made before a redeploy gave its source the next stage goes elsewhere: a
         # request is never pulled from an instance's own pool.
-        target = self.router.select_stage(offer.next_stage, exclude=source if offer.kind != "prompt" else None)
+        # An offer to prefill carries the prompt: the cache-aware router sends it where it may be cached.
+        target = self.router.select_stage(offer.next_stage, exclude=source if offer.kind != "prompt" else None,
+                                          request=offer if offer.next_stage in ("E", "P") else None)
         if target not in holders:
             holders.add(target)
             self._num_held[target.instance_id] += 1

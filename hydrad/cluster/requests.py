@@ -27,7 +27,8 @@ class RequestSink(Protocol):
     ``on_finish`` or ``on_error`` nothing more comes."""
 
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None: ...
-    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None) -> None: ...
+    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None,
+                  num_cached_tokens: int = 0) -> None: ...
     def on_error(self, error: Exception) -> None: ...
 
 
@@ -77,7 +78,7 @@ class RequestTable:
             sink = sinks.pop(end.req_id, None)
             if sink is not None:
                 self.relay.close(end.req_id)
-                sink.on_finish(end.finish_reason, end.stage_times)
+                sink.on_finish(end.finish_reason, end.stage_times, end.num_cached_tokens)
             self.routes.pop(end.req_id, None)  # after on_finish, which may read it
 
     def fail(self, req_id: str, error: Exception) -> None:

@@ -141,7 +141,8 @@ class EngineCore:
         self.kv_manager = BlockManager(num_kv_blocks, self.kv_block_size, "kv") if has_kv else None
         self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
         self.scheduler = Scheduler(
-            config.scheduler, self.kv_manager, self.image_manager, self.max_model_len, role=self.role
+            config.scheduler, self.kv_manager, self.image_manager, self.max_model_len, role=self.role,
+            prefix_caching=cache.prefix_caching,
         )
         self.runner = ModelRunner(
             self.model,
@@ -433,7 +434,8 @@ class EngineCore:
         finished = []
         if result.finished:
             now = time.monotonic()
-            finished = [FinishedRequest(r.req_id, r.finish_reason, r.stage_times(now)) for r in result.finished]
+            finished = [FinishedRequest(r.req_id, r.finish_reason, r.stage_times(now), r.num_cached_tokens or 0)
+                        for r in result.finished]
         return EngineOutput(result.req_ids, result.token_ids, logprobs, finished, timing)
 
     def _calibrate(self, predicted: float, seconds: float) -> None:
@@ -464,6 +466,10 @@ class EngineCore:
             num_kv_blocks_used=kv.num_used_blocks if kv else 0,
             num_image_blocks_used=img.num_used_blocks if img else 0,
             num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.prefix_queries,
+            prefix_cache_hits=s.prefix_hits,
+            images_cached=s.images_cached,
+            num_kv_blocks_cached=kv.num_cached_blocks if kv else 0,
             latency_calibration=s.calibration,
             live_speed=self.live_speed.parts(),
             live_speed_steps=self.live_speed.counts(),

@@ -58,6 +58,8 @@ class FinishedRequest:
     # Seconds per stage, keys "<stage>_queue" / "<stage>_exec" for stage in encode,
     # prefill, decode (and "<a>_to_<b>_migration" across instances).
     stage_times: dict[str, float] | None = None
+    # Prompt tokens found in a prefix cache when its prefill started (usage's cached_tokens).
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -96,6 +98,12 @@ class EngineStats:
     num_kv_blocks_used: int
     num_image_blocks_used: int
     num_preemptions: int
+    # Prefix caching: tokens of the requests that looked for a cached prefix, tokens found, images
+    # not encoded for it (totals since the instance started), and registered KV blocks now.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    images_cached: int = 0
+    num_kv_blocks_cached: int = 0
     # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
     latency_calibration: float = 1.0
     # Measured / predicted seconds of recent steps by kind of work ("images", "prefills",

@@ -52,6 +52,15 @@ class Request:
         self.image_block_ids: list[list[int]] = [[] for _ in self.images]
         # Images whose blocks are still held (prefill has not read past them).
         self.num_held_images = 0
+        # Prefix caching (``prefix_cache``): the digests of its full blocks computed so far (they
+        # stop, ``digests_stopped``, at an image of unknown content), and how many of the blocks
+        # it holds were registered in its instance's pool (or found there).
+        self.block_digests: list[bytes] = []
+        self.digests_stopped = False
+        self.num_registered_blocks = 0
+        # Prompt tokens found cached when its prefill first started (None: not looked up yet);
+        # a recompute after preemption that finds its own blocks does not change it.
+        self.num_cached_tokens: int | None = None
         # The runner's persistent batch row while the request runs language steps (-1: none).
         self.row = -1
         # The scheduler step that last scheduled it (guards it against preemption in that step).
@@ -93,6 +102,7 @@ class Request:
         req.set_output(offer.output_token_ids)
         req.timeline = dict(offer.timeline)
         req.last_token_time = offer.last_token_time
+        req.num_cached_tokens = offer.num_cached_tokens
         # A request that had not started moves whole: nothing to pull, it starts here.
         req.pull = None if offer.kind == "prompt" else (offer.kind, offer.source, offer.block_ids,
                                                        offer.num_computed_tokens)

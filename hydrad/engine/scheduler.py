@@ -17,6 +17,16 @@ top):
    encoding (image blocks for all their images are taken at once, so two requests
    can never each hold half of what they need), text-only ones straight to prefill.
 
+With prefix caching (on the KV pool of an instance that prefills: ``BlockManager``,
+``prefix_cache``), each full block a prefill completes is registered under a digest of
+the tokens and images it depends on, and so is every full block a request holds when it
+leaves (finished, preempted, handed on). A new request first takes the longest run of
+its blocks found registered (never its last token: that one samples) and starts its
+prefill after them; its images that lie wholly inside need no encoding (one the run ends
+inside is encoded, and prefill reads the rest of its features). A request whose images
+were encoded elsewhere takes its run when they arrive. A preempted request finds its own
+blocks again unless they were needed meanwhile.
+
 A step that carries decodes is also kept within each stream's deadline: the next token
 of a stream that was not in the step before (migrated in after its first token, or
 waiting here) is due one bound after its previous one, so the step is filled only to
@@ -49,6 +59,7 @@ from hydrad.config import SchedulerConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.latency_model import LatencyModel, StepBudget
 from hydrad.engine.migration import Pull
+from hydrad.engine.prefix_cache import block_digests
 from hydrad.engine.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -107,6 +118,8 @@ class Scheduler:
         max_model_len: int,
         role: str = "EPD",
         clock=time.monotonic,
+        prefix_caching: bool = False,
+        replay_cached: bool = False,
     ):
         self.config = config
         # Seconds, system-wide (the planner's simulator passes its virtual clock).
@@ -144,6 +157,18 @@ class Scheduler:
         self.calibration = 1.0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
         self.min_chunk = kv_manager.block_size if kv_manager is not None else 1
+        self.prefix_caching = prefix_caching
+        # The planner's simulator: a request that arrives with ``num_cached_tokens`` (what it found
+        # cached when it was traced) starts its prefill after that many tokens, in blocks taken
+        # fresh (``_admit_new``); its requests carry shapes, not content, to look up.
+        self.replay_cached = replay_cached
+        self._caching = False  # prefix caching on, and this instance prefills into a KV pool
+        self._update_caching()
+        # Tokens of the requests that looked for a cached prefix, the tokens found, and the
+        # images that needed no encoding for it.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.images_cached = 0
 
     # -- role changes (live redeploy) ----------------------------------------------------------
     def set_role(self, role: str, kv_manager: BlockManager | None, image_manager: BlockManager | None) -> None:
@@ -156,6 +181,7 @@ class Scheduler:
         self.can_prefill = "P" in role and "P" not in self.retiring
         if kv_manager is not None:
             self.min_chunk = kv_manager.block_size
+        self._update_caching()
 
     def retire(self, stages: str) -> None:
         """Hand ``stages`` over: from now on a request whose next stage is one of them is
@@ -164,6 +190,7 @@ class Scheduler:
         self.retiring = "".join(s for s in stages if s in self.role)
         self.can_decode = "D" in self.role and "D" not in self.retiring
         self.can_prefill = "P" in self.role and "P" not in self.retiring
+        self._update_caching()
         if "D" in self.retiring:
             for req in list(self.decoding.values()):
                 self._offer(req, "kv")
@@ -175,6 +202,9 @@ class Scheduler:
             self._leave_queue(req)
             self._finish(req, "migrated")
             self.new_offers.append((req, "prompt"))
+
+    def _update_caching(self) -> None:
+        self._caching = self.prefix_caching and self.kv is not None and self.can_prefill
 
     @staticmethod
     def _first_stage(req: Request) -> str:
@@ -367,10 +397,9 @@ class Scheduler:
                 return
             if req.status is not _RUNNING:
                 continue
-            if not req.preemptible and not req.kv_block_ids:
-                # It cannot be recomputed here, so it never waits on KV mid-way: reserve it all.
-                if not self._reserve_kv(req, self._full_len(req), out):
-                    continue
+            if not req.preemptible and not self._reserve_kv(req, self._full_len(req), out):
+                # It cannot be recomputed here, so it never waits on KV mid-way: it holds it all.
+                continue
             want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
                                       self.min_chunk)
             if want == 0:
@@ -428,30 +457,95 @@ class Scheduler:
             out.pulls.append(Pull(req, kind, source, src, dst))
 
     def _admit_new(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        bs = self.kv.block_size if self.kv is not None else 0
         while self.waiting and len(self.running) + len(self.encoding) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.images:
-                if not self.images.can_allocate(self._image_blocks_needed(req)):
+            cached = self._cached_prefix(req) if self._caching else []
+            replayed = self._replayed_blocks(req)
+            skipped = _num_images_before(req, (len(cached) + replayed) * bs)
+            if skipped < req.num_images:
+                if not self.images.can_allocate(self._image_blocks_needed(req, skipped)):
                     return
-                if not budget.add_image(req.images[0].num_patches, req.images[0].length):
+                if replayed and not self.kv.can_allocate(replayed):
+                    return
+                if not budget.add_image(req.images[skipped].num_patches, req.images[skipped].length):
                     return
                 self.waiting.popleft()
-                self._allocate_images(req)
+                self._take_prefix(req, cached, skipped, replayed)
+                self._allocate_images(req, skipped)
                 req.status = RequestStatus.ENCODING
                 self.encoding[req.req_id] = req
-                out.encodes.append((req, 0))
+                out.encodes.append((req, skipped))
                 self._schedule_images(req, budget, out)
             else:
-                want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
-                                          self.min_chunk)
-                if want == 0 or not self.kv.can_allocate(self.kv.num_blocks_for(want)):
+                start = (len(cached) + replayed) * bs
+                want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk)
+                # Found blocks nobody holds leave the free count as they are taken.
+                need = self.kv.num_blocks_for(start + want) - len(cached) + self.kv.num_unheld(cached)
+                if want == 0 or not self.kv.can_allocate(need):
                     return
                 self.waiting.popleft()
+                self._take_prefix(req, cached, skipped, replayed)
                 self._start_running(req)
-                self.kv.grow(req.kv_block_ids, want)
-                budget.add_prefill(0, want)
+                self.kv.grow(req.kv_block_ids, start + want)
+                budget.add_prefill(start, want)
                 out.chunks.append((req, want))
                 req.scheduled_step = self._step
+
+    # -- prefix caching ------------------------------------------------------------------------
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The registered blocks of ``req``'s longest cached prefix (not taken), leaving at least
+        its last token to compute (that one samples). An image it ends inside is encoded for
+        the rest of its tokens."""
+        bs = self.kv.block_size
+        max_blocks = (req.num_tokens - 1) // bs
+        if max_blocks < 1:
+            return []
+        return self.kv.lookup(block_digests(req, bs, max_blocks))
+
+    def _replayed_blocks(self, req: Request) -> int:
+        """KV blocks of the traced hit a simulated request replays here (``replay_cached``)."""
+        if not (self.replay_cached and req.num_cached_tokens and self.kv is not None and self.can_prefill):
+            return 0
+        return min(req.num_cached_tokens, req.num_tokens - 1) // self.kv.block_size
+
+    def _take_prefix(self, req: Request, cached: list[int], skipped_images: int = 0, replayed: int = 0) -> None:
+        """``req`` holds ``cached`` (``_cached_prefix``) and starts after it; its first
+        ``skipped_images`` images lie inside and need no encoding. ``replayed``: blocks of a
+        traced hit to take fresh instead (``replay_cached``)."""
+        if replayed:
+            req.kv_block_ids = self.kv.allocate(replayed)
+            req.num_computed_tokens = replayed * self.kv.block_size
+            req.num_encoded_images = max(req.num_encoded_images, skipped_images)
+            self.prefix_hits += req.num_computed_tokens
+            self.images_cached += skipped_images
+            return
+        if not self._caching:
+            return
+        self.prefix_queries += req.num_tokens
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = len(cached) * self.kv.block_size
+        if not cached:
+            return
+        self.kv.acquire(cached)
+        req.kv_block_ids = list(cached)
+        req.num_computed_tokens = req.num_registered_blocks = len(cached)
+        req.num_computed_tokens *= self.kv.block_size
+        req.num_encoded_images = max(req.num_encoded_images, skipped_images)
+        self.prefix_hits += req.num_computed_tokens
+        self.images_cached += skipped_images
+
+    def _register(self, req: Request) -> None:
+        """Register ``req``'s full blocks computed since the last time (``_caching`` holds)."""
+        bs = self.kv.block_size
+        full = min(req.num_computed_tokens // bs, len(req.kv_block_ids))
+        if full <= req.num_registered_blocks:
+            return
+        digests = block_digests(req, bs, full)
+        kv, block_ids = self.kv, req.kv_block_ids
+        for j in range(req.num_registered_blocks, len(digests)):
+            kv.register(block_ids[j], digests[j])
+        req.num_registered_blocks = full
 
     def finish_pull(self, req: Request) -> None:
         """The copy into req's blocks is done: it runs its next stage here."""
@@ -466,6 +560,10 @@ class Scheduler:
             req.num_held_images = req.num_images
             req.preemptible = self._can_recompute(req)
             req.mark("image_pulled")
+            replayed = self._replayed_blocks(req)
+            if self._caching or (replayed and self.kv.can_allocate(replayed)):
+                self._take_prefix(req, self._cached_prefix(req) if self._caching else [], 0, replayed)
+                self._free_read_images(req)
         else:
             req.num_computed_tokens = num_computed
             req.mark("kv_pulled")
@@ -532,10 +630,19 @@ class Scheduler:
             req.timeline["encode_exec"] += exec_time
             if req.images_done and req.status is RequestStatus.ENCODING:
                 req.mark("encode_done", now)
-                req.num_held_images = req.num_images
+                # Images inside a cached prefix were never encoded here and hold no blocks.
+                req.num_held_images = sum(1 for ids in req.image_block_ids if ids)
                 if self.can_prefill:
                     del self.encoding[req.req_id]
                     self._start_running(req)
+                elif req.num_held_images < req.num_images:
+                    # Its prefill stage was handed over meanwhile, and images inside its cached
+                    # prefix have no features to hand on: it moves whole, as if not started.
+                    self._remove(req)
+                    self._finish(req, "migrated")
+                    req.num_computed_tokens = req.num_encoded_images = 0
+                    req.num_cached_tokens = None  # looked up again where it goes
+                    self.new_offers.append((req, "prompt"))
                 else:
                     self._offer(req, "image")
 
@@ -569,6 +676,7 @@ class Scheduler:
             result.finished.append(req)
         index = num_decodes - 1
         decoding, prefilling = self.decoding, self.prefilling
+        caching = self._caching
         for req, num_new in out.chunks[num_decodes:]:
             computed = req.num_computed_tokens + num_new
             samples = computed == req.num_tokens
@@ -584,6 +692,8 @@ class Scheduler:
             req.num_computed_tokens = computed
             if req.num_held_images:
                 self._free_read_images(req)
+            if caching:
+                self._register(req)
             if not samples:
                 continue
             token_id = sampled[index]
@@ -635,12 +745,12 @@ class Scheduler:
         self.running[req.req_id] = req
         (self.decoding if req.is_decode else self.prefilling)[req.req_id] = req
 
-    def _allocate_images(self, req: Request) -> None:
-        for i in range(req.num_images):
+    def _allocate_images(self, req: Request, first: int = 0) -> None:
+        for i in range(first, req.num_images):
             req.image_block_ids[i] = self.images.allocate(self.images.num_blocks_for(req.image_tokens(i)))
 
-    def _image_blocks_needed(self, req: Request) -> int:
-        return sum(self.images.num_blocks_for(req.image_tokens(i)) for i in range(req.num_images))
+    def _image_blocks_needed(self, req: Request, first: int = 0) -> int:
+        return sum(self.images.num_blocks_for(req.image_tokens(i)) for i in range(first, req.num_images))
 
     def _leave_queue(self, req: Request) -> None:
         """Take req out of the queue of its status (it keeps its blocks)."""
@@ -664,8 +774,11 @@ class Scheduler:
 
     def _free_blocks(self, req: Request) -> None:
         if req.kv_block_ids:
+            if self._caching:
+                self._register(req)  # what it computed stays findable (a preempted request's own)
             self.kv.free(req.kv_block_ids)
             req.kv_block_ids = []
+            req.num_registered_blocks = 0
         for i, block_ids in enumerate(req.image_block_ids):
             if block_ids:
                 self.images.free(block_ids)
@@ -717,3 +830,13 @@ def _num_scheduled(out: SchedulerOutput, req: Request) -> int:
     if not out.encodes or out.encodes[-1][0] is not req:
         return 0
     return sum(1 for r, _ in out.encodes if r is req)
+
+
+def _num_images_before(req: Request, num_tokens: int) -> int:
+    """How many of ``req``'s first images lie wholly in its first ``num_tokens`` tokens."""
+    n = 0
+    for image in req.images:
+        if image.offset + image.length > num_tokens:
+            break
+        n += 1
+    return n

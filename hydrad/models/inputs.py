@@ -6,6 +6,7 @@ frontend hands the engine (``hydrad.engine.inputs``).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,3 +35,21 @@ class ImageInput:
     # ``num_vision_patches``), filled by the processor so that the scheduler and the latency model
     # read a plain number; 0 when unknown (the image is then costed by its tokens alone).
     num_patches: int = 0
+    # A digest of what the encoder makes of it (the pixels and the layout above): requests whose
+    # images have equal digests share the KV of their common prefix (prefix caching). Filled by
+    # the processor (``digest``); None where unknown, and then no KV past the image is shared.
+    content_hash: bytes | None = None
+
+    def digest(self) -> bytes | None:
+        """``content_hash``, computed from the pixels when there are some and it is not yet."""
+        if self.content_hash is None and self.pixel_values is not None:
+            import torch  # a tensor is here: torch is loaded
+
+            pixels = self.pixel_values.detach().cpu().contiguous()
+            h = hashlib.blake2b(digest_size=16)
+            h.update(repr((str(pixels.dtype), tuple(pixels.shape), self.length, self.image_size,
+                           self.grid_thw)).encode())
+            h.update(pixels.reshape(-1).view(torch.uint8).numpy().data)
+            self.content_hash = h.digest()
+        return self.content_hash
+

@@ -80,6 +80,9 @@ class SimRequest:
     # Seconds from reading the HTTP request to handing it to an instance (chat template,
     # tokenizer, image decoding): counted in its TTFT, as a client measures it.
     preprocess: float = 0.0
+    # Prompt tokens its prefill found in a prefix cache when it was traced: the instance that
+    # prefills it starts after them (``Scheduler.replay_cached``).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -301,7 +304,7 @@ class SimInstance:
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role,
-                                   clock=lambda: sim.now)
+                                   clock=lambda: sim.now, replay_cached=True)
         # As the engine's: steps that carry decodes and run longer than predicted (the cores
         # shared) are filled to less of the bound; a new model starts it anew (``_use``).
         self.calibration = Calibration()
@@ -561,7 +564,10 @@ class Simulation:
         threads = (cpu_threads(roles, setup.cores, share=setup.threads) if setup.cores is not None
                    else [CpuThreads(setup.threads)] * len(roles))
         self.instances = [SimInstance(self, i, role, n) for i, (role, n) in enumerate(zip(roles, threads))]
-        self.router = Router(self.instances, setup.router_policy, seed=0)
+        # A recorded request has shapes, not content: no prefix is known to repeat, and the
+        # cache-aware router then sends each where least-load would.
+        policy = "least-load" if setup.router_policy == "cache-aware" else setup.router_policy
+        self.router = Router(self.instances, policy, seed=0)
         self.relay = MigrationRelay(self.router)
         self.requests = sorted(requests, key=lambda r: r.arrival)
         self.slo_ttft, self.slo_tbt = slo_ttft, slo_tbt
@@ -687,7 +693,10 @@ class Simulation:
         self._deadlines.append((spec.arrival + self.slo_ttft, timing))
         entry = self.router.select(has_images=bool(req.images))
         self.relay.open(req.req_id, entry)
-        self.send(entry, _ADD, Request(req))
+        request = Request(req)
+        if spec.cached_tokens:
+            request.num_cached_tokens = spec.cached_tokens
+        self.send(entry, _ADD, request)
 
     def deliver(self, req_ids: list[str], finished: list[Request]) -> None:
         """A step's tokens reach the client one message later."""

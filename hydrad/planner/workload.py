@@ -34,6 +34,7 @@ class RequestShape:
     num_output_tokens: int
     images: tuple[tuple[int, int, int], ...]  # (offset, tokens, patches)
     preprocess: float
+    cached_tokens: int = 0  # found in a prefix cache when it was traced
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,8 @@ class Workload:
             by_images.setdefault(len(r.images), []).append(r.preprocess)
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
-                                    tuple((i.offset, i.tokens, i.patches) for i in r.images), service[len(r.images)])
+                                    tuple((i.offset, i.tokens, i.patches) for i in r.images), service[len(r.images)],
+                                    r.cached_tokens)
                        for r in records)
         stamps = [r.timestamp for r in records]
         if stamps[-1] <= stamps[0]:
@@ -81,7 +83,7 @@ class Workload:
         else:
             raise ConfigError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
         shapes = self.shapes
-        return [SimRequest(t, s.num_prompt_tokens, s.num_output_tokens, s.images, s.preprocess)
+        return [SimRequest(t, s.num_prompt_tokens, s.num_output_tokens, s.images, s.preprocess, s.cached_tokens)
                 for t, s in ((t, shapes[i % len(shapes)]) for i, t in enumerate(times))]
 
     def summary(self) -> dict:
@@ -93,6 +95,7 @@ class Workload:
             "images": sum(len(s.images) for s in self.shapes) / n,
             "image_tokens": sum(t for s in self.shapes for _, t, _ in s.images) / n,
             "prompt_tokens": sum(s.num_prompt_tokens for s in self.shapes) / n,
+            "cached_tokens": sum(s.cached_tokens for s in self.shapes) / n,
             "output_tokens": sum(s.num_output_tokens for s in self.shapes) / n,
             "preprocess": statistics.median(s.preprocess for s in self.shapes),
         }

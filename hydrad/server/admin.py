@@ -103,6 +103,11 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "num_kv_blocks_used": s.num_kv_blocks_used if s else None,
             "num_image_blocks_used": s.num_image_blocks_used if s else None,
             "num_preemptions": s.num_preemptions if s else None,
+            # Prefix caching: tokens looked up and found, images not encoded, blocks kept now.
+            "prefix_cache_queries": s.prefix_cache_queries if s else None,
+            "prefix_cache_hits": s.prefix_cache_hits if s else None,
+            "prefix_cache_images": s.images_cached if s else None,
+            "num_kv_blocks_cached": s.num_kv_blocks_cached if s else None,
             "latency_calibration": s.latency_calibration if s else None,
             # Measured / predicted seconds of its recent steps, by kind of work.
             "live_speed": s.live_speed if s else None,

@@ -140,7 +140,7 @@ class EngineClient:
         stream = RequestStream(self, requests[0].num_prompt_tokens, arrival, user)
         try:
             for index, request in enumerate(requests):
-                instance = self.router.select(has_images=bool(request.images))
+                instance = self.router.select(has_images=bool(request.images), request=request)
                 request.arrival_time = time.monotonic()
                 choice = ChoiceStream(stream, index, request, instance)
                 stream.choices.append(choice)
@@ -181,6 +181,12 @@ class RequestStream:
     @property
     def num_output_tokens(self) -> int:
         return sum(c.num_output_tokens for c in self.choices)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in a prefix cache, as far as known (the most of its completions:
+        the prompt is counted once)."""
+        return max((c.num_cached_tokens for c in self.choices), default=0)
 
     @property
     def finished(self) -> bool:
@@ -273,6 +279,7 @@ class ChoiceStream:
         self.last_token_time: float | None = None
         self.finish_reason: str | None = None
         self.stage_times: dict[str, float] | None = None
+        self.num_cached_tokens = 0
         parent.num_unfinished += 1
         # Inter-token gaps, kept for the request trace only.
         self.gaps: list[float] | None = [] if parent.client.trace is not None else None
@@ -301,10 +308,11 @@ class ChoiceStream:
             return
         parent._push(Output(self.index, text, [token_id], None, logprobs, self.num_output_tokens))
 
-    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None) -> None:
+    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None, num_cached_tokens: int = 0) -> None:
         if self.finish_reason is not None:
             return
         self.stage_times = stage_times
+        self.num_cached_tokens = num_cached_tokens
         text = self.detokenizer.flush()
         if self.detokenizer.stopped and finish_reason == "length":  # the last character made a stop string
             finish_reason = "stop"
@@ -370,5 +378,5 @@ class ChoiceStream:
                 output_tokens=self.num_output_tokens, max_tokens=req.sampling_params.max_tokens,
                 finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
-                stages=self.stage_times, instances=list(route),
+                stages=self.stage_times, instances=list(route), cached_tokens=self.num_cached_tokens,
             )

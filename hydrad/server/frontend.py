@@ -80,8 +80,8 @@ class CoreClient:
         self.daemon_session: aiohttp.ClientSession | None = None
 
     # -- router / instance ----------------------------------------------------------------------
-    def select(self, has_images: bool) -> CoreClient:
-        return self
+    def select(self, has_images: bool, request: EngineRequest | None = None) -> CoreClient:
+        return self  # the daemon routes
 
     def add_request(self, request: EngineRequest, sink: RequestSink) -> asyncio.Future[None]:
         """Send ``request`` to the daemon; the returned future resolves once it is on an
@@ -163,7 +163,7 @@ class CoreClient:
             sink = sinks.get(key)
             if sink is not None:  # else aborted here while the step ran
                 sink.on_token(token_ids[i], logprobs[i] if logprobs is not None else None)
-        for key, finish_reason, stage_times, route, error in msg.ends:
+        for key, finish_reason, stage_times, route, error, num_cached_tokens in msg.ends:
             sink = self._forget(key)
             if sink is None:
                 continue
@@ -172,7 +172,7 @@ class CoreClient:
                 continue
             req_id = sink.request.req_id
             self.routes[req_id] = route or []
-            sink.on_finish(finish_reason, stage_times)
+            sink.on_finish(finish_reason, stage_times, num_cached_tokens)
             self.routes.pop(req_id, None)
 
     def _snapshot(self, seq: int) -> Snapshot:

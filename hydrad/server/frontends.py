@@ -93,12 +93,13 @@ class RemoteSink:
         if logprobs is not None:
             peer.any_logprobs = True
 
-    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None) -> None:
+    def on_finish(self, finish_reason: str, stage_times: dict[str, float] | None, num_cached_tokens: int = 0) -> None:
         peer = self.peer
-        peer.end(self.req_id, (self.key, finish_reason, stage_times, peer.table.routes.get(self.req_id), None))
+        peer.end(self.req_id, (self.key, finish_reason, stage_times, peer.table.routes.get(self.req_id), None,
+                               num_cached_tokens))
 
     def on_error(self, error: Exception) -> None:
-        self.peer.end(self.req_id, (self.key, None, None, None, portable(error)))
+        self.peer.end(self.req_id, (self.key, None, None, None, portable(error), 0))
 
 
 class FrontendPeer:
@@ -181,7 +182,7 @@ class FrontendPeer:
     def _submit(self, msg: Submit) -> None:
         request = msg.request
         try:
-            instance = self.router.select(has_images=bool(request.images))
+            instance = self.router.select(has_images=bool(request.images), request=request)
             instance.add_request(request, RemoteSink(self, msg.key, request.req_id))
         except Exception as e:  # no instance for the stage, the daemon stopping: the front end answers
             self.send(Admitted(msg.key, portable(e)))

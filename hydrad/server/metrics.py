@@ -103,6 +103,28 @@ class DeploymentMetrics(Collector):
         yield from (info, redeploys, seconds, failed, decisions)
 
 
+class PrefixCacheMetrics(Collector):
+    """Each instance's prefix-caching totals as its engine counts them (``Metrics.set_instance``)."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.totals: dict[str, tuple[int, int, int]] = {}  # instance -> (queries, hits, images)
+
+    def collect(self):
+        families = (
+            CounterMetricFamily("hydrad_prefix_cache_queries", "Tokens of the requests that looked for a cached "
+                                "prefix on the instance.", labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_prefix_cache_hits", "Tokens found cached: their prefill was skipped.",
+                                labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_prefix_cache_images", "Images inside a cached prefix: not encoded.",
+                                labels=["model_name", "instance"]),
+        )
+        for instance, values in sorted(self.totals.items()):
+            for family, value in zip(families, values):
+                family.add_metric([self.model, instance], value)
+        yield from families
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -112,6 +134,8 @@ class Metrics:
         r.register(self.tokens)
         self.deployment = DeploymentMetrics(model_name)
         r.register(self.deployment)
+        self.prefix_cache = PrefixCacheMetrics(model_name)
+        r.register(self.prefix_cache)
         self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("hydrad_stage_queue_time_seconds", "Time waiting for a stage, per request.",
@@ -260,6 +284,8 @@ class Metrics:
         for kind, factor in stats.live_speed.items():
             self.live_speed.labels(self._model, str(instance_id), kind).set(factor)
         self.image_usage.labels(*labels).set(stats.image_usage)
+        self.prefix_cache.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
+                                                      stats.images_cached)
 
     def set_deployment(self, deploy: str, history, failed_redeploys: int, decisions: dict[str, int] | None) -> None:
         """The deployment served now; ``history``: every deployment since start (the

@@ -162,7 +162,9 @@ def usage_of(stream: RequestStream, completion: int | None = None) -> dict:
     prompt = stream.num_prompt_tokens
     if completion is None:
         completion = stream.num_output_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            # Known once a completion has finished (0 in a continuous-usage chunk before that).
+            "prompt_tokens_details": {"cached_tokens": stream.num_cached_tokens}}
 
 
 async def respond_whole(fmt: ResponseFormat, stream: RequestStream) -> web.Response:

@@ -262,9 +262,9 @@ class Admitted:
 class Deltas:
     """What the daemon's delivery passes produced for one front end's requests since the
     last ``Deltas``, as columns: a token per entry of ``keys`` (``Submit.key``), then the
-    ends in order. An end is ``(key, finish_reason, stage_times, route, error)``: a finish
-    (``error`` None) or a failure (``finish_reason`` None); ``route`` lists the instances
-    the request went through."""
+    ends in order. An end is ``(key, finish_reason, stage_times, route, error,
+    num_cached_tokens)``: a finish (``error`` None) or a failure (``finish_reason`` None);
+    ``route`` lists the instances the request went through."""
 
     keys: list[int]
     token_ids: list[int]

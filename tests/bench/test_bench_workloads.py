@@ -6,7 +6,7 @@ from PIL import Image
 
 from hydrad.bench.arrivals import Trace
 from hydrad.bench.images import file_data_url, image_data_url, synth_image
-from hydrad.bench.workloads import PROFILES, SynthImage, TraceTextWorkload, load_workload
+from hydrad.bench.workloads import PROFILES, ChatWorkload, SynthImage, TraceTextWorkload, load_workload
 from hydrad.errors import ConfigError
 
 
@@ -23,6 +23,26 @@ def test_vision_profiles_send_one_image_within_their_ranges(name):
         assert (spec.images[0].width, spec.images[0].height) in profile.image_sizes
         assert profile.prompt_tokens[0] <= len(spec.prompt.split()) <= profile.prompt_tokens[1]
         assert profile.output_tokens[0] <= spec.output_tokens <= profile.output_tokens[1]
+
+
+def test_chat_turns_repeat_the_conversation_so_far():
+    workload = load_workload("chat:pope:3", seed=0)
+    assert isinstance(workload, ChatWorkload) and workload.window == 32
+    # Requests 0..31 are the first turns of conversations 0..31, 32..63 their second turns, ...;
+    # then conversations 32..63.
+    assert [workload.position(i) for i in (0, 31, 32, 95, 96)] == [(0, 0), (31, 0), (0, 1), (31, 2), (32, 0)]
+    first, second, third = (workload.request(i, salt=5) for i in (7, 39, 71))
+    assert first.images == second.images == third.images and len(first.images) == 1
+    assert second.prompt.startswith(first.prompt + " ") and third.prompt.startswith(second.prompt + " ")
+    # The answer between two questions has the earlier turn's output length.
+    pope = PROFILES["pope"]
+    added = len(second.prompt.split()) - len(first.prompt.split())
+    assert first.output_tokens + pope.prompt_tokens[0] <= added <= first.output_tokens + pope.prompt_tokens[1]
+    other = workload.request(8, salt=5)
+    assert other.images != first.images and not other.prompt.startswith(first.prompt)
+    assert workload.request(39, salt=6).images != second.images  # fresh per salt
+    assert not load_workload("chat:text:2", seed=0).request(0, 0).images
+    assert load_workload("chat:pope:2:256", seed=0).position(256) == (0, 1)
 
 
 def test_text_profile_has_no_images():
@@ -42,7 +62,9 @@ def test_mix_follows_its_weights():
     assert 150 <= with_image <= 250
 
 
-@pytest.mark.parametrize("spec", ["nope", "mix:textcaps=0.5,nope=0.5", "mix:textcaps=-1", "mix:textcaps"])
+@pytest.mark.parametrize("spec", ["nope", "mix:textcaps=0.5,nope=0.5", "mix:textcaps=-1", "mix:textcaps", "chat:pope",
+                                  "chat:nope:2", "chat:pope:0", "chat:pope:x", "chat:pope:2:0",
+                                  "chat:pope:2:3:4"])
 def test_bad_specs_are_config_errors(spec):
     with pytest.raises(ConfigError):
         load_workload(spec, 0)

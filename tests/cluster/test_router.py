@@ -58,3 +58,89 @@ def test_a_migration_target_is_never_its_source_when_another_holds_the_stage(pol
     # The source alone holds it: the source.
     lone = Router([FakeInstance("EPD"), FakeInstance("E")], policy, seed=0)
     assert lone.select_stage("D", exclude=lone.instances[0]) is lone.instances[0]
+
+
+# -- cache-aware -----------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    prompt_token_ids: list
+    images: list
+
+
+@dataclass
+class Image:
+    offset: int
+    length: int
+    content_hash: bytes | None
+
+
+def _prompt(head: int, n: int = 100, images=()) -> Prompt:
+    return Prompt([head] + list(range(1, n)), list(images))
+
+
+def _cache_aware(*loads, roles=None):
+    instances = [FakeInstance(role, load, instance_id=i) for i, (role, load) in
+                 enumerate(zip(roles or ["EPD"] * len(loads), loads))]
+    return Router(instances, "cache-aware"), instances
+
+
+def test_cache_aware_sends_a_prompt_back_where_it_went():
+    router, instances = _cache_aware(0, 0, 0)
+    first = [router.select(False, _prompt(h)) for h in (1, 2, 3)]
+    assert len({i.instance_id for i in first}) == 3  # new prompts: least-load, taking turns
+    for inst in instances:
+        inst.num_inflight = 2
+    for h, inst in zip((1, 2, 3), first):
+        assert router.select(False, _prompt(h, 140)) is inst  # the same start, a longer prompt
+    # Without a prompt, or with one shorter than a chunk, it is least-load.
+    instances[0].num_inflight = 0
+    assert router.select(False) is instances[0]
+    assert router.select(False, _prompt(2, 20)) is instances[0]
+
+
+def test_cache_aware_leaves_a_busy_holder_and_matches_the_longest_run():
+    router, instances = _cache_aware(0, 0)
+    a = router.select(False, _prompt(1))
+    other = instances[1 - instances.index(a)]
+    a.num_inflight = 8  # within the slack of the idle one
+    assert router.select(False, _prompt(1)) is a
+    a.num_inflight = 9
+    assert router.select(False, _prompt(1)) is other  # and now both were sent it
+    a.num_inflight, other.num_inflight = 2, 3
+    assert router.select(False, _prompt(1)) is a, "a tie on the run: the less loaded of the two"
+    a.num_inflight = 4
+    assert router.select(False, _prompt(1)) is other
+    # Both were sent the first chunk; only one the rest: that one.
+    router, instances = _cache_aware(0, 0)
+    head = router.select(False, Prompt(list(range(40)), []))
+    head.num_inflight = 20
+    tail = router.select(False, Prompt(list(range(40)) + [7] * 60, []))
+    assert tail is not head
+    head.num_inflight = 0
+    tail.num_inflight = 2
+    assert router.select(False, Prompt(list(range(40)) + [7] * 80, [])) is tail
+    assert router.select(False, Prompt(list(range(40)) + [8] * 80, [])) is head  # a tie on one chunk
+
+
+def test_cache_aware_tells_images_apart_by_content():
+    router, instances = _cache_aware(0, 0, roles=["EPD", "EPD"])
+    tokens = list(range(10)) + [5] * 64 + list(range(30))
+    cat = router.select(True, Prompt(tokens, [Image(10, 64, b"cat")]))
+    dog = router.select(True, Prompt(tokens, [Image(10, 64, b"dog")]))
+    assert cat is not dog
+    for inst in instances:
+        inst.num_inflight = 1
+    assert router.select(True, Prompt(tokens, [Image(10, 64, b"dog")])) is dog
+    assert router.select(True, Prompt(tokens, [Image(10, 64, b"cat")])) is cat
+    # An image of unknown content ends the digests at its first chunk.
+    assert len(router.prefixes.digests(Prompt(tokens, [Image(40, 20, None)]))) == 1
+
+
+def test_cache_aware_forgets_the_oldest_prefixes():
+    router, instances = _cache_aware(0, 0)
+    router.prefixes.capacity = 6
+    for h in range(10):
+        router.select(False, _prompt(h))  # three chunks each
+    assert len(router.prefixes) == 6
+    assert router.prefixes.matches(router.prefixes.digests(_prompt(0)), [0, 1]) == {0: 0, 1: 0}
+    assert max(router.prefixes.matches(router.prefixes.digests(_prompt(9)), [0, 1]).values()) == 3

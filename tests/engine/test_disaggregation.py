@@ -59,6 +59,48 @@ def test_every_deployment_matches_transformers(tiny_llava_dir, deploy, devices, 
         assert any("prefill_to_decode_migration" in (o.stage_times or {}) for o in outs)
 
 
+@pytest.mark.parametrize("deploy, devices", [("1E+1P+1D", "cpu:3"), ("1EP+1D", "cpu:2")])
+def test_prefill_instances_start_from_cached_prefixes(tiny_llava_dir, deploy, devices, conversations, reference):
+    """The instance that prefills finds what it prefilled before, whether it encoded the images
+    itself (EP: not again) or pulled them from an E instance (its prefix taken on arrival)."""
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy=deploy, devices=devices, token_budget=24,
+              kv_block_size=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    llm.chat(conversations, params)
+    prefill = next(e for e in llm.engine.engines if "P" in e.role)
+    hits = prefill.scheduler.prefix_hits
+    outs = llm.chat(conversations, params)
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.token_ids == ref, f"{deploy}: conversation {i}"
+    assert prefill.scheduler.prefix_hits - hits == sum((len(o.prompt_token_ids) - 1) // 4 * 4 for o in outs)
+    # The count reaches the output from the decode instance: it crossed the migration.
+    assert [o.num_cached_tokens for o in outs] == [(len(o.prompt_token_ids) - 1) // 4 * 4 for o in outs]
+    decode = next(e for e in llm.engine.engines if e.role == "D")
+    assert decode.scheduler.prefix_hits == 0 and decode.kv_manager.num_cached_blocks == 0
+    if deploy == "1EP+1D":
+        assert prefill.scheduler.images_cached >= sum(o.num_images for o in outs)
+    _assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize("policy", ["cache-aware", "round-robin"])
+def test_the_cache_aware_router_sends_a_prompt_where_it_is_cached(tiny_llava_dir, conversations, reference, policy):
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy="2EPD", devices="cpu:2", token_budget=24,
+              kv_block_size=4, router_policy=policy)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    llm.chat(conversations, params)
+    hits = sum(e.scheduler.prefix_hits for e in llm.engine.engines)
+    outs = llm.chat(conversations, params)
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert out.token_ids == ref, f"conversation {i}"
+    hits = sum(e.scheduler.prefix_hits for e in llm.engine.engines) - hits
+    cached = sum((len(o.prompt_token_ids) - 1) // 4 * 4 for o in outs)
+    if policy == "cache-aware":
+        assert hits == cached
+    else:  # a reference for the check: taking turns sends some prompts where they are not cached
+        assert hits < cached
+    _assert_nothing_held(llm)
+
+
 def test_stress_small_caches_everywhere(tiny_llava_dir, conversations, reference):
     """64 requests through E+P+D with caches far smaller than the load: all finish, right."""
     llm = LLM(

@@ -125,6 +125,26 @@ def test_greedy_matches_under_preemption(tiny_llava_dir, conversations, referenc
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_greedy_matches_from_cached_prefixes(tiny_llava_dir, conversations, reference):
+    """Prefix caching: asked again, every conversation starts its prefill from its cached KV and
+    encodes none of its images; the next turn of a conversation finds the turns before it."""
+    llm = LLM(str(tiny_llava_dir), kv_block_size=4, token_budget=64)
+    first = _check(llm, conversations, reference)
+    s = llm.engine.scheduler
+    hits, images = s.prefix_hits, s.images_cached
+    again = _check(llm, conversations, reference)
+    prompts = [len(out.prompt_token_ids) for out in first]
+    assert s.prefix_hits - hits == sum((n - 1) // 4 * 4 for n in prompts)
+    assert [out.num_cached_tokens for out in again] == [(n - 1) // 4 * 4 for n in prompts]
+    assert s.images_cached - images == sum(out.num_images for out in first)
+    # The next turn: the conversation so far, the answer as the model gave it, a new question.
+    turns = [conv + [{"role": "assistant", "content": out.text}, {"role": "user", "content": "And then?"}]
+             for conv, out in zip(conversations[:2], first[:2])]
+    hits = s.prefix_hits
+    _check(llm, turns, _reference_tokens(tiny_llava_dir, turns))
+    assert s.prefix_hits - hits >= sum(prompts[:2]) - 2 * 4 - 8
+
+
 def test_dual_streams_forced_on_gives_the_same_tokens(tiny_llava_dir, conversations, reference):
     # Off by default on CPU; the two-executor path must stay exact where it is used.
     llm = LLM(str(tiny_llava_dir), dual_streams=True, token_budget=32)

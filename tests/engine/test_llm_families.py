@@ -132,6 +132,20 @@ def test_every_deployment_migrates_positions_and_layouts(tiny_checkpoint, conver
     llm.shutdown()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cached_prefixes_keep_positions_and_layouts(tiny_checkpoint, conversations, reference, arch):
+    """Asked again, every conversation prefills from its cached KV (M-RoPE positions and image
+    layouts past a cached prefix stay exact) and encodes none of its images."""
+    llm = LLM(str(tiny_checkpoint(arch)), kv_block_size=4, token_budget=TOKEN_BUDGET, **CACHE)
+    first = _check(llm, conversations, reference(arch), f"{arch} first")
+    s = llm.engine.scheduler
+    hits, images = s.prefix_hits, s.images_cached
+    _check(llm, conversations, reference(arch), f"{arch} cached")
+    assert s.prefix_hits - hits == sum((len(out.prompt_token_ids) - 1) // 4 * 4 for out in first)
+    assert s.images_cached - images == sum(out.num_images for out in first)
+    llm.shutdown()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_worker_processes(tiny_checkpoint, conversations, reference, arch):

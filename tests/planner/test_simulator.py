@@ -114,6 +114,21 @@ def test_a_busy_target_waits_for_a_quick_pull_and_runs_it_in_the_next_step():
     assert r1.gaps == pytest.approx([0.342 - 0.31])
 
 
+def test_a_traced_cache_hit_is_replayed_where_the_request_prefills():
+    # 64 of the 100 prompt tokens (four blocks of 16) were found cached when traced, the image
+    # (tokens 0..49) among them: no encode, a prefill of the last 36 tokens (10 + 36 ms).
+    (r,) = run(make_setup(), ["EPD"], [SimRequest(0.0, 100, 3, images=((0, 50, 50),), cached_tokens=64)]).requests
+    assert r.ttft == pytest.approx(0.046)
+    assert r.gaps == pytest.approx([0.012, 0.012])
+    # An image past the cached run is encoded (100 ms), the prefill starts at token 48 (10 + 52 ms).
+    (r,) = run(make_setup(), ["EPD"], [SimRequest(0.0, 100, 2, images=((40, 50, 50),), cached_tokens=50)]).requests
+    assert r.ttft == pytest.approx(0.1 + 0.062)
+    # Behind an E instance the image is encoded there and the P instance starts after the run
+    # when the image arrives: E 0.1, then a prefill of the last 36 tokens.
+    (r,) = run(make_setup(), ["E", "PD"], [SimRequest(0.0, 100, 2, images=((0, 50, 50),), cached_tokens=64)]).requests
+    assert r.ttft == pytest.approx(0.1 + 0.046, abs=1e-3)
+
+
 def test_image_migration_from_e_to_pd():
     m, bandwidth = 0.001, 2e6
     setup = make_setup(message_seconds=m, bandwidth=bandwidth)

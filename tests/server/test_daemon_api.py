@@ -133,6 +133,32 @@ def test_chat_greedy_matches_transformers(client, model_name, reference):
     assert resp.usage.total_tokens == num_prompt + len(expected)
 
 
+def test_a_repeated_chat_starts_from_its_cached_prefix(daemon, client, model_name, reference):
+    """Asked again on the same instance, a conversation prefills only its last tokens and encodes
+    none of its images, and still gives transformers' tokens; status and metrics count it."""
+    api, hf, images = conversation()
+    _, expected = reference_tokens(reference, hf, images, MAX_TOKENS)
+    before = {i["id"]: (i["prefix_cache_hits"], i["prefix_cache_images"]) for i in status(daemon)["instances"]}
+    cached = []
+    for _ in range(4):  # every instance serves it twice, whatever the router picks
+        resp = client.chat.completions.create(model=model_name, messages=api, max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        assert resp.choices[0].token_ids == expected
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+    # The usage says how much of the prompt was found cached: all but the last block, the second time.
+    assert max(cached) >= resp.usage.prompt_tokens - 16 and max(cached) < resp.usage.prompt_tokens
+    instances = status(daemon)["instances"]
+    assert sum(i["prefix_cache_hits"] - before[i["id"]][0] for i in instances) >= resp.usage.prompt_tokens - 16
+    assert sum(i["prefix_cache_images"] - before[i["id"]][1] for i in instances) >= 2
+    assert all(i["num_kv_blocks_cached"] > 0 for i in instances if i["prefix_cache_hits"] > before[i["id"]][0])
+    text = http("GET", daemon.url + "/metrics").text
+    hits = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("hydrad_prefix_cache_hits_total{")]
+    assert len(hits) == 2 and sum(hits) > 0
+    # The request trace keeps it for the planner's replays.
+    traced = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=4").text.splitlines()]
+    assert sorted(r["cached_tokens"] for r in traced) == sorted(cached)
+
+
 def test_chat_stream_matches_transformers(client, model_name, reference):
     api, hf, images = conversation()
     num_prompt, expected = reference_tokens(reference, hf, images[:1] + images[1:], MAX_TOKENS)

@@ -42,6 +42,7 @@ class Outputs:
         self.num_taken = 0
         self.choices = [None]
         self.num_prompt_tokens = 5
+        self.num_cached_tokens = 4
 
     @property
     def num_output_tokens(self) -> int:
@@ -88,7 +89,8 @@ def test_chunk_shapes_usage_and_done(monkeypatch):
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "length"]
     assert all(c["object"] == "chat.completion.chunk" and c["usage"] is None for c in chunks)
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 5, "completion_tokens": 3,
-                                                         "total_tokens": 8}
+                                                         "total_tokens": 8,
+                                                         "prompt_tokens_details": {"cached_tokens": 4}}
     assert done == "[DONE]"
 
 
@@ -120,7 +122,8 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(monkeypatch)
     stream(response, Outputs(OUTS), monkeypatch, continuous_usage=True)
     *chunks, final, done = response.events
     assert [c["usage"] for c in chunks] == [
-        {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n} for n in (1, 2, 3)]
+        {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n,
+         "prompt_tokens_details": {"cached_tokens": 4}} for n in (1, 2, 3)]
     assert final["choices"] == [] and final["usage"]["completion_tokens"] == 3 and done == "[DONE]"
 
 

@@ -1,0 +1,49 @@
+"""Digests of a request's KV blocks, for prefix caching (``BlockManager.register``/``lookup``).
+
+Block j of a request holds the KV of its tokens [j * block_size, (j + 1) * block_size).
+That KV depends on every token up to the block's end and, where image placeholders lie
+among them, on those images' content: the block's digest chains the digest of block
+j - 1 with the block's token ids and the digest and offset of every image that overlaps
+it (``ImageInput.digest``). Two requests whose blocks have equal digests hold equal KV
+in them, whatever else differs. An image whose content is unknown (no digest and no
+pixels here) ends the chain: no block from its first placeholder on gets a digest.
+
+BLAKE2b over the bytes, not Python's ``hash``: a block found by a colliding digest would
+hand one request another's KV, and a collision must not be something a client can craft.
+The scheduler imports this module: it imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from hydrad.engine.request import Request
+
+_SEED = b"hydrad-kv-v1"
+
+
+def block_digests(req: Request, block_size: int, num_blocks: int) -> list[bytes]:
+    """The digests of ``req``'s first ``num_blocks`` full blocks (fewer where an image's content
+    is unknown), computed once per request and extended as it asks for more."""
+    digests = req.block_digests
+    if len(digests) >= num_blocks:
+        return digests[:num_blocks]
+    images = req.images
+    while len(digests) < num_blocks and not req.digests_stopped:
+        start = len(digests) * block_size
+        end = start + block_size
+        h = hashlib.blake2b(digests[-1] if digests else _SEED, digest_size=16)
+        h.update(array("q", req.token_ids(start, end)).tobytes())
+        for image in images:
+            if image.offset < end and start < image.offset + image.length:
+                content = image.digest()
+                if content is None:
+                    req.digests_stopped = True
+                    break
+                h.update(content)
+                h.update(image.offset.to_bytes(8, "little", signed=True))
+        else:
+            digests.append(h.digest())
+    return digests[:num_blocks]
+

@@ -1,0 +1,276 @@
+"""Prefix caching: the pool's registered blocks, block digests, and the scheduler taking
+cached prefixes (checked against a fake KV pool that records what each slot was computed
+from, so a block handed to the wrong request cannot go unnoticed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from hydrad.config import SchedulerConfig
+from hydrad.engine.block_manager import BlockManager
+from hydrad.engine.inputs import EngineRequest, ImageInput
+from hydrad.engine.prefix_cache import block_digests
+from hydrad.engine.request import Request, RequestStatus
+from hydrad.engine.scheduler import Scheduler
+from hydrad.sampling_params import SamplingParams
+
+
+# -- the pool ------------------------------------------------------------------------------------
+def test_registered_blocks_are_found_shared_and_kept_after_release():
+    pool = BlockManager(4, 2, "kv")
+    a = pool.allocate(2)
+    assert pool.register(a[0], b"x") and pool.register(a[1], b"y")
+    assert not pool.register(a[0], b"z"), "a block is registered once"
+    assert pool.lookup([b"x", b"y", b"w"]) == a
+    assert pool.lookup([b"y"]) == [a[1]] and pool.lookup([b"w", b"x"]) == []
+    pool.acquire(a)  # a second holder
+    pool.check_integrity([a, list(a)])
+    with pytest.raises(AssertionError, match="miscounted"):
+        pool.check_integrity([a])
+    pool.free(a)
+    assert pool.num_used_blocks == 2 and pool.num_free_blocks == 2
+    pool.free(a)
+    # Released, still registered, and free to allocate.
+    assert pool.num_used_blocks == 0 and pool.num_free_blocks == 4 and pool.num_cached_blocks == 2
+    assert pool.num_unheld(a) == 2
+    pool.acquire(pool.lookup([b"x"]))
+    assert pool.num_free_blocks == 3 and pool.num_unheld(a) == 1
+    pool.check_integrity([[a[0]]])
+
+
+def test_allocate_takes_unregistered_blocks_first_then_the_end_of_prefixes():
+    pool = BlockManager(5, 1, "kv")
+    a = pool.allocate(3)
+    for block_id, digest in zip(a, (b"p0", b"p1", b"p2")):
+        pool.register(block_id, digest)
+    pool.free(a)
+    first = pool.allocate(2)  # the two never-registered blocks
+    assert set(first).isdisjoint(a) and pool.num_cached_blocks == 3
+    assert pool.allocate(1) == [a[2]], "the end of a prefix goes first"
+    assert pool.lookup([b"p0", b"p1", b"p2"]) == a[:2] and pool.num_evicted == 1
+    pool.check_integrity([first, [a[2]]])
+    # An unregistered block cannot be shared.
+    with pytest.raises(AssertionError, match="two owners"):
+        pool.check_integrity([first, [first[0]], [a[2]]])
+    with pytest.raises(RuntimeError, match="not registered"):
+        pool.acquire([first[0]])
+
+
+# -- digests -------------------------------------------------------------------------------------
+def _request(req_id, tokens, images=(), max_tokens=4) -> Request:
+    return Request(EngineRequest(str(req_id), list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                          ignore_eos=True), images=list(images)))
+
+
+def _image(offset, length, seed) -> ImageInput:
+    return ImageInput(torch.full((3, 4, 4), float(seed)), offset, length)
+
+
+def test_block_digests_follow_tokens_and_image_content():
+    base = list(range(100, 140))
+    a = _request("a", base, [_image(10, 12, seed=1)])
+    same = _request("same", base, [_image(10, 12, seed=1)])
+    other_image = _request("other", base, [_image(10, 12, seed=2)])
+    other_token = _request("tok", base[:25] + [7] + base[26:], [_image(10, 12, seed=1)])
+    da = block_digests(a, 4, 9)
+    assert len(da) == 9 and block_digests(same, 4, 9) == da
+    # The image covers tokens 10..21: blocks 2..5 see it, and every block after depends on it.
+    do = block_digests(other_image, 4, 9)
+    assert do[:2] == da[:2] and all(x != y for x, y in zip(do[2:], da[2:]))
+    dt = block_digests(other_token, 4, 9)  # token 25 is in block 6
+    assert dt[:6] == da[:6] and all(x != y for x, y in zip(dt[6:], da[6:]))
+    # Where the image's content is unknown, no block from its first placeholder on has a digest.
+    unknown = _request("u", base, [ImageInput(None, 10, 12)])
+    assert len(block_digests(unknown, 4, 9)) == 2
+    # A migrated image keeps its digest without its pixels.
+    moved = dataclasses.replace(a.images[0], pixel_values=None)
+    assert block_digests(_request("m", base, [moved]), 4, 9) == da
+
+
+# -- the scheduler ---------------------------------------------------------------------------------
+def make_scheduler(num_kv_blocks=64, kv_block_size=4, num_image_blocks=8, image_block_size=16, token_budget=32,
+                   max_num_seqs=64, prefix_caching=True) -> Scheduler:
+    return Scheduler(SchedulerConfig(token_budget=token_budget, image_budget=2, max_num_seqs=max_num_seqs),
+                     BlockManager(num_kv_blocks, kv_block_size, "kv"),
+                     BlockManager(num_image_blocks, image_block_size, "image"),
+                     4096, clock=lambda: 0.0, prefix_caching=prefix_caching)
+
+
+class FakePool:
+    """What each KV slot and image slot was computed from, written as a step would write it:
+    a KV slot holds the request's tokens up to its position and the images among them, an
+    image slot its image. Every step checks that each chunk's earlier positions hold its own."""
+
+    def __init__(self, s: Scheduler):
+        self.s = s
+        self.kv: dict[tuple[int, int], tuple] = {}
+        self.image: dict[int, bytes] = {}
+
+    @staticmethod
+    def key(req: Request, pos: int) -> tuple:
+        images = tuple(image.digest() for image in req.images if image.offset <= pos)
+        return tuple(req.token_ids(0, pos + 1)), images
+
+    def check_and_write(self, out) -> None:
+        bs, ibs = self.s.kv.block_size, self.s.images.block_size
+        for req, index in out.encodes:
+            for block_id in req.image_block_ids[index]:
+                self.image[block_id] = req.images[index].digest()
+        for req, n in out.chunks:
+            start = req.num_computed_tokens
+            for pos in range(start):
+                slot = (req.kv_block_ids[pos // bs], pos % bs)
+                assert self.kv.get(slot) == self.key(req, pos), f"{req} reads KV it did not compute at {pos}"
+            for i, image in enumerate(req.images):
+                if start < image.offset + image.length and image.offset < start + n:
+                    blocks = req.image_block_ids[i]
+                    assert blocks and all(self.image.get(b) == image.digest() for b in blocks[: -(-image.length // ibs)])
+            for pos in range(start, start + n):
+                self.kv[req.kv_block_ids[pos // bs], pos % bs] = self.key(req, pos)
+
+
+def step(s: Scheduler, pool: FakePool, token=7):
+    out = s.schedule()
+    s.check_integrity()
+    for req, n in out.chunks:
+        assert req.images_done
+    pool.check_and_write(out)
+    s.update_after_encode(out)
+    sampled = [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens]
+    result = s.update_after_language(out, sampled)
+    s.check_integrity()
+    return out, result
+
+
+def run_until_done(s, pool, reqs, max_steps=5000) -> list:
+    outs = []
+    for _ in range(max_steps):
+        if not s.num_unfinished:
+            break
+        outs.append(step(s, pool)[0])
+    assert all(r.status is RequestStatus.FINISHED for r in reqs)
+    assert s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
+    return outs
+
+
+def test_a_repeated_prompt_prefills_only_what_was_not_cached():
+    s = make_scheduler()
+    pool = FakePool(s)
+    a = _request("a", range(100, 130))
+    s.add(a)
+    run_until_done(s, pool, [a])
+    assert s.prefix_hits == 0 and s.prefix_queries == 30
+    b = _request("b", range(100, 130))
+    s.add(b)
+    out, _ = step(s, pool)
+    # 30 tokens: blocks 0..6 (28 tokens) found; the last two computed, the last one samples.
+    assert out.chunks == [(b, 2)] and s.prefix_hits == 28
+    run_until_done(s, pool, [b])
+    # A longer prompt that begins the same (the next turn of a chat) finds a's prompt and output.
+    c = _request("c", list(range(100, 130)) + a.output_token_ids[:3] + [1, 2, 3, 4, 5])
+    s.add(c)
+    out, _ = step(s, pool)
+    assert out.chunks == [(c, 38 - 32)] and s.prefix_hits == 28 + 32
+    run_until_done(s, pool, [c])
+
+
+def test_without_prefix_caching_nothing_is_found():
+    s = make_scheduler(prefix_caching=False)
+    pool = FakePool(s)
+    for name in "ab":
+        r = _request(name, range(100, 130))
+        s.add(r)
+        out, _ = step(s, pool)
+        assert out.chunks == [(r, 30)]
+        run_until_done(s, pool, [r])
+    assert s.kv.num_cached_blocks == 0 and s.prefix_hits == 0
+
+
+def test_images_inside_a_cached_prefix_are_not_encoded():
+    s = make_scheduler()
+    pool = FakePool(s)
+    prompt = list(range(100, 140))
+    a = _request("a", prompt, [_image(4, 16, 1), _image(24, 8, 2)])
+    s.add(a)
+    run_until_done(s, pool, [a])
+    # The same images and text: nothing to encode, 36 tokens found.
+    b = _request("b", prompt, [_image(4, 16, 1), _image(24, 8, 2)])
+    s.add(b)
+    out, _ = step(s, pool)
+    assert not out.encodes and out.chunks == [(b, 4)] and s.images_cached == 2
+    run_until_done(s, pool, [b])
+    # Another second image: the first is found, the second is encoded (the prefix stops before it).
+    c = _request("c", prompt, [_image(4, 16, 1), _image(24, 8, 3)])
+    s.add(c)
+    out, _ = step(s, pool)
+    assert out.encodes == [(c, 1)] and c.num_computed_tokens == 24 and s.images_cached == 3
+    assert c.image_block_ids[0] == [] and c.image_block_ids[1]
+    outs = run_until_done(s, pool, [c])
+    assert outs[0].chunks[0] == (c, 16)
+
+
+def test_a_prefix_that_ends_inside_an_image_encodes_it_for_the_rest():
+    s = make_scheduler()
+    pool = FakePool(s)
+    a = _request("a", range(100, 160), [_image(30, 12, 1)])
+    s.add(a)
+    run_until_done(s, pool, [a])
+    # b ends two tokens after the image: its last full block before its last token ends at 40,
+    # inside the image (30..41); the image is encoded and prefill reads its last two features.
+    b = _request("b", range(100, 143), [_image(30, 12, 1)])
+    s.add(b)
+    out, _ = step(s, pool)
+    assert out.encodes == [(b, 0)] and b.num_computed_tokens == 40 and s.images_cached == 0
+    outs = run_until_done(s, pool, [b])
+    assert outs[0].chunks == [(b, 3)]
+
+
+def test_a_preempted_request_finds_its_own_blocks_again():
+    s = make_scheduler(num_kv_blocks=12, token_budget=64)
+    pool = FakePool(s)
+    reqs = [_request(i, [200 + i] + list(range(1, 16)), max_tokens=20) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    outs = run_until_done(s, pool, reqs)
+    assert s.num_preemptions > 0
+    assert s.prefix_hits > 0, "a preempted request recomputed what it had registered"
+    assert sum(len(o.preempted) for o in outs) == s.num_preemptions
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shared_prefixes_under_pressure_keep_every_request_on_its_own_kv(seed):
+    """Prompts from a few templates and images, a pool that evicts and preempts, aborts:
+    every step reads only KV computed from the reader's own tokens and images."""
+    rng = random.Random(seed)
+    s = make_scheduler(num_kv_blocks=rng.choice([40, 60, 120]), num_image_blocks=6, token_budget=rng.choice([16, 48]),
+                       max_num_seqs=rng.choice([4, 16]))
+    pool = FakePool(s)
+    templates = [[rng.randrange(10, 60) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
+    questions = [[rng.randrange(10, 60) for _ in range(8)] for _ in range(2)]
+    live = []
+    for i in range(60):
+        tokens = list(rng.choice(templates))
+        images = []
+        if rng.random() < 0.5:
+            images.append(_image(len(tokens), 8, rng.randrange(3)))
+            tokens += [3] * 8
+        if rng.random() < 0.5:  # the same question again
+            tokens += questions[rng.randrange(len(questions))]
+        tokens += [rng.randrange(10, 60) for _ in range(rng.randrange(1, 12))]
+        r = _request(i, tokens, images, max_tokens=rng.randrange(1, 12))
+        s.add(r)
+        live.append(r)
+        for _ in range(rng.randrange(0, 4)):
+            if s.num_unfinished:
+                step(s, pool)
+        if rng.random() < 0.1:
+            victim = rng.choice(live)
+            if victim.status is not RequestStatus.FINISHED:
+                s.abort(victim.req_id)
+        live = [r for r in live if r.status is not RequestStatus.FINISHED]
+    run_until_done(s, pool, live)
+    assert s.prefix_hits > 0 and s.images_cached > 0
