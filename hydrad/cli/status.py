@@ -73,7 +73,7 @@ def render(status: dict):
     deploy = f", {deployment['deploy']}" if deployment.get("deploy") else ""
     instances = Table(title=f"hydrad: {status['model']}{deploy} (max_model_len {status['max_model_len']}, "
                             f"up {_duration(status['uptime_seconds'])})")
-    for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "prefix hits", "tok/s"):
+    for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "cached", "tok/s"):
         instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True)
     for i in status["instances"]:
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
