@@ -12,12 +12,12 @@ prompt no instance has seen, least-load). Plain Python, no device code.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
-from array import array
 from collections import OrderedDict
 from typing import Protocol, Sequence
+
+from hydrad.engine.prefix_cache import SEED, chunk_digest
 
 POLICIES = ("round-robin", "least-load", "random", "cache-aware")
 # cache-aware: the instance holding the longest prefix takes the request while it has at most
@@ -43,9 +43,10 @@ class NoInstanceAvailable(RuntimeError):
 class PrefixRoutes:
     """Which instances were sent which prompt prefixes, to send a prompt where its prefix may
     still be cached. Prompts are cut into chunks of ``CHUNK`` tokens, each named by a digest
-    chained over the chunks before it and the images among them (``ImageInput.content_hash``);
-    the router remembers the instances each digest went to, the ``capacity`` most recently
-    sent. An approximation: an instance's cache may have let a prefix go since."""
+    chained over the chunks before it and the images among them, as the engine names its KV
+    blocks (``prefix_cache.chunk_digest``); the router remembers the instances each digest
+    went to, the ``capacity`` most recently sent. An approximation: an instance's cache may
+    have let a prefix go since."""
 
     CHUNK = 32
 
@@ -57,17 +58,11 @@ class PrefixRoutes:
         """Digests of the request's full chunks (up to its first image of unknown content)."""
         tokens, images = request.prompt_token_ids, request.images
         out: list[bytes] = []
-        previous = b"hydrad-route-v1"
+        previous = SEED
         for start in range(0, len(tokens) - self.CHUNK + 1, self.CHUNK):
-            end = start + self.CHUNK
-            h = hashlib.blake2b(previous, digest_size=16)
-            h.update(array("q", tokens[start:end]).tobytes())
-            for image in images:
-                if image.offset < end and start < image.offset + image.length:
-                    if image.content_hash is None:
-                        return out
-                    h.update(image.content_hash)
-            previous = h.digest()
+            previous = chunk_digest(previous, tokens[start : start + self.CHUNK], start, images)
+            if previous is None:
+                break
             out.append(previous)
         return out
 

@@ -38,7 +38,6 @@ class BlockManager:
         # Registered blocks nobody holds, least recently released first (taken by ``allocate``
         # once ``_free`` is empty).
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self.num_evicted = 0
 
     # -- sizes -------------------------------------------------------------------
     def num_blocks_for(self, num_slots: int) -> int:
@@ -78,7 +77,6 @@ class BlockManager:
             else:
                 block_id, _ = evictable.popitem(last=False)
                 del self._by_digest[self._digest.pop(block_id)]
-                self.num_evicted += 1
             refs[block_id] = 1
             block_ids.append(block_id)
         return block_ids

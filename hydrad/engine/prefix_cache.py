@@ -20,30 +20,36 @@ from array import array
 
 from hydrad.engine.request import Request
 
-_SEED = b"hydrad-kv-v1"
+SEED = b"hydrad-kv-v1"
+
+
+def chunk_digest(previous: bytes, token_ids: list[int], start: int, images) -> bytes | None:
+    """The digest of the tokens at ``start`` (``token_ids``) chained on the digest of all before
+    them, with the content and offset of every image they overlap; None where such an image's
+    content is unknown. Also what the cache-aware router names prompt chunks by."""
+    end = start + len(token_ids)
+    h = hashlib.blake2b(previous, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    for image in images:
+        if image.offset < end and start < image.offset + image.length:
+            content = image.digest()
+            if content is None:
+                return None
+            h.update(content)
+            h.update(image.offset.to_bytes(8, "little", signed=True))
+    return h.digest()
 
 
 def block_digests(req: Request, block_size: int, num_blocks: int) -> list[bytes]:
     """The digests of ``req``'s first ``num_blocks`` full blocks (fewer where an image's content
     is unknown), computed once per request and extended as it asks for more."""
     digests = req.block_digests
-    if len(digests) >= num_blocks:
-        return digests[:num_blocks]
-    images = req.images
     while len(digests) < num_blocks and not req.digests_stopped:
         start = len(digests) * block_size
-        end = start + block_size
-        h = hashlib.blake2b(digests[-1] if digests else _SEED, digest_size=16)
-        h.update(array("q", req.token_ids(start, end)).tobytes())
-        for image in images:
-            if image.offset < end and start < image.offset + image.length:
-                content = image.digest()
-                if content is None:
-                    req.digests_stopped = True
-                    break
-                h.update(content)
-                h.update(image.offset.to_bytes(8, "little", signed=True))
+        digest = chunk_digest(digests[-1] if digests else SEED, req.token_ids(start, start + block_size), start,
+                              req.images)
+        if digest is None:
+            req.digests_stopped = True
         else:
-            digests.append(h.digest())
+            digests.append(digest)
     return digests[:num_blocks]
-

@@ -73,6 +73,9 @@ class Image:
     length: int
     content_hash: bytes | None
 
+    def digest(self) -> bytes | None:
+        return self.content_hash
+
 
 def _prompt(head: int, n: int = 100, images=()) -> Prompt:
     return Prompt([head] + list(range(1, n)), list(images))
