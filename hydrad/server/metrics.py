@@ -103,12 +103,13 @@ class DeploymentMetrics(Collector):
         yield from (info, redeploys, seconds, failed, decisions)
 
 
-class PrefixCacheMetrics(Collector):
-    """Each instance's prefix-caching totals as its engine counts them (``Metrics.set_instance``)."""
+class EngineCounters(Collector):
+    """Each instance's running totals as its engine counts them (``Metrics.set_instance``):
+    prefix caching's lookups and hits, and preemptions."""
 
     def __init__(self, model: str):
         self.model = model
-        self.totals: dict[str, tuple[int, int, int]] = {}  # instance -> (queries, hits, images)
+        self.totals: dict[str, tuple[int, int, int, int]] = {}  # instance -> (queries, hits, images, preemptions)
 
     def collect(self):
         families = (
@@ -118,6 +119,8 @@ class PrefixCacheMetrics(Collector):
                                 labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_prefix_cache_images", "Images inside a cached prefix: not encoded.",
                                 labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_preemptions", "Requests preempted on the instance for KV room (their KV "
+                                "freed, recomputed when they run again).", labels=["model_name", "instance"]),
         )
         for instance, values in sorted(self.totals.items()):
             for family, value in zip(families, values):
@@ -134,8 +137,8 @@ class Metrics:
         r.register(self.tokens)
         self.deployment = DeploymentMetrics(model_name)
         r.register(self.deployment)
-        self.prefix_cache = PrefixCacheMetrics(model_name)
-        r.register(self.prefix_cache)
+        self.engine_counters = EngineCounters(model_name)
+        r.register(self.engine_counters)
         self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("hydrad_stage_queue_time_seconds", "Time waiting for a stage, per request.",
@@ -284,8 +287,8 @@ class Metrics:
         for kind, factor in stats.live_speed.items():
             self.live_speed.labels(self._model, str(instance_id), kind).set(factor)
         self.image_usage.labels(*labels).set(stats.image_usage)
-        self.prefix_cache.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
-                                                      stats.images_cached)
+        self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
+                                                         stats.images_cached, stats.num_preemptions)
 
     def set_deployment(self, deploy: str, history, failed_redeploys: int, decisions: dict[str, int] | None) -> None:
         """The deployment served now; ``history``: every deployment since start (the

@@ -24,6 +24,8 @@ ARCHS = ("llava-next", "qwen2-vl", "qwen2.5-vl")
 # The Qwen hub checkpoints and transformers 5 name the weights alike, so "hf5" stands for both.
 LAYOUTS = {"llava-next": ("hub", "hf5", "module"), "qwen2-vl": ("hf5", "module"), "qwen2.5-vl": ("hf5", "module")}
 MAX_TOKENS = 12
+# The preemption test's answers: long enough that the decodes outgrow a pool their prompts fit.
+LONG_TOKENS = 40
 # Smaller than most images' token runs: prefill chunks end inside images.
 TOKEN_BUDGET = 10
 # Image-cache blocks of 8 slots: most images take several. Pools of a few MB: the tiny models
@@ -41,19 +43,20 @@ def conversations():
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint, conversations):
-    """``reference(arch)``: per conversation, transformers' tokens and their log-probabilities."""
+    """``reference(arch, num_tokens=MAX_TOKENS)``: per conversation, transformers' first
+    ``num_tokens`` tokens (at most ``LONG_TOKENS``) and their log-probabilities."""
     cache = {}
 
-    def get(arch: str):
+    def get(arch: str, num_tokens: int = MAX_TOKENS):
         if arch not in cache:
-            cache[arch] = hf_references(tiny_checkpoint(arch), conversations, MAX_TOKENS)
-        return cache[arch]
+            cache[arch] = hf_references(tiny_checkpoint(arch), conversations, LONG_TOKENS)
+        return [(tokens[:num_tokens], logprobs[:num_tokens]) for tokens, logprobs in cache[arch]]
 
     return get
 
 
-def _check(llm: LLM, conversations, reference, what: str, tol: float = LOGPROB_TOL):
-    outs = llm.chat(conversations, PARAMS, use_tqdm=False)
+def _check(llm: LLM, conversations, reference, what: str, tol: float = LOGPROB_TOL, params=PARAMS):
+    outs = llm.chat(conversations, params, use_tqdm=False)
     for i, (out, (tokens, logprobs)) in enumerate(zip(outs, reference)):
         assert out.token_ids == tokens, f"{what}: conversation {i}"
         got = [entry.logprob for entry in out.logprobs]
@@ -85,13 +88,14 @@ def test_conversations_cover_every_case(tiny_checkpoint, conversations, referenc
 def test_every_layout_with_chunks_through_images_and_preemption(tiny_checkpoint, conversations, reference, arch,
                                                                  layout):
     path = tiny_checkpoint(arch, layout)
-    refs = reference(arch)
-    # KV room for the longest request and a little more: the batch cannot all fit, so requests are
+    refs = reference(arch, LONG_TOKENS)
+    # KV room for the longest request alone: a prompt is admitted only while the free KV covers it,
+    # and the decodes of the requests admitted together outgrow the pool, so requests are
     # preempted and recomputed (their images encoded again) while others run.
     kv_block_size = 4
-    longest = max(len(ids) for ids in _prompt_ids(path, conversations)) + MAX_TOKENS
+    longest = max(len(ids) for ids in _prompt_ids(path, conversations)) + LONG_TOKENS
     llm = LLM(str(path), token_budget=TOKEN_BUDGET, kv_block_size=kv_block_size,
-              num_kv_blocks=-(-longest // kv_block_size) + 6, **CACHE)
+              num_kv_blocks=-(-longest // kv_block_size), **CACHE)
     runner = llm.engine.runner
     chunks = []
     execute = runner.execute
@@ -101,7 +105,8 @@ def test_every_layout_with_chunks_through_images_and_preemption(tiny_checkpoint,
         return execute(step_chunks, num_decodes)
 
     runner.execute = recording
-    _check(llm, conversations, refs, f"{arch} {layout}")
+    params = SamplingParams(max_tokens=LONG_TOKENS, min_tokens=LONG_TOKENS, temperature=0.0, logprobs=0)
+    _check(llm, conversations, refs, f"{arch} {layout}", params=params)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(image.offset < start + n < image.offset + image.length
                for req, start, n in chunks for image in req.images), "no prefill chunk ended inside an image"

@@ -290,3 +290,29 @@ def test_pulls_admitted_ahead_of_a_step_leave_a_block_per_running_decode(takes_l
     else:
         assert [p.req.req_id for p in pulls] == ["r"] and s.kv.num_free_blocks == 1
     s.check_integrity()
+
+
+@pytest.mark.parametrize("images", [True, False])
+def test_admission_leaves_kv_for_the_prompts_already_admitted(images):
+    """A request is admitted (to encoding or to its first chunk) only while the free KV covers
+    its prompt and what the requests admitted before it still need for theirs: at hundreds of
+    streams, admitting on image-cache room alone over-commits the pool, and the prefills then
+    preempt each other (an image request preempted is encoded again)."""
+    s = make_scheduler(num_kv_blocks=40, kv_block_size=4, num_image_blocks=64, image_block_size=16,
+                       token_budget=64, image_budget=2)
+    # 38 prompt tokens and 2 generated: 10 blocks each, taken whole by the prefill (no decode grows).
+    reqs = [make_request(i, num_prompt=38, images=[(2, 16)] if images else (), max_tokens=2) for i in range(12)]
+    for r in reqs:
+        s.add(r)
+    encodes = 0
+    for _ in range(10_000):
+        if not s.num_unfinished:
+            break
+        out, _ = run_step(s)
+        encodes += len(out.encodes)
+        admitted = [*s.encoding.values(), *s.running.values()]
+        # Each admitted prompt (10 blocks) will be held whole at once: never more than the pool.
+        assert sum(s.kv.num_blocks_for(r.num_prompt_tokens) for r in admitted) <= s.kv.num_blocks
+    assert s.num_unfinished == 0
+    assert s.num_preemptions == 0
+    assert encodes == (len(reqs) if images else 0)

@@ -17,7 +17,7 @@ def test_finished_request_metrics_and_stage_times():
     metrics.observe_finished("length", 0.5, 12, 2, {"encode_queue": 0.01, "encode_exec": 0.02,
                                                    "prefill_exec": 0.03, "decode_queue": 0.0,
                                                    "encode_to_prefill_migration": 0.004})
-    metrics.set_instance(0, "cpu", "EPD", True, EngineStats(2, 1, 0.5, 0.25, 8, 1, 0, live_speed={"images": 1.25},
+    metrics.set_instance(0, "cpu", "EPD", True, EngineStats(2, 1, 0.5, 0.25, 8, 1, 3, live_speed={"images": 1.25},
                                                                  prefix_cache_queries=300, prefix_cache_hits=96,
                                                                  images_cached=2))
     metrics.set_instance(1, "cpu", "EPD", False, None)
@@ -42,6 +42,7 @@ def test_finished_request_metrics_and_stage_times():
         'hydrad_prefix_cache_queries_total{instance="0",model_name="m"} 300.0',
         'hydrad_prefix_cache_hits_total{instance="0",model_name="m"} 96.0',
         'hydrad_prefix_cache_images_total{instance="0",model_name="m"} 2.0',
+        'hydrad_preemptions_total{instance="0",model_name="m"} 3.0',
     ]:
         assert line in text, line
 

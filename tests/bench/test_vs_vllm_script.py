@@ -1,0 +1,91 @@
+"""The pure parts of ``bench/vs_vllm.py``: the counters read off a server's /metrics, and the
+ratio table with a checkout measured before a change. The runs themselves are the benchmark."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def script(bench_script):
+    return bench_script("vs_vllm")
+
+
+@pytest.fixture
+def metrics_url():
+    """A server that answers each path with ``served[path]`` (404 for others)."""
+    served: dict[str, str] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path not in served:
+                self.send_error(404)
+                return
+            body = served[self.path].encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", served
+    server.shutdown()
+    server.server_close()
+
+
+def test_counters_add_up_hydrads_instances_and_read_vllms_names(script, metrics_url):
+    url, served = metrics_url
+    served["/metrics"] = "\n".join([
+        '# TYPE hydrad_preemptions_total counter',
+        'hydrad_preemptions_total{instance="0",model_name="m"} 3.0',
+        'hydrad_preemptions_total{instance="1",model_name="m"} 4.0',
+        'hydrad_prefix_cache_queries_total{instance="0",model_name="m"} 100.0',
+        'hydrad_prefix_cache_hits_total{instance="0",model_name="m"} 40.0',
+        'hydrad_prefix_cache_hits_created{instance="0",model_name="m"} 1.7e9',
+    ])
+    assert script.server_counters(url) == {"queries": 100.0, "hits": 40.0, "preemptions": 7.0}
+    served["/metrics"] = "\n".join([
+        'vllm:num_preemptions_total{engine="0",model_name="small"} 12.0',
+        'vllm:prefix_cache_queries_total{engine="0",model_name="small"} 500.0',
+        'vllm:prefix_cache_hits_total{engine="0",model_name="small"} 200.0',
+    ])
+    assert script.server_counters(url) == {"queries": 500.0, "hits": 200.0, "preemptions": 12.0}
+    assert script.server_counters("http://127.0.0.1:9") is None  # nothing listens: no counters
+
+
+def test_a_hydrad_without_the_preemption_counter_is_read_from_its_status(script, metrics_url):
+    url, served = metrics_url
+    served["/metrics"] = 'hydrad_prefix_cache_queries_total{instance="0",model_name="m"} 1.0'
+    served["/admin/status"] = '{"instances": [{"num_preemptions": 2}, {"num_preemptions": null}, {"num_preemptions": 5}]}'
+    assert script.server_counters(url) == {"queries": 1.0, "hits": 0.0, "preemptions": 7.0}
+    del served["/admin/status"]  # not answered either: none counted
+    assert script.server_counters(url)["preemptions"] == 0.0
+
+
+def test_the_checkout_before_a_change_gets_its_own_ratios(script):
+    run = {"req_per_s": 2.0, "ttft_p50": 1.0, "preemptions": 5.0, "prefix_hit_rate": 0.5}
+    results = {
+        "hydrad-1EPD": {"chat256/greedy": {**run, "req_per_s": 3.0, "preemptions": 0.0}, "crowd256/greedy": run},
+        "hydrad-before": {"chat256/greedy": run, "crowd16/greedy": run},
+        "vllm": {"chat256/greedy": {**run, "req_per_s": 2.5, "ttft_p50": 2.0}, "crowd256/greedy": run,
+                 "crowd16/greedy": run},
+    }
+    labels = [label for label, *_ in script.ratios(results)]
+    assert labels == ["hydrad-1EPD chat256/greedy", "hydrad-1EPD chat256/greedy, TTFT p50",
+                      "hydrad-1EPD crowd256/greedy", "hydrad-1EPD crowd256/greedy, TTFT p50",
+                      "hydrad-before chat256/greedy", "hydrad-before chat256/greedy, TTFT p50",
+                      "hydrad-before crowd16/greedy", "hydrad-before crowd16/greedy, TTFT p50"]
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad-1EPD chat256/greedy"] == pytest.approx(1.2)
+    assert rows["hydrad-before chat256/greedy"] == pytest.approx(0.8)
+    assert rows["hydrad-before chat256/greedy, TTFT p50"] == pytest.approx(0.5)
+    table = script.markdown(results, "python bench/vs_vllm.py --before /old")
+    assert "hydrad-before requests preempted: chat256/greedy 5" in table
+    assert "hydrad-1EPD requests preempted: chat256/greedy 0" in table
