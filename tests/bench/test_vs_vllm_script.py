@@ -73,19 +73,25 @@ def test_the_checkout_before_a_change_gets_its_own_ratios(script):
     run = {"req_per_s": 2.0, "ttft_p50": 1.0, "preemptions": 5.0, "prefix_hit_rate": 0.5}
     results = {
         "hydrad-1EPD": {"chat256/greedy": {**run, "req_per_s": 3.0, "preemptions": 0.0}, "crowd256/greedy": run},
-        "hydrad-before": {"chat256/greedy": run, "crowd16/greedy": run},
+        "hydrad-1EPD@before": {"chat256/greedy": run, "crowd16/greedy": run},
         "vllm": {"chat256/greedy": {**run, "req_per_s": 2.5, "ttft_p50": 2.0}, "crowd256/greedy": run,
                  "crowd16/greedy": run},
     }
     labels = [label for label, *_ in script.ratios(results)]
     assert labels == ["hydrad-1EPD chat256/greedy", "hydrad-1EPD chat256/greedy, TTFT p50",
                       "hydrad-1EPD crowd256/greedy", "hydrad-1EPD crowd256/greedy, TTFT p50",
-                      "hydrad-before chat256/greedy", "hydrad-before chat256/greedy, TTFT p50",
-                      "hydrad-before crowd16/greedy", "hydrad-before crowd16/greedy, TTFT p50"]
+                      "hydrad-1EPD@before chat256/greedy", "hydrad-1EPD@before chat256/greedy, TTFT p50",
+                      "hydrad-1EPD@before crowd16/greedy", "hydrad-1EPD@before crowd16/greedy, TTFT p50"]
     rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
     assert rows["hydrad-1EPD chat256/greedy"] == pytest.approx(1.2)
-    assert rows["hydrad-before chat256/greedy"] == pytest.approx(0.8)
-    assert rows["hydrad-before chat256/greedy, TTFT p50"] == pytest.approx(0.5)
+    assert rows["hydrad-1EPD@before chat256/greedy"] == pytest.approx(0.8)
+    assert rows["hydrad-1EPD@before chat256/greedy, TTFT p50"] == pytest.approx(0.5)
+    # Every deployment's crowd runs get their rows, not only the EPD instance's.
+    two = {"hydrad-1EP+1D": {"crowd256/greedy": run}, "hydrad-1EP+1D@before": {"crowd256/greedy": run},
+           "vllm": {"crowd256/greedy": {**run, "req_per_s": 4.0}}}
+    assert {label: ratio for label, _, _, _, ratio in script.ratios(two)} == {
+        "hydrad-1EP+1D crowd256/greedy": 0.5, "hydrad-1EP+1D crowd256/greedy, TTFT p50": 1.0,
+        "hydrad-1EP+1D@before crowd256/greedy": 0.5, "hydrad-1EP+1D@before crowd256/greedy, TTFT p50": 1.0}
     table = script.markdown(results, "python bench/vs_vllm.py --before /old")
-    assert "hydrad-before requests preempted: chat256/greedy 5" in table
+    assert "hydrad-1EPD@before requests preempted: chat256/greedy 5" in table
     assert "hydrad-1EPD requests preempted: chat256/greedy 0" in table
