@@ -93,9 +93,10 @@ COUNTERS = {
 }
 
 
-def server_counters(url: str) -> dict[str, float] | None:
+def server_counters(url: str) -> dict[str, float | None] | None:
     """Prompt tokens looked up in the prefix cache, found cached, and requests preempted so
-    far (``COUNTERS``), from the server's /metrics; None if it did not answer."""
+    far (``COUNTERS``), from the server's /metrics; None if it did not answer, and preemptions
+    None where neither its metrics nor its /admin/status count them."""
     import urllib.request
 
     try:
@@ -110,15 +111,28 @@ def server_counters(url: str) -> dict[str, float] | None:
             if line.startswith(prefixes):
                 totals[kind] += float(line.split()[-1])
                 seen.add(kind)
-    if "preemptions" not in seen and "hydrad_" in text:
-        # A checkout from before hydrad_preemptions_total (``--before``): its /admin/status counts them.
-        try:
-            with urllib.request.urlopen(url + "/admin/status", timeout=10) as response:
-                status = json.loads(response.read())
-            totals["preemptions"] = float(sum(i.get("num_preemptions") or 0 for i in status["instances"]))
-        except (OSError, ValueError, KeyError):
-            pass
+    if "preemptions" not in seen:
+        totals["preemptions"] = None
+        if "hydrad_" in text:
+            # A checkout from before hydrad_preemptions_total (``--before``): its /admin/status counts them.
+            try:
+                with urllib.request.urlopen(url + "/admin/status", timeout=10) as response:
+                    status = json.loads(response.read())
+                totals["preemptions"] = float(sum(i.get("num_preemptions") or 0 for i in status["instances"]))
+            except (OSError, ValueError, KeyError):
+                totals["preemptions"] = None  # not counted: reported as unknown, not as none
     return totals
+
+
+def record_counters(doc: dict, before: dict | None, after: dict | None) -> None:
+    """Add to one run's ``doc`` the requests preempted during it and the share of looked-up
+    prompt tokens found cached, where the server counted them (the run's warm-up included)."""
+    if before is None or after is None:
+        return
+    if before["preemptions"] is not None and after["preemptions"] is not None:
+        doc["preemptions"] = after["preemptions"] - before["preemptions"]
+    if after["queries"] > before["queries"]:
+        doc["prefix_hit_rate"] = (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
 
 
 def bench(url: str, workload: Path | str, slo: SLO, phase: str, **kw) -> dict:
@@ -165,13 +179,7 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                     out[key] = bench(url, f"chat:pope:{args.chat_turns}:{window}", loose, key, concurrency=streams,
                                      warmup=streams, num_requests=args.chat_turns * window * args.chat_blocks,
                                      sampling=SAMPLINGS[mode])
-                    after = server_counters(url)
-                    if before is not None and after is not None:
-                        # (The warm-up's requests included: the counters are the server's.)
-                        out[key]["preemptions"] = after["preemptions"] - before["preemptions"]
-                        if after["queries"] > before["queries"]:
-                            out[key]["prefix_hit_rate"] = ((after["hits"] - before["hits"])
-                                                           / (after["queries"] - before["queries"]))
+                    record_counters(out[key], before, server_counters(url))
         elif scenario == "crowd":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.crowd_streams:
@@ -180,9 +188,7 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                     before = server_counters(url)
                     out[key] = bench(url, workloads["image32"], loose, key, concurrency=streams, warmup=streams,
                                      num_requests=args.crowd_rounds * streams, sampling=SAMPLINGS[mode])
-                    after = server_counters(url)
-                    if before is not None and after is not None:
-                        out[key]["preemptions"] = after["preemptions"] - before["preemptions"]
+                    record_counters(out[key], before, server_counters(url))
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:

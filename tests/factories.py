@@ -4,7 +4,10 @@ conversations with images of many sizes and transformers' greedy references for 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -231,3 +234,32 @@ def hf_references(path: Path, conversations: list[list[dict]],
     hf = hf_model(path)
     processor = load_hf_processor(path, load_config(path).model_type)
     return [hf_greedy_logprobs(hf, hf_inputs(processor, conv), num_new_tokens) for conv in conversations]
+
+
+@contextmanager
+def http_get_stub(answer: Callable[[str], bytes | None], content_type: str = "application/json") -> Iterator[str]:
+    """A loopback HTTP server while the block runs, its root URL yielded: each GET is answered
+    200 with ``answer(path)``, or 404 where that is None."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = answer(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):  # quiet: the tests read what was served, not a log
+            return
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -482,8 +482,6 @@ class Scheduler:
             if skipped < req.num_images:
                 if not self.images.can_allocate(self._image_blocks_needed(req, skipped)):
                     return
-                if replayed and not self.kv.can_allocate(replayed):
-                    return
                 if not budget.add_image(req.images[skipped].num_patches, req.images[skipped].length):
                     return
                 self.waiting.popleft()

@@ -3,10 +3,8 @@ ratio table with a checkout measured before a change. The runs themselves are th
 
 from __future__ import annotations
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
 import pytest
+from factories import http_get_stub
 
 
 @pytest.fixture(scope="module")
@@ -18,26 +16,8 @@ def script(bench_script):
 def metrics_url():
     """A server that answers each path with ``served[path]`` (404 for others)."""
     served: dict[str, str] = {}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            if self.path not in served:
-                self.send_error(404)
-                return
-            body = served[self.path].encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", served
-    server.shutdown()
-    server.server_close()
+    with http_get_stub(lambda path: served[path].encode() if path in served else None, "text/plain") as url:
+        yield url, served
 
 
 def test_counters_add_up_hydrads_instances_and_read_vllms_names(script, metrics_url):
@@ -65,8 +45,21 @@ def test_a_hydrad_without_the_preemption_counter_is_read_from_its_status(script,
     served["/metrics"] = 'hydrad_prefix_cache_queries_total{instance="0",model_name="m"} 1.0'
     served["/admin/status"] = '{"instances": [{"num_preemptions": 2}, {"num_preemptions": null}, {"num_preemptions": 5}]}'
     assert script.server_counters(url) == {"queries": 1.0, "hits": 0.0, "preemptions": 7.0}
-    del served["/admin/status"]  # not answered either: none counted
-    assert script.server_counters(url)["preemptions"] == 0.0
+    del served["/admin/status"]  # not answered either: unknown, not none
+    assert script.server_counters(url)["preemptions"] is None
+
+
+def test_a_run_records_what_the_server_counted_and_no_more(script):
+    doc = {}
+    script.record_counters(doc, {"queries": 100.0, "hits": 10.0, "preemptions": 2.0},
+                           {"queries": 300.0, "hits": 110.0, "preemptions": 5.0})
+    assert doc == {"preemptions": 3.0, "prefix_hit_rate": 0.5}
+    doc = {}  # preemptions not counted, no prompt looked up: neither recorded
+    script.record_counters(doc, {"queries": 0.0, "hits": 0.0, "preemptions": None},
+                           {"queries": 0.0, "hits": 0.0, "preemptions": None})
+    assert doc == {}
+    script.record_counters(doc, None, {"queries": 1.0, "hits": 1.0, "preemptions": 1.0})  # no answer before
+    assert doc == {}
 
 
 def test_the_checkout_before_a_change_gets_its_own_ratios(script):

@@ -7,14 +7,13 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from rich.console import Console
 
 from daemon_process import HYDRACTL, REPO
+from factories import http_get_stub
 from hydrad.cli.status import watch_status
 from hydrad.engine.cores import CpuThreads
 from hydrad.errors import HydradError
@@ -39,25 +38,12 @@ def captured_status(n: int) -> dict:
 def status_server():
     served = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            served.append(self.path)
-            body = json.dumps(captured_status(len(served))).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> bytes:
+        served.append(path)
+        return json.dumps(captured_status(len(served))).encode()
 
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", served
-    server.shutdown()
-    server.server_close()
+    with http_get_stub(answer) as url:
+        yield url, served
 
 
 def ignore_sigint() -> None:
