@@ -28,6 +28,11 @@ def run_main(group: click.Group) -> None:
         sys.exit(e.exit_code)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
+    except BrokenPipeError:
+        # The reader went away (``hydractl status --json --watch | head -1``): end quietly, and
+        # keep the interpreter's last flush of stdout from raising it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
     except (HydradError, OSError) as e:
         if debug_enabled():
             raise

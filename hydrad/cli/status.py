@@ -1,4 +1,4 @@
-"""``hydractl status``: instances and latency of a running daemon, as rich tables."""
+"""``hydractl status``: instances and latency of a running daemon, as rich tables or JSON."""
 
 from __future__ import annotations
 
@@ -12,15 +12,56 @@ import click
               "Env: HYDRAD_ADMIN_TOKEN.")
 @click.option("--watch", is_flag=True, help="Refresh until interrupted.")
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes.")
-def status(url: str, admin_token: str | None, watch: bool, interval: float) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the daemon's status document (GET /admin/status) as one line of JSON, one per "
+                   "refresh with --watch: for scripts.")
+def status(url: str, admin_token: str | None, watch: bool, interval: float, as_json: bool) -> None:
     """Show each instance (device, role, state, load, caches, tokens/s) and request latency."""
+    import os
+
     from rich.console import Console
 
     out = Console()
-    if not watch:
-        out.print(render(fetch_status(url, admin_token)))
-        return
-    watch_status(lambda: fetch_status(url, admin_token), out, interval)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        # A pipe, a file or a journal: tables at their whole width (80 columns would cut them).
+        out = Console(width=OFF_TERMINAL_WIDTH)
+    fetch = lambda: fetch_status(url, admin_token)  # noqa: E731
+    if as_json:
+        import sys
+
+        watch_json(fetch, sys.stdout, interval if watch else None)
+    elif not watch:
+        out.print(render(fetch()))
+    else:
+        watch_status(fetch, out, interval)
+
+
+# The width tables are laid out in when the output is not a terminal (nothing wider is drawn).
+OFF_TERMINAL_WIDTH = 200
+
+
+def watch_json(fetch, file, interval: float | None, sleep=None) -> None:
+    """Write each status document as one line of JSON (once when ``interval`` is None, else
+    every ``interval`` seconds until interrupted). While watching, a daemon that does not
+    answer is one line ``{"error": ..., "time": ...}`` and the watch goes on."""
+    import json
+    import time
+
+    from hydrad.errors import HydradError
+
+    sleep = sleep or time.sleep
+    while True:
+        try:
+            line = json.dumps(fetch(), separators=(",", ":"))
+        except HydradError as e:
+            if interval is None:
+                raise
+            line = json.dumps({"error": str(e), "time": time.time()})
+        file.write(line + "\n")
+        file.flush()
+        if interval is None:
+            return
+        sleep(interval)
 
 
 def watch_status(fetch, out, interval: float, sleep=None) -> None:
@@ -72,26 +113,19 @@ def render(status: dict):
     deployment = status.get("deployment") or {}
     deploy = f", {deployment['deploy']}" if deployment.get("deploy") else ""
     instances = Table(title=f"hydrad: {status['model']}{deploy} (max_model_len {status['max_model_len']}, "
-                            f"up {_duration(status['uptime_seconds'])})")
+                            f"up {_duration(status['uptime_seconds'])})", box=None, pad_edge=False, header_style="bold")
     for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "cached", "tok/s"):
-        instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True)
+        instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True,
+                             min_width=len(name) if name in ("#", "role") else None)
     for i in status["instances"]:
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
-        device = i["device"]
-        if i.get("threads"):
-            borrowed = f"+{i['borrowed_threads']}" if i.get("borrowed_threads") else ""
-            device += f" ({i['threads']}{borrowed} threads)"
-        instances.add_row(str(i["id"]), device, i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
+        instances.add_row(str(i["id"]), i["device"], i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
                           _pct(i["kv_usage"]), _pct(i["image_usage"]), _hits(i), _rate(i["tokens_per_second"]))
-    budget_lines = [f"#{i['id']} {i['role']}: steps up to {_ms(i['latency_bound'])}"
-                    + (f" (÷ {c:.2f}: steps with decodes run {c:.2f}x the model now)"
-                       if (c := i.get("latency_calibration")) and abs(c - 1.0) > 0.005 else "")
-                    + (f"; its steps run {_speed(i['live_speed'])} their prediction" if i.get("live_speed") else "")
-                    + f"; {i['latency_model']}"
-                    + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else "")
-                    for i in status["instances"] if i.get("latency_model")]
+    instance_lines = [f"#{i['id']} {i['role']}{_threads(i)}" + (_model_line(i) if i.get("latency_model") else "")
+                      for i in status["instances"] if i.get("latency_model") or i.get("threads")]
     r = status["requests"]
-    requests = Table(title=f"requests (last {r['window_seconds']:.0f} s)")
+    requests = Table(title=f"requests (last {r['window_seconds']:.0f} s)", box=None, pad_edge=False,
+                     header_style="bold")
     for name in ("in flight", "req/s", "TTFT p50", "TTFT p90", "TBT p50", "TBT p90"):
         requests.add_column(name, justify="right", no_wrap=True)
     requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
@@ -99,8 +133,8 @@ def render(status: dict):
     parts = [instances]
     if deployment.get("reason"):
         parts.append(f"deployment {deployment['deploy']}: {deployment['reason']}")
-    if budget_lines:
-        parts.append("latency models:\n  " + "\n  ".join(budget_lines))
+    if instance_lines:
+        parts.append("instances:\n  " + "\n  ".join(instance_lines))
     history = deployment.get("history") or []
     if len(history) > 1:
         parts.append("deployments:\n  " + "\n  ".join(_deployment_line(d) for d in history[-5:]))
@@ -121,6 +155,24 @@ def render(status: dict):
                      + (f", {1e6 * per_token:.0f} us CPU per token" if per_token is not None else "")
                      + f"; event-loop lag p99 {_ms(frontend['loop_lag_p99'])}, max {_ms(frontend['loop_lag_max'])}")
     return Group(*parts)
+
+
+def _model_line(i: dict) -> str:
+    """An instance's step bound, how its steps run against its latency model, and the model."""
+    return (f": steps up to {_ms(i['latency_bound'])}"
+            + (f" (÷ {c:.2f}: steps with decodes run {c:.2f}x the model now)"
+               if (c := i.get("latency_calibration")) and abs(c - 1.0) > 0.005 else "")
+            + (f"; its steps run {_speed(i['live_speed'])} their prediction" if i.get("live_speed") else "")
+            + f"; {i['latency_model']}"
+            + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else ""))
+
+
+def _threads(instance: dict) -> str:
+    """A CPU instance's torch threads: its own, and those it borrows while its lenders idle."""
+    if not instance.get("threads"):
+        return ""
+    own, borrowed = instance["threads"], instance.get("borrowed_threads") or 0
+    return f" on {own}{f'+{borrowed}' if borrowed else ''} thread{'s' if own + borrowed > 1 else ''}"
 
 
 def _decision_line(d: dict) -> str:

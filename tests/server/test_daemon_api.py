@@ -360,8 +360,8 @@ def test_hydractl_status_shows_both_instances(daemon):
                          text=True, timeout=60, cwd=REPO, env={"PYTHONPATH": str(REPO), "COLUMNS": "120",
                                                                "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
-    rows = [line for line in out.stdout.splitlines() if "EPD" in line and "│" in line]
-    assert len(rows) == 2 and all("cpu" in r and "ready" in r for r in rows), out.stdout
+    rows = [cells for cells in map(str.split, out.stdout.splitlines()) if len(cells) == 10 and cells[2] == "EPD"]
+    assert [cells[:4] for cells in rows] == [["0", "cpu", "EPD", "ready"], ["1", "cpu", "EPD", "ready"]], out.stdout
     assert "TTFT p50" in out.stdout and "TBT p90" in out.stdout
     # each instance fitted its latency model at start, and says so with its bound and error
     assert out.stdout.count("steps up to 180.0 ms") == 2  # the TBT (0.2 s) less the 10% headroom, out.stdout

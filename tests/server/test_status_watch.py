@@ -134,3 +134,101 @@ def test_status_shows_how_each_instance_runs_against_its_model_by_kind():
     assert "#0 E: steps up to 100.0 ms; its steps run images 1.31x their prediction; encode" in out, out
     assert "#1 P: steps up to 100.0 ms; its steps run prefills 1.42x, decodes 1.18x their prediction" in out, out
     assert "#2 D: steps up to 100.0 ms; encode" in out  # nothing measured yet: nothing said
+
+
+def status_with_threads() -> dict:
+    """A 1E+1P+1D CPU daemon's status: E and P borrow D's thread, D no longer answers, P's
+    KV cache is full (the longest cells the table has)."""
+    body = captured_status(1)
+    for i, instance in enumerate(body["instances"]):
+        instance.update(threads=1, borrowed_threads=1 if i < 2 else 0)
+    body["instances"][2]["state"] = "unresponsive"
+    body["instances"][1]["kv_usage"] = 1.0
+    return body
+
+
+def test_the_instances_fit_an_80_column_terminal():
+    """Every instance's id, role, state and numbers whole at 80 columns (the instance table once
+    cut its ids and roles there); the threads are said with each instance's latency model."""
+    from hydrad.cli.status import render
+
+    buf = io.StringIO()
+    Console(file=buf, width=80).print(render(status_with_threads()))
+    lines = buf.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    header = next(line for line in lines if "device" in line)
+    assert header.split() == ["#", "device", "role", "state", "running", "waiting", "KV", "image", "cached", "tok/s"]
+    rows = [line.split() for line in lines[lines.index(header) + 1:][:3]]
+    assert rows == [["0", "cpu", "E", "ready", "1", "0", "10.0%", "0.0%", "-", "12.5"],
+                    ["1", "cpu", "P", "ready", "1", "0", "100.0%", "0.0%", "-", "12.5"],
+                    ["2", "cpu", "D", "unresponsive", "1", "0", "10.0%", "0.0%", "-", "12.5"]], buf.getvalue()
+    out = buf.getvalue()
+    assert "#0 E on 1+1 threads: steps up to 100.0 ms" in out and "#2 D on 1 thread: steps up to" in out
+
+
+def run_hydractl(url: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    # No COLUMNS: the width a pipe gets from the CLI itself.
+    return subprocess.run([sys.executable, *HYDRACTL, "status", "--url", url, *args], capture_output=True,
+                          text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=60,
+                          **kw)
+
+
+def test_status_into_a_pipe_is_not_cut(status_server):
+    url, _ = status_server
+    result = run_hydractl(url)
+    assert result.returncode == 0, result.stderr
+    assert "…" not in result.stdout
+    # Each latency model on one line, as grep would want it.
+    assert ("#1 P: steps up to 100.0 ms; encode 4.0 ms + 2.0 ms/image; step 1.5 ms + 30 us/prefill token + "
+            "250 us/decode + 9.0 us/1k ctx") in [line.strip() for line in result.stdout.splitlines()], result.stdout
+
+
+def test_status_as_json_is_the_daemons_document(status_server):
+    url, served = status_server
+    result = run_hydractl(url, "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == captured_status(1) and len(result.stdout.splitlines()) == 1
+    assert served == ["/admin/status"]
+
+
+def test_watching_json_writes_a_line_per_refresh_and_the_errors_between():
+    from hydrad.cli.status import watch_json
+
+    answers = [captured_status(1), HydradError("cannot reach the daemon at http://x: refused"), captured_status(2)]
+
+    def fetch():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def sleep(_):
+        if not answers:
+            raise KeyboardInterrupt
+
+    buf = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        watch_json(fetch, buf, 0.1, sleep=sleep)
+    first, error, second = (json.loads(line) for line in buf.getvalue().splitlines())
+    assert first == captured_status(1) and second == captured_status(2)
+    assert error["error"] == "cannot reach the daemon at http://x: refused" and error["time"] > 0
+    # Once (no --watch), a daemon that does not answer is the CLI's one-line error, not a JSON line.
+    with pytest.raises(HydradError):
+        watch_json(lambda: (_ for _ in ()).throw(HydradError("refused")), io.StringIO(), None)
+
+
+def test_a_reader_that_goes_away_ends_the_watch_quietly(status_server):
+    """``hydractl status --json --watch | head -1``: no traceback, no error line."""
+    url, served = status_server
+    process = subprocess.Popen([sys.executable, *HYDRACTL, "status", "--url", url, "--json", "--watch",
+                                "--interval", "0.05"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                               env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    try:
+        assert json.loads(process.stdout.readline())["model"] == "tiny-llava"
+        process.stdout.close()
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 1 and err == b"", err
+    assert len(served) >= 2  # it kept refreshing until a write found the pipe closed
