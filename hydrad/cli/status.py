@@ -17,14 +17,9 @@ import click
                    "refresh with --watch: for scripts.")
 def status(url: str, admin_token: str | None, watch: bool, interval: float, as_json: bool) -> None:
     """Show each instance (device, role, state, load, caches, tokens/s) and request latency."""
-    import os
+    from hydrad.console import make_console
 
-    from rich.console import Console
-
-    out = Console()
-    if not out.is_terminal and "COLUMNS" not in os.environ:
-        # A pipe, a file or a journal: tables at their whole width (80 columns would cut them).
-        out = Console(width=OFF_TERMINAL_WIDTH)
+    out = make_console()  # into a pipe or a file: the tables at their whole width
     fetch = lambda: fetch_status(url, admin_token)  # noqa: E731
     if as_json:
         import sys
@@ -34,10 +29,6 @@ def status(url: str, admin_token: str | None, watch: bool, interval: float, as_j
         out.print(render(fetch()))
     else:
         watch_status(fetch, out, interval)
-
-
-# The width tables are laid out in when the output is not a terminal (nothing wider is drawn).
-OFF_TERMINAL_WIDTH = 200
 
 
 def watch_json(fetch, file, interval: float | None, sleep=None) -> None:

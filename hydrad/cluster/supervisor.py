@@ -38,6 +38,7 @@ from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
 from hydrad.cluster.worker_client import EXITED, WorkerClient, WorkerLost
+from hydrad.console import console as default_console
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
 from hydrad.transport.messages import WorkerReady
@@ -198,7 +199,7 @@ class Supervisor:
     async def _wait_ready(self, console: Console | None) -> list[WorkerReady]:
         start = time.monotonic()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=console or Console(stderr=True), transient=False) as progress:
+                      console=console or default_console, transient=False) as progress:
             tasks = {c.instance_id: progress.add_task(f"worker {c.instance_id} {c.device} {c.role}: loading",
                                                       total=1) for c in self.clients}
 

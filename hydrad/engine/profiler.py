@@ -590,10 +590,11 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
     if not show:
         yield lambda: None
         return
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from hydrad.console import console
+
     with Progress(TextColumn("latency model"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as progress:
+                  console=console, transient=True) as progress:
         task = progress.add_task("probes", total=total)
         yield lambda: progress.advance(task)

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from rich.console import Console
 
 from hydrad.config_file import DaemonConfig
+from hydrad.console import console as default_console
 from hydrad.errors import ConfigError, RequestError
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
 from hydrad.server.admission import Admission
@@ -77,7 +78,7 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app[SPECS] = specs
     app[LAUNCHED] = launched if launched is not None else {}
     app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "start"}
-    app[CONSOLE] = console or Console(stderr=True)
+    app[CONSOLE] = console or default_console
     app[FRONTENDS] = Frontends(config)
     app.cleanup_ctx.append(engine_ctx)
     add_api_routes(app)

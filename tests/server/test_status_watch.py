@@ -232,3 +232,18 @@ def test_a_reader_that_goes_away_ends_the_watch_quietly(status_server):
             process.kill()
     assert process.returncode == 1 and err == b"", err
     assert len(served) >= 2  # it kept refreshing until a write found the pipe closed
+
+
+def test_consoles_off_a_terminal_lay_out_whole_lines(monkeypatch):
+    """Progress, errors and tables into a pipe, a file or the journal (systemd) are not cut or
+    folded at 80 columns; ``COLUMNS`` still sets the width."""
+    from hydrad.console import OFF_TERMINAL_WIDTH, make_console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    for stderr in (False, True):
+        out = make_console(stderr=stderr)
+        assert not out.is_terminal and out.width == OFF_TERMINAL_WIDTH
+    monkeypatch.setenv("COLUMNS", "97")
+    assert make_console().width == 97
