@@ -103,8 +103,10 @@ def render(status: dict):
 
     deployment = status.get("deployment") or {}
     deploy = f", {deployment['deploy']}" if deployment.get("deploy") else ""
+    # Borderless columns (as ``kubectl get``): the table fits an 80-column terminal.
     instances = Table(title=f"hydrad: {status['model']}{deploy} (max_model_len {status['max_model_len']}, "
-                            f"up {_duration(status['uptime_seconds'])})", box=None, pad_edge=False, header_style="bold")
+                            f"up {_duration(status['uptime_seconds'])})", box=None, pad_edge=False,
+                      header_style="bold")
     for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "cached", "tok/s"):
         instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True,
                              min_width=len(name) if name in ("#", "role") else None)
