@@ -66,7 +66,8 @@ class Request:
         # The scheduler step that last scheduled it (guards it against preemption in that step).
         self.scheduled_step = -1
         # Preemption recomputes from the prompt: only possible where the images can be
-        # encoded again. Others get their whole KV reservation up front instead.
+        # encoded again (an encoder, and the pixels: ``has_pixels``). Others get their whole
+        # KV reservation up front instead.
         self.preemptible = True
         self.num_preemptions = 0
         self.finish_reason: str | None = None
@@ -159,6 +160,12 @@ class Request:
     @property
     def num_images(self) -> int:
         return len(self.images)
+
+    @property
+    def has_pixels(self) -> bool:
+        """Its images' pixels are here (a request pulled for its prefill or decode has their
+        layouts only: it cannot be encoded again)."""
+        return all(image.pixel_values is not None for image in self.images)
 
     @property
     def images_done(self) -> bool:

@@ -595,7 +595,10 @@ class Scheduler:
 
     # -- KV pressure ---------------------------------------------------------------------
     def _can_recompute(self, req: Request) -> bool:
-        return self.can_prefill and (not req.images or "E" in self.role)
+        """Whether a preempted ``req`` could start again here: its images encoded again needs
+        an encoder and their pixels (a request pulled for a later stage carries their layouts
+        only)."""
+        return self.can_prefill and (not req.images or ("E" in self.role and req.has_pixels))
 
     def _full_len(self, req: Request) -> int:
         return min(self.max_model_len, req.max_num_tokens)

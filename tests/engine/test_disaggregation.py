@@ -114,6 +114,23 @@ def test_stress_small_caches_everywhere(tiny_llava_dir, conversations, reference
     _assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("deploy, devices", [("1E+1EP+1D", "cpu:3"), ("1E+1EPD", "cpu:2")])
+def test_requests_pulled_into_an_instance_that_encodes_run_under_kv_pressure(tiny_llava_dir, deploy, devices,
+                                                                             conversations, reference):
+    """An instance that encodes and prefills takes image requests pulled from E, whose pixels
+    stayed behind: under KV pressure it must never preempt one of them (recomputing it would
+    encode its images again, without pixels: the step failed and the worker with it). They
+    hold their whole KV instead, as on an instance that cannot encode."""
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy=deploy, devices=devices,
+              kv_block_size=4, num_kv_blocks=40, num_image_blocks=3, token_budget=64)
+    convs = (conversations * 2)[:18]
+    outs = llm.chat(convs, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for i, out in enumerate(outs):
+        assert out.token_ids == reference[i % len(conversations)], f"{deploy}: request {i}"
+    _assert_nothing_held(llm)
+    assert any("encode_to_prefill_migration" in (o.stage_times or {}) for o in outs)
+
+
 def test_seeded_sampling_survives_migration(tiny_llava_dir, conversations):
     params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=7)
     single = LLM(str(tiny_llava_dir)).chat(conversations[:3], params)
