@@ -9,7 +9,9 @@ work at every moment:
 2. **shrink** — every instance stops taking work for the stages it loses (the router
    sees its new role), hands the requests it holds in those stages on through the normal
    offer/pull path (running decodes at once; work already started in a stage finishes
-   that stage first), and once nothing of them is left frees what it no longer needs.
+   that stage first; offers it received for them and has not pulled go on as they came,
+   back to their source when that runs the stage now), and once nothing of them is left
+   frees what it no longer needs.
 
 Instances are matched to the new roles so that as few stages as possible move.
 """

@@ -90,12 +90,17 @@ class MigrationRelay:
         if target not in holders:
             holders.add(target)
             self._num_held[target.instance_id] += 1
-        if offer.kind == "prompt":  # nothing to pull: the source let the request go already
+        # Passed on by an instance that was offered it and no longer runs its stage (a
+        # redeploy): it holds nothing; the blocks are still at the offer's source, which may
+        # be the target now (it takes the request back).
+        forwarded = offer.kind != "prompt" and offer.source != source.instance_id
+        if offer.kind == "prompt" or forwarded:  # the source let the request go already
             if source in holders and source is not target:
                 holders.discard(source)
                 self._num_held[source.instance_id] -= 1
-        else:
-            self.in_flight[offer.req_id] = (source, target, offer)
+        if offer.kind != "prompt":
+            holder = self.router.instance(offer.source) if forwarded else source
+            self.in_flight[offer.req_id] = (holder or source, target, offer)
         target.migrate(offer)
         return target
 

@@ -338,6 +338,13 @@ class EngineCore:
     def add_migration(self, offer: MigrationOffer) -> None:
         """Queue a request migrating in; it is pulled when this instance schedules it (one that
         had not started elsewhere goes to the head of the waiting queue)."""
+        if offer.kind != "prompt" and offer.source == self.instance_id:
+            # Our own offer, passed back by an instance that no longer runs its stage: it goes on
+            # here from our blocks. Reported as pulled, so the daemon forgets the hand-over.
+            if self.scheduler.reclaim(offer.req_id):
+                self._pulled.append(Pulled(offer.req_id, self.instance_id))
+            self._stalled = False
+            return
         if offer.kind != "prompt" and offer.source not in self.copier.peers:
             raise ValueError(f"instance {offer.source} is not attached as a peer")
         self.scheduler.add(Request.from_offer(offer), front=offer.kind == "prompt")

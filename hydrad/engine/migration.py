@@ -109,7 +109,13 @@ class Pull:
 
 def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
     """The offer of a request whose ``kind`` stage ("image" or "kv") is done here, or that
-    moves before it started ("prompt")."""
+    moves before it started ("prompt"); "forward": an offer this instance received and will
+    not pull (the stage it was offered for is being handed over here), passed on as it came,
+    its blocks still at its source."""
+    if kind == "forward":
+        pull_kind, source, block_ids, num_computed = req.pull
+        return dataclasses.replace(offer_for(req, pull_kind, source), block_ids=list(block_ids),
+                                   num_computed_tokens=num_computed)
     if kind == "prompt":
         block_ids: list = []
     else:

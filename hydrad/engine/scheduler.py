@@ -195,13 +195,43 @@ class Scheduler:
             for req in list(self.decoding.values()):
                 self._offer(req, "kv")
         self._hand_off_waiting()
+        self._forward_incoming()
 
     def _hand_off_waiting(self) -> None:
         """Requests that have not started and whose first stage is retiring move whole."""
-        for req in [r for r in self.waiting if self._first_stage(r) in self.retiring]:
+        for req in [r for r in self.waiting if not self._runs_first_stage(r)]:
             self._leave_queue(req)
             self._finish(req, "migrated")
             self.new_offers.append((req, "prompt"))
+
+    def _forward_incoming(self) -> None:
+        """Offers received for a stage that is being handed over here and not pulled yet go on
+        as they came, their blocks still at their source: pulled here first, each would wait
+        for room, and two instances that hand a stage to each other during a redeploy can
+        each hold the room the other's pulls wait for, forever. (Their source may run the
+        stage again by now: it then takes them back, ``reclaim``.)"""
+        stage_of = {"image": "P", "kv": "D"}
+        for req in [r for r in self.incoming if stage_of[r.pull[0]] in self.retiring]:
+            self.incoming.remove(req)
+            self._finish(req, "migrated")
+            self.new_offers.append((req, "forward"))
+
+    def reclaim(self, req_id: str) -> bool:
+        """An offer of this instance came back to it (it runs the offered stage again, after a
+        redeploy): the request goes on here from the blocks it holds, nothing copied. False if
+        it is no longer offered here (aborted meanwhile)."""
+        req = self.offered.pop(req_id, None)
+        if req is None:
+            return False
+        req.mark("reclaimed")
+        self._start_running(req)
+        return True
+
+    def _runs_first_stage(self, req: Request) -> bool:
+        """Whether ``req``'s first stage (E with images, else P) runs here: in the role, and not
+        being handed over."""
+        stage = self._first_stage(req)
+        return stage in self.role and stage not in self.retiring
 
     def _update_caching(self) -> None:
         self._caching = self.prefix_caching and self.kv is not None and self.can_prefill
@@ -307,8 +337,9 @@ class Scheduler:
     # -- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._step += 1
-        if self.retiring:  # preempted meanwhile: back to waiting, and on to another instance
+        if self.retiring:  # preempted meanwhile, or offered before the retire: on to another instance
             self._hand_off_waiting()
+            self._forward_incoming()
         # Requests that leave the running set while this step is built (preempted) are
         # dropped before it runs too: one may be admitted again within this very step.
         out = SchedulerOutput(dropped=self._dropped)
@@ -634,14 +665,22 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        """Free ``req``'s blocks; it starts again from its prompt and the tokens it generated,
+        here, or, when this instance no longer runs its first stage (its role changed since it
+        was admitted: a redeploy), whole on an instance that does."""
         self._remove(req)
-        req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_encoded_images = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
         out.preempted.append(req)
+        if self._runs_first_stage(req):
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
+        else:
+            req.num_cached_tokens = None  # looked up again where it goes
+            self._finish(req, "migrated")
+            self.new_offers.append((req, "prompt"))
 
     # -- results ----------------------------------------------------------------------------
     def update_after_encode(self, out: SchedulerOutput, exec_time: float = 0.0) -> None:

@@ -24,14 +24,17 @@ def test_plan_matches_instances_to_roles_to_move_the_fewest_stages():
         plan_redeploy(["EPD"], ["E", "PD"])
 
 
-def run_through_chain(llm: LLM, conversations, chain: list[str], every: int) -> dict[str, list[int]]:
-    """Submit every conversation, step, and start the next redeploy of ``chain`` every
-    ``every`` steps while requests are in flight; the tokens of each request."""
+def run_through_chain(llm: LLM, conversations, chain: list[str], every: int,
+                      params: list[SamplingParams] | None = None) -> dict[str, list[int]]:
+    """Submit every conversation (request i with ``params[i % len(params)]``, greedy by
+    default), step, and start the next redeploy of ``chain`` every ``every`` steps while
+    requests are in flight; the tokens of each request."""
     cluster = llm.engine
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    params = params or [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)]
     tokens: dict[str, list[int]] = {}
     for i, conv in enumerate(conversations):
-        request = llm.processor.make_engine_request(f"r{i}", llm.processor.process_chat(conv), params)
+        request = llm.processor.make_engine_request(f"r{i}", llm.processor.process_chat(conv),
+                                                    params[i % len(params)])
         cluster.add_request(request)
         tokens[request.req_id] = []
     unfinished, steps, pending = set(tokens), 0, list(chain)
@@ -82,4 +85,41 @@ def test_an_instance_sheds_what_it_no_longer_needs(tiny_llava_dir):
     cluster.redeploy(parse_deploy("1EP+1D"))
     ep, d = cluster.engines
     assert ep.model.has_language and ep.kv_manager is not None and d.image_manager is None
+    llm.shutdown()
+
+
+# Chains through small KV pools (blocks of 4 tokens) with greedy and sampled requests, where
+# the pools fill while roles change. Each once failed: an instance that had handed a stage
+# over and been offered requests for it (before the redeploy) pulled them into its own full
+# pool, while the instance it handed the stage to held the room those pulls waited for,
+# waiting in turn to hand its own requests the other way: neither moved again ("2EP+1D",
+# "1EP+1EPD": stuck); a request preempted on an instance whose role no longer ran its first
+# stage (E for its images, P) waited there to be encoded by an encoder that was gone
+# ("2EPD", "1P+1EPD": the step failed).
+@pytest.mark.parametrize("start, devices, chain, kv_blocks, token_budget, every", [
+    ("1EP+1EPD", "cpu:2", ["1EP+1D", "1EP+1PD", "1ED+1P", "2EPD"], 60, 32, 5),
+    ("2EP+1D", "cpu:3", ["1EPD+1E+1P", "1E+1EP+1D", "1E+1EP+1D", "1EP+1ED+1D"], 100, 12, 5),
+    ("1P+1EPD", "cpu:2", ["1EP+1EPD", "1EP+1D", "2EPD", "1E+1EPD"], 60, 12, 8),
+    ("2EPD", "cpu:2", ["1EP+1EPD", "1EP+1D", "1D+1EPD", "1EP+1PD"], 100, 32, 5),
+])
+def test_redeploys_under_kv_pressure_finish_every_request(tiny_llava_dir, conversations, reference, start, devices,
+                                                         chain, kv_blocks, token_budget, every):
+    llm = LLM(str(tiny_llava_dir), deploy=start, devices=devices, worker_processes=False, token_budget=token_budget,
+              kv_block_size=4, num_kv_blocks=kv_blocks, num_image_blocks=3)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+              SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0.7, top_k=10, top_p=0.9, ignore_eos=True)]
+    convs = conversations * 3
+    tokens = run_through_chain(llm, convs, chain, every, params)
+    for i in range(0, len(convs), len(params)):  # the greedy ones
+        assert tokens[f"r{i}"] == reference[i % len(conversations)], f"request {i}"
+    for i in range(len(convs)):  # the sampled ones: every token, none lost on the way
+        if i % len(params):
+            assert len(tokens[f"r{i}"]) == params[i % len(params)].max_tokens, f"request {i}"
+    assert format_deploy([e.role for e in llm.engine.engines]) == format_deploy(parse_deploy(chain[-1]))
+    for engine in llm.engine.engines:
+        engine.scheduler.check_integrity()
+        assert not engine.has_unfinished_requests()
+        for pool in (engine.kv_manager, engine.image_manager):
+            assert pool is None or pool.num_used_blocks == 0
     llm.shutdown()
