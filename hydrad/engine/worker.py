@@ -331,5 +331,6 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
         offers, pulled = engine.take_offers(), engine.take_pulled()
         if output or output.timing is not None or offers or pulled:
             live.difference_update(f.req_id for f in output.finished)
-            live.difference_update(o.req_id for o in offers if o.kind == "prompt")  # moved whole
+            # Moved whole, or passed on without being pulled here: nothing of them is held here.
+            live.difference_update(o.req_id for o in offers if o.kind == "prompt" or o.source != engine.instance_id)
             conn.send(StepOutput(output, offers, pulled, time.monotonic()))
