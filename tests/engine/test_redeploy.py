@@ -24,6 +24,16 @@ def test_plan_matches_instances_to_roles_to_move_the_fewest_stages():
         plan_redeploy(["EPD"], ["E", "PD"])
 
 
+def assert_settled(llm: LLM) -> None:
+    """Every instance consistent, done, and holding no block; then shut down."""
+    for engine in llm.engine.engines:
+        engine.scheduler.check_integrity()
+        assert not engine.has_unfinished_requests()
+        for pool in (engine.kv_manager, engine.image_manager):
+            assert pool is None or pool.num_used_blocks == 0
+    llm.shutdown()
+
+
 def run_through_chain(llm: LLM, conversations, chain: list[str], every: int,
                       params: list[SamplingParams] | None = None) -> dict[str, list[int]]:
     """Submit every conversation (request i with ``params[i % len(params)]``, greedy by
@@ -65,12 +75,7 @@ def test_redeploy_chain_keeps_greedy_tokens_exact(tiny_llava_dir, conversations,
     for i, conv in enumerate(convs):
         assert tokens[f"r{i}"] == reference[i % len(conversations)], f"request {i}"
     assert format_deploy([e.role for e in llm.engine.engines]) == chain[-1]
-    for engine in llm.engine.engines:
-        engine.scheduler.check_integrity()
-        assert not engine.has_unfinished_requests()
-        for pool in (engine.kv_manager, engine.image_manager):
-            assert pool is None or pool.num_used_blocks == 0
-    llm.shutdown()
+    assert_settled(llm)
 
 
 def test_an_instance_sheds_what_it_no_longer_needs(tiny_llava_dir):
@@ -117,9 +122,4 @@ def test_redeploys_under_kv_pressure_finish_every_request(tiny_llava_dir, conver
         if i % len(params):
             assert len(tokens[f"r{i}"]) == params[i % len(params)].max_tokens, f"request {i}"
     assert format_deploy([e.role for e in llm.engine.engines]) == format_deploy(parse_deploy(chain[-1]))
-    for engine in llm.engine.engines:
-        engine.scheduler.check_integrity()
-        assert not engine.has_unfinished_requests()
-        for pool in (engine.kv_manager, engine.image_manager):
-            assert pool is None or pool.num_used_blocks == 0
-    llm.shutdown()
+    assert_settled(llm)

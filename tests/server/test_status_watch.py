@@ -77,7 +77,9 @@ def test_watch_prints_a_snapshot_per_interval_into_a_pipe(status_server, inherit
     assert out.count("steps up to 100.0 ms; encode 4.0 ms") == 3 * out.count("hydrad: tiny-llava")
 
 
-def test_watch_redraws_in_place_on_a_terminal_and_survives_a_restart():
+def scripted_daemon():
+    """A status fetch that answers, fails as a restarting daemon does, then answers again, and
+    a sleep that interrupts the watch once every answer is out."""
     answers = [captured_status(1), HydradError("cannot reach the daemon at http://x: refused"), captured_status(2)]
 
     def fetch():
@@ -89,6 +91,12 @@ def test_watch_redraws_in_place_on_a_terminal_and_survives_a_restart():
     def sleep(_):
         if not answers:
             raise KeyboardInterrupt
+
+    return fetch, sleep
+
+
+def test_watch_redraws_in_place_on_a_terminal_and_survives_a_restart():
+    fetch, sleep = scripted_daemon()
 
     buf = io.StringIO()
     with pytest.raises(KeyboardInterrupt):
@@ -194,17 +202,7 @@ def test_status_as_json_is_the_daemons_document(status_server):
 def test_watching_json_writes_a_line_per_refresh_and_the_errors_between():
     from hydrad.cli.status import watch_json
 
-    answers = [captured_status(1), HydradError("cannot reach the daemon at http://x: refused"), captured_status(2)]
-
-    def fetch():
-        answer = answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    def sleep(_):
-        if not answers:
-            raise KeyboardInterrupt
+    fetch, sleep = scripted_daemon()
 
     buf = io.StringIO()
     with pytest.raises(KeyboardInterrupt):
