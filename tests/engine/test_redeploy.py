@@ -3,6 +3,8 @@ every kind of change keep transformers' greedy tokens, none is lost, nothing sta
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from hydrad import LLM, SamplingParams
@@ -101,6 +103,31 @@ def test_an_instance_sheds_what_it_no_longer_needs(tiny_llava_dir):
 # "1EP+1EPD": stuck); a request preempted on an instance whose role no longer ran its first
 # stage (E for its images, P) waited there to be encoded by an encoder that was gone
 # ("2EPD", "1P+1EPD": the step failed).
+SHAPES = {2: ["2EPD", "1E+1PD", "1EP+1D", "1ED+1P", "1EP+1EPD", "1E+1EPD", "1P+1EPD", "1D+1EPD", "1EP+1PD"],
+          3: ["3EPD", "1E+1P+1D", "1EP+1ED+1D", "1E+1EP+1D", "1E+1EPD+1D", "2EP+1D", "1E+2PD", "1EPD+1E+1P"]}
+SAMPLINGS = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, ignore_eos=True),
+             SamplingParams(max_tokens=20, temperature=0.7, top_k=10, top_p=0.9, ignore_eos=True)]
+
+
+def check_chain(tiny_llava_dir, conversations, reference, start, chain, kv_blocks, token_budget, every) -> None:
+    """Every conversation three times (greedy, seeded, filtered) through ``chain`` from ``start``
+    with small pools: greedy tokens equal transformers', every sampled token arrives, nothing
+    is left held."""
+    devices = f"cpu:{len(parse_deploy(start))}"
+    llm = LLM(str(tiny_llava_dir), deploy=start, devices=devices, worker_processes=False, token_budget=token_budget,
+              kv_block_size=4, num_kv_blocks=kv_blocks, num_image_blocks=3)
+    convs = conversations * 3
+    tokens = run_through_chain(llm, convs, chain, every, SAMPLINGS)
+    for i in range(0, len(convs), len(SAMPLINGS)):  # the greedy ones
+        assert tokens[f"r{i}"] == reference[i % len(conversations)], f"request {i}"
+    for i in range(len(convs)):  # the sampled ones: every token, none lost on the way
+        if i % len(SAMPLINGS):
+            assert len(tokens[f"r{i}"]) == SAMPLINGS[i % len(SAMPLINGS)].max_tokens, f"request {i}"
+    assert format_deploy([e.role for e in llm.engine.engines]) == format_deploy(parse_deploy(chain[-1]))
+    assert_settled(llm)
+
+
 @pytest.mark.parametrize("start, devices, chain, kv_blocks, token_budget, every", [
     ("1EP+1EPD", "cpu:2", ["1EP+1D", "1EP+1PD", "1ED+1P", "2EPD"], 60, 32, 5),
     ("2EP+1D", "cpu:3", ["1EPD+1E+1P", "1E+1EP+1D", "1E+1EP+1D", "1EP+1ED+1D"], 100, 12, 5),
@@ -109,17 +136,18 @@ def test_an_instance_sheds_what_it_no_longer_needs(tiny_llava_dir):
 ])
 def test_redeploys_under_kv_pressure_finish_every_request(tiny_llava_dir, conversations, reference, start, devices,
                                                          chain, kv_blocks, token_budget, every):
-    llm = LLM(str(tiny_llava_dir), deploy=start, devices=devices, worker_processes=False, token_budget=token_budget,
-              kv_block_size=4, num_kv_blocks=kv_blocks, num_image_blocks=3)
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
-              SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, ignore_eos=True),
-              SamplingParams(max_tokens=20, temperature=0.7, top_k=10, top_p=0.9, ignore_eos=True)]
-    convs = conversations * 3
-    tokens = run_through_chain(llm, convs, chain, every, params)
-    for i in range(0, len(convs), len(params)):  # the greedy ones
-        assert tokens[f"r{i}"] == reference[i % len(conversations)], f"request {i}"
-    for i in range(len(convs)):  # the sampled ones: every token, none lost on the way
-        if i % len(params):
-            assert len(tokens[f"r{i}"]) == params[i % len(params)].max_tokens, f"request {i}"
-    assert format_deploy([e.role for e in llm.engine.engines]) == format_deploy(parse_deploy(chain[-1]))
-    assert_settled(llm)
+    assert len(parse_deploy(start)) == int(devices.partition(":")[2])
+    check_chain(tiny_llava_dir, conversations, reference, start, chain, kv_blocks, token_budget, every)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_redeploy_chains_under_kv_pressure(tiny_llava_dir, conversations, reference, seed):
+    """Four-step chains drawn at random (a fixed seed each) over the 2- and 3-instance shapes,
+    pools of 40-100 blocks of 4 tokens, a redeploy every 3-8 steps while requests run: the
+    chains above were found this way."""
+    rng = random.Random(seed)
+    for size in (2, 3):
+        start = rng.choice(SHAPES[size])
+        chain = [rng.choice([s for s in SHAPES[size] if s != start]) for _ in range(4)]
+        check_chain(tiny_llava_dir, conversations, reference, start, chain, rng.choice([40, 60, 100]),
+                    rng.choice([12, 32]), rng.choice([3, 5, 8]))
