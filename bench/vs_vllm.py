@@ -120,7 +120,7 @@ def server_counters(url: str) -> dict[str, float | None] | None:
                     status = json.loads(response.read())
                 totals["preemptions"] = float(sum(i.get("num_preemptions") or 0 for i in status["instances"]))
             except (OSError, ValueError, KeyError):
-                totals["preemptions"] = None  # not counted: reported as unknown, not as none
+                pass  # not counted: unknown (None), not none
     return totals
 
 

@@ -201,8 +201,15 @@ class Scheduler:
         """Requests that have not started and whose first stage is retiring move whole."""
         for req in [r for r in self.waiting if not self._runs_first_stage(r)]:
             self._leave_queue(req)
-            self._finish(req, "migrated")
-            self.new_offers.append((req, "prompt"))
+            self._move_whole(req)
+
+    def _move_whole(self, req: Request) -> None:
+        """``req``, out of its queue and holding nothing here, goes to another instance as if
+        it had not started: its prompt, its images' pixels and the tokens it generated."""
+        req.num_computed_tokens = req.num_encoded_images = 0
+        req.num_cached_tokens = None  # looked up again where it goes
+        self._finish(req, "migrated")
+        self.new_offers.append((req, "prompt"))
 
     def _forward_incoming(self) -> None:
         """Offers received for a stage that is being handed over here and not pulled yet go on
@@ -212,7 +219,7 @@ class Scheduler:
         stage again by now: it then takes them back, ``reclaim``.)"""
         stage_of = {"image": "P", "kv": "D"}
         for req in [r for r in self.incoming if stage_of[r.pull[0]] in self.retiring]:
-            self.incoming.remove(req)
+            self._leave_queue(req)
             self._finish(req, "migrated")
             self.new_offers.append((req, "forward"))
 
@@ -669,18 +676,15 @@ class Scheduler:
         here, or, when this instance no longer runs its first stage (its role changed since it
         was admitted: a redeploy), whole on an instance that does."""
         self._remove(req)
-        req.num_computed_tokens = 0
-        req.num_encoded_images = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req)
         if self._runs_first_stage(req):
+            req.num_computed_tokens = req.num_encoded_images = 0
             req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
         else:
-            req.num_cached_tokens = None  # looked up again where it goes
-            self._finish(req, "migrated")
-            self.new_offers.append((req, "prompt"))
+            self._move_whole(req)
 
     # -- results ----------------------------------------------------------------------------
     def update_after_encode(self, out: SchedulerOutput, exec_time: float = 0.0) -> None:
@@ -700,10 +704,7 @@ class Scheduler:
                     # Its prefill stage was handed over meanwhile, and images inside its cached
                     # prefix have no features to hand on: it moves whole, as if not started.
                     self._remove(req)
-                    self._finish(req, "migrated")
-                    req.num_computed_tokens = req.num_encoded_images = 0
-                    req.num_cached_tokens = None  # looked up again where it goes
-                    self.new_offers.append((req, "prompt"))
+                    self._move_whole(req)
                 else:
                     self._offer(req, "image")
 
