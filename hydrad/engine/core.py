@@ -138,6 +138,8 @@ class EngineCore:
         # image per block, 64 slots for the families whose images vary in size).
         image_block_size = cache.image_block_size or self.model.default_image_block_size
         num_kv_blocks, num_image_blocks = self._pool_sizes(has_kv, has_image_cache, image_block_size)
+        if has_kv:
+            self._limit_context(num_kv_blocks)
         self.kv_manager = BlockManager(num_kv_blocks, self.kv_block_size, "kv") if has_kv else None
         self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
         self.scheduler = Scheduler(
@@ -182,6 +184,18 @@ class EngineCore:
             num_kv_blocks, self.kv_block_size, num_image_blocks, image_block_size,
         )
 
+    def _limit_context(self, num_kv_blocks: int) -> None:
+        """A context longer than the KV cache holds could never run: serve what it holds, and
+        say so. The daemon serves the smallest of its instances' contexts, so the front end
+        refuses a longer request with the context length before anything streams."""
+        tokens = num_kv_blocks * self.kv_block_size
+        if tokens < self.max_model_len:
+            logger.warning(
+                "instance %d (%s): its KV cache holds %d tokens, fewer than max_model_len %d: contexts are "
+                "limited to %d tokens (enlarge [cache] kv_cache_memory_mb, or lower [model] max_model_len)",
+                self.instance_id, self.role, tokens, self.max_model_len, tokens)
+            self.max_model_len = tokens
+
     def _pool_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int) -> tuple[int, int]:
         """Blocks of each pool a role uses (0: not used). Memory is split by role: a cache the
         role does not use gives its share to the other."""
@@ -201,6 +215,11 @@ class EngineCore:
         return PoolGeometry(
             self.kv_block_size, math.prod(self.model.kv_cache_shape(1, self.kv_block_size)) * self.dtype.itemsize,
             image_block_size, image_block_size * self.model.image_hidden_size * self.dtype.itemsize)
+
+    def image_cache(self) -> tuple[int, int] | None:
+        """The image cache's (blocks, slots per block); None: this instance holds none."""
+        pool = self.image_manager
+        return (pool.num_blocks, pool.block_size) if pool is not None else None
 
     # -- role changes (live redeploy) ------------------------------------------------------------
     def expand(self, role: str) -> str:
@@ -229,6 +248,8 @@ class EngineCore:
         if has_kv and self.kv_manager is None:
             self.runner.allocate_kv_cache(num_kv)
             self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
+            self._limit_context(num_kv)
+            self.scheduler.max_model_len = self.max_model_len
         if has_image_cache and self.image_manager is None:
             self.runner.allocate_image_cache(num_image)
             self.image_manager = BlockManager(num_image, image_block_size, "image")

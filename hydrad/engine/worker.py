@@ -109,7 +109,7 @@ def worker_main(
         conn.close()
         sys.exit(1)
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
-                          engine.geometry(), bandwidth, pools, borrow_model))
+                          engine.geometry(), bandwidth, pools, borrow_model, engine.image_cache()))
     try:
         run_worker(engine, conn, step_threads)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -294,6 +294,10 @@ class Admission:
             if not result.done():
                 # Not started yet: dropped. Running: it finishes and its result is dropped.
                 result.cancel()
+            elif not result.cancelled():
+                # Done as the caller left (client gone): its error, e.g. a request refused, is
+                # dropped here, not logged by asyncio as never retrieved.
+                result.exception()
         if result.cancelled():
             self._check_stopped()
         return result.result()

@@ -151,6 +151,7 @@ async def engine_ctx(app: web.Application):
     app[ENGINE] = EngineClient(
         processor, supervisor.router, supervisor.table, app[METRICS],
         app[ADMISSION], server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
+        image_caches=tuple(sorted({r.image_cache for r in readies if r.image_cache is not None})),
     )
     if processor.max_prompt_chars is not None:
         logger.info("prompts of more than %d characters are refused before tokenizing (max_model_len %d)",

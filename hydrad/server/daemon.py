@@ -81,7 +81,7 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
         try:
             await web.UnixSite(runner, frontends.socket_path).start()  # their /health, /metrics, /admin
             await frontends.start(server.host, port, app[ENGINE].trace, app[ENGINE].max_model_len,
-                                  server.worker_start_timeout)
+                                  server.worker_start_timeout, app[ENGINE].image_caches)
         except (HydradError, OSError) as e:
             await runner.cleanup()
             raise HydradError(f"cannot start the front-end processes: {e}") from None

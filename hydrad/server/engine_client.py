@@ -27,6 +27,7 @@ import aiohttp
 from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
+from hydrad.errors import RequestError
 from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize
 from hydrad.sampling_params import split_choices
 from hydrad.cluster.worker_client import WorkerClient
@@ -63,6 +64,7 @@ class EngineClient:
         config: ServerConfig,
         max_model_len: int,
         http_session: aiohttp.ClientSession | None = None,
+        image_caches: tuple[tuple[int, int], ...] = (),
     ):
         self.processor = processor
         self.router = router
@@ -71,6 +73,9 @@ class EngineClient:
         self.admission = admission
         self.config = config
         self.max_model_len = max_model_len
+        # The instances' image caches, (blocks, slots per block) each: a request whose images
+        # one of them could never hold is refused here, before anything streams.
+        self.image_caches = image_caches
         self.http_session = http_session
         self.model_name = processor.model_name
         # The request trace (``hydrad.trace.TraceWriter``), None when off.
@@ -123,6 +128,7 @@ class EngineClient:
         def build() -> list[EngineRequest]:
             prompt = process()
             params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
+            check_image_caches([image.length for image in prompt.images], self.image_caches, prompt_param)
             choices = split_choices(params)
             requests = [self.processor.make_engine_request(f"{req_id}-{i}" if len(choices) > 1 else req_id,
                                                            prompt, p) for i, p in enumerate(choices)]
@@ -151,6 +157,18 @@ class EngineClient:
             stream.close()
             raise
         return stream
+
+
+def check_image_caches(image_tokens: list[int], caches: tuple[tuple[int, int], ...], param: str) -> None:
+    """Refuse (RequestError) images of these token counts that an image cache of ``caches``
+    ((blocks, slots per block) each) could never hold at once; a request's images stay in the
+    cache of the instance that encodes them until its prefill has read them."""
+    for num_blocks, block_size in caches:
+        need = sum(-(-tokens // block_size) for tokens in image_tokens)
+        if need > num_blocks:
+            raise RequestError(
+                f"the request's {len(image_tokens)} images take {sum(image_tokens)} image tokens, {need} blocks of "
+                f"{block_size}, but the image cache holds {num_blocks}; send fewer or smaller images", param)
 
 
 class RequestStream:

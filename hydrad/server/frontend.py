@@ -241,6 +241,7 @@ async def _serve(index: int, config: DaemonConfig, conn: Connection) -> None:
         if core.listen.done():
             listen = core.listen.result()
             app[api.ENGINE].max_model_len = listen.max_model_len
+            app[api.ENGINE].image_caches = listen.image_caches
             core.daemon_session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=listen.socket_path))
             await web.TCPSite(runner, listen.host, listen.port, reuse_port=True).start()
             core.send(FrontendReady(index, os.getpid()))
@@ -279,7 +280,7 @@ async def _frontend_ctx(app: web.Application):
     app[api.MONITOR].start()
     app[api.ADMISSION] = Admission(server, executor)
     core = app[CORE]
-    # max_model_len: the daemon's (the smallest of its workers'), set when it says Listen.
+    # max_model_len and the image caches: the daemon's (its workers'), set when it says Listen.
     app[api.ENGINE] = EngineClient(processor, core, core, app[api.METRICS], app[api.ADMISSION], server,
                                    processor.max_model_len, session)
     if config.trace.enabled:

@@ -267,10 +267,11 @@ class Frontends:
         peer.link = await WorkerLink.open(parent, peer.dispatch, peer.on_closed, peer=f"front end {index}")
         return peer
 
-    async def start(self, host: str, port: int, trace, max_model_len: int, timeout: float) -> None:
+    async def start(self, host: str, port: int, trace, max_model_len: int, timeout: float,
+                    image_caches: tuple[tuple[int, int], ...] = ()) -> None:
         """Every front end listens on ``host:port`` too; returns once each does."""
         self._trace, self._timeout = trace, timeout
-        self._listen = Listen(host, port, self.socket_path, max_model_len)
+        self._listen = Listen(host, port, self.socket_path, max_model_len, image_caches)
         for peer in self.peers:
             peer.trace = trace
             peer.send(self._listen)

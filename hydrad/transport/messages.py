@@ -135,6 +135,9 @@ class WorkerReady:
     # The latency model while it runs on borrowed cores too (``engine.cores``); None when
     # it never borrows.
     borrow_model: object | None = None
+    # Its image cache (blocks, slots per block); None: it holds none. The front ends refuse a
+    # request whose images one of them could never hold.
+    image_cache: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,8 @@ class Listen:
     port: int
     socket_path: str
     max_model_len: int
+    # The workers' image caches, (blocks, slots per block) each (``WorkerReady.image_cache``).
+    image_caches: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The KV block size follows the attention backend unless configured.
+"""The KV block size follows the attention backend unless configured; the context an instance
+serves is what its KV cache holds.
 
 flash-attn's paged kernel takes blocks of a multiple of 256 tokens; SDPA takes any size. A
 default configuration must start on either, so an unset ``cache.kv_block_size`` takes the
@@ -77,3 +78,21 @@ def test_peers_with_different_block_sizes_are_refused(tiny_llava_dir):
     with LLM(str(tiny_llava_dir), kv_block_size=16) as a, LLM(str(tiny_llava_dir), kv_block_size=8) as b:
         with pytest.raises(ConfigError, match="KV blocks of 8 tokens"):
             a.engine.attach_peer(1, b.engine.pools())
+
+
+def test_the_context_is_what_the_kv_cache_holds(tiny_llava_dir, caplog):
+    """Ten blocks of 4 tokens hold 40: an instance with that KV cache serves contexts of 40
+    tokens and says so, and so does an encoder that takes on P and D with it; a longer request
+    is refused with the context length, one that fits runs."""
+    with LLM(str(tiny_llava_dir), deploy="1E+1PD", devices="cpu:2", worker_processes=False,
+             kv_block_size=4, num_kv_blocks=10) as llm:
+        encoder, language = llm.engine.engines
+        assert language.max_model_len == language.scheduler.max_model_len == 40
+        assert encoder.max_model_len > 40 and llm.engine.max_model_len == 40
+        assert "its KV cache holds 40 tokens, fewer than max_model_len" in caplog.text
+        encoder.expand("PD")
+        assert encoder.max_model_len == encoder.scheduler.max_model_len == 40
+        with pytest.raises(ValueError, match="context length"):
+            llm.generate(["Hi"], SamplingParams(max_tokens=39), use_tqdm=False)
+        out = llm.generate(["Hi"], SamplingParams(max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.token_ids) == 20

@@ -163,6 +163,47 @@ def test_a_caller_gone_leaves_the_reservations_until_its_thread_is_done():
     run(main())
 
 
+def test_a_caller_gone_as_its_processing_fails_leaves_no_unretrieved_error():
+    """A request refused by its processing (e.g. over the context length) whose client left
+    just as it failed: the error is dropped quietly. asyncio used to log it with a traceback
+    ("Future exception was never retrieved") when the handler was cancelled between the
+    error's arrival on the loop and the handler's wake-up."""
+    import gc
+
+    class Failing(Job):
+        def __call__(self):
+            super().__call__()
+            raise ValueError("refused")
+
+    async def attempt(admission, yields: int) -> None:
+        job = Failing(None)
+        task = asyncio.ensure_future(admission.process(job, TEXT, await body(admission, 2 * MiB), time.monotonic()))
+        await asyncio.get_running_loop().run_in_executor(None, job.started.wait)
+        job.release.set()
+        while admission.large.in_use:  # released on the loop once the job has ended, as its error arrives
+            await asyncio.sleep(0)
+        for _ in range(yields):
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises((asyncio.CancelledError, ValueError)):
+            await task
+
+    async def main():
+        unretrieved = []
+        asyncio.get_running_loop().set_exception_handler(lambda loop, context: unretrieved.append(context))
+        admission, executor = make_admission()
+        # Cancelled after 0-3 turns of the loop: one of them falls between the error's
+        # arrival and the handler's wake-up.
+        for yields in range(4):
+            await attempt(admission, yields)
+        gc.collect()
+        await asyncio.sleep(0)
+        executor.shutdown()
+        return unretrieved
+
+    assert run(main()) == []
+
+
 def test_abort_all_ends_waiting_and_processing_requests():
     async def main():
         admission, executor = make_admission(queue_timeout=10.0)

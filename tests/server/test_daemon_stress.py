@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from daemon_process import Daemon, blocks_held_once_freed, http
+from test_daemon_api import PNG, data_url
 from test_daemon_deployments import MAX_TOKENS, _requests
 from test_daemon_deployments import reference  # noqa: F401  (fixture)
 
@@ -86,7 +87,8 @@ def test_disconnects_at_every_stage_free_every_instance(daemon):
     api = [m for m, _, _ in _requests()]
 
     async def leave_after(session, messages, num_chunks, delay):
-        body = {"model": "x", "messages": messages, "max_tokens": 200, "ignore_eos": True, "stream": True,
+        # Long enough to be mid-decode after 20 chunks, within the 256 tokens the caches hold.
+        body = {"model": "x", "messages": messages, "max_tokens": 120, "ignore_eos": True, "stream": True,
                 "temperature": 0}
         models = await (await session.get(daemon.url + "/v1/models")).json()
         body["model"] = models["data"][0]["id"]
@@ -98,6 +100,7 @@ def test_disconnects_at_every_stage_free_every_instance(daemon):
                     seen += 1
                 if seen >= num_chunks:
                     break
+            assert seen >= num_chunks  # the stream ran until the client left (no error event ended it)
             await asyncio.sleep(delay)
         # leaving the block closes the connection mid-stream
 
@@ -111,3 +114,36 @@ def test_disconnects_at_every_stage_free_every_instance(daemon):
     assert blocks_held_once_freed(daemon, 10) == [(0, 0)] * 3
     status = http("GET", daemon.url + "/admin/status").json()
     assert all(i["num_running"] == 0 and i["num_waiting"] == 0 for i in status["instances"])
+
+
+def test_the_context_is_what_the_kv_caches_hold_and_longer_streams_are_refused_before_they_open(daemon):
+    """64 KV blocks of 4 tokens hold 256 tokens, fewer than the model's context: the daemon
+    serves 256 and refuses a longer request, streamed or not, with a 400 before any event
+    (it used to open the stream and fail it from the worker), as it refuses images that its
+    image caches could never hold; a request that fits still runs."""
+    import json
+
+    card = http("GET", daemon.url + "/v1/models").json()["data"][0]
+    assert card["max_model_len"] == 64 * 4
+    assert http("GET", daemon.url + "/admin/status").json()["max_model_len"] == 64 * 4
+    headers = {"Content-Type": "application/json"}
+    messages = [{"role": "user", "content": "say something"}]
+    for stream in (True, False):
+        body = {"model": card["id"], "messages": messages, "max_tokens": 250, "stream": stream}
+        response = http("POST", daemon.url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert "maximum context length is 256 tokens" in error["message"] and error["param"] == "max_tokens"
+    # Three image blocks, one LLaVA image each: four images could never be held at once.
+    image = {"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}
+    body = {"model": card["id"], "messages": [{"role": "user", "content": [image] * 4}], "max_tokens": 4,
+            "stream": True}
+    response = http("POST", daemon.url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert "image cache holds 3" in error["message"] and error["param"] == "messages", error
+    body = {"model": card["id"], "messages": messages, "max_tokens": 8, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    response = http("POST", daemon.url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]")
+    assert '"completion_tokens":8' in response.text.replace(" ", "")

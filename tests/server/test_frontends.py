@@ -80,6 +80,9 @@ def daemon(tiny_llava_dir, tmp_path_factory):
 frontend_processes = 2
 shutdown_timeout = 60
 
+[cache]
+num_image_blocks = 2
+
 [trace]
 dir = "{tmp / 'trace'}"
 """)
@@ -144,6 +147,26 @@ def test_both_processes_serve_and_report_one_whole_view(daemon):
     # The front end's finished requests are in the daemon's trace.
     trace = http("GET", daemon.url + "/admin/trace?limit=1000").text.splitlines()
     assert len(trace) >= 256
+
+
+def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
+    """Two image blocks, one tiny LLaVA image each: three images are refused by whichever
+    process takes the connection (the daemon tells the others its caches), before a stream."""
+    from test_daemon_api import PNG, data_url
+
+    image = {"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}
+    body = {"messages": [{"role": "user", "content": [image] * 3}], "max_tokens": 2, "stream": True}
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def one():
+                async with session.post(daemon.url + "/v1/chat/completions", json=body) as response:
+                    return response.status, (await response.json())["error"]["message"]
+            return await asyncio.gather(*(one() for _ in range(16)))
+
+    for status, message in asyncio.run(main()):
+        assert status == 400 and "image cache holds 2" in message, (status, message)
 
 
 def test_a_killed_front_end_is_restarted_and_the_other_keeps_serving(daemon):
