@@ -11,7 +11,9 @@ and new ones are refused.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from typing import Protocol
 
 from hydrad.cluster.relay import Instance, MigrationRelay
@@ -48,6 +50,9 @@ class RequestTable:
         # stage has no live instance waits here instead of failing: (source, offer).
         self.hold_offers = False
         self._parked: list[tuple[Instance, MigrationOffer]] = []
+        # New requests whose entry stage has no live instance while offers are held wait on
+        # this (``wait_for_stage``); set, and replaced, whenever the parked offers are retried.
+        self._retried: asyncio.Future | None = None
         # Requests failed because the instance holding them died.
         self.num_lost = 0
 
@@ -92,6 +97,7 @@ class RequestTable:
         """Fail every request in flight with ``ServiceStopping(reason)`` and refuse new
         ones from now on; returns how many failed."""
         self.stopping_reason = reason
+        self._wake_waiters()
         req_ids = list(self.sinks)
         for req_id in req_ids:
             self.fail(req_id, ServiceStopping(reason))
@@ -118,9 +124,31 @@ class RequestTable:
             logger.error("request %s: no target for stage %s: %s", offer.req_id, offer.next_stage, e)
             self.fail(offer.req_id, e)
 
+    async def wait_for_stage(self, stage: str, timeout: float) -> None:
+        """While an instance is being restarted (offers are held) and no live one takes
+        ``stage``, wait for the restart, at most ``timeout`` seconds: a new request that would
+        enter there then goes on instead of failing. Returns at once otherwise; the caller
+        routes as usual (and fails if still no instance takes the stage)."""
+        deadline = time.monotonic() + timeout
+        while self.hold_offers and self.stopping_reason is None and not self.router.can_take(stage):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            if self._retried is None or self._retried.done():
+                self._retried = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(asyncio.shield(self._retried), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _wake_waiters(self) -> None:
+        if self._retried is not None and not self._retried.done():
+            self._retried.set_result(None)
+
     def retry_parked(self) -> None:
         """Hand the waiting offers on again (an instance came back); those that still find
-        no target fail unless offers are held."""
+        no target fail unless offers are held. New requests waiting for a stage look again."""
+        self._wake_waiters()
         parked, self._parked = self._parked, []
         for source, offer in parked:
             if source.alive:

@@ -94,6 +94,11 @@ class PrefixRoutes:
         return len(self._sent)
 
 
+def entry_stage(has_images: bool) -> str:
+    """The stage a new request starts at: E with images, else P."""
+    return "E" if has_images else "P"
+
+
 class Router:
     def __init__(self, instances: Sequence[Instance], policy: str = "least-load", seed: int | None = None):
         if policy not in POLICIES:
@@ -109,9 +114,13 @@ class Router:
         """The instance with this id, or None."""
         return next((i for i in self.instances if i.instance_id == instance_id), None)
 
+    def can_take(self, stage: str) -> bool:
+        """Whether a live instance takes new work for ``stage``."""
+        return any(i.accepting and stage in i.role for i in self.instances)
+
     def select(self, has_images: bool, request=None):
         """The entry instance of a new request (``request``: its prompt, for ``cache-aware``)."""
-        return self.select_stage("E" if has_images else "P", request=request)
+        return self.select_stage(entry_stage(has_images), request=request)
 
     def select_stage(self, stage: str, exclude=None, request=None):
         """An instance holding ``stage`` (the entry, or the target of a migration), other than

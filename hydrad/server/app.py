@@ -260,6 +260,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared,
                    arrival: float) -> web.StreamResponse:
+    await engine.wait_for_entry(prepared, arrival)
     async with engine.generate(prepared, arrival, req.user) as outputs:
         if req.stream:
             return await respond_stream(request, fmt, req, outputs)

@@ -36,7 +36,7 @@ from hydrad.server.images_remote import fetch_remote_images
 from hydrad.server.metrics import Metrics
 from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptions
 from hydrad.cluster.requests import RequestTable
-from hydrad.cluster.router import Router
+from hydrad.cluster.router import Router, entry_stage
 
 logger = logging.getLogger("hydrad.requests")
 
@@ -139,6 +139,12 @@ class EngineClient:
             return requests
 
         return await self.admission.process(build, size, body, arrival)
+
+    async def wait_for_entry(self, requests: list[EngineRequest], arrival: float) -> None:
+        """While the only instances of the request's first stage are being restarted, wait for
+        them (until ``queue_timeout`` after its arrival) rather than fail it at once."""
+        stage = entry_stage(bool(requests[0].images))
+        await self.table.wait_for_stage(stage, arrival + self.config.queue_timeout - time.monotonic())
 
     def generate(self, requests: list[EngineRequest], arrival: float, user: str | None = None) -> RequestStream:
         """Send a request's completions to instances; their outputs stream from the returned

@@ -110,6 +110,9 @@ class CoreClient:
         return sink
 
     # -- request table --------------------------------------------------------------------------
+    async def wait_for_stage(self, stage: str, timeout: float) -> None:
+        """Nothing to wait for here: the daemon waits for a restarting stage on ``Submit``."""
+
     def abort(self, req_id: str) -> None:
         key = self.keys.pop(req_id, None)
         if key is not None and self.sinks.pop(key, None) is not None:

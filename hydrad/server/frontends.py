@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from hydrad.cluster.requests import RequestTable
-from hydrad.cluster.router import Router
+from hydrad.cluster.router import Router, entry_stage
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
 from hydrad.transport.link import WorkerLink
@@ -105,12 +105,18 @@ class RemoteSink:
 class FrontendPeer:
     """The daemon's end of one front-end process."""
 
-    def __init__(self, index: int, process, table: RequestTable, router: Router, trace=None):
+    def __init__(self, index: int, process, table: RequestTable, router: Router, trace=None,
+                 queue_timeout: float = 30.0):
         self.index = index
         self.process = process
         self.table = table
         self.router = router
         self.trace = trace
+        # How long a submitted request waits for a restarting instance of its first stage.
+        self.queue_timeout = queue_timeout
+        # Requests waiting so (an abort meanwhile drops them), and their tasks.
+        self._waiting: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
         self.link: WorkerLink | None = None
         self.pid: int | None = None
         self._loop = asyncio.get_running_loop()
@@ -164,6 +170,7 @@ class FrontendPeer:
         elif isinstance(msg, Abort):
             for req_id in msg.req_ids:
                 self.open.discard(req_id)
+                self._waiting.discard(req_id)
                 self.table.abort(req_id)
         elif isinstance(msg, TraceFacts):
             if self.trace is not None:
@@ -180,6 +187,25 @@ class FrontendPeer:
             logger.error("front end %d sent an unexpected %s", self.index, type(msg).__name__)
 
     def _submit(self, msg: Submit) -> None:
+        request = msg.request
+        stage = entry_stage(bool(request.images))
+        if self.table.hold_offers and not self.router.can_take(stage):
+            # Its first stage's instances are being restarted: wait for them, as the daemon's
+            # own requests do (``EngineClient.wait_for_entry``).
+            self._waiting.add(request.req_id)
+            task = asyncio.ensure_future(self._submit_when_ready(msg, stage))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._place(msg)
+
+    async def _submit_when_ready(self, msg: Submit, stage: str) -> None:
+        await self.table.wait_for_stage(stage, self.queue_timeout)
+        if msg.request.req_id in self._waiting and self.alive:
+            self._waiting.discard(msg.request.req_id)
+            self._place(msg)
+
+    def _place(self, msg: Submit) -> None:
         request = msg.request
         try:
             instance = self.router.select(has_images=bool(request.images), request=request)
@@ -262,7 +288,8 @@ class Frontends:
         process = ctx.Process(target=frontend_main, name=f"hydrad-frontend-{index}", args=(index, self.config, child))
         process.start()
         child.close()
-        peer = FrontendPeer(index, process, self._table, self._router, self._trace)
+        peer = FrontendPeer(index, process, self._table, self._router, self._trace,
+                            self.config.server.queue_timeout)
         peer.on_gone = self._on_gone
         peer.link = await WorkerLink.open(parent, peer.dispatch, peer.on_closed, peer=f"front end {index}")
         return peer

@@ -199,3 +199,39 @@ def test_an_offer_to_a_target_that_dies_before_pulling_goes_elsewhere_or_waits()
         assert other.sent[-1] == Migrate(offer("r", 0, "kv")) and sink.ended is None
 
     asyncio.run(main())
+
+
+def test_new_requests_wait_for_a_restarting_stage_only_while_offers_are_held():
+    """``wait_for_stage``: returns at once when a live instance takes the stage or nothing is
+    being restarted; else until the parked offers are retried (the restart ended), the daemon
+    stops, or the timeout."""
+    async def main():
+        table, (encoder, _, _) = make_table()
+
+        async def returns_at_once() -> bool:
+            task = asyncio.ensure_future(table.wait_for_stage("E", 60.0))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            done = task.done()
+            task.cancel()
+            return done
+
+        async def waits_until(event) -> bool:
+            task = asyncio.ensure_future(table.wait_for_stage("E", 60.0))
+            await asyncio.sleep(0.05)
+            waiting = not task.done()
+            event()
+            await asyncio.wait_for(task, 5.0)
+            return waiting
+
+        encoder.alive = False
+        assert await returns_at_once()  # no restart: the caller fails the request at once
+        table.hold_offers = True
+        assert not await returns_at_once()
+        await asyncio.wait_for(table.wait_for_stage("E", 0.2), 5.0)  # a restart that does not end in time
+        assert await waits_until(lambda: setattr(encoder, "alive", True) or table.retry_parked())
+        assert await returns_at_once()  # the encoder is back
+        encoder.alive = False
+        assert await waits_until(lambda: table.fail_all("stopping"))
+
+    asyncio.run(asyncio.wait_for(main(), 30))

@@ -93,6 +93,45 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(tiny_llava_dir,
         daemon.stop()
 
 
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_requests_for_a_stage_being_restarted_wait_for_it(tiny_llava_dir, tmp_path, frontends):
+    """SIGKILL the only encoder of 1E+1PD: requests with images sent while it restarts wait for
+    it and finish (they used to get 503 'no live instance can take stage E' at once), text
+    requests go on meanwhile; the same through several front-end processes, where the daemon
+    holds a submitted request until the restart. Requests waiting for a restart that does not
+    come within server.queue_timeout still fail, with the 503."""
+    from test_daemon_api import PNG, data_url
+
+    config = tmp_path / "hydrad.toml"
+    config.write_text(f"[server]\nfrontend_processes = {frontends}\n")
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2",
+                     "--deploy", "1E+1PD"], tmp_path / "hydrad.log")
+    try:
+        encoder = next(i for i in instances(daemon) if i["role"] == "E")
+        os.kill(encoder["pid"], signal.SIGKILL)
+        assert wait_for(lambda: instances(daemon)[encoder["id"]]["state"] == "restarting", 10), daemon.log()
+
+        async def ask(session, i: int, image: bool):
+            content = [{"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}] if image else []
+            content.append({"type": "text", "text": f"Describe {i}."})
+            body = {"messages": [{"role": "user", "content": content}], "max_tokens": 6, "ignore_eos": True,
+                    "temperature": 0, "stream": bool(i % 2)}
+            async with session.post(daemon.url + "/v1/chat/completions", json=body) as response:
+                text = await response.text()
+                return response.status, '"finish_reason":"length"' in text.replace(" ", ""), "error" in text
+
+        async def main():
+            connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: any process
+            async with aiohttp.ClientSession(connector=connector) as session:
+                return await asyncio.gather(*(ask(session, i, image=i < 8) for i in range(12)))
+
+        assert asyncio.run(main()) == [(200, True, False)] * 12
+        assert instances(daemon)[encoder["id"]]["restarts"] == 1
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.stop()
+
+
 def test_a_worker_that_cannot_restart_is_a_crash_loop_and_the_others_serve_on(tiny_llava_dir, tmp_path):
     """The model folder disappears after start, then a worker of 2EPD is killed: every
     restart fails at loading; after the limit the daemon says crash loop, does not hang,
