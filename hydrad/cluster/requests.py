@@ -17,8 +17,8 @@ import time
 from typing import Protocol
 
 from hydrad.cluster.relay import Instance, MigrationRelay
-from hydrad.cluster.router import NoInstanceAvailable, Router
-from hydrad.engine.inputs import EngineOutput, TokenLogprobs
+from hydrad.cluster.router import NoInstanceAvailable, Router, entry_stage
+from hydrad.engine.inputs import EngineOutput, EngineRequest, TokenLogprobs
 from hydrad.engine.migration import MigrationOffer, Pulled
 
 logger = logging.getLogger("hydrad.migration")
@@ -52,9 +52,16 @@ class RequestTable:
         self._parked: list[tuple[Instance, MigrationOffer]] = []
         # New requests whose entry stage has no live instance while offers are held wait on
         # this (``wait_for_stage``); set, and replaced, whenever the parked offers are retried.
-        self._retried: asyncio.Future | None = None
-        # Requests failed because the instance holding them died.
+        self._restart_ended: asyncio.Future | None = None
+        # Requests without a token yet, as sent: if the instance holding them dies, they run
+        # again from the start (once), on a live instance or on the restarted one; their
+        # client sees nothing of it. Those waiting for a restart to run again: (request, sink).
+        self._unstarted: dict[str, EngineRequest] = {}
+        self._run_again: set[str] = set()
+        self._parked_requests: list[tuple[EngineRequest, RequestSink]] = []
+        # Requests failed because the instance holding them died, and those run again instead.
         self.num_lost = 0
+        self.num_run_again = 0
 
     def __len__(self) -> int:
         """Requests in flight (one migrating between instances counts once)."""
@@ -63,9 +70,13 @@ class RequestTable:
     def held_by(self, instance: Instance) -> int:
         return self.relay.held_by(instance)
 
-    def open(self, req_id: str, entry: Instance, sink: RequestSink) -> None:
+    def open(self, req_id: str, entry: Instance, sink: RequestSink, request: EngineRequest | None = None) -> None:
+        """``request``: what was sent, kept until its first token to run it again should
+        ``entry`` (or an instance it goes on to) die before."""
         if self.stopping_reason is not None:
             raise ServiceStopping(self.stopping_reason)
+        if request is not None:
+            self._unstarted[req_id] = request
         self.sinks[req_id] = sink
         self.routes[req_id] = [entry.instance_id]
         self.relay.open(req_id, entry)
@@ -75,11 +86,15 @@ class RequestTable:
         sinks = self.sinks
         logprobs = output.logprobs
         token_ids = output.token_ids
+        unstarted = self._unstarted
         for i, req_id in enumerate(output.req_ids):
             sink = sinks.get(req_id)
             if sink is not None:  # else aborted by the daemon while the step ran
+                if unstarted:
+                    unstarted.pop(req_id, None)
                 sink.on_token(token_ids[i], logprobs[i] if logprobs is not None else None)
         for end in output.finished:
+            self._forget_unstarted(end.req_id)
             sink = sinks.pop(end.req_id, None)
             if sink is not None:
                 self.relay.close(end.req_id)
@@ -98,6 +113,7 @@ class RequestTable:
         ones from now on; returns how many failed."""
         self.stopping_reason = reason
         self._wake_waiters()
+        self._parked_requests.clear()  # their sinks are in the table: they fail below
         req_ids = list(self.sinks)
         for req_id in req_ids:
             self.fail(req_id, ServiceStopping(reason))
@@ -105,6 +121,7 @@ class RequestTable:
 
     def abort(self, req_id: str) -> None:
         """End a request everywhere (client gone, stop string): no output follows."""
+        self._forget_unstarted(req_id)
         self.sinks.pop(req_id, None)
         self.routes.pop(req_id, None)
         self.relay.abort((req_id,))
@@ -134,21 +151,32 @@ class RequestTable:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            if self._retried is None or self._retried.done():
-                self._retried = asyncio.get_running_loop().create_future()
+            if self._restart_ended is None or self._restart_ended.done():
+                self._restart_ended = asyncio.get_running_loop().create_future()
             try:
-                await asyncio.wait_for(asyncio.shield(self._retried), left)
+                await asyncio.wait_for(asyncio.shield(self._restart_ended), left)
             except asyncio.TimeoutError:
                 return
 
     def _wake_waiters(self) -> None:
-        if self._retried is not None and not self._retried.done():
-            self._retried.set_result(None)
+        if self._restart_ended is not None and not self._restart_ended.done():
+            self._restart_ended.set_result(None)
+
+    def _forget_unstarted(self, req_id: str) -> None:
+        if self._unstarted:
+            self._unstarted.pop(req_id, None)
+        self._run_again.discard(req_id)
 
     def retry_parked(self) -> None:
         """Hand the waiting offers on again (an instance came back); those that still find
-        no target fail unless offers are held. New requests waiting for a stage look again."""
+        no target fail unless offers are held. New requests waiting for a stage look again,
+        and so do requests waiting to run again."""
         self._wake_waiters()
+        waiting, self._parked_requests = self._parked_requests, []
+        for request, sink in waiting:
+            if self.sinks.get(request.req_id) is sink:  # else its client left meanwhile
+                self._place_again(request, sink, NoInstanceAvailable(
+                    f"no live instance can take stage {entry_stage(bool(request.images))}"))
         parked, self._parked = self._parked, []
         for source, offer in parked:
             if source.alive:
@@ -162,11 +190,40 @@ class RequestTable:
     def lost(self, instance: Instance, error: Exception) -> None:
         """An instance died: every request it held fails (the others drop their parts),
         except those it was about to pull: their source still has the blocks, so they go
-        to another target (or wait for one)."""
+        to another target (or wait for one); and those without a token yet: they run again
+        from the start, once (a request that takes down a second instance fails)."""
         for req_id in self.relay.requests_held_by(instance):
             handed_back = self.relay.take_back(req_id, instance)
+            request = self._unstarted.get(req_id)
+            sink = self.sinks.get(req_id)
             if handed_back is not None:
                 self.on_offer(*handed_back)
+            elif request is not None and sink is not None and req_id not in self._run_again:
+                self.relay.abort((req_id,))  # the live instances drop their parts
+                self._run_again.add(req_id)
+                self.num_run_again += 1
+                logger.warning("request %s had no token yet when instance %d died: running it again", req_id,
+                               instance.instance_id)
+                self._place_again(request, sink, error)
             else:
-                self.num_lost += req_id in self.sinks
+                self.num_lost += sink is not None
                 self.fail(req_id, error)
+
+    def _place_again(self, request: EngineRequest, sink: RequestSink, error: Exception) -> None:
+        """Send a request that lost its instance to a live one; while one is being restarted
+        and none takes its first stage, it waits for the restart; else it fails with ``error``."""
+        try:
+            instance = self.router.select(has_images=bool(request.images), request=request)
+            instance.add_request(request, sink)  # opens it here again
+        except NoInstanceAvailable:
+            if self.hold_offers and self.stopping_reason is None:
+                self._parked_requests.append((request, sink))
+                return
+            self._drop(request.req_id, sink, error)
+        except Exception as e:  # the chosen worker just went, the daemon stopping
+            self._drop(request.req_id, sink, e)
+
+    def _drop(self, req_id: str, sink: RequestSink, error: Exception) -> None:
+        self.num_lost += 1
+        self.abort(req_id)
+        sink.on_error(error)

@@ -120,7 +120,7 @@ class WorkerClient:
         """Send ``request``; its outputs go to ``sink`` from whichever instance runs it."""
         if not self.alive:
             raise WorkerLost(f"worker {self.instance_id} is down")
-        self.table.open(request.req_id, self, sink)
+        self.table.open(request.req_id, self, sink, request)
         self._send(AddRequest(request))
 
     # -- the relay's Instance interface ------------------------------------------------------

@@ -13,7 +13,7 @@ from hydrad.sampling_params import SamplingParams
 from hydrad.cluster.worker_client import WorkerLost
 from hydrad.cluster.requests import RequestTable, ServiceStopping
 from hydrad.cluster.router import Router
-from hydrad.transport.messages import Abort, Migrate, Release
+from hydrad.transport.messages import Abort, AddRequest, Migrate, Release
 
 
 class FakeClient:
@@ -35,6 +35,10 @@ class FakeClient:
 
     def migrate(self, offer) -> None:
         self.sent.append(Migrate(offer))
+
+    def add_request(self, request, sink) -> None:
+        self.table.open(request.req_id, self, sink, request)
+        self.sent.append(AddRequest(request))
 
     def release(self, req_ids) -> None:
         self.sent.append(Release(tuple(req_ids)))
@@ -235,3 +239,48 @@ def test_new_requests_wait_for_a_restarting_stage_only_while_offers_are_held():
         assert await waits_until(lambda: table.fail_all("stopping"))
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_requests_without_a_token_run_again_once_when_their_instance_dies():
+    """A request that lost its instance before its first token goes to a live instance of its
+    first stage (the others drop its parts), or waits for a restart while offers are held;
+    one with a token, one lost a second time, or one with nowhere to go fails."""
+    from hydrad.engine.inputs import EngineRequest
+
+    def request(req_id: str) -> EngineRequest:
+        return EngineRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=4))
+
+    table, (p0, p1, d) = make_table(("P", "P", "D"))
+    unstarted, started = RecordingSink(), RecordingSink()
+    p0.add_request(request("a"), unstarted)
+    p0.add_request(request("b"), started)
+    table.deliver_output(EngineOutput(req_ids=["b"], token_ids=[7]))
+    p0.alive = False
+    table.lost(p0, WorkerLost("worker gone"))
+    assert unstarted.ended is None and table.num_run_again == 1
+    assert [m.request.req_id for m in p1.sent if isinstance(m, AddRequest)] == ["a"]
+    assert table.routes["a"] == [p1.instance_id]
+    assert started.ended[0] == "error" and table.num_lost == 1  # "b" had a token
+    p1.alive = False  # lost a second time: it fails
+    table.lost(p1, WorkerLost("worker gone again"))
+    assert unstarted.ended[0] == "error" and str(unstarted.ended[1]) == "worker gone again"
+    assert "a" not in table.sinks and table.num_lost == 2
+
+    # With no live instance of its stage it waits while offers are held (a restart), then
+    # goes on; without a restart to wait for it fails at once.
+    table, (p0, d) = make_table(("P", "D"))
+    sink = RecordingSink()
+    p0.add_request(request("c"), sink)
+    table.hold_offers = True
+    p0.alive = False
+    table.lost(p0, WorkerLost("worker gone"))
+    assert sink.ended is None
+    p0.alive, p0.sent = True, []
+    table.hold_offers = False
+    table.retry_parked()
+    assert [m.request.req_id for m in p0.sent] == ["c"] and sink.ended is None
+    table, (p0, d) = make_table(("P", "D"))
+    p0.add_request(request("e"), sink := RecordingSink())
+    p0.alive = False
+    table.lost(p0, WorkerLost("down"))
+    assert sink.ended[0] == "error" and str(sink.ended[1]) == "down"

@@ -94,12 +94,13 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(tiny_llava_dir,
 
 
 @pytest.mark.parametrize("frontends", [1, 2])
-def test_requests_for_a_stage_being_restarted_wait_for_it(tiny_llava_dir, tmp_path, frontends):
-    """SIGKILL the only encoder of 1E+1PD: requests with images sent while it restarts wait for
-    it and finish (they used to get 503 'no live instance can take stage E' at once), text
-    requests go on meanwhile; the same through several front-end processes, where the daemon
-    holds a submitted request until the restart. Requests waiting for a restart that does not
-    come within server.queue_timeout still fail, with the 503."""
+def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_it(tiny_llava_dir, tmp_path,
+                                                                                  frontends):
+    """The only encoder of 1E+1PD is stopped (SIGSTOP) with requests with images queued on it,
+    then killed: those requests, which had no token yet, run again once it is back, and the
+    requests with images sent while it restarts wait for it (both used to fail: 'worker 0
+    (cpu, E) exited', and 503 'no live instance can take stage E'); text requests go on
+    meanwhile. The same through several front-end processes."""
     from test_daemon_api import PNG, data_url
 
     config = tmp_path / "hydrad.toml"
@@ -108,8 +109,6 @@ def test_requests_for_a_stage_being_restarted_wait_for_it(tiny_llava_dir, tmp_pa
                      "--deploy", "1E+1PD"], tmp_path / "hydrad.log")
     try:
         encoder = next(i for i in instances(daemon) if i["role"] == "E")
-        os.kill(encoder["pid"], signal.SIGKILL)
-        assert wait_for(lambda: instances(daemon)[encoder["id"]]["state"] == "restarting", 10), daemon.log()
 
         async def ask(session, i: int, image: bool):
             content = [{"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}] if image else []
@@ -123,10 +122,24 @@ def test_requests_for_a_stage_being_restarted_wait_for_it(tiny_llava_dir, tmp_pa
         async def main():
             connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: any process
             async with aiohttp.ClientSession(connector=connector) as session:
-                return await asyncio.gather(*(ask(session, i, image=i < 8) for i in range(12)))
+                os.kill(encoder["pid"], signal.SIGSTOP)
+                held = [asyncio.ensure_future(ask(session, i, image=True)) for i in range(6)]
+                text = [asyncio.ensure_future(ask(session, 100 + i, image=False)) for i in range(4)]
+                assert await asyncio.gather(*text) == [(200, True, False)] * 4  # PD serves on
+                os.kill(encoder["pid"], signal.SIGKILL)
+                loop = asyncio.get_running_loop()
+                deadline = time.monotonic() + 10
+                while (await loop.run_in_executor(None, instances, daemon))[encoder["id"]]["state"] != "restarting":
+                    assert time.monotonic() < deadline, "the encoder was not seen restarting"
+                    await asyncio.sleep(0.02)
+                later = [asyncio.ensure_future(ask(session, 200 + i, image=True)) for i in range(6)]
+                return await asyncio.gather(*held), await asyncio.gather(*later)
 
-        assert asyncio.run(main()) == [(200, True, False)] * 12
+        held, later = asyncio.run(main())
+        assert held == [(200, True, False)] * 6
+        assert later == [(200, True, False)] * 6
         assert instances(daemon)[encoder["id"]]["restarts"] == 1
+        assert daemon.log().count("had no token yet when instance 0 died: running it again") == 6
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.stop()
