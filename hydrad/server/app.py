@@ -302,6 +302,7 @@ async def metrics(request: web.Request) -> web.Response:
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
+    registry.set_failures(supervisor.num_restarts, supervisor.table.num_lost, supervisor.table.num_run_again)
     replanner = request.app[REPLANNER]
     registry.set_deployment(supervisor.deployment, supervisor.history, supervisor.num_failed_redeploys,
                             replanner.num_decisions if replanner is not None else None)

@@ -103,6 +103,33 @@ class DeploymentMetrics(Collector):
         yield from (info, redeploys, seconds, failed, decisions)
 
 
+class WorkerFailures(Collector):
+    """Workers restarted and what became of the requests they held, as the supervisor and
+    the request table count them (``Metrics.set_failures``, at each scrape): empty families
+    in a process without them."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.restarts: dict[int, int] | None = None
+        self.lost = self.run_again = 0
+
+    def collect(self):
+        restarts = CounterMetricFamily("hydrad_worker_restarts", "Times the instance's worker was restarted after "
+                                       "it died.", labels=["model_name", "instance"])
+        lost = CounterMetricFamily("hydrad_requests_lost", "Requests that failed because the worker holding them "
+                                   "died (they had streamed a token, or lost their instance a second time).",
+                                   labels=["model_name"])
+        run_again = CounterMetricFamily("hydrad_requests_run_again", "Requests without a token yet whose worker "
+                                        "died, run again from the start on a live or restarted one.",
+                                        labels=["model_name"])
+        if self.restarts is not None:
+            for instance, count in sorted(self.restarts.items()):
+                restarts.add_metric([self.model, str(instance)], count)
+            lost.add_metric([self.model], self.lost)
+            run_again.add_metric([self.model], self.run_again)
+        yield from (restarts, lost, run_again)
+
+
 class EngineCounters(Collector):
     """Each instance's running totals as its engine counts them (``Metrics.set_instance``):
     prefix caching's lookups and hits, and preemptions."""
@@ -136,7 +163,9 @@ class Metrics:
         self.tokens = TokenMetrics(model_name)
         r.register(self.tokens)
         self.deployment = DeploymentMetrics(model_name)
+        self.failures = WorkerFailures(model_name)
         r.register(self.deployment)
+        r.register(self.failures)
         self.engine_counters = EngineCounters(model_name)
         r.register(self.engine_counters)
         self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
@@ -289,6 +318,11 @@ class Metrics:
         self.image_usage.labels(*labels).set(stats.image_usage)
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions)
+
+    def set_failures(self, restarts: dict[int, int], lost: int, run_again: int) -> None:
+        """Each instance's worker restarts, and the requests lost with a worker or run again."""
+        f = self.failures
+        f.restarts, f.lost, f.run_again = dict(restarts), lost, run_again
 
     def set_deployment(self, deploy: str, history, failed_redeploys: int, decisions: dict[str, int] | None) -> None:
         """The deployment served now; ``history``: every deployment since start (the

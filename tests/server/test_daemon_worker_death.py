@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -80,6 +81,8 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(tiny_llava_dir,
         assert [i["state"] for i in restarted] == ["ready"] * 3 and restarted[2]["restarts"] == 1
         assert restarted[2]["pid"] != decode["pid"]
         assert "worker 2 (cpu, D, pid" in daemon.log() and "restarted in" in daemon.log()
+        metrics = http("GET", daemon.url + "/metrics").text
+        assert re.search(rf'^hydrad_requests_lost_total{{model_name="[^"]+"}} {len(failed)}\.0$', metrics, re.M), metrics
 
         async def after():
             async with aiohttp.ClientSession() as session:
@@ -140,6 +143,10 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
         assert later == [(200, True, False)] * 6
         assert instances(daemon)[encoder["id"]]["restarts"] == 1
         assert daemon.log().count("had no token yet when instance 0 died: running it again") == 6
+        metrics = http("GET", daemon.url + "/metrics").text
+        assert re.search(r'^hydrad_requests_run_again_total\{model_name="[^"]+"\} 6\.0$', metrics, re.M), metrics
+        assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M)
+        assert re.search(r'^hydrad_worker_restarts_total\{instance="0",model_name="[^"]+"\} 1\.0$', metrics, re.M)
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.stop()
