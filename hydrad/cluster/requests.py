@@ -6,12 +6,15 @@ does not hold the next one, that instance offers it and the relay hands it on
 from the decode instance) all go to the request's one ``RequestSink``, called
 synchronously while a step's columns are read, so a step reaches all its requests in
 one pass. When the daemon stops at once (``fail_all``), every request in flight fails
-and new ones are refused.
+and new ones are refused. When an instance dies, the table runs its requests again
+from the tokens they had (``lost``): it keeps each request as sent, and its tokens, for
+its whole life.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Protocol
@@ -38,8 +41,26 @@ class ServiceStopping(RuntimeError):
     """The daemon is stopping at once: the request failed or was refused."""
 
 
+class _Kept:
+    """A request as sent, and the tokens it has had since: enough to run it again."""
+
+    __slots__ = ("request", "token_ids", "image_bytes")
+
+    def __init__(self, request: EngineRequest, image_bytes: int):
+        self.request = request
+        self.token_ids: list[int] = []
+        # Its pixels' bytes, counted in the table's ``kept_image_bytes``; -1: kept until its
+        # first token only (they did not fit).
+        self.image_bytes = image_bytes
+
+
+def pixel_bytes(request: EngineRequest) -> int:
+    return sum(image.pixel_values.numel() * image.pixel_values.element_size()
+               for image in request.images if image.pixel_values is not None)
+
+
 class RequestTable:
-    def __init__(self, router: Router):
+    def __init__(self, router: Router, rerun_image_bytes: int = 1 << 30):
         self.router = router
         self.relay = MigrationRelay(router)
         self.sinks: dict[str, RequestSink] = {}
@@ -53,10 +74,14 @@ class RequestTable:
         # New requests whose entry stage has no live instance while offers are held wait on
         # this (``wait_for_stage``); set, and replaced, whenever the parked offers are retried.
         self._restart_ended: asyncio.Future | None = None
-        # Requests without a token yet, as sent: if the instance holding them dies, they run
-        # again from the start (once), on a live instance or on the restarted one; their
-        # client sees nothing of it. Those waiting for a restart to run again: (request, sink).
-        self._unstarted: dict[str, EngineRequest] = {}
+        # Each request as sent and the tokens it has had (``_Kept``): if an instance holding it
+        # dies, it runs again (once) on a live instance or on the restarted one, from the tokens
+        # it had: its client sees a pause. A request's pixels are kept for its whole life only
+        # while the kept ones total at most ``rerun_image_bytes``; past that, a request with
+        # images is kept until its first token only (until then its pixels are held anyway).
+        self.rerun_image_bytes = rerun_image_bytes
+        self.kept_image_bytes = 0
+        self._kept: dict[str, _Kept] = {}
         self._run_again: set[str] = set()
         self._parked_requests: list[tuple[EngineRequest, RequestSink]] = []
         # Requests failed because the instance holding them died, and those run again instead.
@@ -71,12 +96,17 @@ class RequestTable:
         return self.relay.held_by(instance)
 
     def open(self, req_id: str, entry: Instance, sink: RequestSink, request: EngineRequest | None = None) -> None:
-        """``request``: what was sent, kept until its first token to run it again should
-        ``entry`` (or an instance it goes on to) die before."""
+        """``request``: what was sent, kept (with the tokens that follow) to run it again
+        should ``entry`` or an instance it goes on to die."""
         if self.stopping_reason is not None:
             raise ServiceStopping(self.stopping_reason)
-        if request is not None:
-            self._unstarted[req_id] = request
+        if request is not None and req_id not in self._run_again:
+            image_bytes = pixel_bytes(request) if request.images else 0
+            if image_bytes and self.kept_image_bytes + image_bytes > self.rerun_image_bytes:
+                image_bytes = -1
+            elif image_bytes:
+                self.kept_image_bytes += image_bytes
+            self._kept[req_id] = _Kept(request, image_bytes)
         self.sinks[req_id] = sink
         self.routes[req_id] = [entry.instance_id]
         self.relay.open(req_id, entry)
@@ -86,15 +116,19 @@ class RequestTable:
         sinks = self.sinks
         logprobs = output.logprobs
         token_ids = output.token_ids
-        unstarted = self._unstarted
+        kept = self._kept
         for i, req_id in enumerate(output.req_ids):
             sink = sinks.get(req_id)
             if sink is not None:  # else aborted by the daemon while the step ran
-                if unstarted:
-                    unstarted.pop(req_id, None)
-                sink.on_token(token_ids[i], logprobs[i] if logprobs is not None else None)
+                token_id = token_ids[i]
+                if kept and (k := kept.get(req_id)) is not None:
+                    if k.image_bytes < 0:
+                        del kept[req_id]
+                    else:
+                        k.token_ids.append(token_id)
+                sink.on_token(token_id, logprobs[i] if logprobs is not None else None)
         for end in output.finished:
-            self._forget_unstarted(end.req_id)
+            self._forget(end.req_id)
             sink = sinks.pop(end.req_id, None)
             if sink is not None:
                 self.relay.close(end.req_id)
@@ -121,7 +155,7 @@ class RequestTable:
 
     def abort(self, req_id: str) -> None:
         """End a request everywhere (client gone, stop string): no output follows."""
-        self._forget_unstarted(req_id)
+        self._forget(req_id)
         self.sinks.pop(req_id, None)
         self.routes.pop(req_id, None)
         self.relay.abort((req_id,))
@@ -162,10 +196,13 @@ class RequestTable:
         if self._restart_ended is not None and not self._restart_ended.done():
             self._restart_ended.set_result(None)
 
-    def _forget_unstarted(self, req_id: str) -> None:
-        if self._unstarted:
-            self._unstarted.pop(req_id, None)
-        self._run_again.discard(req_id)
+    def _forget(self, req_id: str) -> None:
+        """``req_id`` ended, or runs again (and is not run a second time)."""
+        k = self._kept.pop(req_id, None)
+        if k is not None and k.image_bytes > 0:
+            self.kept_image_bytes -= k.image_bytes
+        if self._run_again:
+            self._run_again.discard(req_id)
 
     def retry_parked(self) -> None:
         """Hand the waiting offers on again (an instance came back); those that still find
@@ -188,22 +225,27 @@ class RequestTable:
         self.relay.on_pulled(target, pulled)
 
     def lost(self, instance: Instance, error: Exception) -> None:
-        """An instance died: every request it held fails (the others drop their parts),
-        except those it was about to pull: their source still has the blocks, so they go
-        to another target (or wait for one); and those without a token yet: they run again
-        from the start, once (a request that takes down a second instance fails)."""
+        """An instance died: every request it held runs again, once, from the tokens it had
+        (a request that takes down a second instance fails), on a live instance of its first
+        stage or on the restarted one; the others drop their parts. Those it was about to
+        pull go to another target (their source still has the blocks); a request not kept
+        whole (its pixels past ``rerun_image_bytes``, streaming) fails."""
         for req_id in self.relay.requests_held_by(instance):
             handed_back = self.relay.take_back(req_id, instance)
-            request = self._unstarted.get(req_id)
+            kept = self._kept.get(req_id)
             sink = self.sinks.get(req_id)
             if handed_back is not None:
                 self.on_offer(*handed_back)
-            elif request is not None and sink is not None and req_id not in self._run_again:
+            elif kept is not None and sink is not None:
                 self.relay.abort((req_id,))  # the live instances drop their parts
+                self._forget(req_id)
                 self._run_again.add(req_id)
                 self.num_run_again += 1
-                logger.warning("request %s had no token yet when instance %d died: running it again", req_id,
-                               instance.instance_id)
+                request = kept.request
+                if kept.token_ids:
+                    request = dataclasses.replace(request, output_token_ids=kept.token_ids)
+                logger.warning("request %s lost instance %d after %d tokens: running it again from there", req_id,
+                               instance.instance_id, len(kept.token_ids))
                 self._place_again(request, sink, error)
             else:
                 self.num_lost += sink is not None

@@ -5,8 +5,9 @@ Readiness (weights loaded, caches allocated) is shown as a progress display; a w
 that fails to start at daemon start stops the others and surfaces its error as one line.
 
 A worker that dies later (killed, crashed, out of memory) is noticed when its pipe
-reaches EOF — at once — and one line says which worker it was and how it ended. Only
-the requests it held fail; offers waiting for a stage it held wait for it
+reaches EOF — at once — and one line says which worker it was and how it ended. The
+requests it held run again from the tokens they had (``RequestTable.lost``: once each;
+those whose pixels were not kept fail); offers waiting for a stage it held wait for it
 (``RequestTable.hold_offers``). It is restarted with its role after a short backoff,
 its pools are shared again with every live peer (and theirs with it), and it takes
 requests again; ``/health`` is 503 meanwhile. A worker restarted ``restart_limit``
@@ -100,9 +101,11 @@ def missing_stages(roles: list[str]) -> list[str]:
 class Supervisor:
     def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0,
                  router_policy: str = "round-robin", restart: RestartPolicy | None = None,
-                 launched: dict[int, Launched] | None = None):
+                 launched: dict[int, Launched] | None = None, rerun_image_bytes: int = 1 << 30):
         """``launched``: workers of ``specs`` started already (``launch.launch_all``), by
-        instance id; the supervisor takes them over at ``start`` instead of spawning them."""
+        instance id; the supervisor takes them over at ``start`` instead of spawning them.
+        ``rerun_image_bytes``: pixels kept to run requests again when their worker dies
+        (``RequestTable``)."""
         self.config = config
         self.specs = list(specs)
         self.start_timeout = start_timeout
@@ -110,7 +113,7 @@ class Supervisor:
         self.clients: list[WorkerClient] = []
         # The router sees the clients list itself: a worker restarted in place is seen at once.
         self.router = Router(self.clients, router_policy, seed=config.seed if config is not None else None)
-        self.table = RequestTable(self.router)
+        self.table = RequestTable(self.router, rerun_image_bytes)
         # Called with a one-line status when the daemon goes on serving degraded or recovers.
         self.on_status: Callable[[str], None] | None = None
         # Called with every new worker client (at start and at each restart), to wire it up.

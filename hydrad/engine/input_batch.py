@@ -82,7 +82,8 @@ class InputBatch:
         self.stop_ids[row] = sorted(req.stop_ids)
         self.bias[row] = (list(params.logit_bias), list(params.logit_bias.values())) if params.logit_bias else None
         if params.seed is not None and not params.greedy and req.generator is None:
-            req.generator = self.sampler.generator_for(params.seed)
+            # Tokens without a generator: those a request brings to run again (EngineRequest).
+            req.generator = self.sampler.generator_for(params.seed, req.num_output_tokens)
         self.generators[row] = req.generator if params.seed is not None else None
         self.num_seeded += self.generators[row] is not None
         self.num_biased += self.bias[row] is not None

@@ -31,6 +31,11 @@ class EngineRequest:
     # in all three.
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
+    # Tokens generated already, elsewhere: a request that runs again after the instance running
+    # it died. They are computed with the prompt (as after a preemption), count towards its
+    # max_tokens, min_tokens and penalties, are not output again, and a seeded request's
+    # generator goes on after their draws.
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

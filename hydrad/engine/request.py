@@ -28,10 +28,10 @@ class Request:
     def __init__(self, req: EngineRequest):
         self.req_id = req.req_id
         self.prompt_token_ids = list(req.prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(req.output_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         # Prompt + output: kept as a number, read several times per request per step.
-        self.num_tokens = self.num_prompt_tokens
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
         self.sampling_params: SamplingParams = req.sampling_params
         self.images: list[ImageInput] = req.images
         # M-RoPE: the prompt's 3-D positions ([3, num_prompt_tokens], None for the flat arange) and

@@ -222,11 +222,16 @@ class Sampler:
         return self._scratch[:size].view(rows, width)
 
     @staticmethod
-    def generator_for(seed: int) -> torch.Generator:
+    def generator_for(seed: int, num_drawn: int = 0) -> torch.Generator:
         """A seeded request's own generator: on the CPU whatever the device, so its state moves
         with the request between instances on any devices (a CUDA generator's state cannot be
-        set on a CPU one, nor the reverse) and a seed draws the same numbers on each."""
-        return torch.Generator().manual_seed(seed)
+        set on a CPU one, nor the reverse) and a seed draws the same numbers on each.
+        ``num_drawn``: uniforms already drawn from it (one per sampled token, ``_uniforms``) by
+        an instance that is gone: the generator goes on after them."""
+        generator = torch.Generator().manual_seed(seed)
+        if num_drawn:
+            torch.rand(num_drawn, generator=generator)  # the same state as num_drawn draws of one
+        return generator
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: [num_rows, vocab] float32, one row per request that samples this step

@@ -580,8 +580,8 @@ class Scheduler:
         if not self._caching:
             return
         self.prefix_queries += req.num_tokens
-        if req.num_cached_tokens is None:
-            req.num_cached_tokens = len(cached) * self.kv.block_size
+        if req.num_cached_tokens is None:  # of its prompt (one run again brings output tokens too)
+            req.num_cached_tokens = min(len(cached) * self.kv.block_size, req.num_prompt_tokens)
         if not cached:
             return
         self.kv.acquire(cached)

@@ -125,7 +125,7 @@ async def engine_ctx(app: web.Application):
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy,
                             restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window),
-                            launched=app[LAUNCHED])
+                            launched=app[LAUNCHED], rerun_image_bytes=server.rerun_image_mb << 20)
     supervisor.on_status = lambda status: sd_notify(f"STATUS={status}")
     # Every worker client, the restarted ones too, reports its steps' times to the metrics.
     supervisor.on_client = lambda client: setattr(
@@ -302,7 +302,8 @@ async def metrics(request: web.Request) -> web.Response:
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
-    registry.set_failures(supervisor.num_restarts, supervisor.table.num_lost, supervisor.table.num_run_again)
+    table = supervisor.table
+    registry.set_failures(supervisor.num_restarts, table.num_lost, table.num_run_again, table.kept_image_bytes)
     replanner = request.app[REPLANNER]
     registry.set_deployment(supervisor.deployment, supervisor.history, supervisor.num_failed_redeploys,
                             replanner.num_decisions if replanner is not None else None)

@@ -111,23 +111,28 @@ class WorkerFailures(Collector):
     def __init__(self, model: str):
         self.model = model
         self.restarts: dict[int, int] | None = None
-        self.lost = self.run_again = 0
+        self.lost = self.run_again = self.kept_image_bytes = 0
 
     def collect(self):
         restarts = CounterMetricFamily("hydrad_worker_restarts", "Times the instance's worker was restarted after "
                                        "it died.", labels=["model_name", "instance"])
         lost = CounterMetricFamily("hydrad_requests_lost", "Requests that failed because the worker holding them "
-                                   "died (they had streamed a token, or lost their instance a second time).",
+                                   "died (they lost their instance a second time, or streamed with images "
+                                   "past server.rerun_image_mb).",
                                    labels=["model_name"])
-        run_again = CounterMetricFamily("hydrad_requests_run_again", "Requests without a token yet whose worker "
-                                        "died, run again from the start on a live or restarted one.",
+        run_again = CounterMetricFamily("hydrad_requests_run_again", "Requests whose worker died, run again on a "
+                                        "live or restarted one from the tokens they had.",
                                         labels=["model_name"])
+        kept = GaugeMetricFamily("hydrad_rerun_image_bytes", "Preprocessed images the daemon keeps to run "
+                                 "requests again should their worker die (at most server.rerun_image_mb).",
+                                 labels=["model_name"])
         if self.restarts is not None:
             for instance, count in sorted(self.restarts.items()):
                 restarts.add_metric([self.model, str(instance)], count)
             lost.add_metric([self.model], self.lost)
             run_again.add_metric([self.model], self.run_again)
-        yield from (restarts, lost, run_again)
+            kept.add_metric([self.model], self.kept_image_bytes)
+        yield from (restarts, lost, run_again, kept)
 
 
 class EngineCounters(Collector):
@@ -319,10 +324,11 @@ class Metrics:
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions)
 
-    def set_failures(self, restarts: dict[int, int], lost: int, run_again: int) -> None:
-        """Each instance's worker restarts, and the requests lost with a worker or run again."""
+    def set_failures(self, restarts: dict[int, int], lost: int, run_again: int, kept_image_bytes: int = 0) -> None:
+        """Each instance's worker restarts, the requests lost with a worker or run again, and
+        the pixels kept to run requests again."""
         f = self.failures
-        f.restarts, f.lost, f.run_again = dict(restarts), lost, run_again
+        f.restarts, f.lost, f.run_again, f.kept_image_bytes = dict(restarts), lost, run_again, kept_image_bytes
 
     def set_deployment(self, deploy: str, history, failed_redeploys: int, decisions: dict[str, int] | None) -> None:
         """The deployment served now; ``history``: every deployment since start (the

@@ -241,10 +241,10 @@ def test_new_requests_wait_for_a_restarting_stage_only_while_offers_are_held():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_requests_without_a_token_run_again_once_when_their_instance_dies():
-    """A request that lost its instance before its first token goes to a live instance of its
-    first stage (the others drop its parts), or waits for a restart while offers are held;
-    one with a token, one lost a second time, or one with nowhere to go fails."""
+def test_requests_run_again_once_from_their_tokens_when_their_instance_dies():
+    """A request that lost its instance goes to a live instance of its first stage with the
+    tokens it had (the others drop its parts), its sink none the wiser, or waits for a
+    restart while offers are held; one lost a second time, or with nowhere to go, fails."""
     from hydrad.engine.inputs import EngineRequest
 
     def request(req_id: str) -> EngineRequest:
@@ -255,16 +255,21 @@ def test_requests_without_a_token_run_again_once_when_their_instance_dies():
     p0.add_request(request("a"), unstarted)
     p0.add_request(request("b"), started)
     table.deliver_output(EngineOutput(req_ids=["b"], token_ids=[7]))
+    table.deliver_output(EngineOutput(req_ids=["b"], token_ids=[8]))
     p0.alive = False
     table.lost(p0, WorkerLost("worker gone"))
-    assert unstarted.ended is None and table.num_run_again == 1
-    assert [m.request.req_id for m in p1.sent if isinstance(m, AddRequest)] == ["a"]
-    assert table.routes["a"] == [p1.instance_id]
-    assert started.ended[0] == "error" and table.num_lost == 1  # "b" had a token
-    p1.alive = False  # lost a second time: it fails
+    assert unstarted.ended is None and started.ended is None and table.num_run_again == 2
+    sent = {m.request.req_id: m.request for m in p1.sent if isinstance(m, AddRequest)}
+    assert sent["a"].output_token_ids == [] and sent["b"].output_token_ids == [7, 8]
+    assert sent["b"].prompt_token_ids == [1, 2, 3] and Abort(("a",)) not in p1.sent
+    assert table.routes["a"] == table.routes["b"] == [p1.instance_id]
+    table.deliver_output(EngineOutput(req_ids=["b"], token_ids=[9]))
+    assert started.tokens == [7, 8, 9] and started.ended is None
+    p1.alive = False  # lost a second time: they fail
     table.lost(p1, WorkerLost("worker gone again"))
     assert unstarted.ended[0] == "error" and str(unstarted.ended[1]) == "worker gone again"
-    assert "a" not in table.sinks and table.num_lost == 2
+    assert started.ended[0] == "error" and table.num_lost == 2
+    assert not table.sinks and not table._kept and not table._run_again
 
     # With no live instance of its stage it waits while offers are held (a restart), then
     # goes on; without a restart to wait for it fails at once.
@@ -284,3 +289,38 @@ def test_requests_without_a_token_run_again_once_when_their_instance_dies():
     p0.alive = False
     table.lost(p0, WorkerLost("down"))
     assert sink.ended[0] == "error" and str(sink.ended[1]) == "down"
+
+
+def test_pixels_are_kept_to_run_again_within_their_budget():
+    """A request's pixels count against ``rerun_image_bytes`` while it is kept; past that a
+    request with images is kept until its first token only: streaming when its instance
+    dies, it fails, while the others run again; an end gives its bytes back."""
+    import torch
+
+    from hydrad.engine.inputs import EngineRequest, ImageInput
+
+    def request(req_id: str) -> EngineRequest:  # 40 bytes of pixels
+        return EngineRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=4),
+                             images=[ImageInput(torch.zeros(10), 0, 1)])
+
+    table, (ep0, ep1, d) = make_table(("EP", "EP", "D"))
+    table.rerun_image_bytes = 100
+    sinks = {req_id: RecordingSink() for req_id in "wxyz"}
+    for req_id in "wxyz":
+        ep0.add_request(request(req_id), sinks[req_id])
+        if req_id == "w":
+            table.deliver_output(EngineOutput(["w"], [5], finished=[FinishedRequest("w", "length")]))
+            assert table.kept_image_bytes == 0
+    assert table.kept_image_bytes == 80  # x and y; not z
+    table.deliver_output(EngineOutput(["x", "y", "z"], [7, 7, 7]))
+    assert set(table._kept) == {"x", "y"}
+    ep0.alive = False
+    table.lost(ep0, WorkerLost("worker gone"))
+    assert sinks["z"].ended[0] == "error" and table.num_lost == 1
+    assert sinks["x"].ended is None and sinks["y"].ended is None and table.num_run_again == 2
+    assert [m.request.output_token_ids for m in ep1.sent if isinstance(m, AddRequest)] == [[7], [7]]
+    assert table.kept_image_bytes == 0  # run again: not kept a second time
+    table.rerun_image_bytes = 0  # off: no request with images is kept past its first token
+    ep1.add_request(request("v"), RecordingSink())
+    table.deliver_output(EngineOutput(["v"], [3]))
+    assert "v" not in table._kept and table.kept_image_bytes == 0

@@ -1,6 +1,7 @@
-"""A worker dies: it is restarted with its role and only its requests fail; a worker that
-keeps failing to restart is a crash loop, reported, not retried forever; with restarts
-off, a stage left without a live instance stops the daemon for its service manager."""
+"""A worker dies: it is restarted with its role and its requests run again (from the tokens
+they had); a worker that keeps failing to restart is a crash loop, reported, not retried
+forever; with restarts off, a stage left without a live instance stops the daemon for its
+service manager."""
 
 from __future__ import annotations
 
@@ -29,53 +30,70 @@ def healthy(daemon: Daemon) -> bool:
     return http("GET", daemon.url + "/health").status_code == 200
 
 
-async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> tuple[int, str | None]:
-    """(tokens received, error message or None) of one streamed request."""
-    body = {"messages": [{"role": "user", "content": f"Tell me about {i}."}], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True, "return_token_ids": True, **({} if i % 2 else {"temperature": 0})}
-    tokens, error = 0, None
+async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> tuple[list[int], str | None]:
+    """(token ids received, error message or None) of one streamed request: every third one
+    with an image, every other one greedy, the rest seeded."""
+    from test_daemon_api import PNG, data_url
+
+    content = [{"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}] if i % 3 == 0 else []
+    content.append({"type": "text", "text": f"Tell me about {i}."})
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, **({"seed": i} if i % 2 else {"temperature": 0})}
+    tokens, error = [], None
     async with session.post(url + "/v1/chat/completions", json=body) as response:
         if response.status != 200:
-            return 0, await response.text()
+            return [], await response.text()
         async for line in response.content:
             if line.startswith(b"data: {"):
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     error = chunk["error"]["message"]
                 elif chunk["choices"]:
-                    tokens += len(chunk["choices"][0].get("token_ids") or [])
+                    tokens += chunk["choices"][0].get("token_ids") or []
     return tokens, error
 
 
-def test_a_killed_worker_is_restarted_and_only_its_requests_fail(tiny_llava_dir, tmp_path):
+@pytest.mark.parametrize("rerun_image_mb", [None, 0])
+def test_a_killed_worker_is_restarted_and_its_requests_run_again(tiny_llava_dir, tmp_path, rerun_image_mb):
     """SIGKILL the decode instance of 1E+1P+1D under a steady stream of requests: the
-    requests it was decoding fail with a clear error, every other one finishes (offers for
-    decode wait while it restarts), it comes back with its pools shared again, and the next
-    requests succeed with nothing left held."""
-    daemon = Daemon(["--model", str(tiny_llava_dir), "--devices", "cpu:3", "--deploy", "1E+1P+1D"],
-                    tmp_path / "hydrad.log")
+    requests it was decoding run again from the tokens they had and end as if nothing had
+    happened (the same tokens as the same requests sent afterwards: greedy and seeded);
+    requests sent meanwhile wait for it; it comes back with its pools shared again, and
+    nothing is left held. With ``server.rerun_image_mb = 0`` the requests with images that
+    it was decoding fail with a clear error instead, and only they."""
+    config = tmp_path / "hydrad.toml"
+    config.write_text("" if rerun_image_mb is None else f"[server]\nrerun_image_mb = {rerun_image_mb}\n")
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:3",
+                     "--deploy", "1E+1P+1D"], tmp_path / "hydrad.log")
     try:
         workers = instances(daemon)
         decode = next(i for i in workers if i["role"] == "D")
 
         async def load():
             async with aiohttp.ClientSession() as session:
-                first = [asyncio.ensure_future(stream(session, daemon.url, i, 400)) for i in range(24)]
-                # Kill D once it is decoding some of them (its status, read off the loop).
+                first = [asyncio.ensure_future(stream(session, daemon.url, i, 200)) for i in range(24)]
+                # Kill D once it is decoding most of them, so some with images (its status, read
+                # off the loop).
                 loop = asyncio.get_running_loop()
                 deadline = time.monotonic() + 60
-                while not (await loop.run_in_executor(None, instances, daemon))[2]["num_running"]:
-                    assert time.monotonic() < deadline, "nothing reached the decode instance"
-                    await asyncio.sleep(0.05)
+                while (await loop.run_in_executor(None, instances, daemon))[2]["num_running"] < 20:
+                    assert time.monotonic() < deadline, "the requests did not reach the decode instance"
+                    await asyncio.sleep(0.02)
                 os.kill(decode["pid"], signal.SIGKILL)
                 later = [asyncio.ensure_future(stream(session, daemon.url, 100 + i, 30)) for i in range(16)]
                 return await asyncio.gather(*first), await asyncio.gather(*later)
 
         first, later = asyncio.run(load())
-        failed = [error for _, error in first + later if error is not None]
-        assert failed and all(e == "worker 2 (cpu, D) exited" for e in failed), failed
-        # Only requests on D failed: those sent after the kill waited for D and finished.
-        assert later == [(30, None)] * len(later), later
+        failed = [i for i, (_, error) in enumerate(first) if error is not None]
+        assert all(first[i][1] == "worker 2 (cpu, D) exited" for i in failed), first
+        run_again = daemon.log().count("lost instance 2 after")
+        if rerun_image_mb is None:
+            assert not failed and run_again, daemon.log()
+        else:  # those with an image (every third) that had a token
+            assert failed and all(i % 3 == 0 for i in failed), failed
+        assert all(len(first[i][0]) == 200 for i in range(24) if i not in failed)
+        # Requests sent after the kill waited for D and finished.
+        assert [(len(tokens), error) for tokens, error in later] == [(30, None)] * len(later), later
         assert wait_for(lambda: healthy(daemon), 30), daemon.log()
         restarted = instances(daemon)
         assert [i["state"] for i in restarted] == ["ready"] * 3 and restarted[2]["restarts"] == 1
@@ -83,14 +101,21 @@ def test_a_killed_worker_is_restarted_and_only_its_requests_fail(tiny_llava_dir,
         assert "worker 2 (cpu, D, pid" in daemon.log() and "restarted in" in daemon.log()
         metrics = http("GET", daemon.url + "/metrics").text
         assert re.search(rf'^hydrad_requests_lost_total{{model_name="[^"]+"}} {len(failed)}\.0$', metrics, re.M), metrics
+        assert re.search(rf'^hydrad_requests_run_again_total{{model_name="[^"]+"}} {run_again}\.0$', metrics, re.M)
 
-        async def after():
+        async def again():  # the same requests, uninterrupted
             async with aiohttp.ClientSession() as session:
-                return await asyncio.gather(*(stream(session, daemon.url, 200 + i, 12) for i in range(8)))
+                return await asyncio.gather(*(stream(session, daemon.url, i, 200) for i in range(24)))
 
-        assert asyncio.run(after()) == [(12, None)] * 8
+        uninterrupted = asyncio.run(again())
+        assert all(error is None for _, error in uninterrupted)
+        for i in range(24):
+            if i not in failed:
+                assert first[i][0] == uninterrupted[i][0], i
         held = blocks_held_once_freed(daemon, 10)
         assert held == [(0, 0)] * len(held)
+        metrics = http("GET", daemon.url + "/metrics").text  # no pixels kept once all ended
+        assert re.search(r'^hydrad_rerun_image_bytes\{model_name="[^"]+"\} 0\.0$', metrics, re.M), metrics
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.stop()
@@ -142,7 +167,7 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
         assert held == [(200, True, False)] * 6
         assert later == [(200, True, False)] * 6
         assert instances(daemon)[encoder["id"]]["restarts"] == 1
-        assert daemon.log().count("had no token yet when instance 0 died: running it again") == 6
+        assert daemon.log().count("lost instance 0 after 0 tokens: running it again") == 6
         metrics = http("GET", daemon.url + "/metrics").text
         assert re.search(r'^hydrad_requests_run_again_total\{model_name="[^"]+"\} 6\.0$', metrics, re.M), metrics
         assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M)

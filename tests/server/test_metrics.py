@@ -77,11 +77,12 @@ def test_the_deployment_and_its_changes():
     assert 'hydrad_redeploys_total{model_name="m",trigger="admin"} 2.0' in generate_latest(merged).decode()
     # Workers restarted, requests lost with one and run again (the daemon's; none elsewhere).
     assert 'hydrad_worker_restarts_total{' not in text
-    metrics.set_failures({0: 0, 1: 2}, 3, 5)
+    metrics.set_failures({0: 0, 1: 2}, 3, 5, 4096)
     text = generate_latest(metrics.registry).decode()
     for line in ['hydrad_worker_restarts_total{instance="0",model_name="m"} 0.0',
                  'hydrad_worker_restarts_total{instance="1",model_name="m"} 2.0',
-                 'hydrad_requests_lost_total{model_name="m"} 3.0', 'hydrad_requests_run_again_total{model_name="m"} 5.0']:
+                 'hydrad_requests_lost_total{model_name="m"} 3.0', 'hydrad_requests_run_again_total{model_name="m"} 5.0',
+                 'hydrad_rerun_image_bytes{model_name="m"} 4096.0']:
         assert line in text, line
     # Not re-planning: no decisions.
     metrics.set_deployment("1E+1PD", history[:1], 0, None)
