@@ -14,6 +14,9 @@ _TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_
 
 # No instance can serve the request; the message says why.
 UNAVAILABLE = (WorkerLost, NoInstanceAvailable, ServiceStopping)
+# Retry-After (seconds) of those 503s: about a worker's restart, or the daemon's under its
+# service manager.
+RETRY_UNAVAILABLE_AFTER = 5
 
 
 class APIError(Exception):
@@ -62,4 +65,6 @@ def error_body(status: int, e: BaseException | str) -> dict:
 def error_response(e: BaseException) -> web.Response:
     status = exception_status(e)
     headers = e.headers if isinstance(e, APIError) else None
+    if isinstance(e, UNAVAILABLE):
+        headers = {"Retry-After": str(RETRY_UNAVAILABLE_AFTER)}
     return web.json_response(error_body(status, e), status=status, headers=headers)
