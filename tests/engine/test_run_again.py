@@ -1,7 +1,8 @@
 """A request that runs again with the tokens it had (its instance died: ``EngineRequest.
 output_token_ids``) goes on with the tokens it would have had without the interruption:
 greedy, seeded sampling (its generator goes on after the draws of those tokens), with
-penalties and ``min_tokens`` counting them, on one instance and split over three."""
+penalties and ``min_tokens`` counting them, on one instance and split over three, and for
+every family (M-RoPE positions after the prompt, images of varying size)."""
 
 from __future__ import annotations
 
@@ -34,10 +35,7 @@ def _run(llm: LLM, request: EngineRequest) -> tuple[list[int], str]:
     raise AssertionError(f"{request.req_id} did not finish")
 
 
-@pytest.mark.parametrize("deploy, devices", [("1EPD", "cpu:1"), ("1E+1P+1D", "cpu:3")])
-def test_a_request_run_again_with_its_tokens_goes_on_as_if_uninterrupted(tiny_llava_dir, conversations, deploy,
-                                                                         devices):
-    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy=deploy, devices=devices, token_budget=64)
+def _check_runs_again(llm: LLM, conversations) -> None:
     prompts = [llm.processor.process_chat(conversations[i]) for i in (0, 1, 3)]
     for p, prompt in enumerate(prompts):
         for s, params in enumerate(SETTINGS):
@@ -49,3 +47,16 @@ def test_a_request_run_again_with_its_tokens_goes_on_as_if_uninterrupted(tiny_ll
                 assert again == whole[k:], (p, s, k)
                 assert reason == "length"
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("deploy, devices", [("1EPD", "cpu:1"), ("1E+1P+1D", "cpu:3")])
+def test_a_request_run_again_with_its_tokens_goes_on_as_if_uninterrupted(tiny_llava_dir, conversations, deploy,
+                                                                         devices):
+    _check_runs_again(LLM(str(tiny_llava_dir), worker_processes=False, deploy=deploy, devices=devices,
+                          token_budget=64), conversations)
+
+
+@pytest.mark.parametrize("arch", ["llava-next", "qwen2-vl"])
+def test_every_family_runs_again_as_if_uninterrupted(tiny_checkpoint, conversations, arch):
+    _check_runs_again(LLM(str(tiny_checkpoint(arch)), worker_processes=False, deploy="1E+1PD", devices="cpu:2",
+                          token_budget=64), conversations)
