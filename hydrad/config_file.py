@@ -107,6 +107,10 @@ class ServerConfig:
     # 0: never restart (a worker that dies stays down).
     worker_restart_limit: int = 3
     worker_restart_window: float = 300.0
+    # A worker that holds requests and sends nothing for this many seconds, then answers
+    # nothing to a probe for as long again, is killed and restarted (hung: a deadlock, a
+    # stuck device); 0: never.
+    worker_stall_timeout: float = 60.0
     # Requests held by a worker that dies run again elsewhere (or on the restarted worker)
     # from the tokens they had; their preprocessed images are kept for that up to this
     # many MiB in all (0: streaming requests with images then fail with their worker).
@@ -140,6 +144,8 @@ class ServerConfig:
             )
         if self.worker_restart_limit < 0 or self.worker_restart_window <= 0:
             raise ConfigError("server.worker_restart_limit must be >= 0 and server.worker_restart_window > 0")
+        if self.worker_stall_timeout < 0:
+            raise ConfigError(f"server.worker_stall_timeout must be >= 0, got {self.worker_stall_timeout}")
         if self.rerun_image_mb < 0:
             raise ConfigError(f"server.rerun_image_mb must be >= 0, got {self.rerun_image_mb}")
         if self.shutdown_timeout < 0 or self.worker_start_timeout <= 0:

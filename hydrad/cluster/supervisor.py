@@ -101,11 +101,14 @@ def missing_stages(roles: list[str]) -> list[str]:
 class Supervisor:
     def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0,
                  router_policy: str = "round-robin", restart: RestartPolicy | None = None,
-                 launched: dict[int, Launched] | None = None, rerun_image_bytes: int = 1 << 30):
+                 launched: dict[int, Launched] | None = None, rerun_image_bytes: int = 1 << 30,
+                 stall_timeout: float = 0.0):
         """``launched``: workers of ``specs`` started already (``launch.launch_all``), by
         instance id; the supervisor takes them over at ``start`` instead of spawning them.
         ``rerun_image_bytes``: pixels kept to run requests again when their worker dies
-        (``RequestTable``)."""
+        (``RequestTable``). ``stall_timeout``: a worker that holds requests and answers
+        nothing for this long, then nothing to a probe for as long again, is killed (and
+        restarted as any dead worker); 0: never."""
         self.config = config
         self.specs = list(specs)
         self.start_timeout = start_timeout
@@ -138,6 +141,8 @@ class Supervisor:
         self.history: list[Deployment] = []
         self.num_failed_redeploys = 0  # started and not completed
         self._redeploying = False
+        self.stall_timeout = stall_timeout
+        self._probing: set[int] = set()  # instance ids whose silence is being probed
 
     @property
     def healthy(self) -> bool:
@@ -169,6 +174,8 @@ class Supervisor:
             readies = await asyncio.wait_for(self._wait_ready(console), self.start_timeout)
             if self.migrates:
                 self._attach_all(readies)
+            if self.stall_timeout > 0:
+                self._spawn_task(self._watch_stalls())
             return readies
         except (WorkerLost, asyncio.TimeoutError) as e:
             await self.stop(timeout=5.0)
@@ -343,6 +350,40 @@ class Supervisor:
         """Give back the stages the instances that did expand had just taken on."""
         await asyncio.gather(*(self.clients[c.instance_id].retire(c.gains, self.start_timeout)
                                for c, _ in expanded if c.gains))
+
+    # -- a worker stalls -----------------------------------------------------------------------------
+    async def _watch_stalls(self) -> None:
+        """Probe each worker that holds requests and has sent nothing for ``stall_timeout``
+        (a worker with work sends a step's output at least every step; an idle one waiting
+        for a peer answers the probe between steps). Not during a redeploy: a worker taking on
+        a role loads weights without answering."""
+        while not self._stopping:
+            await asyncio.sleep(self.stall_timeout / 4)
+            if self._redeploying:
+                continue
+            now = time.monotonic()
+            for client in self.clients:
+                if (client.alive and client.ready is not None and client.instance_id not in self._probing
+                        and client.instance_id not in self.restarting and now - client.last_heard > self.stall_timeout
+                        and self.table.held_by(client)):
+                    self._probing.add(client.instance_id)
+                    self._spawn_task(self._probe(client))
+
+    async def _probe(self, client: WorkerClient) -> None:
+        try:
+            await client.get_stats(timeout=self.stall_timeout)
+        except asyncio.TimeoutError:
+            held, silent = self.table.held_by(client), time.monotonic() - client.last_heard
+            # Still silent since before the probe (a step's output meanwhile would say it goes on).
+            if client.alive and not self._redeploying and silent >= 2 * self.stall_timeout:
+                process = self._processes.get(client.instance_id)
+                if process is not None and process.is_alive():
+                    process.kill()
+                client.give_up(f"answered nothing for {silent:.0f} s while holding {held} request(s): killed")
+        except WorkerLost:
+            pass
+        finally:
+            self._probing.discard(client.instance_id)
 
     # -- a worker dies ------------------------------------------------------------------------------
     def _on_lost(self, client: WorkerClient) -> None:

@@ -87,6 +87,8 @@ class WorkerClient:
         # Set by the supervisor while a restarted worker is ready but its peers' pools are not
         # attached yet: a migration to it then would be refused, so the router sends it nothing.
         self.held_back = False
+        # When the worker last sent anything (the supervisor's stall watchdog reads it).
+        self.last_heard = time.monotonic()
 
     async def connect(self, conn: Connection) -> None:
         """Take over the daemon's end of the worker's pipe."""
@@ -207,8 +209,8 @@ class WorkerClient:
         self._lost(EXITED if reason == EOF else reason)
 
     def _dispatch(self, msg) -> None:
+        self.last_heard = now = time.monotonic()
         if isinstance(msg, StepOutput):
-            now = time.monotonic()
             self._token_times.append((now, len(msg.output.token_ids)))
             self._trim_token_times(now - 60.0)
             if self.on_step is not None:
@@ -243,6 +245,11 @@ class WorkerClient:
             self._lost(msg.message)
         else:
             logger.error("worker %d sent an unexpected %s", self.instance_id, type(msg).__name__)
+
+    def give_up(self, reason: str) -> None:
+        """Treat the worker as dead (the supervisor kills a stalled one): as if its pipe had
+        closed, with ``reason`` as how it ended."""
+        self._lost(reason)
 
     def _lost(self, reason: str) -> None:
         if not self.alive:

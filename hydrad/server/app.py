@@ -125,7 +125,8 @@ async def engine_ctx(app: web.Application):
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy,
                             restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window),
-                            launched=app[LAUNCHED], rerun_image_bytes=server.rerun_image_mb << 20)
+                            launched=app[LAUNCHED], rerun_image_bytes=server.rerun_image_mb << 20,
+                            stall_timeout=server.worker_stall_timeout)
     supervisor.on_status = lambda status: sd_notify(f"STATUS={status}")
     # Every worker client, the restarted ones too, reports its steps' times to the metrics.
     supervisor.on_client = lambda client: setattr(

@@ -29,7 +29,7 @@ from rich.console import Console
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
 from hydrad.server.app import ADMISSION, ENGINE, FRONTENDS, SUPERVISOR, make_app
-from hydrad.server.notify import sd_notify
+from hydrad.server.notify import keep_alive, sd_notify, watchdog_interval
 from hydrad.cluster.launch import InstanceSpec, Launched
 
 logger = logging.getLogger("hydrad.daemon")
@@ -88,6 +88,11 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
     logger.info("serving %s on %s%s", app[ENGINE].model_name, urls,
                 f" ({frontends.count} front-end processes)" if frontends.count > 1 else "")
     sd_notify("READY=1\nSTATUS=serving")
+    interval = watchdog_interval()
+    pinging = None  # a stop at once leaves it to the loop's end
+    if interval is not None:
+        pinging = asyncio.ensure_future(keep_alive(interval))
+        logger.info("pinging systemd's watchdog every %.1f s (WatchdogSec %.0f s)", interval / 4, interval)
     failed = asyncio.ensure_future(supervisor.failed.wait())
     await asyncio.wait([stop_requested, failed], return_when=asyncio.FIRST_COMPLETED)
     if not stop_requested.done():  # a stage lost its last instance (the supervisor logged which)
@@ -124,6 +129,8 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
         await admission.wait_idle(_ABORT_GRACE)
         await frontends.wait_exited(_ABORT_GRACE + 1.0)
     await runner.cleanup()
+    if pinging is not None:
+        pinging.cancel()
     logger.info("stopped")
 
 

@@ -132,3 +132,15 @@ def test_the_unit_keeps_the_trace_and_the_cache_in_the_directories_it_makes_writ
     assert "ProtectSystem=strict" in unit and "ProtectHome=true" in unit
     assert env["HYDRAD_STATE_DIR"] == "/var/lib/" + re.search(r"^StateDirectory=(\S+)$", unit, re.M).group(1)
     assert env["HYDRAD_CACHE_DIR"] == "/var/cache/" + re.search(r"^CacheDirectory=(\S+)$", unit, re.M).group(1)
+
+
+def test_the_units_watchdog_is_pinged_by_the_main_process_in_time():
+    """WatchdogSec makes systemd kill a daemon that stops pinging: the pings come from the
+    daemon itself (NotifyAccess=main) every WatchdogSec / 4, which must leave a hanging
+    moment of a busy event loop far from the limit."""
+    import re
+
+    unit = (REPO / "systemd" / "hydrad.service").read_text()
+    watchdog = int(re.search(r"^WatchdogSec=(\d+)$", unit, re.M).group(1))
+    assert "Type=notify" in unit and "NotifyAccess=main" in unit and watchdog >= 20
+    assert re.search(r"^Restart=on-failure$", unit, re.M)  # a watchdog timeout counts as a failure

@@ -121,6 +121,67 @@ def test_a_killed_worker_is_restarted_and_its_requests_run_again(tiny_llava_dir,
         daemon.stop()
 
 
+def test_a_hung_worker_is_killed_and_restarted_and_systemds_watchdog_is_pinged(tiny_llava_dir, tmp_path,
+                                                                               monkeypatch):
+    """SIGSTOP the decode instance of 1E+1P+1D while it decodes (a hang: alive, silent):
+    with ``server.worker_stall_timeout = 1`` the daemon finds it silent while it holds
+    requests, probes it, kills it and restarts it, and its requests run again and finish;
+    the log says why. Before that, under the same small timeout, busy workers are left
+    alone. Started by systemd with ``WatchdogSec`` (its environment, a socket read as
+    systemd does), the daemon says READY=1, then pings WATCHDOG=1 four times per interval."""
+    import socket
+    import threading
+
+    notify_path = str(tmp_path / "notify.sock")
+    notifications: list[bytes] = []
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    server.bind(notify_path)
+    server.settimeout(0.5)
+
+    def read() -> None:
+        while server.fileno() >= 0:
+            try:
+                notifications.append(server.recv(4096))
+            except (TimeoutError, OSError):
+                pass
+
+    threading.Thread(target=read, daemon=True).start()
+    monkeypatch.setenv("NOTIFY_SOCKET", notify_path)
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")
+    config = tmp_path / "hydrad.toml"
+    config.write_text("[server]\nworker_stall_timeout = 1.0\n")
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:3",
+                     "--deploy", "1E+1P+1D"], tmp_path / "hydrad.log")
+    try:
+        decode = instances(daemon)[2]
+
+        async def load(kill: bool):
+            async with aiohttp.ClientSession() as session:
+                streams = [asyncio.ensure_future(stream(session, daemon.url, i, 100)) for i in range(8)]
+                if kill:
+                    loop = asyncio.get_running_loop()
+                    deadline = time.monotonic() + 60
+                    while (await loop.run_in_executor(None, instances, daemon))[2]["num_running"] < 4:
+                        assert time.monotonic() < deadline, "the requests did not reach the decode instance"
+                        await asyncio.sleep(0.02)
+                    os.kill(decode["pid"], signal.SIGSTOP)
+                return await asyncio.wait_for(asyncio.gather(*streams), 120)  # a hang fails the test
+
+        assert [(len(t), e) for t, e in asyncio.run(load(kill=False))] == [(100, None)] * 8
+        assert [i["restarts"] for i in instances(daemon)] == [0, 0, 0]  # busy is not hung
+        assert [(len(t), e) for t, e in asyncio.run(load(kill=True))] == [(100, None)] * 8
+        assert re.search(rf"worker 2 \(cpu, D, pid {decode['pid']}\) is down: answered nothing for [0-9]+ s while "
+                         r"holding [0-9]+ request\(s\): killed; process killed by SIGKILL; restarting it", daemon.log())
+        assert wait_for(lambda: healthy(daemon), 30), daemon.log()
+        assert [i["restarts"] for i in instances(daemon)] == [0, 0, 1]
+        ready = next(i for i, n in enumerate(notifications) if n.startswith(b"READY=1"))
+        assert b"WATCHDOG=1" not in notifications[:ready] and notifications.count(b"WATCHDOG=1") >= 8, notifications
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.stop()
+        server.close()
+
+
 @pytest.mark.parametrize("frontends", [1, 2])
 def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_it(tiny_llava_dir, tmp_path,
                                                                                   frontends):

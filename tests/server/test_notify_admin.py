@@ -5,7 +5,7 @@ from aiohttp.test_utils import make_mocked_request
 
 from hydrad.server.admin import check_admin_access
 from hydrad.server.errors import APIError
-from hydrad.server.notify import sd_notify
+from hydrad.server.notify import keep_alive, sd_notify, watchdog_interval
 
 
 def test_sd_notify_sends_a_datagram(tmp_path, monkeypatch):
@@ -22,6 +22,59 @@ def test_sd_notify_without_systemd(monkeypatch, tmp_path):
     assert not sd_notify("READY=1")
     monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "gone.sock"))  # a stale socket path
     assert not sd_notify("READY=1")
+
+
+def test_sd_notify_never_waits_for_a_reader(tmp_path, monkeypatch):
+    """A socket whose reader has stopped reading fills up (a few datagrams on Linux): sends
+    then fail at once instead of blocking the event loop."""
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(path)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+        results = [sd_notify("WATCHDOG=1", warn=False) for _ in range(10_000)]
+        assert results[0] and not results[-1]
+
+
+def test_watchdog_interval_is_systemds_for_this_process_only(monkeypatch):
+    import os
+
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    assert watchdog_interval() is None
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    assert watchdog_interval() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    assert watchdog_interval() == 30.0
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid() + 1))  # meant for another process
+    assert watchdog_interval() is None
+    monkeypatch.delenv("WATCHDOG_PID")
+    for bad in ("0", "soon"):
+        monkeypatch.setenv("WATCHDOG_USEC", bad)
+        assert watchdog_interval() is None
+
+
+def test_keep_alive_pings_four_times_per_interval(tmp_path, monkeypatch):
+    import asyncio
+
+    path = str(tmp_path / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as server:
+        server.bind(path)
+        server.settimeout(1.0)
+        monkeypatch.setenv("NOTIFY_SOCKET", path)
+
+        async def main():
+            task = asyncio.ensure_future(keep_alive(0.4))
+            pings = []
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            while len(pings) < 5:
+                pings.append((await loop.run_in_executor(None, server.recv, 100), loop.time() - start))
+            task.cancel()
+            return pings
+
+        pings = asyncio.run(main())
+        assert [p for p, _ in pings] == [b"WATCHDOG=1"] * 5
+        assert 0.3 <= pings[-1][1] <= 0.7  # 4 gaps of 0.1 s
 
 
 class FakeTransport:
