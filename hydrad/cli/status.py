@@ -139,6 +139,12 @@ def render(status: dict):
         parts.append(head + (":\n  " + "\n  ".join(_decision_line(d) for d in decisions[-5:])
                              if decisions else ": no decision yet"))
     parts.append(requests)
+    failures = status.get("failures") or {}
+    if failures.get("worker_restarts") or failures.get("requests_run_again") or failures.get("requests_lost"):
+        restarted = ", ".join(f"#{i['id']} x{i['restarts']}" for i in status["instances"] if i.get("restarts"))
+        parts.append(f"worker restarts: {failures['worker_restarts']}" + (f" ({restarted})" if restarted else "")
+                     + f"; their requests run again: {failures['requests_run_again']}, lost: "
+                     + f"{failures['requests_lost']}")
     frontend = status.get("frontend")
     if frontend and frontend.get("cpu_share") is not None:
         per_token = frontend.get("cpu_per_token")

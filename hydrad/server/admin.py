@@ -118,10 +118,18 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
                                   client.tokens_per_second() if client.accepting else 0.0),
             **_latency(client.ready),
         })
+    table = supervisor.table
     return {
         "model": model,
         "max_model_len": max_model_len,
         "uptime_seconds": time.monotonic() - started,
         "instances": instances,
         "requests": {"num_inflight": num_requests, **window},
+        # Since start: workers restarted, and what became of the requests they held.
+        "failures": {
+            "worker_restarts": sum(supervisor.num_restarts.values()),
+            "requests_run_again": table.num_run_again,
+            "requests_lost": table.num_lost,
+            "rerun_image_bytes": table.kept_image_bytes,
+        },
     }

@@ -119,7 +119,8 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
                                accepting=alive, num_inflight=0, tokens_per_second=lambda: 37.5)
 
     supervisor = SimpleNamespace(clients=[client(0, False), client(1, True)], crash_loops={}, restarting=set(),
-                                 num_restarts={}, specs=[SimpleNamespace(threads=CpuThreads(1))] * 2)
+                                 num_restarts={}, specs=[SimpleNamespace(threads=CpuThreads(1))] * 2,
+                                 table=SimpleNamespace(num_run_again=0, num_lost=0, kept_image_bytes=0))
     body = status_body(supervisor, [None, None], model="m", max_model_len=64,
                        started=time.monotonic(), num_requests=0, window=captured_status(1)["requests"])
     assert [i["tokens_per_second"] for i in body["instances"]] == [None, 37.5]
@@ -128,6 +129,27 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
     Console(file=buf, width=120).print(render(body))
     rows = [line for line in buf.getvalue().splitlines() if "EPD" in line]
     assert rows[0].rstrip(" │").endswith("-") and rows[1].rstrip(" │").endswith("37.5"), rows
+    assert "worker restarts" not in buf.getvalue()  # none yet: no line
+
+
+def test_status_counts_worker_restarts_and_what_became_of_their_requests():
+    from types import SimpleNamespace
+
+    from hydrad.cli.status import render
+    from hydrad.server.admin import status_body
+
+    client = SimpleNamespace(instance_id=0, device="cpu", role="EPD", ready=None, alive=True, accepting=True,
+                             num_inflight=0, tokens_per_second=lambda: 1.0)
+    table = SimpleNamespace(num_run_again=14, num_lost=1, kept_image_bytes=4096)
+    supervisor = SimpleNamespace(clients=[client], crash_loops={}, restarting=set(), num_restarts={0: 2},
+                                 specs=[SimpleNamespace(threads=CpuThreads(1))], table=table)
+    body = status_body(supervisor, [None], model="m", max_model_len=64, started=time.monotonic(), num_requests=0,
+                       window=captured_status(1)["requests"])
+    assert body["failures"] == {"worker_restarts": 2, "requests_run_again": 14, "requests_lost": 1,
+                                "rerun_image_bytes": 4096}
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(render(body))
+    assert "worker restarts: 2 (#0 x2); their requests run again: 14, lost: 1" in buf.getvalue()
 
 
 def test_status_shows_how_each_instance_runs_against_its_model_by_kind():
