@@ -381,7 +381,7 @@ class Supervisor:
                     process.kill()
                 client.give_up(f"answered nothing for {silent:.0f} s while holding {held} request(s): killed")
         except WorkerLost:
-            pass
+            pass  # it died meanwhile: handled as any dead worker (``_on_lost``)
         finally:
             self._probing.discard(client.instance_id)
 
