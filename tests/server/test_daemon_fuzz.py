@@ -1,7 +1,8 @@
 """Random traffic against a live daemon with small caches (tiny LLaVA, ``1EP+1EPD``), redeployed
-while it serves: every valid request gets a well-formed answer, every invalid one an
-OpenAI-style 4xx, none a 5xx, clients that leave change nothing for the others, and once the
-traffic ends no instance holds a block.
+while it serves, then one of its workers killed: every valid request gets a well-formed
+answer (those on the killed worker run again), every invalid one an OpenAI-style 4xx, none a
+5xx, clients that leave change nothing for the others, and once the traffic ends no instance
+holds a block.
 
 The requests come from a seeded generator (the same ones every run): 0-2 images of 16-640 px,
 system prompts and earlier turns, ``n`` up to 3, log-probabilities, stop strings, penalties,
@@ -18,14 +19,17 @@ import asyncio
 import base64
 import io
 import json
+import os
 import random
+import re
+import signal
 
 import aiohttp
 import numpy as np
 import pytest
 from PIL import Image
 
-from daemon_process import Daemon, blocks_held_once_freed, http
+from daemon_process import Daemon, blocks_held_once_freed, http, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -247,7 +251,7 @@ async def _client(url: str, seed: int, problems: list[str], counts: dict[str, in
                 problems.append(f"client error {type(e).__name__}: {e}")
 
 
-def test_random_traffic_through_a_redeploy_gets_well_formed_answers_and_leaves_nothing_held(daemon):
+def test_random_traffic_through_a_redeploy_and_a_killed_worker_gets_well_formed_answers(daemon):
     problems: list[str] = []
     counts: dict[str, int] = {}
     redeploys: list[int] = []
@@ -258,15 +262,28 @@ def test_random_traffic_through_a_redeploy_gets_well_formed_answers_and_leaves_n
                          {"Content-Type": "application/json"}, timeout=120)
             redeploys.append(reply.status_code)
 
-    async def main() -> None:
-        clients = [asyncio.ensure_future(_client(daemon.url, seed, problems, counts)) for seed in range(CLIENTS)]
-        await asyncio.sleep(2.0)
-        await asyncio.get_running_loop().run_in_executor(None, redeploy)
-        await asyncio.gather(*clients)
+    def kill_a_worker() -> int:
+        pid = http("GET", daemon.url + "/admin/status").json()["instances"][0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        return pid
 
-    asyncio.run(main())
+    async def main() -> int:
+        clients = [asyncio.ensure_future(_client(daemon.url, seed, problems, counts)) for seed in range(CLIENTS)]
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(2.0)
+        await loop.run_in_executor(None, redeploy)
+        await asyncio.sleep(1.0)
+        killed = await loop.run_in_executor(None, kill_a_worker)
+        await asyncio.gather(*clients)
+        return killed
+
+    killed = asyncio.run(main())
     assert problems == [], problems[:10]
     assert redeploys == [200, 200]
+    assert f"pid {killed}) is down" in daemon.log()
+    assert wait_for(lambda: http("GET", daemon.url + "/health").status_code == 200, 30), daemon.log()
+    metrics = http("GET", daemon.url + "/metrics").text
+    assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M), metrics
     assert sum(counts.values()) == CLIENTS * REQUESTS_PER_CLIENT
     # Each kind of outcome came up (the generator is seeded: these are not left to chance).
     assert all(counts.get(kind, 0) >= 5 for kind in ("invalid", "left", "whole", "streamed")), counts
