@@ -28,6 +28,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from hydrad.transport.framing import FrameDecoder, encode_frame
+from hydrad.transport.sharing import quiet_taker_resets
 
 logger = logging.getLogger("hydrad.link")
 
@@ -71,6 +72,7 @@ class WorkerLink(asyncio.Protocol):
         """Take over the daemon's end ``conn`` (it is closed here; the link owns a copy)."""
         import torch.multiprocessing  # noqa: F401  (registers torch's reductions for shared tensors)
 
+        quiet_taker_resets()
         sock = socket.socket(fileno=os.dup(conn.fileno()))
         conn.close()
         link = cls(on_message, on_closed, peer)
