@@ -101,7 +101,7 @@ class RequestTable:
         if self.stopping_reason is not None:
             raise ServiceStopping(self.stopping_reason)
         if request is not None and req_id not in self._run_again:
-            image_bytes = pixel_bytes(request) if request.images else 0
+            image_bytes = pixel_bytes(request)
             if image_bytes and self.kept_image_bytes + image_bytes > self.rerun_image_bytes:
                 image_bytes = -1
             elif image_bytes:

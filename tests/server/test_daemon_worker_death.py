@@ -30,6 +30,16 @@ def healthy(daemon: Daemon) -> bool:
     return http("GET", daemon.url + "/health").status_code == 200
 
 
+async def decoding_at_least(daemon: Daemon, num_running: int) -> None:
+    """Until instance 2 (the D of ``1E+1P+1D``) decodes ``num_running`` requests (its status,
+    read off the loop)."""
+    loop = asyncio.get_running_loop()
+    deadline = time.monotonic() + 60
+    while (await loop.run_in_executor(None, instances, daemon))[2]["num_running"] < num_running:
+        assert time.monotonic() < deadline, "the requests did not reach the decode instance"
+        await asyncio.sleep(0.02)
+
+
 async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: int) -> tuple[list[int], str | None]:
     """(token ids received, error message or None) of one streamed request: every third one
     with an image, every other one greedy, the rest seeded."""
@@ -72,13 +82,7 @@ def test_a_killed_worker_is_restarted_and_its_requests_run_again(tiny_llava_dir,
         async def load():
             async with aiohttp.ClientSession() as session:
                 first = [asyncio.ensure_future(stream(session, daemon.url, i, 200)) for i in range(24)]
-                # Kill D once it is decoding most of them, so some with images (its status, read
-                # off the loop).
-                loop = asyncio.get_running_loop()
-                deadline = time.monotonic() + 60
-                while (await loop.run_in_executor(None, instances, daemon))[2]["num_running"] < 20:
-                    assert time.monotonic() < deadline, "the requests did not reach the decode instance"
-                    await asyncio.sleep(0.02)
+                await decoding_at_least(daemon, 20)  # most of them, so some with images
                 os.kill(decode["pid"], signal.SIGKILL)
                 later = [asyncio.ensure_future(stream(session, daemon.url, 100 + i, 30)) for i in range(16)]
                 return await asyncio.gather(*first), await asyncio.gather(*later)
@@ -143,7 +147,7 @@ def test_a_hung_worker_is_killed_and_restarted_and_systemds_watchdog_is_pinged(t
             try:
                 notifications.append(server.recv(4096))
             except (TimeoutError, OSError):
-                pass
+                continue  # nothing for 0.5 s, or the socket closed: then the loop ends
 
     threading.Thread(target=read, daemon=True).start()
     monkeypatch.setenv("NOTIFY_SOCKET", notify_path)
@@ -159,11 +163,7 @@ def test_a_hung_worker_is_killed_and_restarted_and_systemds_watchdog_is_pinged(t
             async with aiohttp.ClientSession() as session:
                 streams = [asyncio.ensure_future(stream(session, daemon.url, i, 100)) for i in range(8)]
                 if kill:
-                    loop = asyncio.get_running_loop()
-                    deadline = time.monotonic() + 60
-                    while (await loop.run_in_executor(None, instances, daemon))[2]["num_running"] < 4:
-                        assert time.monotonic() < deadline, "the requests did not reach the decode instance"
-                        await asyncio.sleep(0.02)
+                    await decoding_at_least(daemon, 4)
                     os.kill(decode["pid"], signal.SIGSTOP)
                 return await asyncio.wait_for(asyncio.gather(*streams), 120)  # a hang fails the test
 
