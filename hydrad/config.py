@@ -45,13 +45,19 @@ class CacheConfig:
     kv_block_size: int | None = None
     # Number of KV blocks; None: derived from kv_cache_memory_mb.
     num_kv_blocks: int | None = None
-    kv_cache_memory_mb: int = 512
+    # MB of KV cache per instance; None: 512 on a CPU, on a GPU what gpu_memory_utilization
+    # leaves after the weights and the largest step (hydrad.engine.memory).
+    kv_cache_memory_mb: int | None = None
     # Image-token slots per image-cache block; None: the family's default (one image's tokens for
     # LLaVA-1.5, 576 at 336 px; 64 for the families whose images vary in size).
     image_block_size: int | None = None
     # Number of image blocks; None: derived from image_cache_memory_mb.
     num_image_blocks: int | None = None
-    image_cache_memory_mb: int = 256
+    # MB of image cache per instance; None: 256 on a CPU, an eighth of the pools' memory on a GPU.
+    image_cache_memory_mb: int | None = None
+    # Share of a GPU's memory an instance may hold in all (weights, steps, cache pools) when a
+    # pool's size is unset, as vLLM's --gpu-memory-utilization; unused on a CPU.
+    gpu_memory_utilization: float = 0.9
     # Keep the KV of full blocks after their request for later requests with the same prefix
     # (tokens and images): they skip its prefill, and the encoding of its images.
     prefix_caching: bool = True
@@ -65,8 +71,10 @@ class CacheConfig:
             raise ConfigError(f"cache.image_block_size must be >= 1, got {self.image_block_size}")
         if self.num_image_blocks is not None and self.num_image_blocks < 1:
             raise ConfigError(f"cache.num_image_blocks must be >= 1, got {self.num_image_blocks}")
-        if self.kv_cache_memory_mb < 1 or self.image_cache_memory_mb < 1:
+        if any(mb is not None and mb < 1 for mb in (self.kv_cache_memory_mb, self.image_cache_memory_mb)):
             raise ConfigError("cache memory sizes must be >= 1 MB")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

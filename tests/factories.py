@@ -263,3 +263,32 @@ def http_get_stub(answer: Callable[[str], bytes | None], content_type: str = "ap
     finally:
         server.shutdown()
         server.server_close()
+
+
+class FakeGpuMemory:
+    """Stands in for a GPU's memory readings (``hydrad.engine.memory``) so that an engine on the
+    CPU sizes its pools as on a GPU: ``total`` bytes, ``free`` of them, ``reserved`` by this
+    process (change it to stand for what an instance allocates), and each measured step
+    ``step_peak`` bytes over what was reserved before it."""
+
+    def __init__(self, monkeypatch, total: int, free: int, step_peak: int, reserved: int = 0):
+        from hydrad.engine import memory
+
+        self.total, self.free, self.step_peak, self.reserved = total, free, step_peak, reserved
+        self._peak = reserved
+        self.resets = 0
+        on_a_gpu = memory.sized_from_device
+        monkeypatch.setattr(memory, "sized_from_device", lambda cache, device: on_a_gpu(cache, torch.device("cuda")))
+        monkeypatch.setattr(memory, "device_memory", self.read)
+        monkeypatch.setattr(memory, "reset_peak", self.reset)
+
+    def read(self, device):
+        from hydrad.engine.memory import DeviceMemory
+
+        reading = DeviceMemory(total=self.total, free=self.free, reserved=self.reserved, peak_reserved=self._peak)
+        self._peak += self.step_peak  # the next reading comes after a step
+        return reading
+
+    def reset(self, device) -> None:
+        self.resets += 1
+        self._peak = self.reserved

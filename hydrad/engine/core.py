@@ -35,6 +35,7 @@ from hydrad.engine.sampler import Sampler
 from hydrad.engine.migration import MigrationOffer, PullCopier, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.scheduler import Scheduler
 from hydrad.engine.allocator import keep_freed_memory
+from hydrad.engine import memory
 from hydrad.engine.streams import StageStreams
 from hydrad.errors import ConfigError, RequestError
 
@@ -77,6 +78,9 @@ class PoolGeometry:
     kv_block_bytes: int
     image_block_size: int
     image_block_bytes: int
+    # The bytes a GPU gave the instance's pools, both shares (hydrad.engine.memory); None:
+    # the pools are sized from [cache].
+    pool_bytes: int | None = None
 
 
 def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
@@ -128,6 +132,10 @@ class EngineCore:
             dtype=self.dtype,
             device=self.device,
         )
+        # On a GPU with a pool's size unset, the pools get a share of the device from what this
+        # instance allocates from here on (hydrad.engine.memory).
+        from_device = memory.sized_from_device(config.cache, self.device)
+        self._reserved_at_start = memory.device_memory(self.device).reserved if from_device else 0
         prefixes = (_VISION_PREFIXES if has_vision else ()) + (_LANGUAGE_PREFIXES if has_language else ())
         self.model.load_weights(iter_weights(self.model_path, self.dtype, prefixes=prefixes))
         self.model.eval()
@@ -137,9 +145,19 @@ class EngineCore:
         # An image takes as many blocks as its tokens need (the family's default: one LLaVA-1.5
         # image per block, 64 slots for the families whose images vary in size).
         image_block_size = cache.image_block_size or self.model.default_image_block_size
-        num_kv_blocks, num_image_blocks = self._pool_sizes(has_kv, has_image_cache, image_block_size)
-        if has_kv:
-            self._limit_context(num_kv_blocks)
+        # What a GPU gave the pools (their budget, both shares; None: sized from [cache]), the
+        # shares of the KV and image pools in it, and the largest step's peak it was measured with.
+        self.pool_bytes: int | None = None
+        self._pool_shares: tuple[int, int] = (0, 0)
+        self._step_peak = 0
+        # Sized from a GPU: small provisional pools first; the largest step runs on them, and the
+        # pools are then sized from the memory the device has left (below).
+        if from_device:
+            num_kv_blocks, num_image_blocks = self._provisional_sizes(has_kv, has_image_cache, image_block_size)
+        else:
+            num_kv_blocks, num_image_blocks = self._pool_sizes(has_kv, has_image_cache, image_block_size)
+            if has_kv:
+                self._limit_context(num_kv_blocks)
         self.kv_manager = BlockManager(num_kv_blocks, self.kv_block_size, "kv") if has_kv else None
         self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
         self.scheduler = Scheduler(
@@ -178,6 +196,8 @@ class EngineCore:
         # Set when a step found nothing it could run (e.g. blocks held by offered requests):
         # no step can do better until a request arrives, leaves or is released.
         self._stalled = False
+        if from_device:
+            num_kv_blocks, num_image_blocks = self._size_pools_from_device(has_vision, has_language)
         logger.info(
             "instance %d (%s) ready: %s on %s (%s), %d KV blocks x %d tokens, %d image blocks x %d slots",
             instance_id, self.role, self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
@@ -197,16 +217,133 @@ class EngineCore:
             self.max_model_len = tokens
 
     def _pool_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int) -> tuple[int, int]:
-        """Blocks of each pool a role uses (0: not used). Memory is split by role: a cache the
-        role does not use gives its share to the other."""
+        """Blocks of each pool a role uses (0: not used), from [cache]. Memory is split by
+        role: a cache the role does not use gives its share to the other."""
         cache = self.config.cache
-        kv_mb = cache.kv_cache_memory_mb + (0 if has_image_cache else cache.image_cache_memory_mb)
-        image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
+        kv_mb, image_mb = memory.fixed_pool_mb(cache, has_kv, has_image_cache)
         geometry = self.geometry(image_block_size)
         num_kv = _num_blocks(cache.num_kv_blocks, kv_mb, geometry.kv_block_bytes) if has_kv else 0
         num_image = (_num_blocks(cache.num_image_blocks, image_mb, geometry.image_block_bytes)
                      if has_image_cache else 0)
         return num_kv, num_image
+
+    # -- pools sized from a GPU's memory (hydrad.engine.memory) ---------------------------------
+    def _largest_step(self, vision: bool, language: bool) -> tuple[tuple[int, int], int, int]:
+        """The largest step the scheduler builds with these parts: (patches, tokens) of the
+        largest probe image, how many of them, and the prompt tokens of its chunk."""
+        from hydrad.engine.profiler import probe_images
+
+        sched = self.config.scheduler
+        image = (0, 0)
+        if vision:
+            largest = probe_images(self)[-1]
+            image = (largest.num_patches, largest.length)
+        prompt_tokens = min(sched.token_budget, self.max_model_len) if language else 0
+        return image, sched.image_budget if vision else 0, prompt_tokens
+
+    def _provisional_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int,
+                           vision: bool | None = None) -> tuple[int, int]:
+        """Blocks of each pool the largest step (with the vision part: ``vision``, else as the
+        role has it) needs, and no more."""
+        vision = "E" in self.role if vision is None else vision
+        (_, image_tokens), num_images, prompt_tokens = self._largest_step(vision, has_kv)
+        num_kv = -(-max(1, prompt_tokens) // self.kv_block_size) if has_kv else 0
+        num_image = max(1, num_images) * -(-max(1, image_tokens) // image_block_size) if has_image_cache else 0
+        return num_kv, num_image
+
+    def _step_peak_bytes(self, vision: bool, language: bool) -> int:
+        """Bytes the largest step with these parts needs beyond what is allocated now (torch's
+        reserved memory at its peak, over the pools it runs on)."""
+        from hydrad.engine.profiler import EngineTimer, Probe, probe_images
+
+        image, num_images, prompt_tokens = self._largest_step(vision, language)
+        probe = Probe(images=(image,) * num_images, prefills=((0, prompt_tokens),) if prompt_tokens else ())
+        timer = EngineTimer(self, images=probe_images(self) if vision else [], repeats=1)
+        memory.reset_peak(self.device)
+        before = memory.device_memory(self.device).peak_reserved
+        timer(probe)
+        return max(0, memory.device_memory(self.device).peak_reserved - before)
+
+    def _device_room(self) -> int:
+        """Bytes the device has for new pools now (``memory.pool_budget``)."""
+        cache, sched = self.config.cache, self.config.scheduler
+        memory.reset_peak(self.device)
+        now = memory.device_memory(self.device)
+        own = max(0, now.reserved - self._reserved_at_start)
+        reserve = memory.step_reserve(sched.max_num_seqs, self.vocab_size)
+        budget = memory.pool_budget(cache.gpu_memory_utilization, now, own, self._step_peak, reserve)
+        if budget <= 0:
+            raise memory.no_room_error(self.device, cache.gpu_memory_utilization, now, own, self._step_peak, reserve)
+        if int(cache.gpu_memory_utilization * now.total) - own > now.free:
+            logger.warning("instance %d (%s): %.2f GiB free on %s, less than gpu_memory_utilization allows it "
+                           "(other processes hold memory there): its pools take what is free", self.instance_id,
+                           self.role, now.free / memory.GB, self.device)
+        return budget
+
+    def _size_pools_from_device(self, vision: bool, language: bool) -> tuple[int, int]:
+        """Measure the largest step on the provisional pools, drop them, and allocate the pools
+        again at their shares of what the device has left. Returns their blocks."""
+        self._step_peak = self._step_peak_bytes(vision, language)
+        has_kv, has_image_cache = self.kv_manager is not None, self.image_manager is not None
+        self.runner.free_kv_cache()
+        self.runner.free_image_cache()
+        self.kv_manager = self.image_manager = None
+        self.pool_bytes = self._device_room()
+        self._pool_shares = memory.split_budget(self.config.cache, True, True, self.pool_bytes)
+        num_kv = self._allocate_from_device("kv") if has_kv else 0
+        num_image = self._allocate_from_device("image") if has_image_cache else 0
+        self.scheduler.set_role(self.role, self.kv_manager, self.image_manager)
+        logger.info("instance %d (%s): %.2f GiB of %s for its cache pools (KV %.2f GiB, images %.2f GiB), "
+                    "%.2f GiB for its largest step", self.instance_id, self.role, self.pool_bytes / memory.GB,
+                    self.device, num_kv * self.geometry().kv_block_bytes / memory.GB,
+                    num_image * self.geometry().image_block_bytes / memory.GB, self._step_peak / memory.GB)
+        return num_kv, num_image
+
+    def _measure_new_parts(self, vision: bool, language: bool, new_kv: bool, new_image: bool) -> None:
+        """The largest step of model parts a redeploy just loaded, on provisional pools of the
+        pools it adds (a part whose pool the instance already holds, in use by its requests,
+        is not measured again: the reserve covers it)."""
+        if not (vision or language):
+            return
+        num_kv, num_image = self._provisional_sizes(new_kv, new_image, self.runner.image_block_size, vision)
+        if new_kv:
+            self.runner.allocate_kv_cache(num_kv)
+            self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
+        if new_image:
+            self.runner.allocate_image_cache(num_image)
+            self.image_manager = BlockManager(num_image, self.runner.image_block_size, "image")
+        try:
+            self._step_peak = max(self._step_peak, self._step_peak_bytes(vision, language))
+        finally:
+            if new_kv:
+                self.runner.free_kv_cache()
+                self.kv_manager = None
+            if new_image:
+                self.runner.free_image_cache()
+                self.image_manager = None
+
+    def _allocate_from_device(self, kind: str, room: int | None = None) -> int:
+        """Allocate the ``kind`` pool ("kv" or "image") at its share of the device's budget
+        (at most ``room`` bytes: what the device has left now). Returns its blocks."""
+        cache, geometry = self.config.cache, self.geometry()
+        share = self._pool_shares[0 if kind == "kv" else 1]
+        size = min(share, room) if room is not None else share
+        if kind == "kv":
+            num = cache.num_kv_blocks or size // geometry.kv_block_bytes
+        else:
+            num = cache.num_image_blocks or size // geometry.image_block_bytes
+        if num < 1:
+            raise ConfigError(f"instance {self.instance_id} ({self.device}): no room for its {kind} cache "
+                              f"({size / memory.GB:.2f} GiB left of its share of the device's memory)")
+        if kind == "kv":
+            self.runner.allocate_kv_cache(num)
+            self.kv_manager = BlockManager(num, self.kv_block_size, "kv")
+            self._limit_context(num)
+            self.scheduler.max_model_len = self.max_model_len
+        else:
+            self.runner.allocate_image_cache(num)
+            self.image_manager = BlockManager(num, geometry.image_block_size, "image")
+        return num
 
     def geometry(self, image_block_size: int | None = None) -> PoolGeometry:
         """This instance's blocks (for a pool it does not hold: what such a block would be)."""
@@ -214,7 +351,8 @@ class EngineCore:
             image_block_size = self.runner.image_block_size
         return PoolGeometry(
             self.kv_block_size, math.prod(self.model.kv_cache_shape(1, self.kv_block_size)) * self.dtype.itemsize,
-            image_block_size, image_block_size * self.model.image_hidden_size * self.dtype.itemsize)
+            image_block_size, image_block_size * self.model.image_hidden_size * self.dtype.itemsize,
+            self.pool_bytes)
 
     def image_cache(self) -> tuple[int, int] | None:
         """The image cache's (blocks, slots per block); None: this instance holds none."""
@@ -244,15 +382,24 @@ class EngineCore:
         has_kv = "P" in role or "D" in role
         has_image_cache = "E" in role or "P" in role
         image_block_size = self.runner.image_block_size
-        num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, image_block_size)
-        if has_kv and self.kv_manager is None:
-            self.runner.allocate_kv_cache(num_kv)
-            self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
-            self._limit_context(num_kv)
-            self.scheduler.max_model_len = self.max_model_len
-        if has_image_cache and self.image_manager is None:
-            self.runner.allocate_image_cache(num_image)
-            self.image_manager = BlockManager(num_image, image_block_size, "image")
+        if self.pool_bytes is not None:
+            # Sized from the GPU: a new pool takes its share of the budget measured at start
+            # (left free for it), at most what the device has left now that the parts are loaded.
+            new_kv, new_image = has_kv and self.kv_manager is None, has_image_cache and self.image_manager is None
+            self._measure_new_parts(needs_vision and new_image, needs_language and new_kv, new_kv, new_image)
+            for kind, new in (("kv", new_kv), ("image", new_image)):
+                if new:
+                    self._allocate_from_device(kind, self._device_room())
+        else:
+            num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, image_block_size)
+            if has_kv and self.kv_manager is None:
+                self.runner.allocate_kv_cache(num_kv)
+                self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
+                self._limit_context(num_kv)
+                self.scheduler.max_model_len = self.max_model_len
+            if has_image_cache and self.image_manager is None:
+                self.runner.allocate_image_cache(num_image)
+                self.image_manager = BlockManager(num_image, image_block_size, "image")
         self.role = role
         self.scheduler.set_role(role, self.kv_manager, self.image_manager)
         self._stalled = False

@@ -104,23 +104,18 @@ class Devices:
         return f"cpu:{len(self.devices)}" if self.is_cpu else ",".join(self.devices)
 
 
-def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
-    # As EngineCore sizes its pools.
-    return explicit if explicit is not None else max(1, (memory_mb << 20) // bytes_per_block)
+def role_layouts(config: EngineConfig, geometry) -> dict[str, InstanceLayout]:
+    """Each role's pools, as ``EngineCore`` sizes them (``hydrad.engine.memory``): from
+    [cache], or from the budget a GPU gave an instance's pools (``geometry.pool_bytes``)."""
+    from hydrad.engine.memory import role_pool_bytes
 
-
-def role_layouts(config: EngineConfig, kv_block_bytes: int, image_block_bytes: int) -> dict[str, InstanceLayout]:
-    """Each role's pools: a cache the role does not use gives its memory to the other."""
     cache = config.cache
     layouts = {}
     for role in ROLE_ORDER:
-        has_kv = "P" in role or "D" in role
-        has_images = "E" in role or "P" in role
-        kv_mb = cache.kv_cache_memory_mb + (0 if has_images else cache.image_cache_memory_mb)
-        image_mb = cache.image_cache_memory_mb + (0 if has_kv else cache.kv_cache_memory_mb)
-        layouts[role] = InstanceLayout(_num_blocks(cache.num_kv_blocks, kv_mb, kv_block_bytes) if has_kv else 0,
-                                       _num_blocks(cache.num_image_blocks, image_mb, image_block_bytes)
-                                       if has_images else 0)
+        kv_bytes, image_bytes = role_pool_bytes(cache, role, geometry.pool_bytes)
+        num_kv = (cache.num_kv_blocks or max(1, kv_bytes // geometry.kv_block_bytes)) if kv_bytes else 0
+        num_image = (cache.num_image_blocks or max(1, image_bytes // geometry.image_block_bytes)) if image_bytes else 0
+        layouts[role] = InstanceLayout(num_kv, num_image)
     return layouts
 
 
@@ -233,7 +228,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
         geometry = engine.geometry()
         bandwidth = measure_bandwidth(engine)
         setup = SimSetup(
-            model=model, layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
+            model=model, layouts=role_layouts(config, geometry),
             kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
             kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
             max_model_len=engine.max_model_len,

@@ -161,7 +161,7 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
             pass
     setup = SimSetup(
         model=combine_models(instances), thread_models=thread_models,
-        layouts=role_layouts(config, geometry.kv_block_bytes, geometry.image_block_bytes),
+        layouts=role_layouts(config, geometry),
         kv_block_size=geometry.kv_block_size, image_block_size=geometry.image_block_size,
         kv_block_bytes=geometry.kv_block_bytes, image_block_bytes=geometry.image_block_bytes,
         max_model_len=min(f.max_model_len for f in instances),

@@ -30,6 +30,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 MAX_TOKENS = 24
 
+# Pools of fixed sizes: several instances share GPU 0 here, and pools sized from its memory
+# would take it all for the first one (tests/cuda/test_cuda_memory.py and the daemon test size them so).
+FIXED_POOLS = dict(kv_cache_memory_mb=512, image_cache_memory_mb=256)
+
 
 @pytest.fixture
 def one_gpu_for_every_instance(monkeypatch):
@@ -52,7 +56,8 @@ def _check(llm: LLM, conversations, reference) -> list:
 
 @pytest.mark.parametrize("dual_streams", [False, True])
 def test_one_instance_on_cuda_matches_transformers(tiny_llava_dir, conversations, reference, dual_streams):
-    llm = LLM(str(tiny_llava_dir), devices="cuda:0", dtype="float32", dual_streams=dual_streams, token_budget=24)
+    llm = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS,
+              dtype="float32", dual_streams=dual_streams, token_budget=24)
     assert llm.engine.device.type == "cuda"
     streams = llm.engine.streams
     assert streams.enabled == dual_streams and (streams._vision_stream is not None) == dual_streams
@@ -75,15 +80,16 @@ def test_half_precision_agrees_with_float32(tiny_llava_dir, conversations, dtype
     prefill chunks after cached context and decodes: the attention calls that take a mask."""
     from agreement import PARAMS, check_answers
 
-    full = LLM(str(tiny_llava_dir), devices="cuda:0", dtype="float32", token_budget=24)
+    full = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS, dtype="float32", token_budget=24)
     want = full.chat(conversations, PARAMS, use_tqdm=False)
     full.shutdown()
-    half = LLM(str(tiny_llava_dir), devices="cuda:0", dtype=dtype, attention_backend=backend, token_budget=24)
+    half = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS,
+               dtype=dtype, attention_backend=backend, token_budget=24)
     check_answers(half.chat(conversations, PARAMS, use_tqdm=False), want, dtype)
 
 
 def test_migration_copy_stream_on_cuda(tiny_llava_dir, conversations, reference, one_gpu_for_every_instance):
-    llm = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cuda:0", dtype="float32",
+    llm = LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cuda:0", **FIXED_POOLS, dtype="float32",
               worker_processes=False, token_budget=24)
     assert all(e.device.type == "cuda" for e in llm.engine.engines)
     outs = _check(llm, conversations, reference)
@@ -96,7 +102,8 @@ def test_migration_copy_stream_on_cuda(tiny_llava_dir, conversations, reference,
 
 def test_worker_processes_share_pools_through_cuda_ipc(tiny_llava_dir, conversations, reference,
                                                       one_gpu_for_every_instance):
-    with LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cuda:0", dtype="float32", token_budget=24) as llm:
+    with LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cuda:0", **FIXED_POOLS,
+             dtype="float32", token_budget=24) as llm:
         workers = [w for w in multiprocessing.active_children() if w.name.startswith("hydrad-worker")]
         assert len(workers) == 3
         outs = _check(llm, conversations, reference)
@@ -106,7 +113,7 @@ def test_worker_processes_share_pools_through_cuda_ipc(tiny_llava_dir, conversat
         # it draws on one instance on the same GPU.
         seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.8, top_p=0.9, seed=1)
         moved = [llm.chat(conversation, seeded)[0].token_ids for conversation in conversations[:3]]
-    single = LLM(str(tiny_llava_dir), devices="cuda:0", dtype="float32", token_budget=24)
+    single = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS, dtype="float32", token_budget=24)
     assert moved == [single.chat(conversation, seeded)[0].token_ids for conversation in conversations[:3]]
 
 
@@ -157,12 +164,12 @@ def test_families_on_cuda_with_chunks_preemption_and_ipc(tiny_checkpoint, family
         return _check(llm, family_conversations, refs, what, tol=FAMILY_LOGPROB_TOL)
 
     longest = max(len(ids) for ids in _prompt_ids(path, family_conversations)) + FAMILY_TOKENS
-    llm = LLM(str(path), devices="cuda:0", dtype="float32", token_budget=TOKEN_BUDGET, kv_block_size=4,
+    llm = LLM(str(path), devices="cuda:0", **FIXED_POOLS, dtype="float32", token_budget=TOKEN_BUDGET, kv_block_size=4,
               num_kv_blocks=-(-longest // 4) + 6, **CACHE)
     check(llm, f"{arch} one instance")
     assert llm.engine.scheduler.num_preemptions > 0
     llm.shutdown()
-    with LLM(str(path), deploy="1E+1P+1D", devices="cuda:0", dtype="float32", token_budget=TOKEN_BUDGET,
+    with LLM(str(path), deploy="1E+1P+1D", devices="cuda:0", **FIXED_POOLS, dtype="float32", token_budget=TOKEN_BUDGET,
              **CACHE) as llm:
         outs = check(llm, f"{arch} in worker processes")
     assert any("prefill_to_decode_migration" in (o.stage_times or {}) for o in outs)

@@ -33,6 +33,10 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CUDA GPU and flash-attn",
 )
 
+# Pools of fixed sizes: several instances share GPU 0 here, and pools sized from its memory
+# would take it all for the first one (tests/cuda/test_cuda_memory.py and the daemon test size them so).
+FIXED_POOLS = dict(kv_cache_memory_mb=512, image_cache_memory_mb=256)
+
 BLOCK = 256  # flash-attn's paged kernels take blocks of a multiple of 256 tokens
 
 # |flash - SDPA| on attention outputs of magnitude ~1
@@ -82,11 +86,12 @@ def test_kernel_matches_sdpa(batch, dtype, num_heads, num_kv_heads, head_dim):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_one_instance_with_chunks_and_preemption(tiny_llava_dir, conversations, dtype):
-    sdpa = LLM(str(tiny_llava_dir), devices="cuda:0", dtype=dtype, attention_backend="sdpa", token_budget=24)
+    sdpa = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS,
+               dtype=dtype, attention_backend="sdpa", token_budget=24)
     want = sdpa.chat(conversations, PARAMS, use_tqdm=False)
     sdpa.shutdown()
     # Three 256-token blocks for the batch: requests wait and are preempted and recomputed.
-    llm = LLM(str(tiny_llava_dir), devices="cuda:0", dtype=dtype, token_budget=24, num_kv_blocks=3)
+    llm = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS, dtype=dtype, token_budget=24, num_kv_blocks=3)
     assert llm.engine.attention_backend == "flash_attn" and llm.engine.kv_block_size == BLOCK  # "auto"
     got = llm.chat(conversations, PARAMS, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -99,10 +104,11 @@ def test_worker_processes_through_cuda_ipc(tiny_llava_dir, conversations, monkey
 
     monkeypatch.setattr(deploy, "plan_instances", lambda spec, devices, num_cuda: [
         (role, "cuda:0") for role in deploy.parse_deploy(spec)])
-    sdpa = LLM(str(tiny_llava_dir), devices="cuda:0", dtype="float16", attention_backend="sdpa", token_budget=24)
+    sdpa = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS,
+               dtype="float16", attention_backend="sdpa", token_budget=24)
     want = sdpa.chat(conversations, PARAMS, use_tqdm=False)
     sdpa.shutdown()
-    with LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cuda:0", dtype="float16",
+    with LLM(str(tiny_llava_dir), deploy="1E+1P+1D", devices="cuda:0", **FIXED_POOLS, dtype="float16",
              attention_backend="flash_attn", token_budget=24) as llm:
         got = llm.chat(conversations, PARAMS, use_tqdm=False)
     assert any("prefill_to_decode_migration" in (o.stage_times or {}) for o in got)
@@ -115,7 +121,8 @@ def test_m_rope_family(tiny_checkpoint):
     path, conversations = tiny_checkpoint("qwen2-vl"), mixed_conversations()
     runs = {}
     for backend in ("sdpa", "flash_attn"):
-        llm = LLM(str(path), devices="cuda:0", dtype="float16", attention_backend=backend, token_budget=24)
+        llm = LLM(str(path), devices="cuda:0", **FIXED_POOLS,
+                  dtype="float16", attention_backend=backend, token_budget=24)
         runs[backend] = llm.chat(conversations, PARAMS, use_tqdm=False)
         llm.shutdown()
     check_answers(runs["flash_attn"], runs["sdpa"], "float16")

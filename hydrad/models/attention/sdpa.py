@@ -1,8 +1,8 @@
 """Paged attention with torch's ``scaled_dot_product_attention``: any device, and the reference in tests.
 
-Decodes (query length 1) run as padded SDPA calls with a key-padding mask: on a CPU in groups
-of rows of similar lengths whose keys and values (at most ``CPU_GATHER_BYTES``) are gathered
-into a buffer kept between steps, elsewhere all in one call; each prefill chunk runs as its
+Decodes (query length 1) run as padded SDPA calls with a key-padding mask, in groups of rows
+of similar lengths whose keys and values (at most ``CPU_GATHER_BYTES`` / ``CUDA_GATHER_BYTES``)
+are gathered, on a CPU into a buffer kept between steps; each prefill chunk runs as its
 own call, over its own keys when nothing is cached before it, else over its context gathered
 from the cache. The gather indices and masks come from ``AttentionMetadata`` (built once per
 step). Every call passes 4-d tensors: torch's fused CPU kernel takes nothing else and would
@@ -45,12 +45,16 @@ def gather_blocks(kv_cache_layer: torch.Tensor, block_ids: torch.Tensor,
     return tuple(rows(i).view(-1, num_kv_heads, head_dim) for i in (0, 1))
 
 
-# On a CPU the decodes' keys and values are gathered into one buffer kept between steps, a
-# group of decodes at a time, at most this many bytes of keys and values per group. A fresh
+# The decodes' keys and values are gathered a group of decodes at a time, at most this many
+# bytes of keys and values per group. On a CPU into one buffer kept between steps: a fresh
 # buffer of tens of MB per layer costs its page faults again at every step (the allocator
 # maps such sizes anew), which made a decode step's attention 2-4x as slow per context token
 # at 32 x 1024 tokens as at 8 x 1024; groups of 8-16 MB measured fastest (bench/cpu_kernels.py).
+# On a GPU into fresh memory (the CUDA allocator reuses freed blocks by itself), in groups
+# large enough for few kernel calls and bounded so that cache pools sized from the GPU's
+# memory leave room for them (hydrad.engine.memory).
 CPU_GATHER_BYTES = 16 << 20
+CUDA_GATHER_BYTES = 256 << 20
 
 
 class SdpaBackend:
@@ -109,10 +113,8 @@ class SdpaBackend:
         [num_tokens, num_heads, head_dim]."""
         on_cpu = self.device.type == "cpu"
         block = kv_cache_layer[0, 0]  # [block_size, num_kv_heads, head_dim]
-        if on_cpu:  # groups within CPU_GATHER_BYTES of keys and values
-            max_tokens = max(1, CPU_GATHER_BYTES // (2 * block[0].numel() * block.element_size()))
-        else:  # one group in fresh memory: the CUDA allocator reuses freed blocks by itself
-            max_tokens = None
+        gather_bytes = CPU_GATHER_BYTES if on_cpu else CUDA_GATHER_BYTES
+        max_tokens = max(1, gather_bytes // (2 * block[0].numel() * block.element_size()))
         num_kv_heads = kv_cache_layer.shape[3]
         for group in meta.decode_groups(max_tokens):
             num_decodes = group.block_ids.shape[0]
