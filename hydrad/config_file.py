@@ -115,6 +115,10 @@ class ServerConfig:
     # from the tokens they had; their preprocessed images are kept for that up to this
     # many MiB in all (0: streaming requests with images then fail with their worker).
     rerun_image_mb: int = 1024
+    # A request that is run again and loses that worker too fails, and the same request
+    # (prompt tokens and images) is refused with a 400 for this many seconds: a client
+    # resending a request that takes workers down would put them in a crash loop (0: never).
+    quarantine_seconds: float = 300.0
     log_level: str = "info"
     remote_images: RemoteImageConfig = field(default_factory=RemoteImageConfig)
 
@@ -148,6 +152,8 @@ class ServerConfig:
             raise ConfigError(f"server.worker_stall_timeout must be >= 0, got {self.worker_stall_timeout}")
         if self.rerun_image_mb < 0:
             raise ConfigError(f"server.rerun_image_mb must be >= 0, got {self.rerun_image_mb}")
+        if self.quarantine_seconds < 0:
+            raise ConfigError(f"server.quarantine_seconds must be >= 0, got {self.quarantine_seconds}")
         if self.shutdown_timeout < 0 or self.worker_start_timeout <= 0:
             raise ConfigError("server.shutdown_timeout must be >= 0 and server.worker_start_timeout > 0")
         if self.log_level not in _LOG_LEVELS:

@@ -144,7 +144,9 @@ def render(status: dict):
         restarted = ", ".join(f"#{i['id']} x{i['restarts']}" for i in status["instances"] if i.get("restarts"))
         parts.append(f"worker restarts: {failures['worker_restarts']}" + (f" ({restarted})" if restarted else "")
                      + f"; their requests run again: {failures['requests_run_again']}, lost: "
-                     + f"{failures['requests_lost']}")
+                     + f"{failures['requests_lost']}"
+                     + (f"; quarantined: {failures['quarantined']} (refused since: "
+                        f"{failures.get('requests_refused_quarantined', 0)})" if failures.get("quarantined") else ""))
     frontend = status.get("frontend")
     if frontend and frontend.get("cpu_share") is not None:
         per_token = frontend.get("cpu_per_token")

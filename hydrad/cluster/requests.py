@@ -8,21 +8,28 @@ synchronously while a step's columns are read, so a step reaches all its request
 one pass. When the daemon stops at once (``fail_all``), every request in flight fails
 and new ones are refused. When an instance dies, the table runs its requests again
 from the tokens they had (``lost``): it keeps each request as sent, and its tokens, for
-its whole life.
+its whole life. A request that loses a second instance fails, and its content (prompt
+tokens and images) is refused for a while (``Quarantine``): a client resending a request
+that takes workers down would otherwise put them in a crash loop, and the daemon with
+them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
+from array import array
+from collections import OrderedDict
 from typing import Protocol
 
 from hydrad.cluster.relay import Instance, MigrationRelay
 from hydrad.cluster.router import NoInstanceAvailable, Router, entry_stage
 from hydrad.engine.inputs import EngineOutput, EngineRequest, TokenLogprobs
 from hydrad.engine.migration import MigrationOffer, Pulled
+from hydrad.errors import RequestError
 
 logger = logging.getLogger("hydrad.migration")
 
@@ -39,6 +46,62 @@ class RequestSink(Protocol):
 
 class ServiceStopping(RuntimeError):
     """The daemon is stopping at once: the request failed or was refused."""
+
+
+class RequestQuarantined(RequestError):
+    """The request's content was in flight when two workers died: refused for a while (400)."""
+
+
+def content_digest(request: EngineRequest) -> bytes:
+    """What a request asks the model: its prompt tokens and its images (their digests)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(array("q", request.prompt_token_ids).tobytes())
+    for image in request.images:
+        h.update(image.digest() or repr((image.num_patches, image.length)).encode())
+    return h.digest()
+
+
+class Quarantine:
+    """Contents of requests that were in flight when two workers died (the one a request
+    runs on, then the one it ran again on), refused for ``seconds`` since the second death;
+    at most ``MAX_ENTRIES``, the oldest dropped first. Empty, it costs ``open`` one check."""
+
+    MAX_ENTRIES = 1024
+
+    def __init__(self, seconds: float, clock=time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self._until: OrderedDict[bytes, float] = OrderedDict()
+        self.num_refused = 0
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._until)
+
+    def add(self, digest: bytes) -> None:
+        if self.seconds <= 0:
+            return
+        self._until.pop(digest, None)
+        self._until[digest] = self.clock() + self.seconds
+        while len(self._until) > self.MAX_ENTRIES:
+            self._until.popitem(last=False)
+
+    def check(self, request: EngineRequest) -> None:
+        """Raise ``RequestQuarantined`` if ``request``'s content is refused now."""
+        if not self._until:
+            return
+        self._expire()
+        until = self._until.get(content_digest(request))
+        if until is not None:
+            self.num_refused += 1
+            raise RequestQuarantined(
+                f"this request was being processed when two workers failed, one after the other; the same "
+                f"request is refused for {until - self.clock():.0f} s more", code="request_quarantined")
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._until and next(iter(self._until.values())) <= now:
+            self._until.popitem(last=False)
 
 
 class _Kept:
@@ -60,7 +123,7 @@ def pixel_bytes(request: EngineRequest) -> int:
 
 
 class RequestTable:
-    def __init__(self, router: Router, rerun_image_bytes: int = 1 << 30):
+    def __init__(self, router: Router, rerun_image_bytes: int = 1 << 30, quarantine_seconds: float = 300.0):
         self.router = router
         self.relay = MigrationRelay(router)
         self.sinks: dict[str, RequestSink] = {}
@@ -83,6 +146,10 @@ class RequestTable:
         self.kept_image_bytes = 0
         self._kept: dict[str, _Kept] = {}
         self._run_again: set[str] = set()
+        # The content digests of the requests running again: refused for a while should they
+        # lose that instance too.
+        self._suspects: dict[str, bytes] = {}
+        self.quarantine = Quarantine(quarantine_seconds)
         self._parked_requests: list[tuple[EngineRequest, RequestSink]] = []
         # Requests failed because the instance holding them died, and those run again instead.
         self.num_lost = 0
@@ -101,6 +168,7 @@ class RequestTable:
         if self.stopping_reason is not None:
             raise ServiceStopping(self.stopping_reason)
         if request is not None and req_id not in self._run_again:
+            self.quarantine.check(request)
             image_bytes = pixel_bytes(request)
             if image_bytes and self.kept_image_bytes + image_bytes > self.rerun_image_bytes:
                 image_bytes = -1
@@ -203,6 +271,7 @@ class RequestTable:
             self.kept_image_bytes -= k.image_bytes
         if self._run_again:
             self._run_again.discard(req_id)
+            self._suspects.pop(req_id, None)
 
     def retry_parked(self) -> None:
         """Hand the waiting offers on again (an instance came back); those that still find
@@ -226,10 +295,11 @@ class RequestTable:
 
     def lost(self, instance: Instance, error: Exception) -> None:
         """An instance died: every request it held runs again, once, from the tokens it had
-        (a request that takes down a second instance fails), on a live instance of its first
-        stage or on the restarted one; the others drop their parts. Those it was about to
-        pull go to another target (their source still has the blocks); a request not kept
-        whole (its pixels past ``rerun_image_bytes``, streaming) fails."""
+        (a request that takes down a second instance fails, and its content is quarantined),
+        on a live instance of its first stage or on the restarted one; the others drop their
+        parts. Those it was about to pull go to another target (their source still has the
+        blocks); a request not kept whole (its pixels past ``rerun_image_bytes``, streaming)
+        fails."""
         for req_id in self.relay.requests_held_by(instance):
             handed_back = self.relay.take_back(req_id, instance)
             kept = self._kept.get(req_id)
@@ -240,6 +310,8 @@ class RequestTable:
                 self.relay.abort((req_id,))  # the live instances drop their parts
                 self._forget(req_id)
                 self._run_again.add(req_id)
+                if self.quarantine.seconds > 0:
+                    self._suspects[req_id] = content_digest(kept.request)
                 self.num_run_again += 1
                 request = kept.request
                 if kept.token_ids:
@@ -248,6 +320,11 @@ class RequestTable:
                                instance.instance_id, len(kept.token_ids))
                 self._place_again(request, sink, error)
             else:
+                digest = self._suspects.pop(req_id, None)
+                if digest is not None and sink is not None:
+                    self.quarantine.add(digest)
+                    logger.warning("request %s lost a second instance (%d): failed, and its content is refused "
+                                   "for %g s", req_id, instance.instance_id, self.quarantine.seconds)
                 self.num_lost += sink is not None
                 self.fail(req_id, error)
 

@@ -102,11 +102,12 @@ class Supervisor:
     def __init__(self, config: EngineConfig, specs: list[InstanceSpec], *, start_timeout: float = 600.0,
                  router_policy: str = "round-robin", restart: RestartPolicy | None = None,
                  launched: dict[int, Launched] | None = None, rerun_image_bytes: int = 1 << 30,
-                 stall_timeout: float = 0.0):
+                 stall_timeout: float = 0.0, quarantine_seconds: float = 300.0):
         """``launched``: workers of ``specs`` started already (``launch.launch_all``), by
         instance id; the supervisor takes them over at ``start`` instead of spawning them.
         ``rerun_image_bytes``: pixels kept to run requests again when their worker dies
-        (``RequestTable``). ``stall_timeout``: a worker that holds requests and answers
+        (``RequestTable``), and for how long the content of a request that lost two of them
+        is refused (``quarantine_seconds``). ``stall_timeout``: a worker that holds requests and answers
         nothing for this long, then nothing to a probe for as long again, is killed (and
         restarted as any dead worker); 0: never."""
         self.config = config
@@ -116,7 +117,7 @@ class Supervisor:
         self.clients: list[WorkerClient] = []
         # The router sees the clients list itself: a worker restarted in place is seen at once.
         self.router = Router(self.clients, router_policy, seed=config.seed if config is not None else None)
-        self.table = RequestTable(self.router, rerun_image_bytes)
+        self.table = RequestTable(self.router, rerun_image_bytes, quarantine_seconds)
         # Called with a one-line status when the daemon goes on serving degraded or recovers.
         self.on_status: Callable[[str], None] | None = None
         # Called with every new worker client (at start and at each restart), to wire it up.

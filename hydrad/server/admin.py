@@ -131,5 +131,7 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "requests_run_again": table.num_run_again,
             "requests_lost": table.num_lost,
             "rerun_image_bytes": table.kept_image_bytes,
+            "quarantined": len(table.quarantine),
+            "requests_refused_quarantined": table.quarantine.num_refused,
         },
     }

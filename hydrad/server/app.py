@@ -126,7 +126,7 @@ async def engine_ctx(app: web.Application):
                             router_policy=server.router_policy,
                             restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window),
                             launched=app[LAUNCHED], rerun_image_bytes=server.rerun_image_mb << 20,
-                            stall_timeout=server.worker_stall_timeout)
+                            stall_timeout=server.worker_stall_timeout, quarantine_seconds=server.quarantine_seconds)
     supervisor.on_status = lambda status: sd_notify(f"STATUS={status}")
     # Every worker client, the restarted ones too, reports its steps' times to the metrics.
     supervisor.on_client = lambda client: setattr(
@@ -304,7 +304,8 @@ async def metrics(request: web.Request) -> web.Response:
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
     table = supervisor.table
-    registry.set_failures(supervisor.num_restarts, table.num_lost, table.num_run_again, table.kept_image_bytes)
+    registry.set_failures(supervisor.num_restarts, table.num_lost, table.num_run_again, table.kept_image_bytes,
+                          len(table.quarantine), table.quarantine.num_refused)
     replanner = request.app[REPLANNER]
     registry.set_deployment(supervisor.deployment, supervisor.history, supervisor.num_failed_redeploys,
                             replanner.num_decisions if replanner is not None else None)

@@ -111,7 +111,7 @@ class WorkerFailures(Collector):
     def __init__(self, model: str):
         self.model = model
         self.restarts: dict[int, int] | None = None
-        self.lost = self.run_again = self.kept_image_bytes = 0
+        self.lost = self.run_again = self.kept_image_bytes = self.quarantined = self.refused = 0
 
     def collect(self):
         restarts = CounterMetricFamily("hydrad_worker_restarts", "Times the instance's worker was restarted after "
@@ -126,13 +126,20 @@ class WorkerFailures(Collector):
         kept = GaugeMetricFamily("hydrad_rerun_image_bytes", "Preprocessed images the daemon keeps to run "
                                  "requests again should their worker die (at most server.rerun_image_mb).",
                                  labels=["model_name"])
+        quarantined = GaugeMetricFamily("hydrad_quarantined_requests", "Contents (prompt tokens and images) of "
+                                        "requests that lost two workers, refused for server.quarantine_seconds.",
+                                        labels=["model_name"])
+        refused = CounterMetricFamily("hydrad_requests_refused_quarantined", "Requests refused (400) because the "
+                                      "same request lost two workers not long before.", labels=["model_name"])
         if self.restarts is not None:
             for instance, count in sorted(self.restarts.items()):
                 restarts.add_metric([self.model, str(instance)], count)
             lost.add_metric([self.model], self.lost)
             run_again.add_metric([self.model], self.run_again)
             kept.add_metric([self.model], self.kept_image_bytes)
-        yield from (restarts, lost, run_again, kept)
+            quarantined.add_metric([self.model], self.quarantined)
+            refused.add_metric([self.model], self.refused)
+        yield from (restarts, lost, run_again, kept, quarantined, refused)
 
 
 class EngineCounters(Collector):
@@ -324,11 +331,14 @@ class Metrics:
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions)
 
-    def set_failures(self, restarts: dict[int, int], lost: int, run_again: int, kept_image_bytes: int = 0) -> None:
-        """Each instance's worker restarts, the requests lost with a worker or run again, and
-        the pixels kept to run requests again."""
+    def set_failures(self, restarts: dict[int, int], lost: int, run_again: int, kept_image_bytes: int = 0,
+                     quarantined: int = 0, refused: int = 0) -> None:
+        """Each instance's worker restarts, the requests lost with a worker or run again, the
+        pixels kept to run requests again, and the quarantined contents and the requests
+        refused for them."""
         f = self.failures
         f.restarts, f.lost, f.run_again, f.kept_image_bytes = dict(restarts), lost, run_again, kept_image_bytes
+        f.quarantined, f.refused = quarantined, refused
 
     def set_deployment(self, deploy: str, history, failed_redeploys: int, decisions: dict[str, int] | None) -> None:
         """The deployment served now; ``history``: every deployment since start (the

@@ -324,3 +324,67 @@ def test_pixels_are_kept_to_run_again_within_their_budget():
     ep1.add_request(request("v"), RecordingSink())
     table.deliver_output(EngineOutput(["v"], [3]))
     assert "v" not in table._kept and table.kept_image_bytes == 0
+
+
+def test_a_request_that_loses_two_instances_is_quarantined():
+    """A request run again that loses that instance too fails, and the same content (prompt
+    tokens and images) is refused for ``quarantine_seconds``, with a 400's one line; other
+    requests, the one lost once and the same request after the window are taken."""
+    from hydrad.cluster.requests import Quarantine, RequestQuarantined
+    from hydrad.engine.inputs import EngineRequest
+    from hydrad.server.errors import exception_status
+
+    def request(req_id: str, tokens=(1, 2, 3)) -> EngineRequest:
+        return EngineRequest(req_id, list(tokens), SamplingParams(max_tokens=4))
+
+    now = [100.0]
+    table, (p0, p1, d) = make_table(("P", "P", "D"))
+    table.quarantine = Quarantine(300.0, clock=lambda: now[0])
+    poison, bystander = RecordingSink(), RecordingSink()
+    p0.add_request(request("poison"), poison)
+    p0.alive = False
+    table.lost(p0, WorkerLost("worker gone"))
+    assert len(table.quarantine) == 0  # lost once: run again, nothing refused
+    p0.alive = True
+    p0.add_request(request("other", (4, 5)), bystander)  # on p0: it does not lose p1
+    p1.alive = False
+    table.lost(p1, WorkerLost("worker gone again"))
+    assert poison.ended[0] == "error" and bystander.ended is None
+    assert len(table.quarantine) == 1 and not table._suspects
+    with pytest.raises(RequestQuarantined) as refused:
+        p0.add_request(request("again"), RecordingSink())
+    assert exception_status(refused.value) == 400 and refused.value.code == "request_quarantined"
+    assert "refused for 300 s more" in str(refused.value) and "\n" not in str(refused.value)
+    assert "again" not in table.sinks and table.quarantine.num_refused == 1
+    p0.add_request(request("different", (1, 2)), RecordingSink())  # other content: taken
+    now[0] += 301
+    p0.add_request(request("later"), later := RecordingSink())
+    assert "later" in table.sinks and later.ended is None and len(table.quarantine) == 0
+
+    # quarantine_seconds = 0: it fails, and nothing is refused.
+    table, (p0, p1, d) = make_table(("P", "P", "D"))
+    table.quarantine = Quarantine(0.0)
+    p0.add_request(request("poison"), RecordingSink())
+    p0.alive = False
+    table.lost(p0, WorkerLost("gone"))
+    p1.alive, p0.alive = False, True
+    table.lost(p1, WorkerLost("gone"))
+    p0.add_request(request("again"), RecordingSink())
+    assert "again" in table.sinks and len(table.quarantine) == 0
+
+
+def test_quarantined_contents_tell_images_apart_and_are_bounded():
+    import torch
+
+    from hydrad.cluster.requests import Quarantine, content_digest
+    from hydrad.engine.inputs import EngineRequest, ImageInput
+
+    def request(pixels: float) -> EngineRequest:
+        return EngineRequest("r", [1, 2, 3], SamplingParams(), images=[ImageInput(torch.full((10,), pixels), 0, 1)])
+
+    assert content_digest(request(0.0)) == content_digest(request(0.0)) != content_digest(request(1.0))
+    quarantine = Quarantine(60.0)
+    quarantine.MAX_ENTRIES = 3
+    for i in range(5):
+        quarantine.add(bytes([i]))
+    assert len(quarantine) == 3 and list(quarantine._until) == [bytes([2]), bytes([3]), bytes([4])]

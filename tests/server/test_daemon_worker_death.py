@@ -238,6 +238,69 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
         daemon.stop()
 
 
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_a_request_that_takes_down_two_workers_is_quarantined(tiny_llava_dir, tmp_path, frontends):
+    """A request whose worker is killed, run again, and killed again on the restarted worker
+    fails; the same request sent again is refused (400, ``request_quarantined``) before it
+    reaches a worker, so a client resending it cannot put the worker in a crash loop; other
+    requests are served. The same through several front-end processes."""
+    config = tmp_path / "hydrad.toml"
+    config.write_text(f"[server]\nfrontend_processes = {frontends}\n")
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:1"],
+                    tmp_path / "hydrad.log")
+    body = {"messages": [{"role": "user", "content": "A request that takes workers down."}], "max_tokens": 1800,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    try:
+        async def kill_twice() -> tuple[int, str | None]:
+            """Kill the worker at the request's first token, and again at its first token on
+            the restarted worker; (tokens received, the stream's error)."""
+            loop = asyncio.get_running_loop()
+            killed: list[int] = []
+            tokens, error = 0, None
+            async with aiohttp.ClientSession() as session:
+                async with session.post(daemon.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    async for line in response.content:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            error = chunk["error"]["message"]
+                            break
+                        tokens += bool(chunk["choices"])
+                        if len(killed) < 2:
+                            worker = (await loop.run_in_executor(None, instances, daemon))[0]
+                            if worker["state"] == "ready" and worker["pid"] not in killed:
+                                os.kill(worker["pid"], signal.SIGKILL)
+                                killed.append(worker["pid"])
+            assert len(killed) == 2, (killed, tokens, error)
+            return tokens, error
+
+        tokens, error = asyncio.run(kill_twice())
+        assert error == "worker 0 (cpu, EPD) exited" and tokens < 1800, (tokens, error)
+        assert "lost a second instance (0): failed, and its content is refused for 300 s" in daemon.log()
+        assert wait_for(lambda: healthy(daemon), 30), daemon.log()
+        for stream in (True, False):  # refused at once, streaming or not, whichever process takes it
+            again = http("POST", daemon.url + "/v1/chat/completions", json.dumps({**body, "stream": stream}).encode(),
+                         JSON)
+            assert again.status_code == 400, again.text
+            assert again.json()["error"]["code"] == "request_quarantined", again.text
+            assert "refused for" in again.json()["error"]["message"]
+        other = http("POST", daemon.url + "/v1/chat/completions",
+                     json.dumps({**body, "stream": False, "max_tokens": 8,
+                                 "messages": [{"role": "user", "content": "Another one."}]}).encode(), JSON)
+        assert other.status_code == 200, other.text
+        assert instances(daemon)[0]["restarts"] == 2
+        status = http("GET", daemon.url + "/admin/status").json()["failures"]
+        assert status["quarantined"] == 1 and status["requests_refused_quarantined"] == 2, status
+        metrics = http("GET", daemon.url + "/metrics").text
+        assert re.search(r'^hydrad_requests_refused_quarantined_total\{model_name="[^"]+"\} 2\.0$', metrics, re.M)
+        assert re.search(r'^hydrad_quarantined_requests\{model_name="[^"]+"\} 1\.0$', metrics, re.M), metrics
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        daemon.stop()
+
+
 def test_a_worker_that_cannot_restart_is_a_crash_loop_and_the_others_serve_on(tiny_llava_dir, tmp_path):
     """The model folder disappears after start, then a worker of 2EPD is killed: every
     restart fails at loading; after the limit the daemon says crash loop, does not hang,

@@ -111,6 +111,8 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
     """Its last seconds' rate would read as if it were still producing."""
     from types import SimpleNamespace
 
+    from hydrad.cluster.requests import Quarantine
+
     from hydrad.cli.status import render
     from hydrad.server.admin import status_body
 
@@ -120,7 +122,8 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
 
     supervisor = SimpleNamespace(clients=[client(0, False), client(1, True)], crash_loops={}, restarting=set(),
                                  num_restarts={}, specs=[SimpleNamespace(threads=CpuThreads(1))] * 2,
-                                 table=SimpleNamespace(num_run_again=0, num_lost=0, kept_image_bytes=0))
+                                 table=SimpleNamespace(num_run_again=0, num_lost=0, kept_image_bytes=0,
+                                                       quarantine=Quarantine(60.0)))
     body = status_body(supervisor, [None, None], model="m", max_model_len=64,
                        started=time.monotonic(), num_requests=0, window=captured_status(1)["requests"])
     assert [i["tokens_per_second"] for i in body["instances"]] == [None, 37.5]
@@ -140,16 +143,28 @@ def test_status_counts_worker_restarts_and_what_became_of_their_requests():
 
     client = SimpleNamespace(instance_id=0, device="cpu", role="EPD", ready=None, alive=True, accepting=True,
                              num_inflight=0, tokens_per_second=lambda: 1.0)
-    table = SimpleNamespace(num_run_again=14, num_lost=1, kept_image_bytes=4096)
+    from hydrad.cluster.requests import Quarantine
+
+    table = SimpleNamespace(num_run_again=14, num_lost=1, kept_image_bytes=4096, quarantine=Quarantine(60.0))
     supervisor = SimpleNamespace(clients=[client], crash_loops={}, restarting=set(), num_restarts={0: 2},
                                  specs=[SimpleNamespace(threads=CpuThreads(1))], table=table)
-    body = status_body(supervisor, [None], model="m", max_model_len=64, started=time.monotonic(), num_requests=0,
-                       window=captured_status(1)["requests"])
-    assert body["failures"] == {"worker_restarts": 2, "requests_run_again": 14, "requests_lost": 1,
-                                "rerun_image_bytes": 4096}
-    buf = io.StringIO()
-    Console(file=buf, width=120).print(render(body))
-    assert "worker restarts: 2 (#0 x2); their requests run again: 14, lost: 1" in buf.getvalue()
+
+    def shown() -> tuple[dict, str]:
+        body = status_body(supervisor, [None], model="m", max_model_len=64, started=time.monotonic(),
+                           num_requests=0, window=captured_status(1)["requests"])
+        buf = io.StringIO()
+        Console(file=buf, width=120).print(render(body))
+        return body["failures"], buf.getvalue()
+
+    failures, text = shown()
+    assert failures == {"worker_restarts": 2, "requests_run_again": 14, "requests_lost": 1,
+                        "rerun_image_bytes": 4096, "quarantined": 0, "requests_refused_quarantined": 0}
+    assert "worker restarts: 2 (#0 x2); their requests run again: 14, lost: 1\n" in text
+    table.quarantine.add(b"poison")
+    table.quarantine.num_refused = 3
+    failures, text = shown()
+    assert (failures["quarantined"], failures["requests_refused_quarantined"]) == (1, 3)
+    assert "lost: 1; quarantined: 1 (refused since: 3)" in text
 
 
 def test_status_shows_how_each_instance_runs_against_its_model_by_kind():
