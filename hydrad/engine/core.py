@@ -261,7 +261,10 @@ class EngineCore:
         timer = EngineTimer(self, images=probe_images(self) if vision else [], repeats=1)
         memory.reset_peak(self.device)
         before = memory.device_memory(self.device).peak_reserved
-        timer(probe)
+        if math.isinf(timer(probe)):  # the timer's answer to running out of memory
+            raise ConfigError(f"instance {self.instance_id} ({self.device}): its largest step ({prompt_tokens} prompt "
+                              f"tokens, {num_images} images) does not fit in the device's memory beside its weights: "
+                              f"lower [scheduler] token_budget or image_budget")
         return max(0, memory.device_memory(self.device).peak_reserved - before)
 
     def _device_room(self) -> int:

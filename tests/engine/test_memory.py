@@ -165,3 +165,15 @@ def test_the_planner_sizes_each_role_as_the_engine_does():
     assert (layouts["D"].num_kv_blocks, layouts["D"].num_image_blocks) == (700 * MB // 4096, 0)
     fixed = role_layouts(config, PoolGeometry(16, 4096, 64, 8192))
     assert (fixed["D"].num_kv_blocks, fixed["E"].num_image_blocks) == (768 * MB // 4096, 768 * MB // 8192)
+
+
+def test_a_largest_step_the_device_cannot_hold_is_one_clear_error(tiny_llava_dir, monkeypatch):
+    """The probe timer answers a step that runs out of device memory with infinity: the start
+    fails with one line naming the step, instead of sizing the pools from a step cut short."""
+    from hydrad.engine.profiler import EngineTimer
+
+    FakeGpuMemory(monkeypatch, total=GB, free=GB, step_peak=10 * MB)
+    monkeypatch.setattr(EngineTimer, "__call__", lambda self, probe: float("inf"))
+    config = EngineConfig(model=ModelConfig(path=str(tiny_llava_dir)), scheduler=SchedulerConfig(max_num_seqs=16))
+    with pytest.raises(ConfigError, match=r"its largest step \(2048 prompt tokens, 4 images\) does not fit"):
+        EngineCore(config, role="EPD")
