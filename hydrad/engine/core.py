@@ -83,6 +83,11 @@ class PoolGeometry:
     pool_bytes: int | None = None
 
 
+# A picture larger than any image processor keeps: the largest image a request can bring, as
+# the processor makes it, for the memory a step needs (``EngineCore._largest_steps``).
+_LARGEST_PICTURE = (4096, 4096)
+
+
 def _num_blocks(explicit: int | None, memory_mb: int, bytes_per_block: int) -> int:
     if explicit is not None:
         return explicit
@@ -228,44 +233,57 @@ class EngineCore:
         return num_kv, num_image
 
     # -- pools sized from a GPU's memory (hydrad.engine.memory) ---------------------------------
-    def _largest_step(self, vision: bool, language: bool) -> tuple[tuple[int, int], int, int]:
-        """The largest step the scheduler builds with these parts: (patches, tokens) of the
-        largest probe image, how many of them, and the prompt tokens of its chunk."""
-        from hydrad.engine.profiler import probe_images
+    def _largest_steps(self, vision: bool, language: bool) -> tuple[list, list]:
+        """The largest steps the scheduler builds with these parts (``Probe``s), and the images
+        they encode: a prompt of ``token_budget`` tokens beside ``image_budget`` of the largest
+        probe pictures, and beside one picture as large as the image processor makes any
+        (the families whose images vary in size: Qwen2-VL up to its ``max_pixels``)."""
+        from hydrad.engine.profiler import Probe, probe_images
 
         sched = self.config.scheduler
-        image = (0, 0)
-        if vision:
-            largest = probe_images(self)[-1]
-            image = (largest.num_patches, largest.length)
-        prompt_tokens = min(sched.token_budget, self.max_model_len) if language else 0
-        return image, sched.image_budget if vision else 0, prompt_tokens
+        prompt = ((0, min(sched.token_budget, self.max_model_len)),) if language else ()
+        if not vision:
+            return [Probe(prefills=prompt)], []
+        images = probe_images(self)
+        largest = probe_images(self, sizes=(_LARGEST_PICTURE,))[-1]
+        kind = (images[-1].num_patches, images[-1].length)
+        steps = [Probe(images=(kind,) * sched.image_budget, prefills=prompt)]
+        if largest.length > images[-1].length:
+            steps.append(Probe(images=((largest.num_patches, largest.length),), prefills=prompt))
+            images.append(largest)
+        return steps, images
 
     def _provisional_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int,
                            vision: bool | None = None) -> tuple[int, int]:
-        """Blocks of each pool the largest step (with the vision part: ``vision``, else as the
-        role has it) needs, and no more."""
+        """Blocks of each pool the largest steps (with the vision part: ``vision``, else as
+        the role has it) need, and no more."""
         vision = "E" in self.role if vision is None else vision
-        (_, image_tokens), num_images, prompt_tokens = self._largest_step(vision, has_kv)
+        steps, _ = self._largest_steps(vision, has_kv)
+        prompt_tokens = max((tokens for step in steps for _, tokens in step.prefills), default=0)
+        image_blocks = max(sum(-(-tokens // image_block_size) for _, tokens in step.images) for step in steps)
         num_kv = -(-max(1, prompt_tokens) // self.kv_block_size) if has_kv else 0
-        num_image = max(1, num_images) * -(-max(1, image_tokens) // image_block_size) if has_image_cache else 0
+        num_image = max(1, image_blocks) if has_image_cache else 0
         return num_kv, num_image
 
     def _step_peak_bytes(self, vision: bool, language: bool) -> int:
-        """Bytes the largest step with these parts needs beyond what is allocated now (torch's
-        reserved memory at its peak, over the pools it runs on)."""
-        from hydrad.engine.profiler import EngineTimer, Probe, probe_images
+        """Bytes the largest steps with these parts need beyond what is allocated now (torch's
+        reserved memory at its peak, over the pools they run on): the most of any."""
+        from hydrad.engine.profiler import EngineTimer
 
-        image, num_images, prompt_tokens = self._largest_step(vision, language)
-        probe = Probe(images=(image,) * num_images, prefills=((0, prompt_tokens),) if prompt_tokens else ())
-        timer = EngineTimer(self, images=probe_images(self) if vision else [], repeats=1)
-        memory.reset_peak(self.device)
-        before = memory.device_memory(self.device).peak_reserved
-        if math.isinf(timer(probe)):  # the timer's answer to running out of memory
-            raise ConfigError(f"instance {self.instance_id} ({self.device}): its largest step ({prompt_tokens} prompt "
-                              f"tokens, {num_images} images) does not fit in the device's memory beside its weights: "
-                              f"lower [scheduler] token_budget or image_budget")
-        return max(0, memory.device_memory(self.device).peak_reserved - before)
+        steps, images = self._largest_steps(vision, language)
+        timer = EngineTimer(self, images=images, repeats=1)
+        peak = 0
+        for step in steps:
+            memory.reset_peak(self.device)
+            before = memory.device_memory(self.device).peak_reserved
+            if math.isinf(timer(step)):  # the timer's answer to running out of memory
+                raise ConfigError(
+                    f"instance {self.instance_id} ({self.device}): its largest step "
+                    f"({sum(tokens for _, tokens in step.prefills)} prompt tokens, {len(step.images)} images of "
+                    f"{max((tokens for _, tokens in step.images), default=0)} tokens) does not fit in the device's "
+                    f"memory beside its weights: lower [scheduler] token_budget or image_budget")
+            peak = max(peak, memory.device_memory(self.device).peak_reserved - before)
+        return peak
 
     def _device_room(self) -> int:
         """Bytes the device has for new pools now (``memory.pool_budget``)."""

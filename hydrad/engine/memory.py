@@ -7,10 +7,10 @@ of it by itself), and on a GPU what the device leaves: an instance may hold
 ``[cache] gpu_memory_utilization`` of the device's memory in all, counted as vLLM counts
 it: what this instance allocated on the device since it started (its weights, then its
 pools), not what other processes or instances hold, so that two instances on one GPU can
-each take 0.45 of it. After its weights are loaded, it runs the largest step its scheduler
+each take 0.45 of it. After its weights are loaded, it runs the largest steps its scheduler
 can build (a prompt of ``token_budget`` tokens beside ``image_budget`` of the largest probe
-images) on small provisional pools and measures the memory that step needs; the pools then
-get
+images, and beside one image as large as the image processor makes any) on small
+provisional pools and measures the memory they need; the pools then get
 
     gpu_memory_utilization * total  -  its own allocations  -  the step's peak  -  reserve
 

@@ -332,8 +332,8 @@ class EngineTimer:
                         image_pool.free(block_ids)
 
 
-def probe_images(engine) -> list[ImageInput]:
-    """The probe images of ``engine``'s model: pictures of ``PROBE_PICTURE_SIZES`` through the
+def probe_images(engine, sizes: tuple[tuple[int, int], ...] = PROBE_PICTURE_SIZES) -> list[ImageInput]:
+    """The probe images of ``engine``'s model: pictures of ``sizes`` (width, height) through the
     checkpoint's image processor and the family's ``image_inputs``, one per distinct
     (patches, tokens), smallest first."""
     from PIL import Image
@@ -344,7 +344,7 @@ def probe_images(engine) -> list[ImageInput]:
     image_processor = load_hf_processor(engine.model_path, hf_config.model_type).image_processor
     rng = np.random.default_rng(0)
     pictures = [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-                for width, height in PROBE_PICTURE_SIZES]
+                for width, height in sizes]
     kinds: dict[tuple[int, int], ImageInput] = {}
     for image in type(engine.model).image_inputs(hf_config, image_processor(images=pictures, return_tensors="pt")):
         image.offset = 0

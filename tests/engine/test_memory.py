@@ -175,5 +175,34 @@ def test_a_largest_step_the_device_cannot_hold_is_one_clear_error(tiny_llava_dir
     FakeGpuMemory(monkeypatch, total=GB, free=GB, step_peak=10 * MB)
     monkeypatch.setattr(EngineTimer, "__call__", lambda self, probe: float("inf"))
     config = EngineConfig(model=ModelConfig(path=str(tiny_llava_dir)), scheduler=SchedulerConfig(max_num_seqs=16))
-    with pytest.raises(ConfigError, match=r"its largest step \(2048 prompt tokens, 4 images\) does not fit"):
+    largest_step = r"its largest step \(2048 prompt tokens, 4 images of \d+ tokens\) does not fit"
+    with pytest.raises(ConfigError, match=largest_step):
         EngineCore(config, role="EPD")
+
+
+def test_the_largest_steps_include_the_largest_image_the_processor_makes(tiny_llava_dir, monkeypatch):
+    """Where the image processor makes an image larger than the largest probe picture (Qwen2-VL
+    up to its max_pixels), one such image beside the prompt is a largest step too, and the
+    provisional image pool holds either step."""
+    import dataclasses
+
+    from hydrad.engine import profiler
+
+    real = profiler.probe_images
+
+    def probe_images(engine, sizes=profiler.PROBE_PICTURE_SIZES):
+        image = real(engine)[-1]
+        if sizes == profiler.PROBE_PICTURE_SIZES:
+            return [dataclasses.replace(image, length=16), dataclasses.replace(image, length=40)]
+        return [dataclasses.replace(image, num_patches=image.num_patches * 9, length=300)]
+
+    with LLM(str(tiny_llava_dir), max_num_seqs=16, image_block_size=16) as llm:
+        monkeypatch.setattr(profiler, "probe_images", probe_images)
+        engine = llm.engine
+        steps, images = engine._largest_steps(True, True)
+        assert [step.images for step in steps] == [((images[1].num_patches, 40),) * 4,
+                                                   ((images[1].num_patches * 9, 300),)]
+        assert all(step.prefills == ((0, 2048),) for step in steps)
+        assert [image.length for image in images] == [16, 40, 300]
+        # 4 images of 40 tokens take 12 blocks of 16; one of 300 takes 19.
+        assert engine._provisional_sizes(True, True, 16, vision=True) == (2048 // engine.kv_block_size, 19)
