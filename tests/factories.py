@@ -265,6 +265,12 @@ def http_get_stub(answer: Callable[[str], bytes | None], content_type: str = "ap
         server.server_close()
 
 
+# Cache pools of fixed sizes for the CUDA tests that put several instances on GPU 0: pools
+# sized from its memory would give the first one nearly all of it (tests/cuda/test_cuda_memory.py
+# and the daemon test on CUDA size them from the GPU).
+FIXED_POOLS = dict(kv_cache_memory_mb=512, image_cache_memory_mb=256)
+
+
 class FakeGpuMemory:
     """Stands in for a GPU's memory readings (``hydrad.engine.memory``) so that an engine on the
     CPU sizes its pools as on a GPU: ``total`` bytes, ``free`` of them, ``reserved`` by this

@@ -106,10 +106,10 @@ class Supervisor:
         """``launched``: workers of ``specs`` started already (``launch.launch_all``), by
         instance id; the supervisor takes them over at ``start`` instead of spawning them.
         ``rerun_image_bytes``: pixels kept to run requests again when their worker dies
-        (``RequestTable``), and for how long the content of a request that lost two of them
-        is refused (``quarantine_seconds``). ``stall_timeout``: a worker that holds requests and answers
-        nothing for this long, then nothing to a probe for as long again, is killed (and
-        restarted as any dead worker); 0: never."""
+        (``RequestTable``); ``quarantine_seconds``: for how long the content of a request
+        that lost two of them is refused. ``stall_timeout``: a worker that holds requests and
+        answers nothing for this long, then nothing to a probe for as long again, is killed
+        (and restarted as any dead worker); 0: never."""
         self.config = config
         self.specs = list(specs)
         self.start_timeout = start_timeout

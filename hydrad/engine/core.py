@@ -150,15 +150,16 @@ class EngineCore:
         # An image takes as many blocks as its tokens need (the family's default: one LLaVA-1.5
         # image per block, 64 slots for the families whose images vary in size).
         image_block_size = cache.image_block_size or self.model.default_image_block_size
-        # What a GPU gave the pools (their budget, both shares; None: sized from [cache]), the
-        # shares of the KV and image pools in it, and the largest step's peak it was measured with.
+        # What a GPU gave the pools (their budget, both shares; None: sized from [cache]), and
+        # the largest step's peak it was measured with.
         self.pool_bytes: int | None = None
-        self._pool_shares: tuple[int, int] = (0, 0)
         self._step_peak = 0
         # Sized from a GPU: small provisional pools first; the largest step runs on them, and the
         # pools are then sized from the memory the device has left (below).
         if from_device:
-            num_kv_blocks, num_image_blocks = self._provisional_sizes(has_kv, has_image_cache, image_block_size)
+            largest = self._largest_steps(has_vision, has_language)
+            num_kv_blocks, num_image_blocks = self._provisional_sizes(largest[0], has_kv, has_image_cache,
+                                                                      image_block_size)
         else:
             num_kv_blocks, num_image_blocks = self._pool_sizes(has_kv, has_image_cache, image_block_size)
             if has_kv:
@@ -202,7 +203,7 @@ class EngineCore:
         # no step can do better until a request arrives, leaves or is released.
         self._stalled = False
         if from_device:
-            num_kv_blocks, num_image_blocks = self._size_pools_from_device(has_vision, has_language)
+            num_kv_blocks, num_image_blocks = self._size_pools_from_device(*largest)
         logger.info(
             "instance %d (%s) ready: %s on %s (%s), %d KV blocks x %d tokens, %d image blocks x %d slots",
             instance_id, self.role, self.model_path.name, self.device, str(self.dtype).removeprefix("torch."),
@@ -253,24 +254,20 @@ class EngineCore:
             images.append(largest)
         return steps, images
 
-    def _provisional_sizes(self, has_kv: bool, has_image_cache: bool, image_block_size: int,
-                           vision: bool | None = None) -> tuple[int, int]:
-        """Blocks of each pool the largest steps (with the vision part: ``vision``, else as
-        the role has it) need, and no more."""
-        vision = "E" in self.role if vision is None else vision
-        steps, _ = self._largest_steps(vision, has_kv)
+    def _provisional_sizes(self, steps: list, has_kv: bool, has_image_cache: bool,
+                           image_block_size: int) -> tuple[int, int]:
+        """Blocks of each pool ``steps`` (``_largest_steps``) need, and no more."""
         prompt_tokens = max((tokens for step in steps for _, tokens in step.prefills), default=0)
         image_blocks = max(sum(-(-tokens // image_block_size) for _, tokens in step.images) for step in steps)
         num_kv = -(-max(1, prompt_tokens) // self.kv_block_size) if has_kv else 0
         num_image = max(1, image_blocks) if has_image_cache else 0
         return num_kv, num_image
 
-    def _step_peak_bytes(self, vision: bool, language: bool) -> int:
-        """Bytes the largest steps with these parts need beyond what is allocated now (torch's
-        reserved memory at its peak, over the pools they run on): the most of any."""
+    def _step_peak_bytes(self, steps: list, images: list) -> int:
+        """Bytes ``steps`` (``_largest_steps``, encoding ``images``) need beyond what is allocated
+        now (torch's reserved memory at its peak, over the pools they run on): the most of any."""
         from hydrad.engine.profiler import EngineTimer
 
-        steps, images = self._largest_steps(vision, language)
         timer = EngineTimer(self, images=images, repeats=1)
         peak = 0
         for step in steps:
@@ -295,29 +292,29 @@ class EngineCore:
         budget = memory.pool_budget(cache.gpu_memory_utilization, now, own, self._step_peak, reserve)
         if budget <= 0:
             raise memory.no_room_error(self.device, cache.gpu_memory_utilization, now, own, self._step_peak, reserve)
-        if int(cache.gpu_memory_utilization * now.total) - own > now.free:
+        if memory.own_share(cache.gpu_memory_utilization, now, own) > now.free:
             logger.warning("instance %d (%s): %.2f GiB free on %s, less than gpu_memory_utilization allows it "
                            "(other processes hold memory there): its pools take what is free", self.instance_id,
                            self.role, now.free / memory.GB, self.device)
         return budget
 
-    def _size_pools_from_device(self, vision: bool, language: bool) -> tuple[int, int]:
-        """Measure the largest step on the provisional pools, drop them, and allocate the pools
+    def _size_pools_from_device(self, steps: list, images: list) -> tuple[int, int]:
+        """Measure the largest steps on the provisional pools, drop them, and allocate the pools
         again at their shares of what the device has left. Returns their blocks."""
-        self._step_peak = self._step_peak_bytes(vision, language)
+        self._step_peak = self._step_peak_bytes(steps, images)
         has_kv, has_image_cache = self.kv_manager is not None, self.image_manager is not None
-        self.runner.free_kv_cache()
-        self.runner.free_image_cache()
-        self.kv_manager = self.image_manager = None
+        for kind, held in (("kv", has_kv), ("image", has_image_cache)):
+            if held:
+                self._drop_pool(kind)
         self.pool_bytes = self._device_room()
-        self._pool_shares = memory.split_budget(self.config.cache, True, True, self.pool_bytes)
         num_kv = self._allocate_from_device("kv") if has_kv else 0
         num_image = self._allocate_from_device("image") if has_image_cache else 0
         self.scheduler.set_role(self.role, self.kv_manager, self.image_manager)
+        geometry = self.geometry()
         logger.info("instance %d (%s): %.2f GiB of %s for its cache pools (KV %.2f GiB, images %.2f GiB), "
                     "%.2f GiB for its largest step", self.instance_id, self.role, self.pool_bytes / memory.GB,
-                    self.device, num_kv * self.geometry().kv_block_bytes / memory.GB,
-                    num_image * self.geometry().image_block_bytes / memory.GB, self._step_peak / memory.GB)
+                    self.device, num_kv * geometry.kv_block_bytes / memory.GB,
+                    num_image * geometry.image_block_bytes / memory.GB, self._step_peak / memory.GB)
         return num_kv, num_image
 
     def _measure_new_parts(self, vision: bool, language: bool, new_kv: bool, new_image: bool) -> None:
@@ -326,28 +323,22 @@ class EngineCore:
         is not measured again: the reserve covers it)."""
         if not (vision or language):
             return
-        num_kv, num_image = self._provisional_sizes(new_kv, new_image, self.runner.image_block_size, vision)
-        if new_kv:
-            self.runner.allocate_kv_cache(num_kv)
-            self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
-        if new_image:
-            self.runner.allocate_image_cache(num_image)
-            self.image_manager = BlockManager(num_image, self.runner.image_block_size, "image")
+        steps, images = self._largest_steps(vision, language)
+        num_kv, num_image = self._provisional_sizes(steps, new_kv, new_image, self.runner.image_block_size)
+        added = [(kind, num) for kind, num, new in (("kv", num_kv, new_kv), ("image", num_image, new_image)) if new]
+        for kind, num in added:
+            self._add_pool(kind, num, provisional=True)
         try:
-            self._step_peak = max(self._step_peak, self._step_peak_bytes(vision, language))
+            self._step_peak = max(self._step_peak, self._step_peak_bytes(steps, images))
         finally:
-            if new_kv:
-                self.runner.free_kv_cache()
-                self.kv_manager = None
-            if new_image:
-                self.runner.free_image_cache()
-                self.image_manager = None
+            for kind, _ in added:
+                self._drop_pool(kind)
 
     def _allocate_from_device(self, kind: str, room: int | None = None) -> int:
         """Allocate the ``kind`` pool ("kv" or "image") at its share of the device's budget
         (at most ``room`` bytes: what the device has left now). Returns its blocks."""
         cache, geometry = self.config.cache, self.geometry()
-        share = self._pool_shares[0 if kind == "kv" else 1]
+        share = memory.split_budget(cache, True, True, self.pool_bytes)[0 if kind == "kv" else 1]
         size = min(share, room) if room is not None else share
         if kind == "kv":
             num = cache.num_kv_blocks or size // geometry.kv_block_bytes
@@ -356,15 +347,30 @@ class EngineCore:
         if num < 1:
             raise ConfigError(f"instance {self.instance_id} ({self.device}): no room for its {kind} cache "
                               f"({size / memory.GB:.2f} GiB left of its share of the device's memory)")
-        if kind == "kv":
-            self.runner.allocate_kv_cache(num)
-            self.kv_manager = BlockManager(num, self.kv_block_size, "kv")
-            self._limit_context(num)
-            self.scheduler.max_model_len = self.max_model_len
-        else:
-            self.runner.allocate_image_cache(num)
-            self.image_manager = BlockManager(num, geometry.image_block_size, "image")
+        self._add_pool(kind, num)
         return num
+
+    def _add_pool(self, kind: str, num_blocks: int, provisional: bool = False) -> None:
+        """Allocate the ``kind`` pool ("kv" or "image") of ``num_blocks`` and its block manager;
+        a KV pool that stays (not ``provisional``) limits the context to what it holds."""
+        if kind == "kv":
+            self.runner.allocate_kv_cache(num_blocks)
+            self.kv_manager = BlockManager(num_blocks, self.kv_block_size, "kv")
+            if not provisional:
+                self._limit_context(num_blocks)
+                self.scheduler.max_model_len = self.max_model_len
+        else:
+            self.runner.allocate_image_cache(num_blocks)
+            self.image_manager = BlockManager(num_blocks, self.runner.image_block_size, "image")
+
+    def _drop_pool(self, kind: str) -> None:
+        """Free the ``kind`` pool and its block manager."""
+        if kind == "kv":
+            self.runner.free_kv_cache()
+            self.kv_manager = None
+        else:
+            self.runner.free_image_cache()
+            self.image_manager = None
 
     def geometry(self, image_block_size: int | None = None) -> PoolGeometry:
         """This instance's blocks (for a pool it does not hold: what such a block would be)."""
@@ -414,13 +420,9 @@ class EngineCore:
         else:
             num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, image_block_size)
             if has_kv and self.kv_manager is None:
-                self.runner.allocate_kv_cache(num_kv)
-                self.kv_manager = BlockManager(num_kv, self.kv_block_size, "kv")
-                self._limit_context(num_kv)
-                self.scheduler.max_model_len = self.max_model_len
+                self._add_pool("kv", num_kv)
             if has_image_cache and self.image_manager is None:
-                self.runner.allocate_image_cache(num_image)
-                self.image_manager = BlockManager(num_image, image_block_size, "image")
+                self._add_pool("image", num_image)
         self.role = role
         self.scheduler.set_role(role, self.kv_manager, self.image_manager)
         self._stalled = False
@@ -447,11 +449,9 @@ class EngineCore:
             raise ValueError("an instance keeps at least one stage")
         keep_language, keep_vision = "P" in role or "D" in role, "E" in role
         if not keep_language and self.kv_manager is not None:
-            self.runner.free_kv_cache()
-            self.kv_manager = None
+            self._drop_pool("kv")
         if not ("E" in role or "P" in role) and self.image_manager is not None:
-            self.runner.free_image_cache()
-            self.image_manager = None
+            self._drop_pool("image")
         self.model.drop_parts(vision=not keep_vision, language=not keep_language)
         self.role = role
         self.scheduler.set_role(role, self.kv_manager, self.image_manager)

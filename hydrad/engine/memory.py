@@ -99,12 +99,18 @@ def step_reserve(max_num_seqs: int, vocab_size: int) -> int:
     return CUDA_GATHER_BYTES + max_num_seqs * vocab_size * _SAMPLER_BYTES_PER_LOGIT
 
 
+def own_share(utilization: float, now: DeviceMemory, own: int) -> int:
+    """What is left of an instance's ``utilization`` of the device after the ``own`` bytes it
+    allocated since it started."""
+    return int(utilization * now.total) - own
+
+
 def pool_budget(utilization: float, now: DeviceMemory, own: int, step_peak: int, reserve: int) -> int:
     """Bytes the pools of an instance get on a device read ``now``, where it allocated
     ``own`` bytes since it started and its largest step needs ``step_peak`` and ``reserve``
     more: its share of ``utilization`` of the device, at most what is free; <= 0 when
     nothing is left."""
-    return min(int(utilization * now.total) - own, now.free) - step_peak - reserve
+    return min(own_share(utilization, now, own), now.free) - step_peak - reserve
 
 
 def split_budget(cache: CacheConfig, has_kv: bool, has_image_cache: bool, budget: int) -> tuple[int, int]:

@@ -23,14 +23,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 MB = 1 << 20
 
 
-@pytest.fixture
-def one_gpu_for_every_instance(monkeypatch):
-    import hydrad.cluster.deploy as deploy
-
-    monkeypatch.setattr(deploy, "plan_instances",
-                        lambda spec, devices, num_cuda: [(role, "cuda:0") for role in deploy.parse_deploy(spec)])
-
-
 def _release() -> None:
     gc.collect()
     torch.cuda.empty_cache()

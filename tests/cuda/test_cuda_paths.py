@@ -25,27 +25,11 @@ sys.path[:0] = [str(TESTS / "engine"), str(TESTS / "server")]
 
 # transformers on CPU in float32: the external reference for every test here.
 from test_disaggregation import conversations, reference  # noqa: E402, F401  (fixtures)
+from factories import FIXED_POOLS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 MAX_TOKENS = 24
-
-# Pools of fixed sizes: several instances share GPU 0 here, and pools sized from its memory
-# would take it all for the first one (tests/cuda/test_cuda_memory.py and the daemon test size them so).
-FIXED_POOLS = dict(kv_cache_memory_mb=512, image_cache_memory_mb=256)
-
-
-@pytest.fixture
-def one_gpu_for_every_instance(monkeypatch):
-    """``plan_instances`` placing every instance of the deploy spec on cuda:0."""
-    import hydrad.cluster.deploy as deploy
-
-    def plan(spec: str, devices: str, num_cuda: int):
-        roles = deploy.parse_deploy(spec)
-        return [(role, "cuda:0") for role in roles]
-
-    monkeypatch.setattr(deploy, "plan_instances", plan)
-
 
 def _check(llm: LLM, conversations, reference) -> list:
     outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))

@@ -27,15 +27,12 @@ sys.path[:0] = [str(TESTS / "engine")]
 
 from agreement import PARAMS, check_answers  # noqa: E402  (tests/cuda)
 from test_disaggregation import conversations  # noqa: E402, F401  (fixture)
+from factories import FIXED_POOLS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
     reason="needs a CUDA GPU and flash-attn",
 )
-
-# Pools of fixed sizes: several instances share GPU 0 here, and pools sized from its memory
-# would take it all for the first one (tests/cuda/test_cuda_memory.py and the daemon test size them so).
-FIXED_POOLS = dict(kv_cache_memory_mb=512, image_cache_memory_mb=256)
 
 BLOCK = 256  # flash-attn's paged kernels take blocks of a multiple of 256 tokens
 
@@ -99,11 +96,7 @@ def test_one_instance_with_chunks_and_preemption(tiny_llava_dir, conversations, 
     check_answers(got, want, dtype)
 
 
-def test_worker_processes_through_cuda_ipc(tiny_llava_dir, conversations, monkeypatch):
-    import hydrad.cluster.deploy as deploy
-
-    monkeypatch.setattr(deploy, "plan_instances", lambda spec, devices, num_cuda: [
-        (role, "cuda:0") for role in deploy.parse_deploy(spec)])
+def test_worker_processes_through_cuda_ipc(tiny_llava_dir, conversations, one_gpu_for_every_instance):
     sdpa = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS,
                dtype="float16", attention_backend="sdpa", token_budget=24)
     want = sdpa.chat(conversations, PARAMS, use_tqdm=False)

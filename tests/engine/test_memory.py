@@ -78,7 +78,12 @@ def test_pools_sized_from_the_device_keep_transformers_tokens(tiny_llava_dir, mo
     get 0.9 x 600 MB less that and the reserve, an eighth of it images; it ran its largest
     step on provisional pools first, and serves the same greedy tokens as an instance with
     pools from [cache]."""
+    from hydrad.engine import profiler
+
     fake = FakeGpuMemory(monkeypatch, total=600 * MB, free=600 * MB, step_peak=40 * MB)
+    calls = []
+    real = profiler.probe_images
+    monkeypatch.setattr(profiler, "probe_images", lambda *a, **k: calls.append(k.get("sizes")) or real(*a, **k))
     prompts = ["The cat sat on", "Once upon a time there", "Numbers: 1 2 3"]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     with LLM(str(tiny_llava_dir), max_num_seqs=16) as sized:
@@ -92,6 +97,8 @@ def test_pools_sized_from_the_device_keep_transformers_tokens(tiny_llava_dir, mo
         assert engine.runner.kv_cache.shape[2] == engine.kv_manager.num_blocks
         assert engine.runner.image_cache.shape[0] == engine.image_manager.num_blocks
         assert engine._step_peak == fake.step_peak and fake.resets >= 2
+        # The largest steps' images are made once at start: the probe pictures, the largest one.
+        assert calls == [None, ((4096, 4096),)], calls
         assert geometry.pool_bytes == budget
         got = [o.token_ids for o in sized.generate(prompts, params, use_tqdm=False)]
         assert engine.kv_manager.num_used_blocks == 0
@@ -137,7 +144,7 @@ def test_a_redeploy_allocates_a_new_pool_from_its_share(tiny_llava_dir, monkeypa
     device), or less when it holds more since its start."""
     fake = FakeGpuMemory(monkeypatch, total=GB, free=GB, step_peak=20 * MB)
     with LLM(str(tiny_llava_dir), deploy="1E+1PD", devices="cpu:2", worker_processes=False,
-             max_num_seqs=16) as llm:
+             max_num_seqs=16, token_budget=64) as llm:
         encoder, language = llm.engine.engines
         assert encoder.kv_manager is None
         budget = encoder.pool_bytes
@@ -151,7 +158,8 @@ def test_a_redeploy_allocates_a_new_pool_from_its_share(tiny_llava_dir, monkeypa
         room = _expected_budget(fake, encoder, own=300 * MB)
         assert 0 < room < budget - int(budget / 8)
         assert encoder.kv_manager.num_blocks == room // encoder.geometry().kv_block_bytes
-        assert encoder.scheduler.max_model_len == encoder.max_model_len
+        # The provisional pool of the measurement (64 tokens) did not limit the context.
+        assert encoder.scheduler.max_model_len == encoder.max_model_len == language.max_model_len == 2048
         out = llm.generate(["Hello there"], SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
         assert len(out.token_ids) == 6
 
@@ -205,4 +213,4 @@ def test_the_largest_steps_include_the_largest_image_the_processor_makes(tiny_ll
         assert all(step.prefills == ((0, 2048),) for step in steps)
         assert [image.length for image in images] == [16, 40, 300]
         # 4 images of 40 tokens take 12 blocks of 16; one of 300 takes 19.
-        assert engine._provisional_sizes(True, True, 16, vision=True) == (2048 // engine.kv_block_size, 19)
+        assert engine._provisional_sizes(steps, True, True, 16) == (2048 // engine.kv_block_size, 19)
