@@ -257,6 +257,11 @@ class WorkerClient:
         self.alive = False
         self.failure = reason
         self.close()
+        if self.link is not None:
+            released = self.link.release_handles()  # the requests' pixels it never took
+            if released:
+                logger.info("worker %d: closed %d shared-memory descriptor(s) it never took", self.instance_id,
+                            released)
         error = WorkerLost(f"worker {self.instance_id} ({self.device}, {self.role}) {reason}")
         if not self._ready_future.done():
             self._ready_future.set_exception(error)

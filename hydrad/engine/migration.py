@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from hydrad.engine.request import Request
+    from hydrad.transport.sharing import HandleLedger
 
 # Idle wait for a copy to finish when a step has nothing else to do.
 PULL_POLL_SECS = 0.005
@@ -143,14 +144,17 @@ def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
     )
 
 
-def export_pools(pools: dict[str, torch.Tensor | None], peer_ids) -> dict[int, bytes]:
+def export_pools(pools: dict[str, torch.Tensor | None], peer_ids,
+                 ledgers: dict[int, HandleLedger] | None = None) -> dict[int, bytes]:
     """Pickle the pools once per peer: each pickle hands out its shared-memory file
-    descriptors (or CUDA IPC handles) to exactly one receiver."""
-    from multiprocessing.reduction import ForkingPickler
-
+    descriptors (or CUDA IPC handles) to exactly one receiver. ``ledgers[peer]`` records the
+    descriptors handed to ``peer`` (made if missing), to close those it never fetches."""
     import torch.multiprocessing  # noqa: F401  (registers torch's reductions with ForkingPickler)
 
-    return {peer: bytes(ForkingPickler.dumps(pools)) for peer in peer_ids}
+    from hydrad.transport.sharing import HandleLedger, dumps_recording
+
+    ledgers = {} if ledgers is None else ledgers
+    return {peer: dumps_recording(pools, ledgers.setdefault(peer, HandleLedger())) for peer in peer_ids}
 
 
 def import_pools(blob: bytes) -> dict[str, torch.Tensor | None]:

@@ -43,6 +43,7 @@ from hydrad.transport.messages import (
     WorkerFailed,
     WorkerReady,
 )
+from hydrad.transport.sharing import HandleLedger
 
 logger = logging.getLogger("hydrad.worker")
 
@@ -98,7 +99,8 @@ def worker_main(
         board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
         step_threads = StepThreads(engine, CoreLending(board, instance_id, threads))
         model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False)
-        pools = export_pools(engine.pools(), peer_ids) if peer_ids else {}
+        exported: dict[int, HandleLedger] = {}  # by peer: the pools' descriptors handed to it
+        pools = export_pools(engine.pools(), peer_ids, exported) if peer_ids else {}
         from hydrad.engine.profiler import measure_bandwidth
 
         # Measured (or read from its cache) before any request holds a block of the pool.
@@ -111,7 +113,7 @@ def worker_main(
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
                           engine.geometry(), bandwidth, pools, borrow_model, engine.image_cache()))
     try:
-        run_worker(engine, conn, step_threads)
+        run_worker(engine, conn, step_threads, exported)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("daemon went away; exiting")
     except Exception as e:
@@ -255,8 +257,11 @@ def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThrea
                         geometry=engine.geometry(), borrow_model=borrow_model)
 
 
-def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | None = None) -> None:
-    """Serve messages and step the engine until ``Shutdown`` has been honoured."""
+def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | None = None,
+               exported: dict[int, HandleLedger] | None = None) -> None:
+    """Serve messages and step the engine until ``Shutdown`` has been honoured. ``exported``:
+    the pools' descriptors handed to each peer (``export_pools``), closed when it is detached."""
+    exported = {} if exported is None else exported
     if step_threads is None:
         step_threads = StepThreads(engine, CoreLending(None, 0, CpuThreads(1)))
     live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
@@ -306,10 +311,14 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                     engine.attach_peer(peer_id, import_pools(blob))
             elif isinstance(msg, ExportPools):
                 engine.share_pools()
-                blob = export_pools(engine.pools(), (msg.peer_id,))[msg.peer_id]
+                blob = export_pools(engine.pools(), (msg.peer_id,), exported)[msg.peer_id]
                 conn.send(PoolsExported(engine.instance_id, msg.peer_id, blob))
             elif isinstance(msg, DetachPeer):
                 engine.detach_peer(msg.peer_id)
+                # The peer is gone: what it never fetched of the pools stays open otherwise.
+                ledger = exported.pop(msg.peer_id, None)
+                if ledger is not None:
+                    ledger.release()
             elif isinstance(msg, Reconfigure):
                 conn.send(_reconfigure(engine, step_threads, msg.role, msg.threads))
             elif isinstance(msg, Retire):

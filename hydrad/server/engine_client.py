@@ -283,8 +283,13 @@ class RequestStream:
             self._waiter.set_result(None)
 
     def close(self) -> None:
-        """Abort every completion that has not finished (client gone, error)."""
-        for choice in self.choices:
+        """Abort every completion that has not finished (client gone, error); the stream is
+        done with. Its completions are dropped from it: each refers back to the stream, and the
+        cycle kept them, their requests and their pixels (shared memory, one descriptor each)
+        until the next full garbage collection, hundreds of requests later. A completion the
+        request table still holds keeps its stream alive."""
+        choices, self.choices = self.choices, []
+        for choice in choices:
             choice.close()
 
 

@@ -28,7 +28,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from hydrad.transport.framing import FrameDecoder, encode_frame
-from hydrad.transport.sharing import quiet_taker_resets
+from hydrad.transport.sharing import HandleLedger, RecordingPickler, quiet_taker_resets
 
 logger = logging.getLogger("hydrad.link")
 
@@ -63,6 +63,8 @@ class WorkerLink(asyncio.Protocol):
         # registered since (torch's for shared tensors register on import).
         self._pickling: tuple[io.BytesIO, ForkingPickler] | None = None
         self._num_reducers = -1
+        # The shared-memory descriptors sent to the other end that it has not fetched yet.
+        self.handles = HandleLedger()
 
     @classmethod
     async def open(
@@ -91,12 +93,16 @@ class WorkerLink(asyncio.Protocol):
         if self._num_reducers != len(ForkingPickler._extra_reducers):
             self._num_reducers = len(ForkingPickler._extra_reducers)
             buffer = io.BytesIO()
-            self._pickling = (buffer, ForkingPickler(buffer))
+            self._pickling = (buffer, RecordingPickler(buffer, self.handles))
         buffer, pickler = self._pickling
         buffer.seek(0)
         buffer.truncate()
-        pickler.clear_memo()
-        pickler.dump(msg)
+        try:
+            pickler.dump(msg)
+        finally:
+            # The memo refers to every object pickled: cleared now, not before the next send,
+            # or the last message (a request's pixels) would live on until then.
+            pickler.clear_memo()
         self._transport.write(encode_frame(buffer.getvalue()))
 
     def send_if_open(self, msg: object) -> bool:
@@ -122,6 +128,11 @@ class WorkerLink(asyncio.Protocol):
     @property
     def num_bytes_unsent(self) -> int:
         return self._transport.get_write_buffer_size() if self._transport is not None else 0
+
+    def release_handles(self) -> int:
+        """Close the shared-memory descriptors sent that the other end never fetched (it died
+        with them unread); returns how many. Only once the other end's process is gone."""
+        return self.handles.release()
 
     def close(self) -> None:
         """Close from this side; ``on_closed`` is not called."""

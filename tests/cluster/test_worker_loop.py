@@ -205,3 +205,60 @@ def test_sends_to_a_busy_worker_never_block_the_event_loop():
         worker_end.close()
 
     asyncio.run(main())
+
+
+class PoolEngine(FakeEngine):
+    """A fake engine with one shared pool to export to peers."""
+
+    instance_id = 0
+
+    def __init__(self):
+        super().__init__()
+        import torch
+
+        self.pool = torch.zeros(64).share_memory_()
+        self.detached: list[int] = []
+
+    def pools(self):
+        return {"kv": self.pool, "image": None}
+
+    def share_pools(self) -> None:
+        pass
+
+    def detach_peer(self, instance_id: int) -> None:
+        self.detached.append(instance_id)
+
+
+def test_a_detached_peer_s_unfetched_pool_descriptors_are_closed():
+    """Pools exported to a peer that died before loading them: its ``DetachPeer`` closes the
+    descriptors the worker's sharer kept for it (one per export; a peer that loaded its pools
+    fetched them)."""
+    import pickle
+
+    from hydrad.transport.messages import DetachPeer, ExportPools, PoolsExported
+    from hydrad.transport.sharing import HandleLedger
+
+    engine = PoolEngine()
+    exported: dict[int, HandleLedger] = {}
+    daemon_end, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, None, exported), daemon=True)
+    thread.start()
+    try:
+        for peer in (7, 8):
+            daemon_end.send(ExportPools(peer))
+        blobs = {}
+        for _ in range(2):
+            msg = recv_until(daemon_end, PoolsExported)
+            blobs[msg.peer_id] = msg.blob
+        assert pickle.loads(blobs[8])["kv"].shape == (64,)  # peer 8 loads its pools; 7 never does
+        assert (exported[7].num_held, exported[8].num_held) == (1, 0)
+        for peer in (7, 8):
+            daemon_end.send(DetachPeer(peer))
+        daemon_end.send(GetStats(1))  # answered after the detaches
+        recv_until(daemon_end, StatsReply)
+        assert engine.detached == [7, 8] and exported == {}
+        with pytest.raises((EOFError, OSError)):  # what 7 was sent is gone
+            pickle.loads(blobs[7])
+    finally:
+        daemon_end.send(Shutdown())
+        thread.join(5)

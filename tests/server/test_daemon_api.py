@@ -15,7 +15,7 @@ import openai
 import pytest
 from PIL import Image
 
-from daemon_process import HYDRACTL, REPO, Daemon, http, open_stream
+from daemon_process import HYDRACTL, REPO, Daemon, http, open_stream, shared_memory_descriptors, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -318,6 +318,30 @@ def test_disconnect_mid_stream_frees_kv(daemon, model_name):
         assert time.monotonic() - disconnected < 2.0, instances
         time.sleep(0.05)
     assert all(i["num_running"] == 0 and i["num_waiting"] == 0 for i in instances)
+
+
+def test_image_requests_leave_no_shared_memory_behind(daemon, client, model_name):
+    """Each request's pixels are shared memory (a descriptor in the daemon); once it ends,
+    whole, streamed, with n choices or its client gone, they are freed at once. They used to
+    stay until a full garbage collection, hundreds of requests later (a request's stream and
+    its completions refer to each other), and the last request's until the next message."""
+    before = shared_memory_descriptors(daemon.process.pid)
+    content = [{"type": "image_url", "image_url": {"url": data_url(PNG, "png")}},
+               {"type": "text", "text": "What is it?"}]
+    messages = [{"role": "user", "content": content}]
+    for i in range(3):
+        client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, seed=i)
+    client.chat.completions.create(model=model_name, messages=messages, max_tokens=4, n=2, seed=3)
+    for i in range(2):
+        assert [c for c in client.chat.completions.create(model=model_name, messages=messages, max_tokens=4,
+                                                          stream=True)][-1].choices[0].finish_reason
+    body = {"model": model_name, "messages": messages, "stream": True, "max_tokens": 400, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    conn, response = open_stream(daemon.url + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    response.close()
+    conn.close()
+    assert wait_for(lambda: shared_memory_descriptors(daemon.process.pid) == before, 10), \
+        (shared_memory_descriptors(daemon.process.pid), before)
 
 
 def test_metrics(daemon, client, model_name):

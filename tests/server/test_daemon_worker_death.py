@@ -16,7 +16,16 @@ import time
 import aiohttp
 import pytest
 
-from daemon_process import Daemon, assert_gone, blocks_held_once_freed, http, open_stream, stream_events, wait_for
+from daemon_process import (
+    Daemon,
+    assert_gone,
+    blocks_held_once_freed,
+    http,
+    open_stream,
+    shared_memory_descriptors,
+    stream_events,
+    wait_for,
+)
 from test_daemon_shutdown import JSON, stream_body
 
 pytestmark = pytest.mark.slow
@@ -189,7 +198,9 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
     then killed: those requests, which had no token yet, run again once it is back, and the
     requests with images sent while it restarts wait for it (both used to fail: 'worker 0
     (cpu, E) exited', and 503 'no live instance can take stage E'); text requests go on
-    meanwhile. The same through several front-end processes."""
+    meanwhile. The same through several front-end processes. The descriptors of the pixels sent
+    to the encoder that it never took are closed (they kept the pixels' memory for the daemon's
+    life before)."""
     from test_daemon_api import PNG, data_url
 
     config = tmp_path / "hydrad.toml"
@@ -198,6 +209,7 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
                      "--deploy", "1E+1PD"], tmp_path / "hydrad.log")
     try:
         encoder = next(i for i in instances(daemon) if i["role"] == "E")
+        descriptors = shared_memory_descriptors(daemon.process.pid)
 
         async def ask(session, i: int, image: bool):
             content = [{"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}] if image else []
@@ -233,6 +245,9 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
         assert re.search(r'^hydrad_requests_run_again_total\{model_name="[^"]+"\} 6\.0$', metrics, re.M), metrics
         assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M)
         assert re.search(r'^hydrad_worker_restarts_total\{instance="0",model_name="[^"]+"\} 1\.0$', metrics, re.M)
+        assert "worker 0: closed 6 shared-memory descriptor(s) it never took" in daemon.log()
+        assert wait_for(lambda: shared_memory_descriptors(daemon.process.pid) == descriptors, 10), \
+            (shared_memory_descriptors(daemon.process.pid), descriptors)
         assert daemon.stop() == 0, daemon.log()
     finally:
         daemon.stop()

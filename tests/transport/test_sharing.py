@@ -13,7 +13,7 @@ from multiprocessing import reduction, resource_sharer
 
 import pytest
 
-from hydrad.transport.sharing import quiet_taker_resets
+from hydrad.transport.sharing import HandleLedger, dumps_recording, quiet_taker_resets
 
 
 @pytest.fixture
@@ -57,3 +57,85 @@ def test_other_exceptions_reach_the_previous_hook(hook):
     except ConnectionResetError:
         sys.excepthook(*sys.exc_info())
     assert seen == [ConnectionResetError]
+
+
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def shared_tensor():
+    import torch
+
+    return torch.arange(12, dtype=torch.float32).share_memory_()
+
+
+def test_a_ledger_closes_the_descriptors_its_taker_never_fetched(hook, caplog, capsys):
+    """Two pickles of a shared tensor for one taker: the one it loads is fetched (the sharer
+    forgets it); the other, never loaded, stays open until the ledger releases it."""
+    import pickle
+
+    quiet_taker_resets()
+    ledger = HandleLedger()
+    tensor = shared_tensor()
+    before = open_descriptors()
+    taken, never = dumps_recording(tensor, ledger), dumps_recording(tensor, ledger)
+    assert open_descriptors() == before + 2  # the sharer holds a duplicate per pickle
+    assert pickle.loads(taken).tolist() == tensor.tolist()  # the taker fetches this one
+    assert ledger.num_held == 1
+    # The fetched duplicate is closed (a taker in this process finds the storage it has).
+    assert open_descriptors() == before + 1
+    assert ledger.release() == 1
+    assert ledger.num_held == 0 and ledger.release() == 0
+    assert open_descriptors() == before
+    # The released one is gone from the sharer: a taker coming for it gets nothing, and this
+    # process logs one warning, no traceback.
+    with caplog.at_level(logging.WARNING, logger="hydrad.link"):
+        with pytest.raises((EOFError, OSError)):
+            pickle.loads(never)
+        deadline = time.monotonic() + 5
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert [r.getMessage() for r in caplog.records] == [
+        "a process asked for a shared tensor released when it was counted as gone"]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_ledger_forgets_fetched_descriptors_as_it_goes():
+    import pickle
+
+    ledger = HandleLedger()
+    tensor = shared_tensor()
+    for _ in range(300):
+        pickle.loads(dumps_recording(tensor, ledger))
+    assert len(ledger._keys) < 64 + 2  # pruned of what was fetched
+    assert ledger.num_held == 0 and ledger.release() == 0
+
+
+def test_a_link_releases_what_its_dead_peer_never_read():
+    """A link whose other end never reads: the request's pixels sent over it stay held by the
+    sharer until ``release_handles``."""
+    import asyncio
+    from multiprocessing import Pipe
+
+    from hydrad.engine.inputs import EngineRequest, ImageInput
+    from hydrad.sampling_params import SamplingParams
+    from hydrad.transport.link import WorkerLink
+    from hydrad.transport.messages import AddRequest
+
+    async def main():
+        ours, theirs = Pipe()
+        link = await WorkerLink.open(ours, lambda msg: None, lambda reason: None)
+        pixels = shared_tensor()
+        for i in range(3):
+            link.send(AddRequest(EngineRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2),
+                                               [ImageInput(pixels, 0, 1)])))
+        link.send(AddRequest(EngineRequest("text", [1, 2, 3], SamplingParams(max_tokens=2))))
+        held = link.handles.num_held
+        before = open_descriptors()
+        released = link.release_handles()
+        after = open_descriptors()
+        link.close()
+        theirs.close()
+        return held, released, before - after
+
+    assert asyncio.run(main()) == (3, 3, 3)
