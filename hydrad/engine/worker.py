@@ -22,6 +22,7 @@ from hydrad.config import EngineConfig
 from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
+from hydrad.heap import freeze_startup_heap
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
@@ -112,6 +113,7 @@ def worker_main(
         sys.exit(1)
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
                           engine.geometry(), bandwidth, pools, borrow_model, engine.image_cache()))
+    freeze_startup_heap(logger)
     try:
         run_worker(engine, conn, step_threads, exported)
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -28,6 +28,7 @@ from rich.console import Console
 
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
+from hydrad.heap import freeze_startup_heap
 from hydrad.server.app import ADMISSION, ENGINE, FRONTENDS, SUPERVISOR, make_app
 from hydrad.server.notify import keep_alive, sd_notify, watchdog_interval
 from hydrad.cluster.launch import InstanceSpec, Launched
@@ -87,6 +88,7 @@ async def serve(config: DaemonConfig, specs: list[InstanceSpec], console: Consol
             raise HydradError(f"cannot start the front-end processes: {e}") from None
     logger.info("serving %s on %s%s", app[ENGINE].model_name, urls,
                 f" ({frontends.count} front-end processes)" if frontends.count > 1 else "")
+    freeze_startup_heap(logger)
     sd_notify("READY=1\nSTATUS=serving")
     interval = watchdog_interval()
     pinging = None  # a stop at once leaves it to the loop's end

@@ -27,6 +27,7 @@ from aiohttp import web
 from hydrad.cluster.requests import RequestSink, ServiceStopping
 from hydrad.config_file import DaemonConfig
 from hydrad.engine.inputs import EngineRequest
+from hydrad.heap import freeze_startup_heap
 from hydrad.server import app as api
 from hydrad.server.admin import check_admin_access
 from hydrad.server.admission import Admission
@@ -247,6 +248,7 @@ async def _serve(index: int, config: DaemonConfig, conn: Connection) -> None:
             app[api.ENGINE].image_caches = listen.image_caches
             core.daemon_session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=listen.socket_path))
             await web.TCPSite(runner, listen.host, listen.port, reuse_port=True).start()
+            freeze_startup_heap(logger)
             core.send(FrontendReady(index, os.getpid()))
             await done
     finally:

@@ -136,6 +136,9 @@ def test_both_processes_serve_and_report_one_whole_view(daemon):
     # Each process logs the requests it served; the front end's lines carry its name.
     assert re.search(r"^\S+ \S+ INFO frontend1 hydrad.requests: finished", log, re.M), "front end 1 served none"
     assert re.search(r"^\S+ \S+ INFO hydrad.requests: finished", log, re.M), "the daemon served none"
+    # Every process froze what start-up left alive: full collections no longer scan it.
+    for who in (r"INFO hydrad\.daemon", r"INFO frontend1 hydrad\.frontend", r"INFO worker0"):
+        assert re.search(rf"^\S+ \S+ {who}: froze the start-up heap \(\d{{5,}} objects", log, re.M), who
     # Any connection may land on either process: every answer counts all 256 requests.
     for _ in range(8):
         text = http("GET", daemon.url + "/metrics").text
