@@ -120,6 +120,8 @@ def test_the_fork_server_preload_imports_what_an_engine_build_needs(tiny_llava_d
         from hydrad.engine.core import EngineCore
 
         assert not torch.cuda.is_initialized()
+        import gc
+        assert gc.get_freeze_count() > 100_000, gc.get_freeze_count()  # frozen before any fork
         config = load_config(None, {{"model.path": {str(tiny_llava_dir)!r},
                                      "scheduler.derive_budgets": False}}).engine
         before = set(sys.modules)
