@@ -1,8 +1,8 @@
 """The garbage collector in a serving process.
 
-A process that imported torch and transformers and loaded a model holds about a million
-objects that live as long as it does. Python's full collections scan them all (170 ms here)
-whenever enough new objects have survived into the oldest generation: in the daemon, that
+A process that imported torch and transformers and loaded a model holds some 400,000
+objects that live as long as it does. Python's full collections scan them all (160-310 ms
+in the daemon here) whenever enough new objects have survived into the oldest generation: in the daemon, that
 stalls every stream's tokens at once; in a worker, a step. ``freeze_startup_heap`` collects
 once when start-up is over and moves what is alive then into the collector's permanent
 generation (``gc.freeze``), so that later collections scan only what serving allocates.
