@@ -59,14 +59,31 @@ def test_other_exceptions_reach_the_previous_hook(hook):
     assert seen == [ConnectionResetError]
 
 
-def open_descriptors() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def open_paths() -> list[str]:
+    """What each of this process's descriptors is open on."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return paths
+
+
+def descriptors_of(path: str) -> int:
+    """This process's descriptors open on ``path`` (others come and go with the rest of the
+    suite: only these are counted)."""
+    return open_paths().count(path)
 
 
 def shared_tensor():
+    """A tensor in shared memory, and the file its descriptors name."""
     import torch
 
-    return torch.arange(12, dtype=torch.float32).share_memory_()
+    before = set(open_paths())
+    tensor = torch.arange(12, dtype=torch.float32).share_memory_()
+    (path,) = [p for p in set(open_paths()) - before if "/dev/shm/" in p]
+    return tensor, path
 
 
 def test_a_ledger_closes_the_descriptors_its_taker_never_fetched(hook, caplog, capsys):
@@ -76,17 +93,17 @@ def test_a_ledger_closes_the_descriptors_its_taker_never_fetched(hook, caplog, c
 
     quiet_taker_resets()
     ledger = HandleLedger()
-    tensor = shared_tensor()
-    before = open_descriptors()
+    tensor, path = shared_tensor()
+    assert descriptors_of(path) == 1  # the tensor's own
     taken, never = dumps_recording(tensor, ledger), dumps_recording(tensor, ledger)
-    assert open_descriptors() == before + 2  # the sharer holds a duplicate per pickle
+    assert descriptors_of(path) == 3  # the sharer holds a duplicate per pickle
     assert pickle.loads(taken).tolist() == tensor.tolist()  # the taker fetches this one
     assert ledger.num_held == 1
     # The fetched duplicate is closed (a taker in this process finds the storage it has).
-    assert open_descriptors() == before + 1
+    assert descriptors_of(path) == 2
     assert ledger.release() == 1
     assert ledger.num_held == 0 and ledger.release() == 0
-    assert open_descriptors() == before
+    assert descriptors_of(path) == 1
     # The released one is gone from the sharer: a taker coming for it gets nothing, and this
     # process logs one warning, no traceback.
     with caplog.at_level(logging.WARNING, logger="hydrad.link"):
@@ -104,7 +121,7 @@ def test_a_ledger_forgets_fetched_descriptors_as_it_goes():
     import pickle
 
     ledger = HandleLedger()
-    tensor = shared_tensor()
+    tensor, _ = shared_tensor()
     for _ in range(300):
         pickle.loads(dumps_recording(tensor, ledger))
     assert len(ledger._keys) < 64 + 2  # pruned of what was fetched
@@ -125,17 +142,16 @@ def test_a_link_releases_what_its_dead_peer_never_read():
     async def main():
         ours, theirs = Pipe()
         link = await WorkerLink.open(ours, lambda msg: None, lambda reason: None)
-        pixels = shared_tensor()
+        pixels, path = shared_tensor()
         for i in range(3):
             link.send(AddRequest(EngineRequest(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=2),
                                                [ImageInput(pixels, 0, 1)])))
         link.send(AddRequest(EngineRequest("text", [1, 2, 3], SamplingParams(max_tokens=2))))
-        held = link.handles.num_held
-        before = open_descriptors()
+        held, before = link.handles.num_held, descriptors_of(path)
         released = link.release_handles()
-        after = open_descriptors()
+        after = descriptors_of(path)
         link.close()
         theirs.close()
-        return held, released, before - after
+        return held, before, released, after
 
-    assert asyncio.run(main()) == (3, 3, 3)
+    assert asyncio.run(main()) == (3, 4, 3, 1)
