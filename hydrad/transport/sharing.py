@@ -109,8 +109,10 @@ class RecordingPickler(ForkingPickler):
         self.ledger = ledger
 
     def reducer_override(self, obj):
-        if type(obj) is resource_sharer.DupFd:
-            self.ledger.record(obj._id[1])
+        if type(obj) is _DUP_FD:
+            ident = getattr(obj, "_id", None)  # (the sharer's address, its key)
+            if ident is not None:
+                self.ledger.record(ident[1])
         return NotImplemented  # pickled as it would be without this
 
 
@@ -121,6 +123,13 @@ def dumps_recording(obj: object, ledger: HandleLedger) -> bytes:
     return buffer.getvalue()
 
 
+# multiprocessing keeps no public view of its sharer: these are its internals (the same since
+# Python 3.4). Should they change, nothing is recorded or released (the behaviour before the
+# ledger), and nothing else changes.
+_DUP_FD = getattr(resource_sharer, "DupFd", None)
+
+
 def _held() -> dict:
-    """The sharer's unfetched descriptors by key (multiprocessing keeps no public view)."""
-    return resource_sharer._resource_sharer._cache
+    """The sharer's unfetched descriptors by key."""
+    cache = getattr(getattr(resource_sharer, "_resource_sharer", None), "_cache", None)
+    return cache if isinstance(cache, dict) else {}

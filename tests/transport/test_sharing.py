@@ -155,3 +155,24 @@ def test_a_link_releases_what_its_dead_peer_never_read():
         return held, before, released, after
 
     assert asyncio.run(main()) == (3, 4, 3, 1)
+
+
+def test_without_the_sharers_internals_nothing_is_recorded_and_pickling_goes_on(monkeypatch):
+    """multiprocessing keeps no public view of its sharer; should its internals change, the
+    ledger records nothing and releases nothing (as before it), and pickles still load."""
+    import pickle
+    from multiprocessing import resource_sharer
+
+    from hydrad.transport import sharing
+
+    monkeypatch.setattr(sharing, "_DUP_FD", None)  # no such class
+    ledger = HandleLedger()
+    tensor, _ = shared_tensor()
+    blobs = [dumps_recording(tensor, ledger) for _ in range(3)]
+    assert ledger.num_held == 0 and ledger.release() == 0
+    assert all(pickle.loads(blob).tolist() == tensor.tolist() for blob in blobs)
+    monkeypatch.undo()
+    monkeypatch.delattr(resource_sharer._resource_sharer, "_cache")  # no such table
+    assert sharing._held() == {}
+    ledger.record(1)
+    assert ledger.num_held == 0 and ledger.release() == 0
