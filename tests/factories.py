@@ -3,6 +3,7 @@ conversations with images of many sizes and transformers' greedy references for 
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -269,6 +270,17 @@ def http_get_stub(answer: Callable[[str], bytes | None], content_type: str = "ap
 # sized from its memory would give the first one nearly all of it (tests/cuda/test_cuda_memory.py
 # and the daemon test on CUDA size them from the GPU).
 FIXED_POOLS = dict(kv_cache_memory_mb=512, image_cache_memory_mb=256)
+
+
+def open_paths(pid: int | str = "self") -> list[str]:
+    """What each of process ``pid``'s descriptors is open on (one entry per descriptor)."""
+    paths = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed since the listing (the listing's own descriptor, among others)
+            pass
+    return paths
 
 
 class FakeGpuMemory:

@@ -223,7 +223,7 @@ class PoolEngine(FakeEngine):
         return {"kv": self.pool, "image": None}
 
     def share_pools(self) -> None:
-        pass
+        """Its pool is in shared memory from the start (a real engine moves it there here)."""
 
     def detach_peer(self, instance_id: int) -> None:
         self.detached.append(instance_id)

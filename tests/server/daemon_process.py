@@ -78,13 +78,9 @@ def pid_exists(pid: int) -> bool:
 
 def shared_memory_descriptors(pid: int) -> int:
     """Descriptors of torch shared memory the process holds (a request's pixels, a pool)."""
-    found = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            found += "/dev/shm/torch_" in os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            pass
-    return found
+    from factories import open_paths
+
+    return sum("/dev/shm/torch_" in path for path in open_paths(pid))
 
 
 def wait_for(condition, timeout: float, interval: float = 0.05) -> bool:

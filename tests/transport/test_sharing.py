@@ -12,6 +12,7 @@ import time
 from multiprocessing import reduction, resource_sharer
 
 import pytest
+from factories import open_paths
 
 from hydrad.transport.sharing import HandleLedger, dumps_recording, quiet_taker_resets
 
@@ -57,17 +58,6 @@ def test_other_exceptions_reach_the_previous_hook(hook):
     except ConnectionResetError:
         sys.excepthook(*sys.exc_info())
     assert seen == [ConnectionResetError]
-
-
-def open_paths() -> list[str]:
-    """What each of this process's descriptors is open on."""
-    paths = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:  # the listing's own descriptor, closed since
-            pass
-    return paths
 
 
 def descriptors_of(path: str) -> int:
