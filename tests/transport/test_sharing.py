@@ -89,7 +89,11 @@ def test_a_ledger_closes_the_descriptors_its_taker_never_fetched(hook, caplog, c
     assert descriptors_of(path) == 3  # the sharer holds a duplicate per pickle
     assert pickle.loads(taken).tolist() == tensor.tolist()  # the taker fetches this one
     assert ledger.num_held == 1
-    # The fetched duplicate is closed (a taker in this process finds the storage it has).
+    # The fetched duplicate is closed by the sharer's thread once it has sent it (the taker may
+    # return first), and the taker closes what it received (it finds the storage it has).
+    deadline = time.monotonic() + 5
+    while descriptors_of(path) != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert descriptors_of(path) == 2
     assert ledger.release() == 1
     assert ledger.num_held == 0 and ledger.release() == 0
