@@ -107,19 +107,21 @@ class Quarantine:
 class _Kept:
     """A request as sent, and the tokens it has had since: enough to run it again."""
 
-    __slots__ = ("request", "token_ids", "image_bytes")
+    __slots__ = ("request", "token_ids", "pixels")
 
-    def __init__(self, request: EngineRequest, image_bytes: int):
+    def __init__(self, request: EngineRequest, pixels: tuple[int, ...] | None):
         self.request = request
         self.token_ids: list[int] = []
-        # Its pixels' bytes, counted in the table's ``kept_image_bytes``; -1: kept until its
-        # first token only (they did not fit).
-        self.image_bytes = image_bytes
+        # The pixel tensors it holds a reference on in the table's count (``RequestTable._pixels``);
+        # None: kept until its first token only (they did not fit).
+        self.pixels = pixels
 
 
-def pixel_bytes(request: EngineRequest) -> int:
-    return sum(image.pixel_values.numel() * image.pixel_values.element_size()
-               for image in request.images if image.pixel_values is not None)
+def pixel_tensors(request: EngineRequest) -> list[tuple[int, int]]:
+    """(address, bytes) of each of a request's preprocessed images. The ``n`` choices of one
+    HTTP request share their images' tensors: one address."""
+    return [(pv.data_ptr(), pv.numel() * pv.element_size())
+            for image in request.images if (pv := image.pixel_values) is not None]
 
 
 class RequestTable:
@@ -142,8 +144,12 @@ class RequestTable:
         # it had: its client sees a pause. A request's pixels are kept for its whole life only
         # while the kept ones total at most ``rerun_image_bytes``; past that, a request with
         # images is kept until its first token only (until then its pixels are held anyway).
+        # A tensor shared by several requests (the ``n`` choices of one HTTP request) counts
+        # once: address -> [bytes, requests holding it]. An address held here is a live
+        # tensor (a kept request refers to it), so it cannot be reused meanwhile.
         self.rerun_image_bytes = rerun_image_bytes
         self.kept_image_bytes = 0
+        self._pixels: dict[int, list[int]] = {}
         self._kept: dict[str, _Kept] = {}
         self._run_again: set[str] = set()
         # The content digests of the requests running again: refused for a while should they
@@ -169,12 +175,7 @@ class RequestTable:
             raise ServiceStopping(self.stopping_reason)
         if request is not None and req_id not in self._run_again:
             self.quarantine.check(request)
-            image_bytes = pixel_bytes(request)
-            if image_bytes and self.kept_image_bytes + image_bytes > self.rerun_image_bytes:
-                image_bytes = -1
-            elif image_bytes:
-                self.kept_image_bytes += image_bytes
-            self._kept[req_id] = _Kept(request, image_bytes)
+            self._kept[req_id] = _Kept(request, self._hold_pixels(request))
         self.sinks[req_id] = sink
         self.routes[req_id] = [entry.instance_id]
         self.relay.open(req_id, entry)
@@ -190,7 +191,7 @@ class RequestTable:
             if sink is not None:  # else aborted by the daemon while the step ran
                 token_id = token_ids[i]
                 if kept and (k := kept.get(req_id)) is not None:
-                    if k.image_bytes < 0:
+                    if k.pixels is None:
                         del kept[req_id]
                     else:
                         k.token_ids.append(token_id)
@@ -202,6 +203,25 @@ class RequestTable:
                 self.relay.close(end.req_id)
                 sink.on_finish(end.finish_reason, end.stage_times, end.num_cached_tokens)
             self.routes.pop(end.req_id, None)  # after on_finish, which may read it
+
+    def _hold_pixels(self, request: EngineRequest) -> tuple[int, ...] | None:
+        """Count ``request``'s pixels as kept, those it shares with a kept request once; the
+        addresses it holds, or None if the new ones do not fit in ``rerun_image_bytes``."""
+        tensors = pixel_tensors(request)
+        if not tensors:
+            return ()
+        pixels = self._pixels
+        new = sum(size for address, size in dict(tensors).items() if address not in pixels)
+        if new and self.kept_image_bytes + new > self.rerun_image_bytes:
+            return None
+        for address, size in tensors:
+            held = pixels.get(address)
+            if held is None:
+                pixels[address] = [size, 1]
+                self.kept_image_bytes += size
+            else:
+                held[1] += 1
+        return tuple(address for address, _ in tensors)
 
     def fail(self, req_id: str, error: Exception) -> None:
         """End a request with an error; the instances still holding it drop it."""
@@ -267,8 +287,14 @@ class RequestTable:
     def _forget(self, req_id: str) -> None:
         """``req_id`` ended, or runs again (and is not run a second time)."""
         k = self._kept.pop(req_id, None)
-        if k is not None and k.image_bytes > 0:
-            self.kept_image_bytes -= k.image_bytes
+        if k is not None and k.pixels:
+            pixels = self._pixels
+            for address in k.pixels:
+                held = pixels[address]
+                held[1] -= 1
+                if not held[1]:
+                    del pixels[address]
+                    self.kept_image_bytes -= held[0]
         if self._run_again:
             self._run_again.discard(req_id)
             self._suspects.pop(req_id, None)

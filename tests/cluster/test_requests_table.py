@@ -326,6 +326,41 @@ def test_pixels_are_kept_to_run_again_within_their_budget():
     assert "v" not in table._kept and table.kept_image_bytes == 0
 
 
+def test_choices_sharing_their_pixels_count_them_once():
+    """The ``n`` choices of one HTTP request share their images' tensors: those count once
+    against ``rerun_image_bytes``, until the last choice holding them ends; a choice whose
+    pixels are all held already is kept whole even when the budget has no room left."""
+    import torch
+
+    from hydrad.engine.inputs import EngineRequest, ImageInput
+
+    shared, other = torch.zeros(10), torch.zeros(10)  # 40 bytes each
+
+    def request(req_id: str, *pixels) -> EngineRequest:
+        return EngineRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=4),
+                             images=[ImageInput(p, 0, 1) for p in pixels])
+
+    table, (ep0, ep1, d) = make_table(("EP", "EP", "D"))
+    table.rerun_image_bytes = 80
+    for req_id in ("a-0", "a-1", "a-2"):
+        ep0.add_request(request(req_id, shared), RecordingSink())
+    assert table.kept_image_bytes == 40
+    ep0.add_request(request("b", other, shared), RecordingSink())  # 40 new bytes: fits
+    assert table.kept_image_bytes == 80
+    ep0.add_request(request("c", torch.zeros(1)), RecordingSink())  # 4 new bytes: full
+    ep0.add_request(request("a-3", shared), RecordingSink())  # nothing new: kept whole
+    table.deliver_output(EngineOutput(["a-0", "a-1", "a-2", "a-3", "b", "c"], [7] * 6))
+    assert set(table._kept) == {"a-0", "a-1", "a-2", "a-3", "b"}
+    table.deliver_output(EngineOutput([], [], finished=[FinishedRequest("b", "length")]))
+    assert table.kept_image_bytes == 40  # other's bytes back; shared still held by the a choices
+    table.deliver_output(EngineOutput([], [], finished=[FinishedRequest(r, "stop") for r in ("a-0", "a-1", "a-2")]))
+    assert table.kept_image_bytes == 40
+    ep0.alive = False
+    table.lost(ep0, WorkerLost("worker gone"))  # a-3 runs again, not kept a second time
+    assert table.num_run_again == 1 and table.num_lost == 1  # c was not kept whole
+    assert table.kept_image_bytes == 0 and not table._pixels
+
+
 def test_a_request_that_loses_two_instances_is_quarantined():
     """A request run again that loses that instance too fails, and the same content (prompt
     tokens and images) is refused for ``quarantine_seconds``, with a 400's one line; other

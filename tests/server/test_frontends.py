@@ -172,6 +172,51 @@ def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
         assert status == 400 and "image cache holds 2" in message, (status, message)
 
 
+def test_the_choices_of_one_request_count_its_pixels_once(daemon):
+    """The ``n`` choices of an image request share its pixels: the daemon keeps them (to run
+    the request again should its worker die) once, whichever process took the request; a
+    front end sends each choice on its own, and the daemon finds the one tensor again."""
+    from test_daemon_api import PNG, data_url
+
+    image = {"type": "image_url", "image_url": {"url": data_url(PNG, "png")}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}]
+
+    async def kept_while_streaming(session: aiohttp.ClientSession, n: int) -> int:
+        body = {"messages": messages, "n": n, "max_tokens": 400, "ignore_eos": True, "stream": True,
+                "temperature": 0.8}
+        async with session.post(daemon.url + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            async for line in response.content:
+                if line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                    break
+            async with session.get(daemon.url + "/admin/status") as r:
+                kept = (await r.json())["failures"]["rerun_image_bytes"]
+        # its end (the client left) gives them back
+        for _ in range(500):
+            async with session.get(daemon.url + "/admin/status") as r:
+                if (await r.json())["failures"]["rerun_image_bytes"] == 0:
+                    return kept
+            await asyncio.sleep(0.02)
+        raise AssertionError("the pixels were still kept after the request ended")
+
+    def served_by(log: str) -> set[str]:
+        return {m or "daemon" for m in re.findall(r"^\S+ \S+ INFO (frontend\d+ )?hydrad\.requests: finished "
+                                                   r"\S+-2 .*images=1 .*finish=abort", log, re.M)}
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector) as session:
+            one = await kept_while_streaming(session, 1)
+            assert one > 0
+            for _ in range(32):  # until each process has taken one
+                assert await kept_while_streaming(session, 3) == one
+                if len(served_by(daemon.log())) == 2:
+                    return
+            raise AssertionError(f"served by {served_by(daemon.log())} only")
+
+    asyncio.run(main())
+
+
 def test_a_killed_front_end_is_restarted_and_the_other_keeps_serving(daemon):
     pids = {p["pid"] for p in http("GET", daemon.url + "/admin/status").json()["frontend"]["processes"]}
     frontend = next(p for p in pids if p != daemon.process.pid)
