@@ -120,6 +120,8 @@ class ServerConfig:
     # resending a request that takes workers down would put them in a crash loop (0: never).
     quarantine_seconds: float = 300.0
     log_level: str = "info"
+    # One line per finished request at info level (its id, sizes, latencies, stages).
+    log_requests: bool = True
     remote_images: RemoteImageConfig = field(default_factory=RemoteImageConfig)
 
     def __post_init__(self) -> None:

@@ -27,11 +27,11 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     """Start the daemon: one worker per device, then the OpenAI-compatible API."""
     import asyncio
     import dataclasses
-    import logging
     import os
 
     from hydrad.cli.common import console
     from hydrad.config_file import load_config
+    from hydrad.logs import configure_logging
 
     flags = {
         "model.path": model_path, "parallel.devices": devices, "parallel.deploy": deploy,
@@ -41,8 +41,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     }
     config = load_config(config_file, {k: v for k, v in flags.items() if v is not None})
     os.environ["HYDRAD_LOG_LEVEL"] = config.server.log_level  # workers read it
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.server.log_level, config.server.log_requests)
 
     from hydrad.cluster.deploy import plan_instances
     from hydrad.cluster.launch import check_listen, cuda_device_count, launch_all, plan_specs, stop_unadopted

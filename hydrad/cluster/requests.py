@@ -124,6 +124,13 @@ def pixel_tensors(request: EngineRequest) -> list[tuple[int, int]]:
             for image in request.images if (pv := image.pixel_values) is not None]
 
 
+def _token_range(counts: list[int]) -> str:
+    if not counts:
+        return ""
+    low, high = min(counts), max(counts)
+    return f" ({low} tokens)" if low == high else f" ({low}-{high} tokens)"
+
+
 class RequestTable:
     def __init__(self, router: Router, rerun_image_bytes: int = 1 << 30, quarantine_seconds: float = 300.0):
         self.router = router
@@ -326,11 +333,14 @@ class RequestTable:
         parts. Those it was about to pull go to another target (their source still has the
         blocks); a request not kept whole (its pixels past ``rerun_image_bytes``, streaming)
         fails."""
+        again: list[int] = []  # the tokens each request run again had
+        pulled_elsewhere = failed = quarantined = 0
         for req_id in self.relay.requests_held_by(instance):
             handed_back = self.relay.take_back(req_id, instance)
             kept = self._kept.get(req_id)
             sink = self.sinks.get(req_id)
             if handed_back is not None:
+                pulled_elsewhere += 1
                 self.on_offer(*handed_back)
             elif kept is not None and sink is not None:
                 self.relay.abort((req_id,))  # the live instances drop their parts
@@ -342,31 +352,47 @@ class RequestTable:
                 request = kept.request
                 if kept.token_ids:
                     request = dataclasses.replace(request, output_token_ids=kept.token_ids)
-                logger.warning("request %s lost instance %d after %d tokens: running it again from there", req_id,
-                               instance.instance_id, len(kept.token_ids))
-                self._place_again(request, sink, error)
+                logger.info("request %s lost instance %d after %d tokens: running it again from there", req_id,
+                            instance.instance_id, len(kept.token_ids))
+                if self._place_again(request, sink, error):
+                    again.append(len(kept.token_ids))
+                else:
+                    failed += 1
             else:
                 digest = self._suspects.pop(req_id, None)
                 if digest is not None and sink is not None:
                     self.quarantine.add(digest)
+                    quarantined += 1
                     logger.warning("request %s lost a second instance (%d): failed, and its content is refused "
                                    "for %g s", req_id, instance.instance_id, self.quarantine.seconds)
                 self.num_lost += sink is not None
+                failed += sink is not None
                 self.fail(req_id, error)
+        if again or pulled_elsewhere or failed:
+            # One line however many requests it held (each is named at info level).
+            logger.warning(
+                "instance %d held %d request(s) when it died: %d run again from the tokens they had%s, %d to be "
+                "pulled by another instance, %d failed%s", instance.instance_id, len(again) + pulled_elsewhere + failed,
+                len(again), _token_range(again), pulled_elsewhere, failed,
+                f" ({quarantined} of them quarantined)" if quarantined else "")
 
-    def _place_again(self, request: EngineRequest, sink: RequestSink, error: Exception) -> None:
+    def _place_again(self, request: EngineRequest, sink: RequestSink, error: Exception) -> bool:
         """Send a request that lost its instance to a live one; while one is being restarted
-        and none takes its first stage, it waits for the restart; else it fails with ``error``."""
+        and none takes its first stage, it waits for the restart; else it fails with ``error``
+        (False)."""
         try:
             instance = self.router.select(has_images=bool(request.images), request=request)
             instance.add_request(request, sink)  # opens it here again
         except NoInstanceAvailable:
             if self.hold_offers and self.stopping_reason is None:
                 self._parked_requests.append((request, sink))
-                return
+                return True
             self._drop(request.req_id, sink, error)
+            return False
         except Exception as e:  # the chosen worker just went, the daemon stopping
             self._drop(request.req_id, sink, e)
+            return False
+        return True
 
     def _drop(self, req_id: str, sink: RequestSink, error: Exception) -> None:
         self.num_lost += 1

@@ -28,6 +28,7 @@ from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
 from hydrad.errors import RequestError
+from hydrad.logs import REQUESTS_LOGGER
 from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize
 from hydrad.sampling_params import split_choices
 from hydrad.cluster.worker_client import WorkerClient
@@ -38,7 +39,7 @@ from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptio
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router, entry_stage
 
-logger = logging.getLogger("hydrad.requests")
+logger = logging.getLogger(REQUESTS_LOGGER)
 
 
 @dataclass(slots=True)

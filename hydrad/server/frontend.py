@@ -27,6 +27,7 @@ from aiohttp import web
 from hydrad.cluster.requests import RequestSink, ServiceStopping
 from hydrad.config_file import DaemonConfig
 from hydrad.engine.inputs import EngineRequest
+from hydrad.logs import configure_logging
 from hydrad.heap import freeze_startup_heap
 from hydrad.server import app as api
 from hydrad.server.admin import check_admin_access
@@ -220,8 +221,8 @@ def frontend_main(index: int, config: DaemonConfig, conn: Connection) -> None:
     """Process entry point (spawned by ``Frontends.spawn``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the daemon decides when front ends stop
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=config.server.log_level.upper(),
-                        format=f"%(asctime)s %(levelname)s frontend{index} %(name)s: %(message)s")
+    configure_logging(config.server.log_level, config.server.log_requests,
+                      f"%(asctime)s %(levelname)s frontend{index} %(name)s: %(message)s")
     try:
         from uvloop import run
     except ImportError:

@@ -241,11 +241,21 @@ def test_new_requests_wait_for_a_restarting_stage_only_while_offers_are_held():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-def test_requests_run_again_once_from_their_tokens_when_their_instance_dies():
+def test_requests_run_again_once_from_their_tokens_when_their_instance_dies(caplog):
     """A request that lost its instance goes to a live instance of its first stage with the
     tokens it had (the others drop its parts), its sink none the wiser, or waits for a
-    restart while offers are held; one lost a second time, or with nowhere to go, fails."""
+    restart while offers are held; one lost a second time, or with nowhere to go, fails.
+    Each death is one warning line however many requests it held."""
+    import logging
+
     from hydrad.engine.inputs import EngineRequest
+
+    def warnings() -> list[str]:
+        lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        caplog.clear()
+        return lines
+
+    caplog.set_level(logging.INFO, logger="hydrad.migration")
 
     def request(req_id: str) -> EngineRequest:
         return EngineRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=4))
@@ -259,6 +269,8 @@ def test_requests_run_again_once_from_their_tokens_when_their_instance_dies():
     p0.alive = False
     table.lost(p0, WorkerLost("worker gone"))
     assert unstarted.ended is None and started.ended is None and table.num_run_again == 2
+    assert warnings() == ["instance 0 held 2 request(s) when it died: 2 run again from the tokens they had "
+                          "(0-2 tokens), 0 to be pulled by another instance, 0 failed"]
     sent = {m.request.req_id: m.request for m in p1.sent if isinstance(m, AddRequest)}
     assert sent["a"].output_token_ids == [] and sent["b"].output_token_ids == [7, 8]
     assert sent["b"].prompt_token_ids == [1, 2, 3] and Abort(("a",)) not in p1.sent
@@ -270,6 +282,8 @@ def test_requests_run_again_once_from_their_tokens_when_their_instance_dies():
     assert unstarted.ended[0] == "error" and str(unstarted.ended[1]) == "worker gone again"
     assert started.ended[0] == "error" and table.num_lost == 2
     assert not table.sinks and not table._kept and not table._run_again
+    assert warnings()[-1] == ("instance 1 held 2 request(s) when it died: 0 run again from the tokens they had, "
+                              "0 to be pulled by another instance, 2 failed (2 of them quarantined)")
 
     # With no live instance of its stage it waits while offers are held (a restart), then
     # goes on; without a restart to wait for it fails at once.
@@ -289,6 +303,8 @@ def test_requests_run_again_once_from_their_tokens_when_their_instance_dies():
     p0.alive = False
     table.lost(p0, WorkerLost("down"))
     assert sink.ended[0] == "error" and str(sink.ended[1]) == "down"
+    assert warnings()[-1] == ("instance 0 held 1 request(s) when it died: 0 run again from the tokens they had, "
+                              "0 to be pulled by another instance, 1 failed")
 
 
 def test_pixels_are_kept_to_run_again_within_their_budget():

@@ -1,5 +1,6 @@
 """Large inputs against a real daemon (cpu:1, tiny LLaVA): a small request sent meanwhile
-completes within 2 s, and the daemon's memory stays within its budgets.
+completes within 2 s, and the daemon's memory stays within its budgets. The daemon runs
+with ``log_requests = false``: no line per finished request.
 
 The bound asserted on the daemon's resident memory (its own process; the worker's is
 not counted) is its peak over the test minus its size before: at most
@@ -33,6 +34,7 @@ CONFIG = f"""
 max_request_pixels = 288000000
 max_inflight_image_mb = {IMAGE_MB}
 queue_timeout = 2
+log_requests = false
 """
 SMALL_SECONDS = 2.0
 SLACK_MB = 300
@@ -122,3 +124,10 @@ def test_small_requests_flow_while_eight_6000px_images_are_processed(daemon):
     # and the memory goes back: no 2 GB left behind once the images are processed
     time.sleep(1.0)
     assert memory_mb(pid, "VmRSS") - before < SLACK_MB
+
+
+def test_without_log_requests_no_line_per_request(daemon):
+    assert http("POST", daemon.url + "/v1/chat/completions", chat("hi"), JSON).status_code == 200
+    log = daemon.log()
+    assert "hydrad.daemon: serving" in log, log[-2000:]
+    assert "hydrad.requests" not in log, log[-2000:]

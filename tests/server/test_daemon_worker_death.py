@@ -241,6 +241,8 @@ def test_requests_without_a_token_survive_their_instance_and_new_ones_wait_for_i
         assert later == [(200, True, False)] * 6
         assert instances(daemon)[encoder["id"]]["restarts"] == 1
         assert daemon.log().count("lost instance 0 after 0 tokens: running it again") == 6
+        assert "WARNING hydrad.migration: instance 0 held 6 request(s) when it died: 6 run again from the tokens " \
+               "they had (0 tokens), 0 to be pulled by another instance, 0 failed" in daemon.log()
         metrics = http("GET", daemon.url + "/metrics").text
         assert re.search(r'^hydrad_requests_run_again_total\{model_name="[^"]+"\} 6\.0$', metrics, re.M), metrics
         assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M)
