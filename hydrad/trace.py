@@ -202,13 +202,14 @@ class TraceWriter:
         self.template_tokens = template_tokens
         self.num_records = 0
         self._lock = threading.Lock()  # the admin route reads from a thread
+        self._file = None
+        self._size = 0
+        self._failed = False
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.directory / CURRENT, "a", encoding="utf-8")
+            self._open()
         except OSError as e:
             raise ConfigError(f"cannot write the request trace in {self.directory}: {e.strerror or e}") from None
-        self._size = self._file.tell()
-        self._failed = False
 
     @property
     def path(self) -> Path:
@@ -223,6 +224,8 @@ class TraceWriter:
         line = _encode(record.to_json()) + "\n"
         with self._lock:
             try:
+                if self._file is None:  # a write or a rotation failed: try again
+                    self._open()
                 if self._size and self._size + len(line) > self.max_bytes:
                     self._rotate()
                 self._file.write(line)
@@ -230,13 +233,43 @@ class TraceWriter:
                 self._size += len(line)
                 self.num_records += 1
             except OSError as e:
-                # A full disk must not fail requests: say it once, keep serving.
+                # A full disk must not fail requests: say it once, keep serving. What was
+                # written of the line (if anything) ends at the next open (``_open``).
+                self._close_file()
                 if not self._failed:
                     logger.error("request trace %s: %s; records are dropped until it is writable", self.path, e)
                     self._failed = True
+                return
+            if self._failed:
+                logger.warning("request trace %s: writable again", self.path)
+                self._failed = False
+
+    def _open(self) -> None:
+        """Open the current file to append. A line left unfinished (the process killed in a
+        write, a full disk) is ended first, so that the next record starts a line."""
+        path = self.directory / CURRENT
+        f = open(path, "a", encoding="utf-8")
+        try:
+            size = f.tell()
+            if size:
+                with open(path, "rb") as tail:
+                    tail.seek(size - 1)
+                    if tail.read(1) != b"\n":
+                        f.write("\n")
+                        f.flush()
+                        size += 1
+        except OSError:
+            _close_quietly(f)
+            raise
+        self._file, self._size = f, size
+
+    def _close_file(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            _close_quietly(f)
 
     def _rotate(self) -> None:
-        self._file.close()
+        self._close_file()
         oldest = self.directory / f"trace.{self.max_files - 1}.jsonl"
         if self.max_files == 1:
             (self.directory / CURRENT).unlink(missing_ok=True)
@@ -247,8 +280,7 @@ class TraceWriter:
                 if src.exists():
                     src.rename(self.directory / f"trace.{i + 1}.jsonl")
             (self.directory / CURRENT).rename(self.directory / "trace.1.jsonl")
-        self._file = open(self.directory / CURRENT, "a", encoding="utf-8")
-        self._size = 0
+        self._open()
 
     def recent(self, limit: int) -> list[str]:
         """The newest ``limit`` lines, oldest first."""
@@ -262,7 +294,14 @@ class TraceWriter:
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            self._close_file()
+
+
+def _close_quietly(f) -> None:
+    try:
+        f.close()
+    except OSError:  # what its buffer held could not be written either: dropped
+        pass
 
 
 def trace_files(directory: str | Path) -> list[Path]:
@@ -279,15 +318,35 @@ def trace_files(directory: str | Path) -> list[Path]:
     return files
 
 
-def parse_lines(lines: list[str], where: str) -> list[TraceRecord]:
+# The bad lines already reported, (file, line number): a trace is read again and again (the
+# replanning monitor), and each is said once.
+_reported: set[tuple[str, int]] = set()
+
+
+def parse_lines(lines: list[str], where: str, *, ended: bool = True) -> list[TraceRecord]:
+    """The records of a trace's lines. A line that is not a record (a write cut short by a
+    kill or a full disk, a line edited by hand) is skipped with a warning, once; the last
+    line of text that did not end with a newline (``ended`` False: a write in progress, or
+    cut short) is skipped silently. Lines none of which is a record are not a trace: an error."""
     records = []
+    bad: list[tuple[int, Exception]] = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             records.append(TraceRecord.from_json(json.loads(line)))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ConfigError(f"{where}:{lineno}: not a {FORMAT} record ({e})") from None
+            bad.append((lineno, e))
+    if bad and not ended and bad[-1][0] == len(lines):
+        bad.pop()
+    if bad and not records:
+        lineno, e = bad[0]
+        raise ConfigError(f"{where}:{lineno}: not a {FORMAT} record ({e})")
+    if bad and (where, bad[0][0]) not in _reported:
+        _reported.add((where, bad[0][0]))
+        lineno, e = bad[0]
+        logger.warning("%s: skipped %d line(s) that are not %s records (line %d: %s)", where, len(bad), FORMAT,
+                       lineno, e)
     return records
 
 
@@ -310,10 +369,10 @@ def read_trace(path: str | Path, *, model: str | None = None, completed_only: bo
     records: list[TraceRecord] = []
     for file in reversed(files):
         try:
-            lines = file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"cannot read trace {file}: {getattr(e, 'strerror', None) or e}") from None
-        parsed = parse_lines(lines, str(file))
+            text = file.read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise ConfigError(f"cannot read trace {file}: {e.strerror or e}") from None
+        parsed = parse_lines(text.splitlines(), str(file), ended=text.endswith("\n"))
         records += [r for r in parsed if (model is None or r.model == model) and (r.completed or not completed_only)
                     and (since is None or r.timestamp >= since)]
         if newest is not None and len(records) >= newest:

@@ -83,7 +83,7 @@ def test_the_writer_rotates_and_keeps_max_files(tmp_path):
         read_trace(tmp_path / "trace")
 
 
-def test_reading_filters_unfinished_requests_and_other_models(tmp_path):
+def test_reading_filters_unfinished_requests_and_other_models(tmp_path, caplog):
     w = writer(tmp_path)
     w.record(**facts(0))
     w.record(**facts(1, finish_reason="abort", output_tokens=3))
@@ -93,9 +93,69 @@ def test_reading_filters_unfinished_requests_and_other_models(tmp_path):
     assert [r.output_tokens for r in read_trace(path)] == [16, 7]
     assert len(read_trace(path, completed_only=False)) == 3
     assert read_trace(path, model="other") == []
+    # A line that is not a record is skipped, and said once however often the trace is read;
+    # lines none of which is a record are not a trace.
     path.write_text(path.read_text() + "{\"format\": \"" + FORMAT + "\"}\n")
-    with pytest.raises(ConfigError, match="trace.jsonl:4"):
+    for _ in range(3):
+        assert [r.output_tokens for r in read_trace(path)] == [16, 7]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "hydrad.trace"]
+    assert len(warnings) == 1 and "trace.jsonl: skipped 1 line(s) that are not" in warnings[0] \
+        and "(line 4: " in warnings[0], warnings
+    path.write_text("not json\n{}\n")
+    with pytest.raises(ConfigError, match="trace.jsonl:1"):
         read_trace(path)
+
+
+def test_a_write_cut_short_loses_that_record_only(tmp_path, caplog):
+    """The daemon killed in the middle of a write leaves part of a line: read back, the trace
+    skips it (silently while it ends the file); the next writer ends the line before its
+    first record, so that record stays whole."""
+    w = writer(tmp_path)
+    for i in range(3):
+        w.record(**facts(i))
+    w.close()
+    path = tmp_path / "trace" / "trace.jsonl"
+    whole = path.read_bytes()
+    path.write_bytes(whole + whole.splitlines(keepends=True)[0][:57])  # a fourth record, cut
+    assert [r.timestamp for r in read_trace(path)] == [1000.0, 1001.0, 1002.0]
+    assert not [r for r in caplog.records if r.name == "hydrad.trace"]
+    w = writer(tmp_path)
+    w.record(**facts(3))
+    w.close()
+    assert [r.timestamp for r in read_trace(path)] == [1000.0, 1001.0, 1002.0, 1003.0]
+    assert len(path.read_text().splitlines()) == 5  # the cut line, ended, is skipped with a warning
+    # A record cut inside a character (the text is not UTF-8 to its end) reads the same.
+    path.write_bytes(path.read_bytes() + '{"prompt": "\u00e9'.encode()[:-1])
+    assert [r.timestamp for r in read_trace(path)] == [1000.0, 1001.0, 1002.0, 1003.0]
+
+
+def test_a_full_disk_drops_records_without_failing_and_the_writer_recovers(tmp_path, caplog, monkeypatch):
+    """Writes that fail (a full disk; here, a rotation that cannot rename) drop their records
+    with one error line and raise nothing into the request that ends; once the disk takes
+    writes again, records follow, whole, and one line says so."""
+    from pathlib import Path
+
+    w = writer(tmp_path, max_bytes=1500)
+    w.record(**facts(0))
+    real_rename = Path.rename
+
+    def no_space(self, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "rename", no_space)
+    for i in range(1, 8):  # the second record or so needs a rotation: every one fails
+        w.record(**facts(i))
+    errors = [r.getMessage() for r in caplog.records if r.name == "hydrad.trace" and r.levelname == "ERROR"]
+    assert len(errors) == 1 and "No space left on device; records are dropped until it is writable" in errors[0]
+    dropped = 8 - w.num_records
+    assert dropped >= 5
+    monkeypatch.setattr(Path, "rename", real_rename)
+    for i in range(8, 12):
+        w.record(**facts(i))
+    w.close()
+    assert any("writable again" in r.getMessage() for r in caplog.records if r.name == "hydrad.trace")
+    stamps = [r.timestamp for r in read_trace(tmp_path / "trace")]
+    assert stamps[-4:] == [1008.0, 1009.0, 1010.0, 1011.0] and len(stamps) == 12 - dropped
 
 
 def test_hydractl_bench_replays_a_trace(tmp_path):
