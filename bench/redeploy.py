@@ -15,7 +15,12 @@ seconds apart, and records per switch:
   switch (the steady state);
 - failed requests (there should be none).
 
+A step ``kill:N`` of the chain kills instance N's worker (SIGKILL) instead: its requests run
+again elsewhere or on the restarted worker; ``seconds`` is then the time until that worker
+is ready again.
+
     python bench/redeploy.py --chain 2EPD 1EP+1D 1E+1PD 2EPD --streams 64 --out redeploy.json
+    python bench/redeploy.py --chain 2EPD kill:0 1EP+1D kill:1 --streams 256 --out deaths.json
 """
 
 from __future__ import annotations
@@ -90,6 +95,10 @@ async def drive(url: str, args, switches: list[dict]) -> tuple[list, list[dict]]
         clients = [asyncio.ensure_future(client(k)) for k in range(args.streams)]
         await asyncio.sleep(args.settle)
         for spec in args.chain[1:]:
+            if spec.startswith("kill:"):
+                switches.append(await kill(session, url, int(spec[5:])))
+                await asyncio.sleep(args.settle)
+                continue
             sent = time.perf_counter()
             lines = []
             async with session.post(url + "/admin/redeploy", json={"deploy": spec, "reason": "bench"}) as resp:
@@ -109,11 +118,38 @@ async def drive(url: str, args, switches: list[dict]) -> tuple[list, list[dict]]
     return records, switches
 
 
+async def kill(session, url: str, instance_id: int) -> dict:
+    """SIGKILL instance ``instance_id``'s worker; back once the daemon has it ready again."""
+    import os
+    import signal
+
+    async def instance() -> dict:
+        async with session.get(url + "/admin/status") as resp:
+            status = await resp.json()
+        return next(i for i in status["instances"] if i["id"] == instance_id)
+
+    pid = (await instance())["pid"]
+    sent = time.perf_counter()
+    os.kill(pid, signal.SIGKILL)
+    while True:
+        now = await instance()
+        if now["state"] == "ready" and now["pid"] != pid:
+            break
+        if time.perf_counter() - sent > 300:
+            raise RuntimeError(f"instance {instance_id} was not ready again 300 s after its worker was killed")
+        await asyncio.sleep(0.05)
+    done = time.perf_counter()
+    print(f"  -> kill:{instance_id}: ready again after {done - sent:.2f} s", flush=True)
+    return {"deploy": f"kill:{instance_id}", "sent": sent, "done": done, "seconds": done - sent,
+            "client_seconds": done - sent, "progress": []}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: the 'small' LLaVA, built here)")
     parser.add_argument("--devices", default="cpu:2")
-    parser.add_argument("--chain", nargs="+", default=["2EPD", "1EP+1D", "1E+1PD", "1ED+1P", "2EPD"])
+    parser.add_argument("--chain", nargs="+", default=["2EPD", "1EP+1D", "1E+1PD", "1ED+1P", "2EPD"],
+                        help="deployments in turn; kill:N kills instance N's worker instead")
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--settle", type=float, default=20.0, help="seconds of steady load before and between switches")
