@@ -38,6 +38,11 @@ class ModelConfig:
             raise ConfigError(f"model.max_model_len must be >= 2, got {self.max_model_len}")
 
 
+# The pools' sizes on a CPU when [cache] leaves them unset (``hydrad.engine.memory``).
+CPU_KV_MB = 512
+CPU_IMAGE_MB = 256
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     # Tokens per KV-cache block; None: the attention backend's default (16 for SDPA, 256 for
@@ -61,6 +66,15 @@ class CacheConfig:
     # Keep the KV of full blocks after their request for later requests with the same prefix
     # (tokens and images): they skip its prefill, and the encoding of its images.
     prefix_caching: bool = True
+
+    def cpu_pools_mb(self) -> int | None:
+        """MB of an instance's two pools on a CPU (a role holding one pool gives it the other's
+        share: the sum is the same); None where a block count sets a size (its bytes follow
+        from the model's geometry)."""
+        if self.num_kv_blocks is not None or self.num_image_blocks is not None:
+            return None
+        return ((self.kv_cache_memory_mb if self.kv_cache_memory_mb is not None else CPU_KV_MB)
+                + (self.image_cache_memory_mb if self.image_cache_memory_mb is not None else CPU_IMAGE_MB))
 
     def __post_init__(self) -> None:
         if self.kv_block_size is not None and self.kv_block_size < 1:

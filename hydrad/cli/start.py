@@ -44,7 +44,8 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     configure_logging(config.server.log_level, config.server.log_requests)
 
     from hydrad.cluster.deploy import plan_instances
-    from hydrad.cluster.launch import check_listen, cuda_device_count, launch_all, plan_specs, stop_unadopted
+    from hydrad.cluster.launch import (check_listen, check_shared_memory, cuda_device_count, launch_all, migrates,
+                                       plan_specs, stop_unadopted)
     from hydrad.models.default import resolve_model_path
 
     # Resolved once here, so workers never race to build the default model.
@@ -61,6 +62,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     parallel = config.engine.parallel
     specs = plan_specs(plan_instances(parallel.deploy, parallel.devices, cuda_device_count(parallel.devices)))
     check_listen(config.server.host, config.server.port)  # in a second, not after the workers load
+    check_shared_memory(config.engine.cache, [spec.device for spec in specs], migrates(specs))
     # The workers load (torch, weights, caches) while this process imports the daemon's stack.
     launched = launch_all(config.engine, specs)
     try:

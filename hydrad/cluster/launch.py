@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from hydrad.config import EngineConfig
+from hydrad.config import CacheConfig, EngineConfig
 from hydrad.engine.cores import CoreBoard, CpuThreads, cpu_threads
 from hydrad.errors import HydradError
 
@@ -168,6 +168,40 @@ def stop_unadopted(launched: dict[int, Launched], timeout: float = 5.0) -> None:
             item.process.kill()
             item.process.join()
     launched.clear()
+
+
+SHM = "/dev/shm"
+# Room /dev/shm should keep beside the pools: request images travel to the workers there.
+SHM_SPARE_MB = 256
+
+
+def check_shared_memory(cache: CacheConfig, devices: list[str], moves_requests: bool, path: str = SHM) -> None:
+    """Raise ``HydradError`` when the cache pools of the CPU instances (one per ``devices``
+    entry ``cpu``) cannot fit in ``path``'s free space, where they live when requests move
+    between instances (``moves_requests``): a container's /dev/shm is 64 MB unless told
+    otherwise, and a worker would otherwise fail its start with torch's error. Warn when they
+    fit with little room to spare, or when the pools stay private (no request moves) but a
+    redeploy to a deployment that moves requests would not fit."""
+    num_cpu = devices.count("cpu")
+    per_instance = cache.cpu_pools_mb()
+    if num_cpu == 0 or per_instance is None or not os.path.isdir(path):
+        return
+    st = os.statvfs(path)
+    free = st.f_bavail * st.f_frsize >> 20
+    need = num_cpu * per_instance
+    what = (f"the cache pools of {num_cpu} CPU instance(s) take {need} MiB there ({per_instance} MiB each: "
+            f"cache.kv_cache_memory_mb and cache.image_cache_memory_mb)")
+    advice = "give it more room (a container: --shm-size, or --ipc=host) or make the pools smaller"
+    if not moves_requests:
+        if num_cpu > 1 and need > free:
+            logger.warning("%s has %d MiB free: enough for this deployment, but in a redeploy that moves requests "
+                           "between instances %s; %s", path, free, what, advice)
+        return
+    if need > free:
+        raise HydradError(f"{path} has {free} MiB free, and {what}: {advice}")
+    if free - need < SHM_SPARE_MB:
+        logger.warning("%s has %d MiB free and %s, which leaves %d MiB for the images of requests in flight; %s",
+                       path, free, what, free - need, advice)
 
 
 def check_listen(host: str, port: int) -> None:

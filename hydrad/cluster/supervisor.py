@@ -33,7 +33,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hydrad.cluster.launch import (
-    InstanceSpec, Launched, launch_worker, migrates, new_board, peer_ids, plan_threads, share_cpu_cores,
+    InstanceSpec, Launched, check_shared_memory, launch_worker, migrates, new_board, peer_ids, plan_threads,
+    share_cpu_cores,
 )
 from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
@@ -276,6 +277,11 @@ class Supervisor:
         if not changes:
             say(f"already deployed as {target}")
             return self.history[-1]
+        if not self.migrates and any(role != "EPD" for role in roles) and self.config is not None:
+            try:  # the pools move to shared memory: refused now rather than failing half-way
+                check_shared_memory(self.config.cache, [spec.device for spec in self.specs], True)
+            except HydradError as e:
+                raise RedeployError(str(e)) from None
         self._redeploying = True
         try:
             expanding = [c for c in changes if c.gains]

@@ -35,15 +35,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hydrad.config import CacheConfig
+from hydrad.config import CPU_IMAGE_MB, CPU_KV_MB, CacheConfig
 from hydrad.errors import ConfigError
 from hydrad.models.attention.sdpa import CUDA_GATHER_BYTES
 
 MB = 1 << 20
 GB = 1 << 30
-# The pools' sizes on a CPU when [cache] leaves them unset.
-CPU_KV_MB = 512
-CPU_IMAGE_MB = 256
 # The image cache's share of the pools' memory on a GPU when neither size is set: it holds
 # encoded images until their prefill (and, with prefix caching, after it); the rest is KV.
 IMAGE_SHARE = 1 / 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 
 import pytest
@@ -168,4 +169,34 @@ def test_a_redeploy_that_cannot_complete_is_counted_and_changes_nothing():
         assert supervisor.num_failed_redeploys == 2
         assert supervisor.deployment == "1EP+1D" and len(supervisor.history) == 1 and supervisor.busy is None
 
+    asyncio.run(main())
+
+
+def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_it_starts(monkeypatch):
+    """2EPD keeps its pools private; a redeploy to a deployment that moves requests puts
+    them in /dev/shm: one that has no room for them is refused before any instance changes."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster import launch
+    from hydrad.cluster.supervisor import RedeployError
+    from hydrad.config import CacheConfig
+
+    monkeypatch.setattr(launch.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
+
+    async def main():
+        supervisor = make_supervisor(["EPD", "EPD"])
+        supervisor.config = SimpleNamespace(cache=CacheConfig())
+        supervisor.history.append(SimpleNamespace(deploy="2EPD"))
+
+        async def reconfigure(role, timeout):
+            raise AssertionError("no instance should change")
+
+        for client in supervisor.clients:
+            client.reconfigure = reconfigure
+        with pytest.raises(RedeployError, match="has 64 MiB free, and the cache pools of 2 CPU instance"):
+            await supervisor.redeploy(["EP", "D"])
+        assert supervisor.deployment == "2EPD" and supervisor.busy is None and not supervisor.migrates
+
+    if not os.path.isdir(launch.SHM):
+        pytest.skip(f"no {launch.SHM} here")
     asyncio.run(main())
