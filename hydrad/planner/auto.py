@@ -141,7 +141,7 @@ def reusable(plan: KeptPlan | None, key: PlanKey, records, *, reuse_hours: float
 def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
     """(deploy spec, why) for ``config`` (a ``DaemonConfig`` with its model path resolved)."""
     from hydrad.cluster.deploy import parse_devices
-    from hydrad.cluster.launch import cuda_device_count
+    from hydrad.cluster.launch import cuda_device_count, shared_memory_error
 
     num_cuda = cuda_device_count(config.engine.parallel.devices)
     devices = parse_devices(config.engine.parallel.devices, num_cuda)
@@ -151,6 +151,11 @@ def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
     model = Path(config.engine.model.path).name
     if num_devices == 1:
         return fallback, "one device: one EPD instance"
+    if (no_room := shared_memory_error(config.engine.cache, devices)) is not None:
+        # Every other deployment moves requests between instances, their pools in /dev/shm.
+        reason = f"one EPD instance per device, the one deployment whose pools stay private: {no_room}"
+        logger.warning("deploy auto: %s (%s)", fallback, reason)
+        return fallback, reason
     if not trace_path and not source.exists():
         reason = f"one EPD instance per device: no request trace yet in {source}"
         logger.info("deploy auto: %s (%s)", fallback, reason)

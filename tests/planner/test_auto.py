@@ -120,6 +120,31 @@ def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, 
     assert spec == "2EPD" and "RuntimeError: no machine" in reason and not path.exists()
 
 
+def test_without_room_in_shared_memory_the_pick_is_the_deployment_whose_pools_stay_private(tmp_path, planning,
+                                                                                             monkeypatch, caplog):
+    """Every deployment but one EPD instance per device moves requests between instances, with
+    the CPU pools in /dev/shm: where they cannot fit (a container's 64 MB), ``--deploy auto``
+    starts the one that works there, without planning, and says why."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster import launch
+
+    write_trace(tmp_path / "trace", 40)
+    monkeypatch.setattr(launch.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
+    if not launch.os.path.isdir(launch.SHM):
+        pytest.skip(f"no {launch.SHM} here")
+    with caplog.at_level(logging.WARNING, logger="hydrad.planner"):
+        spec, reason = auto.choose_deployment(config_for(tmp_path))
+    assert spec == "2EPD" and planning.calls == []
+    assert reason.startswith("one EPD instance per device, the one deployment whose pools stay private: "
+                             "/dev/shm has 64 MiB free, and the cache pools of 2 CPU instance(s) take 1536 MiB")
+    assert reason in caplog.text
+    # Smaller pools fit: planned as usual.
+    spec, _ = auto.choose_deployment(config_for(tmp_path, **{"cache.kv_cache_memory_mb": 16,
+                                                             "cache.image_cache_memory_mb": 8}))
+    assert spec == "1EP+1D" and planning.calls == [40]
+
+
 def test_reasons_a_kept_plan_is_not_reused(tmp_path):
     engine = load_config(None, {}).engine
     key = auto.plan_key("m", ["cpu", "cpu"], engine, "round-robin", tmp_path)
