@@ -304,6 +304,12 @@ class Replanner:
         busy = supervisor.busy
         if busy:
             return decision("skip", busy)
+        if not supervisor.migrates:
+            from hydrad.cluster.launch import shared_memory_error
+
+            no_room = shared_memory_error(self.engine_config.cache, [spec.device for spec in supervisor.specs])
+            if no_room is not None:  # every other deployment keeps its CPU pools in /dev/shm
+                return decision("skip", f"no deployment but {current} can run here: {no_room}")
         window = f"the last {self.config.window:g} s"
         stats = await asyncio.gather(*(_stats(c) for c in supervisor.clients))
         facts = [InstanceFacts(c.role, c.ready.latency_model, getattr(c.ready, "geometry", None),

@@ -159,6 +159,7 @@ class FakeSupervisor:
             get_stats=_stats_of(i)) for i, r in enumerate(roles)]
         self.specs = [SimpleNamespace(threads=CpuThreads(1), device="cpu") for _ in roles]
         self.busy = busy
+        self.migrates = any(role != "EPD" for role in roles)
         self.is_cpu = True
         self.fail = fail
         self.redeploys = []
@@ -270,6 +271,23 @@ def test_nothing_is_changed_when_busy_short_of_requests_or_failing(tmp_path):
     assert failed.action == "failed" and "RuntimeError: boom" in failed.reason
     assert refused.action == "failed" and "could not take on P" in refused.reason
     assert not supervisor.redeploys
+
+
+def test_no_replanning_while_only_the_running_deployment_fits_in_shared_memory(tmp_path, monkeypatch):
+    """2EPD keeps its CPU pools private; every other deployment puts them in /dev/shm. Without
+    room there, re-planning says so and plans nothing (the redeploy would be refused)."""
+    from hydrad.cluster import launch
+
+    if not launch.os.path.isdir(launch.SHM):
+        pytest.skip(f"no {launch.SHM} here")
+    monkeypatch.setattr(launch.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
+    r, calls, _ = replanner(FakeSupervisor(["EPD", "EPD"]), [ranking(("EP", "D"), 5.0)], tmp_path)
+    decision = asyncio.run(r.replan())
+    assert decision.action == "skip" and not calls
+    assert decision.reason.startswith("no deployment but 2EPD can run here: /dev/shm has 64 MiB free")
+    # A deployment that moves requests already holds its pools there: planned as usual.
+    r, calls, _ = replanner(FakeSupervisor(["EP", "D"]), [ranking(("EP", "D"), 5.0, current=("EP", "D"))], tmp_path)
+    assert asyncio.run(r.replan()).action == "keep" and calls
 
 
 def test_the_planner_section_is_checked():
