@@ -27,10 +27,12 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     """Start the daemon: one worker per device, then the OpenAI-compatible API."""
     import asyncio
     import dataclasses
+    import logging
     import os
 
     from hydrad.cli.common import console
     from hydrad.config_file import load_config
+    from hydrad.engine.cores import usable_cpus
     from hydrad.logs import configure_logging
 
     flags = {
@@ -61,6 +63,10 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
     parallel = config.engine.parallel
     specs = plan_specs(plan_instances(parallel.deploy, parallel.devices, cuda_device_count(parallel.devices)))
+    if any(spec.device == "cpu" for spec in specs) and (usable := usable_cpus()) < (os.cpu_count() or 1):
+        logging.getLogger("hydrad.daemon").info(
+            "CPU workers share %d of the host's %d CPUs (the CPUs this process may run on, within its cgroup's "
+            "CPU quota)", usable, os.cpu_count())
     check_listen(config.server.host, config.server.port)  # in a second, not after the workers load
     check_shared_memory(config.engine.cache, [spec.device for spec in specs], migrates(specs))
     # The workers load (torch, weights, caches) while this process imports the daemon's stack.

@@ -29,7 +29,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from hydrad.config import CacheConfig, EngineConfig
-from hydrad.engine.cores import CoreBoard, CpuThreads, cpu_threads
+from hydrad.engine.cores import CoreBoard, CpuThreads, cpu_threads, usable_cpus
 from hydrad.errors import HydradError
 
 logger = logging.getLogger("hydrad.supervisor")
@@ -66,7 +66,7 @@ def plan_threads(instances: list[tuple[str, str]]) -> list[CpuThreads]:
     """Each instance's threads (``CpuThreads(1)`` off a CPU), lenders named by instance id."""
     cpu = [i for i, (_, device) in enumerate(instances) if device == "cpu"]
     threads = {i: dataclasses.replace(t, lenders=tuple(cpu[j] for j in t.lenders))
-               for i, t in zip(cpu, cpu_threads([instances[i][0] for i in cpu], os.cpu_count() or 1))}
+               for i, t in zip(cpu, cpu_threads([instances[i][0] for i in cpu], usable_cpus()))}
     return [threads.get(i, CpuThreads(1)) for i in range(len(instances))]
 
 

@@ -22,13 +22,19 @@ writes its own byte when its state changes, and a borrower reads its lenders' by
 before each step and each operation. No message goes through the daemon, so a borrower
 sees a lender's new request within one operation of its step.
 
+The cores are those this process may use (``usable_cpus``): the CPUs it may run on (a
+cpuset, ``taskset``, systemd's ``AllowedCPUs=``), and no more than its cgroup's CPU quota
+(``docker run --cpus``, systemd's ``CPUQuota=``), not every CPU of the host.
+
 Plain Python (no torch): the planner's simulator uses ``cpu_threads`` too.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger("hydrad.worker")
 
@@ -54,6 +60,70 @@ class CpuThreads:
 
     def __str__(self) -> str:
         return f"{self.own}" if not self.borrow else f"{self.own} (+{self.borrow} while idle: {self.lenders})"
+
+
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroup (or one above it) may use, or None if
+    unbounded or unknown: cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us`` over its period."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one hierarchy
+            dirs = [Path(root)]
+            read = _cpu_max
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's hierarchy
+            dirs = [Path(root) / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu")]
+            read = _cfs_quota
+        else:
+            continue
+        for base in dirs:
+            if not base.is_dir():
+                continue
+            # The process's own group and every group above it (a container sees its own
+            # group as the root: its path then does not exist below, and the root is read).
+            here = base / path.strip("/")
+            while True:
+                if here.is_dir() and (limit := read(here)) is not None:
+                    limits.append(limit)
+                if here == base:
+                    break
+                here = here.parent
+            break
+    return min(limits) if limits else None
+
+
+def _cpu_max(group: Path) -> float | None:
+    try:
+        quota, _, period = (group / "cpu.max").read_text().strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or 100000)
+    except (OSError, ValueError):
+        return None
+
+
+def _cfs_quota(group: Path) -> float | None:
+    try:
+        quota = int((group / "cpu.cfs_quota_us").read_text())
+        period = int((group / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use: those it may run on, at most its cgroup's CPU quota
+    (rounded down: threads beyond it are throttled, and spinning ones waste it)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, int(quota))
+    return max(1, cpus)
 
 
 def cpu_threads(roles: list[str], cores: int, share: int | None = None) -> list[CpuThreads]:

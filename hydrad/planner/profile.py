@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Callable
 
 from hydrad.cluster.deploy import format_deploy, parse_devices
 from hydrad.config import EngineConfig, SLOConfig
+from hydrad.engine.cores import usable_cpus
 from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS, LatencyModel
 from hydrad.errors import ConfigError
 from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, SearchResult, bisect_at_each
@@ -84,7 +84,7 @@ class Devices:
 
         num_cuda = torch.cuda.device_count()
         if spec is None:
-            spec = "auto" if num_cuda else f"cpu:{os.cpu_count() or 1}"
+            spec = "auto" if num_cuda else f"cpu:{usable_cpus()}"
         return cls(tuple(parse_devices(spec, num_cuda)))
 
     def __len__(self) -> int:
@@ -97,7 +97,7 @@ class Devices:
     @property
     def threads(self) -> int:
         """Torch threads per worker, as the supervisor gives them."""
-        return max(1, (os.cpu_count() or 1) // len(self.devices)) if self.is_cpu else 1
+        return max(1, usable_cpus() // len(self.devices)) if self.is_cpu else 1
 
     @property
     def spec(self) -> str:
@@ -158,7 +158,7 @@ class MachineProbe:
         from hydrad.engine.profiler import fit_latency_model
 
         self.devices = devices
-        self.cores = os.cpu_count() or 1
+        self.cores = usable_cpus()
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(devices.threads)
         self.engine = None

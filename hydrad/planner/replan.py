@@ -38,6 +38,7 @@ from pathlib import Path
 
 from hydrad.cluster.deploy import format_deploy
 from hydrad.config import EngineConfig
+from hydrad.engine.cores import usable_cpus
 from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel
 from hydrad.planner.search import ROLE_ORDER
 
@@ -321,7 +322,7 @@ class Replanner:
                  for c, st in zip(supervisor.clients, stats)]
         slo = self.engine_config.slo
         try:
-            setup = live_setup(self.engine_config, facts, is_cpu=supervisor.is_cpu, cores=os.cpu_count(),
+            setup = live_setup(self.engine_config, facts, is_cpu=supervisor.is_cpu, cores=usable_cpus(),
                                router_policy=self.router_policy)
             ranking = await asyncio.get_running_loop().run_in_executor(self._pool(), functools.partial(
                 self.rank, str(self.trace_dir), self.model_name, now - self.config.window, setup, current_roles,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -39,6 +38,7 @@ from typing import Callable
 
 from hydrad.bench.metrics import GOODPUT_ATTAINMENT, goodput
 from hydrad.cluster.deploy import format_deploy
+from hydrad.engine.cores import usable_cpus
 from hydrad.planner.capacity import Capacity, StageCosts, algorithm2, capacity, stage_costs, stage_times
 from hydrad.planner.simulator import SimResult, SimSetup, simulate
 from hydrad.planner.workload import Workload
@@ -328,7 +328,7 @@ def bisect_at_each(planners: list[Planner], jobs: list[tuple[tuple[str, ...], fl
     not forked: the caller may hold torch's threads. Where no process can be started, they
     run here."""
     tasks = [(i, roles, guess) for i in range(len(planners)) for roles, guess in jobs]
-    processes = min(min(os.cpu_count() or 1, MAX_PROCESSES) if processes is None else processes, len(tasks))
+    processes = min(min(usable_cpus(), MAX_PROCESSES) if processes is None else processes, len(tasks))
     out: list[tuple[float, int]] = []
     if progress is not None:
         progress(0, len(tasks))  # processes take a while to start

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from hydrad.cluster import launch
 from hydrad.cluster.launch import check_listen, check_shared_memory, launch_all, plan_specs, stop_unadopted
 from hydrad.config import CacheConfig
 from hydrad.engine.cores import CpuThreads
@@ -140,7 +141,7 @@ def test_the_fork_server_preload_imports_what_an_engine_build_needs(tiny_llava_d
 def test_cpu_workers_that_share_the_cores_spin_briefly(monkeypatch):
     from hydrad.cluster.launch import share_cpu_cores
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
     specs = plan_specs([("EP", "cpu"), ("D", "cpu")])
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     share_cpu_cores(plan_specs([("EPD", "cpu")]))  # one worker: OpenMP's defaults
@@ -153,7 +154,7 @@ def test_cpu_workers_that_share_the_cores_spin_briefly(monkeypatch):
 
 
 def test_plan_specs_names_the_lenders_by_instance_id(monkeypatch):
-    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 4)
     specs = plan_specs([("D", "cpu"), ("EPD", "cuda:0"), ("EP", "cpu"), ("D", "cpu")])
     assert [s.threads for s in specs] == [CpuThreads(1), CpuThreads(1), CpuThreads(1, 2, (0, 3)), CpuThreads(1)]
 

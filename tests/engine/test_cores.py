@@ -189,3 +189,56 @@ def test_a_borrowing_step_follows_its_lenders_within_the_step(monkeypatch):
     finally:
         lender.publish(False)
         torch.set_num_threads(before)
+
+
+def _cgroup(tmp_path, proc: str, files: dict[str, str]):
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return str(root), str(tmp_path / "proc_cgroup")
+
+
+@pytest.mark.parametrize("proc, files, quota", [
+    # cgroup v2, a container's view: its own group is the root.
+    ("0::/\n", {"cpu.max": "200000 100000\n"}, 2.0),
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    # v2 on a host: a systemd unit's CPUQuota=150%, nothing above it.
+    ("0::/system.slice/hydrad.service\n", {"system.slice/hydrad.service/cpu.max": "150000 100000\n",
+                                           "system.slice/cpu.max": "max 100000\n"}, 1.5),
+    # A group above is tighter: the tightest applies.
+    ("0::/a/b\n", {"a/b/cpu.max": "400000 100000\n", "a/cpu.max": "250000 100000\n"}, 2.5),
+    # A path that is not below the mount (a container's namespace): the root is read.
+    ("0::/kubepods/pod1\n", {"cpu.max": "300000 100000\n"}, 3.0),
+    # cgroup v1: the cpu controller's hierarchy (docker --cpus=4), beside others; -1 is unbounded.
+    ("5:memory:/docker/x\n4:cpu,cpuacct:/docker/x\n", {"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "400000\n",
+                                                        "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n"}, 4.0),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", {}, None),
+])
+def test_the_cgroup_cpu_quota_is_read_from_v1_and_v2(tmp_path, proc, files, quota):
+    from hydrad.engine.cores import cgroup_cpu_quota
+
+    root, proc_cgroup = _cgroup(tmp_path, proc, files)
+    assert cgroup_cpu_quota(root, proc_cgroup) == quota
+    assert cgroup_cpu_quota(root, str(tmp_path / "none")) is None
+
+
+def test_usable_cpus_are_the_affinity_within_the_quota(monkeypatch):
+    """Worker threads follow the CPUs this process may use, not the host's: a container given
+    2.5 CPUs of a large host runs 2 threads, not one per host core."""
+    import os
+
+    from hydrad.engine import cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: 2.5)
+    assert cores.usable_cpus() == 2
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: 0.5)
+    assert cores.usable_cpus() == 1
+    monkeypatch.setattr(cores, "cgroup_cpu_quota", lambda: None)
+    assert cores.usable_cpus() == 64
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7}, raising=False)  # taskset, AllowedCPUs=
+    assert cores.usable_cpus() == 3

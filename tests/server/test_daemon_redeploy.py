@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 import pytest
 
-from hydrad.engine.cores import cpu_threads
+from hydrad.engine.cores import cpu_threads, usable_cpus
 
 from daemon_process import HYDRACTL, REPO, Daemon, blocks_held_once_freed, http
 from test_daemon_deployments import MAX_TOKENS, _requests
@@ -92,7 +91,7 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
             assert status["deployment"]["deploy"] == spec
             # Each instance runs on its role's threads in the new deployment.
             roles = [i["role"] for i in status["instances"]]
-            plan = cpu_threads(roles, os.cpu_count())
+            plan = cpu_threads(roles, usable_cpus())
             assert [(i["threads"], i["borrowed_threads"]) for i in status["instances"]] == [(t.own, t.borrow) for t in plan]
             # A borrower measured its model on the borrowed cores too.
             assert [i["borrow_latency_model"] is not None for i in status["instances"]] == [bool(t.borrow) for t in plan]
