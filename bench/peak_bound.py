@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import os
 import time
 
 from common import machine, model_dir, photo_like, write_json
@@ -116,7 +115,9 @@ def main() -> None:
     import torch
 
     model = model_dir(args.model)
-    cores = os.cpu_count() or 1
+    from hydrad.engine.cores import usable_cpus
+
+    cores = usable_cpus()
     torch.set_num_threads(cores)
     print(f"preparing a request ({model})", flush=True)
     prepare, prompt_tokens, image_tokens, patches = prepare_seconds(model)

@@ -16,7 +16,6 @@ deployment takes; the replay is timed on 1EP+1D and 2EPD at three rates.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import time
@@ -79,7 +78,9 @@ def main() -> None:
     from hydrad.planner.simulator import simulate
     from hydrad.planner.workload import Workload
 
-    args.processes = args.processes or os.cpu_count() or 1
+    from hydrad.engine.cores import usable_cpus
+
+    args.processes = args.processes or usable_cpus()
     if args.model:
         from hydrad.config import EngineConfig, ModelConfig, SLOConfig
         from hydrad.planner.profile import machine_setup
