@@ -94,6 +94,19 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with status {exitcode}"
 
 
+def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
+    """Processes the kernel's out-of-memory killer has killed since boot (a cgroup's memory
+    limit included), or None where the kernel does not say."""
+    try:
+        with open(vmstat) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
 def missing_stages(roles: list[str]) -> list[str]:
     """The stages (of E, P, D) that none of ``roles`` holds."""
     return [stage for stage in "EPD" if not any(stage in role for role in roles)]
@@ -131,6 +144,8 @@ class Supervisor:
         self._processes: dict[int, BaseProcess] = {}  # by instance id
         self._stopping = False
         self._restart_times: dict[int, deque[float]] = {}
+        # The kernel's out-of-memory kills so far: a worker killed by SIGKILL meanwhile was likely one.
+        self._oom_kills = oom_kills()
         self.restarting: set[int] = set()
         # Instance id -> why it is not restarted any more.
         self.crash_loops: dict[int, str] = {}
@@ -414,6 +429,8 @@ class Supervisor:
         # Which came first: the pipe's EOF (the process exited or is exiting) or a reported failure.
         link = "pipe reached EOF" if client.failure == EXITED else client.failure
         why = f"{link}; process {describe_exit(process.exitcode)}"
+        if process.exitcode == -signal.SIGKILL:
+            why += self._out_of_memory()
         down = f"worker {client.instance_id} ({client.device}, {client.role}, pid {process.pid}) is down: {why}"
         if self._stopping:
             logger.error("%s", down)
@@ -428,6 +445,15 @@ class Supervisor:
             await self._restart(spec, down)
             return
         self._give_up(spec, down)
+
+    def _out_of_memory(self) -> str:
+        """What to add to a SIGKILL's line when the kernel's out-of-memory killer has killed
+        since the last look (it kills with SIGKILL; so do operators and the stall watchdog)."""
+        before, self._oom_kills = self._oom_kills, oom_kills()
+        if before is None or self._oom_kills is None or self._oom_kills <= before:
+            return ""
+        return (f" (the kernel's out-of-memory killer killed {self._oom_kills - before} process(es) meanwhile: "
+                "likely this one; /proc/vmstat oom_kill)")
 
     async def _restart(self, spec: InstanceSpec, down: str) -> None:
         """Restart ``spec``'s worker until it is ready, backing off, or declare a crash loop."""

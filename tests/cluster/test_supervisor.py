@@ -78,6 +78,44 @@ async def lose(supervisor: Supervisor, instance_id: int, exitcode: int, failure:
     await asyncio.gather(*supervisor._tasks)
 
 
+from hydrad.cluster.supervisor import oom_kills as read_oom_kills  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def no_oom_kills(monkeypatch):
+    """The host's out-of-memory kills stay still here (a real one meanwhile would change the
+    lines these tests read)."""
+    from hydrad.cluster import supervisor as supervisor_module
+
+    kills = [5]
+    monkeypatch.setattr(supervisor_module, "oom_kills", lambda: kills[0])
+    return kills
+
+
+def test_oom_kills_are_read_from_vmstat(tmp_path):
+    oom_kills = read_oom_kills  # as imported, not as the fixture pins it
+    (tmp_path / "vmstat").write_text("nr_free_pages 1\noom_kill 7\nother 2\n")
+    assert oom_kills(str(tmp_path / "vmstat")) == 7
+    (tmp_path / "old").write_text("nr_free_pages 1\n")  # a kernel before 4.13
+    assert oom_kills(str(tmp_path / "old")) is None and oom_kills(str(tmp_path / "none")) is None
+
+
+def test_a_worker_killed_by_the_out_of_memory_killer_is_said_so(caplog, no_oom_kills):
+    async def main():
+        supervisor = make_supervisor(["E", "EP", "EP", "D"])
+        no_oom_kills[0] += 1
+        await lose(supervisor, 0, -signal.SIGKILL)
+        await lose(supervisor, 1, -signal.SIGKILL)  # no kill since: nothing said
+        assert caplog.messages == [
+            "worker 0 (cpu, E, pid 100) is down: pipe reached EOF; process killed by SIGKILL (the kernel's "
+            "out-of-memory killer killed 1 process(es) meanwhile: likely this one; /proc/vmstat oom_kill); "
+            "serving degraded on 3 of 4 instance(s)",
+            "worker 1 (cpu, EP, pid 101) is down: pipe reached EOF; process killed by SIGKILL; serving degraded "
+            "on 2 of 4 instance(s)"]
+
+    asyncio.run(main())
+
+
 def test_a_dead_instance_whose_stages_others_hold_leaves_the_daemon_serving(caplog):
     async def main():
         supervisor = make_supervisor(["E", "EP", "D"])
