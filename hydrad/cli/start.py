@@ -46,8 +46,8 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     configure_logging(config.server.log_level, config.server.log_requests)
 
     from hydrad.cluster.deploy import plan_instances
-    from hydrad.cluster.launch import (check_listen, check_shared_memory, cuda_device_count, launch_all, migrates,
-                                       plan_specs, stop_unadopted)
+    from hydrad.cluster.launch import cuda_device_count, launch_all, migrates, plan_specs, stop_unadopted
+    from hydrad.cluster.preflight import check_listen, check_memory, check_shared_memory
     from hydrad.models.default import resolve_model_path
 
     # Resolved once here, so workers never race to build the default model.
@@ -69,6 +69,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
             "CPU quota)", usable, os.cpu_count())
     check_listen(config.server.host, config.server.port)  # in a second, not after the workers load
     check_shared_memory(config.engine.cache, [spec.device for spec in specs], migrates(specs))
+    check_memory(config.engine, [spec.device for spec in specs], config.engine.model.path)
     # The workers load (torch, weights, caches) while this process imports the daemon's stack.
     launched = launch_all(config.engine, specs)
     try:

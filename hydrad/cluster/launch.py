@@ -22,15 +22,13 @@ import dataclasses
 import logging
 import multiprocessing
 import os
-import socket
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from hydrad.config import CacheConfig, EngineConfig
+from hydrad.config import EngineConfig
 from hydrad.engine.cores import CoreBoard, CpuThreads, cpu_threads, usable_cpus
-from hydrad.errors import HydradError
 
 logger = logging.getLogger("hydrad.supervisor")
 
@@ -168,80 +166,6 @@ def stop_unadopted(launched: dict[int, Launched], timeout: float = 5.0) -> None:
             item.process.kill()
             item.process.join()
     launched.clear()
-
-
-SHM = "/dev/shm"
-# Room /dev/shm should keep beside the pools: request images travel to the workers there.
-SHM_SPARE_MB = 256
-
-
-def _shared_memory(cache: CacheConfig, devices: list[str], path: str) -> tuple[int, int, str] | None:
-    """(MiB free in ``path``, MiB the CPU instances' pools take there, what they are), or None
-    when nothing of the pools would live there."""
-    num_cpu = devices.count("cpu")
-    per_instance = cache.cpu_pools_mb()
-    if num_cpu < 2 or per_instance is None or not os.path.isdir(path):
-        return None
-    st = os.statvfs(path)
-    need = num_cpu * per_instance
-    return st.f_bavail * st.f_frsize >> 20, need, (
-        f"the cache pools of {num_cpu} CPU instance(s) take {need} MiB there ({per_instance} MiB each: "
-        f"cache.kv_cache_memory_mb and cache.image_cache_memory_mb)")
-
-
-_SHM_ADVICE = "give it more room (a container: --shm-size, or --ipc=host) or make the pools smaller"
-
-
-def shared_memory_error(cache: CacheConfig, devices: list[str], path: str = SHM) -> str | None:
-    """One line saying why the CPU instances of ``devices`` cannot move requests between them
-    (their pools do not fit in ``path``), or None if they can."""
-    found = _shared_memory(cache, devices, path)
-    if found is None or found[1] <= found[0]:
-        return None
-    free, _, what = found
-    return f"{path} has {free} MiB free, and {what}: {_SHM_ADVICE}"
-
-
-def check_shared_memory(cache: CacheConfig, devices: list[str], moves_requests: bool, path: str = SHM) -> None:
-    """Raise ``HydradError`` when the cache pools of the CPU instances (one per ``devices``
-    entry ``cpu``) cannot fit in ``path``'s free space, where they live when requests move
-    between instances (``moves_requests``): a container's /dev/shm is 64 MB unless told
-    otherwise, and a worker would otherwise fail its start with torch's error. Warn when they
-    fit with little room to spare, or when the pools stay private (no request moves) but a
-    redeploy to a deployment that moves requests would not fit."""
-    found = _shared_memory(cache, devices, path)
-    if found is None:
-        return
-    free, need, what = found
-    if not moves_requests:
-        if need > free:
-            logger.warning("%s has %d MiB free: enough for this deployment, but in a redeploy that moves requests "
-                           "between instances %s; %s", path, free, what, _SHM_ADVICE)
-        return
-    if need > free:
-        raise HydradError(shared_memory_error(cache, devices, path))
-    if free - need < SHM_SPARE_MB:
-        logger.warning("%s has %d MiB free and %s, which leaves %d MiB for the images of requests in flight; %s",
-                       path, free, what, free - need, _SHM_ADVICE)
-
-
-def check_listen(host: str, port: int) -> None:
-    """Raise ``HydradError`` when ``host:port`` cannot be bound now (taken, or not an address
-    of this host), so that ``hydrad start`` says so before it loads workers; the daemon's own
-    bind later still reports a port taken in between."""
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as e:
-        raise HydradError(f"cannot listen on {host}:{port}: {e.strerror}") from None
-    for family, kind, proto, _, address in infos:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(address)
-            except OSError as e:
-                raise HydradError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def cuda_device_count(devices: str) -> int:

@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hydrad.cluster.launch import (
-    InstanceSpec, Launched, check_shared_memory, launch_worker, migrates, new_board, peer_ids, plan_threads,
-    share_cpu_cores,
+    InstanceSpec, Launched, launch_worker, migrates, new_board, peer_ids, plan_threads, share_cpu_cores,
 )
+from hydrad.cluster.preflight import check_shared_memory
 from hydrad.cluster.redeploy import format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router

@@ -141,7 +141,8 @@ def reusable(plan: KeptPlan | None, key: PlanKey, records, *, reuse_hours: float
 def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
     """(deploy spec, why) for ``config`` (a ``DaemonConfig`` with its model path resolved)."""
     from hydrad.cluster.deploy import parse_devices
-    from hydrad.cluster.launch import cuda_device_count, shared_memory_error
+    from hydrad.cluster.launch import cuda_device_count
+    from hydrad.cluster.preflight import shared_memory_error
 
     num_cuda = cuda_device_count(config.engine.parallel.devices)
     devices = parse_devices(config.engine.parallel.devices, num_cuda)

@@ -306,7 +306,7 @@ class Replanner:
         if busy:
             return decision("skip", busy)
         if not supervisor.migrates:
-            from hydrad.cluster.launch import shared_memory_error
+            from hydrad.cluster.preflight import shared_memory_error
 
             no_room = shared_memory_error(self.engine_config.cache, [spec.device for spec in supervisor.specs])
             if no_room is not None:  # every other deployment keeps its CPU pools in /dev/shm

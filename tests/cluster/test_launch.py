@@ -14,8 +14,8 @@ import textwrap
 import pytest
 
 from hydrad.cluster import launch
-from hydrad.cluster.launch import check_listen, check_shared_memory, launch_all, plan_specs, stop_unadopted
-from hydrad.config import CacheConfig
+from hydrad.cluster.launch import launch_all, plan_specs, stop_unadopted
+from hydrad.cluster.preflight import check_listen
 from hydrad.engine.cores import CpuThreads
 from hydrad.cluster.supervisor import Supervisor
 from hydrad.config_file import load_config
@@ -29,7 +29,8 @@ def test_planning_the_instances_and_launching_imports_no_torch(tmp_path):
         import sys
         from hydrad.config_file import load_config
         from hydrad.cluster.deploy import plan_instances
-        from hydrad.cluster.launch import check_shared_memory, cuda_device_count, launch_worker, plan_specs
+        from hydrad.cluster.launch import cuda_device_count, launch_worker, plan_specs
+        from hydrad.cluster.preflight import check_memory, check_shared_memory
         from hydrad.models.default import resolve_model_path
         from hydrad.planner.auto import choose_deployment
 
@@ -38,6 +39,7 @@ def test_planning_the_instances_and_launching_imports_no_torch(tmp_path):
         assert cuda_device_count("cpu:2") == 0
         assert len(plan_specs(plan_instances("1EP+1D", "cpu:2", 0))) == 2
         check_shared_memory(config.engine.cache, ["cpu"], True)
+        check_memory(config.engine, ["cpu"], resolve_model_path(config.engine.model.path))
         if {NO_GPU_DRIVER}:
             assert cuda_device_count("auto") == 0
             assert choose_deployment(config)[0] == "2EPD"  # no trace in a fresh state folder
@@ -157,38 +159,3 @@ def test_plan_specs_names_the_lenders_by_instance_id(monkeypatch):
     monkeypatch.setattr(launch, "usable_cpus", lambda: 4)
     specs = plan_specs([("D", "cpu"), ("EPD", "cuda:0"), ("EP", "cpu"), ("D", "cpu")])
     assert [s.threads for s in specs] == [CpuThreads(1), CpuThreads(1), CpuThreads(1, 2, (0, 3)), CpuThreads(1)]
-
-
-def test_cache_pools_that_cannot_fit_in_shared_memory_are_said_before_any_worker_loads(tmp_path, monkeypatch,
-                                                                                           caplog):
-    """CPU pools live in /dev/shm when requests move between instances (a container's is 64 MB
-    unless told otherwise): a start that cannot fit them is one clear error before any worker
-    loads; little room left beside them, or a deployment that keeps its pools private but
-    could not move requests after a redeploy, is a warning."""
-    from types import SimpleNamespace
-
-    free_mb = [100]
-    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free_mb[0] * 256, f_frsize=4096))
-    shm = str(tmp_path)
-    with pytest.raises(HydradError) as refused:
-        check_shared_memory(CacheConfig(), ["cpu", "cpu"], True, shm)
-    assert str(refused.value).startswith(f"{shm} has 100 MiB free, and the cache pools of 2 CPU instance(s) take "
-                                         "1536 MiB there (768 MiB each") and "--shm-size" in str(refused.value)
-    assert not caplog.records
-    small = CacheConfig(kv_cache_memory_mb=32, image_cache_memory_mb=8)
-    check_shared_memory(small, ["cpu", "cpu"], True, shm)  # 80 of 100 MiB: fits, little room left
-    assert len(caplog.records) == 1 and "leaves 20 MiB for the images of requests in flight" in caplog.text
-    caplog.clear()
-    free_mb[0] = 4096
-    check_shared_memory(small, ["cpu", "cpu"], True, shm)
-    check_shared_memory(CacheConfig(), ["cpu", "cpu"], True, shm)
-    assert not caplog.records
-    free_mb[0] = 100
-    check_shared_memory(CacheConfig(), ["cpu", "cpu"], False, shm)  # private pools: a warning for redeploys
-    assert len(caplog.records) == 1 and "in a redeploy that moves requests" in caplog.text
-    caplog.clear()
-    check_shared_memory(CacheConfig(), ["cpu"], False, shm)  # one instance: none to move requests to
-    check_shared_memory(CacheConfig(), ["cuda", "cuda"], True, shm)  # GPU pools: not in /dev/shm
-    check_shared_memory(CacheConfig(num_kv_blocks=64), ["cpu", "cpu"], True, shm)  # sized by the model: not said
-    check_shared_memory(CacheConfig(), ["cpu", "cpu"], True, str(tmp_path / "none"))  # no such folder here
-    assert not caplog.records

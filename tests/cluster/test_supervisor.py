@@ -215,11 +215,11 @@ def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_i
     them in /dev/shm: one that has no room for them is refused before any instance changes."""
     from types import SimpleNamespace
 
-    from hydrad.cluster import launch
+    from hydrad.cluster import preflight
     from hydrad.cluster.supervisor import RedeployError
     from hydrad.config import CacheConfig
 
-    monkeypatch.setattr(launch.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
 
     async def main():
         supervisor = make_supervisor(["EPD", "EPD"])
@@ -235,6 +235,6 @@ def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_i
             await supervisor.redeploy(["EP", "D"])
         assert supervisor.deployment == "2EPD" and supervisor.busy is None and not supervisor.migrates
 
-    if not os.path.isdir(launch.SHM):
-        pytest.skip(f"no {launch.SHM} here")
+    if not os.path.isdir(preflight.SHM):
+        pytest.skip(f"no {preflight.SHM} here")
     asyncio.run(main())

@@ -127,12 +127,12 @@ def test_without_room_in_shared_memory_the_pick_is_the_deployment_whose_pools_st
     starts the one that works there, without planning, and says why."""
     from types import SimpleNamespace
 
-    from hydrad.cluster import launch
+    from hydrad.cluster import preflight
 
     write_trace(tmp_path / "trace", 40)
-    monkeypatch.setattr(launch.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
-    if not launch.os.path.isdir(launch.SHM):
-        pytest.skip(f"no {launch.SHM} here")
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
+    if not preflight.os.path.isdir(preflight.SHM):
+        pytest.skip(f"no {preflight.SHM} here")
     with caplog.at_level(logging.WARNING, logger="hydrad.planner"):
         spec, reason = auto.choose_deployment(config_for(tmp_path))
     assert spec == "2EPD" and planning.calls == []

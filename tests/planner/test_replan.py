@@ -276,11 +276,11 @@ def test_nothing_is_changed_when_busy_short_of_requests_or_failing(tmp_path):
 def test_no_replanning_while_only_the_running_deployment_fits_in_shared_memory(tmp_path, monkeypatch):
     """2EPD keeps its CPU pools private; every other deployment puts them in /dev/shm. Without
     room there, re-planning says so and plans nothing (the redeploy would be refused)."""
-    from hydrad.cluster import launch
+    from hydrad.cluster import preflight
 
-    if not launch.os.path.isdir(launch.SHM):
-        pytest.skip(f"no {launch.SHM} here")
-    monkeypatch.setattr(launch.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
+    if not preflight.os.path.isdir(preflight.SHM):
+        pytest.skip(f"no {preflight.SHM} here")
+    monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
     r, calls, _ = replanner(FakeSupervisor(["EPD", "EPD"]), [ranking(("EP", "D"), 5.0)], tmp_path)
     decision = asyncio.run(r.replan())
     assert decision.action == "skip" and not calls
