@@ -248,8 +248,14 @@ def test_real_fit_on_the_tiny_checkpoint_predicts_measured_steps(tiny_llava_dir,
     assert len(timings) > 25
     # Every step counts: choosing steps by their measured time (say, over 2 ms) would keep
     # exactly the ones the machine slowed down and bias the ratio low.
+    # Within 3x: on the tiny model a decode step is 2-5 ms, about 2 ms of it fixed, and the
+    # probes' medians move by 10-20% from one fit to the next (the machine's own speed steady
+    # within 5% meanwhile), which moves the fitted per-decode and per-context slopes by up to
+    # 2x; this median ratio moved between 0.45 and 1.8 over 15 fits, while the steps timed
+    # after any one fit agreed within about 10%. (The 9-probe held-out error above is the
+    # fit's own check; the larger models' steps are far longer than that noise.)
     ratios = sorted(t.predicted_language / t.language for t in timings)
-    assert 1 / 2 < statistics.median(ratios) < 2, (model.summary(), ratios)
+    assert 1 / 3 < statistics.median(ratios) < 3, (model.summary(), ratios)
     # The steps with prompts in them, chosen by what they did (neither the measurement's noise
     # nor the fit can move that): those that gave a request its first token. The 24 prompts
     # (2,340 tokens) take a step or two. Their total within 2.5x, for shapes far beyond the
