@@ -100,6 +100,7 @@ def check_listen(host: str, port: int) -> None:
 # activations), and the daemon's own process: rough, on the safe side of what runs here.
 WORKER_OVERHEAD_MB = 512
 DAEMON_MB = 512
+_MAX_HEADER = 100 << 20  # the safetensors format's own bound on a header
 _FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _STORED_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                  "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -118,6 +119,8 @@ def weights_bytes(model_dir: str | os.PathLike, dtype: str) -> int | None:
         for path in files:
             with open(path, "rb") as f:
                 (length,) = struct.unpack("<Q", f.read(8))
+                if length > _MAX_HEADER:  # not a safetensors file: no read of that size
+                    return None
                 header = json.loads(f.read(length))
             for name, info in header.items():
                 if name == "__metadata__":

@@ -70,6 +70,8 @@ def test_weights_are_counted_in_the_dtype_they_load_in(tmp_path):
     assert weights_bytes(tmp_path / "none", "auto") is None
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\x10")  # cut short
     assert weights_bytes(tmp_path, "auto") is None
+    (tmp_path / "model-00002-of-00002.safetensors").write_bytes(struct.pack("<Q", 1 << 60))  # not safetensors
+    assert weights_bytes(tmp_path, "auto") is None
 
 
 def test_memory_left_is_the_machines_or_the_cgroups_when_lower(tmp_path):
