@@ -27,6 +27,7 @@ from rich.console import Console
 from hydrad.config_file import DaemonConfig
 from hydrad.console import console as default_console
 from hydrad.errors import ConfigError, RequestError
+from hydrad.logs import RepeatedLines
 from hydrad.server.admin import check_admin_access, instance_stats, status_body
 from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient
@@ -57,6 +58,7 @@ METRICS = web.AppKey("metrics", Metrics)
 MONITOR = web.AppKey("monitor", FrontendMonitor)
 ADMISSION = web.AppKey("admission", Admission)
 STARTED = web.AppKey("started", float)
+REJECTIONS_LOGGED = web.AppKey("rejections_logged", RepeatedLines)
 # The re-planning loop (planner.auto), or None.
 REPLANNER = web.AppKey("replanner", object)
 # The deployment started with and why: {"spec": "1EP+1D", "reason": "...", "auto": True
@@ -75,6 +77,7 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
         client_max_size=config.server.max_body_mb << 20, middlewares=[error_middleware, api_key_middleware]
     )
     app[CONFIG] = config
+    app[REJECTIONS_LOGGED] = RepeatedLines()
     app[SPECS] = specs
     app[LAUNCHED] = launched if launched is not None else {}
     app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "start"}
@@ -199,17 +202,32 @@ async def error_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
+        _count_rejected(request, e.status, None)
         return error_response(e)
     except (RequestError, APIError, *UNAVAILABLE) as e:
         response = error_response(e)
-        log = logger.warning if response.status >= 500 else logger.info
-        log("%s %s -> %d: %s", request.method, request.path, response.status, e)
+        code = getattr(e, "code", None)
+        _count_rejected(request, response.status, code)
+        # Under overload or a drain every request may be refused: a few lines of each kind
+        # per REJECTIONS_LOGGED.window seconds, the rest counted (the metric has them all).
+        log_it, left_out = request.app[REJECTIONS_LOGGED].admit((response.status, code))
+        if log_it:
+            log = logger.warning if response.status >= 500 else logger.info
+            log("%s %s -> %d: %s%s", request.method, request.path, response.status, e,
+                f" ({left_out} more like it left out of the log before this one)" if left_out else "")
         return response
     except ConnectionError:
         raise  # the client went away; its request was aborted on the way out
     except Exception as e:
         logger.exception("%s %s failed", request.method, request.path)
+        _count_rejected(request, 500, None)
         return error_response(e)
+
+
+def _count_rejected(request: web.Request, status: int, code: str | None) -> None:
+    metrics = request.app.get(METRICS)
+    if metrics is not None:
+        metrics.observe_rejected(status, code)
 
 
 @web.middleware

@@ -27,7 +27,7 @@ from aiohttp import web
 from hydrad.cluster.requests import RequestSink, ServiceStopping
 from hydrad.config_file import DaemonConfig
 from hydrad.engine.inputs import EngineRequest
-from hydrad.logs import configure_logging
+from hydrad.logs import RepeatedLines, configure_logging
 from hydrad.heap import freeze_startup_heap
 from hydrad.server import app as api
 from hydrad.server.admin import check_admin_access
@@ -264,6 +264,7 @@ def make_frontend_app(config: DaemonConfig, core: CoreClient) -> web.Application
     app = web.Application(client_max_size=config.server.max_body_mb << 20,
                           middlewares=[api.error_middleware, api.api_key_middleware])
     app[api.CONFIG] = config
+    app[api.REJECTIONS_LOGGED] = RepeatedLines()
     app[CORE] = core
     core.app = app
     app.cleanup_ctx.append(_frontend_ctx)

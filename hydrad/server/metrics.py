@@ -190,6 +190,8 @@ class Metrics:
                                         m + ["edge"], buckets=_LATENCY_BUCKETS, registry=r)
         self.finished = Counter("hydrad_requests_finished", "Finished requests by finish reason.",
                                 m + ["finish_reason"], registry=r)
+        self.rejected = Counter("hydrad_requests_rejected", "Requests answered with an error (4xx, 5xx) instead of a "
+                                "completion, by HTTP status and error code.", m + ["status", "code"], registry=r)
         self.prompt_tokens = Counter("hydrad_prompt_tokens", "Prompt tokens of finished requests.", m, registry=r)
         self.images = Counter("hydrad_images", "Images of finished requests.", m, registry=r)
         labels = m + ["instance", "device", "role"]
@@ -235,6 +237,9 @@ class Metrics:
         self.link_unread = Gauge("hydrad_worker_link_unread_bytes", "Bytes a worker sent that the daemon has not "
                                  "read yet.", m + ["instance"], registry=r)
         self.window = RollingWindow()
+
+    def observe_rejected(self, status: int, code: str | None) -> None:
+        self.rejected.labels(self._model, str(status), code or "").inc()
 
     @property
     def num_generation_tokens(self) -> int:

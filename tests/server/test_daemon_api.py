@@ -344,6 +344,28 @@ def test_image_requests_leave_no_shared_memory_behind(daemon, client, model_name
         (shared_memory_descriptors(daemon.process.pid), before)
 
 
+def test_rejections_are_counted_and_a_burst_of_them_logs_a_few_lines(daemon):
+    """Every error answer counts in ``hydrad_requests_rejected_total`` by status and code; the
+    log keeps a few lines of each kind per 10 s (an overload or a drain refuses every request,
+    and each line would otherwise be one more in the journal's rate limit)."""
+    import re
+
+    def rejected() -> float:
+        text = http("GET", daemon.url + "/metrics").text
+        found = re.search(r'^hydrad_requests_rejected_total\{code="model_not_found",model_name="[^"]+",'
+                          r'status="404"\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    line = "POST /v1/chat/completions -> 404: The model `no-such-model-in-a-burst` does not exist."
+    before, lines_before = rejected(), daemon.log().count(line)
+    body = json.dumps({"model": "no-such-model-in-a-burst", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for _ in range(12):
+        assert http("POST", daemon.url + "/v1/chat/completions", body, headers).status_code == 404
+    assert rejected() == before + 12
+    assert 1 <= daemon.log().count(line) - lines_before <= 5, daemon.log()[-3000:]
+
+
 def test_metrics(daemon, client, model_name):
     client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     text = http("GET", daemon.url + "/metrics").text
