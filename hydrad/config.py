@@ -67,14 +67,18 @@ class CacheConfig:
     # (tokens and images): they skip its prefill, and the encoding of its images.
     prefix_caching: bool = True
 
+    def cpu_pool_mb(self) -> tuple[int, int]:
+        """MB of the KV and the image pool on a CPU: as set, else the CPU defaults."""
+        return (self.kv_cache_memory_mb if self.kv_cache_memory_mb is not None else CPU_KV_MB,
+                self.image_cache_memory_mb if self.image_cache_memory_mb is not None else CPU_IMAGE_MB)
+
     def cpu_pools_mb(self) -> int | None:
         """MB of an instance's two pools on a CPU (a role holding one pool gives it the other's
         share: the sum is the same); None where a block count sets a size (its bytes follow
         from the model's geometry)."""
         if self.num_kv_blocks is not None or self.num_image_blocks is not None:
             return None
-        return ((self.kv_cache_memory_mb if self.kv_cache_memory_mb is not None else CPU_KV_MB)
-                + (self.image_cache_memory_mb if self.image_cache_memory_mb is not None else CPU_IMAGE_MB))
+        return sum(self.cpu_pool_mb())
 
     def __post_init__(self) -> None:
         if self.kv_block_size is not None and self.kv_block_size < 1:

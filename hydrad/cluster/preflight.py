@@ -43,9 +43,10 @@ def _shared_memory(cache: CacheConfig, devices: list[str], path: str) -> tuple[i
 _SHM_ADVICE = "give it more room (a container: --shm-size, or --ipc=host) or make the pools smaller"
 
 
-def shared_memory_error(cache: CacheConfig, devices: list[str], path: str = SHM) -> str | None:
+def shared_memory_error(cache: CacheConfig, devices: list[str], path: str | None = None) -> str | None:
     """One line saying why the CPU instances of ``devices`` cannot move requests between them
     (their pools do not fit in ``path``), or None if they can."""
+    path = path or SHM
     found = _shared_memory(cache, devices, path)
     if found is None or found[1] <= found[0]:
         return None
@@ -53,13 +54,15 @@ def shared_memory_error(cache: CacheConfig, devices: list[str], path: str = SHM)
     return f"{path} has {free} MiB free, and {what}: {_SHM_ADVICE}"
 
 
-def check_shared_memory(cache: CacheConfig, devices: list[str], moves_requests: bool, path: str = SHM) -> None:
+def check_shared_memory(cache: CacheConfig, devices: list[str], moves_requests: bool,
+                        path: str | None = None) -> None:
     """Raise ``HydradError`` when the cache pools of the CPU instances (one per ``devices``
     entry ``cpu``) cannot fit in ``path``'s free space, where they live when requests move
     between instances (``moves_requests``): a container's /dev/shm is 64 MB unless told
     otherwise, and a worker would otherwise fail its start with torch's error. Warn when they
     fit with little room to spare, or when the pools stay private (no request moves) but a
     redeploy to a deployment that moves requests would not fit."""
+    path = path or SHM
     found = _shared_memory(cache, devices, path)
     if found is None:
         return
@@ -147,7 +150,7 @@ def available_memory_mb(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys
                 if line.startswith("MemAvailable:"):
                     bounds.append((int(line.split()[1]) >> 10, "available on the machine"))
     except (OSError, ValueError):
-        pass
+        pass  # no /proc/meminfo (not Linux): only the cgroup's bound, if any
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:

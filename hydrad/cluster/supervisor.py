@@ -103,7 +103,7 @@ def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
                 if line.startswith("oom_kill "):
                     return int(line.split()[1])
     except (OSError, ValueError):
-        pass
+        pass  # not Linux, or no such counter: None, and no worker's line names the killer
     return None
 
 

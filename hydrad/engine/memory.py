@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hydrad.config import CPU_IMAGE_MB, CPU_KV_MB, CacheConfig
+from hydrad.config import CacheConfig
 from hydrad.errors import ConfigError
 from hydrad.models.attention.sdpa import CUDA_GATHER_BYTES
 
@@ -86,8 +86,7 @@ def sized_from_device(cache: CacheConfig, device: torch.device) -> bool:
 def fixed_pool_mb(cache: CacheConfig, has_kv: bool, has_image_cache: bool) -> tuple[int, int]:
     """MB of the KV and the image pool from [cache] (the CPU defaults where unset); a cache
     the role does not use gives its share to the other."""
-    kv = cache.kv_cache_memory_mb if cache.kv_cache_memory_mb is not None else CPU_KV_MB
-    image = cache.image_cache_memory_mb if cache.image_cache_memory_mb is not None else CPU_IMAGE_MB
+    kv, image = cache.cpu_pool_mb()
     return kv + (0 if has_image_cache else image), image + (0 if has_kv else kv)
 
 

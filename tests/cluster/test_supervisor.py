@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 
 import pytest
@@ -210,7 +209,7 @@ def test_a_redeploy_that_cannot_complete_is_counted_and_changes_nothing():
     asyncio.run(main())
 
 
-def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_it_starts(monkeypatch):
+def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_it_starts(monkeypatch, tmp_path):
     """2EPD keeps its pools private; a redeploy to a deployment that moves requests puts
     them in /dev/shm: one that has no room for them is refused before any instance changes."""
     from types import SimpleNamespace
@@ -219,6 +218,7 @@ def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_i
     from hydrad.cluster.supervisor import RedeployError
     from hydrad.config import CacheConfig
 
+    monkeypatch.setattr(preflight, "SHM", str(tmp_path))  # a 64 MiB /dev/shm
     monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
 
     async def main():
@@ -235,6 +235,4 @@ def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_i
             await supervisor.redeploy(["EP", "D"])
         assert supervisor.deployment == "2EPD" and supervisor.busy is None and not supervisor.migrates
 
-    if not os.path.isdir(preflight.SHM):
-        pytest.skip(f"no {preflight.SHM} here")
     asyncio.run(main())
