@@ -38,7 +38,7 @@ from common import machine, write_json
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "server"))
 from daemon_process import Daemon  # noqa: E402
 
-from hydrad.bench.client import chat_payload, stream_chat  # noqa: E402
+from hydrad.bench.client import Payload, chat_payload, stream_chat  # noqa: E402
 from hydrad.bench.images import image_data_url, synth_image  # noqa: E402
 from hydrad.bench.workloads import RequestSpec, make_prompt  # noqa: E402
 
@@ -78,7 +78,7 @@ async def drive(url: str, args, switches: list[dict]) -> tuple[list, list[dict]]
         body.pop("model")
         if i % 4 >= 2:
             body["temperature"] = 1.0
-        bodies.append(json.dumps(body).encode())
+        bodies.append(Payload(json.dumps(body).encode(), args.max_tokens))  # answers are checked for it
     records = []
     stop = asyncio.Event()
     headers = {"Content-Type": "application/json"}

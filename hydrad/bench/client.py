@@ -28,7 +28,19 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling: dict | None = None) -> bytes:
+class Payload(bytes):
+    """A request body that knows how many tokens its answer must have (it asks for exactly
+    that many: ``max_tokens`` with ``ignore_eos``); ``stream_chat`` checks the answer's count."""
+
+    output_tokens: int | None = None
+
+    def __new__(cls, body: bytes, output_tokens: int | None):
+        payload = super().__new__(cls, body)
+        payload.output_tokens = output_tokens
+        return payload
+
+
+def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling: dict | None = None) -> Payload:
     """The request body: exactly ``spec.output_tokens`` tokens, greedy unless ``sampling``
     (body fields) says otherwise, usage and token ids in the stream."""
     if image_urls:
@@ -48,7 +60,7 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    return json.dumps(body).encode()
+    return Payload(json.dumps(body).encode(), spec.output_tokens)
 
 
 def _short(text: str) -> str:
@@ -155,8 +167,9 @@ def token_chunks(
     return [c.time for c in judged], [None] * len(judged), [c.num_chars for c in judged]
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> None:
+async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord, output_tokens: int | None) -> None:
     chunks: list[Chunk] = []
+    done = False
     async for raw in resp.content:
         now = time.perf_counter()
         line = raw.strip()
@@ -164,6 +177,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> No
             continue
         data = line[len(b"data:"):].strip()
         if data == b"[DONE]":
+            done = True
             break
         body = json.loads(data)
         if body.get("error"):
@@ -179,12 +193,25 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord) -> No
         if cumulative is not None:
             record.completion_tokens = cumulative
     record.chunk_times, record.chunk_tokens, record.chunk_chars = token_chunks(chunks, record.completion_tokens)
+    if record.error is not None:
+        return
+    # The tokens the stream carried (token ids), and those its final usage counts.
+    counts = [sum(record.chunk_tokens)] if all(k is not None for k in record.chunk_tokens) else []
+    if record.completion_tokens is not None:
+        counts.append(record.completion_tokens)
+    if not done:  # the connection closed mid-answer: a server that went away, or cut it
+        got = counts[0] if counts else len(record.chunk_times)
+        record.error = f"the stream ended without [DONE] after {got} token(s)"
+    elif output_tokens is not None and (wrong := [n for n in counts if n != output_tokens]):
+        # Asked for exactly that many (ignore_eos): more or fewer is the server's fault.
+        record.error = f"the answer had {wrong[0]} token(s) for max_tokens {output_tokens} with ignore_eos"
 
 
 async def stream_chat(
     session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], timeout: float
 ) -> StreamRecord:
-    """Send one streaming request; failures are recorded in the result, never raised."""
+    """Send one streaming request; failures are recorded in the result, never raised (an
+    answer cut short, or of another length than a ``Payload`` asks for, among them)."""
     record = StreamRecord(start=time.perf_counter())
     try:
         async with session.post(
@@ -193,7 +220,7 @@ async def stream_chat(
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {_short(await resp.text())}"
             else:
-                await _read_stream(resp, record)
+                await _read_stream(resp, record, getattr(body, "output_tokens", None))
                 if record.error is None and not record.chunk_times:
                     record.error = "the stream ended without any generated text"
     except asyncio.TimeoutError:

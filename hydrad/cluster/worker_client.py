@@ -15,6 +15,7 @@ pipe reaches EOF (it exited) or fails, or when it reports ``WorkerFailed``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -23,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from hydrad.engine.cores import CpuThreads
-from hydrad.engine.inputs import EngineRequest, EngineStats
+from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats
 from hydrad.errors import RequestError
 from hydrad.cluster.requests import RequestSink, RequestTable
 from hydrad.engine.migration import MigrationOffer
@@ -89,6 +90,9 @@ class WorkerClient:
         self.held_back = False
         # When the worker last sent anything (the supervisor's stall watchdog reads it).
         self.last_heard = time.monotonic()
+        # Requests aborted on the worker -> the number of messages sent up to that abort: what
+        # it sends about them while it has taken fewer is from before the abort (``abort``).
+        self._fences: dict[str, int] = {}
 
     async def connect(self, conn: Connection) -> None:
         """Take over the daemon's end of the worker's pipe."""
@@ -133,16 +137,25 @@ class WorkerClient:
         self.send_quietly(Release(tuple(req_ids)))
 
     def abort(self, req_ids: tuple[str, ...]) -> None:
-        """Drop these requests on this worker (the table aborts a request everywhere)."""
-        self.send_quietly(Abort(tuple(req_ids)))
+        """Drop these requests on this worker (the table aborts a request everywhere). What
+        the worker sends of them before it reads this is dropped here: a request run again
+        after another instance died may be given to this worker again under the same id,
+        and the old run's last tokens, finish, offers or refusal must not reach it."""
+        if self.send_quietly(Abort(tuple(req_ids))):
+            fences, seq = self._fences, self.link.num_messages_sent
+            for req_id in req_ids:
+                fences.pop(req_id, None)  # the dict stays in the order of the aborts
+                fences[req_id] = seq
 
-    def send_quietly(self, msg) -> None:
-        """Send unless the worker is gone (its requests have failed already)."""
+    def send_quietly(self, msg) -> bool:
+        """Send unless the worker is gone (its requests have failed already); whether sent."""
         if self.alive:
             try:
                 self._send(msg)
+                return True
             except WorkerLost:
                 pass
+        return False
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         if not self.alive:
@@ -209,8 +222,12 @@ class WorkerClient:
         self._lost(EXITED if reason == EOF else reason)
 
     def _dispatch(self, msg) -> None:
+        if not self.alive:  # its requests have run again or failed: nothing it says counts now
+            return
         self.last_heard = now = time.monotonic()
         if isinstance(msg, StepOutput):
+            if self._fences:
+                msg = self._without_aborted(msg)
             self._token_times.append((now, len(msg.output.token_ids)))
             self._trim_token_times(now - 60.0)
             if self.on_step is not None:
@@ -236,7 +253,8 @@ class WorkerClient:
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg.blob)
         elif isinstance(msg, RequestRejected):
-            self.table.fail(msg.req_id, RequestError(msg.message, msg.param))
+            if self._fences.get(msg.req_id, 0) <= msg.received:  # else it refused a run since aborted
+                self.table.fail(msg.req_id, RequestError(msg.message, msg.param))
         elif isinstance(msg, WorkerReady):
             self.ready = msg
             self._ready_future.set_result(msg)
@@ -245,6 +263,35 @@ class WorkerClient:
             self._lost(msg.message)
         else:
             logger.error("worker %d sent an unexpected %s", self.instance_id, type(msg).__name__)
+
+    def _without_aborted(self, msg: StepOutput) -> StepOutput:
+        """``msg`` without what it says of requests aborted after its step began (the worker
+        had not read the abort yet); the aborts it had read are forgotten."""
+        fences, received = self._fences, msg.received
+        while fences:  # in the order sent: drop those the worker had read
+            req_id = next(iter(fences))
+            if fences[req_id] > received:
+                break
+            del fences[req_id]
+        if not fences:
+            return msg
+        out = msg.output
+        rows = [i for i, req_id in enumerate(out.req_ids) if req_id not in fences]
+        finished = [f for f in out.finished if f.req_id not in fences]
+        offers = [o for o in msg.offers if o.req_id not in fences]
+        pulled = [p for p in msg.pulled if p.req_id not in fences]
+        stale = (len(out.req_ids) - len(rows) + len(out.finished) - len(finished) + len(msg.offers) - len(offers)
+                 + len(msg.pulled) - len(pulled))
+        if not stale:
+            return msg
+        logger.debug("worker %d: dropped %d item(s) of a step about requests aborted since", self.instance_id, stale)
+        if len(rows) < len(out.req_ids):
+            out = EngineOutput(
+                [out.req_ids[i] for i in rows], [out.token_ids[i] for i in rows],
+                None if out.logprobs is None else [out.logprobs[i] for i in rows], finished, out.timing)
+        elif len(finished) < len(out.finished):
+            out = dataclasses.replace(out, finished=finished)
+        return dataclasses.replace(msg, output=out, offers=offers, pulled=pulled)
 
     def give_up(self, reason: str) -> None:
         """Treat the worker as dead (the supervisor kills a stalled one): as if its pipe had

@@ -269,6 +269,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     live: set[str] = set()  # admitted and not finished: what a Shutdown may have to abort
     draining = False
     retiring_since: float | None = None  # a Retire is under way
+    received = 0  # messages taken from the daemon (stamped on what is sent about requests)
     while True:
         if retiring_since is not None and engine.drained():
             role = engine.shrink()
@@ -288,6 +289,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
         timeout = 0 if busy else None
         while conn.poll(timeout):
             msg = conn.recv()
+            received += 1
             timeout = 0
             if isinstance(msg, (AddRequest, Migrate)):
                 # A new request, or one migrating in: either may not fit this instance.
@@ -299,7 +301,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 try:
                     admit(payload)
                 except ValueError as e:
-                    conn.send(RequestRejected(req_id, str(e), getattr(e, "param", None)))
+                    conn.send(RequestRejected(req_id, str(e), getattr(e, "param", None), received))
                 else:
                     live.add(req_id)
             elif isinstance(msg, Abort):
@@ -331,7 +333,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             elif isinstance(msg, Shutdown):
                 if not msg.finish_running and live:
                     engine.abort_requests(list(live))
-                    conn.send(StepOutput(EngineOutput(finished=[FinishedRequest(r, "abort") for r in sorted(live)])))
+                    conn.send(StepOutput(EngineOutput(finished=[FinishedRequest(r, "abort") for r in sorted(live)]),
+                                         received=received))
                     live.clear()
                 draining = True
             else:
@@ -344,4 +347,4 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             live.difference_update(f.req_id for f in output.finished)
             # Moved whole, or passed on without being pulled here: nothing of them is held here.
             live.difference_update(o.req_id for o in offers if o.kind == "prompt" or o.source != engine.instance_id)
-            conn.send(StepOutput(output, offers, pulled, time.monotonic()))
+            conn.send(StepOutput(output, offers, pulled, time.monotonic(), received))

@@ -58,6 +58,8 @@ class WorkerLink(asyncio.Protocol):
         # Counters for the daemon's own metrics.
         self.num_messages_received = 0
         self.num_bytes_received = 0
+        # Messages sent: the other end takes them in this order, one frame each.
+        self.num_messages_sent = 0
         # One pickler for every message sent, its buffer reused (``ForkingPickler.dumps`` builds
         # both, and copies the reducers' table, per message); built again if reducers were
         # registered since (torch's for shared tensors register on import).
@@ -104,6 +106,7 @@ class WorkerLink(asyncio.Protocol):
             # or the last message (a request's pixels) would live on until then.
             pickler.clear_memo()
         self._transport.write(encode_frame(buffer.getvalue()))
+        self.num_messages_sent += 1
 
     def send_if_open(self, msg: object) -> bool:
         """Send ``msg`` unless the link is closed (the other end is gone: nothing to tell it)."""

@@ -152,6 +152,10 @@ class StepOutput:
     # time.monotonic() when the worker sent it (one clock for every process of the machine),
     # so the daemon sees how long step outputs wait to be read; 0: not stamped.
     sent_at: float = 0.0
+    # How many messages the worker had taken from the daemon when this step began (each is
+    # applied as it is taken, between steps): the daemon drops what a step says of a request
+    # it had aborted there since, which the worker had not read yet (``WorkerClient``).
+    received: int = 0
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,8 @@ class RequestRejected:
     message: str
     # The request field at fault, when known.
     param: str | None = None
+    # As ``StepOutput.received``: the messages taken, this request's among them.
+    received: int = 0
 
 
 @dataclass(frozen=True)

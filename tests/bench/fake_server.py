@@ -17,6 +17,8 @@ timers. Each request's behaviour is read from ``key=value`` words in its prompt:
   style=hydrad  hydrad's stream shape: the role goes out with the first token, every
                 token chunk carries "content", the last one the finish_reason
   fail=CODE     answer with HTTP CODE instead of a stream
+  extra=K       send K tokens more than max_tokens asked for (K < 0: fewer), usage counting them
+  cut=K         end the answer after K tokens, without a finish, usage or [DONE]
   knee=R        when the arrival rate over the last 4 requests exceeds R req/s,
                 the first token takes slow_ttft seconds instead (default 0.3)
 
@@ -104,7 +106,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     tbt = float(d.get("tbt", 0.01))
     per_chunk = int(d.get("chunk", 1))
     chunk_usage = d.get("usage") == "chunk"
-    num_tokens = body["max_tokens"]
+    num_tokens = body["max_tokens"] + int(d.get("extra", 0))
 
     hydrad_style = d.get("style") == "hydrad"
     send_ids = d.get("token_ids") == "1" and body.get("return_token_ids")
@@ -128,6 +130,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
         groups = []
         await asyncio.sleep(max(0.0, due[-1] - time.perf_counter()))
     for group in groups:
+        if "cut" in d and group[-1] >= int(d["cut"]):
+            return resp  # the answer ends here, as a server's that went away mid-stream
         await asyncio.sleep(max(0.0, due[group[-1]] - time.perf_counter()))
         usage = {"prompt_tokens": 1, "completion_tokens": group[-1] + 1} if chunk_usage else None
         text = "" if group[0] in empty else " tok" * len(group)

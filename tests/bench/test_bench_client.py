@@ -56,3 +56,31 @@ def test_textless_stream_is_timed_by_its_role_and_closing_chunks():
 def test_text_of_a_choice_includes_reasoning():
     delta = {"role": "assistant", "reasoning_content": "hm ", "content": "yes"}
     assert text_of(choice(delta)) == "hm yes" and text_of(choice({"content": None})) == ""
+
+
+@pytest.mark.parametrize("style", ["vllm", "hydrad"])
+def test_an_answer_of_another_length_than_asked_or_cut_short_is_an_error(server_url, style):
+    """The bench asks for exactly ``max_tokens`` tokens (``ignore_eos``): an answer with more or
+    fewer, or one that ends without ``[DONE]``, is a failed request, not a measured one."""
+    import asyncio
+
+    import aiohttp
+
+    from hydrad.bench.client import chat_payload, stream_chat
+    from hydrad.bench.workloads import RequestSpec
+
+    directives = "token_ids=1 style=hydrad" if style == "hydrad" else "usage=chunk"
+
+    async def ask(words: str):
+        body = chat_payload("fake-model", RequestSpec(f"{directives} {words} tbt=0.001", 5), [])
+        async with aiohttp.ClientSession() as session:
+            return await stream_chat(session, server_url + "/v1/chat/completions", body, {}, 10.0)
+
+    async def main():
+        return [await ask(w) for w in ("", "extra=1", "extra=-2", "cut=3")]
+
+    exact, more, fewer, cut = asyncio.run(main())
+    assert exact.error is None and exact.completion_tokens == 5
+    assert more.error == "the answer had 6 token(s) for max_tokens 5 with ignore_eos"
+    assert fewer.error == "the answer had 3 token(s) for max_tokens 5 with ignore_eos"
+    assert cut.error == "the stream ended without [DONE] after 3 token(s)"

@@ -17,7 +17,7 @@ from hydrad.sampling_params import SamplingParams
 from hydrad.cluster.worker_client import WorkerClient, WorkerLost
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
-from hydrad.transport.messages import Abort, AddRequest, GetStats, Shutdown, StatsReply, StepOutput
+from hydrad.transport.messages import Abort, AddRequest, GetStats, Migrate, Shutdown, StatsReply, StepOutput
 
 
 class FakeEngine:
@@ -262,3 +262,100 @@ def test_a_detached_peer_s_unfetched_pool_descriptors_are_closed():
     finally:
         daemon_end.send(Shutdown())
         thread.join(5)
+
+
+async def _next(conn, kind, timeout: float = 5.0):
+    """The next ``kind`` message on a scripted worker's end (others skipped)."""
+    for _ in range(int(timeout / 0.01)):
+        while conn.poll():
+            msg = conn.recv()
+            if isinstance(msg, kind):
+                return msg
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no {kind.__name__} within {timeout} s")
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("timed out")
+
+
+def test_a_request_given_again_to_a_worker_hears_nothing_of_its_aborted_run():
+    """What a worker sent of a request before it read that request's abort (a step already
+    under way) never reaches the request when the daemon gives it to that worker again under
+    the same id: neither its tokens, its finish, nor a refusal of the old run."""
+    from hydrad.transport.messages import RequestRejected
+
+    async def main():
+        daemon_end, worker = mp.Pipe()
+        clients: list = []
+        table = RequestTable(Router(clients, "round-robin"))
+        client = WorkerClient(0, "EPD", "cpu", table)
+        clients.append(client)
+        await client.connect(daemon_end)
+        first = RecordingSink()
+        client.add_request(request("r", 3), first)
+        await _next(worker, AddRequest)  # the worker's 1st message
+        table.abort("r")
+        again = RecordingSink()
+        client.add_request(request("r", 2), again)
+        # Sent by the worker before it read the abort (it had taken one message):
+        worker.send(StepOutput(EngineOutput(["r"], [101], finished=[FinishedRequest("r", "length")]), received=1))
+        worker.send(RequestRejected("r", "refused", None, received=1))
+        assert await _next(worker, Abort) == Abort(("r",))
+        assert (await _next(worker, AddRequest)).request.sampling_params.max_tokens == 2
+        # After it read both:
+        worker.send(StepOutput(EngineOutput(["r"], [201]), received=3))
+        worker.send(StepOutput(EngineOutput(["r"], [202], finished=[FinishedRequest("r", "length")]), received=3))
+        assert (await again.until_ended())[:2] == ("finish", "length")
+        assert again.tokens == [201, 202] and first.events == []
+        assert client._fences == {}  # the worker has read the abort: nothing is held back now
+        client.close()
+        worker.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_run_again_after_its_source_died_mid_migration_gets_max_tokens():
+    """An ``EP`` instance offers a request's KV to an ``EPD`` one and dies while that one
+    pulls; the request runs again, from the tokens it had, on the ``EPD`` instance, which had
+    meanwhile pulled and decoded a token of the old run: that token must not reach the
+    client (it would get ``max_tokens`` + 1 tokens)."""
+    from hydrad.engine.migration import MigrationOffer, Pulled
+
+    async def main():
+        ends = [mp.Pipe() for _ in range(2)]
+        clients: list = []
+        table = RequestTable(Router(clients, "round-robin"))
+        for i, role in enumerate(("EP", "EPD")):
+            client = WorkerClient(i, role, "cpu", table)
+            client.ready = True  # started (the router takes only started instances)
+            clients.append(client)
+            await client.connect(ends[i][0])
+        source, target = ends[0][1], ends[1][1]
+        sink = RecordingSink()
+        params = SamplingParams(max_tokens=3, temperature=0.0)
+        clients[0].add_request(EngineRequest("r", [1, 2], params), sink)
+        await _next(source, AddRequest)
+        offer = MigrationOffer("r", 0, "kv", [0], [1, 2], [101], 2, params, [], (), None, {"arrival": 0.0})
+        source.send(StepOutput(EngineOutput(["r"], [101]), [offer], received=1))
+        assert (await _next(target, Migrate)).offer.req_id == "r"
+        source.close()  # the source dies
+        await _until(lambda: not clients[0].alive)
+        # The target had pulled and decoded before it read the abort and the request again:
+        target.send(StepOutput(EngineOutput(["r"], [102]), pulled=[Pulled("r", 0)], received=1))
+        assert await _next(target, Abort) == Abort(("r",))
+        rerun = (await _next(target, AddRequest)).request
+        assert rerun.output_token_ids == [101]
+        target.send(StepOutput(EngineOutput(["r"], [202]), received=3))
+        target.send(StepOutput(EngineOutput(["r"], [203], finished=[FinishedRequest("r", "length")]), received=3))
+        assert (await sink.until_ended())[:2] == ("finish", "length")
+        assert sink.tokens == [101, 202, 203]
+        assert table.num_run_again == 1
+        clients[1].close()
+        target.close()
+
+    asyncio.run(main())
