@@ -36,7 +36,7 @@ from hydrad.cluster.launch import (
     InstanceSpec, Launched, launch_worker, migrates, new_board, peer_ids, plan_threads, share_cpu_cores,
 )
 from hydrad.cluster.preflight import check_shared_memory
-from hydrad.cluster.redeploy import format_deploy, plan_redeploy
+from hydrad.cluster.redeploy import RoleChange, format_deploy, plan_redeploy
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
 from hydrad.cluster.worker_client import EXITED, WorkerClient, WorkerLost
@@ -50,6 +50,8 @@ logger = logging.getLogger("hydrad.supervisor")
 # Seconds before the first restart of a worker, doubled for each further one.
 _FIRST_BACKOFF = 0.5
 _MAX_BACKOFF = 8.0
+# While a redeploy's hand-over lasts, one line this often on what is still held.
+HANDOVER_REPORT_SECONDS = 5.0
 
 
 class WorkerStartError(HydradError):
@@ -326,8 +328,7 @@ class Supervisor:
             shrinking = [c for c in changes if c.loses]
             if shrinking:
                 say("handing over: " + ", ".join(f"#{c.instance_id} {c.loses}" for c in shrinking))
-                answers = await asyncio.gather(*(self.clients[c.instance_id].retire(c.loses, self.start_timeout)
-                                                 for c in shrinking))
+                answers = await self._handing_over(shrinking, say)
                 for change, answer in zip(shrinking, answers):
                     client = self.clients[change.instance_id]
                     if client.ready.latency_model is not None:
@@ -347,6 +348,28 @@ class Supervisor:
         logger.info("redeployed as %s in %.1f s (%s)", target, deployment.seconds, reason)
         say(f"serving as {target} after {deployment.seconds:.1f} s")
         return deployment
+
+    async def _handing_over(self, shrinking: list[RoleChange], say: Callable[[str], None]) -> list:
+        """Wait for the instances that lose stages to hand over what they hold in them (their
+        ``Retired`` answers); every ``HANDOVER_REPORT_SECONDS`` meanwhile, one line (to the
+        caller and the log) on what each of them still holds: under load a hand-over lasts
+        until the instances taking the stages have room for the requests (seconds, or more
+        where two decode instances' requests go to one)."""
+        retiring = {c.instance_id: asyncio.ensure_future(self.clients[c.instance_id].retire(c.loses, self.start_timeout))
+                    for c in shrinking}
+        waiting = asyncio.gather(*retiring.values())
+        start = time.monotonic()
+        try:
+            while not (await asyncio.wait({waiting}, timeout=HANDOVER_REPORT_SECONDS))[0]:
+                held = ", ".join(f"#{i} {self.table.held_by(self.clients[i])}" for i, f in retiring.items()
+                                 if not f.done())
+                line = f"handing over for {time.monotonic() - start:.0f} s; requests still held: {held}"
+                logger.info("redeploy: %s", line)
+                say(line)
+        except asyncio.CancelledError:
+            waiting.cancel()
+            raise
+        return waiting.result()
 
     async def _share_cores(self, say: Callable[[str], None]) -> None:
         """Give each CPU instance the threads of its role in the new deployment (its share,

@@ -236,3 +236,56 @@ def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_i
         assert supervisor.deployment == "2EPD" and supervisor.busy is None and not supervisor.migrates
 
     asyncio.run(main())
+
+
+def test_a_long_hand_over_says_what_is_still_held(monkeypatch, caplog):
+    """Under load a redeploy's hand-over lasts until the instances taking the stages have
+    room: meanwhile the caller (``hydractl redeploy``) and the log hear, every few seconds,
+    how many requests each instance losing stages still holds."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "HANDOVER_REPORT_SECONDS", 0.05)
+
+    async def main():
+        supervisor = make_supervisor(["EPD", "EPD"])
+        supervisor.history.append(SimpleNamespace(deploy="2EPD"))
+        supervisor.migrates = True  # its pools are shared already
+        held = {0: 7, 1: 3}
+        monkeypatch.setattr(supervisor.table, "held_by", lambda client: held[client.instance_id])
+        released = asyncio.Event()
+
+        async def reconfigure(role, timeout):
+            return SimpleNamespace(error=None, seconds=0.1, latency_model=None, latency_bound=None, geometry=None,
+                                   borrow_model=None)
+
+        async def retire(stages, timeout):
+            await released.wait()
+            return SimpleNamespace(role="E", seconds=0.2, latency_bound=None)
+
+        async def no_op(*args, **kwargs):
+            return None
+
+        for client in supervisor.clients:
+            client.reconfigure, client.retire = reconfigure, retire
+            client.ready = SimpleNamespace(latency_model=None)
+        supervisor._share_all_pools = no_op
+        supervisor._share_cores = no_op
+        lines: list[str] = []
+        redeploy = asyncio.ensure_future(supervisor.redeploy(["E", "PD"], progress=lines.append))
+        await asyncio.sleep(0.2)
+        held[0] = 2
+        await asyncio.sleep(0.1)
+        released.set()
+        await redeploy
+        return lines
+
+    with caplog.at_level("INFO", logger="hydrad.supervisor"):
+        lines = asyncio.run(main())
+    reports = [line for line in lines if line.startswith("handing over for")]
+    assert len(reports) >= 3, lines
+    # 2EPD -> 1E+1PD: #0 hands P and D over, #1 E.
+    assert reports[0].endswith("requests still held: #0 7, #1 3") and reports[-1].endswith("#0 2, #1 3"), reports
+    assert lines[-1].startswith("serving as 1E+1PD after")
+    assert any("redeploy: handing over for" in r.message for r in caplog.records)
