@@ -104,6 +104,20 @@ class Quarantine:
             self._until.popitem(last=False)
 
 
+class _Death:
+    """An instance's death, and the requests that lost it after losing another, until the
+    supervisor has judged whether a request may have caused it (``RequestTable.judge``)."""
+
+    __slots__ = ("instance_id", "by_request", "second_losses")
+
+    def __init__(self, instance_id: int):
+        self.instance_id = instance_id
+        # False: killed from outside (an operator's SIGKILL or SIGTERM); None: not judged yet.
+        self.by_request: bool | None = None
+        # (request id, content digest, the death it lost first) of each request that lost two.
+        self.second_losses: list[tuple[str, bytes, _Death]] = []
+
+
 class _Kept:
     """A request as sent, and the tokens it has had since: enough to run it again."""
 
@@ -159,9 +173,11 @@ class RequestTable:
         self._pixels: dict[int, list[int]] = {}
         self._kept: dict[str, _Kept] = {}
         self._run_again: set[str] = set()
-        # The content digests of the requests running again: refused for a while should they
-        # lose that instance too.
-        self._suspects: dict[str, bytes] = {}
+        # The requests running again: their content digest and the death they lost first,
+        # refused for a while should they lose that instance too and neither death be a kill
+        # from outside. The deaths the supervisor has not judged yet, by instance.
+        self._suspects: dict[str, tuple[bytes, _Death]] = {}
+        self._deaths: dict[int, _Death] = {}
         self.quarantine = Quarantine(quarantine_seconds)
         self._parked_requests: list[tuple[EngineRequest, RequestSink]] = []
         # Requests failed because the instance holding them died, and those run again instead.
@@ -328,13 +344,19 @@ class RequestTable:
 
     def lost(self, instance: Instance, error: Exception) -> None:
         """An instance died: every request it held runs again, once, from the tokens it had
-        (a request that takes down a second instance fails, and its content is quarantined),
-        on a live instance of its first stage or on the restarted one; the others drop their
-        parts. Those it was about to pull go to another target (their source still has the
-        blocks); a request not kept whole (its pixels past ``rerun_image_bytes``, streaming)
-        fails."""
+        (a request that takes down a second instance fails, and its content is quarantined
+        once ``judge`` says neither death was a kill from outside), on a live instance of its
+        first stage or on the restarted one; the others drop their parts. Those it was about
+        to pull go to another target (their source still has the blocks); a request not kept
+        whole (its pixels past ``rerun_image_bytes``, streaming) fails."""
         again: list[int] = []  # the tokens each request run again had
-        pulled_elsewhere = failed = quarantined = 0
+        pulled_elsewhere = failed = 0
+        death = _Death(instance.instance_id)
+        if self.quarantine.seconds > 0:
+            earlier = self._deaths.pop(instance.instance_id, None)
+            if earlier is not None:  # never judged (its process outlived the wait): counted as possible
+                self.judge(instance.instance_id, True, "not judged", earlier)
+            self._deaths[instance.instance_id] = death
         for req_id in self.relay.requests_held_by(instance):
             handed_back = self.relay.take_back(req_id, instance)
             kept = self._kept.get(req_id)
@@ -347,7 +369,7 @@ class RequestTable:
                 self._forget(req_id)
                 self._run_again.add(req_id)
                 if self.quarantine.seconds > 0:
-                    self._suspects[req_id] = content_digest(kept.request)
+                    self._suspects[req_id] = (content_digest(kept.request), death)
                 self.num_run_again += 1
                 request = kept.request
                 if kept.token_ids:
@@ -359,12 +381,10 @@ class RequestTable:
                 else:
                     failed += 1
             else:
-                digest = self._suspects.pop(req_id, None)
-                if digest is not None and sink is not None:
-                    self.quarantine.add(digest)
-                    quarantined += 1
-                    logger.warning("request %s lost a second instance (%d): failed, and its content is refused "
-                                   "for %g s", req_id, instance.instance_id, self.quarantine.seconds)
+                suspect = self._suspects.pop(req_id, None)
+                if suspect is not None and sink is not None:
+                    death.second_losses.append((req_id, *suspect))
+                    logger.warning("request %s lost a second instance (%d): failed", req_id, instance.instance_id)
                 self.num_lost += sink is not None
                 failed += sink is not None
                 self.fail(req_id, error)
@@ -374,7 +394,31 @@ class RequestTable:
                 "instance %d held %d request(s) when it died: %d run again from the tokens they had%s, %d to be "
                 "pulled by another instance, %d failed%s", instance.instance_id, len(again) + pulled_elsewhere + failed,
                 len(again), _token_range(again), pulled_elsewhere, failed,
-                f" ({quarantined} of them quarantined)" if quarantined else "")
+                f" ({len(death.second_losses)} of them after losing another)" if death.second_losses else "")
+
+    def judge(self, instance_id: int, by_request: bool, how: str, death: _Death | None = None) -> None:
+        """Whether a request may have caused instance ``instance_id``'s latest death (False: a
+        kill from outside, ``how``). The requests that lost it after losing another are then
+        quarantined, unless either death was such a kill: a request that crashes workers
+        would otherwise crash-loop them as its client resends it, while one that merely was
+        on two workers an operator killed is sent again as any other."""
+        death = death or self._deaths.pop(instance_id, None)
+        if death is None:
+            return
+        death.by_request = by_request
+        refused = [(req_id, digest) for req_id, digest, first in death.second_losses
+                   if by_request and first.by_request is not False]
+        for _, digest in refused:
+            self.quarantine.add(digest)
+        if refused:
+            logger.warning("%d request(s) lost instance %d (%s) after losing another: the same request(s) are "
+                           "refused for %g s (%s)", len(refused), instance_id, how, self.quarantine.seconds,
+                           ", ".join(req_id for req_id, _ in refused[:5]) + (", ..." if len(refused) > 5 else ""))
+        spared = len(death.second_losses) - len(refused)
+        if spared:
+            logger.info("%d request(s) lost instance %d (%s) after losing another; not refused: %s", spared,
+                        instance_id, how, "it was killed from outside" if not by_request
+                        else "their first instance was killed from outside")
 
     def _place_again(self, request: EngineRequest, sink: RequestSink, error: Exception) -> bool:
         """Send a request that lost its instance to a live one; while one is being restarted

@@ -50,6 +50,8 @@ logger = logging.getLogger("hydrad.supervisor")
 # Seconds before the first restart of a worker, doubled for each further one.
 _FIRST_BACKOFF = 0.5
 _MAX_BACKOFF = 8.0
+# Signals a worker dies of when killed from outside (an operator, a stop), never of a request.
+_OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
 # While a redeploy's hand-over lasts, one line this often on what is still held.
 HANDOVER_REPORT_SECONDS = 5.0
 
@@ -452,8 +454,14 @@ class Supervisor:
         # Which came first: the pipe's EOF (the process exited or is exiting) or a reported failure.
         link = "pipe reached EOF" if client.failure == EXITED else client.failure
         why = f"{link}; process {describe_exit(process.exitcode)}"
-        if process.exitcode == -signal.SIGKILL:
-            why += self._out_of_memory()
+        out_of_memory = self._out_of_memory() if process.exitcode == -signal.SIGKILL else ""
+        why += out_of_memory
+        # Killed from outside (an operator, a stop): none of its requests can have caused it.
+        # The out-of-memory killer's SIGKILL and the stall watchdog's may have been a request's
+        # doing; so may any crash or failed step.
+        from_outside = (process.exitcode is not None and -process.exitcode in _OUTSIDE_SIGNALS and not out_of_memory
+                        and client.failure == EXITED)
+        self.table.judge(client.instance_id, not from_outside, describe_exit(process.exitcode) + out_of_memory)
         down = f"worker {client.instance_id} ({client.device}, {client.role}, pid {process.pid}) is down: {why}"
         if self._stopping:
             logger.error("%s", down)

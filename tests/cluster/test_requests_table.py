@@ -283,7 +283,7 @@ def test_requests_run_again_once_from_their_tokens_when_their_instance_dies(capl
     assert started.ended[0] == "error" and table.num_lost == 2
     assert not table.sinks and not table._kept and not table._run_again
     assert warnings()[-1] == ("instance 1 held 2 request(s) when it died: 0 run again from the tokens they had, "
-                              "0 to be pulled by another instance, 2 failed (2 of them quarantined)")
+                              "0 to be pulled by another instance, 2 failed (2 of them after losing another)")
 
     # With no live instance of its stage it waits while offers are held (a restart), then
     # goes on; without a restart to wait for it fails at once.
@@ -398,10 +398,13 @@ def test_a_request_that_loses_two_instances_is_quarantined():
     assert len(table.quarantine) == 0  # lost once: run again, nothing refused
     p0.alive = True
     p0.add_request(request("other", (4, 5)), bystander)  # on p0: it does not lose p1
+    table.judge(p0.instance_id, True, "killed by SIGSEGV")
     p1.alive = False
     table.lost(p1, WorkerLost("worker gone again"))
     assert poison.ended[0] == "error" and bystander.ended is None
-    assert len(table.quarantine) == 1 and not table._suspects
+    assert len(table.quarantine) == 0 and not table._suspects  # until the death is judged
+    table.judge(p1.instance_id, True, "killed by SIGSEGV")
+    assert len(table.quarantine) == 1 and not table._deaths
     with pytest.raises(RequestQuarantined) as refused:
         p0.add_request(request("again"), RecordingSink())
     assert exception_status(refused.value) == 400 and refused.value.code == "request_quarantined"
@@ -412,6 +415,21 @@ def test_a_request_that_loses_two_instances_is_quarantined():
     p0.add_request(request("later"), later := RecordingSink())
     assert "later" in table.sinks and later.ended is None and len(table.quarantine) == 0
 
+    # Either death a kill from outside (an operator's SIGKILL): it fails (it ran again once
+    # already), and its content is taken again.
+    for by_request in ((False, True), (True, False)):
+        table, (p0, p1, d) = make_table(("P", "P", "D"))
+        p0.add_request(request("bystander"), sink := RecordingSink())
+        p0.alive = False
+        table.lost(p0, WorkerLost("gone"))
+        table.judge(p0.instance_id, by_request[0], "killed")
+        p1.alive, p0.alive = False, True
+        table.lost(p1, WorkerLost("gone"))
+        table.judge(p1.instance_id, by_request[1], "killed")
+        assert sink.ended[0] == "error" and len(table.quarantine) == 0
+        p0.add_request(request("again"), RecordingSink())
+        assert "again" in table.sinks
+
     # quarantine_seconds = 0: it fails, and nothing is refused.
     table, (p0, p1, d) = make_table(("P", "P", "D"))
     table.quarantine = Quarantine(0.0)
@@ -420,6 +438,7 @@ def test_a_request_that_loses_two_instances_is_quarantined():
     table.lost(p0, WorkerLost("gone"))
     p1.alive, p0.alive = False, True
     table.lost(p1, WorkerLost("gone"))
+    table.judge(p1.instance_id, True, "killed by SIGSEGV")
     p0.add_request(request("again"), RecordingSink())
     assert "again" in table.sinks and len(table.quarantine) == 0
 

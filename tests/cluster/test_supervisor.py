@@ -289,3 +289,30 @@ def test_a_long_hand_over_says_what_is_still_held(monkeypatch, caplog):
     assert reports[0].endswith("requests still held: #0 7, #1 3") and reports[-1].endswith("#0 2, #1 3"), reports
     assert lines[-1].startswith("serving as 1E+1PD after")
     assert any("redeploy: handing over for" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("exitcode, failure, oom, by_request", [
+    (-signal.SIGKILL, EXITED, False, False),  # an operator's kill -9
+    (-signal.SIGTERM, EXITED, False, False),
+    (-signal.SIGKILL, EXITED, True, True),  # the out-of-memory killer: a request may have grown it
+    (-signal.SIGKILL, "answered nothing for 60 s while holding 3 request(s): killed", False, True),  # the watchdog
+    (-signal.SIGSEGV, EXITED, False, True),
+    (1, "RuntimeError: boom", False, True),  # a step that raised
+])
+def test_a_death_is_judged_for_whether_a_request_may_have_caused_it(no_oom_kills, exitcode, failure, oom,
+                                                                     by_request):
+    """The request table quarantines the requests that lost two instances only where neither
+    death was a kill from outside (``RequestTable.judge``): the supervisor tells which."""
+    async def main():
+        supervisor = make_supervisor(["EPD", "EPD"])
+        verdicts = []
+        supervisor.table.judge = lambda instance_id, verdict, how: verdicts.append((instance_id, verdict, how))
+        if oom:
+            no_oom_kills[0] += 1
+        await lose(supervisor, 0, exitcode, failure=failure)
+        return verdicts
+
+    [(instance_id, verdict, how)] = asyncio.run(main())
+    assert instance_id == 0 and verdict is by_request
+    assert how.startswith("killed by" if exitcode < 0 else "exited with status")
+    assert ("out-of-memory" in how) is oom
