@@ -83,6 +83,16 @@ def start_worker(engine):
     return daemon_end, thread
 
 
+async def connected_client(conn) -> tuple[WorkerClient, RequestTable]:
+    """The daemon's client of one EPD worker on ``conn``'s other end, and its request table."""
+    clients: list = []
+    table = RequestTable(Router(clients, "round-robin"))
+    client = WorkerClient(0, "EPD", "cpu", table)
+    clients.append(client)
+    await client.connect(conn)
+    return client, table
+
+
 def recv_until(conn, kind, timeout: float = 10.0):
     while True:
         if not conn.poll(timeout):  # a worker thread that died must fail the test, not hang it
@@ -133,11 +143,7 @@ def test_client_streams_aborts_stats_and_rejects():
     async def main():
         engine = FakeEngine()
         conn, thread = start_worker(engine)
-        clients: list = []
-        table = RequestTable(Router(clients, "round-robin"))
-        client = WorkerClient(0, "EPD", "cpu", table)
-        clients.append(client)
-        await client.connect(conn)
+        client, table = await connected_client(conn)
         sink = RecordingSink()
         client.add_request(request("a", 3), sink)
         assert (await sink.until_ended())[:2] == ("finish", "length")
@@ -291,11 +297,7 @@ def test_a_request_given_again_to_a_worker_hears_nothing_of_its_aborted_run():
 
     async def main():
         daemon_end, worker = mp.Pipe()
-        clients: list = []
-        table = RequestTable(Router(clients, "round-robin"))
-        client = WorkerClient(0, "EPD", "cpu", table)
-        clients.append(client)
-        await client.connect(daemon_end)
+        client, table = await connected_client(daemon_end)
         first = RecordingSink()
         client.add_request(request("r", 3), first)
         await _next(worker, AddRequest)  # the worker's 1st message
