@@ -357,8 +357,8 @@ class Supervisor:
         caller and the log) on what each of them still holds: under load a hand-over lasts
         until the instances taking the stages have room for the requests (seconds, or more
         where two decode instances' requests go to one)."""
-        retiring = {c.instance_id: asyncio.ensure_future(self.clients[c.instance_id].retire(c.loses, self.start_timeout))
-                    for c in shrinking}
+        retiring = {c.instance_id: asyncio.ensure_future(
+            self.clients[c.instance_id].retire(c.loses, self.start_timeout)) for c in shrinking}
         waiting = asyncio.gather(*retiring.values())
         start = time.monotonic()
         try:
