@@ -114,6 +114,48 @@ def test_held_out_error_is_reported_and_noise_shows_in_it(engine):
     assert "held-out probes" in model.summary()
 
 
+class Slowed(Synthetic):
+    """The known model, at ``factor`` times its times for the calls in ``calls`` (the machine
+    slowed down by something else for a while)."""
+
+    def __init__(self, calls: range, factor: float = 2.0):
+        super().__init__()
+        self.calls, self.factor = calls, factor
+
+    def __call__(self, probe: Probe) -> float:
+        seconds = super().__call__(probe)
+        return seconds * self.factor if len(self.probes) - 1 in self.calls else seconds
+
+
+class Drifting(Synthetic):
+    """The known model on a machine that slows down all the time: 5% more per call."""
+
+    def __call__(self, probe: Probe) -> float:
+        return super().__call__(probe) * (1 + len(self.probes) / 20)
+
+
+@pytest.mark.parametrize("calls, attempts", [(range(0, 0), 1), (range(5, 20), 2), (range(0, 10_000), 1), (None, 3)])
+def test_probes_timed_while_the_machine_changed_speed_are_measured_again(engine, caplog, calls, attempts):
+    """The first probe is timed again halfway and at the end; where its times differ by more
+    than 30% the probes run again (at most three times in all): a fit made while the machine
+    ran at half speed for a while would be cached for every later start. A machine slower
+    all along is not a change of speed; one that stays unsteady keeps the steadiest run."""
+    timer = Slowed(calls) if calls is not None else Drifting()
+    with caplog.at_level("WARNING", logger="hydrad.engine.profiler"):
+        model = fit_latency_model(engine, timer=timer, force=True, show_progress=False)
+    assert model.meta["attempts"] == attempts
+    per_run = len(timer.probes) // attempts
+    assert len(timer.probes) == per_run * attempts
+    warnings = [r.message for r in caplog.records if "speed changed" in r.message]
+    assert len(warnings) == attempts - 1 + (attempts == 3)
+    if attempts == 2:  # the second run was steady: the model is the true one
+        assert model.meta["drift"] == 1.0 and model.error.median < 1e-6
+        assert model.l_decode == pytest.approx(TRUE.l_decode, rel=1e-6)
+    if attempts == 3:  # each run drifted, the last least (its calls grew by less, relatively)
+        first_run = (1 + per_run / 20)
+        assert "keeping the steadiest of 3 runs" in warnings[-1] and 1.3 < model.meta["drift"] < first_run
+
+
 def test_probes_fit_the_pools(tiny_llava_dir):
     small = make_engine(tiny_llava_dir, num_kv_blocks=48, num_image_blocks=2)
     limits = engine_limits(small, probe_images(small))
