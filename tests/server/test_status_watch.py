@@ -282,3 +282,31 @@ def test_consoles_off_a_terminal_lay_out_whole_lines(monkeypatch):
         assert not out.is_terminal and out.width == OFF_TERMINAL_WIDTH
     monkeypatch.setenv("COLUMNS", "97")
     assert make_console().width == 97
+
+
+def test_consoles_off_a_terminal_write_a_line_in_one_write(monkeypatch):
+    """Off a terminal the daemon and its workers write into one file: a progress display's
+    last line (rich writes its text, flushes, then writes the newline) must reach it in one
+    write, or a worker's log line written meanwhile lands on the same line."""
+    import time
+
+    from rich.progress import Progress, TextColumn
+
+    from hydrad.console import make_console
+
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    out = make_console(stderr=True)
+    with Progress(TextColumn("{task.description}"), console=out) as progress:
+        task = progress.add_task("worker 0 cpu EPD: starting")
+        time.sleep(0.05)
+        progress.update(task, description="worker 0 cpu EPD: ready")
+    out.print("error: one line")
+    assert writes and all(w.endswith("\n") for w in writes), writes
+    assert "".join(writes).splitlines()[-2:] == ["worker 0 cpu EPD: ready", "error: one line"]
