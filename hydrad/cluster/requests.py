@@ -355,7 +355,7 @@ class RequestTable:
         if self.quarantine.seconds > 0:
             earlier = self._deaths.pop(instance.instance_id, None)
             if earlier is not None:  # never judged (its process outlived the wait): counted as possible
-                self.judge(instance.instance_id, True, "not judged", earlier)
+                self._judge(earlier, True, "not judged")
             self._deaths[instance.instance_id] = death
         for req_id in self.relay.requests_held_by(instance):
             handed_back = self.relay.take_back(req_id, instance)
@@ -396,15 +396,18 @@ class RequestTable:
                 len(again), _token_range(again), pulled_elsewhere, failed,
                 f" ({len(death.second_losses)} of them after losing another)" if death.second_losses else "")
 
-    def judge(self, instance_id: int, by_request: bool, how: str, death: _Death | None = None) -> None:
+    def judge(self, instance_id: int, by_request: bool, how: str) -> None:
         """Whether a request may have caused instance ``instance_id``'s latest death (False: a
         kill from outside, ``how``). The requests that lost it after losing another are then
         quarantined, unless either death was such a kill: a request that crashes workers
         would otherwise crash-loop them as its client resends it, while one that merely was
         on two workers an operator killed is sent again as any other."""
-        death = death or self._deaths.pop(instance_id, None)
-        if death is None:
-            return
+        death = self._deaths.pop(instance_id, None)
+        if death is not None:
+            self._judge(death, by_request, how)
+
+    def _judge(self, death: _Death, by_request: bool, how: str) -> None:
+        instance_id = death.instance_id
         death.by_request = by_request
         refused = [(req_id, digest) for req_id, digest, first in death.second_losses
                    if by_request and first.by_request is not False]

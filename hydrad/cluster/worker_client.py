@@ -24,7 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Callable
 
 from hydrad.engine.cores import CpuThreads
-from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats
+from hydrad.engine.inputs import EngineRequest, EngineStats
 from hydrad.errors import RequestError
 from hydrad.cluster.requests import RequestSink, RequestTable
 from hydrad.engine.migration import MigrationOffer
@@ -276,22 +276,17 @@ class WorkerClient:
         if not fences:
             return msg
         out = msg.output
-        rows = [i for i, req_id in enumerate(out.req_ids) if req_id not in fences]
-        finished = [f for f in out.finished if f.req_id not in fences]
-        offers = [o for o in msg.offers if o.req_id not in fences]
-        pulled = [p for p in msg.pulled if p.req_id not in fences]
-        stale = (len(out.req_ids) - len(rows) + len(out.finished) - len(finished) + len(msg.offers) - len(offers)
-                 + len(msg.pulled) - len(pulled))
-        if not stale:
+        if not any(item.req_id in fences for item in (*out.finished, *msg.offers, *msg.pulled)) \
+                and not any(req_id in fences for req_id in out.req_ids):
             return msg
-        logger.debug("worker %d: dropped %d item(s) of a step about requests aborted since", self.instance_id, stale)
-        if len(rows) < len(out.req_ids):
-            out = EngineOutput(
-                [out.req_ids[i] for i in rows], [out.token_ids[i] for i in rows],
-                None if out.logprobs is None else [out.logprobs[i] for i in rows], finished, out.timing)
-        elif len(finished) < len(out.finished):
-            out = dataclasses.replace(out, finished=finished)
-        return dataclasses.replace(msg, output=out, offers=offers, pulled=pulled)
+        rows = [i for i, req_id in enumerate(out.req_ids) if req_id not in fences]
+        logger.debug("worker %d: dropped what a step said of requests aborted since", self.instance_id)
+        out = dataclasses.replace(
+            out, req_ids=[out.req_ids[i] for i in rows], token_ids=[out.token_ids[i] for i in rows],
+            logprobs=None if out.logprobs is None else [out.logprobs[i] for i in rows],
+            finished=[f for f in out.finished if f.req_id not in fences])
+        return dataclasses.replace(msg, output=out, offers=[o for o in msg.offers if o.req_id not in fences],
+                                   pulled=[p for p in msg.pulled if p.req_id not in fences])
 
     def give_up(self, reason: str) -> None:
         """Treat the worker as dead (the supervisor kills a stalled one): as if its pipe had
