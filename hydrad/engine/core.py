@@ -186,6 +186,9 @@ class EngineCore:
         self.vocab_size = hf_config.text_config.vocab_size
         dual = config.parallel.dual_streams_on(self.device.type) and has_vision and has_language
         self.streams = StageStreams(self.device, dual)
+        # One after the other (no dual streams), a step's prefill may read the features its
+        # own vision work wrote.
+        self.scheduler.prefill_after_encode = not dual
 
         # Migration: peers' pools (attached once at start), the copy thread, pulls to report.
         self.copier = PullCopier(self.device, self.runner.copy_in)
@@ -620,7 +623,7 @@ class EngineCore:
                          len(out.chunks), 1e3 * encode_secs, 1e3 * out.predicted_vision, 1e3 * language_secs,
                          1e3 * out.predicted_language, 1e3 * (time.thread_time() - cpu_start))
         if out.encodes:
-            self.scheduler.update_after_encode(out, encode_secs)
+            self.scheduler.update_after_encode(out, encode_secs, language_secs)
         if not out.chunks:
             return EngineOutput(timing=timing)
         result = self.scheduler.update_after_language(out, sampled.token_ids, language_secs)

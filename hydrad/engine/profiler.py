@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 # code: 5, the CLIP tower stops at its feature layer; 6, linear layers packed for oneDNN on a
 # CPU and KV blocks gathered as rows; 7, decodes gathered in groups into a kept buffer on a
 # CPU; 8, CPU engines keep freed memory, engine.allocator; 9, steps of several prompts among
-# the probes): older files then miss.
-_CACHE_VERSION = 9
+# the probes; 10, no overlap fitted where vision and language run one after the other): older
+# files then miss.
+_CACHE_VERSION = 10
 _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05
@@ -188,7 +189,15 @@ def _shrink(probe: Probe, limits: Limits) -> Probe:
 
 
 def fit_model(fit: list[tuple[Probe, float]], check: list[tuple[Probe, float]], meta: dict) -> LatencyModel:
-    """Coefficients from timed probes; the error from the held-out ones."""
+    """Coefficients from timed probes; the error from the held-out ones.
+
+    ``overlap`` is fitted only where the two parts ran at once (``meta["key"]["dual_streams"]``,
+    true when absent). One after the other on one thread, a step takes its vision part and then
+    its language part: the overlap is 1, and the probes of both parts are held out too.
+    Fitted there from two such probes, it absorbed their parts' errors and came out anywhere
+    from 0 to 2 on one machine: at 1.8 a step that encodes an image had its language
+    work cut by nearly twice its vision time; at 0 its vision time was not counted at all."""
+    concurrent = meta.get("key", {}).get("dual_streams", True)
     alone = [(p, t) for p, t in fit if p.has_vision != p.has_language]
     vision = [(p.shape().vision_features(), t) for p, t in alone if p.has_vision]
     language = [(p.shape().language_features(), t) for p, t in alone if p.has_language]
@@ -207,7 +216,9 @@ def fit_model(fit: list[tuple[Probe, float]], check: list[tuple[Probe, float]], 
     model = LatencyModel(**coef)
     both = [(p, t) for p, t in fit if p.has_vision and p.has_language]
     overlap = 1.0
-    if both:
+    if not concurrent:
+        check = [*check, *both]
+    elif both:
         shares = []
         for probe, seconds in both:
             v, lang = model.vision_seconds(probe.shape()), model.language_seconds(probe.shape())

@@ -2,7 +2,8 @@
 
 On CPU the two run on two executor threads (torch kernels release the GIL); on
 CUDA each thread issues its kernels on its own CUDA stream. This is the only
-place that knows the difference.
+place that knows the difference. Off (the default on a CPU), a step runs its vision
+work, then its language work, on the step thread.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ class StageStreams:
         return run
 
     def run(self, vision: Callable[[], T] | None, language: Callable[[], U] | None):
-        """Run both (either may be None); return ((vision_result, secs), (language_result, secs))."""
+        """Run both (either may be None); return ((vision_result, secs), (language_result, secs)).
+        Not enabled, vision runs first, then language, on this thread: the language work may
+        read what the vision work wrote (``Scheduler.prefill_after_encode``)."""
         idle = (None, 0.0)
         if vision is None or language is None or not self.enabled:
-            return (_timed(vision) if vision else idle), (_timed(language) if language else idle)
+            vision_out = _timed(vision) if vision else idle
+            return vision_out, (_timed(language) if language else idle)
         future = self._vision_pool.submit(_timed, self._on_stream(vision, self._vision_stream))
         language_out = _timed(self._on_stream(language, self._language_stream))
         return future.result(), language_out

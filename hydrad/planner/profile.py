@@ -237,6 +237,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             cores=probe.cores if devices.is_cpu else None, threads=devices.threads,
             thread_models={n: m for n, m in probe.models.items() if n != devices.threads},
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
+            prefill_after_encode=not config.parallel.dual_streams_on("cpu" if devices.is_cpu else "cuda"),
             borrow_efficiency=options.borrow_efficiency,
             corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
             warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, speed_basis=basis,

@@ -170,6 +170,7 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         message_seconds=options.message_seconds, step_overhead=options.step_overhead,
         cores=cores if is_cpu else None, threads=share,
         fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
+        prefill_after_encode=not config.parallel.dual_streams_on("cpu" if is_cpu else "cuda"),
         borrow_efficiency=options.borrow_efficiency, corun_slowdown=dict(options.corun_slowdown),
         warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, **extra,
     )

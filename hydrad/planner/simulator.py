@@ -171,6 +171,10 @@ class SimSetup:
     # the instances of a daemon that has been serving do. 0: every instance starts cold, as
     # a freshly started daemon's, whose first steps are filled to the model's bound.
     warm_requests: int = 0
+    # A step's language work runs after its vision work on the same thread (no dual streams):
+    # a request may start its prefill in the step that encodes its last images
+    # (``Scheduler.prefill_after_encode``).
+    prefill_after_encode: bool = False
 
     def __post_init__(self) -> None:
         if self.bandwidth <= 0 or self.message_seconds < 0 or self.step_overhead < 0:
@@ -304,7 +308,8 @@ class SimInstance:
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role,
-                                   clock=lambda: sim.now, replay_cached=True)
+                                   clock=lambda: sim.now, replay_cached=True,
+                                   prefill_after_encode=setup.prefill_after_encode)
         # As the engine's: steps that carry decodes and run longer than predicted (the cores
         # shared) are filled to less of the bound; a new model starts it anew (``_use``).
         self.calibration = Calibration()

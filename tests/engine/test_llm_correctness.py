@@ -152,6 +152,26 @@ def test_dual_streams_forced_on_gives_the_same_tokens(tiny_llava_dir, conversati
     _check(llm, conversations, reference)
 
 
+def test_prefills_started_in_the_step_that_encodes_their_images_give_the_same_tokens(
+        tiny_llava_dir, conversations, reference):
+    # Off, the default on CPU: vision then language on one thread, and a step's prefill reads
+    # the features its own vision work just wrote.
+    llm = LLM(str(tiny_llava_dir))
+    s = llm.engine.scheduler
+    assert s.prefill_after_encode and not llm.engine.streams.enabled
+    started = []
+    schedule = s.schedule
+
+    def watched():
+        out = schedule()
+        started.extend(r.req_id for r, _ in out.chunks if any(q is r for q, _ in out.encodes))
+        return out
+
+    s.schedule = watched
+    _check(llm, conversations, reference)
+    assert len(set(started)) >= 3  # requests with images whose prefill began beside their encode
+
+
 def test_same_seed_same_samples(tiny_llava_dir, conversations):
     llm = LLM(str(tiny_llava_dir))
     params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=s) for s in (1, 2)]

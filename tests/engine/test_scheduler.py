@@ -32,7 +32,8 @@ def make_request(req_id, num_prompt=20, images=(), max_tokens=8, ignore_eos=True
 
 
 def make_scheduler(num_kv_blocks=64, kv_block_size=4, num_image_blocks=8, image_block_size=16,
-                   token_budget=32, image_budget=2, max_num_seqs=64, max_model_len=4096, clock=None) -> Scheduler:
+                   token_budget=32, image_budget=2, max_num_seqs=64, max_model_len=4096, clock=None,
+                   prefill_after_encode=False) -> Scheduler:
     """``clock``: the scheduler's seconds; by default time stands still (steps take none), so
     no stream's token is ever late unless a test moves the clock."""
     return Scheduler(
@@ -41,6 +42,7 @@ def make_scheduler(num_kv_blocks=64, kv_block_size=4, num_image_blocks=8, image_
         BlockManager(num_image_blocks, image_block_size, "image"),
         max_model_len,
         clock=clock or (lambda: 0.0),
+        prefill_after_encode=prefill_after_encode,
     )
 
 
@@ -54,7 +56,9 @@ def run_step(s: Scheduler, token=7):
     assert sum(n for _, n in out.chunks) <= s.config.token_budget
     assert len(out.encodes) <= s.config.image_budget
     for req, n in out.chunks:
-        assert req.images_done, "prefill scheduled before the request's images were encoded"
+        # With prefill_after_encode, a prefill may start in the step that encodes its last images.
+        in_step = sum(1 for r, _ in out.encodes if r is req) if s.prefill_after_encode else 0
+        assert req.num_encoded_images + in_step == req.num_images, "prefill scheduled before its images are encoded"
         assert len(req.kv_block_ids) * s.kv.block_size >= req.num_computed_tokens + n
         for i, image in enumerate(req.images):
             touches = req.num_computed_tokens < image.offset + image.length and image.offset < req.num_computed_tokens + n
@@ -107,6 +111,36 @@ def test_prefill_is_chunked_through_image_tokens_and_waits_for_encode():
     assert s.images.num_used_blocks == 0
 
 
+def test_with_prefill_after_encode_a_prefill_starts_in_the_step_that_encodes_its_last_image():
+    """Vision and language of a step run one after the other: the step that encodes a
+    request's last image also takes its first chunk (the features are written before the
+    prefill reads them); a request with an image left to encode waits."""
+    now = [0.0]
+    s = make_scheduler(token_budget=7, image_block_size=16, image_budget=1, prefill_after_encode=True,
+                       clock=lambda: now[0])
+    r = make_request("r", num_prompt=30, images=[(3, 16)], max_tokens=2)
+    two = make_request("two", num_prompt=40, images=[(1, 8), (20, 8)], max_tokens=2)
+    s.add(r)
+    s.add(two)
+    out = s.schedule()
+    assert out.encodes == [(r, 0)] and out.chunks == [(r, 7)]
+    assert r.status is RequestStatus.RUNNING and r.num_held_images == 1 and "two" in s.requests
+    now[0] = 1.0
+    s.update_after_encode(out, exec_time=0.25, language_time=0.5)
+    s.update_after_language(out, [])
+    s.check_integrity()
+    # Its encoding ended before the step's language work.
+    assert r.timeline["encode_done"] == 0.5 and r.timeline["encode_exec"] == 0.25
+    assert r.num_computed_tokens == 7 and r.num_encoded_images == 1
+    out, _ = run_step(s)  # r's next chunk fills the budget; two's first image alone (one a step)
+    assert out.encodes == [(two, 0)] and out.chunks == [(r, 7)]
+    out, _ = run_step(s)
+    assert out.encodes == [(two, 1)] and [q for q, _ in out.chunks] == [r]  # no room left for two
+    while r.status is not RequestStatus.FINISHED:
+        run_step(s)
+    run_to_completion(s, [r, two])
+
+
 def test_image_blocks_freed_once_prefill_read_past_them():
     s = make_scheduler(token_budget=10, image_block_size=8)
     r = make_request("r", num_prompt=40, images=[(2, 8), (20, 8)])
@@ -143,10 +177,11 @@ def test_preemption_under_kv_pressure_and_everything_finishes():
         assert r.num_output_tokens == 20 and r.finish_reason == "length"
 
 
-def test_randomized_mix_keeps_integrity():
+@pytest.mark.parametrize("prefill_after_encode", [False, True])
+def test_randomized_mix_keeps_integrity(prefill_after_encode):
     rng = random.Random(0)
     s = make_scheduler(num_kv_blocks=24, kv_block_size=4, num_image_blocks=6, image_block_size=8,
-                       token_budget=24, image_budget=2)
+                       token_budget=24, image_budget=2, prefill_after_encode=prefill_after_encode)
     reqs = []
     for i in range(30):
         n = rng.randint(12, 40)

@@ -72,6 +72,37 @@ def step(s: Scheduler, token: int = 7):
     return out, predicted
 
 
+def test_a_step_that_encodes_fills_the_rest_of_its_bound_with_that_prompt():
+    """With ``prefill_after_encode``, decodes running and one image request arriving: the step
+    encodes its image and prefills the largest chunk of its prompt that still fits the
+    bound. Without it, that step carries the decodes and the image only."""
+    fills = {}
+    for after in (False, True):
+        s = scheduler_with(bound=0.03, num_image_blocks=16, image_block_size=16, prefill_after_encode=after)
+        decodes = [make_request(f"d{i}", num_prompt=40, max_tokens=50) for i in range(4)]
+        for r in decodes:
+            s.add(r)
+        while not all(r.num_output_tokens for r in decodes):
+            step(s)
+        p = make_request("p", num_prompt=400, images=[(2, 16)], max_tokens=2)
+        s.add(p)
+        out, predicted = step(s)
+        assert out.encodes == [(p, 0)]
+        fills[after] = sum(n for r, n in out.chunks if r is p)
+        if after:
+            # The chunk is the largest that fits: one token more would be over the bound.
+            more = shape_of_with(out, s, p, fills[after] + 1)
+            assert predicted <= 0.03 < MODEL.step_seconds(more)
+    assert fills[False] == 0 and fills[True] > 0
+
+
+def shape_of_with(out, s: Scheduler, req, num_new: int) -> StepShape:
+    """The step's shape as run, with ``req``'s chunk (a prefill from token 0 here) ``num_new`` tokens long."""
+    images = [(r.images[i].num_patches, r.images[i].length) for r, i in out.encodes]
+    decodes = [r.num_computed_tokens for r, n in out.chunks if r is not req]  # already advanced by the step
+    return StepShape.of(images=images, prefills=[(0, num_new)], decodes=decodes)
+
+
 def test_a_long_prompt_is_chunked_to_the_largest_chunk_that_fits():
     s = scheduler_with(bound=0.05)
     r = make_request("r", num_prompt=2000, max_tokens=2)
@@ -181,11 +212,12 @@ def test_hard_caps_still_bind_under_the_model():
     assert not s.num_unfinished
 
 
+@pytest.mark.parametrize("prefill_after_encode", [False, True])
 @pytest.mark.parametrize("bound, idle_bound", [(0.004, None), (0.02, None), (0.2, None), (0.004, 0.05)])
-def test_randomized_mix_under_the_model_keeps_every_guarantee(bound, idle_bound):
+def test_randomized_mix_under_the_model_keeps_every_guarantee(bound, idle_bound, prefill_after_encode):
     rng = random.Random(int(bound * 1000))
     s = scheduler_with(bound=bound, idle_bound=idle_bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
-                       token_budget=10_000, image_budget=10)
+                       token_budget=10_000, image_budget=10, prefill_after_encode=prefill_after_encode)
     reqs = []
     for i in range(40):
         images = [(1, 8)] if rng.random() < 0.4 else []

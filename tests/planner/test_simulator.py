@@ -50,6 +50,18 @@ def test_one_request_on_one_instance_encode_prefill_decode():
     assert r.gaps == pytest.approx([0.012, 0.012])
 
 
+@pytest.mark.parametrize("after", [False, True])
+def test_a_prefill_starts_in_the_step_that_encodes_its_image_where_the_engine_does(after):
+    # r0 prefills 10 tokens (20 ms), then decodes every 12 ms; r1 arrives at 30 ms, during
+    # the step at 20-32 ms. The next step decodes r0 and encodes r1 (100 + 12 ms); with
+    # prefill_after_encode (a CPU without dual streams) it prefills r1 too (+ 100 ms), else
+    # the step after does (10 + 2 + 100 ms).
+    r0, r1 = run(make_setup(prefill_after_encode=after), ["EPD"],
+                 [SimRequest(0.0, 10, 30), SimRequest(0.03, 100, 2, images=((0, 50, 50),))]).requests
+    first = 0.032 + (0.212 if after else 0.112 + 0.112)
+    assert r1.ttft == pytest.approx(first - 0.03)
+
+
 def test_steps_take_the_machines_speed_and_are_filled_by_the_model():
     # The machine runs steps at twice the model's prediction now: encode 0.2, prefill 0.22,
     # decodes 24 ms.
