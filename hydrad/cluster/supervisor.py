@@ -293,8 +293,7 @@ class Supervisor:
         changes = plan_redeploy([c.role for c in self.clients], roles)
         target = format_deploy(roles)
         start = time.monotonic()
-        if not changes:
-            say(f"already deployed as {target}")
+        if not changes:  # the caller tells it from a change: the deployment returned is the current one
             return self.history[-1]
         if not self.migrates and any(role != "EPD" for role in roles) and self.config is not None:
             try:  # the pools move to shared memory: refused now rather than failing half-way

@@ -359,7 +359,7 @@ async def admin_status(request: web.Request) -> web.Response:
 async def admin_redeploy(request: web.Request) -> web.StreamResponse:
     """Change the deployment while serving: ``{"deploy": "1EP+1D"}``. The answer streams one
     JSON object per line: ``{"progress": ...}`` as the change goes, then the result
-    (``{"deploy", "seconds", "history"}``) or ``{"error": {...}}``."""
+    (``{"deploy", "seconds", "changed", "history"}``) or ``{"error": {...}}``."""
     check_admin_access(request, request.app[CONFIG].server.admin_token)
     body = await read_json(request)
     spec = body.get("deploy") if isinstance(body, dict) else None
@@ -380,6 +380,7 @@ async def admin_redeploy(request: web.Request) -> web.StreamResponse:
         await response.write(json.dumps(obj).encode() + b"\n")
 
     lines: asyncio.Queue = asyncio.Queue()
+    before = supervisor.history[-1] if supervisor.history else None
     change = asyncio.ensure_future(supervisor.redeploy(roles, reason=body.get("reason") or "redeploy",
                                                         progress=lines.put_nowait))
     while not change.done() or not lines.empty():
@@ -394,7 +395,10 @@ async def admin_redeploy(request: web.Request) -> web.StreamResponse:
     except RedeployError as e:
         await send(error_body(409, e))
     else:
-        await send({"deploy": deployment.deploy, "seconds": deployment.seconds, "history": history(supervisor)})
+        # Asked for the deployment it serves, the daemon changes nothing: "changed" is false.
+        changed = deployment is not before
+        await send({"deploy": deployment.deploy, "seconds": (deployment.seconds or 0.0) if changed else 0.0,
+                    "changed": changed, "history": history(supervisor)})
     return response
 
 

@@ -143,6 +143,17 @@ def test_a_bad_redeploy_is_refused_and_changes_nothing(tiny_llava_dir, tmp_path)
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
         assert http("GET", daemon.url + "/admin/status").json()["deployment"]["deploy"] == "1EP+1D"
 
+        # The deployment it serves: nothing changes, and hydractl says so.
+        out = subprocess.run([sys.executable, *HYDRACTL, "redeploy", "--deploy", "1EP+1D", "--url", daemon.url],
+                             capture_output=True, text=True, timeout=60, cwd=REPO,
+                             env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        assert out.returncode == 0 and out.stderr == "already serving as 1EP+1D: nothing to change\n", out.stderr
+        reply = http("POST", daemon.url + "/admin/redeploy", json.dumps({"deploy": "1EP+1D"}).encode(),
+                     {"Content-Type": "application/json"})
+        last = json.loads(reply.text.strip().splitlines()[-1])
+        assert (last["deploy"], last["changed"], last["seconds"]) == ("1EP+1D", False, 0.0), last
+        assert len(http("GET", daemon.url + "/admin/status").json()["deployment"]["history"]) == 1
+
         # Two at once: one changes the deployment, the other is told why not, in its last line.
         def post(_):
             reply = http("POST", daemon.url + "/admin/redeploy", json.dumps({"deploy": "2EPD"}).encode(),
@@ -152,7 +163,7 @@ def test_a_bad_redeploy_is_refused_and_changes_nothing(tiny_llava_dir, tmp_path)
 
         with ThreadPoolExecutor(2) as pool:
             answers = sorted(pool.map(post, range(2)), key=lambda a: "error" in a)
-        assert answers[0]["deploy"] == "2EPD", answers
+        assert answers[0]["deploy"] == "2EPD" and answers[0]["changed"] and answers[0]["seconds"] > 0, answers
         assert "a redeploy is already under way" in answers[1]["error"]["message"], answers
         assert http("GET", daemon.url + "/admin/status").json()["deployment"]["deploy"] == "2EPD"
     finally:
