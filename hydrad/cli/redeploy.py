@@ -37,8 +37,7 @@ def redeploy(spec: str, url: str, admin_token: str | None, timeout: float) -> No
     if not result.get("changed", True):
         console.print(f"already serving as [bold]{result['deploy']}[/]: nothing to change", highlight=False)
     else:
-        console.print(f"serving as [bold]{result['deploy']}[/] after {result.get('seconds') or 0.0:.1f} s",
-                      highlight=False)
+        console.print(f"serving as [bold]{result['deploy']}[/] after {result['seconds']:.1f} s", highlight=False)
 
 
 def post_lines(url: str, path: str, body: dict, admin_token: str | None, timeout: float):

@@ -166,9 +166,12 @@ class EngineCore:
                 self._limit_context(num_kv_blocks)
         self.kv_manager = BlockManager(num_kv_blocks, self.kv_block_size, "kv") if has_kv else None
         self.image_manager = BlockManager(num_image_blocks, image_block_size, "image") if has_image_cache else None
+        # With dual streams a step's vision and language work run at once; without, one after the
+        # other, and a step's prefill may read the features its own vision work wrote.
+        dual = config.parallel.dual_streams_on(self.device.type) and has_vision and has_language
         self.scheduler = Scheduler(
             config.scheduler, self.kv_manager, self.image_manager, self.max_model_len, role=self.role,
-            prefix_caching=cache.prefix_caching,
+            prefix_caching=cache.prefix_caching, prefill_after_encode=not dual,
         )
         self.runner = ModelRunner(
             self.model,
@@ -184,11 +187,7 @@ class EngineCore:
             vocab_size=hf_config.text_config.vocab_size,
         )
         self.vocab_size = hf_config.text_config.vocab_size
-        dual = config.parallel.dual_streams_on(self.device.type) and has_vision and has_language
         self.streams = StageStreams(self.device, dual)
-        # One after the other (no dual streams), a step's prefill may read the features its
-        # own vision work wrote.
-        self.scheduler.prefill_after_encode = not dual
 
         # Migration: peers' pools (attached once at start), the copy thread, pulls to report.
         self.copier = PullCopier(self.device, self.runner.copy_in)

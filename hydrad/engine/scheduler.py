@@ -464,30 +464,19 @@ class Scheduler:
         it, a step that encodes the images of every request waiting to prefill carries only
         them and the decodes: on a CPU at peak, one step in four or five left a third of its
         bound unused, and those prompts started a step later."""
-        step = self._step
-        seen = set()
-        for req, _ in out.encodes:
-            if req.req_id in seen or req.status is not RequestStatus.ENCODING:
+        for req, index in out.encodes:
+            # A request's images are scheduled in order: its last one here means all are.
+            if index != req.num_images - 1 or req.status is not RequestStatus.ENCODING:
                 continue
-            seen.add(req.req_id)
-            if req.num_encoded_images + sum(1 for r, _ in out.encodes if r is req) < req.num_images:
-                continue  # images left for a later step
-            if budget.tokens_left < 1:
-                return
             start = req.num_computed_tokens
             want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk)
-            if want == 0:
-                return
-            num_new = self._fit_chunk(req, want, out)
+            num_new = self._fit_chunk(req, want, out) if want else 0
             if num_new == 0:
                 return
-            del self.encoding[req.req_id]
-            # Images inside a cached prefix were never encoded here and hold no blocks.
-            req.num_held_images = sum(1 for ids in req.image_block_ids if ids)
-            self._start_running(req)
+            self._start_prefill(req)
             budget.add_prefill(start, num_new)
             out.chunks.append((req, num_new))
-            req.scheduled_step = step
+            req.scheduled_step = self._step
 
     def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput) -> None:
         for index in range(req.num_encoded_images + _num_scheduled(out, req), req.num_images):
@@ -740,12 +729,11 @@ class Scheduler:
                 req.mark("encode_done", now - language_time)
             elif req.images_done and req.status is RequestStatus.ENCODING:
                 req.mark("encode_done", now)
-                # Images inside a cached prefix were never encoded here and hold no blocks.
-                req.num_held_images = sum(1 for ids in req.image_block_ids if ids)
                 if self.can_prefill:
-                    del self.encoding[req.req_id]
-                    self._start_running(req)
-                elif req.num_held_images < req.num_images:
+                    self._start_prefill(req)
+                    continue
+                req.num_held_images = self._num_held_images(req)
+                if req.num_held_images < req.num_images:
                     # Its prefill stage was handed over meanwhile, and images inside its cached
                     # prefix have no features to hand on: it moves whole, as if not started.
                     self._remove(req)
@@ -847,6 +835,17 @@ class Scheduler:
         self.new_offers.append((req, kind))
 
     # -- bookkeeping -------------------------------------------------------------------------
+    def _start_prefill(self, req: Request) -> None:
+        """Its images encoded here: from encoding to its prefill."""
+        del self.encoding[req.req_id]
+        req.num_held_images = self._num_held_images(req)
+        self._start_running(req)
+
+    @staticmethod
+    def _num_held_images(req: Request) -> int:
+        # Images inside a cached prefix were never encoded here and hold no blocks.
+        return sum(1 for ids in req.image_block_ids if ids)
+
     def _start_running(self, req: Request) -> None:
         req.status = _RUNNING
         self.running[req.req_id] = req

@@ -380,7 +380,7 @@ async def admin_redeploy(request: web.Request) -> web.StreamResponse:
         await response.write(json.dumps(obj).encode() + b"\n")
 
     lines: asyncio.Queue = asyncio.Queue()
-    before = supervisor.history[-1] if supervisor.history else None
+    before = supervisor.history[-1]
     change = asyncio.ensure_future(supervisor.redeploy(roles, reason=body.get("reason") or "redeploy",
                                                         progress=lines.put_nowait))
     while not change.done() or not lines.empty():
@@ -395,9 +395,9 @@ async def admin_redeploy(request: web.Request) -> web.StreamResponse:
     except RedeployError as e:
         await send(error_body(409, e))
     else:
-        # Asked for the deployment it serves, the daemon changes nothing: "changed" is false.
+        # Asked for the deployment it serves, the supervisor changes nothing and returns it.
         changed = deployment is not before
-        await send({"deploy": deployment.deploy, "seconds": (deployment.seconds or 0.0) if changed else 0.0,
+        await send({"deploy": deployment.deploy, "seconds": deployment.seconds if changed else 0.0,
                     "changed": changed, "history": history(supervisor)})
     return response
 
