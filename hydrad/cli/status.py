@@ -114,8 +114,9 @@ def render(status: dict):
         state = {"ready": "[green]ready[/]", "down": "[red]down[/]"}.get(i["state"], f"[yellow]{i['state']}[/]")
         instances.add_row(str(i["id"]), i["device"], i["role"], state, _n(i["num_running"]), _n(i["num_waiting"]),
                           _pct(i["kv_usage"]), _pct(i["image_usage"]), _hits(i), _rate(i["tokens_per_second"]))
-    instance_lines = [f"#{i['id']} {i['role']}{_threads(i)}" + (_model_line(i) if i.get("latency_model") else "")
-                      for i in status["instances"] if i.get("latency_model") or i.get("threads")]
+    instance_lines = [f"#{i['id']} {i['role']}{_threads(i)}{_usage(i)}" + (_model_line(i) if i.get("latency_model")
+                                                                          else "")
+                      for i in status["instances"] if i.get("latency_model") or i.get("threads") or _usage(i)]
     r = status["requests"]
     requests = Table(title=f"requests (last {r['window_seconds']:.0f} s)", box=None, pad_edge=False,
                      header_style="bold")
@@ -166,6 +167,16 @@ def _model_line(i: dict) -> str:
             + (f"; its steps run {_speed(i['live_speed'])} their prediction" if i.get("live_speed") else "")
             + f"; {i['latency_model']}"
             + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else ""))
+
+
+def _usage(instance: dict) -> str:
+    """The worker process's share of a core and its resident memory (of it, shared memory: cache
+    pools other processes map too), where the daemon read them."""
+    share, rss, shared = instance.get("cpu_share"), instance.get("rss_bytes"), instance.get("shared_bytes")
+    memory = [] if rss is None else [f"{rss / (1 << 30):.2f} GiB resident" + (
+        f" ({shared / (1 << 30):.2f} shared)" if shared and shared >= (1 << 30) / 200 else "")]
+    parts = ([f"{100 * share:.0f}% of a core"] if share is not None else []) + memory
+    return ", " + ", ".join(parts) if parts else ""
 
 
 def _threads(instance: dict) -> str:

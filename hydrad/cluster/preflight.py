@@ -100,8 +100,9 @@ def check_listen(host: str, port: int) -> None:
 
 # -- memory ---------------------------------------------------------------------------------------
 # What a CPU worker holds beyond its weights and pools (torch, the model's code, a step's
-# activations), and the daemon's own process: rough, on the safe side of what runs here.
-WORKER_OVERHEAD_MB = 512
+# activations), and the daemon's own process: rough, on the safe side of what runs here (the
+# `small` LLaVA's workers at their peak, `hydractl status`: 435-645 MiB beyond both).
+WORKER_OVERHEAD_MB = 768
 DAEMON_MB = 512
 _MAX_HEADER = 100 << 20  # the safetensors format's own bound on a header
 _FLOAT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -17,6 +17,7 @@ import time
 from aiohttp import web
 
 from hydrad.engine.inputs import EngineStats
+from hydrad.cluster.usage import UsageWindow
 from hydrad.cluster.worker_client import WorkerClient, WorkerLost
 from hydrad.server.errors import APIError
 
@@ -53,6 +54,25 @@ async def instance_stats(clients: list[WorkerClient], timeout: float = 2.0) -> l
     return list(await asyncio.gather(*(one(c) for c in clients)))
 
 
+def pid_of(client: WorkerClient) -> int | None:
+    """The process of a live worker (None: down, or not ready yet)."""
+    return client.ready.pid if client.ready is not None and client.alive else None
+
+
+def worker_pids(clients: list[WorkerClient]) -> list[int]:
+    return [pid for c in clients if (pid := pid_of(c)) is not None]
+
+
+def _usage(client: WorkerClient, usage: UsageWindow | None) -> dict:
+    """The worker process's share of a core over the last seconds, its resident memory and how
+    much of that is shared memory (cache pools other processes map too)."""
+    pid = pid_of(client)
+    latest = usage.latest(pid) if usage is not None and pid is not None else None
+    if latest is None:
+        return {"cpu_share": None, "rss_bytes": None, "shared_bytes": None}
+    return {"cpu_share": usage.cpu_share(pid), "rss_bytes": latest.rss_bytes, "shared_bytes": latest.shared_bytes}
+
+
 def _latency(ready) -> dict:
     """The instance's latency model: its bound, a one-line summary and its held-out error."""
     model = ready.latency_model if ready is not None else None
@@ -80,9 +100,11 @@ def _state(client: WorkerClient, stats: EngineStats | None, supervisor) -> str:
 
 
 def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
-                max_model_len: int, started: float, num_requests: int, window: dict) -> dict:
+                max_model_len: int, started: float, num_requests: int, window: dict,
+                usage: UsageWindow | None = None) -> dict:
     """``num_requests``: requests in flight; an instance's ``num_inflight`` also counts
-    those migrating to or from it, so the per-instance numbers may add up to more."""
+    those migrating to or from it, so the per-instance numbers may add up to more.
+    ``usage``: the workers' CPU and memory, as the daemon's monitor last read them."""
     instances = []
     for client, s in zip(supervisor.clients, stats):
         instances.append({
@@ -93,6 +115,9 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "threads": supervisor.specs[client.instance_id].threads.own if client.device == "cpu" else None,
             "borrowed_threads": supervisor.specs[client.instance_id].threads.borrow if client.device == "cpu" else None,
             "pid": client.ready.pid if client.ready else None,
+            # Its process: CPU seconds per second over the last seconds (1.0: one core), resident
+            # memory now and the shared part of it (pools in /dev/shm, counted by each process mapping them).
+            **_usage(client, usage),
             "state": _state(client, s, supervisor),
             "restarts": supervisor.num_restarts.get(client.instance_id, 0),
             "num_inflight": client.num_inflight,

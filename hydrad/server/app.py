@@ -28,7 +28,7 @@ from hydrad.config_file import DaemonConfig
 from hydrad.console import console as default_console
 from hydrad.errors import ConfigError, RequestError
 from hydrad.logs import RepeatedLines
-from hydrad.server.admin import check_admin_access, instance_stats, status_body
+from hydrad.server.admin import check_admin_access, instance_stats, pid_of, status_body, worker_pids
 from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient
 from hydrad.server.frontends import Frontends
@@ -147,7 +147,7 @@ async def engine_ctx(app: web.Application):
         raise
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
     app[METRICS] = Metrics(processor.model_name)
-    app[MONITOR] = FrontendMonitor(app[METRICS])
+    app[MONITOR] = FrontendMonitor(app[METRICS], worker_pids=lambda: worker_pids(supervisor.clients))
     app[MONITOR].start()
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
@@ -321,13 +321,15 @@ async def metrics(request: web.Request) -> web.Response:
     for client, stats in zip(clients, await instance_stats(clients, timeout=1.0)):
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
+    request.app[MONITOR].refresh()
+    registry.set_worker_usage({c.instance_id: usage for c in clients
+                               if (usage := request.app[MONITOR].workers.latest(pid_of(c))) is not None})
     table = supervisor.table
     registry.set_failures(supervisor.num_restarts, table.num_lost, table.num_run_again, table.kept_image_bytes,
                           len(table.quarantine), table.quarantine.num_refused)
     replanner = request.app[REPLANNER]
     registry.set_deployment(supervisor.deployment, supervisor.history, supervisor.num_failed_redeploys,
                             replanner.num_decisions if replanner is not None else None)
-    request.app[MONITOR].refresh()
     snapshots = await request.app[FRONTENDS].snapshots()
     if not snapshots:
         return web.Response(body=generate_latest(registry.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -347,7 +349,8 @@ async def admin_status(request: web.Request) -> web.Response:
     body = status_body(supervisor, stats, model=engine.model_name,
                        max_model_len=engine.max_model_len, started=request.app[STARTED],
                        num_requests=len(supervisor.table),
-                       window=request.app[METRICS].window.summary([s.window for s in snapshots]))
+                       window=request.app[METRICS].window.summary([s.window for s in snapshots]),
+                       usage=request.app[MONITOR].workers)
     current = supervisor.history[-1]
     body["deployment"] = {"deploy": supervisor.deployment, "reason": current.reason, "history": history(supervisor)}
     replanner = request.app[REPLANNER]

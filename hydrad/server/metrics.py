@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from hydrad.cluster.usage import ProcessUsage
 from hydrad.engine.inputs import EngineStats
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -167,6 +168,30 @@ class EngineCounters(Collector):
         yield from families
 
 
+class WorkerUsage(Collector):
+    """Each worker process's CPU time and resident memory, as the daemon last read them from
+    ``/proc`` (``Metrics.set_worker_usage``); a restarted worker starts its count again."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self.usage: dict[int, ProcessUsage] = {}
+
+    def collect(self):
+        cpu = CounterMetricFamily("hydrad_worker_cpu_seconds", "CPU time (user and system) of the instance's worker "
+                                  "process.", labels=["model_name", "instance"])
+        rss = GaugeMetricFamily("hydrad_worker_resident_memory_bytes", "Resident memory of the instance's worker "
+                                "process (its weights, cache pools and runtime).", labels=["model_name", "instance"])
+        shared = GaugeMetricFamily("hydrad_worker_shared_memory_bytes", "Of the worker's resident memory, shared "
+                                   "memory (cache pools in /dev/shm), which every process mapping it counts.",
+                                   labels=["model_name", "instance"])
+        for instance, usage in sorted(self.usage.items()):
+            cpu.add_metric([self.model, str(instance)], usage.cpu_seconds)
+            rss.add_metric([self.model, str(instance)], usage.rss_bytes)
+            if usage.shared_bytes is not None:
+                shared.add_metric([self.model, str(instance)], usage.shared_bytes)
+        yield from (cpu, rss, shared)
+
+
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -180,6 +205,8 @@ class Metrics:
         r.register(self.failures)
         self.engine_counters = EngineCounters(model_name)
         r.register(self.engine_counters)
+        self.worker_usage = WorkerUsage(model_name)
+        r.register(self.worker_usage)
         self.e2e = Histogram("hydrad_e2e_request_latency_seconds", "Arrival to last token.", m,
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("hydrad_stage_queue_time_seconds", "Time waiting for a stage, per request.",
@@ -335,6 +362,11 @@ class Metrics:
         self.image_usage.labels(*labels).set(stats.image_usage)
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions)
+
+    def set_worker_usage(self, usage: dict[int, ProcessUsage]) -> None:
+        """instance -> its worker process's CPU time and memory (instances without a live
+        worker are left out)."""
+        self.worker_usage.usage = dict(usage)
 
     def set_failures(self, restarts: dict[int, int], lost: int, run_again: int, kept_image_bytes: int = 0,
                      quarantined: int = 0, refused: int = 0) -> None:

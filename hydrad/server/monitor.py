@@ -1,4 +1,4 @@
-"""The daemon's own load: CPU per streamed token and event-loop lag.
+"""The daemon's own load (CPU per streamed token, event-loop lag) and its workers'.
 
 A small task wakes every ``interval`` seconds and records how late the loop ran
 it (the lag every callback on the loop saw then: SSE writes, step outputs, new
@@ -6,7 +6,8 @@ requests). Once a second it samples the daemon process's CPU time (all its
 threads: the event loop and the Request Processor's pool; the workers are other
 processes) and the output tokens streamed so far; the CPU per token over the last
 ``window`` seconds is their ratio. Both go to ``Metrics`` (``/metrics``) and to
-``hydractl status``.
+``hydractl status``. Given the workers' pids (``worker_pids``: the daemon's, not a front-end
+process's), it reads their CPU time and resident memory at the same samples.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ import asyncio
 import os
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 
+from hydrad.cluster.usage import UsageWindow
 from hydrad.server.metrics import Metrics
 
 
 class FrontendMonitor:
-    def __init__(self, metrics: Metrics, *, interval: float = 0.1, window: float = 10.0):
+    def __init__(self, metrics: Metrics, *, interval: float = 0.1, window: float = 10.0,
+                 worker_pids: Callable[[], Iterable[int]] | None = None):
         self.metrics = metrics
+        self.worker_pids = worker_pids
+        self.workers = UsageWindow(window)
         self.interval = interval
         self.window = window
         # (monotonic time, process CPU seconds, output tokens) once a second.
@@ -67,6 +73,8 @@ class FrontendMonitor:
             self._lags.popleft()
 
     def _sample(self, now: float) -> None:
+        if self.worker_pids is not None:
+            self.workers.sample(self.worker_pids(), now)
         self._samples.append((now, time.process_time(), self.metrics.num_generation_tokens))
         while len(self._samples) > 2 and self._samples[1][0] <= now - self.window:
             self._samples.popleft()

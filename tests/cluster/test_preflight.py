@@ -104,12 +104,12 @@ def test_cpu_workers_that_would_not_fit_in_memory_are_warned_of(tmp_path, monkey
     engine = load_config(None, {"model.path": str(tmp_path)}).engine
     free = [4096]
     monkeypatch.setattr(preflight, "available_memory_mb", lambda: (free[0], "available on the machine"))
-    check_memory(engine, ["cpu", "cpu"], tmp_path)  # 2 x (1024 + 768 + 512) + 512 = 5120 MiB
+    check_memory(engine, ["cpu", "cpu"], tmp_path)  # 2 x (1024 + 768 + 768) + 512 = 5632 MiB
     assert len(caplog.records) == 1 and caplog.records[0].levelno == logging.WARNING
-    assert ("the 2 CPU worker(s) need about 5120 MiB (each 2304 MiB: 1024 of weights, 768 of cache pools, 512 for "
+    assert ("the 2 CPU worker(s) need about 5632 MiB (each 2560 MiB: 1024 of weights, 768 of cache pools, 768 for "
             "the runtime; the daemon 512), and 4096 MiB is available on the machine") in caplog.text
     caplog.clear()
-    check_memory(engine, ["cpu"], tmp_path)  # one worker: 2816 MiB
+    check_memory(engine, ["cpu"], tmp_path)  # one worker: 3072 MiB
     check_memory(engine, ["cuda:0", "cuda:1"], tmp_path)  # weights and pools on the GPUs
     free[0] = 8192
     check_memory(engine, ["cpu", "cpu"], tmp_path)

@@ -6,6 +6,8 @@ import asyncio
 import base64
 import io
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -391,10 +393,27 @@ def test_metrics(daemon, client, model_name):
     reports = workers_speed(daemon.url)
     assert len(reports) == 2 and all(set(steps) == {"images", "prefills", "decodes"} for _, steps, _ in reports)
     assert all(set(factors) <= set(steps) and spread >= 0 for factors, steps, spread in reports)
+    # each worker process's CPU time and memory, read by the daemon; the status says the same
+    pids = {i["id"]: i["pid"] for i in status(daemon)["instances"]}
+    for instance, pid in pids.items():
+        cpu = metric_value(text, "hydrad_worker_cpu_seconds_total", instance)
+        rss = metric_value(text, "hydrad_worker_resident_memory_bytes", instance)
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        assert 0 < cpu <= (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # the worker ran, and counts on
+        assert 50 << 20 < rss < 8 << 30  # torch and the tiny model's weights, no more than a few GiB
+        assert 0 <= metric_value(text, "hydrad_worker_shared_memory_bytes", instance) <= rss
+    for i in status(daemon)["instances"]:
+        assert i["rss_bytes"] > 50 << 20 and (i["cpu_share"] is None or 0 <= i["cpu_share"] < 8), i
+        assert 0 <= i["shared_bytes"] <= i["rss_bytes"]
     for instance in ("0", "1"):
         assert f'hydrad_kv_cache_usage_ratio{{device="cpu",instance="{instance}"' in text
         assert f'hydrad_num_requests_running{{device="cpu",instance="{instance}"' in text
         assert f'hydrad_image_cache_usage_ratio{{device="cpu",instance="{instance}"' in text
+
+
+def metric_value(text: str, name: str, instance: int) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(name + "{") and f'instance="{instance}"' in line)
+    return float(line.split()[-1])
 
 
 def test_health(daemon):
@@ -410,9 +429,12 @@ def test_hydractl_status_shows_both_instances(daemon):
     assert [cells[:4] for cells in rows] == [["0", "cpu", "EPD", "ready"], ["1", "cpu", "EPD", "ready"]], out.stdout
     assert "TTFT p50" in out.stdout and "TBT p90" in out.stdout
     # each instance fitted its latency model at start, and says so with its bound and error
-    assert out.stdout.count("steps up to 180.0 ms") == 2  # the TBT (0.2 s) less the 10% headroom, out.stdout
-    assert out.stdout.count("held-out probes") == 2 and out.stdout.count("/image") == 2, out.stdout
-    assert "daemon: " in out.stdout and "event-loop lag p99" in out.stdout, out.stdout
+    text = " ".join(out.stdout.split())  # the instance lines as words: where they wrap does not matter
+    assert text.count("steps up to 180.0 ms") == 2  # the TBT (0.2 s) less the 10% headroom, out.stdout
+    assert text.count("held-out probes") == 2 and text.count("/image") == 2, out.stdout
+    assert "daemon: " in text and "event-loop lag p99" in text, out.stdout
+    # each worker process's CPU and memory (a status call samples them: two samples at least by now)
+    assert len(re.findall(r"#\d EPD on 1 thread, \d+% of a core, [\d.]+ GiB resident", text)) == 2, out.stdout
 
 
 # -- bad input: right status and error shape, then a good request still succeeds -----------------

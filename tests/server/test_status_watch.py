@@ -211,6 +211,23 @@ def test_the_instances_fit_an_80_column_terminal():
     assert "#0 E on 1+1 threads: steps up to 100.0 ms" in out and "#2 D on 1 thread: steps up to" in out
 
 
+def test_status_says_what_each_worker_process_takes():
+    """Each worker's share of a core and its resident memory (the shared part where there is one),
+    where the daemon read them; an instance whose worker is down says neither."""
+    from hydrad.cli.status import render
+
+    body = status_with_threads()
+    body["instances"][0].update(cpu_share=0.954, rss_bytes=int(1.25 * (1 << 30)), shared_bytes=1 << 30)
+    body["instances"][1].update(cpu_share=None, rss_bytes=512 << 20, shared_bytes=4 << 20)  # a few pages: not said
+    body["instances"][2].update(cpu_share=None, rss_bytes=None, shared_bytes=None)
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(render(body))
+    out = buf.getvalue()
+    assert "#0 E on 1+1 threads, 95% of a core, 1.25 GiB resident (1.00 shared): steps up to 100.0 ms" in out, out
+    assert "#1 P on 1+1 threads, 0.50 GiB resident: steps up to" in out, out
+    assert "#2 D on 1 thread: steps up to" in out, out
+
+
 def run_hydractl(url: str, *args: str, **kw) -> subprocess.CompletedProcess:
     # No COLUMNS: the width a pipe gets from the CLI itself.
     return subprocess.run([sys.executable, *HYDRACTL, "status", "--url", url, *args], capture_output=True,
