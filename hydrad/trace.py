@@ -78,6 +78,11 @@ class TraceRecord:
     deploy: str
     # Prompt tokens found in a prefix cache where its prefill started (their prefill skipped).
     cached_tokens: int = 0
+    # Of ``preprocess``, the CPU seconds the Request Processor's thread spent on the request
+    # (chat template, tokenizer, images), without the waits for a thread, for memory or for the
+    # interpreter lock: what the planner replays as its service time. None in traces written
+    # before it was recorded.
+    processing: float | None = None
 
     @property
     def completed(self) -> bool:
@@ -96,6 +101,7 @@ class TraceRecord:
                     "max": _round(self.tbt_max)},
             "stages": {k: _round(v) for k, v in sorted(self.stages.items())},
             "instances": list(self.instances), "deploy": self.deploy, "cached_tokens": self.cached_tokens,
+            **({"processing": _round(self.processing)} if self.processing is not None else {}),
         }
 
     @classmethod
@@ -115,7 +121,7 @@ class TraceRecord:
             tbt_p50=_float(tbt.get("p50")), tbt_p90=_float(tbt.get("p90")), tbt_max=_float(tbt.get("max")),
             stages={str(k): float(v) for k, v in (obj.get("stages") or {}).items()},
             instances=tuple(int(i) for i in obj.get("instances", ())), deploy=str(obj.get("deploy", "")),
-            cached_tokens=int(obj.get("cached_tokens", 0)),
+            cached_tokens=int(obj.get("cached_tokens", 0)), processing=_float(obj.get("processing")),
         )
         if (record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images)
                 or not 0 <= record.cached_tokens < record.prompt_tokens):
@@ -155,7 +161,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
                 images: list[tuple[int | None, int | None, int, int, int]], output_tokens: int, max_tokens: int,
                 finish_reason: str, preprocess: float, ttft: float | None, e2e: float, gaps: list[float] | None,
                 stages: dict[str, float] | None, instances: list[int], deploy: str,
-                cached_tokens: int = 0) -> TraceRecord:
+                cached_tokens: int = 0, processing: float | None = None) -> TraceRecord:
     """A record from what the daemon knows when a completion ends; ``images`` holds
     (width, height, tokens, offset, patches) per image."""
     ordered = sorted(gaps or ())
@@ -167,6 +173,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
         max_tokens=max_tokens, finish_reason=finish_reason, preprocess=max(0.0, preprocess), ttft=ttft, e2e=e2e,
         num_gaps=len(ordered), tbt_p50=stats[0], tbt_p90=stats[1], tbt_max=stats[2], stages=dict(stages or {}),
         instances=tuple(instances), deploy=deploy, cached_tokens=cached_tokens,
+        processing=None if processing is None else max(0.0, processing),
     )
 
 

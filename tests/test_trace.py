@@ -218,6 +218,32 @@ def test_the_processor_service_time_is_the_median_traced_time_per_image_count():
     assert by_images == {0: 0.006, 1: 0.030}
 
 
+def test_the_processing_time_is_kept_and_read_where_older_lines_lack_it():
+    record = make_record(model="m", deploy="2EPD", template_tokens=12, processing=0.012, **facts(preprocess=0.9))
+    obj = json.loads(json.dumps(record.to_json()))
+    assert obj["processing"] == 0.012 and TraceRecord.from_json(obj).processing == 0.012
+    older = {k: v for k, v in obj.items() if k != "processing"}
+    assert TraceRecord.from_json(older).processing is None
+    assert "processing" not in make_record(model="m", deploy="2EPD", template_tokens=12, **facts()).to_json()
+
+
+def test_a_trace_recorded_at_overload_replays_the_processors_own_time():
+    """Requests that waited ~1 s for the Request Processor (a trace recorded at overload) but
+    took 10-14 ms of its time each: the replay's service time is theirs, not the waits'. A
+    line without the processing time (an older trace) falls back to its preprocess time."""
+    from hydrad.planner.workload import Workload
+
+    records = [make_record(model="m", deploy="1EP+1D", template_tokens=12, processing=0.010 + 0.001 * i,
+                           **facts(i, preprocess=0.9 + 0.01 * i)) for i in range(5)]
+    assert {s.preprocess for s in Workload.from_records(records).shapes} == {0.012}
+    older = [make_record(model="m", deploy="1EP+1D", template_tokens=12, **facts(i, preprocess=0.9 + 0.01 * i))
+             for i in range(5)]
+    assert [s.preprocess for s in Workload.from_records(older).shapes] == [pytest.approx(0.92)] * 5
+    # mixed: each record's own time in the median (three processing times, two waits)
+    mixed = records[:3] + older[3:]
+    assert {s.preprocess for s in Workload.from_records(mixed).shapes} == {0.012}
+
+
 def test_reading_since_a_time_reaches_into_an_older_file_past_a_long_request(tmp_path):
     """A request is written when it ends: the newest file can hold one that arrived before
     ``since`` (a long one) while the file before it holds requests that arrived after."""

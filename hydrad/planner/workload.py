@@ -49,13 +49,17 @@ class Workload:
         if len(records) < 2:
             raise ConfigError(f"the trace holds {len(records)} finished request(s); planning needs at least 2")
         records = sorted(records, key=lambda r: r.timestamp)
-        # A traced preprocess time includes waiting for the Request Processor, which the
-        # simulator queues itself: the service time of a request is taken as the median of
-        # the traced times of requests with as many images (SERVICE_QUANTILE), which waits
-        # move only once most requests waited.
+        # The simulator queues requests for the Request Processor itself, so it replays each
+        # one's service time: the median (SERVICE_QUANTILE) over the requests with as many
+        # images of the processor's CPU time on each (``processing``). A trace written
+        # before that was recorded has only ``preprocess``, which includes the waits for a
+        # thread: its median moves only once most requests waited, as they all do in a trace
+        # recorded at overload, whose replay would then be bound by a processor many times
+        # slower than the daemon's.
         by_images: dict[int, list[float]] = {}
         for r in records:
-            by_images.setdefault(len(r.images), []).append(r.preprocess)
+            by_images.setdefault(len(r.images), []).append(
+                r.preprocess if r.processing is None else min(r.processing, r.preprocess))
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
                                     tuple((i.offset, i.tokens, i.patches) for i in r.images), service[len(r.images)],

@@ -30,7 +30,7 @@ from hydrad.errors import ConfigError, RequestError
 from hydrad.logs import RepeatedLines
 from hydrad.server.admin import check_admin_access, instance_stats, pid_of, status_body, worker_pids
 from hydrad.server.admission import Admission
-from hydrad.server.engine_client import EngineClient
+from hydrad.server.engine_client import EngineClient, Prepared
 from hydrad.server.frontends import Frontends
 from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_response
 from hydrad.server.metrics import MergedRegistry, Metrics
@@ -277,10 +277,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return await _respond(request, engine, req, fmt, prepared, arrival)
 
 
-async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared,
+async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared: Prepared,
                    arrival: float) -> web.StreamResponse:
-    await engine.wait_for_entry(prepared, arrival)
-    async with engine.generate(prepared, arrival, req.user) as outputs:
+    await engine.wait_for_entry(prepared.requests, arrival)
+    async with engine.generate(prepared.requests, arrival, req.user, prepared.processing) as outputs:
         if req.stream:
             return await respond_stream(request, fmt, req, outputs)
         return await respond_whole(fmt, outputs)

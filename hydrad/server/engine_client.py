@@ -54,6 +54,16 @@ class Output:
     num_output_tokens: int = 0  # tokens of this completion so far
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request processed for the engine: one engine request per completion, and the CPU
+    seconds the Request Processor's thread spent on it (no wait for a thread, for memory or
+    for the interpreter lock counts), which the request trace keeps for the planner."""
+
+    requests: list[EngineRequest]
+    processing: float
+
+
 class EngineClient:
     def __init__(
         self,
@@ -103,7 +113,7 @@ class EngineClient:
         return text
 
     async def prepare_chat(self, req_id: str, chat: ChatRequest, body: Reservation,
-                           arrival: float) -> list[EngineRequest]:
+                           arrival: float) -> Prepared:
         """``body``: the reservation of the request's body, released once it is processed."""
         messages = chat.messages
         if self.http_session is not None:
@@ -115,7 +125,7 @@ class EngineClient:
                                    chat.options, "messages")
 
     async def prepare_completion(self, req_id: str, req: CompletionRequest, body: Reservation,
-                                 arrival: float) -> list[EngineRequest]:
+                                 arrival: float) -> Prepared:
         size = self.processor.inspect_prompt(req.prompt)
         return await self._prepare(req_id, size, body, arrival, lambda: self.processor.process_prompt(req.prompt),
                                    req.options, "prompt")
@@ -123,10 +133,11 @@ class EngineClient:
     async def _prepare(
         self, req_id: str, size: PromptSize, body: Reservation, arrival: float,
         process: Callable[[], ProcessedPrompt], options: SamplingOptions, prompt_param: str,
-    ) -> list[EngineRequest]:
+    ) -> Prepared:
         """One engine request per completion (``n`` of them, sharing the prompt's tensors)."""
 
-        def build() -> list[EngineRequest]:
+        def build() -> Prepared:
+            start = time.thread_time()
             prompt = process()
             params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
             check_image_caches([image.length for image in prompt.images], self.image_caches, prompt_param)
@@ -137,7 +148,7 @@ class EngineClient:
                 image.pixel_values.share_memory_()
             if requests[0].mrope_positions is not None:
                 requests[0].mrope_positions.share_memory_()
-            return requests
+            return Prepared(requests, time.thread_time() - start)
 
         return await self.admission.process(build, size, body, arrival)
 
@@ -147,10 +158,12 @@ class EngineClient:
         stage = entry_stage(bool(requests[0].images))
         await self.table.wait_for_stage(stage, arrival + self.config.queue_timeout - time.monotonic())
 
-    def generate(self, requests: list[EngineRequest], arrival: float, user: str | None = None) -> RequestStream:
+    def generate(self, requests: list[EngineRequest], arrival: float, user: str | None = None,
+                 processing: float | None = None) -> RequestStream:
         """Send a request's completions to instances; their outputs stream from the returned
-        object. Use it as ``async with``: leaving early aborts what has not finished."""
-        stream = RequestStream(self, requests[0].num_prompt_tokens, arrival, user)
+        object. Use it as ``async with``: leaving early aborts what has not finished.
+        ``processing``: the Request Processor's seconds on it (``Prepared``), for the trace."""
+        stream = RequestStream(self, requests[0].num_prompt_tokens, arrival, user, processing)
         try:
             for index, request in enumerate(requests):
                 instance = self.router.select(has_images=bool(request.images), request=request)
@@ -182,11 +195,13 @@ class RequestStream:
     """The outputs of one HTTP request's completions, taken by the handler in batches, or
     written straight from the step's delivery pass once the handler set ``direct``."""
 
-    def __init__(self, client: EngineClient, num_prompt_tokens: int, arrival: float, user: str | None):
+    def __init__(self, client: EngineClient, num_prompt_tokens: int, arrival: float, user: str | None,
+                 processing: float | None = None):
         self.client = client
         self.num_prompt_tokens = num_prompt_tokens
         self.arrival = arrival
         self.user = user
+        self.processing = processing
         self.choices: list[ChoiceStream] = []
         self._ready: list[Output] = []
         self._error: Exception | None = None
@@ -409,4 +424,5 @@ class ChoiceStream:
                 finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
                 stages=self.stage_times, instances=list(route), cached_tokens=self.num_cached_tokens,
+                processing=parent.processing,
             )

@@ -159,6 +159,9 @@ def test_a_repeated_chat_starts_from_its_cached_prefix(daemon, client, model_nam
     # The request trace keeps it for the planner's replays.
     traced = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=4").text.splitlines()]
     assert sorted(r["cached_tokens"] for r in traced) == sorted(cached)
+    # and the Request Processor's own time on each (its images decoded and processed), apart
+    # from the waits before it: what the planner replays as its service time
+    assert all(0 < r["processing"] <= r["preprocess"] for r in traced), traced
 
 
 def test_chat_stream_matches_transformers(client, model_name, reference):

@@ -150,6 +150,7 @@ def test_both_processes_serve_and_report_one_whole_view(daemon):
     # The front end's finished requests are in the daemon's trace.
     trace = http("GET", daemon.url + "/admin/trace?limit=1000").text.splitlines()
     assert len(trace) >= 256
+    assert all(0 < json.loads(line)["processing"] <= json.loads(line)["preprocess"] for line in trace)
 
 
 def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
