@@ -45,13 +45,15 @@ def read_usage(pid: int, proc: str = "/proc") -> ProcessUsage | None:
 
 
 def _shared_bytes(path: str) -> int | None:
+    """``RssShmem`` of a ``/proc/<pid>/status`` file; None where it is missing or unreadable
+    (the process gone in between, a kernel without the line)."""
     try:
         with open(path, "rb") as f:
             for line in f:
                 if line.startswith(b"RssShmem:"):
                     return int(line.split()[1]) * 1024  # in kB
     except (OSError, ValueError, IndexError):
-        pass
+        return None
     return None
 
 

@@ -53,8 +53,7 @@ class StageStreams:
         read what the vision work wrote (``Scheduler.prefill_after_encode``)."""
         idle = (None, 0.0)
         if vision is None or language is None or not self.enabled:
-            vision_out = _timed(vision) if vision else idle
-            return vision_out, (_timed(language) if language else idle)
+            return (_timed(vision) if vision else idle), (_timed(language) if language else idle)
         future = self._vision_pool.submit(_timed, self._on_stream(vision, self._vision_stream))
         language_out = _timed(self._on_stream(language, self._language_stream))
         return future.result(), language_out

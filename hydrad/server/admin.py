@@ -17,7 +17,7 @@ import time
 from aiohttp import web
 
 from hydrad.engine.inputs import EngineStats
-from hydrad.cluster.usage import UsageWindow
+from hydrad.cluster.usage import ProcessUsage, UsageWindow
 from hydrad.cluster.worker_client import WorkerClient, WorkerLost
 from hydrad.server.errors import APIError
 
@@ -63,13 +63,25 @@ def worker_pids(clients: list[WorkerClient]) -> list[int]:
     return [pid for c in clients if (pid := pid_of(c)) is not None]
 
 
+def _reading(client: WorkerClient, usage: UsageWindow | None) -> tuple[int, ProcessUsage] | None:
+    """A live worker's pid and what the daemon last read of its process (None: down, or not read)."""
+    pid = pid_of(client)
+    latest = usage.latest(pid) if usage is not None and pid is not None else None
+    return None if latest is None else (pid, latest)
+
+
+def worker_usage(clients: list[WorkerClient], usage: UsageWindow) -> dict[int, ProcessUsage]:
+    """instance -> its live worker's CPU time and memory, as last read (for ``/metrics``)."""
+    return {c.instance_id: reading[1] for c in clients if (reading := _reading(c, usage)) is not None}
+
+
 def _usage(client: WorkerClient, usage: UsageWindow | None) -> dict:
     """The worker process's share of a core over the last seconds, its resident memory and how
     much of that is shared memory (cache pools other processes map too)."""
-    pid = pid_of(client)
-    latest = usage.latest(pid) if usage is not None and pid is not None else None
-    if latest is None:
+    reading = _reading(client, usage)
+    if reading is None:
         return {"cpu_share": None, "rss_bytes": None, "shared_bytes": None}
+    pid, latest = reading
     return {"cpu_share": usage.cpu_share(pid), "rss_bytes": latest.rss_bytes, "shared_bytes": latest.shared_bytes}
 
 

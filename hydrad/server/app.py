@@ -28,7 +28,7 @@ from hydrad.config_file import DaemonConfig
 from hydrad.console import console as default_console
 from hydrad.errors import ConfigError, RequestError
 from hydrad.logs import RepeatedLines
-from hydrad.server.admin import check_admin_access, instance_stats, pid_of, status_body, worker_pids
+from hydrad.server.admin import check_admin_access, instance_stats, status_body, worker_pids, worker_usage
 from hydrad.server.admission import Admission
 from hydrad.server.engine_client import EngineClient, Prepared
 from hydrad.server.frontends import Frontends
@@ -322,8 +322,7 @@ async def metrics(request: web.Request) -> web.Response:
         registry.set_instance(client.instance_id, client.device, client.role, client.alive, stats,
                               client.num_bytes_unread)
     request.app[MONITOR].refresh()
-    registry.set_worker_usage({c.instance_id: usage for c in clients
-                               if (usage := request.app[MONITOR].workers.latest(pid_of(c))) is not None})
+    registry.set_worker_usage(worker_usage(clients, request.app[MONITOR].workers))
     table = supervisor.table
     registry.set_failures(supervisor.num_restarts, table.num_lost, table.num_run_again, table.kept_image_bytes,
                           len(table.quarantine), table.quarantine.num_refused)
