@@ -13,7 +13,7 @@ or temperature 0.8 with top-p 0.9 and top-k 50). The simulator replays steps as 
 latency model predicts them, which holds no sampling terms: a run with sampled requests
 tests that.
 
-``accuracy``: for each workload, a daemon (``1EP+1D``) records a trace of the workload
+``accuracy``: for each workload, a daemon (``1EP+1D``; ``1EPD`` on one device) records a trace of the workload
 sent by ``hydractl bench`` at ``--record-rate``; the planner ranks every deployment of
 the devices from that trace (``hydractl profile``); then each of the ``--top``
 deployments is started live and its goodput measured by ``hydractl bench`` replaying the
@@ -140,13 +140,18 @@ def bench(url: str, workload: str, *, slo, rates=(), search=None, num_requests: 
 
 
 def record(model: str, devices: str, workload: str, trace, *, rate: float, num: int, slo_ttft: float,
-           slo_tbt: float, work: Path, deploy: str = "1EP+1D", sampling: str = "greedy") -> tuple[Path, float]:
-    """A trace of ``workload`` sent at ``rate`` to a live daemon, and the bench client's CPU
-    seconds per request while it sent it."""
+           slo_tbt: float, work: Path, deploy: str | None = None, sampling: str = "greedy") -> tuple[Path, float]:
+    """A trace of ``workload`` sent at ``rate`` to a live daemon (``deploy``; default
+    ``1EP+1D``, or ``1EPD`` on one device), and the bench client's CPU seconds per request
+    while it sent it."""
     from hydrad.bench import SLO
     from hydrad.planner.validate import LiveDaemon
 
     trace_dir = work / "trace"
+    if deploy is None:
+        from hydrad.planner.profile import Devices
+
+        deploy = "1EP+1D" if len(Devices.parse(devices)) > 1 else "1EPD"
     daemon = LiveDaemon(daemon_config(model, devices, deploy, slo_ttft, slo_tbt), work / "record.log",
                         trace_dir=trace_dir)
     try:
@@ -241,7 +246,9 @@ def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
     rounds under ``rounds``), the median of the workers' speed on their own steps
     (``live_speed_by_kind``) over the speed check around the same run at the workers'
     ``threads`` (``speed_around_run_by_kind``), less 1; with the number of runs. The
-    replay's ``SimSetup.corun_slowdown`` stands for it (``DEFAULT_CORUN_SLOWDOWN``)."""
+    replay's ``SimSetup.corun_slowdown`` stands for it (``DEFAULT_CORUN_SLOWDOWN``); for one
+    worker on every core (``--devices cpu:1`` on a machine of more cores), its
+    ``all_cores_slowdown`` (``DEFAULT_ALL_CORES_SLOWDOWN``)."""
     ratios: dict[str, list[float]] = {}
     for row in rows:
         for run in row.get("rounds") or [row]:
@@ -255,7 +262,8 @@ def serving_slowdown(rows: list[dict], threads: int) -> dict[str, dict]:
 
 def accuracy(args) -> dict:
     from hydrad.bench import SAMPLING_PRESETS
-    from hydrad.planner.profile import DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions, MachineProbe, run_profile
+    from hydrad.planner.profile import (DEFAULT_ALL_CORES_SLOWDOWN, DEFAULT_CORUN_SLOWDOWN, Devices, MachineOptions,
+                                        MachineProbe, run_profile)
     from hydrad.trace import read_trace
     from hydrad.planner.validate import ROUNDS_AROUND_RUN, validate
 
@@ -349,13 +357,18 @@ def accuracy(args) -> dict:
             console.print(f"{row['workload']}: live, the top pick {m['pick']} against {m['other']}: "
                           f"{100 * m['margin']:+.1f}%, standard error {se} over the rounds"
                           + ("" if m["settled"] else " (not settled by the live rounds)"), highlight=False)
-    serving = serving_slowdown([d for row in rows for d in row["deployments"]], Devices.parse(args.devices).threads)
+    devices = Devices.parse(args.devices)
+    serving = serving_slowdown([d for row in rows for d in row["deployments"]], devices.threads)
+    # One worker on every core meets the all-cores slowdown, never the co-running one.
+    name, stood_for = (("all_cores_slowdown", DEFAULT_ALL_CORES_SLOWDOWN)
+                       if len(devices) == 1 and devices.is_cpu and devices.threads > 1
+                       else ("corun_slowdown", DEFAULT_CORUN_SLOWDOWN))
     if serving:
         console.print("serving slowdown, the workers' steps against the idle speed check around the same run "
                       "(median over the live runs): " + ", ".join(
                           f"{kind} {100 * v['slowdown']:+.0f}% ({v['runs']} runs)" for kind, v in serving.items())
-                      + "; the replay's corun_slowdown: " + ", ".join(
-                          f"{kind} {100 * v:+.0f}%" for kind, v in DEFAULT_CORUN_SLOWDOWN.items()), highlight=False)
+                      + f"; the replay's {name}: " + ", ".join(
+                          f"{kind} {100 * v:+.0f}%" for kind, v in stood_for.items()), highlight=False)
     return {"mode": "accuracy", "args": vars(args), "machine": machine(), "workloads": rows,
             "serving_slowdown": serving}
 

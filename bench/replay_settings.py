@@ -3,6 +3,7 @@
     python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
         [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N] [--a-noise-correlation R]
         [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--b-noise-correlation R]
+        [--a-all-cores KINDS] [--b-all-cores KINDS]
         [--at around-run|profile] [--a-speed check|history|sample] [--b-speed check|history|sample] [--chain]
         [--out FILE.json]
 
@@ -13,7 +14,8 @@ live round of every deployment in them is replayed twice at the speed measured a
 ``--spread``), once with setting A and once with B, and each goodput is compared with that
 round's live goodput (``--at profile``: each deployment once per setting at the speed its
 profile measured before the live runs, against the mean of its live rounds: the run's
-headline comparison). A setting is a ``corun_slowdown`` per kind, whether the bench
+headline comparison). A setting is a ``corun_slowdown`` per kind (and an
+``all_cores_slowdown``, which replays of one instance on every core take instead), whether the bench
 client's CPU per request (measured while the run recorded its trace) is replayed as a load
 of its own, and the requests of the warm-up replay that calibrates the instances before
 each counted one (``SimSetup.warm_requests``; 0: they start cold), and the correlation of
@@ -73,14 +75,16 @@ def parse_kinds(text: str) -> dict[str, float]:
 
 
 def make_setting(corun: str | None, client: str, warm: int, noise_correlation: float, defaults: dict,
-                 speed: str = "check") -> dict:
-    """One replay setting from its command-line values; ``corun`` None: ``defaults``'
-    corun_slowdown. A usage error names the bad value."""
+                 speed: str = "check", all_cores: str | None = None) -> dict:
+    """One replay setting from its command-line values; ``corun`` (``all_cores``) None:
+    ``defaults``' corun_slowdown (all_cores_slowdown). A usage error names the bad value."""
     if warm < 0:
         raise SystemExit(f"warm-up requests must be >= 0, got {warm}")
     if not 0 <= noise_correlation < 1:
         raise SystemExit(f"a noise correlation must be in [0, 1), got {noise_correlation}")
     return {"corun_slowdown": parse_kinds(corun) if corun is not None else dict(defaults["corun_slowdown"]),
+            "all_cores_slowdown": (parse_kinds(all_cores) if all_cores is not None
+                                   else dict(defaults["all_cores_slowdown"])),
             "client_cpu": client == "yes", "warm_requests": warm, "noise_correlation": noise_correlation,
             "speed": speed}
 
@@ -162,6 +166,9 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="JSON files of bench/planner_accuracy.py accuracy")
     parser.add_argument("--model", help="Checkpoint folder (default: the built-in small model).")
     parser.add_argument("--a-corun", default=OLD_CORUN)
+    parser.add_argument("--a-all-cores", default="",
+                        help="all_cores_slowdown of A (one instance on every core), e.g. prefills=0.18; default none")
+    parser.add_argument("--b-all-cores", help="default: the replay's DEFAULT_ALL_CORES_SLOWDOWN")
     parser.add_argument("--a-client", choices=("yes", "no"), default="yes",
                         help="replay the bench client's CPU as a load of its own in A")
     parser.add_argument("--a-warm", type=int, default=0, help="warm-up requests of each replay in A")
@@ -188,8 +195,9 @@ def main() -> None:
 
     from hydrad.cluster.deploy import parse_deploy
     from hydrad.engine.machine_speed import Speed
-    from hydrad.planner.profile import (DEFAULT_CORUN_SLOWDOWN, DEFAULT_NOISE_CORRELATION, DEFAULT_WARM_REQUESTS,
-                                        Devices, MachineOptions, MachineProbe, at_speeds, machine_setup)
+    from hydrad.planner.profile import (DEFAULT_ALL_CORES_SLOWDOWN, DEFAULT_CORUN_SLOWDOWN, DEFAULT_NOISE_CORRELATION,
+                                        DEFAULT_WARM_REQUESTS, Devices, MachineOptions, MachineProbe, at_speeds,
+                                        machine_setup)
     from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner
     from hydrad.planner.workload import Workload
     from hydrad.trace import read_trace
@@ -197,14 +205,16 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from planner_accuracy import daemon_config
 
-    defaults = {"corun_slowdown": DEFAULT_CORUN_SLOWDOWN, "warm_requests": DEFAULT_WARM_REQUESTS,
+    defaults = {"corun_slowdown": DEFAULT_CORUN_SLOWDOWN, "all_cores_slowdown": DEFAULT_ALL_CORES_SLOWDOWN,
+                "warm_requests": DEFAULT_WARM_REQUESTS,
                 "noise_correlation": DEFAULT_NOISE_CORRELATION}
     settings = {
-        "A": make_setting(args.a_corun, args.a_client, args.a_warm, args.a_noise_correlation, defaults, args.a_speed),
+        "A": make_setting(args.a_corun, args.a_client, args.a_warm, args.a_noise_correlation, defaults, args.a_speed,
+                          args.a_all_cores),
         "B": make_setting(args.b_corun, args.b_client,
                           defaults["warm_requests"] if args.b_warm is None else args.b_warm,
                           defaults["noise_correlation"] if args.b_noise_correlation is None
-                          else args.b_noise_correlation, defaults, args.b_speed)}
+                          else args.b_noise_correlation, defaults, args.b_speed, args.b_all_cores)}
     runs = []
     for path in args.runs:
         try:
@@ -265,6 +275,7 @@ def main() -> None:
                 if args.at == "profile":
                     speeds = planned[k, index, label]
                 setup = replace(base, corun_slowdown=setting["corun_slowdown"],
+                                all_cores_slowdown=setting["all_cores_slowdown"],
                                 warm_requests=setting["warm_requests"],
                                 noise_correlation=setting["noise_correlation"],
                                 client_seconds=w["client_cpu_seconds_per_request"] if setting["client_cpu"] else 0.0)

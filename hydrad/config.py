@@ -139,7 +139,8 @@ class SLOConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     # "auto": the planner's choice from a request trace, else one EPD instance per device;
-    # devices "auto": every visible GPU, else one CPU.
+    # devices "auto": every visible GPU, else CPU workers (one, or as many as deploy "auto"'s
+    # plan picks: ``planner.auto``).
     deploy: str = "auto"
     devices: str = "auto"
     # Vision and language work of a step at the same time, when the role holds E and P/D:

@@ -9,7 +9,8 @@ import click
 @click.option("--model", "model_path", metavar="PATH", help="Checkpoint folder (default: the built-in model).")
 @click.option("--config", "config_file", metavar="FILE", envvar="HYDRAD_CONFIG", type=click.Path(dir_okay=False),
               help="TOML config file (see etc/hydrad.toml); flags override it. Env: HYDRAD_CONFIG.")
-@click.option("--devices", metavar="SPEC", help="cpu:N, cuda:0,1 or auto (every GPU, else one CPU worker).")
+@click.option("--devices", metavar="SPEC", help="cpu:N, cuda:0,1 or auto (every GPU, else CPU workers: one, or "
+              "as many as --deploy auto's plan picks).")
 @click.option("--deploy", metavar="SPEC", help="Instances and roles, e.g. 2EPD; auto: the planner's choice from a "
               "request trace, else one EPD per device.")
 @click.option("--trace", "trace_path", metavar="FILE", type=click.Path(exists=True),
@@ -57,9 +58,10 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
     if config.engine.parallel.deploy.strip().lower() == "auto":
         from hydrad.planner.auto import choose_deployment
 
-        spec, reason = choose_deployment(config, trace_path)
-        deployment = {"spec": spec, "reason": reason, "auto": True}
-        parallel = dataclasses.replace(config.engine.parallel, deploy=spec)
+        choice = choose_deployment(config, trace_path)
+        deployment = {"spec": choice.deploy, "reason": choice.reason, "auto": True,
+                      "planned_devices": config.engine.parallel.devices}
+        parallel = dataclasses.replace(config.engine.parallel, deploy=choice.deploy, devices=choice.devices)
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
     parallel = config.engine.parallel
     specs = plan_specs(plan_instances(parallel.deploy, parallel.devices, cuda_device_count(parallel.devices)))

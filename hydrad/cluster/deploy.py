@@ -58,7 +58,8 @@ def _normalize_role(role: str, spec: str) -> str:
 
 def parse_devices(spec: str, num_cuda: int) -> list[str]:
     """``cpu``, ``cpu:N`` (N CPU workers), ``cuda``, ``cuda:0,1``, or ``auto``
-    (every visible GPU, else one CPU worker) -> one device string per worker."""
+    (every visible GPU, else one CPU worker; ``hydrad start --deploy auto`` may plan more,
+    ``planner.auto``) -> one device string per worker."""
     spec = spec.strip().lower()
     if spec == "auto":
         return [f"cuda:{i}" for i in range(num_cuda)] or ["cpu"]
@@ -85,9 +86,12 @@ def parse_devices(spec: str, num_cuda: int) -> list[str]:
 
 
 def plan_instances(deploy: str, devices: str, num_cuda: int) -> list[tuple[str, str]]:
-    """(role, device) per instance; the deploy spec must use every listed device once."""
+    """(role, device) per instance; the deploy spec must use every listed device once.
+    ``auto`` devices without a GPU: a CPU worker for each instance of the spec."""
     device_list = parse_devices(devices, num_cuda)
     roles = parse_deploy(deploy, len(device_list))
+    if devices.strip().lower() == "auto" and not num_cuda:
+        device_list = ["cpu"] * len(roles)
     if len(roles) != len(device_list):
         raise ConfigError(
             f"deploy {deploy!r} has {len(roles)} instance(s) but devices {devices!r} gives "

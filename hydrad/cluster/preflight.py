@@ -177,23 +177,32 @@ def available_memory_mb(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys
     return min(bounds) if bounds else None
 
 
-def check_memory(config: EngineConfig, devices: list[str], model_dir: str | os.PathLike) -> None:
-    """Warn when the CPU workers of ``devices`` (each with its own copy of the weights, its
-    cache pools and its runtime) would not fit in the memory left: the kernel's
-    out-of-memory killer would take them one by one (each restart loading them again)."""
-    num_cpu = devices.count("cpu")
+def memory_shortfall(config: EngineConfig, num_cpu: int, model_dir: str | os.PathLike) -> str | None:
+    """Why ``num_cpu`` CPU workers (each with its own copy of the weights, its cache pools and
+    its runtime) would not fit in the memory left; None when they would, or when the machine
+    does not say."""
     if num_cpu == 0:
-        return
+        return None
     weights = weights_bytes(model_dir, config.model.dtype)
     pools = config.cache.cpu_pools_mb()
     available = available_memory_mb()
     if weights is None or pools is None or available is None:
-        return
+        return None
     per_worker = (weights >> 20) + pools + WORKER_OVERHEAD_MB
     need = num_cpu * per_worker + DAEMON_MB
     free, where = available
-    if need > free:
-        logger.warning("the %d CPU worker(s) need about %d MiB (each %d MiB: %d of weights, %d of cache pools, "
-                       "%d for the runtime; the daemon %d), and %d MiB is %s: workers may be killed for memory; "
-                       "start fewer (--devices cpu:N) or make the pools smaller", num_cpu, need, per_worker,
-                       weights >> 20, pools, WORKER_OVERHEAD_MB, DAEMON_MB, free, where)
+    if need <= free:
+        return None
+    return (f"the {num_cpu} CPU worker(s) need about {need} MiB (each {per_worker} MiB: {weights >> 20} of weights, "
+            f"{pools} of cache pools, {WORKER_OVERHEAD_MB} for the runtime; the daemon {DAEMON_MB}), and {free} MiB "
+            f"is {where}")
+
+
+def check_memory(config: EngineConfig, devices: list[str], model_dir: str | os.PathLike) -> None:
+    """Warn when the CPU workers of ``devices`` would not fit in the memory left
+    (``memory_shortfall``): the kernel's out-of-memory killer would take them one by one (each
+    restart loading them again)."""
+    shortfall = memory_shortfall(config, devices.count("cpu"), model_dir)
+    if shortfall is not None:
+        logger.warning("%s: workers may be killed for memory; start fewer (--devices cpu:N) or make the pools "
+                       "smaller", shortfall)

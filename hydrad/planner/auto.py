@@ -13,9 +13,19 @@ model, the devices, the engine's configuration (``[slo]`` included), the router 
 the trace and the newest request it read. A start reuses it while it is younger than ``[planner] reuse_hours`` and
 the trace holds fewer new requests than the plan was made from (the workload it saw is
 still at least half of what there is now); otherwise it plans again and keeps the new one.
+
 A daemon started with ``--deploy auto`` that re-plans while serving (``[planner] auto``,
 ``replan``) keeps each deployment it redeploys to the same way, so that a restart comes
 back on it.
+
+``--devices auto`` on a machine without GPUs leaves the number of CPU workers open: a worker
+of one thread per core and one worker on every core serve differently (the second does more
+for one request at a time, the first keeps more of them going, each worker with its own
+copy of the weights). There the plan also picks the count, among 1, 2, 4, ... and all the
+usable cores (at most ``MAX_AUTO_CPU_WORKERS``) whose workers fit in memory: it ranks the
+deployments of each count and takes the best; a count of more workers wins only where its
+simulated goodput is ahead by more than ``WORKERS_MARGIN``, and not where the fewer already
+reach the replay's ceiling. Without a trace it is one worker.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 logger = logging.getLogger("hydrad.planner")
 
@@ -39,6 +50,20 @@ MIN_REQUESTS = 10
 MAX_REQUESTS = 2000
 # The kept plan, in the trace folder (the trace reader reads only trace*.jsonl there).
 PLAN_FILE = "plan.json"
+# ``--devices auto`` without GPUs: the most CPU workers a plan considers.
+MAX_AUTO_CPU_WORKERS = 8
+# ... and how far ahead a count of more workers must be to be picked over fewer.
+WORKERS_MARGIN = 0.05
+
+
+class Choice(NamedTuple):
+    """What ``hydrad start --deploy auto`` runs, and why."""
+
+    deploy: str
+    reason: str
+    # The --devices it runs on: as configured, or ``cpu:N`` where ``auto`` left the count of
+    # CPU workers to the plan.
+    devices: str
 
 
 @dataclass(frozen=True)
@@ -63,6 +88,9 @@ class KeptPlan:
     made_at: float  # UNIX time
     num_requests: int  # finished requests it was planned from
     newest: float  # the newest one's arrival (UNIX time)
+    # The devices it runs on, where the plan picked them (``cpu:N`` for ``--devices auto``
+    # without GPUs); empty: those of the key.
+    devices: str = ""
 
     def to_json(self) -> dict:
         return {**asdict(self), "key": {**asdict(self.key), "devices": list(self.key.devices)}}
@@ -73,7 +101,7 @@ class KeptPlan:
         key = PlanKey(str(k["model"]), tuple(map(str, k["devices"])), str(k["engine_settings"]),
                       str(k["router_policy"]), str(k["trace"]), str(k["version"]))
         return cls(key, str(d["deploy"]), str(d["reason"]), float(d["made_at"]), int(d["num_requests"]),
-                   float(d["newest"]))
+                   float(d["newest"]), str(d.get("devices", "")))
 
 
 def plan_key(model: str, devices: list[str], engine, router_policy: str, source: Path) -> PlanKey:
@@ -138,59 +166,134 @@ def reusable(plan: KeptPlan | None, key: PlanKey, records, *, reuse_hours: float
     return None
 
 
-def choose_deployment(config, trace_path: str | None = None) -> tuple[str, str]:
-    """(deploy spec, why) for ``config`` (a ``DaemonConfig`` with its model path resolved)."""
+def auto_cpu_cores(requested: str, num_cuda: int) -> int | None:
+    """The usable cores where ``--devices`` ``requested`` leaves the number of CPU workers to
+    the plan (``auto`` with no GPU, on more than one core); None elsewhere."""
+    from hydrad.engine.cores import usable_cpus
+
+    if requested.strip().lower() != "auto" or num_cuda:
+        return None
+    cores = usable_cpus()
+    return cores if cores > 1 else None
+
+
+def cpu_worker_counts(cores: int) -> list[int]:
+    """The CPU worker counts a plan on ``cores`` cores picks among: 1, 2, 4, ... and ``cores``,
+    at most ``MAX_AUTO_CPU_WORKERS``."""
+    top = min(cores, MAX_AUTO_CPU_WORKERS)
+    counts = {1, top}
+    n = 2
+    while n < top:
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
+
+
+def pick_worker_count(plans: dict) -> int:
+    """The count of ``plans`` (``PlannedDeployment`` by CPU worker count) to run: the fewest
+    workers unless more are ahead by ``WORKERS_MARGIN`` (fewer workers hold fewer copies of
+    the weights and put more threads on each request); fewer that reach the replay's ceiling
+    cannot be shown to be behind."""
+    best = min(plans)
+    for n in sorted(plans):
+        if n > best and not plans[best].lower_bound and plans[n].goodput > (1 + WORKERS_MARGIN) * plans[best].goodput:
+            best = n
+    return best
+
+
+def _key_devices(devices: list[str], cores: int | None) -> list[str]:
+    """The devices a plan's key names: those configured, or the cores where the plan picks the
+    count of CPU workers."""
+    return [f"auto:cpu:{cores}"] if cores else devices
+
+
+def keep_redeploy(trace_dir: Path, model: str, engine, router_policy: str, requested_devices: str,
+                  devices: list[str], deploy: str, reason: str, now: float, num_requests: int) -> None:
+    """Keep a redeploy to ``deploy`` on ``devices`` (one device string per instance) of a daemon
+    started with ``--deploy auto`` and ``--devices`` ``requested_devices``, as the plan its next
+    start comes back on."""
+    cores = auto_cpu_cores(requested_devices, sum(1 for d in devices if d.startswith("cuda")))
+    if cores:
+        engine = dataclasses.replace(engine, parallel=dataclasses.replace(engine.parallel, devices=requested_devices))
+    key = plan_key(model, _key_devices(devices, cores), engine, router_policy, trace_dir)
+    save_plan(trace_dir / PLAN_FILE, KeptPlan(key, deploy, reason, now, num_requests, now,
+                                              f"cpu:{len(devices)}" if cores else ""))
+
+
+def choose_deployment(config, trace_path: str | None = None) -> Choice:
+    """What to run for ``config`` (a ``DaemonConfig`` with its model path resolved)."""
     from hydrad.cluster.deploy import parse_devices
     from hydrad.cluster.launch import cuda_device_count
-    from hydrad.cluster.preflight import shared_memory_error
+    from hydrad.cluster.preflight import memory_shortfall, shared_memory_error
 
-    num_cuda = cuda_device_count(config.engine.parallel.devices)
-    devices = parse_devices(config.engine.parallel.devices, num_cuda)
+    requested = config.engine.parallel.devices
+    num_cuda = cuda_device_count(requested)
+    devices = parse_devices(requested, num_cuda)
+    cores = auto_cpu_cores(requested, num_cuda)
+    counts = [len(devices)]
+    if cores:
+        counts = [n for n in cpu_worker_counts(cores)
+                  if n == 1 or memory_shortfall(config.engine, n, config.engine.model.path) is None]
+        devices = ["cpu"] * counts[-1]
     num_devices = len(devices)
-    fallback = f"{num_devices}EPD"
+
+    def fallback(reason: str, level: int = logging.INFO) -> Choice:
+        choice = Choice(f"{1 if cores else num_devices}EPD", reason, requested)
+        logger.log(level, "deploy auto: %s (%s)", choice.deploy, reason)
+        return choice
+
     source = Path(trace_path) if trace_path else config.trace.directory
     model = Path(config.engine.model.path).name
     if num_devices == 1:
-        return fallback, "one device: one EPD instance"
+        if cores:
+            return Choice("1EPD", f"one EPD instance: {memory_shortfall(config.engine, 2, config.engine.model.path)}",
+                          requested)
+        return Choice("1EPD", "one device: one EPD instance", requested)
     if (no_room := shared_memory_error(config.engine.cache, devices)) is not None:
         # Every other deployment moves requests between instances, their pools in /dev/shm.
-        reason = f"one EPD instance per device, the one deployment whose pools stay private: {no_room}"
-        logger.warning("deploy auto: %s (%s)", fallback, reason)
-        return fallback, reason
+        return fallback(f"one EPD instance per device, the one deployment whose pools stay private: {no_room}",
+                        logging.WARNING)
     if not trace_path and not source.exists():
-        reason = f"one EPD instance per device: no request trace yet in {source}"
-        logger.info("deploy auto: %s (%s)", fallback, reason)
-        return fallback, reason
+        return fallback(f"one EPD instance per device: no request trace yet in {source}")
     try:
         from hydrad.trace import read_trace
 
         records = read_trace(source, model=model, newest=MAX_REQUESTS)
         if len(records) < MIN_REQUESTS:
-            reason = (f"one EPD instance per device: {source} holds {len(records)} finished request(s) of "
-                      f"{model}, fewer than {MIN_REQUESTS}")
-        else:
-            key = plan_key(model, devices, config.engine, config.server.router_policy, source)
-            plan_path = config.trace.directory / PLAN_FILE
-            kept = load_plan(plan_path)
-            now = time.time()
-            why_not = reusable(kept, key, records, reuse_hours=config.planner.reuse_hours, now=now)
-            if why_not is None:
-                reason = (f"the plan of {(now - kept.made_at) / 60:.0f} min ago, kept in {plan_path}: "
-                          f"{kept.reason}")
-                logger.info("deploy auto: %s (%s)", kept.deploy, reason)
-                return kept.deploy, reason
-            logger.info("deploy auto: planning (%s)", why_not)
-            # Planning reads the latency models (torch): only once there is a trace to plan from.
-            from hydrad.planner.profile import Devices, MachineOptions, plan_deployment
+            return fallback(f"one EPD instance per device: {source} holds {len(records)} finished request(s) of "
+                            f"{model}, fewer than {MIN_REQUESTS}")
+        key = plan_key(model, _key_devices(devices, cores), config.engine, config.server.router_policy, source)
+        plan_path = config.trace.directory / PLAN_FILE
+        kept = load_plan(plan_path)
+        now = time.time()
+        why_not = reusable(kept, key, records, reuse_hours=config.planner.reuse_hours, now=now)
+        if why_not is None and kept.devices and kept.devices != requested:
+            count = len(parse_devices(kept.devices, num_cuda))
+            if count not in counts:
+                why_not = f"the kept plan's {count} CPU workers would not fit in memory now"
+        if why_not is None:
+            reason = f"the plan of {(now - kept.made_at) / 60:.0f} min ago, kept in {plan_path}: {kept.reason}"
+            logger.info("deploy auto: %s (%s)", kept.deploy, reason)
+            return Choice(kept.deploy, reason, kept.devices or requested)
+        logger.info("deploy auto: planning (%s)", why_not)
+        # Planning reads the latency models (torch): only once there is a trace to plan from.
+        from hydrad.planner.profile import Devices, MachineOptions, plan_deployment
 
-            options = MachineOptions(router_policy=config.server.router_policy)
-            spec, reason = plan_deployment(records, config.engine, Devices(tuple(devices)), options=options)
-            logger.info("deploy auto: %s (%s)", spec, reason)
-            save_plan(plan_path, KeptPlan(key, spec, reason, now, len(records), max(r.timestamp for r in records)))
-            return spec, reason
+        options = MachineOptions(router_policy=config.server.router_policy)
+        plans = {n: plan_deployment(records, config.engine, Devices(("cpu",) * n) if cores else Devices(tuple(devices)),
+                                    options=options)
+                 for n in counts}
+        n = pick_worker_count(plans)
+        choice = Choice(plans[n].spec, plans[n].reason, f"cpu:{n}" if cores else requested)
+        if cores:
+            others = "; ".join(f"{m} worker(s): {plans[m].spec} {'>=' if plans[m].lower_bound else ''}"
+                               f"{plans[m].goodput:.3g} req/s" for m in counts if m != n)
+            choice = choice._replace(reason=f"{n} CPU worker(s) of {max(1, cores // n)} thread(s): {choice.reason}"
+                                            f" (the count picked too: {others})")
+        logger.info("deploy auto: %s on %s (%s)", choice.deploy, choice.devices, choice.reason)
+        save_plan(plan_path, KeptPlan(key, choice.deploy, choice.reason, now, len(records),
+                                      max(r.timestamp for r in records), choice.devices if cores else ""))
+        return choice
     except Exception as e:  # planning must never keep the daemon from starting
-        reason = f"one EPD instance per device: planning from {source} failed ({type(e).__name__}: {e})"
-        logger.warning("deploy auto: %s", reason)
-        return fallback, reason
-    logger.info("deploy auto: %s (%s)", fallback, reason)
-    return fallback, reason
+        return fallback(f"one EPD instance per device: planning from {source} failed ({type(e).__name__}: {e})",
+                        logging.WARNING)

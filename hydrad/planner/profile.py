@@ -56,6 +56,10 @@ DEFAULT_BORROW_EFFICIENCY = 0.65
 # the other core alone: 1.01x, 1.03x and 1.09x, bench/corun_speed.py) and what else serving
 # adds to a step: the daemon's and the client's processes on the same cores between steps.
 DEFAULT_CORUN_SLOWDOWN = {"images": 0.14, "prefills": 0.10, "decodes": 0.10}
+# The same for one instance on every core (``SimSetup.all_cores_slowdown``): its steps while
+# serving against the speed check at that thread count, measured the same way with one
+# worker on the 2-core machine (``bench/planner_accuracy.py accuracy --devices cpu:1``).
+DEFAULT_ALL_CORES_SLOWDOWN = {"images": 0.16, "prefills": 0.18, "decodes": 0.02}
 # A goodput is what a daemon sustains while serving: each replay starts on instances
 # calibrated by a warm-up replay of its first requests (``SimSetup.warm_requests``), as the
 # live goodput search runs its rates one after another on one daemon (and warms it up
@@ -132,6 +136,7 @@ class MachineOptions:
     speed_history: int | None = None
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
     corun_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_CORUN_SLOWDOWN))
+    all_cores_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_ALL_CORES_SLOWDOWN))
     # CPU seconds per request of clients on the same cores (``SimSetup.client_seconds``).
     client_seconds: float = 0.0
     warm_requests: int = DEFAULT_WARM_REQUESTS
@@ -239,7 +244,8 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
             prefill_after_encode=not config.parallel.dual_streams_on("cpu" if devices.is_cpu else "cuda"),
             borrow_efficiency=options.borrow_efficiency,
-            corun_slowdown=dict(options.corun_slowdown), client_seconds=options.client_seconds,
+            corun_slowdown=dict(options.corun_slowdown), all_cores_slowdown=dict(options.all_cores_slowdown),
+            client_seconds=options.client_seconds,
             warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, speed_basis=basis,
             speed_sample=tuple(sample) if options.average_speeds and devices.is_cpu else (),
         )
@@ -323,11 +329,13 @@ def at_speeds(setup: SimSetup, speeds: dict, *, under_load: bool = False) -> Sim
     """``setup`` replayed at ``speeds`` (``machine_speed.Speed`` by thread count), with the spread
     they imply. ``under_load``: speeds the workers measured on their own steps while serving
     (``live_speeds``), which hold the slowdown of steps running beside each other and beside
-    the clients already, so neither ``SimSetup.corun_slowdown`` nor ``client_seconds`` is added
-    on top."""
+    the clients already, so neither ``SimSetup.corun_slowdown`` (nor ``all_cores_slowdown``) nor
+    ``client_seconds`` is added on top."""
     corun = {} if under_load else setup.corun_slowdown
+    whole = {} if under_load else setup.all_cores_slowdown
     client = 0.0 if under_load else setup.client_seconds
-    return replace(setup, speeds={n: s.factor for n, s in speeds.items()}, corun_slowdown=corun, client_seconds=client,
+    return replace(setup, speeds={n: s.factor for n, s in speeds.items()}, corun_slowdown=corun,
+                   all_cores_slowdown=whole, client_seconds=client,
                    part_speeds={n: dict(s.parts) for n, s in speeds.items() if s.parts},
                    step_noise=step_noise(setup.model, speeds))
 
@@ -424,7 +432,8 @@ class Profile:
                 "speed_sample": [{str(n): {"factor": s.factor, "by_kind": dict(s.parts)} for n, s in sorted(c.items())}
                                  for c in self.setup.speed_sample],
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
-                "corun_slowdown": dict(self.setup.corun_slowdown), "client_seconds": self.setup.client_seconds,
+                "corun_slowdown": dict(self.setup.corun_slowdown),
+                "all_cores_slowdown": dict(self.setup.all_cores_slowdown), "client_seconds": self.setup.client_seconds,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,
@@ -511,9 +520,20 @@ def plot_curves(profile: Profile, path: str | Path, title: str) -> None:
         raise ConfigError(f"cannot write plot {path}: {e.strerror}") from None
 
 
+@dataclass(frozen=True)
+class PlannedDeployment:
+    """``--deploy auto``'s pick on one set of devices."""
+
+    spec: str
+    reason: str
+    goodput: float  # simulated, req/s
+    # At the replay's ceiling (``Planner.max_rate``): the goodput is only known to be at least that.
+    lower_bound: bool = False
+
+
 def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: Devices, *,
                     num_requests: int = DEFAULT_NUM_REQUESTS,
-                    options: MachineOptions = MachineOptions()) -> tuple[str, str]:
+                    options: MachineOptions = MachineOptions()) -> PlannedDeployment:
     """``--deploy auto``: the planner's pick for ``config``'s SLO, and one line on why."""
     slo: SLOConfig = config.slo
     default = ("EPD",) * len(devices)
@@ -521,12 +541,13 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
                           num_requests=num_requests, options=options, show_progress=True, also=(default,))
     best = profile.result.best
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
+    ceiling = 0.95 * profile.planner.max_rate
 
     def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
-        return f"{'>=' if goodput >= 0.95 * profile.planner.max_rate else ''}{goodput:.3g}"
+        return f"{'>=' if goodput >= ceiling else ''}{goodput:.3g}"
 
     versus = f", {len(devices)}EPD {rate(baseline.goodput)}" if baseline is not None and best is not baseline else ""
     reason = (f"planner's pick for TTFT <= {slo.ttft:g} s, TBT p90 <= {slo.tbt:g} s from {len(records)} traced "
               f"requests ({profile.workload.mean_rate:.3g} req/s): simulated goodput {rate(best.goodput)} req/s"
               f"{versus}")
-    return best.spec, reason
+    return PlannedDeployment(best.spec, reason, best.goodput, best.goodput >= ceiling)

@@ -172,6 +172,7 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
         prefill_after_encode=not config.parallel.dual_streams_on("cpu" if is_cpu else "cuda"),
         borrow_efficiency=options.borrow_efficiency, corun_slowdown=dict(options.corun_slowdown),
+        all_cores_slowdown=dict(options.all_cores_slowdown),
         warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, **extra,
     )
     # The machine as the workers measured it on their own steps: a replay at speed 1 would
@@ -236,7 +237,7 @@ class Replanner:
 
     def __init__(self, daemon_config, supervisor, model_name: str, *, trace_dir: Path | None = None,
                  rank: Callable[..., Ranking] = rank_window, executor=None, clock: Callable[[], float] = time.time,
-                 keep_plans: bool = False):
+                 keep_plans: bool = False, planned_devices: str | None = None):
         self.config = daemon_config.planner
         self.engine_config: EngineConfig = daemon_config.engine
         self.router_policy = daemon_config.server.router_policy
@@ -249,6 +250,9 @@ class Replanner:
         self.clock = clock
         # Started with --deploy auto: each redeploy is kept as the plan a restart comes back on.
         self.keep_plans = keep_plans
+        # The --devices the start planned for (``auto``: the plan picked the count of CPU
+        # workers too), which a kept plan's key names; None: the daemon's own.
+        self.planned_devices = planned_devices or daemon_config.engine.parallel.devices
         self.decisions: deque[Decision] = deque(maxlen=MAX_DECISIONS)
         self.num_decisions: dict[str, int] = {}  # by action, since start (for the metrics)
         self.last_redeploy: float | None = None
@@ -368,11 +372,11 @@ class Replanner:
         return decision("redeploy", f"{summary}: redeployed to {best} in {changed.seconds:.1f} s", **numbers)
 
     def _keep(self, deploy: str, reason: str, now: float, num_requests: int) -> None:
-        from hydrad.planner.auto import PLAN_FILE, KeptPlan, plan_key, save_plan
+        from hydrad.planner.auto import keep_redeploy
 
         devices = [self.supervisor.specs[c.instance_id].device for c in self.supervisor.clients]
-        key = plan_key(self.model_name, devices, self.engine_config, self.router_policy, self.trace_dir)
-        save_plan(self.trace_dir / PLAN_FILE, KeptPlan(key, deploy, reason, now, num_requests, now))
+        keep_redeploy(self.trace_dir, self.model_name, self.engine_config, self.router_policy, self.planned_devices,
+                      devices, deploy, reason, now, num_requests)
 
     def _pool(self):
         if self._executor is None:

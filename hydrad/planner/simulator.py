@@ -160,6 +160,12 @@ class SimSetup:
     # the memory bandwidth (``bench/corun_speed.py``; a kind absent: no slowdown). A step
     # takes the mean of its kinds' factors, weighted by their predicted time.
     corun_slowdown: dict[str, float] = field(default_factory=dict)
+    # CPU: the same for an instance whose own threads take every core (one worker on the
+    # whole machine), at every step: the daemon's and the clients' threads take a core
+    # from one of its threads now and then, and its other threads wait for that one at
+    # each operation's end (a one-thread step beside them only shares a core). Applied
+    # instead of ``corun_slowdown``, which such an instance never meets.
+    all_cores_slowdown: dict[str, float] = field(default_factory=dict)
     # CPU: seconds of CPU the clients spend per request on the same cores (a benchmark's
     # client on the measured machine, ``BenchResult.client_cpu_per_request``; 0: clients run
     # elsewhere, as in production). Taken as a steady load of this times the replay's
@@ -184,8 +190,9 @@ class SimSetup:
             raise ValueError(f"speeds must be finite and > 0, got {self.speeds}, {self.part_speeds}")
         if not 0.0 < self.borrow_efficiency <= 1.0:
             raise ValueError(f"borrow_efficiency must be in (0, 1], got {self.borrow_efficiency}")
-        if any(not 0.0 <= f < 1.0 for f in self.corun_slowdown.values()):
-            raise ValueError(f"corun_slowdown must be in [0, 1) per kind, got {self.corun_slowdown}")
+        for name in ("corun_slowdown", "all_cores_slowdown"):
+            if any(not 0.0 <= f < 1.0 for f in getattr(self, name).values()):
+                raise ValueError(f"{name} must be in [0, 1) per kind, got {getattr(self, name)}")
         if not 0.0 <= self.client_seconds < 1.0:
             raise ValueError(f"client_seconds must be in [0, 1), got {self.client_seconds}")
         if self.warm_requests < 0:
@@ -456,6 +463,9 @@ class SimInstance:
             alone[other] = self.run_models[other].step_seconds(shape) * noise + overhead
             # Borrowed stretches run at a share of the borrowed count's speed, never below the own.
             alone[t.most] = min(alone[t.own], alone[t.most] / setup.borrow_efficiency)
+        if setup.all_cores_slowdown and setup.cores is not None and setup.cores > 1 and t.own >= setup.cores:
+            whole = corun_factor(setup.all_cores_slowdown, out)
+            alone = {n: seconds * whole for n, seconds in alone.items()}
         self.running = True
         self.num_steps += 1
         sim.start(self, out, alone, corun_factor(setup.corun_slowdown, out))

@@ -62,7 +62,8 @@ REJECTIONS_LOGGED = web.AppKey("rejections_logged", RepeatedLines)
 # The re-planning loop (planner.auto), or None.
 REPLANNER = web.AppKey("replanner", object)
 # The deployment started with and why: {"spec": "1EP+1D", "reason": "...", "auto": True
-# when --deploy auto chose it} (the supervisor's history has it, and every change since).
+# when --deploy auto chose it, "planned_devices": the --devices it was planned for} (the
+# supervisor's history has it, and every change since).
 DEPLOYMENT = web.AppKey("deployment", dict)
 # The other front-end processes ([server] frontend_processes), started by ``serve``.
 FRONTENDS = web.AppKey("frontends", Frontends)
@@ -173,7 +174,8 @@ async def engine_ctx(app: web.Application):
         from hydrad.planner.replan import Replanner
 
         replanner = Replanner(config, supervisor, processor.model_name,
-                              keep_plans=bool(app[DEPLOYMENT].get("auto")))
+                              keep_plans=bool(app[DEPLOYMENT].get("auto")),
+                              planned_devices=app[DEPLOYMENT].get("planned_devices"))
         replanner.start()
         logger.info("re-planning every %g s on the last %g s of the trace (planner.auto)", config.planner.interval,
                     config.planner.window)

@@ -31,11 +31,12 @@ def test_errors_are_summed_up_with_their_sign_and_by_size(script):
 
 
 def test_a_setting_takes_its_defaults_and_rejects_bad_values_in_one_line(script):
-    defaults = {"corun_slowdown": {"images": 0.14}}
+    defaults = {"corun_slowdown": {"images": 0.14}, "all_cores_slowdown": {"prefills": 0.18}}
     assert script.make_setting(None, "no", 32, 0.0, defaults) == {
-        "corun_slowdown": {"images": 0.14}, "client_cpu": False, "warm_requests": 32, "noise_correlation": 0.0,
-        "speed": "check"}
+        "corun_slowdown": {"images": 0.14}, "all_cores_slowdown": {"prefills": 0.18}, "client_cpu": False,
+        "warm_requests": 32, "noise_correlation": 0.0, "speed": "check"}
     assert script.make_setting("decodes=0.1", "yes", 0, 0.6, defaults)["corun_slowdown"] == {"decodes": 0.1}
+    assert script.make_setting(None, "no", 0, 0.0, defaults, all_cores="")["all_cores_slowdown"] == {}
     with pytest.raises(SystemExit, match="warm-up requests must be >= 0, got -1"):
         script.make_setting(None, "no", -1, 0.0, defaults)
     with pytest.raises(SystemExit, match=r"noise correlation must be in \[0, 1\), got 1.0"):

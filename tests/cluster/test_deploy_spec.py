@@ -63,3 +63,8 @@ def test_plan_instances_pairs_roles_and_devices():
     assert plan_instances("auto", "cuda:0,1", 2) == [("EPD", "cuda:0"), ("EPD", "cuda:1")]
     with pytest.raises(ConfigError, match="has 1 instance.*gives 2.*--deploy 2EPD"):
         plan_instances("1EPD", "cpu:2", 0)
+    # auto devices on a machine without GPUs: as many CPU workers as the spec has instances.
+    assert plan_instances("1EP+1D", "auto", 0) == [("EP", "cpu"), ("D", "cpu")]
+    assert plan_instances("auto", "auto", 0) == [("EPD", "cpu")]
+    with pytest.raises(ConfigError, match="has 2 instance.*gives 1"):
+        plan_instances("1EP+1D", "auto", 1)

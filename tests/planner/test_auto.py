@@ -28,17 +28,23 @@ def write_trace(directory, n, start=1000.0, model="m"):
 
 @pytest.fixture()
 def planning(monkeypatch):
-    """``plan_deployment`` replaced by one that answers 1EP+1D and counts its calls."""
+    """``plan_deployment`` replaced by one that answers 1EP+1D (or ``answers`` by device count)
+    and counts its calls."""
     calls = []
 
     def plan(records, engine, devices, **kwargs):
         calls.append(len(records))
+        plan.devices.append(devices)
         if isinstance(plan.answer, Exception):
             raise plan.answer
-        return plan.answer, f"planner's pick from {len(records)} traced requests"
+        spec, goodput, lower_bound = plan.answers.get(len(devices), (plan.answer, 1.0, False))
+        return profile_module.PlannedDeployment(spec, f"planner's pick from {len(records)} traced requests", goodput,
+                                                lower_bound)
 
     plan.answer = "1EP+1D"
+    plan.answers = {}
     plan.calls = calls
+    plan.devices = []
     monkeypatch.setattr(profile_module, "plan_deployment", plan)
     return plan
 
@@ -51,14 +57,14 @@ def config_for(tmp_path, **overrides):
 def test_a_plan_is_kept_and_reused_at_the_next_start(tmp_path, planning, caplog):
     write_trace(tmp_path / "trace", 40)
     config = config_for(tmp_path)
-    assert auto.choose_deployment(config) == ("1EP+1D", "planner's pick from 40 traced requests")
+    assert auto.choose_deployment(config) == ("1EP+1D", "planner's pick from 40 traced requests", "cpu:2")
     assert planning.calls == [40]
     kept = auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE)
     assert kept.deploy == "1EP+1D" and kept.num_requests == 40 and kept.newest == 1039.0
     assert kept.key.devices == ("cpu", "cpu") and kept.key.model == "m"
     # The next start: the kept plan, without planning.
     with caplog.at_level(logging.INFO, logger="hydrad.planner"):
-        spec, reason = auto.choose_deployment(config)
+        spec, reason, _ = auto.choose_deployment(config)
     assert spec == "1EP+1D" and planning.calls == [40]
     assert reason.startswith("the plan of 0 min ago, kept in ") and reason.endswith("from 40 traced requests")
     assert "deploy auto: 1EP+1D (the plan of" in caplog.text
@@ -116,8 +122,8 @@ def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, 
     assert "ignoring the kept plan" in caplog.text and auto.load_plan(path).deploy == "1EP+1D"
     path.unlink()
     planning.answer = RuntimeError("no machine")
-    spec, reason = auto.choose_deployment(config_for(tmp_path))
-    assert spec == "2EPD" and "RuntimeError: no machine" in reason and not path.exists()
+    spec, reason, devices = auto.choose_deployment(config_for(tmp_path))
+    assert spec == "2EPD" and "RuntimeError: no machine" in reason and not path.exists() and devices == "cpu:2"
 
 
 def test_without_room_in_shared_memory_the_pick_is_the_deployment_whose_pools_stay_private(tmp_path, planning,
@@ -133,14 +139,14 @@ def test_without_room_in_shared_memory_the_pick_is_the_deployment_whose_pools_st
     monkeypatch.setattr(preflight, "SHM", str(tmp_path))  # a 64 MiB /dev/shm
     monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
     with caplog.at_level(logging.WARNING, logger="hydrad.planner"):
-        spec, reason = auto.choose_deployment(config_for(tmp_path))
+        spec, reason, _ = auto.choose_deployment(config_for(tmp_path))
     assert spec == "2EPD" and planning.calls == []
     assert reason.startswith("one EPD instance per device, the one deployment whose pools stay private: "
                              f"{tmp_path} has 64 MiB free, and the cache pools of 2 CPU instance(s) take 1536 MiB")
     assert reason in caplog.text
     # Smaller pools fit: planned as usual.
-    spec, _ = auto.choose_deployment(config_for(tmp_path, **{"cache.kv_cache_memory_mb": 16,
-                                                             "cache.image_cache_memory_mb": 8}))
+    spec = auto.choose_deployment(config_for(tmp_path, **{"cache.kv_cache_memory_mb": 16,
+                                                          "cache.image_cache_memory_mb": 8})).deploy
     assert spec == "1EP+1D" and planning.calls == [40]
 
 
@@ -160,3 +166,66 @@ def test_reasons_a_kept_plan_is_not_reused(tmp_path):
                          reuse_hours=24, now=1060.0) == "the kept plan was made for other inputs: engine settings"
     assert "h old" in auto.reusable(plan, key, [], reuse_hours=1, now=1000.0 + 3600)
     assert "clock was set back" in auto.reusable(plan, key, [], reuse_hours=24, now=900.0)
+
+
+def test_the_cpu_worker_counts_a_plan_picks_among():
+    assert auto.cpu_worker_counts(2) == [1, 2]
+    assert auto.cpu_worker_counts(3) == [1, 2, 3]
+    assert auto.cpu_worker_counts(6) == [1, 2, 4, 6]
+    assert auto.cpu_worker_counts(64) == [1, 2, 4, 8]
+
+
+def test_more_workers_are_picked_only_when_clearly_ahead():
+    def plans(*rows):
+        return {n: profile_module.PlannedDeployment(f"{n}EPD", "", goodput, bound) for n, goodput, bound in rows}
+
+    assert auto.pick_worker_count(plans((1, 4.0, False), (2, 5.0, False))) == 2
+    assert auto.pick_worker_count(plans((1, 4.0, False), (2, 4.1, False))) == 1  # within the margin
+    assert auto.pick_worker_count(plans((1, 50.0, True), (2, 50.0, True))) == 1  # both at the ceiling
+    assert auto.pick_worker_count(plans((1, 4.0, False), (2, 5.0, False), (4, 5.1, False))) == 2
+    assert auto.pick_worker_count(plans((1, 4.0, False), (2, 3.0, False), (4, 6.0, False))) == 4
+
+
+@pytest.fixture()
+def two_cores(monkeypatch):
+    from hydrad.engine import cores
+
+    monkeypatch.setattr(cores, "usable_cpus", lambda: 2)
+
+
+def test_devices_auto_without_a_gpu_plans_the_count_of_cpu_workers_too(tmp_path, planning, two_cores, caplog,
+                                                                       monkeypatch):
+    """``--devices auto`` on a CPU machine: one worker until there is a trace; then the plan
+    ranks the deployments of one worker (all the cores) and of one per core, and runs the
+    better count; a restart comes back on it, as long as its workers still fit in memory."""
+    from hydrad.cluster import preflight
+
+    config = config_for(tmp_path, **{"parallel.devices": "auto"})
+    assert auto.choose_deployment(config)[::2] == ("1EPD", "auto")  # no trace: one worker
+    assert planning.calls == []
+    write_trace(tmp_path / "trace", 40)
+    planning.answers = {1: ("1EPD", 4.0, False), 2: ("2EPD", 6.0, False)}
+    with caplog.at_level(logging.INFO, logger="hydrad.planner"):
+        choice = auto.choose_deployment(config)
+    assert (choice.deploy, choice.devices) == ("2EPD", "cpu:2")
+    assert [d.devices for d in planning.devices] == [("cpu",), ("cpu", "cpu")]
+    assert choice.reason.startswith("2 CPU worker(s) of 1 thread(s): planner's pick from 40 traced requests")
+    assert choice.reason.endswith("(the count picked too: 1 worker(s): 1EPD 4 req/s)")
+    assert "deploy auto: 2EPD on cpu:2" in caplog.text
+    kept = auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE)
+    assert kept.devices == "cpu:2" and kept.key.devices == ("auto:cpu:2",)
+    # The next start: the kept plan, on its devices.
+    choice = auto.choose_deployment(config)
+    assert (choice.deploy, choice.devices) == ("2EPD", "cpu:2") and choice.reason.startswith("the plan of ")
+    assert len(planning.calls) == 2
+    # Two workers no longer fit in memory: one, without planning.
+    with monkeypatch.context() as patch:
+        patch.setattr(preflight, "memory_shortfall",
+                      lambda engine, n, path: None if n == 1 else f"the {n} CPU worker(s) need about 9 MiB")
+        choice = auto.choose_deployment(config)
+    assert choice == ("1EPD", "one EPD instance: the 2 CPU worker(s) need about 9 MiB", "auto")
+    assert len(planning.calls) == 2
+    # One worker ahead, or as good: one worker.
+    (tmp_path / "trace" / auto.PLAN_FILE).unlink()
+    planning.answers = {1: ("1EPD", 6.0, False), 2: ("1EP+1D", 6.1, False)}
+    assert auto.choose_deployment(config)[::2] == ("1EPD", "cpu:1")

@@ -118,3 +118,27 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
         assert status["deployment"]["reason"].startswith("the plan of "), status["deployment"]
     finally:
         assert daemon.stop() == 0
+
+    # --devices auto on this CPU machine: the plan picks the count of workers too (one on both
+    # cores, or one per core), runs it, and keeps it for the next start.
+    from hydrad.engine.cores import usable_cpus
+
+    if usable_cpus() < 2:
+        return
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "auto", "--deploy",
+                     "auto", "--trace", str(trace_dir)], tmp_path / "log4")
+    try:
+        status = http("GET", daemon.url + "/admin/status").json()
+        reason = status["deployment"]["reason"]
+        count = int(reason.split(" CPU worker(s)")[0])
+        assert count in (1, 2) and "(the count picked too: " in reason, reason
+        assert len(status["instances"]) == count
+        assert sum(int(term[:-len(term.lstrip("0123456789"))]) for term in status["deployment"]["deploy"].split("+")) \
+            == count
+        result = run_bench(BenchConfig(url=daemon.url, slo=SLO(5.0, 1.0), workload=str(workload), rates=(8.0,),
+                                       num_requests=8))
+        assert result.summary.errors == 0
+    finally:
+        assert daemon.stop() == 0
+    kept = load_plan(trace_dir / PLAN_FILE)
+    assert kept.devices == f"cpu:{count}" and kept.key.devices == (f"auto:cpu:{usable_cpus()}",)

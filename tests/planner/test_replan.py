@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import random
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from types import SimpleNamespace
@@ -174,10 +175,10 @@ class FakeSupervisor:
         return SimpleNamespace(seconds=1.5)
 
 
-def replanner(supervisor, rankings, tmp_path, keep_plans=False, **planner):
+def replanner(supervisor, rankings, tmp_path, keep_plans=False, planned_devices=None, **planner):
     """A Replanner whose search answers ``rankings`` in turn, on a clock advanced by hand."""
     config = load_config(None, {"planner.auto": True, "planner.min_interval": 600.0, "planner.margin": 0.2,
-                                **{f"planner.{k}": v for k, v in planner.items()}})
+                                "parallel.devices": "cpu:2", "model.path": "m", **{f"planner.{k}": v for k, v in planner.items()}})
     answers = iter(rankings)
     calls = []
 
@@ -190,7 +191,7 @@ def replanner(supervisor, rankings, tmp_path, keep_plans=False, **planner):
 
     clock = SimpleNamespace(now=10_000.0)
     r = Replanner(config, supervisor, "m", trace_dir=tmp_path, rank=rank, executor=ThreadPoolExecutor(1),
-                  clock=lambda: clock.now, keep_plans=keep_plans)
+                  clock=lambda: clock.now, keep_plans=keep_plans, planned_devices=planned_devices)
     return r, calls, clock
 
 
@@ -256,6 +257,37 @@ def test_a_daemon_started_with_deploy_auto_keeps_each_redeploy_as_the_plan_a_res
         key = plan_key("m", ["cpu", "cpu"], dataclasses.replace(config, parallel=dataclasses.replace(
             config.parallel, deploy="auto")), "round-robin", tmp_path)
         assert kept.key == key and reusable(kept, key, [], reuse_hours=24, now=clock.now + 60) is None
+        assert kept.devices == ""  # those of the key
+
+
+def test_a_redeploy_of_workers_whose_count_the_start_planned_is_kept_with_their_count(tmp_path, monkeypatch):
+    """Started with ``--devices auto`` on a CPU machine, where the plan picked two workers:
+    a redeploy is kept under the key of ``--devices auto`` with ``cpu:2``, and the next start
+    comes back on it."""
+    from hydrad.engine import cores
+    from hydrad.planner.auto import PLAN_FILE, choose_deployment, load_plan
+
+    monkeypatch.setattr(cores, "usable_cpus", lambda: 2)
+    supervisor = FakeSupervisor(["EPD", "EPD"])
+    r, _, clock = replanner(supervisor, [ranking(("EP", "D"), 3.0)], tmp_path, keep_plans=True,
+                            planned_devices="auto")
+    assert asyncio.run(r.replan()).action == "redeploy"
+    kept = load_plan(tmp_path / PLAN_FILE)
+    assert (kept.deploy, kept.devices, kept.key.devices) == ("1EP+1D", "cpu:2", ("auto:cpu:2",))
+    from hydrad.trace import make_record
+
+    with open(tmp_path / "trace.jsonl", "w", encoding="utf-8") as f:  # what it was planned from
+        for i in range(20):
+            record = make_record(timestamp=clock.now - 100 + i, model="m", prompt_tokens=40, template_tokens=10,
+                                 images=[], output_tokens=8, max_tokens=8, finish_reason="length", preprocess=0.001,
+                                 ttft=0.1, e2e=0.5, gaps=[0.05] * 7, stages={}, instances=[0], deploy="2EPD")
+            f.write(json.dumps(record.to_json()) + "\n")
+    plan = json.loads((tmp_path / PLAN_FILE).read_text())
+    plan["made_at"] = time.time() - 60  # a minute ago by the start's clock
+    (tmp_path / PLAN_FILE).write_text(json.dumps(plan))
+    config = load_config(None, {"parallel.devices": "auto", "trace.dir": str(tmp_path), "model.path": "m"})
+    choice = choose_deployment(config)
+    assert (choice.deploy, choice.devices) == ("1EP+1D", "cpu:2") and choice.reason.startswith("the plan of 1 min ago")
 
 
 def test_nothing_is_changed_when_busy_short_of_requests_or_failing(tmp_path):

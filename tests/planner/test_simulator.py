@@ -229,6 +229,24 @@ def test_steps_on_separate_cores_slow_each_other_by_their_kinds_corun_slowdown()
         make_setup(corun_slowdown={"decodes": 1.5})
 
 
+def test_an_instance_on_every_core_runs_its_steps_longer_by_the_all_cores_slowdown():
+    # One EPD instance on both cores: every step takes its kinds' all-cores slowdown (the
+    # daemon and the clients take a core from one of its threads, and the others wait); an
+    # instance on one of two cores, or with no cores counted (a GPU), does not.
+    slowdown = {"prefills": 0.5, "decodes": 0.25}
+    req = [SimRequest(0.0, 100, 2)]
+    (r,) = run(make_setup(cores=2, threads=2, bandwidth=1e15, all_cores_slowdown=slowdown), ["EPD"], req).requests
+    # The prefill step: 10 ms fixed (counted as decodes) x 1.25 + 100 ms of prefill x 1.5.
+    assert r.ttft == pytest.approx(0.0125 + 0.15)
+    assert r.gaps == pytest.approx([0.015])
+    for setup in (make_setup(cores=2, threads=1, bandwidth=1e15, all_cores_slowdown=slowdown),
+                  make_setup(bandwidth=1e15, all_cores_slowdown=slowdown)):
+        (r,) = run(setup, ["EPD"], req).requests
+        assert r.ttft == pytest.approx(0.11) and r.gaps == pytest.approx([0.012])
+    with pytest.raises(ValueError, match="all_cores_slowdown"):
+        make_setup(all_cores_slowdown={"images": -0.1})
+
+
 def test_steps_with_decodes_that_run_over_their_prediction_are_filled_to_less_of_the_bound():
     # As the engine's calibration: two EPD instances on one core, r0 on the first and r1 on
     # the second (round robin), decode in lockstep, so each decode step (12 ms predicted)
