@@ -12,7 +12,9 @@ enter through the cluster's real ``Router`` and move between instances through t
   slower while more CPU threads are busy than there are cores (the workers' torch threads,
   and the daemon's Request Processor while it prepares a request: it runs on the same
   cores), and by each kind of work's measured slowdown while another step runs on the
-  other cores (``SimSetup.corun_slowdown``: shared caches and memory bandwidth). Each
+  other cores (``SimSetup.corun_slowdown``: shared caches and memory bandwidth), or, for
+  an instance whose own threads take every core, at every step (``all_cores_slowdown``:
+  its threads wait for the one the daemon or a client took a core from). Each
   CPU instance runs on the threads the live deployment gives it, with its model at that
   count: its share, and an instance that borrows idle cores more while the
   instances it borrows from have no work and no message on its way (``engine.cores``;
@@ -548,8 +550,9 @@ class _Step:
 
 
 def corun_factor(slowdown: dict[str, float], out) -> float:
-    """How many times as long the step ``out`` takes while another step runs: its kinds'
-    factors (``SimSetup.corun_slowdown``), weighted by their predicted time."""
+    """How many times as long the step ``out`` takes at ``slowdown`` per kind of work (while
+    another step runs: ``SimSetup.corun_slowdown``; on every core: ``all_cores_slowdown``),
+    its kinds' factors weighted by their predicted time."""
     work = out.predicted_vision + out.predicted_language
     if not slowdown or work <= 0.0:
         return 1.0
