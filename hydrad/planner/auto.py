@@ -277,12 +277,18 @@ def choose_deployment(config, trace_path: str | None = None) -> Choice:
             return Choice(kept.deploy, reason, kept.devices or requested)
         logger.info("deploy auto: planning (%s)", why_not)
         # Planning reads the latency models (torch): only once there is a trace to plan from.
-        from hydrad.planner.profile import Devices, MachineOptions, plan_deployment
+        from hydrad.planner.profile import Devices, MachineOptions, MachineProbe, plan_deployment
 
         options = MachineOptions(router_policy=config.server.router_policy)
-        plans = {n: plan_deployment(records, config.engine, Devices(("cpu",) * n) if cores else Devices(tuple(devices)),
-                                    options=options)
-                 for n in counts}
+        if cores:
+            # One instance of the model and one speed check for the plans of every count.
+            with MachineProbe(config.engine, Devices(("cpu",) * counts[-1]), keep_check=True,
+                              thread_counts=tuple(max(1, cores // n) for n in counts)) as probe:
+                plans = {n: plan_deployment(records, config.engine, Devices(("cpu",) * n), options=options,
+                                            probe=probe)
+                         for n in counts}
+        else:
+            plans = {counts[0]: plan_deployment(records, config.engine, Devices(tuple(devices)), options=options)}
         n = pick_worker_count(plans)
         choice = Choice(plans[n].spec, plans[n].reason, f"cpu:{n}" if cores else requested)
         if cores:

@@ -22,6 +22,7 @@ here: ``message_seconds`` (default 2 ms: the idle E->P and P->D migration of
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -154,9 +155,16 @@ class MachineProbe:
     a worker of a deployment of ``devices`` runs on (fitted, or loaded from the daemon's disk
     cache): what ``machine_setup`` measures, and the speed check again later
     (``speeds``), as ``hydractl profile --validate`` does around each live run. Use as a
-    context manager; torch's thread count is restored on exit."""
+    context manager; torch's thread count is restored on exit.
 
-    def __init__(self, config: EngineConfig, devices: Devices, *, show_progress: bool = True):
+    ``thread_counts``: more counts to hold a model of, for plans of other numbers of CPU
+    workers on the same probe (``for_devices``); ``keep_check``: the speeds a plan is made at
+    (``planning_speeds``) are measured once and kept for every plan made on this probe, as
+    one start's plans of several worker counts are (a check takes seconds, and they follow
+    each other within them)."""
+
+    def __init__(self, config: EngineConfig, devices: Devices, *, show_progress: bool = True,
+                 thread_counts: tuple[int, ...] = (), keep_check: bool = False):
         import torch
 
         from hydrad.engine.core import EngineCore
@@ -164,17 +172,20 @@ class MachineProbe:
 
         self.devices = devices
         self.cores = usable_cpus()
+        self.keep_check = keep_check
+        self.kept_check: tuple | None = None  # (history, planning_speeds' answer)
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(devices.threads)
         self.engine = None
         try:
             self.engine = EngineCore(config, role="EPD", device=devices.devices[0])
             self.models = {devices.threads: fit_latency_model(self.engine, show_progress=show_progress)}
-            if devices.is_cpu and self.cores > devices.threads:
-                # Instances that borrow idle cores run on up to all of them while their lenders idle (engine.cores).
-                torch.set_num_threads(self.cores)
-                self.models[self.cores] = fit_latency_model(self.engine, show_progress=show_progress)
-                torch.set_num_threads(devices.threads)
+            # Instances that borrow idle cores run on up to all of them while their lenders idle (engine.cores).
+            more = ({self.cores} if devices.is_cpu and self.cores > devices.threads else set()) | set(thread_counts)
+            for threads in sorted(more - set(self.models)):
+                torch.set_num_threads(threads)
+                self.models[threads] = fit_latency_model(self.engine, show_progress=show_progress)
+            torch.set_num_threads(devices.threads)
         except BaseException:
             self.close()
             raise
@@ -183,6 +194,18 @@ class MachineProbe:
     def model(self) -> LatencyModel:
         """The model at a worker's own share of threads."""
         return self.models[self.devices.threads]
+
+    def for_devices(self, devices: Devices) -> MachineProbe:
+        """This probe as one made for ``devices``, sharing its instance, its models and its kept
+        check: it must hold the models their workers run on."""
+        need = {devices.threads} | ({self.cores} if devices.is_cpu and self.cores > devices.threads else set())
+        if missing := need - set(self.models):
+            raise ValueError(f"the probe holds no latency model at {sorted(missing)} thread(s)")
+        view = copy.copy(self)
+        view.devices = devices
+        view.models = {n: self.models[n] for n in sorted(need)}
+        view._shared = self
+        return view
 
     def speeds(self, rounds: int = 5) -> dict:
         """``machine_speed.Speed`` of this machine now against each thread count's model, from
@@ -261,6 +284,18 @@ def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[di
     ``machine_speed.SPEED_HISTORY``; 0: the check alone); how each came about, for the
     profile's report; and the checks a plan averages its goodput over
     (``machine_speed.speed_sample``; with ``history`` 0, the check now alone)."""
+    owner = getattr(probe, "_shared", probe)
+    if not owner.keep_check:
+        return _check_speeds(probe, history)
+    if owner.kept_check is None or owner.kept_check[0] != history:
+        # Checked once on every model the probe holds, for each plan to take its own from.
+        owner.kept_check = (history, _check_speeds(owner, history))
+    speeds, basis, sample = owner.kept_check[1]
+    return ({n: s for n, s in speeds.items() if n in probe.models}, {n: b for n, b in basis.items() if n in probe.models},
+            [{n: s for n, s in check.items() if n in probe.models} for check in sample])
+
+
+def _check_speeds(probe: MachineProbe, history: int | None) -> tuple[dict, dict, list[dict]]:
     from hydrad.engine.machine_speed import SPEED_HISTORY, recent_speeds, speed_sample, typical_speed
 
     history = SPEED_HISTORY if history is None else history
@@ -532,13 +567,15 @@ class PlannedDeployment:
 
 
 def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: Devices, *,
-                    num_requests: int = DEFAULT_NUM_REQUESTS,
-                    options: MachineOptions = MachineOptions()) -> PlannedDeployment:
-    """``--deploy auto``: the planner's pick for ``config``'s SLO, and one line on why."""
+                    num_requests: int = DEFAULT_NUM_REQUESTS, options: MachineOptions = MachineOptions(),
+                    probe: MachineProbe | None = None) -> PlannedDeployment:
+    """``--deploy auto``: the planner's pick for ``config``'s SLO, and one line on why;
+    ``probe``: measured on that one (``MachineProbe.for_devices``), else on one of its own."""
     slo: SLOConfig = config.slo
     default = ("EPD",) * len(devices)
     profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
-                          num_requests=num_requests, options=options, show_progress=True, also=(default,))
+                          num_requests=num_requests, options=options, show_progress=True, also=(default,),
+                          probe=None if probe is None else probe.for_devices(devices))
     best = profile.result.best
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
     ceiling = 0.95 * profile.planner.max_rate

@@ -41,11 +41,23 @@ def planning(monkeypatch):
         return profile_module.PlannedDeployment(spec, f"planner's pick from {len(records)} traced requests", goodput,
                                                 lower_bound)
 
+    class Probe:  # the one instance of the model the plans of several CPU worker counts share
+        def __init__(self, config, devices, **kwargs):
+            plan.probes.append((devices, kwargs))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
     plan.answer = "1EP+1D"
     plan.answers = {}
     plan.calls = calls
     plan.devices = []
+    plan.probes = []
     monkeypatch.setattr(profile_module, "plan_deployment", plan)
+    monkeypatch.setattr(profile_module, "MachineProbe", Probe)
     return plan
 
 
@@ -209,6 +221,9 @@ def test_devices_auto_without_a_gpu_plans_the_count_of_cpu_workers_too(tmp_path,
         choice = auto.choose_deployment(config)
     assert (choice.deploy, choice.devices) == ("2EPD", "cpu:2")
     assert [d.devices for d in planning.devices] == [("cpu",), ("cpu", "cpu")]
+    # ... measured on one probe, with the models of both counts and one speed check.
+    assert [(d.devices, kwargs) for d, kwargs in planning.probes] == [
+        (("cpu", "cpu"), {"keep_check": True, "thread_counts": (2, 1)})]
     assert choice.reason.startswith("2 CPU worker(s) of 1 thread(s): planner's pick from 40 traced requests")
     assert choice.reason.endswith("(the count picked too: 1 worker(s): 1EPD 4 req/s)")
     assert "deploy auto: 2EPD on cpu:2" in caplog.text

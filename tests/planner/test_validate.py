@@ -39,16 +39,48 @@ def test_mean_speeds_averages_factors_and_pools_spreads():
 class CheckingProbe:
     """A ``MachineProbe`` whose speed check answers ``now`` and joins the history, as the real one's does."""
 
-    def __init__(self, now: dict):
+    def __init__(self, now: dict, keep_check: bool = False):
         key = {"model": "/models/small", "parts": "vision+language"}
         self.models = {n: LatencyModel(l_fixed=0.01 * n, meta={"key": {**key, "device": f"cpu:{n}threads"}})
                        for n in now}
         self.now = now
+        self.keep_check, self.kept_check = keep_check, None
+        self.checks = 0
 
     def speeds(self, rounds: int = 5) -> dict:
+        self.checks += 1
         for n, speed in self.now.items():
             record_speed(self.models[n], speed)
         return dict(self.now)
+
+
+def test_plans_of_several_worker_counts_on_one_probe_share_its_models_and_one_speed_check(monkeypatch, tmp_path):
+    """``hydrad start`` with ``--devices auto`` plans each count of CPU workers on one probe:
+    each plan sees the models of its own workers' thread counts, and the speed check runs once."""
+    from hydrad.planner import profile as profile_module
+    from hydrad.planner.profile import MachineProbe
+
+    monkeypatch.setenv("HYDRAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(profile_module, "usable_cpus", lambda: 4)
+    fake = CheckingProbe({n: Speed(1.0 + n / 10, 0.1, {"decodes": 1.0}) for n in (1, 2, 4)}, keep_check=True)
+    owner = object.__new__(MachineProbe)  # the models and the check of the fake, the views of the real one
+    owner.__dict__.update(fake.__dict__, devices=Devices(("cpu",) * 4), cores=4, engine=object())
+    owner.speeds = fake.speeds
+    one, two = owner.for_devices(Devices(("cpu",))), owner.for_devices(Devices(("cpu", "cpu")))
+    assert set(one.models) == {4} and set(two.models) == {2, 4} and two.model is owner.models[2]
+    assert one.devices.threads == 4 and one.engine is owner.engine
+    with pytest.raises(ValueError, match=r"no latency model at \[2\] thread"):
+        one.for_devices(Devices(("cpu", "cpu")))  # a view holds only its own counts
+    speeds_one, basis_one, _ = planning_speeds(one)
+    speeds_two, _, sample_two = planning_speeds(two)
+    assert fake.checks == 1
+    assert set(speeds_one) == set(basis_one) == {4} and set(speeds_two) == {2, 4}
+    assert speeds_one[4] == speeds_two[4] and all(set(check) == {2, 4} for check in sample_two)
+    # A probe that does not keep its check checks at every plan.
+    plain = CheckingProbe(fake.now)
+    planning_speeds(plain)
+    planning_speeds(plain)
+    assert plain.checks == 2
 
 
 def test_a_plan_is_made_at_the_median_of_the_check_now_recent_checks_and_the_fit(monkeypatch, tmp_path):
