@@ -267,7 +267,7 @@ def choose_deployment(config, trace_path: str | None = None) -> Choice:
         kept = load_plan(plan_path)
         now = time.time()
         why_not = reusable(kept, key, records, reuse_hours=config.planner.reuse_hours, now=now)
-        if why_not is None and kept.devices and kept.devices != requested:
+        if why_not is None and kept.devices:
             count = len(parse_devices(kept.devices, num_cuda))
             if count not in counts:
                 why_not = f"the kept plan's {count} CPU workers would not fit in memory now"

@@ -174,6 +174,7 @@ class MachineProbe:
         self.cores = usable_cpus()
         self.keep_check = keep_check
         self.kept_check: tuple | None = None  # (history, planning_speeds' answer)
+        self.owner = self  # its views (``for_devices``) keep this one: its models, its kept check
         self._threads_before = torch.get_num_threads()
         torch.set_num_threads(devices.threads)
         self.engine = None
@@ -204,7 +205,6 @@ class MachineProbe:
         view = copy.copy(self)
         view.devices = devices
         view.models = {n: self.models[n] for n in sorted(need)}
-        view._shared = self
         return view
 
     def speeds(self, rounds: int = 5) -> dict:
@@ -284,7 +284,7 @@ def planning_speeds(probe: MachineProbe, history: int | None = None) -> tuple[di
     ``machine_speed.SPEED_HISTORY``; 0: the check alone); how each came about, for the
     profile's report; and the checks a plan averages its goodput over
     (``machine_speed.speed_sample``; with ``history`` 0, the check now alone)."""
-    owner = getattr(probe, "_shared", probe)
+    owner = probe.owner
     if not owner.keep_check:
         return _check_speeds(probe, history)
     if owner.kept_check is None or owner.kept_check[0] != history:

@@ -316,6 +316,9 @@ class SimInstance:
         self.run_models = {n: setup.at_speed(m, n) for n, m in self.models.items()}
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
+        # Its own threads take every core: each step slows by this (``SimSetup.all_cores_slowdown``).
+        self.all_cores_slowdown = (setup.all_cores_slowdown if setup.cores is not None and 1 < setup.cores <= threads.own
+                                   else {})
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role,
                                    clock=lambda: sim.now, replay_cached=True,
                                    prefill_after_encode=setup.prefill_after_encode)
@@ -465,8 +468,8 @@ class SimInstance:
             alone[other] = self.run_models[other].step_seconds(shape) * noise + overhead
             # Borrowed stretches run at a share of the borrowed count's speed, never below the own.
             alone[t.most] = min(alone[t.own], alone[t.most] / setup.borrow_efficiency)
-        if setup.all_cores_slowdown and setup.cores is not None and setup.cores > 1 and t.own >= setup.cores:
-            whole = corun_factor(setup.all_cores_slowdown, out)
+        if self.all_cores_slowdown:
+            whole = corun_factor(self.all_cores_slowdown, out)
             alone = {n: seconds * whole for n, seconds in alone.items()}
         self.running = True
         self.num_steps += 1

@@ -4,6 +4,7 @@ outgrown it, and planned again whenever what it was made for changed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -41,15 +42,9 @@ def planning(monkeypatch):
         return profile_module.PlannedDeployment(spec, f"planner's pick from {len(records)} traced requests", goodput,
                                                 lower_bound)
 
-    class Probe:  # the one instance of the model the plans of several CPU worker counts share
-        def __init__(self, config, devices, **kwargs):
-            plan.probes.append((devices, kwargs))
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
+    def probe(config, devices, **kwargs):  # the one instance of the model the plans of several counts share
+        plan.probes.append((devices, kwargs))
+        return contextlib.nullcontext()
 
     plan.answer = "1EP+1D"
     plan.answers = {}
@@ -57,7 +52,7 @@ def planning(monkeypatch):
     plan.devices = []
     plan.probes = []
     monkeypatch.setattr(profile_module, "plan_deployment", plan)
-    monkeypatch.setattr(profile_module, "MachineProbe", Probe)
+    monkeypatch.setattr(profile_module, "MachineProbe", probe)
     return plan
 
 

@@ -44,7 +44,7 @@ class CheckingProbe:
         self.models = {n: LatencyModel(l_fixed=0.01 * n, meta={"key": {**key, "device": f"cpu:{n}threads"}})
                        for n in now}
         self.now = now
-        self.keep_check, self.kept_check = keep_check, None
+        self.keep_check, self.kept_check, self.owner = keep_check, None, self
         self.checks = 0
 
     def speeds(self, rounds: int = 5) -> dict:
@@ -65,10 +65,11 @@ def test_plans_of_several_worker_counts_on_one_probe_share_its_models_and_one_sp
     fake = CheckingProbe({n: Speed(1.0 + n / 10, 0.1, {"decodes": 1.0}) for n in (1, 2, 4)}, keep_check=True)
     owner = object.__new__(MachineProbe)  # the models and the check of the fake, the views of the real one
     owner.__dict__.update(fake.__dict__, devices=Devices(("cpu",) * 4), cores=4, engine=object())
+    owner.owner = owner
     owner.speeds = fake.speeds
     one, two = owner.for_devices(Devices(("cpu",))), owner.for_devices(Devices(("cpu", "cpu")))
     assert set(one.models) == {4} and set(two.models) == {2, 4} and two.model is owner.models[2]
-    assert one.devices.threads == 4 and one.engine is owner.engine
+    assert one.devices.threads == 4 and one.engine is owner.engine and one.owner is two.owner is owner
     with pytest.raises(ValueError, match=r"no latency model at \[2\] thread"):
         one.for_devices(Devices(("cpu", "cpu")))  # a view holds only its own counts
     speeds_one, basis_one, _ = planning_speeds(one)
