@@ -72,6 +72,11 @@ PROBE_PICTURE_SIZES = ((64, 64), (224, 168), (448, 448), (672, 336), (336, 1008)
 _MAX_PROBE_IMAGES = 8
 
 
+class NoProbeRoom(ConfigError):
+    """The pools hold no room for the probes. On an idle engine the pools are too small; on a
+    busy one (a live redeploy) the requests in them hold it, and it comes back as they finish."""
+
+
 @dataclass(frozen=True)
 class Probe:
     """One batch to time: (patches, tokens) per image, (context, tokens) per prefill chunk,
@@ -183,7 +188,7 @@ def _shrink(probe: Probe, limits: Limits) -> Probe:
         prefills = tuple((c // 2, max(1, q // 2)) for c, q in probe.prefills)
         shrunk = Probe(probe.images, prefills, decodes)
         if shrunk == probe:
-            raise ConfigError("the KV cache is too small to measure a single decode")
+            raise NoProbeRoom("the KV cache is too small to measure a single decode")
         probe = shrunk
     return probe
 
@@ -368,12 +373,14 @@ def engine_limits(engine, images: list[ImageInput] = ()) -> Limits:
     the image cache are left out)."""
     kv, image_pool = engine.kv_manager, engine.image_manager
     kinds = ()
+    has_language = "P" in engine.role or "D" in engine.role
     if "E" in engine.role:
         kinds = tuple(sorted({(image.num_patches, image.length) for image in images
                               if image_pool.num_blocks_for(image.length) <= image_pool.num_free_blocks}))
         if not kinds:
-            raise ConfigError(f"the image cache has {image_pool.num_free_blocks} free blocks: not one image fits")
-    has_language = "P" in engine.role or "D" in engine.role
+            raise NoProbeRoom(f"the image cache has {image_pool.num_free_blocks} free blocks: not one image fits")
+    if has_language and kv.num_free_blocks == 0:
+        raise NoProbeRoom("the KV cache has no free block: not one decode fits")
     return Limits(
         images=kinds,
         image_blocks=image_pool.num_free_blocks if image_pool is not None else 0,

@@ -22,6 +22,7 @@ from hydrad.config import EngineConfig
 from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
+from hydrad.errors import HydradError
 from hydrad.heap import freeze_startup_heap
 from hydrad.transport.messages import (
     Abort,
@@ -245,18 +246,69 @@ class StepThreads:
             self._torch_threads = n
 
 
-def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThreads | None) -> Reconfigured:
+class _PendingReconfigure:
+    """A ``Reconfigure`` whose latency models wait for room in the pools: the requests of a
+    busy instance may hold every block its probes need (an EP instance's image cache full of
+    images waiting to be prefilled). It is tried again between steps, every
+    ``RECONFIGURE_RETRY_SECONDS`` where the pools have more room than at the last try, until
+    they have enough or ``msg.wait`` has passed."""
+
+    def __init__(self, msg: Reconfigure, engine, start: float):
+        self.msg, self.start = msg, start
+        self.next_try = start + RECONFIGURE_RETRY_SECONDS
+        self.room = _room(engine)
+
+    def due(self, engine, now: float) -> bool:
+        if now < self.next_try:
+            return False
+        if now - self.start >= self.msg.wait:
+            return True  # answered with the error
+        return any(free > before for free, before in zip(_room(engine), self.room))
+
+    def answer(self, engine, step_threads: StepThreads, now: float) -> Reconfigured | None:
+        """The answer, or None while it may still wait."""
+        may_wait = now - self.start < self.msg.wait
+        answer = _reconfigure(engine, step_threads, self.msg.role, self.msg.threads, self.start, may_wait)
+        self.next_try, self.room = now + RECONFIGURE_RETRY_SECONDS, _room(engine)
+        return answer
+
+
+def _room(engine) -> tuple[int, int]:
+    """Free blocks in the KV and image pools (0 where there is none)."""
+    return tuple(pool.num_free_blocks if pool is not None else 0 for pool in (engine.kv_manager, engine.image_manager))
+
+
+RECONFIGURE_RETRY_SECONDS = 0.2
+
+
+def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThreads | None, start: float,
+                 may_wait: bool = False) -> Reconfigured | None:
     """Expand the instance to ``role`` (on ``threads`` from now on, when given) and give it
-    the latency models and bound of its new role."""
-    start = time.monotonic()
+    the latency models and bound of its new role. None: the pools of the busy instance have
+    no room for the probes yet, and ``may_wait`` (the stages taken on stay; a later call
+    measures the models)."""
+    from hydrad.engine.profiler import NoProbeRoom
+
     try:
         new_role = engine.expand(role)
         model, bound, borrow_model = step_threads.fit(new_role, threads)
+    except NoProbeRoom as e:
+        if may_wait and engine.has_unfinished_requests():
+            return None
+        return _not_reconfigured(engine, role, start, e)
+    except HydradError as e:
+        return _not_reconfigured(engine, role, start, e)
     except Exception as e:  # the daemon reports it and keeps the deployment as it was
         logger.exception("taking on role %s failed", role)
         return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=f"{type(e).__name__}: {e}")
     return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound,
                         geometry=engine.geometry(), borrow_model=borrow_model)
+
+
+def _not_reconfigured(engine, role: str, start: float, error: HydradError) -> Reconfigured:
+    """The answer to a ``Reconfigure`` that failed for a reason the message says whole."""
+    logger.warning("taking on role %s failed: %s", role, error)
+    return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=str(error))
 
 
 def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | None = None,
@@ -270,6 +322,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     draining = False
     retiring_since: float | None = None  # a Retire is under way
     received = 0  # messages taken from the daemon (stamped on what is sent about requests)
+    reconfiguring: _PendingReconfigure | None = None
     while True:
         if retiring_since is not None and engine.drained():
             role = engine.shrink()
@@ -285,8 +338,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             return
         busy = engine.has_work()
         step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
-        # Block for messages only when there is nothing to step.
-        timeout = 0 if busy else None
+        # Block for messages only when there is nothing to step (and nothing to try again).
+        timeout = 0 if busy else (RECONFIGURE_RETRY_SECONDS if reconfiguring is not None else None)
         while conn.poll(timeout):
             msg = conn.recv()
             received += 1
@@ -324,7 +377,14 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 if ledger is not None:
                     ledger.release()
             elif isinstance(msg, Reconfigure):
-                conn.send(_reconfigure(engine, step_threads, msg.role, msg.threads))
+                reconfiguring = _PendingReconfigure(msg, engine, time.monotonic())
+                answer = _reconfigure(engine, step_threads, msg.role, msg.threads, reconfiguring.start,
+                                      may_wait=msg.wait > 0)
+                if answer is not None:
+                    conn.send(answer)
+                    reconfiguring = None
+                else:
+                    logger.info("taking on role %s: the latency models wait for room in the pools", msg.role)
             elif isinstance(msg, Retire):
                 engine.retire(msg.stages)
                 retiring_since = time.monotonic()
@@ -348,3 +408,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             # Moved whole, or passed on without being pulled here: nothing of them is held here.
             live.difference_update(o.req_id for o in offers if o.kind == "prompt" or o.source != engine.instance_id)
             conn.send(StepOutput(output, offers, pulled, time.monotonic(), received))
+        if reconfiguring is not None and reconfiguring.due(engine, now := time.monotonic()):
+            answer = reconfiguring.answer(engine, step_threads, now)
+            if answer is not None:
+                conn.send(answer)
+                reconfiguring = None

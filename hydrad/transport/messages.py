@@ -81,10 +81,13 @@ class Reconfigure:
     """Take on the stages of ``role`` too (live redeploy, phase 1): build the model parts and
     pools they need while serving the current stages; answered by ``Reconfigured``.
     ``threads``: a CPU instance's torch threads from now on (``engine.cores.CpuThreads``:
-    its share of the cores and what it borrows change with the deployment)."""
+    its share of the cores and what it borrows change with the deployment). ``wait``: seconds
+    a busy instance may keep serving while its pools have no room to measure the latency
+    models of the new role or threads in (0: answer at once)."""
 
     role: str
     threads: CpuThreads | None = None
+    wait: float = 0.0
 
 
 @dataclass(frozen=True)

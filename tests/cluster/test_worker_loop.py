@@ -10,14 +10,27 @@ import time
 import pytest
 
 from factories import RecordingSink
+from hydrad.engine.block_manager import BlockManager
+from hydrad.engine.cores import CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
+from hydrad.engine.profiler import NoProbeRoom
 from hydrad.engine.worker import run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
 from hydrad.cluster.worker_client import WorkerClient, WorkerLost
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router
-from hydrad.transport.messages import Abort, AddRequest, GetStats, Migrate, Shutdown, StatsReply, StepOutput
+from hydrad.transport.messages import (
+    Abort,
+    AddRequest,
+    GetStats,
+    Migrate,
+    Reconfigure,
+    Reconfigured,
+    Shutdown,
+    StatsReply,
+    StepOutput,
+)
 
 
 class FakeEngine:
@@ -361,3 +374,80 @@ def test_a_request_run_again_after_its_source_died_mid_migration_gets_max_tokens
         target.close()
 
     asyncio.run(main())
+
+
+class FullPoolEngine(FakeEngine):
+    """An EPD instance whose request in flight holds every block of its image cache, given
+    back when it finishes: no probe image fits until then."""
+
+    instance_id, role = 0, "EPD"
+
+    def __init__(self):
+        super().__init__()
+        self.kv_manager = BlockManager(8, 16, "kv")
+        self.image_manager = BlockManager(4, 16, "image")
+        self.held: dict[str, list[int]] = {}
+
+    def add_request(self, req: EngineRequest) -> None:
+        super().add_request(req)
+        self.held[req.req_id] = self.image_manager.allocate(self.image_manager.num_free_blocks)
+
+    def step(self) -> EngineOutput:
+        time.sleep(0.01)
+        out = super().step()
+        for finished in out.finished:
+            self.image_manager.free(self.held.pop(finished.req_id))
+        return out
+
+    def expand(self, role: str) -> str:
+        return self.role
+
+    def geometry(self):
+        return None
+
+
+class ProbingThreads:
+    """Step threads whose latency models are measured only where a probe image fits."""
+
+    def __init__(self, engine: FullPoolEngine):
+        self.engine = engine
+        self.lending = CoreLending(None, 0, CpuThreads(1))
+        self.fits: list[int] = []  # free image blocks at each measurement that went through
+
+    def fit(self, role, threads=None):
+        free = self.engine.image_manager.num_free_blocks
+        if free == 0:
+            raise NoProbeRoom("the image cache has 0 free blocks: not one image fits")
+        self.fits.append(free)
+        return "model", 0.1, None
+
+    def before_step(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("wait", [0.0, 0.5, 30.0])
+def test_a_reconfigure_waits_while_the_requests_in_flight_hold_the_room_its_probes_need(wait, caplog):
+    engine = FullPoolEngine()
+    threads = ProbingThreads(engine)
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    steps = 100 if wait == 0.5 else 40  # the request outlasts the wait, or not
+    conn.send(AddRequest(request("a", steps)))
+    conn.send(Reconfigure("EPD", CpuThreads(2), wait=wait))
+    start = time.monotonic()
+    seen = []
+    while not seen or not isinstance(seen[-1], Reconfigured):
+        assert conn.poll(10), seen[-1:]
+        seen.append(conn.recv())
+    answer, finished = seen[-1], [f for m in seen if isinstance(m, StepOutput) for f in m.output.finished]
+    if wait == 30.0:  # answered once the request gave its blocks back, the models measured then
+        assert answer.error is None and answer.latency_model == "model" and threads.fits == [4]
+        assert finished == [FinishedRequest("a", "length", {"decode_exec": 0.001})]
+    else:  # at once, or when the wait ran out: an error the daemon reports in one line
+        assert answer.error == "the image cache has 0 free blocks: not one image fits" and threads.fits == []
+        assert not finished and time.monotonic() - start >= wait
+        assert "Traceback" not in caplog.text and "0 free blocks" in caplog.text
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()

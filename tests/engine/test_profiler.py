@@ -23,6 +23,7 @@ from hydrad.engine.latency_model import (
     latency_bound,
 )
 from hydrad.engine.profiler import (
+    NoProbeRoom,
     Probe,
     cache_key,
     derive_from_known,
@@ -187,6 +188,18 @@ def test_probes_fit_the_pools(tiny_llava_dir):
     for probe in fit + check:
         assert limits.kv_fits(probe) and limits.images_fit(probe)
     fit_latency_model(small, show_progress=False)  # real probes fit as designed
+    small.shutdown()
+
+
+@pytest.mark.parametrize("pool", ["image", "kv"])
+def test_full_pools_leave_no_room_for_the_probes(tiny_llava_dir, pool):
+    small = make_engine(tiny_llava_dir, num_kv_blocks=48, num_image_blocks=2)
+    manager = small.image_manager if pool == "image" else small.kv_manager
+    held = manager.allocate(manager.num_free_blocks)  # what requests in flight hold
+    with pytest.raises(NoProbeRoom, match="image cache has 0 free blocks" if pool == "image" else "KV cache"):
+        fit_latency_model(small, show_progress=False, allow_busy=True)
+    manager.free(held)
+    assert engine_limits(small, probe_images(small)).images  # with the room back, the probes fit
     small.shutdown()
 
 
