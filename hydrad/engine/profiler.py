@@ -368,24 +368,25 @@ def probe_images(engine, sizes: tuple[tuple[int, int], ...] = PROBE_PICTURE_SIZE
     return [kinds[kind] for kind in sorted(kinds)]
 
 
-def engine_limits(engine, images: list[ImageInput] = ()) -> Limits:
-    """How large a probe ``engine`` holds; ``images``: its probe images (those that do not fit
-    the image cache are left out)."""
+def engine_limits(engine, images: list[ImageInput] = (), *, idle: bool = False) -> Limits:
+    """How large a probe ``engine`` holds now (``idle``: with nothing in its pools);
+    ``images``: its probe images (those that do not fit the image cache are left out)."""
     kv, image_pool = engine.kv_manager, engine.image_manager
+    free = (lambda pool: pool.num_blocks) if idle else (lambda pool: pool.num_free_blocks)
     kinds = ()
     has_language = "P" in engine.role or "D" in engine.role
     if "E" in engine.role:
         kinds = tuple(sorted({(image.num_patches, image.length) for image in images
-                              if image_pool.num_blocks_for(image.length) <= image_pool.num_free_blocks}))
+                              if image_pool.num_blocks_for(image.length) <= free(image_pool)}))
         if not kinds:
-            raise NoProbeRoom(f"the image cache has {image_pool.num_free_blocks} free blocks: not one image fits")
-    if has_language and kv.num_free_blocks == 0:
+            raise NoProbeRoom(f"the image cache has {free(image_pool)} free blocks: not one image fits")
+    if has_language and free(kv) == 0:
         raise NoProbeRoom("the KV cache has no free block: not one decode fits")
     return Limits(
         images=kinds,
-        image_blocks=image_pool.num_free_blocks if image_pool is not None else 0,
+        image_blocks=free(image_pool) if image_pool is not None else 0,
         image_block_size=image_pool.block_size if image_pool is not None else 1,
-        kv_tokens=kv.num_free_blocks * kv.block_size if has_language else 0,
+        kv_tokens=free(kv) * kv.block_size if has_language else 0,
         max_model_len=engine.max_model_len,
         max_seqs=max(engine.config.scheduler.max_num_seqs, 64),
         block_size=kv.block_size if kv is not None else 16,
@@ -557,6 +558,10 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
             raise RuntimeError("the latency model is measured on an idle engine")
         timer = EngineTimer(engine, images=images)
     fit_probes, check_probes = design_probes(limits)
+    # On a busy instance the requests hold part of the pools: probes cut down to the rest fit
+    # a model that extrapolates further. It serves until the next start, which measures anew.
+    cut = engine.has_unfinished_requests() and design_probes(engine_limits(engine, images, idle=True)) != (
+        fit_probes, check_probes)
     start = time.monotonic()
     best: tuple[float, list] | None = None
     for attempt in range(1, _MAX_ATTEMPTS + 1):
@@ -577,6 +582,10 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
             "probes": [{"images": [list(x) for x in p.images], "prefills": [list(x) for x in p.prefills],
                         "decodes": list(p.decodes), "seconds": t} for p, t in measured]}
     model = fit_model(fit, check, meta)
+    if cut:
+        logger.info("latency model fitted in %.1f s on probes cut down to the room the requests in flight leave "
+                    "(not cached): %s", time.monotonic() - start, model.summary())
+        return model
     store(path, model)
     logger.info("latency model fitted in %.1f s: %s", time.monotonic() - start, model.summary())
     return model

@@ -203,6 +203,24 @@ def test_full_pools_leave_no_room_for_the_probes(tiny_llava_dir, pool):
     small.shutdown()
 
 
+def test_a_model_fitted_on_probes_cut_down_by_the_requests_in_flight_serves_but_is_not_cached(
+        tiny_llava_dir, cache_dir, monkeypatch):
+    small = make_engine(tiny_llava_dir, num_kv_blocks=64, num_image_blocks=40)
+    monkeypatch.setattr(small, "has_unfinished_requests", lambda: True)  # a live redeploy
+    for held_by_requests, cached in ((0, True), (60, False)):
+        for path in cache_dir.glob("*.json"):
+            path.unlink()
+        held = small.kv_manager.allocate(held_by_requests)
+        timer = Synthetic()
+        model = fit_latency_model(small, timer=timer, show_progress=False, allow_busy=True)
+        small.kv_manager.free(held)
+        assert model.l_decode == pytest.approx(TRUE.l_decode, rel=1e-6)  # serves either way
+        largest = max(sum(c + 1 for c in p.decodes) + sum(c + q for c, q in p.prefills) for p in timer.probes)
+        assert (largest > 4 * 16) == cached  # cut to the 4 free blocks' 64 slots, or not
+        assert bool(list(cache_dir.glob("*.json"))) == cached
+    small.shutdown()
+
+
 def test_cache_is_written_reused_and_keyed(engine, cache_dir):
     first = fit_latency_model(engine, show_progress=False)
     files = list(cache_dir.glob("*.json"))
