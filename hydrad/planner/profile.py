@@ -35,7 +35,7 @@ from hydrad.config import EngineConfig, SLOConfig
 from hydrad.engine.cores import usable_cpus
 from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS, LatencyModel
 from hydrad.errors import ConfigError
-from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, SearchResult, bisect_at_each
+from hydrad.planner.search import MAX_PLAN_REQUESTS, ROLE_ORDER, Evaluation, Planner, SearchResult, bisect_at_each
 from hydrad.planner.simulator import InstanceLayout, SimSetup
 from hydrad.planner.workload import Workload
 from hydrad.trace import TraceRecord
@@ -494,17 +494,19 @@ def run_profile(records: list[TraceRecord], config: EngineConfig, devices: Devic
                 options: MachineOptions = MachineOptions(), setup: SimSetup | None = None,
                 progress: Callable[[int, int, str], None] | None = None, show_progress: bool = True,
                 probe: MachineProbe | None = None, processes: int | None = None,
-                also: tuple[tuple[str, ...], ...] = ()) -> Profile:
+                also: tuple[tuple[str, ...], ...] = (), max_requests: int | None = None) -> Profile:
     """Measure (or load) this machine's numbers and rank every deployment of ``devices``;
     ``probe``: measure on that instance of the model (left open); ``processes``: how many
     the averaging over recent speeds may run in (``Profile.average_over_speeds``); ``also``:
-    deployments bisected to their goodput (and averaged) even where the search left them out."""
+    deployments bisected to their goodput (and averaged) even where the search left them out;
+    ``max_requests``: replay up to that many requests per rate where ``num_requests`` cannot
+    tell the best deployments apart."""
     workload = Workload.from_records(records)
     config = replace(config, slo=replace(config.slo, ttft=slo_ttft, tbt=slo_tbt))
     if setup is None:
         setup = machine_setup(config, devices, options, show_progress=show_progress, probe=probe)
     planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
-                      arrivals=arrivals, seed=config.seed)
+                      arrivals=arrivals, seed=config.seed, max_requests=max_requests)
     result = planner.search(len(devices), top_k, progress=progress)
     for roles in also:
         ev = next((e for e in result.evaluations if e.roles == tuple(roles)), None)
@@ -575,7 +577,8 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
     default = ("EPD",) * len(devices)
     profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
                           num_requests=num_requests, options=options, show_progress=True, also=(default,),
-                          probe=None if probe is None else probe.for_devices(devices))
+                          probe=None if probe is None else probe.for_devices(devices),
+                          max_requests=max(num_requests, MAX_PLAN_REQUESTS))
     best = profile.result.best
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
     ceiling = 0.95 * profile.planner.max_rate

@@ -187,7 +187,7 @@ def rank_window(trace_dir: str | Path, model: str, since: float, setup, current:
     """Rank every deployment of ``len(current)`` instances on the requests of ``model`` that
     arrived at ``since`` (UNIX time) or later, and bisect the running one's goodput too (it
     may be out of the search's top)."""
-    from hydrad.planner.search import Evaluation, Planner
+    from hydrad.planner.search import MAX_PLAN_REQUESTS, Evaluation, Planner
     from hydrad.trace import read_trace, trace_files
     from hydrad.planner.workload import Workload
 
@@ -200,7 +200,7 @@ def rank_window(trace_dir: str | Path, model: str, since: float, setup, current:
         return Ranking(len(records))
     workload = Workload.from_records(records)
     planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
-                      arrivals="trace", seed=seed)
+                      arrivals="trace", seed=seed, max_requests=max(num_requests, MAX_PLAN_REQUESTS))
     result = planner.search(len(current), top_k=1)
     best = result.best
     roles = canonical(current)

@@ -22,13 +22,16 @@ below the lowest rate that misses it, found by doubling or halving and then bise
 until the bracket is narrower than ``rel_tol`` (``hydractl bench --goodput``). A replay
 of ``num_requests`` tells rates up to ``num_requests / (3 * TTFT)`` only: at higher rates
 they all arrive within a few TTFTs, and a deployment that absorbs the burst would pass at
-any rate. Goodputs are capped there (raise ``num_requests`` to see further).
+any rate. Goodputs are capped there (raise ``num_requests`` to see further); given
+``max_requests``, a search replays as many requests as it takes to tell the highest
+capacity bound of its deployments apart, up to that many.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -51,6 +54,10 @@ SLACK = 1.1
 SPAN = 3.0
 # The first step of a bracket started from a guess (``Planner.bisect``).
 GUESS_STEP = 1.15
+# ``--deploy auto`` and the re-planner replay up to this many requests per rate where fewer
+# cannot tell the best deployments apart (``Planner.fit_requests``: a fast machine's rates are
+# past what 300 requests tell at the TTFT bound, 300 / (3 TTFT) req/s).
+MAX_PLAN_REQUESTS = 2400
 
 logger = logging.getLogger("hydrad.planner")
 
@@ -131,13 +138,17 @@ class Planner:
     """Goodput of deployments by replaying ``num_requests`` of ``workload`` in the simulator."""
 
     def __init__(self, setup: SimSetup, workload: Workload, *, slo_ttft: float, slo_tbt: float,
-                 num_requests: int = 200, arrivals: str = "trace", rel_tol: float = 0.05, seed: int = 0):
+                 num_requests: int = 200, arrivals: str = "trace", rel_tol: float = 0.05, seed: int = 0,
+                 max_requests: int | None = None):
+        """``max_requests``: a search may replay up to this many requests where
+        ``num_requests`` cannot tell its best deployments apart (``fit_requests``)."""
         if not 0 < rel_tol < 1:
             raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
         self.setup = setup
         self.workload = workload
         self.slo_ttft, self.slo_tbt = slo_ttft, slo_tbt
         self.num_requests = num_requests
+        self.max_requests = max_requests
         self.arrivals = arrivals
         self.rel_tol = rel_tol
         self.seed = seed
@@ -151,7 +162,8 @@ class Planner:
     def at(self, setup: SimSetup) -> Planner:
         """This planner (workload, SLO, requests per replay, arrivals, tolerance, seed) on ``setup``."""
         return Planner(setup, self.workload, slo_ttft=self.slo_ttft, slo_tbt=self.slo_tbt,
-                       num_requests=self.num_requests, arrivals=self.arrivals, rel_tol=self.rel_tol, seed=self.seed)
+                       num_requests=self.num_requests, arrivals=self.arrivals, rel_tol=self.rel_tol, seed=self.seed,
+                       max_requests=self.max_requests)
 
     # -- one deployment ---------------------------------------------------------------------------
     def replay(self, roles, rate: float, *, early: bool = True) -> SimResult:
@@ -182,6 +194,23 @@ class Planner:
         """The highest rate a replay of ``num_requests`` can tell: above it they all arrive
         within ``SPAN`` TTFTs, and a deployment that absorbs the burst would pass at any rate."""
         return self.num_requests / (SPAN * self.slo_ttft)
+
+    def fit_requests(self, rate: float) -> int:
+        """Replay enough requests from now on (at most ``max_requests``; never fewer than
+        now) that a deployment of capacity bound ``rate`` is told apart from the ceiling: its
+        ``reach`` within ``max_rate`` with the bisection's tolerance to spare. With ``n =
+        x * TTFT * rate`` requests the reach is ``SLACK * rate / (1 - 1 / (0.9 x))`` and the
+        ceiling ``x * rate / SPAN``: ``x >= SPAN * SLACK / (1 - rel_tol) + 1 / 0.9``.
+        Returns the requests per replay."""
+        if self.max_requests is not None:
+            x = SPAN * SLACK / (1 - self.rel_tol) + 1 / GOODPUT_ATTAINMENT
+            needed = math.ceil(x * self.slo_ttft * rate)
+            grown = min(self.max_requests, max(self.num_requests, needed))
+            if grown > self.num_requests:
+                logger.info("replaying %d requests per rate, not %d: the best capacity bound, %.3g req/s, is past "
+                            "what %d tell", grown, self.num_requests, rate, self.num_requests)
+                self.num_requests = grown
+        return self.num_requests
 
     def rank_key(self, ev: Evaluation) -> tuple[float, float, str]:
         """Best first: by goodput, those at the replay's limit (known only to reach it) as
@@ -256,6 +285,8 @@ class Planner:
         for method, roles in a2.items():
             evaluations.setdefault(roles, Evaluation(roles, self.bound(roles))).methods.append(method)
         order = sorted(evaluations.values(), key=lambda e: -e.bound.rate)
+        if order:
+            self.fit_requests(order[0].bound.rate)
         top: list[Evaluation] = []  # the best so far, best first
         keep = max(1, top_k)
         for done, ev in enumerate(order):

@@ -212,3 +212,28 @@ def test_bisections_run_here_when_no_process_can_start(monkeypatch, caplog):
         got, _ = search.bisect_at_each(here, JOBS, processes=4)
     assert got == expected and all(q.num_replays > 0 for q in here)
     assert "no processes here" in caplog.text
+
+
+def test_a_search_that_may_replay_more_requests_tells_apart_deployments_at_the_ceiling_of_fewer():
+    # 20 requests per replay cannot tell three instances' deployments apart (as four's in the
+    # test above); allowed up to 2000, the search replays as many as the best bound needs.
+    assert planner(num_requests=20).search(3, top_k=2).best.goodput == pytest.approx(planner(20).max_rate, rel=0.05)
+    p = planner(num_requests=20, max_requests=2000)
+    result = p.search(3, top_k=2)
+    best_bound = max(p.bound(roles).rate for roles in deployments(3))
+    assert 20 < p.num_requests < 2000
+    assert p.reach(best_bound) <= (1 - p.rel_tol) * p.max_rate  # each one's goodput is below the ceiling
+    assert all(p.rank_key(e)[0] > -p.max_rate for e in result.ranked)
+    assert result.best.goodput < (1 - p.rel_tol) * p.max_rate
+    # ... and the ranking is the one of bisecting every deployment with that many requests.
+    every = planner(num_requests=p.num_requests)
+    evaluations = [Evaluation(roles, every.bound(roles)) for roles in deployments(3)]
+    for ev in evaluations:
+        every.bisect(ev)
+    assert [e.spec for e in sorted(evaluations, key=every.rank_key)[:2]] == [e.spec for e in result.ranked[:2]]
+    # Never past max_requests, never below the requests asked for.
+    capped = planner(num_requests=20, max_requests=30)
+    capped.search(4, top_k=1)
+    assert capped.num_requests == 30
+    kept = planner(num_requests=500, max_requests=2000)
+    assert kept.fit_requests(0.1) == 500
