@@ -27,7 +27,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
-from typing import Callable
+from typing import Awaitable, Callable
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -43,7 +43,7 @@ from hydrad.cluster.worker_client import EXITED, WorkerClient, WorkerLost
 from hydrad.console import console as default_console
 from hydrad.config import EngineConfig
 from hydrad.errors import HydradError
-from hydrad.transport.messages import WorkerReady
+from hydrad.transport.messages import Reconfigured, WorkerReady
 
 logger = logging.getLogger("hydrad.supervisor")
 
@@ -52,12 +52,31 @@ _FIRST_BACKOFF = 0.5
 _MAX_BACKOFF = 8.0
 # Signals a worker dies of when killed from outside (an operator, a stop), never of a request.
 _OUTSIDE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-# While a redeploy's hand-over lasts, one line this often on what is still held.
+# While a redeploy waits for its workers (hand-over, latency models), one line this often.
 HANDOVER_REPORT_SECONDS = 5.0
 
 
 class WorkerStartError(HydradError):
     pass
+
+
+async def _reporting(calls: dict[int, Awaitable], line: Callable[[float, list[int]], str],
+                     say: Callable[[str], None]) -> list:
+    """The results of ``calls`` (by instance), in their order; every ``HANDOVER_REPORT_SECONDS``
+    while some are pending, ``line(seconds so far, instances pending)`` to ``say`` and the log.
+    Cancelled, it cancels them."""
+    futures = {i: asyncio.ensure_future(call) for i, call in calls.items()}
+    waiting = asyncio.gather(*futures.values())
+    start = time.monotonic()
+    try:
+        while not (await asyncio.wait({waiting}, timeout=HANDOVER_REPORT_SECONDS))[0]:
+            text = line(time.monotonic() - start, [i for i, f in futures.items() if not f.done()])
+            logger.info("redeploy: %s", text)
+            say(text)
+    except asyncio.CancelledError:
+        waiting.cancel()
+        raise
+    return waiting.result()
 
 
 class RedeployError(HydradError):
@@ -305,8 +324,9 @@ class Supervisor:
             expanding = [c for c in changes if c.gains]
             if expanding:
                 say("taking on new stages: " + ", ".join(f"#{c.instance_id} {c.old} -> {c.union}" for c in expanding))
-                answers = await asyncio.gather(*(self.clients[c.instance_id].reconfigure(c.union, self.start_timeout)
-                                                 for c in expanding))
+                answers = await self._reconfiguring(
+                    {c.instance_id: self.clients[c.instance_id].reconfigure(c.union, self.start_timeout)
+                     for c in expanding}, "taking on new stages", say)
                 failed = [(c, a) for c, a in zip(expanding, answers) if a.error]
                 if failed:
                     await self._undo_expand([(c, a) for c, a in zip(expanding, answers) if not a.error])
@@ -356,21 +376,20 @@ class Supervisor:
         caller and the log) on what each of them still holds: under load a hand-over lasts
         until the instances taking the stages have room for the requests (seconds, or more
         where two decode instances' requests go to one)."""
-        retiring = {c.instance_id: asyncio.ensure_future(
-            self.clients[c.instance_id].retire(c.loses, self.start_timeout)) for c in shrinking}
-        waiting = asyncio.gather(*retiring.values())
-        start = time.monotonic()
-        try:
-            while not (await asyncio.wait({waiting}, timeout=HANDOVER_REPORT_SECONDS))[0]:
-                held = ", ".join(f"#{i} {self.table.held_by(self.clients[i])}" for i, f in retiring.items()
-                                 if not f.done())
-                line = f"handing over for {time.monotonic() - start:.0f} s; requests still held: {held}"
-                logger.info("redeploy: %s", line)
-                say(line)
-        except asyncio.CancelledError:
-            waiting.cancel()
-            raise
-        return waiting.result()
+        retiring = {c.instance_id: self.clients[c.instance_id].retire(c.loses, self.start_timeout)
+                    for c in shrinking}
+        return await _reporting(retiring, lambda seconds, pending: (
+            f"handing over for {seconds:.0f} s; requests still held: "
+            + ", ".join(f"#{i} {self.table.held_by(self.clients[i])}" for i in pending)), say)
+
+    async def _reconfiguring(self, calls: dict[int, Awaitable[Reconfigured]], what: str,
+                             say: Callable[[str], None]) -> list[Reconfigured]:
+        """The answers to ``Reconfigure`` calls by instance; every ``HANDOVER_REPORT_SECONDS``
+        meanwhile, one line on those still measuring their latency models (a busy instance
+        measures once its requests leave room in its pools for the probes)."""
+        return await _reporting(calls, lambda seconds, pending: (
+            f"{what} for {seconds:.0f} s: " + ", ".join(f"#{i}" for i in pending)
+            + " measuring latency models (on a busy instance, once its requests leave room for the probes)"), say)
 
     async def _share_cores(self, say: Callable[[str], None]) -> None:
         """Give each CPU instance the threads of its role in the new deployment (its share,
@@ -381,8 +400,10 @@ class Supervisor:
         if not changed:
             return
         say("threads: " + ", ".join(f"#{spec.instance_id} {spec.threads} -> {threads}" for spec, threads in changed))
-        answers = await asyncio.gather(*(self.clients[spec.instance_id].reconfigure(
-            self.clients[spec.instance_id].role, self.start_timeout, threads=threads) for spec, threads in changed))
+        answers = await self._reconfiguring(
+            {spec.instance_id: self.clients[spec.instance_id].reconfigure(
+                self.clients[spec.instance_id].role, self.start_timeout, threads=threads)
+             for spec, threads in changed}, "changing threads", say)
         for (spec, threads), answer in zip(changed, answers):
             if answer.error:  # it keeps its threads and models: slower or faster, still serving
                 logger.warning("instance %d keeps its threads (%s): %s", spec.instance_id, spec.threads, answer.error)

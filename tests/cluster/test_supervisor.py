@@ -316,3 +316,54 @@ def test_a_death_is_judged_for_whether_a_request_may_have_caused_it(no_oom_kills
     assert instance_id == 0 and verdict is by_request
     assert how.startswith("killed by" if exitcode < 0 else "exited with status")
     assert ("out-of-memory" in how) is oom
+
+
+def test_a_long_reconfigure_says_which_instances_still_measure(monkeypatch):
+    """An instance taking on stages measures their latency models, on a busy one once its
+    requests leave room in its pools: meanwhile the caller hears which ones it waits for."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster import supervisor as supervisor_module
+    from hydrad.transport.messages import WorkerReady
+
+    monkeypatch.setattr(supervisor_module, "HANDOVER_REPORT_SECONDS", 0.05)
+
+    async def main():
+        supervisor = make_supervisor(["EP", "D"])
+        supervisor.history.append(SimpleNamespace(deploy="1EP+1D"))
+        supervisor.migrates = True
+        measured = asyncio.Event()
+
+        def reconfigure_of(instance_id):
+            async def reconfigure(role, timeout):
+                if instance_id == 1:
+                    await measured.wait()
+                return SimpleNamespace(error=None, seconds=0.1, latency_model=None, latency_bound=None,
+                                       geometry=None, borrow_model=None)
+            return reconfigure
+
+        async def retire(stages, timeout):
+            return SimpleNamespace(role="E", seconds=0.2, latency_bound=None)
+
+        async def no_op(*args, **kwargs):
+            return None
+
+        for client in supervisor.clients:
+            client.reconfigure, client.retire = reconfigure_of(client.instance_id), retire
+            client.ready = WorkerReady(client.instance_id, 100 + client.instance_id, 512, 0.1)
+        supervisor._share_all_pools = no_op
+        supervisor._share_cores = no_op
+        lines: list[str] = []
+        redeploy = asyncio.ensure_future(supervisor.redeploy(["E", "PD"], progress=lines.append))
+        await asyncio.sleep(0.2)
+        assert not redeploy.done()
+        measured.set()
+        await redeploy
+        return lines
+
+    lines = asyncio.run(main())
+    reports = [line for line in lines if line.startswith("taking on new stages for")]
+    # 1EP+1D -> 1E+1PD: #1 takes on P, and only it is waited for.
+    assert len(reports) >= 2 and all(line.endswith(": #1 measuring latency models (on a busy instance, once its "
+                                                   "requests leave room for the probes)") for line in reports), lines
+    assert lines[-1].startswith("serving as 1E+1PD after")
