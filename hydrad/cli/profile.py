@@ -86,8 +86,9 @@ def _table(profile, top_k: int):
 @click.option("--slo-tbt", type=float, required=True, help="SLO on each request's p90 inter-token gap, in seconds.")
 @click.option("--top", "top_k", type=click.IntRange(min=1), default=3, show_default=True,
               help="Deployments ranked exactly, shown, plotted and validated.")
-@click.option("--num-requests", type=click.IntRange(min=10), default=300, show_default=True,
-              help="Requests per replayed rate (as hydractl bench --num-requests).")
+@click.option("--num-requests", type=click.IntRange(min=10), default=None,
+              help="Requests per replayed rate (as hydractl bench --num-requests). Default: 300, and more (up to "
+              "2400) where 300 cannot tell the best deployments apart, as hydrad start --deploy auto.")
 @click.option("--arrivals", type=click.Choice(["trace", "poisson"]), default="trace", show_default=True,
               help="The trace's own arrival pattern scaled to each rate, or Poisson.")
 @click.option("--message-ms", type=float, default=2.0, show_default=True,
@@ -122,8 +123,9 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
     from hydrad.config_file import load_config
     from hydrad.errors import ConfigError
     from hydrad.models.default import resolve_model_path
-    from hydrad.planner.profile import (Devices, MachineOptions, MachineProbe, attainment_curves, plot_curves,
-                                        run_profile)
+    from hydrad.planner.profile import (DEFAULT_NUM_REQUESTS, Devices, MachineOptions, MachineProbe,
+                                        attainment_curves, plot_curves, run_profile)
+    from hydrad.planner.search import MAX_PLAN_REQUESTS
     from hydrad.trace import read_trace
 
     if (trace_path is None) == (url is None):
@@ -168,8 +170,9 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
                 progress.update(task, completed=done, total=total, description=f"search: {spec}")
 
             result = run_profile(mine, engine, device_set, slo_ttft=slo_ttft, slo_tbt=slo_tbt, top_k=top_k,
-                                 num_requests=num_requests, arrivals=arrivals, options=options, progress=advance,
-                                 probe=probe, processes=jobs)
+                                 num_requests=num_requests or DEFAULT_NUM_REQUESTS,
+                                 max_requests=None if num_requests else MAX_PLAN_REQUESTS, arrivals=arrivals,
+                                 options=options, progress=advance, probe=probe, processes=jobs)
         s = result.result
         if result.setup.speeds:
             parts = result.setup.part_speeds
@@ -232,7 +235,7 @@ def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path, prob
         table.add_column(name, justify="left" if name == "deployment" else "right")
 
     def rate(value, lower_bound: bool) -> str:
-        # ">=": at the replay's ceiling (raise --num-requests to tell higher rates apart).
+        # ">=": at the replay's ceiling (past 2400 requests, or --num-requests given: raise it to tell them apart).
         return "-" if value is None else f"{'>=' if lower_bound else ''}{value:.3g}"
 
     def error(value, lower_bound: bool) -> str:
