@@ -3,7 +3,7 @@
     python bench/replay_settings.py RUN.json [RUN.json ...] [--model DIR]
         [--a-corun images=0.01,prefills=0.03,decodes=0.09] [--a-client yes|no] [--a-warm N] [--a-noise-correlation R]
         [--b-corun images=0.14,prefills=0.10,decodes=0.10] [--b-client yes|no] [--b-warm N] [--b-noise-correlation R]
-        [--a-all-cores KINDS] [--b-all-cores KINDS]
+        [--a-all-cores KINDS] [--b-all-cores KINDS] [--a-team yes|no] [--b-team yes|no]
         [--at around-run|profile] [--a-speed check|history|sample] [--b-speed check|history|sample] [--chain]
         [--out FILE.json]
 
@@ -15,7 +15,8 @@ live round of every deployment in them is replayed twice at the speed measured a
 round's live goodput (``--at profile``: each deployment once per setting at the speed its
 profile measured before the live runs, against the mean of its live rounds: the run's
 headline comparison). A setting is a ``corun_slowdown`` per kind (and an
-``all_cores_slowdown``, which replays of one instance on every core take instead), whether the bench
+``all_cores_slowdown``, which replays of one instance on every core take instead, and whether such an
+instance waits for its slowest thread, ``SimSetup.team_waits``), whether the bench
 client's CPU per request (measured while the run recorded its trace) is replayed as a load
 of its own, and the requests of the warm-up replay that calibrates the instances before
 each counted one (``SimSetup.warm_requests``; 0: they start cold), and the correlation of
@@ -34,7 +35,7 @@ prints how far each setting's speed was from the mean speed measured around the 
 live runs. The defaults: A is the
 replay before the serving slowdown (the probes beside a copy of themselves,
 ``bench/corun_speed.py``, the client's CPU, cold instances, noise drawn anew each step), B
-is the replay's default now (``profile.DEFAULT_CORUN_SLOWDOWN``, no separate client load,
+is the replay's default now (``profile.DEFAULT_CORUN_SLOWDOWN``, a team that waits, no separate client load,
 ``profile.DEFAULT_WARM_REQUESTS``, ``profile.DEFAULT_NOISE_CORRELATION``, the speed sample). Both replays of
 a round share everything else (the machine's latency models and copy bandwidth, measured or
 cached here), so the difference between their errors is the settings' alone.
@@ -75,7 +76,7 @@ def parse_kinds(text: str) -> dict[str, float]:
 
 
 def make_setting(corun: str | None, client: str, warm: int, noise_correlation: float, defaults: dict,
-                 speed: str = "check", all_cores: str | None = None) -> dict:
+                 speed: str = "check", all_cores: str | None = None, team: str = "no") -> dict:
     """One replay setting from its command-line values; ``corun`` (``all_cores``) None:
     ``defaults``' corun_slowdown (all_cores_slowdown). A usage error names the bad value."""
     if warm < 0:
@@ -86,7 +87,7 @@ def make_setting(corun: str | None, client: str, warm: int, noise_correlation: f
             "all_cores_slowdown": (parse_kinds(all_cores) if all_cores is not None
                                    else dict(defaults["all_cores_slowdown"])),
             "client_cpu": client == "yes", "warm_requests": warm, "noise_correlation": noise_correlation,
-            "speed": speed}
+            "speed": speed, "team_waits": team == "yes"}
 
 
 def profile_checks(workload: dict, spread: float) -> dict:
@@ -169,6 +170,9 @@ def main() -> None:
     parser.add_argument("--a-all-cores", default="",
                         help="all_cores_slowdown of A (one instance on every core), e.g. prefills=0.18; default none")
     parser.add_argument("--b-all-cores", help="default: the replay's DEFAULT_ALL_CORES_SLOWDOWN")
+    parser.add_argument("--a-team", choices=("yes", "no"), default="no",
+                        help="SimSetup.team_waits in A (one instance on every core waits for its slowest thread)")
+    parser.add_argument("--b-team", choices=("yes", "no"), default="yes")
     parser.add_argument("--a-client", choices=("yes", "no"), default="yes",
                         help="replay the bench client's CPU as a load of its own in A")
     parser.add_argument("--a-warm", type=int, default=0, help="warm-up requests of each replay in A")
@@ -210,11 +214,11 @@ def main() -> None:
                 "noise_correlation": DEFAULT_NOISE_CORRELATION}
     settings = {
         "A": make_setting(args.a_corun, args.a_client, args.a_warm, args.a_noise_correlation, defaults, args.a_speed,
-                          args.a_all_cores),
+                          args.a_all_cores, args.a_team),
         "B": make_setting(args.b_corun, args.b_client,
                           defaults["warm_requests"] if args.b_warm is None else args.b_warm,
                           defaults["noise_correlation"] if args.b_noise_correlation is None
-                          else args.b_noise_correlation, defaults, args.b_speed, args.b_all_cores)}
+                          else args.b_noise_correlation, defaults, args.b_speed, args.b_all_cores, args.b_team)}
     runs = []
     for path in args.runs:
         try:
@@ -277,7 +281,7 @@ def main() -> None:
                 setup = replace(base, corun_slowdown=setting["corun_slowdown"],
                                 all_cores_slowdown=setting["all_cores_slowdown"],
                                 warm_requests=setting["warm_requests"],
-                                noise_correlation=setting["noise_correlation"],
+                                noise_correlation=setting["noise_correlation"], team_waits=setting["team_waits"],
                                 client_seconds=w["client_cpu_seconds_per_request"] if setting["client_cpu"] else 0.0)
                 each = []
                 for at in speeds if isinstance(speeds, list) else [speeds]:  # a speed sample: the mean
@@ -305,7 +309,8 @@ def main() -> None:
         setting = settings[label]
         console.print(f"{label} (corun {setting['corun_slowdown']}, client CPU "
                       f"{'replayed' if setting['client_cpu'] else 'not replayed'}, {setting['warm_requests']} "
-                      f"warm-up requests, noise correlation {setting['noise_correlation']:g}"
+                      f"warm-up requests, noise correlation {setting['noise_correlation']:g}, "
+                      f"{'a team that waits' if setting['team_waits'] else 'threads sharing the cores'}"
                       f"{', at the ' + setting['speed'] if args.at == 'profile' else ''}): "
                       f"mean error {100 * s['mean']:+.1f}%, median {100 * s['median']:+.1f}%, mean absolute "
                       f"{100 * s['mean_abs']:.1f}%, within 15% {s['within_15pct']} of {s['rounds']}", highlight=False)

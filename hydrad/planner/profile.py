@@ -138,6 +138,9 @@ class MachineOptions:
     borrow_efficiency: float = DEFAULT_BORROW_EFFICIENCY
     corun_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_CORUN_SLOWDOWN))
     all_cores_slowdown: dict = field(default_factory=lambda: dict(DEFAULT_ALL_CORES_SLOWDOWN))
+    # One instance on every core replayed as a team that waits for its slowest thread
+    # (``SimSetup.team_waits``).
+    team_waits: bool = True
     # CPU seconds per request of clients on the same cores (``SimSetup.client_seconds``).
     client_seconds: float = 0.0
     warm_requests: int = DEFAULT_WARM_REQUESTS
@@ -268,7 +271,7 @@ def machine_setup(config: EngineConfig, devices: Devices, options: MachineOption
             prefill_after_encode=not config.parallel.dual_streams_on("cpu" if devices.is_cpu else "cuda"),
             borrow_efficiency=options.borrow_efficiency,
             corun_slowdown=dict(options.corun_slowdown), all_cores_slowdown=dict(options.all_cores_slowdown),
-            client_seconds=options.client_seconds,
+            team_waits=options.team_waits, client_seconds=options.client_seconds,
             warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, speed_basis=basis,
             speed_sample=tuple(sample) if options.average_speeds and devices.is_cpu else (),
         )
@@ -468,7 +471,8 @@ class Profile:
                                  for c in self.setup.speed_sample],
                 "step_noise": self.setup.step_noise, "borrow_efficiency": self.setup.borrow_efficiency,
                 "corun_slowdown": dict(self.setup.corun_slowdown),
-                "all_cores_slowdown": dict(self.setup.all_cores_slowdown), "client_seconds": self.setup.client_seconds,
+                "all_cores_slowdown": dict(self.setup.all_cores_slowdown), "team_waits": self.setup.team_waits,
+                "client_seconds": self.setup.client_seconds,
                 "bandwidth_bytes_per_s": self.setup.bandwidth, "message_seconds": self.setup.message_seconds,
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,

@@ -172,7 +172,7 @@ def live_setup(config: EngineConfig, instances: Sequence[InstanceFacts], *, is_c
         fill_by_model=config.scheduler.derive_budgets, processor_threads=options.processor_threads,
         prefill_after_encode=not config.parallel.dual_streams_on("cpu" if is_cpu else "cuda"),
         borrow_efficiency=options.borrow_efficiency, corun_slowdown=dict(options.corun_slowdown),
-        all_cores_slowdown=dict(options.all_cores_slowdown),
+        all_cores_slowdown=dict(options.all_cores_slowdown), team_waits=options.team_waits,
         warm_requests=options.warm_requests, noise_correlation=options.noise_correlation, **extra,
     )
     # The machine as the workers measured it on their own steps: a replay at speed 1 would

@@ -168,6 +168,12 @@ class SimSetup:
     # each operation's end (a one-thread step beside them only shares a core). Applied
     # instead of ``corun_slowdown``, which such an instance never meets.
     all_cores_slowdown: dict[str, float] = field(default_factory=dict)
+    # CPU: how an instance whose threads take every core slows while more threads want the
+    # cores than there are (the Request Processor's, the clients', another step's): True, as a
+    # team that waits for its slowest thread at each operation's end (each thread's worth of
+    # extra load stretches the whole step: 1 + extra); False, as threads that share the cores
+    # evenly (load / cores).
+    team_waits: bool = False
     # CPU: seconds of CPU the clients spend per request on the same cores (a benchmark's
     # client on the measured machine, ``BenchResult.client_cpu_per_request``; 0: clients run
     # elsewhere, as in production). Taken as a steady load of this times the replay's
@@ -316,9 +322,10 @@ class SimInstance:
         self.run_models = {n: setup.at_speed(m, n) for n, m in self.models.items()}
         self.step_threads = threads.own  # of the step under way, or the last one
         self.model = self.models[threads.own]
-        # Its own threads take every core: each step slows by this (``SimSetup.all_cores_slowdown``).
-        self.all_cores_slowdown = (setup.all_cores_slowdown if setup.cores is not None and 1 < setup.cores <= threads.own
-                                   else {})
+        # Its own threads take every core: each step slows by this (``SimSetup.all_cores_slowdown``),
+        # and as a team while other threads want the cores (``SimSetup.team_waits``).
+        self.whole_machine = setup.cores is not None and 1 < setup.cores <= threads.own
+        self.all_cores_slowdown = setup.all_cores_slowdown if self.whole_machine else {}
         self.scheduler = Scheduler(setup.scheduler, kv, images, setup.max_model_len, role=role,
                                    clock=lambda: sim.now, replay_cached=True,
                                    prefill_after_encode=setup.prefill_after_encode)
@@ -676,6 +683,8 @@ class Simulation:
             return alone
         busy = sum(s.threads for s in self.steps.values() if s is not step)
         load = threads + busy + step.processor + self._client_threads
+        if self.setup.team_waits and step.instance.whole_machine:
+            return alone * (1.0 + max(0.0, load - cores)) * (step.corun if busy else 1.0)
         return alone * max(1.0, load / cores) * (step.corun if busy else 1.0)
 
     def _processor_share(self, start: float, end: float) -> float:

@@ -34,7 +34,8 @@ def test_a_setting_takes_its_defaults_and_rejects_bad_values_in_one_line(script)
     defaults = {"corun_slowdown": {"images": 0.14}, "all_cores_slowdown": {"prefills": 0.18}}
     assert script.make_setting(None, "no", 32, 0.0, defaults) == {
         "corun_slowdown": {"images": 0.14}, "all_cores_slowdown": {"prefills": 0.18}, "client_cpu": False,
-        "warm_requests": 32, "noise_correlation": 0.0, "speed": "check"}
+        "warm_requests": 32, "noise_correlation": 0.0, "speed": "check", "team_waits": False}
+    assert script.make_setting(None, "no", 0, 0.0, defaults, team="yes")["team_waits"] is True
     assert script.make_setting("decodes=0.1", "yes", 0, 0.6, defaults)["corun_slowdown"] == {"decodes": 0.1}
     assert script.make_setting(None, "no", 0, 0.0, defaults, all_cores="")["all_cores_slowdown"] == {}
     with pytest.raises(SystemExit, match="warm-up requests must be >= 0, got -1"):

@@ -406,6 +406,25 @@ def test_the_request_processor_takes_its_cpu_from_the_instances_steps():
     assert r0.ttft == pytest.approx(0.01 + 0.11)
 
 
+def test_an_instance_on_every_core_waits_for_the_thread_that_shares_its_core():
+    # As above, replayed as a team of threads that waits for its slowest at every operation
+    # (``team_waits``): while the processor takes one of the two cores, the step goes at the
+    # speed of the thread left half a core, 110 ms + 50 ms; clients' steady 0.2 threads
+    # stretch every step by 1.2x, not 1.1x.
+    reqs = [SimRequest(0.0, 100, 1, preprocess=0.01), SimRequest(0.02, 10, 1, preprocess=0.05)]
+    r0, r1 = run(make_setup(cores=2, threads=2, team_waits=True), ["EPD"], reqs).requests
+    assert r0.ttft == pytest.approx(0.01 + 0.11 + 0.05)
+    assert r1.ttft == pytest.approx(0.17 + 0.02 - 0.02)
+    spaced = [SimRequest(0.0, 100, 1), SimRequest(0.5, 100, 1)]
+    for r in run(make_setup(cores=2, threads=2, client_seconds=0.1, team_waits=True), ["EPD"], spaced).requests:
+        assert r.ttft == pytest.approx(0.11 * 1.2)
+    # Instances of one thread each on the two cores share them as before: the processor's
+    # thread is a third beside two (each step (1 + 1 + 1) / 2 = 1.5x while it runs).
+    fluid = run(make_setup(cores=2, threads=1, bandwidth=1e15), ["EP", "D"], reqs).requests
+    team = run(make_setup(cores=2, threads=1, team_waits=True, bandwidth=1e15), ["EP", "D"], reqs).requests
+    assert [r.ttft for r in team] == pytest.approx([r.ttft for r in fluid])
+
+
 def test_clients_on_the_same_cores_take_their_cpu_from_every_step():
     # One instance of two threads on two cores; two requests 0.5 s apart (2 req/s over the
     # trace) and clients that spend 0.1 s of CPU per request: a steady 0.2 threads, so every
