@@ -33,6 +33,7 @@ import itertools
 import logging
 import math
 import multiprocessing
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -154,6 +155,10 @@ class Planner:
         self.seed = seed
         self.num_replays = 0
         self.has_images = sum(1 for s in workload.shapes if s.images) / len(workload)
+        # The most requests a second the Request Processor prepares: no deployment serves more.
+        service = statistics.fmean(s.preprocess for s in workload.shapes)
+        threads = setup.processor_threads
+        self.processor_rate = threads / service if threads and service > 0 else math.inf
         # At the machine's speed now: what a stage takes, not what the workers fill steps by.
         model = setup.at_speed(setup.model, setup.threads)
         self.costs = {role: stage_costs(model, role, workload, setup.slo, setup.scheduler)
@@ -207,8 +212,8 @@ class Planner:
             needed = math.ceil(x * self.slo_ttft * rate)
             grown = min(self.max_requests, max(self.num_requests, needed))
             if grown > self.num_requests:
-                logger.info("replaying %d requests per rate, not %d: the best capacity bound, %.3g req/s, is past "
-                            "what %d tell", grown, self.num_requests, rate, self.num_requests)
+                logger.info("replaying %d requests per rate, not %d: the best deployments may serve up to %.3g "
+                            "req/s, past what %d tell", grown, self.num_requests, rate, self.num_requests)
                 self.num_requests = grown
         return self.num_requests
 
@@ -285,8 +290,8 @@ class Planner:
         for method, roles in a2.items():
             evaluations.setdefault(roles, Evaluation(roles, self.bound(roles))).methods.append(method)
         order = sorted(evaluations.values(), key=lambda e: -e.bound.rate)
-        if order:
-            self.fit_requests(order[0].bound.rate)
+        if order:  # as many requests as tell the best bound, or the Request Processor's rate below it
+            self.fit_requests(min(order[0].bound.rate, self.processor_rate))
         top: list[Evaluation] = []  # the best so far, best first
         keep = max(1, top_k)
         for done, ev in enumerate(order):

@@ -58,11 +58,14 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     ranking = profile["ranking"]
     assert ranking and ranking[0]["deploy"] == profile["pick"]
     goodputs = [r["goodput_rps"] for r in ranking]
-    assert goodputs == sorted(goodputs, reverse=True) and goodputs[0] > 0
+    # Best first; those within the bisection's 5% of the replay's ceiling rank as equals (by bound).
+    ceiling = profile["num_requests"] / (3 * 2.0)
+    ranked = [min(g, ceiling) if g < 0.95 * ceiling else ceiling for g in goodputs]
+    assert ranked == sorted(ranked, reverse=True) and goodputs[0] > 0
     # The tiny model's capacity bounds (thousands of req/s) are past what 300 requests a replay
     # tell: the search replays the most it may, and finds the best at that ceiling still.
-    assert profile["num_requests"] == 2400 and ranking[0]["bound_rps"] > 2400 / (3 * 2.0)
-    assert goodputs[0] == pytest.approx(2400 / (3 * 2.0), rel=0.05)
+    assert profile["num_requests"] == 2400 and ranking[0]["bound_rps"] > ceiling
+    assert goodputs[0] == pytest.approx(ceiling, rel=0.05)
     assert set(profile["algorithm2"]["candidates"]) == {"EP+D", "ED+P"}
     # The speed the machine runs the model's probes at now (at one thread, and at the borrowers' count).
     speeds = profile["machine"]["speed_vs_latency_model"]

@@ -3,7 +3,9 @@ stage shares, capacity bounds against long replays, and pruning that never drops
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -237,3 +239,21 @@ def test_a_search_that_may_replay_more_requests_tells_apart_deployments_at_the_c
     assert capped.num_requests == 30
     kept = planner(num_requests=500, max_requests=2000)
     assert kept.fit_requests(0.1) == 500
+
+
+def test_a_search_replays_no_more_requests_than_the_request_processor_can_prepare_tells_apart():
+    # A model 50x as fast: the best deployments of three are bound past 600 req/s; the Request
+    # Processor prepares one request at a time, 10 ms each (the trace's): 100 req/s at most.
+    fast = LatencyModel(**{name: getattr(MODEL, name) / 50 for name in (
+        "v_fixed", "v_image", "l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")}, overlap=MODEL.overlap)
+    setup = SimSetup(fast, {r: InstanceLayout(4096, 256) for r in ROLE_ORDER}, 16, 256, 16384, 524288, 2048,
+                     SchedulerConfig(), SLOConfig(ttft=2.0, tbt=0.1), message_seconds=0.002)
+    p = Planner(setup, workload(), slo_ttft=2.0, slo_tbt=0.1, num_requests=20, max_requests=2400)
+    assert p.processor_rate == pytest.approx(100.0)
+    assert max(p.bound(roles).rate for roles in deployments(3)) > 600
+    # (What the search replays does not matter here: every rate fails, nothing is described.)
+    p.passes, p.describe = (lambda ev, rate: False), (lambda ev: None)
+    p.search(3, top_k=1)  # as many as tell 100 req/s: ceil((3 x 1.1 / 0.95 + 1 / 0.9) x 2 s x 100)
+    assert p.num_requests == 917
+    unqueued = Planner(dataclasses.replace(setup, processor_threads=None), workload(), slo_ttft=2.0, slo_tbt=0.1)
+    assert unqueued.processor_rate == math.inf
