@@ -47,7 +47,7 @@ from hydrad.engine.latency_model import (
     role_parts,
 )
 from hydrad.engine.request import Request
-from hydrad.errors import ConfigError
+from hydrad.errors import ConfigError, HydradError
 from hydrad.models.linear import packing_supported
 from hydrad.sampling_params import SamplingParams
 
@@ -75,6 +75,10 @@ _MAX_PROBE_IMAGES = 8
 class NoProbeRoom(ConfigError):
     """The pools hold no room for the probes. On an idle engine the pools are too small; on a
     busy one (a live redeploy) the requests in them hold it, and it comes back as they finish."""
+
+
+class ProbingElsewhere(HydradError):
+    """Another worker is timing its probes on these cores (``probing``, not blocking)."""
 
 
 @dataclass(frozen=True)
@@ -493,14 +497,15 @@ def measure_bandwidth(engine, *, repeats: int = 5) -> float:
 
 # -- fit ---------------------------------------------------------------------------------------
 def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], float] | None = None,
-                      show_progress: bool = True, allow_busy: bool = False) -> LatencyModel:
+                      show_progress: bool = True, allow_busy: bool = False, block: bool = True) -> LatencyModel:
     """The latency model of ``engine``'s instance, from the disk cache unless ``force`` or
-    absent. ``timer(probe) -> seconds`` replaces measuring on the engine."""
+    absent. ``timer(probe) -> seconds`` replaces measuring on the engine. ``block``: wait
+    while another worker probes on these cores (else ``ProbingElsewhere``)."""
     key = cache_key(engine)
     path = cache_path(key)
     if not force and timer is None and (known := _known(engine, key, path)) is not None:
         return known
-    with probing(engine.device if timer is None else None):
+    with probing(engine.device if timer is None else None, block=block):
         # Another worker may have measured it while this one waited.
         if not force and timer is None and (known := _known(engine, key, path)) is not None:
             return known
@@ -521,9 +526,10 @@ def _known(engine, key: dict, path: Path) -> LatencyModel | None:
 
 
 @contextmanager
-def probing(device: torch.device | None) -> Iterator[None]:
+def probing(device: torch.device | None, block: bool = True) -> Iterator[None]:
     """Probes on a CPU run one worker at a time (a file lock in the cache): workers that share
-    the cores would otherwise time each other's probes, not their own."""
+    the cores would otherwise time each other's probes, not their own. ``block``: wait for
+    the lock, else raise ``ProbingElsewhere`` where another worker holds it."""
     if device is None or device.type != "cpu":
         yield
         return
@@ -540,7 +546,10 @@ def probing(device: torch.device | None) -> Iterator[None]:
         yield
         return
     with f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise ProbingElsewhere("another worker is measuring its latency model on these cores") from None
         try:
             yield
         finally:

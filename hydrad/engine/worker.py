@@ -154,11 +154,12 @@ class StepThreads:
         self._torch_threads: int | None = None  # what torch runs on now
         self._hooks: list = []
 
-    def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True):
+    def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True, block: bool = True):
         """Measure (or load) the latency models of ``role`` at every count it steps on (from
         now on on ``threads``, when given), and fill steps by them. Returns the model at its
         own share, the bound, and the model while borrowing (None: it never borrows). On an
-        error nothing changed."""
+        error nothing changed. ``block``: wait for another worker's probes on these cores to
+        end (else ``profiler.ProbingElsewhere``)."""
         threads = self.lending.usable(threads or self.lending.threads)
         own, most = threads.own, threads.most
         models, bound = {}, None
@@ -173,7 +174,7 @@ class StepThreads:
                 # that take every core.
                 for n in sorted({own, most}):
                     self._set_torch_threads(n)
-                    models[n] = fit_latency_model(self.engine, allow_busy=allow_busy)
+                    models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
                 bound = latency_bound(self.engine.config.slo, role)
         except BaseException:
             self._hook_layers()  # as they were
@@ -247,30 +248,37 @@ class StepThreads:
 
 
 class _PendingReconfigure:
-    """A ``Reconfigure`` whose latency models wait for room in the pools: the requests of a
-    busy instance may hold every block its probes need (an EP instance's image cache full of
-    images waiting to be prefilled). It is tried again between steps, every
-    ``RECONFIGURE_RETRY_SECONDS`` where the pools have more room than at the last try, until
-    they have enough or ``msg.wait`` has passed."""
+    """A ``Reconfigure`` whose latency models wait: for room in the pools (the requests of a
+    busy instance may hold every block its probes need, an EP instance's image cache full of
+    images waiting to be prefilled), or for another worker's probes on the same cores to end
+    (``profiler.probing``). A busy instance keeps serving meanwhile; it tries again between
+    steps, every ``RECONFIGURE_RETRY_SECONDS`` (for room, once the pools have more than at the
+    last try), until it can or ``msg.wait`` has passed."""
 
-    def __init__(self, msg: Reconfigure, engine, start: float):
+    def __init__(self, msg: Reconfigure, start: float):
         self.msg, self.start = msg, start
-        self.next_try = start + RECONFIGURE_RETRY_SECONDS
-        self.room = _room(engine)
+        self.next_try = start
+        self.waits_for: str | None = None  # "room" or "probes"
+        self.room = (0, 0)
 
     def due(self, engine, now: float) -> bool:
         if now < self.next_try:
             return False
-        if now - self.start >= self.msg.wait:
-            return True  # answered with the error
+        if now - self.start >= self.msg.wait or self.waits_for != "room":
+            return True  # answered with the error, or the other worker's probes may be over
         return any(free > before for free, before in zip(_room(engine), self.room))
 
     def answer(self, engine, step_threads: StepThreads, now: float) -> Reconfigured | None:
         """The answer, or None while it may still wait."""
-        may_wait = now - self.start < self.msg.wait
+        may_wait = now - self.start < self.msg.wait and engine.has_unfinished_requests()
         answer = _reconfigure(engine, step_threads, self.msg.role, self.msg.threads, self.start, may_wait)
-        self.next_try, self.room = now + RECONFIGURE_RETRY_SECONDS, _room(engine)
-        return answer
+        if isinstance(answer, Reconfigured):
+            return answer
+        if self.waits_for != answer:
+            logger.info("taking on role %s: the latency models wait for %s", self.msg.role,
+                        "room in the pools" if answer == "room" else "another worker's probes to end")
+        self.waits_for, self.room, self.next_try = answer, _room(engine), now + RECONFIGURE_RETRY_SECONDS
+        return None
 
 
 def _room(engine) -> tuple[int, int]:
@@ -282,19 +290,19 @@ RECONFIGURE_RETRY_SECONDS = 0.2
 
 
 def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThreads | None, start: float,
-                 may_wait: bool = False) -> Reconfigured | None:
+                 may_wait: bool = False) -> Reconfigured | str:
     """Expand the instance to ``role`` (on ``threads`` from now on, when given) and give it
-    the latency models and bound of its new role. None: the pools of the busy instance have
-    no room for the probes yet, and ``may_wait`` (the stages taken on stay; a later call
-    measures the models)."""
-    from hydrad.engine.profiler import NoProbeRoom
+    the latency models and bound of its new role. With ``may_wait``, what its models wait
+    for instead ("room" in the pools, another worker's "probes"; the stages taken on stay,
+    and a later call measures the models)."""
+    from hydrad.engine.profiler import NoProbeRoom, ProbingElsewhere
 
     try:
         new_role = engine.expand(role)
-        model, bound, borrow_model = step_threads.fit(new_role, threads)
-    except NoProbeRoom as e:
-        if may_wait and engine.has_unfinished_requests():
-            return None
+        model, bound, borrow_model = step_threads.fit(new_role, threads, block=not may_wait)
+    except (NoProbeRoom, ProbingElsewhere) as e:
+        if may_wait:
+            return "room" if isinstance(e, NoProbeRoom) else "probes"
         return _not_reconfigured(engine, role, start, e)
     except HydradError as e:
         return _not_reconfigured(engine, role, start, e)
@@ -377,14 +385,11 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 if ledger is not None:
                     ledger.release()
             elif isinstance(msg, Reconfigure):
-                reconfiguring = _PendingReconfigure(msg, engine, time.monotonic())
-                answer = _reconfigure(engine, step_threads, msg.role, msg.threads, reconfiguring.start,
-                                      may_wait=msg.wait > 0)
+                reconfiguring = _PendingReconfigure(msg, time.monotonic())
+                answer = reconfiguring.answer(engine, step_threads, reconfiguring.start)
                 if answer is not None:
                     conn.send(answer)
                     reconfiguring = None
-                else:
-                    logger.info("taking on role %s: the latency models wait for room in the pools", msg.role)
             elif isinstance(msg, Retire):
                 engine.retire(msg.stages)
                 retiring_since = time.monotonic()

@@ -13,7 +13,7 @@ from factories import RecordingSink
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.cores import CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
-from hydrad.engine.profiler import NoProbeRoom
+from hydrad.engine.profiler import NoProbeRoom, ProbingElsewhere
 from hydrad.engine.worker import run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
@@ -414,7 +414,7 @@ class ProbingThreads:
         self.lending = CoreLending(None, 0, CpuThreads(1))
         self.fits: list[int] = []  # free image blocks at each measurement that went through
 
-    def fit(self, role, threads=None):
+    def fit(self, role, threads=None, block=True):
         free = self.engine.image_manager.num_free_blocks
         if free == 0:
             raise NoProbeRoom("the image cache has 0 free blocks: not one image fits")
@@ -448,6 +448,45 @@ def test_a_reconfigure_waits_while_the_requests_in_flight_hold_the_room_its_prob
         assert answer.error == "the image cache has 0 free blocks: not one image fits" and threads.fits == []
         assert not finished and time.monotonic() - start >= wait
         assert "Traceback" not in caplog.text and "0 free blocks" in caplog.text
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+class LockedThreads(ProbingThreads):
+    """Step threads whose probes wait for another worker's until ``released``: a busy worker
+    must not block on them (``block=False``), an idle one may."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.released = threading.Event()
+        self.blocks: list[bool] = []
+
+    def fit(self, role, threads=None, block=True):
+        self.blocks.append(block)
+        if not block and not self.released.is_set():
+            raise ProbingElsewhere("another worker is measuring its latency model on these cores")
+        self.released.wait()
+        return "model", 0.1, None
+
+
+def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it():
+    engine = FullPoolEngine()
+    engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks: room is not the matter
+    threads = LockedThreads(engine)
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    conn.send(AddRequest(request("a", 1000)))
+    conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
+    tokens = 0
+    while tokens < 20:  # it keeps stepping while the other worker's probes last
+        msg = recv_until(conn, StepOutput)
+        tokens += len(msg.output.token_ids)
+    threads.released.set()
+    answer = recv_until(conn, Reconfigured)
+    assert answer.error is None and answer.latency_model == "model"
+    assert threads.blocks[0] is False and threads.blocks[-1] is False and len(threads.blocks) >= 2
     conn.send(Shutdown(finish_running=False))
     thread.join(5)
     assert not thread.is_alive()

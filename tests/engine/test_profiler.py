@@ -9,6 +9,7 @@ import statistics
 import time
 
 import pytest
+import torch
 
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SLOConfig
 from hydrad.engine.inputs import EngineRequest
@@ -219,6 +220,18 @@ def test_a_model_fitted_on_probes_cut_down_by_the_requests_in_flight_serves_but_
         assert (largest > 4 * 16) == cached  # cut to the 4 free blocks' 64 slots, or not
         assert bool(list(cache_dir.glob("*.json"))) == cached
     small.shutdown()
+
+
+def test_probes_wait_for_another_worker_s_unless_told_not_to(cache_dir):
+    from hydrad.engine.profiler import ProbingElsewhere, probing
+
+    cpu = torch.device("cpu")
+    with probing(cpu):  # another worker's probes (the lock is per open file: a second open contends)
+        with pytest.raises(ProbingElsewhere, match="another worker is measuring"):
+            with probing(cpu, block=False):
+                pass
+    with probing(cpu, block=False):  # free again
+        pass
 
 
 def test_cache_is_written_reused_and_keyed(engine, cache_dir):
