@@ -55,9 +55,10 @@ SLACK = 1.1
 SPAN = 3.0
 # The first step of a bracket started from a guess (``Planner.bisect``).
 GUESS_STEP = 1.15
-# ``--deploy auto`` and the re-planner replay up to this many requests per rate where fewer
-# cannot tell the best deployments apart (``Planner.fit_requests``: a fast machine's rates are
-# past what 300 requests tell at the TTFT bound, 300 / (3 TTFT) req/s).
+# ``--deploy auto``, the re-planner and ``hydractl profile`` (unless told a count) replay up to
+# this many requests per rate where fewer cannot tell the best deployments apart
+# (``Planner.fit_requests``: a fast machine's rates are past what 300 requests tell at the
+# TTFT bound, 300 / (3 TTFT) req/s).
 MAX_PLAN_REQUESTS = 2400
 
 logger = logging.getLogger("hydrad.planner")

@@ -14,7 +14,8 @@ enter through the cluster's real ``Router`` and move between instances through t
   cores), and by each kind of work's measured slowdown while another step runs on the
   other cores (``SimSetup.corun_slowdown``: shared caches and memory bandwidth), or, for
   an instance whose own threads take every core, at every step (``all_cores_slowdown``:
-  its threads wait for the one the daemon or a client took a core from). Each
+  its threads wait for the one the daemon or a client took a core from), and while the
+  Request Processor or the clients want a core, by all of it (``team_waits``). Each
   CPU instance runs on the threads the live deployment gives it, with its model at that
   count: its share, and an instance that borrows idle cores more while the
   instances it borrows from have no work and no message on its way (``engine.cores``;

@@ -83,7 +83,8 @@ class Reconfigure:
     ``threads``: a CPU instance's torch threads from now on (``engine.cores.CpuThreads``:
     its share of the cores and what it borrows change with the deployment). ``wait``: seconds
     a busy instance may keep serving while its pools have no room to measure the latency
-    models of the new role or threads in (0: answer at once)."""
+    models of the new role or threads in, or another worker is measuring on the same cores
+    (0: answer at once)."""
 
     role: str
     threads: CpuThreads | None = None
