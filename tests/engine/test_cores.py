@@ -93,7 +93,7 @@ def test_a_borrowing_worker_steps_on_the_threads_and_model_of_the_moment(monkeyp
     from hydrad.engine.worker import StepThreads
 
     monkeypatch.setattr(profiler, "fit_latency_model",
-                        lambda engine, allow_busy: f"model at {torch.get_num_threads()} threads")
+                        lambda engine, allow_busy, block: f"model at {torch.get_num_threads()} threads")
     used = []
     engine = SimpleNamespace(
         device=torch.device("cpu"), role="EP",
@@ -134,7 +134,7 @@ def test_a_borrowing_step_follows_its_lenders_within_the_step(monkeypatch):
     from hydrad.engine.worker import StepThreads
 
     monkeypatch.setattr(profiler, "fit_latency_model",
-                        lambda engine, allow_busy: f"model at {torch.get_num_threads()} threads")
+                        lambda engine, allow_busy, block: f"model at {torch.get_num_threads()} threads")
     board = CoreBoard.new()
     lender = CoreLending(board, 1, T(1))
     seen = []
