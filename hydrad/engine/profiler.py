@@ -376,21 +376,21 @@ def engine_limits(engine, images: list[ImageInput] = (), *, idle: bool = False) 
     """How large a probe ``engine`` holds now (``idle``: with nothing in its pools);
     ``images``: its probe images (those that do not fit the image cache are left out)."""
     kv, image_pool = engine.kv_manager, engine.image_manager
-    free = (lambda pool: pool.num_blocks) if idle else (lambda pool: pool.num_free_blocks)
+    room = (lambda pool: pool.num_blocks) if idle else (lambda pool: pool.num_free_blocks)
     kinds = ()
     has_language = "P" in engine.role or "D" in engine.role
     if "E" in engine.role:
         kinds = tuple(sorted({(image.num_patches, image.length) for image in images
-                              if image_pool.num_blocks_for(image.length) <= free(image_pool)}))
+                              if image_pool.num_blocks_for(image.length) <= room(image_pool)}))
         if not kinds:
-            raise NoProbeRoom(f"the image cache has {free(image_pool)} free blocks: not one image fits")
-    if has_language and free(kv) == 0:
+            raise NoProbeRoom(f"the image cache has {room(image_pool)} free blocks: not one image fits")
+    if has_language and room(kv) == 0:
         raise NoProbeRoom("the KV cache has no free block: not one decode fits")
     return Limits(
         images=kinds,
-        image_blocks=free(image_pool) if image_pool is not None else 0,
+        image_blocks=room(image_pool) if image_pool is not None else 0,
         image_block_size=image_pool.block_size if image_pool is not None else 1,
-        kv_tokens=free(kv) * kv.block_size if has_language else 0,
+        kv_tokens=room(kv) * kv.block_size if has_language else 0,
         max_model_len=engine.max_model_len,
         max_seqs=max(engine.config.scheduler.max_num_seqs, 64),
         block_size=kv.block_size if kv is not None else 16,

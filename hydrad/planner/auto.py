@@ -245,9 +245,8 @@ def choose_deployment(config, trace_path: str | None = None) -> Choice:
     source = Path(trace_path) if trace_path else config.trace.directory
     model = Path(config.engine.model.path).name
     if num_devices == 1:
-        if cores:
-            return Choice("1EPD", f"one EPD instance: {memory_shortfall(config.engine, 2, config.engine.model.path)}",
-                          requested)
+        if cores:  # two workers would not fit in memory
+            return fallback(f"one EPD instance: {memory_shortfall(config.engine, 2, config.engine.model.path)}")
         return Choice("1EPD", "one device: one EPD instance", requested)
     if (no_room := shared_memory_error(config.engine.cache, devices)) is not None:
         # Every other deployment moves requests between instances, their pools in /dev/shm.

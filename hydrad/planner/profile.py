@@ -582,7 +582,7 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
     profile = run_profile(records, config, devices, slo_ttft=slo.ttft, slo_tbt=slo.tbt, top_k=1,
                           num_requests=num_requests, options=options, show_progress=True, also=(default,),
                           probe=None if probe is None else probe.for_devices(devices),
-                          max_requests=max(num_requests, MAX_PLAN_REQUESTS))
+                          max_requests=MAX_PLAN_REQUESTS)
     best = profile.result.best
     baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
     ceiling = 0.95 * profile.planner.max_rate

@@ -200,7 +200,7 @@ def rank_window(trace_dir: str | Path, model: str, since: float, setup, current:
         return Ranking(len(records))
     workload = Workload.from_records(records)
     planner = Planner(setup, workload, slo_ttft=slo_ttft, slo_tbt=slo_tbt, num_requests=num_requests,
-                      arrivals="trace", seed=seed, max_requests=max(num_requests, MAX_PLAN_REQUESTS))
+                      arrivals="trace", seed=seed, max_requests=MAX_PLAN_REQUESTS)
     result = planner.search(len(current), top_k=1)
     best = result.best
     roles = canonical(current)

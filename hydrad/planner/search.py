@@ -143,7 +143,8 @@ class Planner:
                  num_requests: int = 200, arrivals: str = "trace", rel_tol: float = 0.05, seed: int = 0,
                  max_requests: int | None = None):
         """``max_requests``: a search may replay up to this many requests where
-        ``num_requests`` cannot tell its best deployments apart (``fit_requests``)."""
+        ``num_requests`` cannot tell its best deployments apart (``fit_requests``; never
+        fewer than ``num_requests``)."""
         if not 0 < rel_tol < 1:
             raise ValueError(f"rel_tol must be in (0, 1), got {rel_tol}")
         self.setup = setup

@@ -14,7 +14,7 @@ from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.cores import CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.profiler import NoProbeRoom, ProbingElsewhere
-from hydrad.engine.worker import run_worker
+from hydrad.engine.worker import StepThreads, run_worker
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SamplingParams
 from hydrad.cluster.worker_client import WorkerClient, WorkerLost
@@ -406,12 +406,12 @@ class FullPoolEngine(FakeEngine):
         return None
 
 
-class ProbingThreads:
-    """Step threads whose latency models are measured only where a probe image fits."""
+class ProbingThreads(StepThreads):
+    """The worker's step threads (one thread, nothing borrowed), with latency models
+    measured only where a probe image fits."""
 
     def __init__(self, engine: FullPoolEngine):
-        self.engine = engine
-        self.lending = CoreLending(None, 0, CpuThreads(1))
+        super().__init__(engine, CoreLending(None, 0, CpuThreads(1)))
         self.fits: list[int] = []  # free image blocks at each measurement that went through
 
     def fit(self, role, threads=None, block=True):
@@ -420,9 +420,6 @@ class ProbingThreads:
             raise NoProbeRoom("the image cache has 0 free blocks: not one image fits")
         self.fits.append(free)
         return "model", 0.1, None
-
-    def before_step(self) -> None:
-        pass
 
 
 @pytest.mark.parametrize("wait", [0.0, 0.5, 30.0])

@@ -226,12 +226,15 @@ def test_probes_wait_for_another_worker_s_unless_told_not_to(cache_dir):
     from hydrad.engine.profiler import ProbingElsewhere, probing
 
     cpu = torch.device("cpu")
+
+    def probe_without_waiting() -> bool:
+        with probing(cpu, block=False):
+            return True
+
     with probing(cpu):  # another worker's probes (the lock is per open file: a second open contends)
         with pytest.raises(ProbingElsewhere, match="another worker is measuring"):
-            with probing(cpu, block=False):
-                pass
-    with probing(cpu, block=False):  # free again
-        pass
+            probe_without_waiting()
+    assert probe_without_waiting()  # free again
 
 
 def test_cache_is_written_reused_and_keyed(engine, cache_dir):

@@ -239,6 +239,7 @@ def test_a_search_that_may_replay_more_requests_tells_apart_deployments_at_the_c
     assert capped.num_requests == 30
     kept = planner(num_requests=500, max_requests=2000)
     assert kept.fit_requests(0.1) == 500
+    assert planner(num_requests=3000, max_requests=2400).fit_requests(1e4) == 3000  # more asked than the cap
 
 
 def test_a_search_replays_no_more_requests_than_the_request_processor_can_prepare_tells_apart():
