@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--slo-ttft", type=float, default=60.0)
     parser.add_argument("--slo-tbt", type=float, default=5.0)
     parser.add_argument("--out")
+    parser.add_argument("--log", help="keep the daemon's log here (default: a temporary folder's, removed)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -170,7 +171,8 @@ def main() -> None:
         config.write_text(f"[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n[scheduler]\nmax_num_seqs = 1024\n")
         print(f"starting hydrad {args.devices} {args.chain[0]}", flush=True)
         daemon = Daemon(["--model", model, "--config", str(config), "--devices", args.devices,
-                         "--deploy", args.chain[0]], tmp / "hydrad.log", timeout=600)
+                         "--deploy", args.chain[0]], Path(args.log) if args.log else tmp / "hydrad.log",
+                        timeout=600)
         try:
             records, switches = asyncio.run(drive(daemon.url, args, []))
         finally:

@@ -166,7 +166,9 @@ def _model_line(i: dict) -> str:
                if (c := i.get("latency_calibration")) and abs(c - 1.0) > 0.005 else "")
             + (f"; its steps run {_speed(i['live_speed'])} their prediction" if i.get("live_speed") else "")
             + f"; {i['latency_model']}"
-            + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else ""))
+            + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else
+               "; on borrowed cores: the same (theirs is measured at the next start)" if i.get("borrowed_threads")
+               else ""))
 
 
 def _usage(instance: dict) -> str:

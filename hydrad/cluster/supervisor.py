@@ -385,11 +385,11 @@ class Supervisor:
     async def _reconfiguring(self, calls: dict[int, Awaitable[Reconfigured]], what: str,
                              say: Callable[[str], None]) -> list[Reconfigured]:
         """The answers to ``Reconfigure`` calls by instance; every ``HANDOVER_REPORT_SECONDS``
-        meanwhile, one line on those still measuring their latency models (a busy instance
-        measures once its requests leave room in its pools for the probes)."""
+        meanwhile, one line on those still measuring their latency models (between their
+        steps, each probe once the requests leave room in the pools for it)."""
         return await _reporting(calls, lambda seconds, pending: (
             f"{what} for {seconds:.0f} s: " + ", ".join(f"#{i}" for i in pending)
-            + " measuring latency models (on a busy instance, once its requests leave room for the probes)"), say)
+            + " measuring latency models (between their steps, serving)"), say)
 
     async def _share_cores(self, say: Callable[[str], None]) -> None:
         """Give each CPU instance the threads of its role in the new deployment (its share,

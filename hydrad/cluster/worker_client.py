@@ -181,8 +181,8 @@ class WorkerClient:
 
     async def reconfigure(self, role: str, timeout: float, threads: CpuThreads | None = None) -> Reconfigured:
         """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``); ``threads``: run on
-        these from now on (``engine.cores``). A busy worker waits up to half of ``timeout`` for
-        room in its pools to measure its latency models in."""
+        these from now on (``engine.cores``). The worker measures the latency models it has
+        not cached between its steps, within half of ``timeout`` (``Reconfigure.wait``)."""
         self._reconfigured = self._loop.create_future()
         self._send(Reconfigure(role, threads, wait=timeout / 2))
         return await asyncio.wait_for(self._reconfigured, timeout)

@@ -36,6 +36,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydrad.errors import HydradError
+
 logger = logging.getLogger("hydrad.worker")
 
 
@@ -163,6 +165,10 @@ class CoreBoard:
         return bool(self.flags[instance_id])
 
 
+class LendersBusy(HydradError):
+    """A borrower's probes at its borrowed count wait: a lender has work on those cores."""
+
+
 class CoreLending:
     """A worker's part in lending cores: it publishes whether it has work, and a borrower
     asks how many threads it may run its next step on."""
@@ -187,9 +193,11 @@ class CoreLending:
 
     def threads_now(self) -> int:
         t = self.threads
-        if not t.borrow or any(self.board.flags[i] for i in t.lenders):
-            return t.own
-        return t.most
+        return t.most if t.borrow and self.lenders_idle(t) else t.own
+
+    def lenders_idle(self, threads: CpuThreads) -> bool:
+        """Whether every instance ``threads`` borrows from is idle now."""
+        return self.board is not None and not any(self.board.flags[i] for i in threads.lenders)
 
     def set(self, threads: CpuThreads) -> None:
         """The deployment changed: lend and borrow as ``threads`` says from now on."""

@@ -28,7 +28,7 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,13 +271,29 @@ class EngineTimer:
         self.images = {(image.num_patches, image.length): image for image in images}
 
     def __call__(self, probe: Probe) -> float:
+        """The probe's median time over a warm-up run and ``repeats`` or more timed ones."""
+        return self._time(probe, self._median_seconds)
+
+    def once(self, probe: Probe) -> float:
+        """One run's time, on blocks borrowed for it alone (``_ProbeTurns`` runs a long
+        probe's runs between a busy instance's steps)."""
+        return self._time(probe, self._seconds)
+
+    def more(self, times: list[float]) -> bool:
+        """Whether a probe timed ``times`` (after its warm-up) wants another run: at least
+        ``repeats``, and a fast one more often (up to ``_MAX_REPEATS``, until ``_MIN_TIMED``
+        seconds were timed), so that one run slowed by the machine cannot move a millisecond
+        probe's median."""
+        return len(times) < self.repeats or (sum(times) < _MIN_TIMED and len(times) < _MAX_REPEATS)
+
+    def _time(self, probe: Probe, how: Callable[[Callable[[], object]], float]) -> float:
         used = self._num_used_blocks()
         with self._batch(probe) as (encodes, chunks):
             runner, streams = self.engine.runner, self.engine.streams
             vision = (lambda: runner.encode(encodes)) if encodes else None
             language = (lambda: runner.execute(chunks)) if chunks else None
             try:
-                seconds = self._median_seconds(lambda: streams.run(vision, language))
+                seconds = how(lambda: streams.run(vision, language))
             except torch.OutOfMemoryError:
                 # A batch the device cannot hold is over any bound.
                 torch.cuda.empty_cache()
@@ -291,19 +307,19 @@ class EngineTimer:
         return tuple(pool.num_used_blocks if pool is not None else 0 for pool in pools)
 
     def _median_seconds(self, run: Callable[[], object]) -> float:
-        """Median of at least ``repeats`` timed runs after a warm-up; a fast probe runs more
-        often (up to ``_MAX_REPEATS``, until ``_MIN_TIMED`` seconds), so that one run slowed by
-        the machine cannot move a millisecond probe's median."""
-        sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda device: None)
         run()
         times: list[float] = []
-        while len(times) < self.repeats or (sum(times) < _MIN_TIMED and len(times) < _MAX_REPEATS):
-            sync(self.engine.device)
-            start = time.perf_counter()
-            run()
-            sync(self.engine.device)
-            times.append(time.perf_counter() - start)
+        while self.more(times):
+            times.append(self._seconds(run))
         return statistics.median(times)
+
+    def _seconds(self, run: Callable[[], object]) -> float:
+        sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda device: None)
+        sync(self.engine.device)
+        start = time.perf_counter()
+        run()
+        sync(self.engine.device)
+        return time.perf_counter() - start
 
     def _request(self, name: str, num_prompt: int, num_output: int = 0, images=()) -> Request:
         token_ids = torch.randint(self.vocab_size, (num_prompt + num_output,), generator=self.generator).tolist()
@@ -512,6 +528,63 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
         return _measure(engine, key, path, timer, show_progress, allow_busy)
 
 
+# What a probe of a measurement in steps waits for: room in the pools (``NoProbeRoom``), or
+# the end of another worker's probes on these cores (``ProbingElsewhere``); None: a probe ran.
+Wait = HydradError | None
+
+
+def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = None, cache: bool = True
+                            ) -> Generator[Wait, None, LatencyModel]:
+    """``fit_latency_model`` a probe at a time, for a busy instance that serves between
+    probes (a live redeploy): its streams then wait for one probe between two steps, not for
+    all of them. Yields after each probe timed (None) or with what the next one waits for:
+    room in the pools that its requests hold (``NoProbeRoom``; the pools may also lack room
+    for the design itself), or the end of another worker's probes (``ProbingElsewhere``);
+    returns the model (stored in the cache where ``cache`` and the probes were not cut down).
+    Each probe takes the cores' probe lock for itself alone, so no call blocks. The caller
+    sets the thread count the model is for before each step."""
+    key = cache_key(engine)
+    path = cache_path(key)
+    device = engine.device if timer is None else None
+    while True:  # once another worker's probes are over, it may have measured this model
+        try:
+            with probing(device, block=False):
+                known = _known(engine, key, path) if timer is None else None
+        except ProbingElsewhere as e:
+            yield e
+            continue
+        break
+    if known is not None:
+        return known
+    try:
+        return (yield from _measuring(engine, key, path if cache else None, timer, show_progress=False,
+                                      allow_busy=True, sliced=True))
+    except _MeasuredElsewhere as e:
+        logger.info("latency model from %s, measured meanwhile by another worker: %s", path, e.model.summary())
+        return e.model
+
+
+class _MeasuredElsewhere(Exception):
+    """Another worker stored the model being measured (``_ProbeTurns``)."""
+
+    def __init__(self, model: LatencyModel):
+        super().__init__()
+        self.model = model
+
+
+def drain(steps: Generator[Wait, None, object]) -> object:
+    """What a measurement in steps returns, run to its end at once (one that waits raises
+    what it waits for)."""
+    try:
+        while True:
+            waits = next(steps)
+            if waits is not None:
+                steps.close()
+                raise waits
+    except StopIteration as stop:
+        return stop.value
+
+
 def _known(engine, key: dict, path: Path) -> LatencyModel | None:
     """The model of ``key`` from the cache, or derived from one of more parts."""
     if (cached := load_cached(path, key)) is not None:
@@ -558,8 +631,25 @@ def probing(device: torch.device | None, block: bool = True) -> Iterator[None]:
 
 def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | None, show_progress: bool,
              allow_busy: bool) -> LatencyModel:
+    return drain(_measuring(engine, key, path, timer, show_progress, allow_busy, sliced=False))
+
+
+def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], float] | None, show_progress: bool,
+               allow_busy: bool, sliced: bool) -> Generator[Wait, None, LatencyModel]:
+    """Design the probes, time them, fit and cache the model (at ``path``, where given).
+    ``sliced``: a probe at a time, each once the pools hold it and no other worker probes
+    (yielding as ``measuring_latency_model`` says); else all at once (never yielding; the
+    caller holds the probe lock)."""
     images = probe_images(engine) if "E" in engine.role else []
-    limits = engine_limits(engine, images)
+    while True:
+        try:
+            limits = engine_limits(engine, images)
+        except NoProbeRoom as e:
+            if not sliced:
+                raise
+            yield e
+            continue
+        break
     if timer is None:
         # Probes run between steps with blocks borrowed from the pools: on a busy instance
         # (a live redeploy) they only delay its next step, but at start it must be idle.
@@ -571,18 +661,24 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
     # a model that extrapolates further. It serves until the next start, which measures anew.
     cut = engine.has_unfinished_requests() and design_probes(engine_limits(engine, images, idle=True)) != (
         fit_probes, check_probes)
+    if sliced:
+        timer = _ProbeTurns(engine, images, timer, key, path)
     start = time.monotonic()
     best: tuple[float, list] | None = None
-    for attempt in range(1, _MAX_ATTEMPTS + 1):
-        measured, drift = _time_probes(fit_probes + check_probes, timer, show_progress)
+    # Between a busy machine's steps the speed moves with what the other workers run: a
+    # second run would not hold stiller, and each one pauses the streams again.
+    attempts = 1 if sliced else _MAX_ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        measured, drift = yield from _time_probes(fit_probes + check_probes, timer, show_progress)
         if best is None or drift < best[0]:
             best = (drift, measured)
         if drift <= _MAX_DRIFT:
             break
         logger.warning("the machine's speed changed by %.0f%% while the latency model's probes ran (another "
                        "process on these cores?): %s", (drift - 1) * 100,
-                       "measuring again" if attempt < _MAX_ATTEMPTS else
-                       f"keeping the steadiest of {attempt} runs ({(best[0] - 1) * 100:.0f}%)")
+                       "measuring again" if attempt < attempts else
+                       f"keeping the steadiest of {attempt} runs ({(best[0] - 1) * 100:.0f}%)" if attempt > 1 else
+                       "keeping it")
     drift, measured = best
     fit = measured[: len(fit_probes)]
     check = measured[len(fit_probes):]
@@ -590,14 +686,78 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
             "seconds": round(time.monotonic() - start, 2), "drift": round(drift, 3), "attempts": attempt,
             "probes": [{"images": [list(x) for x in p.images], "prefills": [list(x) for x in p.prefills],
                         "decodes": list(p.decodes), "seconds": t} for p, t in measured]}
+    if sliced:
+        meta["probe_seconds"] = round(timer.seconds, 2)
     model = fit_model(fit, check, meta)
-    if cut:
-        logger.info("latency model fitted in %.1f s on probes cut down to the room the requests in flight leave "
-                    "(not cached): %s", time.monotonic() - start, model.summary())
+    how = f" between steps ({timer.seconds:.1f} s of probes)" if sliced else ""
+    # Between a busy instance's steps, a machine that never held still: the next start's
+    # probes on idle cores are a better model to keep.
+    unsteady = sliced and drift > _MAX_DRIFT
+    if cut or unsteady or path is None:
+        why = (" on probes cut down to the room the requests in flight leave" if cut else
+               " on a machine whose speed kept changing" if unsteady else "")
+        logger.info("latency model fitted in %.1f s%s%s (not cached): %s", time.monotonic() - start, how, why,
+                    model.summary())
         return model
     store(path, model)
-    logger.info("latency model fitted in %.1f s: %s", time.monotonic() - start, model.summary())
+    logger.info("latency model fitted in %.1f s%s: %s", time.monotonic() - start, how, model.summary())
     return model
+
+
+class _ProbeTurns:
+    """A timer for probes between a busy instance's steps: ``turn(probe)`` times ``probe``,
+    each run once the pools hold it and the cores' probe lock is free, yielding what it
+    waits for meanwhile and None after each run."""
+
+    def __init__(self, engine, images: list[ImageInput], timer: Callable[[Probe], float], key: dict,
+                 path: Path | None):
+        self.engine, self.images, self.timer = engine, images, timer
+        self.device = engine.device if isinstance(timer, EngineTimer) else None
+        self.key, self.path = key, path
+        self.seconds = 0.0  # spent timing probes
+        self.waited = False  # for another worker's probes since the last look in the cache
+
+    def turn(self, probe: Probe) -> Generator[Wait, None, float]:
+        if not isinstance(self.timer, EngineTimer):
+            return (yield from self._run(probe, lambda: self.timer(probe)))
+        # Each run apart (its warm-up too), on blocks borrowed for it alone: the longest probes
+        # (several prompts a step) pause the streams for one run, not three.
+        yield from self._run(probe, lambda: self.timer.once(probe))
+        times: list[float] = []
+        while self.timer.more(times):
+            times.append((yield from self._run(probe, lambda: self.timer.once(probe))))
+        return statistics.median(times)
+
+    def _run(self, probe: Probe, run: Callable[[], float]) -> Generator[Wait, None, float]:
+        """``run()``'s time, once the pools hold ``probe`` and the probe lock is free."""
+        while True:
+            waits = self._room_for(probe)
+            if waits is None:
+                try:
+                    with probing(self.device, block=False):
+                        if self.waited and self.path is not None:
+                            # The other worker may have been measuring this very model.
+                            self.waited = False
+                            if (known := load_cached(self.path, self.key)) is not None:
+                                raise _MeasuredElsewhere(known)
+                        start = time.monotonic()
+                        seconds = run()
+                        self.seconds += time.monotonic() - start
+                except ProbingElsewhere as e:
+                    waits, self.waited = e, True
+                else:
+                    yield None
+                    return seconds
+            yield waits
+
+    def _room_for(self, probe: Probe) -> NoProbeRoom | None:
+        try:
+            limits = engine_limits(self.engine, self.images)
+        except NoProbeRoom as e:
+            return e
+        if limits.kv_fits(probe) and limits.images_fit(probe):
+            return None
+        return NoProbeRoom("the requests in flight hold the blocks the next probe needs")
 
 
 # The first probe is timed again halfway and at the end: a run of probes in which its times
@@ -610,20 +770,26 @@ _MAX_DRIFT = 1.3
 _MAX_ATTEMPTS = 3
 
 
-def _time_probes(probes: list[Probe], timer: Callable[[Probe], float],
-                 show_progress: bool) -> tuple[list[tuple[Probe, float]], float]:
+def _time_probes(probes: list[Probe], timer: Callable[[Probe], float] | _ProbeTurns,
+                 show_progress: bool) -> Generator[Wait, None, tuple[list[tuple[Probe, float]], float]]:
     """Each probe's time, and how far the machine's speed moved meanwhile: the largest ratio
-    between three timings of the first probe (before, halfway, after)."""
+    between three timings of the first probe (before, halfway, after). A ``_ProbeTurns``
+    timer yields between probes."""
+    def timed(probe: Probe) -> Generator[Wait, None, float]:
+        if isinstance(timer, _ProbeTurns):
+            return (yield from timer.turn(probe))
+        return timer(probe)
+
     sentinel, half = probes[0], len(probes) // 2
-    marks = [timer(sentinel)]
+    marks = [(yield from timed(sentinel))]
     measured = []
     with _progress(show_progress, len(probes)) as advance:
         for i, probe in enumerate(probes):
             if i == half:
-                marks.append(timer(sentinel))
-            measured.append((probe, timer(probe)))
+                marks.append((yield from timed(sentinel)))
+            measured.append((probe, (yield from timed(probe))))
             advance()
-    marks.append(timer(sentinel))
+    marks.append((yield from timed(sentinel)))
     finite = [m for m in marks if 0 < m < math.inf]
     drift = max(finite) / min(finite) if len(finite) == len(marks) else 1.0
     return measured, drift

@@ -15,11 +15,12 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Protocol
 
 from hydrad.config import EngineConfig
-from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads
+from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, LendersBusy
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
 from hydrad.errors import HydradError
@@ -153,6 +154,7 @@ class StepThreads:
         self.current = lending.threads.own  # the count the step started on: its model's
         self._torch_threads: int | None = None  # what torch runs on now
         self._hooks: list = []
+        self._probing = False  # latency-model probes run: the hooks leave the count alone
 
     def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True, block: bool = True):
         """Measure (or load) the latency models of ``role`` at every count it steps on (from
@@ -160,31 +162,81 @@ class StepThreads:
         own share, the bound, and the model while borrowing (None: it never borrows). On an
         error nothing changed. ``block``: wait for another worker's probes on these cores to
         end (else ``profiler.ProbingElsewhere``)."""
+        from hydrad.engine.profiler import drain
+
+        return drain(self._fitting(role, threads, sliced=False, allow_busy=allow_busy, block=block))
+
+    def fitting(self, role: str, threads: CpuThreads | None = None, hurry: Callable[[], bool] = lambda: False):
+        """``fit`` a probe run at a time, for a busy worker that serves steps between them
+        (``profiler.measuring_latency_model``): a generator that yields what the next run
+        waits for (None after a run), with torch on the threads the worker serves on, and
+        returns what ``fit`` returns. Closed before its end, nothing changed.
+
+        On borrowed cores a probe beside a lender's step times both: a count that borrows is
+        measured in runs while its lenders are idle (``LendersBusy`` while they are not), and
+        not cached; where they have had work for ``LENDERS_PATIENCE`` seconds on end, or
+        ``hurry()`` says there is no time to wait, it is left to the next start (its steps
+        on the borrowed cores are filled by the model at its own share meanwhile)."""
+        return self._fitting(role, threads, sliced=True, hurry=hurry)
+
+    def _fitting(self, role: str, threads: CpuThreads | None, *, sliced: bool, allow_busy: bool = True,
+                 block: bool = True, hurry: Callable[[], bool] = lambda: False):
         threads = self.lending.usable(threads or self.lending.threads)
         own, most = threads.own, threads.most
         models, bound = {}, None
-        self._unhook()  # the probes run at the count they are measured at
+        self._probing = True  # the probes run at the count they are measured at: no hook moves it
         try:
             if self.engine.config.scheduler.derive_budgets:
                 from hydrad.engine.latency_model import latency_bound
-                from hydrad.engine.profiler import fit_latency_model
+                from hydrad.engine.profiler import fit_latency_model, measuring_latency_model
 
                 # Its share first: an instance that lends may derive its model from this one,
                 # and the daemon's own start (imports, the processor) is over before the probes
                 # that take every core.
                 for n in sorted({own, most}):
                     self._set_torch_threads(n)
-                    models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
+                    if not sliced:
+                        models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
+                        continue
+                    steps = measuring_latency_model(self.engine, cache=n == own)
+                    busy_since = None  # since when its lenders have had work
+                    while True:
+                        waits = None
+                        if n != own and not self.lending.lenders_idle(threads):
+                            busy_since = busy_since or time.monotonic()
+                            if hurry() or time.monotonic() - busy_since >= LENDERS_PATIENCE:
+                                steps.close()
+                                logger.info("the latency model at %d threads is left to a start: its lenders have "
+                                            "work (a probe on their cores would time their steps too); its steps "
+                                            "there are filled by the model at %d", n, own)
+                                break
+                            waits = LendersBusy(f"the lenders of the cores its model at {n} threads is measured "
+                                                "on have work")
+                        else:
+                            busy_since = None
+                        try:
+                            waits = waits or next(steps)
+                        except StopIteration as stop:
+                            models[n] = stop.value
+                            break
+                        # The worker serves a step between two probes: on its own threads.
+                        self._probing = False
+                        self._set_torch_threads(self.current)
+                        try:
+                            yield waits
+                        except GeneratorExit:
+                            steps.close()
+                            raise
+                        self._probing = True
+                        self._set_torch_threads(n)
                 bound = latency_bound(self.engine.config.slo, role)
-        except BaseException:
-            self._hook_layers()  # as they were
-            raise
         finally:
+            self._probing = False
             self._set_torch_threads(self.current)
         self.lending.set(threads)
         self.models, self.bound = models, bound
         self._use(own, force=True)
-        self._hook_layers()
+        self._hook_layers()  # its parts may have changed with its role: placed anew
         return models.get(own), bound, models.get(most) if most != own else None
 
     def set_bound(self, bound: float | None) -> None:
@@ -203,6 +255,8 @@ class StepThreads:
     def follow_lenders(self) -> None:
         """Within a step, before each layer and operation: take or hand back the lent
         threads as the lenders' work says (the model the step was filled by stays)."""
+        if self._probing:
+            return
         n = self.lending.threads_now()
         if n != self._torch_threads:
             logger.debug("threads %s -> %d within the step", self._torch_threads, n)
@@ -248,36 +302,93 @@ class StepThreads:
 
 
 class _PendingReconfigure:
-    """A ``Reconfigure`` whose latency models wait: for room in the pools (the requests of a
-    busy instance may hold every block its probes need, an EP instance's image cache full of
-    images waiting to be prefilled), or for another worker's probes on the same cores to end
-    (``profiler.probing``). A busy instance keeps serving meanwhile; it tries again between
-    steps, every ``RECONFIGURE_RETRY_SECONDS`` (for room, once the pools have more than at the
-    last try), until it can or ``msg.wait`` has passed."""
+    """A ``Reconfigure`` under way. The instance takes on the new stages at once; the latency
+    models of its new role (or threads) are measured between its steps, a step's length of
+    probes at a time (``StepThreads.fitting``), so that it keeps serving and its streams wait
+    for a few probes at a time, not for all. A probe runs once the pools hold room for it (a
+    busy instance's requests may hold every block it needs: an EP instance's image cache
+    full of images waiting to be prefilled) and no other worker probes on the same cores
+    (``profiler.probing``); waiting for either, it tries again every
+    ``RECONFIGURE_RETRY_SECONDS`` (for room, once the pools have more free blocks than at the
+    last try). Once ``msg.wait`` has passed it answers with what it still waits for, and times
+    the probes left at once; an idle instance that lacks room answers at once (its requests
+    cannot free any)."""
 
     def __init__(self, msg: Reconfigure, start: float):
         self.msg, self.start = msg, start
         self.next_try = start
-        self.waits_for: str | None = None  # "room" or "probes"
+        self.waits_for: str | None = None  # what the next probe waits for: "room", "probes"
         self.room = (0, 0)
+        self.steps = None  # the measurement, once the stages are taken on
+        self.said: set[str] = set()  # what it has logged it waits for (once each)
 
     def due(self, engine, now: float) -> bool:
         if now < self.next_try:
             return False
         if now - self.start >= self.msg.wait or self.waits_for != "room":
-            return True  # answered with the error, or the other worker's probes may be over
+            return True  # a probe to run, the other worker's probes may be over, or the answer
         return any(free > before for free, before in zip(_room(engine), self.room))
 
+    def close(self) -> None:
+        """Stop measuring: the models measured so far are dropped, the threads stay."""
+        if self.steps is not None:
+            self.steps.close()
+
     def answer(self, engine, step_threads: StepThreads, now: float) -> Reconfigured | None:
-        """The answer, or None while it may still wait."""
-        may_wait = now - self.start < self.msg.wait and engine.has_unfinished_requests()
-        answer = _reconfigure(engine, step_threads, self.msg.role, self.msg.threads, self.start, may_wait)
-        if isinstance(answer, Reconfigured):
-            return answer
-        if self.waits_for != answer:
-            logger.info("taking on role %s: the latency models wait for %s", self.msg.role,
-                        "room in the pools" if answer == "room" else "another worker's probes to end")
-        self.waits_for, self.room, self.next_try = answer, _room(engine), now + RECONFIGURE_RETRY_SECONDS
+        """Run the next probes (or all that are left, past the wait); the answer, or None
+        while the models are still being measured."""
+        from hydrad.engine.profiler import NoProbeRoom
+
+        role = self.msg.role
+        if self.steps is None:
+            try:
+                role = engine.expand(role)
+            except HydradError as e:
+                return _not_reconfigured(engine, self.msg.role, self.start, e)
+            except Exception as e:  # the daemon reports it and keeps the deployment as it was
+                logger.exception("taking on role %s failed", role)
+                return Reconfigured(engine.instance_id, engine.role, now - self.start,
+                                    error=f"{type(e).__name__}: {e}")
+            self.steps = step_threads.fitting(role, self.msg.threads,
+                                              hurry=lambda: time.monotonic() - self.start >= self.msg.wait)
+        late = now - self.start >= self.msg.wait
+        # Probes until they have taken a step's length (its bound: the TBT for an instance
+        # that decodes, longer for one that only encodes and prefills): the streams wait
+        # about a step more, and an instance of long steps does not take a step per probe.
+        budget = step_threads.bound if step_threads.bound is not None else RECONFIGURE_RETRY_SECONDS
+        # Probing is work: an instance that borrows these cores hands them back meanwhile (the
+        # loop publishes what the engine has again before it blocks).
+        step_threads.lending.publish(True)
+        try:
+            while True:
+                waits = next(self.steps)
+                if isinstance(waits, NoProbeRoom) and not engine.has_unfinished_requests():
+                    raise waits  # nothing in flight gives room back
+                if waits is not None and late:
+                    raise waits
+                if waits is not None or (not late and time.monotonic() - now >= budget):
+                    break
+        except StopIteration as stop:
+            model, bound, borrow_model = stop.value
+            return Reconfigured(engine.instance_id, engine.role, time.monotonic() - self.start, model, bound,
+                                geometry=engine.geometry(), borrow_model=borrow_model)
+        except HydradError as e:
+            self.steps.close()
+            return _not_reconfigured(engine, self.msg.role, self.start, e)
+        except Exception as e:
+            self.steps.close()
+            logger.exception("measuring the latency models of role %s failed", self.msg.role)
+            return Reconfigured(engine.instance_id, engine.role, time.monotonic() - self.start,
+                                error=f"{type(e).__name__}: {e}")
+        waits_for = None if waits is None else ("room" if isinstance(waits, NoProbeRoom) else
+                                                "lenders" if isinstance(waits, LendersBusy) else "probes")
+        if waits_for is not None and waits_for not in self.said:
+            self.said.add(waits_for)
+            logger.info("taking on role %s: the latency models wait for %s", self.msg.role, {
+                "room": "room in the pools", "probes": "another worker's probes to end",
+                "lenders": "the lenders of its borrowed cores to be idle"}[waits_for])
+        self.waits_for, self.room = waits_for, _room(engine)
+        self.next_try = now if waits is None else now + RECONFIGURE_RETRY_SECONDS
         return None
 
 
@@ -287,30 +398,9 @@ def _room(engine) -> tuple[int, int]:
 
 
 RECONFIGURE_RETRY_SECONDS = 0.2
-
-
-def _reconfigure(engine, step_threads: StepThreads, role: str, threads: CpuThreads | None, start: float,
-                 may_wait: bool = False) -> Reconfigured | str:
-    """Expand the instance to ``role`` (on ``threads`` from now on, when given) and give it
-    the latency models and bound of its new role. With ``may_wait``, what its models wait
-    for instead ("room" in the pools, another worker's "probes"; the stages taken on stay,
-    and a later call measures the models)."""
-    from hydrad.engine.profiler import NoProbeRoom, ProbingElsewhere
-
-    try:
-        new_role = engine.expand(role)
-        model, bound, borrow_model = step_threads.fit(new_role, threads, block=not may_wait)
-    except (NoProbeRoom, ProbingElsewhere) as e:
-        if may_wait:
-            return "room" if isinstance(e, NoProbeRoom) else "probes"
-        return _not_reconfigured(engine, role, start, e)
-    except HydradError as e:
-        return _not_reconfigured(engine, role, start, e)
-    except Exception as e:  # the daemon reports it and keeps the deployment as it was
-        logger.exception("taking on role %s failed", role)
-        return Reconfigured(engine.instance_id, engine.role, time.monotonic() - start, error=f"{type(e).__name__}: {e}")
-    return Reconfigured(engine.instance_id, new_role, time.monotonic() - start, model, bound,
-                        geometry=engine.geometry(), borrow_model=borrow_model)
+# How long a borrower's model at its borrowed count waits, on end, for its lenders to be idle
+# before it is left to the next start.
+LENDERS_PATIENCE = 2.0
 
 
 def _not_reconfigured(engine, role: str, start: float, error: HydradError) -> Reconfigured:
@@ -346,8 +436,9 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             return
         busy = engine.has_work()
         step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
-        # Block for messages only when there is nothing to step (and nothing to try again).
-        timeout = 0 if busy else (RECONFIGURE_RETRY_SECONDS if reconfiguring is not None else None)
+        # Block for messages only when there is nothing to step (and no probe to run or try again).
+        timeout = 0 if busy else (None if reconfiguring is None else
+                                  max(0.0, reconfiguring.next_try - time.monotonic()))
         while conn.poll(timeout):
             msg = conn.recv()
             received += 1
@@ -385,6 +476,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 if ledger is not None:
                     ledger.release()
             elif isinstance(msg, Reconfigure):
+                if reconfiguring is not None:  # superseded (the daemon stopped waiting for it)
+                    reconfiguring.close()
                 reconfiguring = _PendingReconfigure(msg, time.monotonic())
                 answer = reconfiguring.answer(engine, step_threads, reconfiguring.start)
                 if answer is not None:

@@ -82,9 +82,10 @@ class Reconfigure:
     pools they need while serving the current stages; answered by ``Reconfigured``.
     ``threads``: a CPU instance's torch threads from now on (``engine.cores.CpuThreads``:
     its share of the cores and what it borrows change with the deployment). ``wait``: seconds
-    a busy instance may keep serving while its pools have no room to measure the latency
-    models of the new role or threads in, or another worker is measuring on the same cores
-    (0: answer at once)."""
+    within which the instance measures the latency models of the new role or threads between
+    its steps, serving meanwhile, and waits while its pools have no room for a probe or
+    another worker is measuring on the same cores; past it, the probes left run at once and
+    what it still waits for is the answer (0: all at once, at the message)."""
 
     role: str
     threads: CpuThreads | None = None

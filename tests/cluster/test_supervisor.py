@@ -364,6 +364,6 @@ def test_a_long_reconfigure_says_which_instances_still_measure(monkeypatch):
     lines = asyncio.run(main())
     reports = [line for line in lines if line.startswith("taking on new stages for")]
     # 1EP+1D -> 1E+1PD: #1 takes on P, and only it is waited for.
-    assert len(reports) >= 2 and all(line.endswith(": #1 measuring latency models (on a busy instance, once its "
-                                                   "requests leave room for the probes)") for line in reports), lines
+    assert len(reports) >= 2 and all(line.endswith(": #1 measuring latency models (between their steps, serving)")
+                                     for line in reports), lines
     assert lines[-1].startswith("serving as 1E+1PD after")

@@ -11,7 +11,7 @@ import pytest
 
 from factories import RecordingSink
 from hydrad.engine.block_manager import BlockManager
-from hydrad.engine.cores import CoreLending, CpuThreads
+from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.profiler import NoProbeRoom, ProbingElsewhere
 from hydrad.engine.worker import StepThreads, run_worker
@@ -407,18 +407,30 @@ class FullPoolEngine(FakeEngine):
 
 
 class ProbingThreads(StepThreads):
-    """The worker's step threads (one thread, nothing borrowed), with latency models
-    measured only where a probe image fits."""
+    """The worker's step threads (one thread, nothing borrowed), with latency models measured
+    in ``probes`` probes, each only where a probe image fits. ``log`` records each probe and
+    each engine step in order."""
 
-    def __init__(self, engine: FullPoolEngine):
-        super().__init__(engine, CoreLending(None, 0, CpuThreads(1)))
-        self.fits: list[int] = []  # free image blocks at each measurement that went through
+    def __init__(self, engine: FullPoolEngine, probes: int = 3, seconds: float = 0.0, board: CoreBoard | None = None):
+        super().__init__(engine, CoreLending(board, 0, CpuThreads(1)))
+        self.probes, self.seconds = probes, seconds  # how many, how long each
+        self.fits: list[int] = []  # free image blocks at each probe that ran
+        self.published: list[int] = []  # its flag on the board at each probe
+        self.log: list[str] = []
+        step = engine.step
+        engine.step = lambda: self.log.append("step") or step()
 
-    def fit(self, role, threads=None, block=True):
-        free = self.engine.image_manager.num_free_blocks
-        if free == 0:
-            raise NoProbeRoom("the image cache has 0 free blocks: not one image fits")
-        self.fits.append(free)
+    def fitting(self, role, threads=None, hurry=None):
+        while len(self.fits) < self.probes:
+            if self.engine.image_manager.num_free_blocks == 0:
+                yield NoProbeRoom("the image cache has 0 free blocks: not one image fits")
+                continue
+            self.fits.append(self.engine.image_manager.num_free_blocks)
+            if self.lending.board is not None:
+                self.published.append(self.lending.board.flags[0])
+            self.log.append("probe")
+            time.sleep(self.seconds)
+            yield None
         return "model", 0.1, None
 
 
@@ -439,7 +451,7 @@ def test_a_reconfigure_waits_while_the_requests_in_flight_hold_the_room_its_prob
         seen.append(conn.recv())
     answer, finished = seen[-1], [f for m in seen if isinstance(m, StepOutput) for f in m.output.finished]
     if wait == 30.0:  # answered once the request gave its blocks back, the models measured then
-        assert answer.error is None and answer.latency_model == "model" and threads.fits == [4]
+        assert answer.error is None and answer.latency_model == "model" and threads.fits == [4, 4, 4]
         assert finished == [FinishedRequest("a", "length", {"decode_exec": 0.001})]
     else:  # at once, or when the wait ran out: an error the daemon reports in one line
         assert answer.error == "the image cache has 0 free blocks: not one image fits" and threads.fits == []
@@ -450,21 +462,84 @@ def test_a_reconfigure_waits_while_the_requests_in_flight_hold_the_room_its_prob
     assert not thread.is_alive()
 
 
+def test_a_busy_worker_serves_a_step_between_a_step_s_length_of_probes():
+    """A live redeploy's models are measured between the instance's steps, probes for about
+    a step's length (its bound) at a time: the streams wait a step's length more, not for
+    every probe."""
+    engine = FullPoolEngine()
+    engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks
+    threads = ProbingThreads(engine, probes=20, seconds=0.03)
+    threads.bound = 0.05  # two probes a time
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    conn.send(AddRequest(request("a", 1000)))
+    recv_until(conn, StepOutput)
+    conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
+    answer = recv_until(conn, Reconfigured)
+    assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 20
+    log = "".join("p" if what == "probe" else "s" for what in threads.log)
+    runs = [len(run) for run in log.strip("s").split("s") if run]
+    assert sum(runs) == 20 and max(runs) <= 2 and len(runs) >= 10  # a step after two probes (or one)
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_an_idle_worker_answers_a_reconfigure_it_has_no_room_for_at_once():
+    """With nothing in flight no block comes back: waiting could not help."""
+    engine = FullPoolEngine()
+    held = engine.image_manager.allocate(engine.image_manager.num_free_blocks)  # pools too small
+    threads = ProbingThreads(engine)
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    start = time.monotonic()
+    conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
+    answer = recv_until(conn, Reconfigured)
+    assert answer.error == "the image cache has 0 free blocks: not one image fits"
+    assert time.monotonic() - start < 5.0
+    engine.image_manager.free(held)
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_an_idle_worker_probing_tells_its_borrowers_it_has_work():
+    """While it times probes an idle instance is not idle: a borrower of its cores would time
+    its probes with them."""
+    engine = FullPoolEngine()
+    board = CoreBoard.new()
+    threads = ProbingThreads(engine, probes=5, board=board)
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    conn.send(Reconfigure("EPD", CpuThreads(1), wait=30.0))
+    answer = recv_until(conn, Reconfigured)
+    assert answer.error is None and threads.published == [1] * 5
+    deadline = time.monotonic() + 5
+    while board.flags[0] and time.monotonic() < deadline:  # idle again once measured
+        time.sleep(0.01)
+    assert board.flags[0] == 0
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
 class LockedThreads(ProbingThreads):
     """Step threads whose probes wait for another worker's until ``released``: a busy worker
-    must not block on them (``block=False``), an idle one may."""
+    serves meanwhile."""
 
     def __init__(self, engine):
         super().__init__(engine)
         self.released = threading.Event()
-        self.blocks: list[bool] = []
+        self.waited = 0
 
-    def fit(self, role, threads=None, block=True):
-        self.blocks.append(block)
-        if not block and not self.released.is_set():
-            raise ProbingElsewhere("another worker is measuring its latency model on these cores")
-        self.released.wait()
-        return "model", 0.1, None
+    def fitting(self, role, threads=None, hurry=None):
+        while not self.released.is_set():
+            self.waited += 1
+            yield ProbingElsewhere("another worker is measuring its latency model on these cores")
+        return (yield from super().fitting(role, threads, hurry))
 
 
 def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it():
@@ -477,13 +552,13 @@ def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it(
     conn.send(AddRequest(request("a", 1000)))
     conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
     tokens = 0
-    while tokens < 20:  # it keeps stepping while the other worker's probes last
+    while tokens < 60:  # it keeps stepping while the other worker's probes last (10 ms a step)
         msg = recv_until(conn, StepOutput)
         tokens += len(msg.output.token_ids)
+    assert threads.fits == [] and threads.waited >= 2  # tried again every 0.2 s
     threads.released.set()
     answer = recv_until(conn, Reconfigured)
-    assert answer.error is None and answer.latency_model == "model"
-    assert threads.blocks[0] is False and threads.blocks[-1] is False and len(threads.blocks) >= 2
+    assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 3
     conn.send(Shutdown(finish_running=False))
     thread.join(5)
     assert not thread.is_alive()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, cpu_threads
+from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, LendersBusy, cpu_threads
 
 
 def T(own, borrow=0, lenders=()):
@@ -186,6 +186,113 @@ def test_a_borrowing_step_follows_its_lenders_within_the_step(monkeypatch):
         lender.publish(False)
         engine.model(torch.zeros(1))
         assert seen == [2, 2, 2, 2]
+    finally:
+        lender.publish(False)
+        torch.set_num_threads(before)
+
+
+def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it_serves_on(monkeypatch):
+    """``StepThreads.fitting``: each probe runs at the count its model is for, with the hooks
+    that follow the lenders left out (a lender's step must not change a probe's count); the
+    worker's steps between two probes run on its own threads with the hooks; the models,
+    the new threads and the hooks take effect once the last probe has run, and a measurement
+    closed before its end changes nothing. A borrowed count is measured only while its
+    lenders are idle, and not cached; while they have work it waits, and past its patience
+    it is left to a start."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    import hydrad.engine.profiler as profiler
+    from hydrad.config import SLOConfig
+    from hydrad.engine.worker import StepThreads
+
+    board = CoreBoard.new()
+    lender = CoreLending(board, 1, T(1))
+    seen = []
+
+    class Layer(nn.Module):
+        def forward(self, x):
+            seen.append(torch.get_num_threads())
+            lender.publish(not board_busy())  # the lender flips between every two layers
+            return x
+
+    def board_busy() -> bool:
+        return CoreLending(board, 0, T(1, 1, (1,))).threads_now() == 1
+
+    model = nn.Sequential(nn.ModuleList([Layer(), Layer(), Layer()]))
+    model.forward = lambda x: [layer(x) for layer in model[0]]
+    probes = []
+
+    def measuring(engine, cache):
+        for _ in range(3):
+            seen.clear()
+            engine.model(torch.zeros(1))  # a probe: whatever the lender does, one count
+            lender.publish(False)
+            probes.append((torch.get_num_threads(), list(seen), cache))
+            yield None
+        return f"model at {torch.get_num_threads()} threads"
+
+    monkeypatch.setattr(profiler, "measuring_latency_model", measuring)
+    monkeypatch.setattr(profiler, "fit_latency_model",
+                        lambda engine, allow_busy, block: f"model at {torch.get_num_threads()} threads")
+    used = []
+    engine = SimpleNamespace(
+        device=torch.device("cpu"), role="EP", model=model,
+        config=SimpleNamespace(scheduler=SimpleNamespace(derive_budgets=True), slo=SLOConfig(ttft=2.0, tbt=0.1)),
+        set_latency_model=lambda model, bound: used.append(model))
+    before = torch.get_num_threads()
+    try:
+        threads = StepThreads(engine, CoreLending(board, 0, T(1, 1, (1,))))  # borrows the lender's core
+        threads.fit("EP", allow_busy=False)
+        steps = threads.fitting("EPD")  # a live redeploy: the new role's models
+        count = 0
+        while True:
+            try:
+                assert next(steps) is None
+            except StopIteration as stop:
+                result = stop.value
+                break
+            count += 1
+            assert torch.get_num_threads() == 1 and used[-1] == "model at 1 threads"  # serving as before
+            seen.clear()
+            lender.publish(False)
+            engine.model(torch.zeros(1))  # a step between two probes follows the lender
+            assert seen == [2, 1, 2]
+            lender.publish(False)
+        assert count == 6  # three probes at each count, a step after each
+        # On borrowed cores: measured while the lender is idle, not cached.
+        assert probes == [(1, [1, 1, 1], True)] * 3 + [(2, [2, 2, 2], False)] * 3
+        assert result == ("model at 1 threads", pytest.approx(0.09), "model at 2 threads")  # D's bound
+
+        probes.clear()
+        hurried = False
+        steps = threads.fitting("EP", hurry=lambda: hurried)
+        for _ in range(4):
+            assert next(steps) is None
+        lender.publish(True)  # the lender gets work: probes on its core would time its steps
+        assert isinstance(next(steps), LendersBusy) and isinstance(next(steps), LendersBusy)
+        lender.publish(False)
+        assert next(steps) is None and len(probes) == 5  # measured on while the lender is idle
+        lender.publish(True)
+        assert isinstance(next(steps), LendersBusy)
+        hurried = True  # no time left to wait: left to a start
+        with pytest.raises(StopIteration) as stop:
+            next(steps)
+        assert len(probes) == 5 and stop.value.value[2] is None
+        threads.before_step()  # borrowing again, the steps are filled by the share's model
+        assert used[-1] == "model at 1 threads"
+        lender.publish(False)
+        threads.before_step()
+        assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 2
+
+        probes.clear()
+        threads._unhook()  # another worker's step threads on the model now
+        steps = StepThreads(engine, CoreLending(board, 0, T(1))).fitting("EP", T(1, 1, (1,)))
+        next(steps)
+        steps.close()  # superseded: its threads are as they were
+        assert torch.get_num_threads() == 1 and len(probes) == 1
     finally:
         lender.publish(False)
         torch.set_num_threads(before)

@@ -237,6 +237,88 @@ def test_probes_wait_for_another_worker_s_unless_told_not_to(cache_dir):
     assert probe_without_waiting()  # free again
 
 
+def test_a_busy_instance_measures_a_probe_at_a_time_when_the_pools_and_the_cores_let_it(
+        tiny_llava_dir, cache_dir, monkeypatch):
+    """``measuring_latency_model``: a live redeploy's model, one run of a probe at a time
+    between two of the instance's steps. It waits (and says so) while another worker probes
+    on these cores and while the requests in flight hold the blocks the next run needs; each
+    run gives back what it borrowed; the model it ends with is cached (the design was not
+    cut down) where the machine held still meanwhile."""
+    from hydrad.engine.profiler import ProbingElsewhere, measuring_latency_model, probing
+
+    small = make_engine(tiny_llava_dir, num_kv_blocks=256, num_image_blocks=40)
+    monkeypatch.setattr(small, "has_unfinished_requests", lambda: True)  # a live redeploy
+    try:
+        steps = measuring_latency_model(small)
+        with probing(small.device):  # another worker's probes
+            assert isinstance(next(steps), ProbingElsewhere)
+            assert isinstance(next(steps), ProbingElsewhere)
+        assert next(steps) is None  # the first probe's first run
+        held = small.kv_manager.allocate(small.kv_manager.num_free_blocks)  # the requests grew
+        waits = next(steps)
+        assert isinstance(waits, NoProbeRoom) and "KV cache" in str(waits)
+        small.kv_manager.free(held)
+        runs = 1
+        while True:
+            try:
+                assert next(steps) is None
+            except StopIteration as stop:
+                model = stop.value
+                break
+            runs += 1
+            assert small.kv_manager.num_used_blocks == 0 and small.image_manager.num_used_blocks == 0
+        fit, check = design_probes(engine_limits(small, probe_images(small)))
+        # Each run apart, a warm-up and two or more timed: the first probe thrice, one attempt.
+        assert model.meta["attempts"] == 1 and runs >= 3 * (len(fit) + len(check) + 3)
+        assert model.meta["probe_seconds"] <= model.meta["seconds"]
+        # Cached where the machine held still (the first probe's three timings within 30%): the
+        # tiny model's millisecond probes on a shared machine do not always.
+        steady = model.meta["drift"] <= 1.3
+        assert model.error.num_probes >= len(check) and bool(list(cache_dir.glob("*.json"))) == steady
+        if steady:
+            assert fit_latency_model(small, show_progress=False) == model  # from the cache
+    finally:
+        small.shutdown()
+
+
+def test_a_busy_instance_takes_the_model_another_worker_measured_while_it_waited(tiny_llava_dir, cache_dir,
+                                                                               monkeypatch):
+    """Two instances taking on the same role measure the same model: the one that waited for
+    the other's probes takes what it stored instead of going on."""
+    from hydrad.engine import profiler
+
+    small = make_engine(tiny_llava_dir, num_kv_blocks=256, num_image_blocks=40)
+    monkeypatch.setattr(small, "has_unfinished_requests", lambda: True)
+    try:
+        steps = profiler.measuring_latency_model(small)
+        assert next(steps) is None  # its first probe
+        key = cache_key(small)
+        with profiler.probing(small.device):  # the other worker's probes
+            assert isinstance(next(steps), profiler.ProbingElsewhere)
+            model = dataclasses.replace(TRUE, meta={"key": key})
+            profiler.store(profiler.cache_path(key), model)
+        with pytest.raises(StopIteration) as stop:
+            next(steps)
+        assert stop.value.value == model
+    finally:
+        small.shutdown()
+
+
+@pytest.mark.parametrize("timer, cache, cached", [("steady", True, True), ("steady", False, False),
+                                                  ("drifting", True, False)])
+def test_a_model_measured_between_steps_is_cached_only_when_asked_and_steady(engine, cache_dir, timer, cache,
+                                                                            cached):
+    """Between a busy instance's steps: a model at borrowed threads is not cached (``cache``),
+    nor one whose probes never saw the machine hold still (a start on idle cores measures a
+    better one); each serves meanwhile."""
+    from hydrad.engine.profiler import drain, measuring_latency_model
+
+    model = drain(measuring_latency_model(engine, timer=Synthetic() if timer == "steady" else Drifting(),
+                                          cache=cache))
+    assert model.l_fixed > 0 and (model.meta["drift"] > 1.3) == (timer == "drifting")
+    assert bool(list(cache_dir.glob("*.json"))) == cached
+
+
 def test_cache_is_written_reused_and_keyed(engine, cache_dir):
     first = fit_latency_model(engine, show_progress=False)
     files = list(cache_dir.glob("*.json"))

@@ -93,8 +93,12 @@ def test_redeploy_under_load_loses_nothing(tiny_llava_dir, tmp_path, reference, 
             roles = [i["role"] for i in status["instances"]]
             plan = cpu_threads(roles, usable_cpus())
             assert [(i["threads"], i["borrowed_threads"]) for i in status["instances"]] == [(t.own, t.borrow) for t in plan]
-            # A borrower measured its model on the borrowed cores too.
-            assert [i["borrow_latency_model"] is not None for i in status["instances"]] == [bool(t.borrow) for t in plan]
+            # A borrower measured its model on the borrowed cores too, or, where its lenders had
+            # work under the load for too long, left it to the next start and says so.
+            measured = [i["borrow_latency_model"] is not None for i in status["instances"]]
+            assert all(t.borrow or not m for m, t in zip(measured, plan))
+            left = sum(bool(t.borrow) and not m for m, t in zip(measured, plan))
+            assert daemon.log().count("is left to a start: its lenders have work") >= left
             assert len(results) > before or spec == chain[0]  # requests went on meanwhile
         time.sleep(0.5)
         stop.set()

@@ -327,3 +327,20 @@ def test_consoles_off_a_terminal_write_a_line_in_one_write(monkeypatch):
     out.print("error: one line")
     assert writes and all(w.endswith("\n") for w in writes), writes
     assert "".join(writes).splitlines()[-2:] == ["worker 0 cpu EPD: ready", "error: one line"]
+
+
+def test_status_says_which_model_fills_a_borrower_s_steps_on_borrowed_cores():
+    """Its model there where it has one; where a live redeploy left it to the next start (its
+    lenders had work), that its own share's model stands in; nothing for one that never borrows."""
+    from hydrad.cli.status import render
+
+    body = status_with_threads()
+    body["instances"][0]["borrow_latency_model"] = "encode 0.1 ms + 9.0 ms/image"
+    body["instances"][1]["borrow_latency_model"] = None
+    buf = io.StringIO()
+    Console(file=buf, width=300).print(render(body))
+    lines = buf.getvalue().splitlines()
+    line = {i: next(x for x in lines if x.lstrip().startswith(f"#{i} ")) for i in range(3)}
+    assert line[0].endswith("; on borrowed cores: encode 0.1 ms + 9.0 ms/image"), line[0]
+    assert line[1].endswith("; on borrowed cores: the same (theirs is measured at the next start)"), line[1]
+    assert "borrowed cores" not in line[2]
