@@ -188,7 +188,7 @@ class StepThreads:
         try:
             if self.engine.config.scheduler.derive_budgets:
                 from hydrad.engine.latency_model import latency_bound
-                from hydrad.engine.profiler import fit_latency_model, measuring_latency_model
+                from hydrad.engine.profiler import fit_latency_model
 
                 # Its share first: an instance that lends may derive its model from this one,
                 # and the daemon's own start (imports, the processor) is over before the probes
@@ -197,38 +197,8 @@ class StepThreads:
                     self._set_torch_threads(n)
                     if not sliced:
                         models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
-                        continue
-                    steps = measuring_latency_model(self.engine, cache=n == own)
-                    busy_since = None  # since when its lenders have had work
-                    while True:
-                        waits = None
-                        if n != own and not self.lending.lenders_idle(threads):
-                            busy_since = busy_since or time.monotonic()
-                            if hurry() or time.monotonic() - busy_since >= LENDERS_PATIENCE:
-                                steps.close()
-                                logger.info("the latency model at %d threads is left to a start: its lenders have "
-                                            "work (a probe on their cores would time their steps too); its steps "
-                                            "there are filled by the model at %d", n, own)
-                                break
-                            waits = LendersBusy(f"the lenders of the cores its model at {n} threads is measured "
-                                                "on have work")
-                        else:
-                            busy_since = None
-                        try:
-                            waits = waits or next(steps)
-                        except StopIteration as stop:
-                            models[n] = stop.value
-                            break
-                        # The worker serves a step between two probes: on its own threads.
-                        self._probing = False
-                        self._set_torch_threads(self.current)
-                        try:
-                            yield waits
-                        except GeneratorExit:
-                            steps.close()
-                            raise
-                        self._probing = True
-                        self._set_torch_threads(n)
+                    elif (model := (yield from self._between_steps(n, threads, hurry))) is not None:
+                        models[n] = model
                 bound = latency_bound(self.engine.config.slo, role)
         finally:
             self._probing = False
@@ -238,6 +208,42 @@ class StepThreads:
         self._use(own, force=True)
         self._hook_layers()  # its parts may have changed with its role: placed anew
         return models.get(own), bound, models.get(most) if most != own else None
+
+    def _between_steps(self, n: int, threads: CpuThreads, hurry: Callable[[], bool]):
+        """The model at ``n`` threads, measured a run at a time (``fitting``); None where a
+        borrowed count is left to the next start."""
+        from hydrad.engine.profiler import measuring_latency_model
+
+        own = threads.own
+        steps = measuring_latency_model(self.engine, cache=n == own)
+        busy_since = None  # since when its lenders have had work
+        while True:
+            waits = None
+            if n != own and not self.lending.lenders_idle(threads):
+                busy_since = busy_since or time.monotonic()
+                if hurry() or time.monotonic() - busy_since >= LENDERS_PATIENCE:
+                    steps.close()
+                    logger.info("the latency model at %d threads is left to a start: its lenders have work (a "
+                                "probe on their cores would time their steps too); its steps there are filled by "
+                                "the model at %d", n, own)
+                    return None
+                waits = LendersBusy(f"the lenders of the cores its model at {n} threads is measured on have work")
+            else:
+                busy_since = None
+            try:
+                waits = waits or next(steps)
+            except StopIteration as stop:
+                return stop.value
+            # The worker serves a step between two runs: on its own threads, its hooks on.
+            self._probing = False
+            self._set_torch_threads(self.current)
+            try:
+                yield waits
+            except GeneratorExit:
+                steps.close()
+                raise
+            self._probing = True
+            self._set_torch_threads(n)
 
     def set_bound(self, bound: float | None) -> None:
         self.bound = bound
