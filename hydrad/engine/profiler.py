@@ -275,8 +275,8 @@ class EngineTimer:
         return self._time(probe, self._median_seconds)
 
     def once(self, probe: Probe) -> float:
-        """One run's time, on blocks borrowed for it alone (``_ProbeTurns`` runs a long
-        probe's runs between a busy instance's steps)."""
+        """One run's time, on blocks borrowed for it alone (``_ProbeTurns`` times each run
+        of a probe apart, between a busy instance's steps)."""
         return self._time(probe, self._seconds)
 
     def more(self, times: list[float]) -> bool:
@@ -535,14 +535,15 @@ Wait = HydradError | None
 
 def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = None, cache: bool = True
                             ) -> Generator[Wait, None, LatencyModel]:
-    """``fit_latency_model`` a probe at a time, for a busy instance that serves between
-    probes (a live redeploy): its streams then wait for one probe between two steps, not for
-    all of them. Yields after each probe timed (None) or with what the next one waits for:
-    room in the pools that its requests hold (``NoProbeRoom``; the pools may also lack room
-    for the design itself), or the end of another worker's probes (``ProbingElsewhere``);
-    returns the model (stored in the cache where ``cache`` and the probes were not cut down).
-    Each probe takes the cores' probe lock for itself alone, so no call blocks. The caller
-    sets the thread count the model is for before each step."""
+    """``fit_latency_model`` a run of a probe at a time, for a busy instance that serves
+    between them (a live redeploy): its streams then wait for the runs between two steps, not
+    for the whole measurement. Yields after each run (None) or with what the next one waits
+    for: room in the pools that its requests hold (``NoProbeRoom``; the pools may also lack
+    room for the design itself), or the end of another worker's probes
+    (``ProbingElsewhere``); returns the model (stored in the cache where ``cache``, the probes
+    were not cut down and the machine held still; where another worker stored it meanwhile,
+    that one). Each run takes the cores' probe lock for itself alone, so no call blocks. The
+    caller sets the thread count the model is for before each step."""
     key = cache_key(engine)
     path = cache_path(key)
     device = engine.device if timer is None else None
@@ -637,7 +638,7 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
 def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], float] | None, show_progress: bool,
                allow_busy: bool, sliced: bool) -> Generator[Wait, None, LatencyModel]:
     """Design the probes, time them, fit and cache the model (at ``path``, where given).
-    ``sliced``: a probe at a time, each once the pools hold it and no other worker probes
+    ``sliced``: a run at a time, each once the pools hold it and no other worker probes
     (yielding as ``measuring_latency_model`` says); else all at once (never yielding; the
     caller holds the probe lock)."""
     images = probe_images(engine) if "E" in engine.role else []
