@@ -324,8 +324,13 @@ class Supervisor:
             expanding = [c for c in changes if c.gains]
             if expanding:
                 say("taking on new stages: " + ", ".join(f"#{c.instance_id} {c.old} -> {c.union}" for c in expanding))
+                # An instance whose threads change once the roles have switched (_share_cores)
+                # measures its model on borrowed cores then, for the threads it keeps.
+                final = plan_threads([(role, spec.device) for role, spec in zip(roles, self.specs)])
                 answers = await self._reconfiguring(
-                    {c.instance_id: self.clients[c.instance_id].reconfigure(c.union, self.start_timeout)
+                    {c.instance_id: self.clients[c.instance_id].reconfigure(
+                        c.union, self.start_timeout,
+                        borrowed=final[c.instance_id] == self.specs[c.instance_id].threads)
                      for c in expanding}, "taking on new stages", say)
                 failed = [(c, a) for c, a in zip(expanding, answers) if a.error]
                 if failed:

@@ -179,12 +179,14 @@ class WorkerClient:
         finally:
             self._pool_waiters.pop(peer_id, None)
 
-    async def reconfigure(self, role: str, timeout: float, threads: CpuThreads | None = None) -> Reconfigured:
+    async def reconfigure(self, role: str, timeout: float, threads: CpuThreads | None = None,
+                          borrowed: bool = True) -> Reconfigured:
         """Take on ``role``'s stages too (see ``hydrad.cluster.redeploy``); ``threads``: run on
         these from now on (``engine.cores``). The worker measures the latency models it has
-        not cached between its steps, within half of ``timeout`` (``Reconfigure.wait``)."""
+        not cached between its steps, within half of ``timeout`` (``Reconfigure.wait``);
+        ``borrowed``: on its borrowed cores too (``Reconfigure.borrowed``)."""
         self._reconfigured = self._loop.create_future()
-        self._send(Reconfigure(role, threads, wait=timeout / 2))
+        self._send(Reconfigure(role, threads, wait=timeout / 2, borrowed=borrowed))
         return await asyncio.wait_for(self._reconfigured, timeout)
 
     async def retire(self, stages: str, timeout: float) -> Retired:

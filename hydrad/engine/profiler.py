@@ -586,6 +586,13 @@ def drain(steps: Generator[Wait, None, object]) -> object:
         return stop.value
 
 
+def known_latency_model(engine) -> LatencyModel | None:
+    """The model of ``engine``'s instance at torch's thread count from the cache (or derived
+    from one of more parts), without measuring: None where there is none."""
+    key = cache_key(engine)
+    return _known(engine, key, cache_path(key))
+
+
 def _known(engine, key: dict, path: Path) -> LatencyModel | None:
     """The model of ``key`` from the cache, or derived from one of more parts."""
     if (cached := load_cached(path, key)) is not None:

@@ -166,7 +166,8 @@ class StepThreads:
 
         return drain(self._fitting(role, threads, sliced=False, allow_busy=allow_busy, block=block))
 
-    def fitting(self, role: str, threads: CpuThreads | None = None, hurry: Callable[[], bool] = lambda: False):
+    def fitting(self, role: str, threads: CpuThreads | None = None, hurry: Callable[[], bool] = lambda: False,
+                borrowed: bool = True):
         """``fit`` a probe run at a time, for a busy worker that serves steps between them
         (``profiler.measuring_latency_model``): a generator that yields what the next run
         waits for (None after a run), with torch on the threads the worker serves on, and
@@ -176,11 +177,12 @@ class StepThreads:
         measured in runs while its lenders are idle (``LendersBusy`` while they are not), and
         not cached; where they have had work for ``LENDERS_PATIENCE`` seconds on end, or
         ``hurry()`` says there is no time to wait, it is left to the next start (its steps
-        on the borrowed cores are filled by the model at its own share meanwhile)."""
-        return self._fitting(role, threads, sliced=True, hurry=hurry)
+        on the borrowed cores are filled by the model at its own share meanwhile). Without
+        ``borrowed`` it is only taken from the cache (its threads change right after)."""
+        return self._fitting(role, threads, sliced=True, hurry=hurry, borrowed=borrowed)
 
     def _fitting(self, role: str, threads: CpuThreads | None, *, sliced: bool, allow_busy: bool = True,
-                 block: bool = True, hurry: Callable[[], bool] = lambda: False):
+                 block: bool = True, hurry: Callable[[], bool] = lambda: False, borrowed: bool = True):
         threads = self.lending.usable(threads or self.lending.threads)
         own, most = threads.own, threads.most
         models, bound = {}, None
@@ -197,6 +199,11 @@ class StepThreads:
                     self._set_torch_threads(n)
                     if not sliced:
                         models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
+                    elif n != own and not borrowed:
+                        from hydrad.engine.profiler import known_latency_model
+
+                        if (model := known_latency_model(self.engine)) is not None:
+                            models[n] = model
                     elif (model := (yield from self._between_steps(n, threads, hurry))) is not None:
                         models[n] = model
                 bound = latency_bound(self.engine.config.slo, role)
@@ -356,7 +363,8 @@ class _PendingReconfigure:
                 return Reconfigured(engine.instance_id, engine.role, now - self.start,
                                     error=f"{type(e).__name__}: {e}")
             self.steps = step_threads.fitting(role, self.msg.threads,
-                                              hurry=lambda: time.monotonic() - self.start >= self.msg.wait)
+                                              hurry=lambda: time.monotonic() - self.start >= self.msg.wait,
+                                              borrowed=self.msg.borrowed)
         late = now - self.start >= self.msg.wait
         # Probes until they have taken a step's length (its bound: the TBT for an instance
         # that decodes, longer for one that only encodes and prefills): the streams wait

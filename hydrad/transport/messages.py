@@ -85,11 +85,14 @@ class Reconfigure:
     within which the instance measures the latency models of the new role or threads between
     its steps, serving meanwhile, and waits while its pools have no room for a probe or
     another worker is measuring on the same cores; past it, the probes left run at once and
-    what it still waits for is the answer (0: all at once, at the message)."""
+    what it still waits for is the answer (0: all at once, at the message). ``borrowed``:
+    measure its model on the cores it borrows too (False: only take it from the cache, where
+    its threads change right after, as a redeploy's next step gives them)."""
 
     role: str
     threads: CpuThreads | None = None
     wait: float = 0.0
+    borrowed: bool = True
 
 
 @dataclass(frozen=True)

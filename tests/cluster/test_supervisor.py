@@ -190,7 +190,7 @@ def test_a_redeploy_that_cannot_complete_is_counted_and_changes_nothing():
         supervisor.history.append(SimpleNamespace(deploy="1EP+1D"))
         answers = iter([SimpleNamespace(error="out of memory for the image pool"), WorkerLost("worker 1 is down")])
 
-        async def reconfigure(role, timeout):
+        async def reconfigure(role, timeout, borrowed=True):
             answer = next(answers)
             if isinstance(answer, Exception):
                 raise answer
@@ -226,7 +226,7 @@ def test_a_redeploy_whose_pools_cannot_move_to_shared_memory_is_refused_before_i
         supervisor.config = SimpleNamespace(cache=CacheConfig())
         supervisor.history.append(SimpleNamespace(deploy="2EPD"))
 
-        async def reconfigure(role, timeout):
+        async def reconfigure(role, timeout, borrowed=True):
             raise AssertionError("no instance should change")
 
         for client in supervisor.clients:
@@ -256,7 +256,7 @@ def test_a_long_hand_over_says_what_is_still_held(monkeypatch, caplog):
         monkeypatch.setattr(supervisor.table, "held_by", lambda client: held[client.instance_id])
         released = asyncio.Event()
 
-        async def reconfigure(role, timeout):
+        async def reconfigure(role, timeout, borrowed=True):
             return SimpleNamespace(error=None, seconds=0.1, latency_model=None, latency_bound=None, geometry=None,
                                    borrow_model=None)
 
@@ -335,7 +335,7 @@ def test_a_long_reconfigure_says_which_instances_still_measure(monkeypatch):
         measured = asyncio.Event()
 
         def reconfigure_of(instance_id):
-            async def reconfigure(role, timeout):
+            async def reconfigure(role, timeout, borrowed=True):
                 if instance_id == 1:
                     await measured.wait()
                 return SimpleNamespace(error=None, seconds=0.1, latency_model=None, latency_bound=None,
@@ -367,3 +367,47 @@ def test_a_long_reconfigure_says_which_instances_still_measure(monkeypatch):
     assert len(reports) >= 2 and all(line.endswith(": #1 measuring latency models (between their steps, serving)")
                                      for line in reports), lines
     assert lines[-1].startswith("serving as 1E+1PD after")
+
+
+def test_an_instance_whose_threads_change_after_the_switch_measures_no_model_on_borrowed_cores_before(
+        monkeypatch):
+    """1EP+1D -> 2EPD on two cores: EP borrows D's core now and no longer once the roles have
+    switched, so taking on D it measures nothing on the borrowed core (the threads step that
+    follows measures what its new threads need); D keeps its threads and measures all."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster import launch
+    from hydrad.cluster.launch import plan_threads
+    from hydrad.transport.messages import WorkerReady
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)  # two cores: EP borrows D's
+
+    async def main():
+        supervisor = make_supervisor(["EP", "D"])
+        supervisor.history.append(SimpleNamespace(deploy="1EP+1D"))
+        supervisor.migrates = True
+        flags = {}
+
+        def reconfigure_of(instance_id):
+            async def reconfigure(role, timeout, borrowed=True):
+                flags[instance_id] = borrowed
+                return SimpleNamespace(error=None, seconds=0.1, latency_model=None, latency_bound=None,
+                                       geometry=None, borrow_model=None)
+            return reconfigure
+
+        async def no_op(*args, **kwargs):
+            return None
+
+        for client in supervisor.clients:
+            client.reconfigure = reconfigure_of(client.instance_id)
+            client.ready = WorkerReady(client.instance_id, 100 + client.instance_id, 512, 0.1)
+        supervisor._share_all_pools = no_op
+        supervisor._share_cores = no_op
+        await supervisor.redeploy(["EPD", "EPD"])
+        return supervisor, flags
+
+    supervisor, borrowed = asyncio.run(main())
+    now = [spec.threads for spec in supervisor.specs]
+    after = plan_threads([("EPD", "cpu"), ("EPD", "cpu")])
+    assert [now[i] == after[i] for i in (0, 1)] == [borrowed[0], borrowed[1]]
+    assert now[0].borrow and not borrowed[0] and borrowed[1]

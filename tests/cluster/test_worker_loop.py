@@ -420,7 +420,7 @@ class ProbingThreads(StepThreads):
         step = engine.step
         engine.step = lambda: self.log.append("step") or step()
 
-    def fitting(self, role, threads=None, hurry=None):
+    def fitting(self, role, threads=None, hurry=None, borrowed=True):
         while len(self.fits) < self.probes:
             if self.engine.image_manager.num_free_blocks == 0:
                 yield NoProbeRoom("the image cache has 0 free blocks: not one image fits")
@@ -535,11 +535,11 @@ class LockedThreads(ProbingThreads):
         self.released = threading.Event()
         self.waited = 0
 
-    def fitting(self, role, threads=None, hurry=None):
+    def fitting(self, role, threads=None, hurry=None, borrowed=True):
         while not self.released.is_set():
             self.waited += 1
             yield ProbingElsewhere("another worker is measuring its latency model on these cores")
-        return (yield from super().fitting(role, threads, hurry))
+        return (yield from super().fitting(role, threads, hurry, borrowed))
 
 
 def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it():

@@ -287,6 +287,18 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         threads.before_step()
         assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 2
 
+        # Its threads change right after (a redeploy's next step): on the borrowed core only
+        # what the cache has, nothing measured.
+        for cached in (None, "cached model at 2 threads"):
+            probes.clear()
+            monkeypatch.setattr(profiler, "known_latency_model", lambda engine: cached)
+            steps = threads.fitting("EPD", borrowed=False)
+            for _ in range(3):
+                assert next(steps) is None
+            with pytest.raises(StopIteration) as stop:
+                next(steps)
+            assert [p[0] for p in probes] == [1, 1, 1] and stop.value.value[2] == cached
+
         probes.clear()
         threads._unhook()  # another worker's step threads on the model now
         steps = StepThreads(engine, CoreLending(board, 0, T(1))).fitting("EP", T(1, 1, (1,)))
