@@ -310,3 +310,17 @@ class FakeGpuMemory:
     def reset(self, device) -> None:
         self.resets += 1
         self._peak = self.reserved
+
+
+def run_through(steps, between=lambda: None) -> tuple[int, object]:
+    """Advance a measurement in steps (``StepThreads.fitting``, ``measuring_latency_model``) to
+    its end, each step a probe run (it yields None) followed by ``between()`` (what the worker
+    does between two runs); returns how many runs it yielded and what it returned."""
+    runs = 0
+    while True:
+        try:
+            assert next(steps) is None
+        except StopIteration as stop:
+            return runs, stop.value
+        runs += 1
+        between()

@@ -546,16 +546,9 @@ def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = 
     caller sets the thread count the model is for before each step."""
     key = cache_key(engine)
     path = cache_path(key)
-    device = engine.device if timer is None else None
-    while True:  # once another worker's probes are over, it may have measured this model
-        try:
-            with probing(device, block=False):
-                known = _known(engine, key, path) if timer is None else None
-        except ProbingElsewhere as e:
-            yield e
-            continue
-        break
-    if known is not None:
+    # (The cache is written by renames: read without the lock. A model another worker is
+    # measuring now is looked for again once its probes let this one's run.)
+    if timer is None and (known := _known(engine, key, path)) is not None:
         return known
     try:
         return (yield from _measuring(engine, key, path if cache else None, timer, show_progress=False,

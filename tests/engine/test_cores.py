@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from factories import run_through
 from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, LendersBusy, cpu_threads
 
 
@@ -246,21 +247,16 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
     try:
         threads = StepThreads(engine, CoreLending(board, 0, T(1, 1, (1,))))  # borrows the lender's core
         threads.fit("EP", allow_busy=False)
-        steps = threads.fitting("EPD")  # a live redeploy: the new role's models
-        count = 0
-        while True:
-            try:
-                assert next(steps) is None
-            except StopIteration as stop:
-                result = stop.value
-                break
-            count += 1
+        def step_between_runs():
             assert torch.get_num_threads() == 1 and used[-1] == "model at 1 threads"  # serving as before
             seen.clear()
             lender.publish(False)
             engine.model(torch.zeros(1))  # a step between two probes follows the lender
             assert seen == [2, 1, 2]
             lender.publish(False)
+
+        # A live redeploy: the new role's models.
+        count, result = run_through(threads.fitting("EPD"), step_between_runs)
         assert count == 6  # three probes at each count, a step after each
         # On borrowed cores: measured while the lender is idle, not cached.
         assert probes == [(1, [1, 1, 1], True)] * 3 + [(2, [2, 2, 2], False)] * 3
@@ -292,12 +288,8 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         for cached in (None, "cached model at 2 threads"):
             probes.clear()
             monkeypatch.setattr(profiler, "known_latency_model", lambda engine: cached)
-            steps = threads.fitting("EPD", borrowed=False)
-            for _ in range(3):
-                assert next(steps) is None
-            with pytest.raises(StopIteration) as stop:
-                next(steps)
-            assert [p[0] for p in probes] == [1, 1, 1] and stop.value.value[2] == cached
+            runs, result = run_through(threads.fitting("EPD", borrowed=False))
+            assert runs == 3 and [p[0] for p in probes] == [1, 1, 1] and result[2] == cached
 
         probes.clear()
         threads._unhook()  # another worker's step threads on the model now

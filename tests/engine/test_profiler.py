@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from factories import run_through
+
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SLOConfig
 from hydrad.engine.inputs import EngineRequest
 from hydrad.engine.latency_model import (
@@ -258,15 +260,12 @@ def test_a_busy_instance_measures_a_probe_at_a_time_when_the_pools_and_the_cores
         waits = next(steps)
         assert isinstance(waits, NoProbeRoom) and "KV cache" in str(waits)
         small.kv_manager.free(held)
-        runs = 1
-        while True:
-            try:
-                assert next(steps) is None
-            except StopIteration as stop:
-                model = stop.value
-                break
-            runs += 1
+
+        def returned_its_blocks():
             assert small.kv_manager.num_used_blocks == 0 and small.image_manager.num_used_blocks == 0
+
+        runs, model = run_through(steps, returned_its_blocks)
+        runs += 1  # the first
         fit, check = design_probes(engine_limits(small, probe_images(small)))
         # Each run apart, a warm-up and two or more timed: the first probe thrice, one attempt.
         assert model.meta["attempts"] == 1 and runs >= 3 * (len(fit) + len(check) + 3)
