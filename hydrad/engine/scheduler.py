@@ -375,7 +375,7 @@ class Scheduler:
         for req in list(self.encoding.values()):
             self._schedule_images(req, budget, out)
         self._admit_incoming(out)
-        if not self.incoming:
+        if not self.incoming or self._waited_longer():
             self._admit_new(out, budget)
         if self.prefill_after_encode and out.encodes and self.can_prefill and "P" not in self.retiring:
             self._prefill_encoded(out, budget)
@@ -495,7 +495,12 @@ class Scheduler:
 
     def _admit_incoming(self, out: SchedulerOutput, reserve: int = 0) -> None:
         """Migrating requests go first; a target never pulls what it has no room for.
-        ``reserve``: KV blocks a KV pull must leave free."""
+        ``reserve``: KV blocks a KV pull must leave free, beside what the prompts admitted
+        here still need (``_kv_promised``): taken by decodes handed over from elsewhere, the
+        blocks the running decodes free stop a prompt mid-prefill for as long as other
+        instances keep prefilling (where a redeploy takes P from this instance, its hand-over
+        waits on that prompt), and the prompt crawls a token a step until it is preempted."""
+        promised = None
         while self.incoming:
             req = self.incoming[0]
             kind, source, src_block_ids, num_computed = req.pull
@@ -510,7 +515,9 @@ class Scheduler:
                 req.preemptible = self._can_recompute(req)
                 slots = num_computed + 1 if req.preemptible else self._full_len(req)
                 need = self.kv.num_blocks_for(slots)
-                if not self.kv.can_allocate(need + reserve):
+                if promised is None:
+                    promised = self._kv_promised() + self._older_prompt_need(req)
+                if not self.kv.can_allocate(need + reserve + promised):
                     return
                 req.kv_block_ids = self.kv.allocate(need)
                 # Only the blocks that hold computed tokens are copied: a source that could not
@@ -571,11 +578,27 @@ class Scheduler:
                 out.chunks.append((req, want))
                 req.scheduled_step = self._step
 
+    def _waited_longer(self) -> bool:
+        """Whether the first waiting request arrived before the first migrating one: it is
+        admitted first. Migrating requests go first otherwise (they are a later stage of
+        earlier requests), but an instance that prefills and also takes decodes from others
+        would never admit a new prompt while their offers keep coming."""
+        return bool(self.waiting) and self.waiting[0].arrival_time <= self.incoming[0].arrival_time
+
+    def _older_prompt_need(self, req: Request) -> int:
+        """KV blocks a KV pull of ``req`` leaves for the first waiting request's prompt where
+        that one arrived first and is prefilled here (``_waited_longer``)."""
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not self.can_prefill or head.arrival_time > req.arrival_time:
+            return 0
+        return self.kv.num_blocks_for(head.num_tokens)
+
     def _kv_promised(self) -> int:
         """KV blocks the admitted requests still need here before their first token: the rest of
-        the prompts being prefilled, and the whole (uncached) prompts of those being encoded."""
+        the prompts being prefilled, and the whole (uncached) prompts of those being encoded
+        (where they are prefilled here: not once P is handed over)."""
         kv = self.kv
-        admitted = [*self.prefilling.values(), *self.encoding.values()]
+        admitted = [*self.prefilling.values(), *(self.encoding.values() if self.can_prefill else ())]
         return sum(max(0, kv.num_blocks_for(r.num_tokens) - len(r.kv_block_ids)) for r in admitted)
 
     # -- prefix caching ------------------------------------------------------------------------

@@ -327,6 +327,59 @@ def test_pulls_admitted_ahead_of_a_step_leave_a_block_per_running_decode(takes_l
     s.check_integrity()
 
 
+def handed_decode(req_id: str, num_computed: int = 5, max_tokens: int = 3) -> Request:
+    """A decode handed over from another instance (its first token sampled there), arriving now."""
+    from hydrad.engine.migration import MigrationOffer
+
+    return Request.from_offer(MigrationOffer(
+        req_id=req_id, source=1, kind="kv", block_ids=list(range(100, 100 + (num_computed + 3) // 4)),
+        prompt_token_ids=list(range(5, 5 + num_computed)), output_token_ids=[7], num_computed_tokens=num_computed,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), images=[],
+        eos_token_ids=(EOS,), generator_state=None, timeline=make_request("t").timeline))
+
+
+@pytest.mark.parametrize("case", ["prefilling", "retiring P", "waiting"])
+def test_decodes_handed_over_without_end_leave_an_older_prompt_its_room(case):
+    """An instance that prefills and takes decodes from others (a mixed deployment, or one
+    handing its P over in a redeploy), its pool full, while each decode that ends is followed
+    by another (a closed loop at saturation). The blocks the ending decodes free used to be
+    pulled at once by the next ones: a prompt mid-prefill got none (with P handed over it
+    then held the hand-over for as long as the load lasted) and a waiting one was never
+    admitted. Now a KV pull leaves the admitted prompts' room, and a prompt that arrived
+    before the first migrating request is admitted ahead of it."""
+    # Each decode holds 2 blocks of 4 for all its 3 tokens: 12 fill the pool.
+    s = make_scheduler(num_kv_blocks=24, kv_block_size=4, token_budget=8)
+    names = (f"d{i}" for i in range(10_000))
+    p = make_request("p", num_prompt=40, max_tokens=4)  # 10 blocks
+    if case == "waiting":
+        for _ in range(12):  # these came first: they are pulled first
+            s.add(handed_decode(next(names)))
+        s.add(p)
+    else:
+        s.add(p)
+        run_step(s)  # its first chunk: 8 of its 40 tokens
+        assert "p" in s.prefilling
+        if case == "retiring P":
+            s.retire("P")
+        for _ in range(12):
+            s.add(handed_decode(next(names)))
+    for _ in range(100):
+        for pull in s.admit_pulls():
+            s.finish_pull(pull.req)
+        out, result = run_step(s)
+        for pull in out.pulls:
+            s.finish_pull(pull.req)
+        for req in result.finished:
+            if req is not p:
+                s.add(handed_decode(next(names)))
+        if p.output_token_ids:
+            break
+    assert p.output_token_ids, f"{p.req_id} never got its first token: {p.num_computed_tokens} of 40 computed"
+    assert p.num_preemptions == 0
+    if case == "retiring P":  # its prefill done, it decodes here: the hand-over is complete
+        assert s.drained(keep_kv=True, keep_images=False)
+
+
 @pytest.mark.parametrize("images", [True, False])
 def test_admission_leaves_kv_for_the_prompts_already_admitted(images):
     """A request is admitted (to encoding or to its first chunk) only while the free KV covers
