@@ -54,6 +54,13 @@ def shared_memory_error(cache: CacheConfig, devices: list[str], path: str | None
     return f"{path} has {free} MiB free, and {what}: {_SHM_ADVICE}"
 
 
+def room_for_shared_pools(cache: CacheConfig, devices: list[str], path: str | None = None) -> bool:
+    """Whether ``path`` has room for the CPU instances' pools and ``SHM_SPARE_MB`` beside them
+    (False where fewer than two CPU instances would share them)."""
+    found = _shared_memory(cache, devices, path or SHM)
+    return found is not None and found[0] - found[1] >= SHM_SPARE_MB
+
+
 def check_shared_memory(cache: CacheConfig, devices: list[str], moves_requests: bool,
                         path: str | None = None) -> None:
     """Raise ``HydradError`` when the cache pools of the CPU instances (one per ``devices``

@@ -33,7 +33,8 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from hydrad.cluster.launch import (
-    InstanceSpec, Launched, launch_worker, migrates, new_board, peer_ids, plan_threads, share_cpu_cores,
+    InstanceSpec, Launched, launch_worker, migrates, new_board, peer_ids, plan_threads, pools_in_shared_memory,
+    share_cpu_cores,
 )
 from hydrad.cluster.preflight import check_shared_memory
 from hydrad.cluster.redeploy import RoleChange, format_deploy, plan_redeploy
@@ -234,7 +235,8 @@ class Supervisor:
         launched = self._launched.pop(spec.instance_id, None)
         if launched is None:
             share_cpu_cores(self.specs)
-            launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else (), self.board)
+            launched = launch_worker(self.config, spec, peer_ids(spec, self.specs) if self.migrates else (), self.board,
+                                     shared=self.config is not None and pools_in_shared_memory(self.config, self.specs))
         if not launched.started.is_set():
             await asyncio.get_running_loop().run_in_executor(None, launched.started.wait)
         process, parent = launched.process, launched.conn

@@ -518,10 +518,11 @@ class EngineCore:
             )
         self.copier.peers[instance_id] = pools
 
-    def share_pools(self) -> None:
+    def share_pools(self) -> int:
         """Put the pools in shared memory if they are not yet (on CPU; a deployment that did
-        not migrate allocated them private, and a redeploy may make it migrate)."""
-        self.runner.share_pools()
+        not migrate allocated them private where /dev/shm lacked room for them, and a redeploy
+        may make it migrate). Returns the bytes moved: copied while no step runs."""
+        return self.runner.share_pools()
 
     def detach_peer(self, instance_id: int) -> None:
         self.copier.peers.pop(instance_id, None)

@@ -439,9 +439,10 @@ class StepBudget:
                 self.language -= self._decode_cost + self._ctx_cost * context
         self.empty = self._num_language_units == 0 and self.vision == 0.0 and self.images_left == self._image_cap
 
-    def fit_prefill(self, context: int, num_tokens: int, min_tokens: int = 1) -> int:
+    def fit_prefill(self, context: int, num_tokens: int, min_tokens: int = 1, force: bool = False) -> int:
         """The largest chunk (<= ``num_tokens``) of a prefill after ``context`` cached tokens
-        that fits; at least ``min_tokens`` in an empty step; 0 when none fits."""
+        that fits; at least ``min_tokens`` in an empty step, or in any with ``force`` (work
+        that must advance every step: a stage being handed over); 0 when none fits."""
         n = min(num_tokens, self.tokens_left)
         if n < 1:
             return 0
@@ -462,7 +463,7 @@ class StepBudget:
             fit = min(n, max(0, fit))
             while fit > 0 and a * fit + b * prefill_pairs(context, fit) > room:
                 fit -= 1  # float rounding at the edge
-            if fit == 0 and self.empty:
+            if fit == 0 and (self.empty or force):
                 fit = min(n, max(1, min_tokens))
             n = fit
         return n
@@ -478,15 +479,16 @@ class StepBudget:
         self.empty = False
         self._num_language_units += 1
 
-    def add_image(self, num_patches: int, num_tokens: int) -> bool:
+    def add_image(self, num_patches: int, num_tokens: int, force: bool = False) -> bool:
         """One image to encode: ``num_patches`` positions through the vision tower (its
-        ``ImageInput.num_patches``), ``num_tokens`` image tokens out."""
+        ``ImageInput.num_patches``), ``num_tokens`` image tokens out; with ``force`` past the
+        bound (not past the image cap), as ``fit_prefill``'s."""
         if self.images_left < 1:
             return False
         if self.model is not None:
             m = self.model
             vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.image_seconds(num_patches, num_tokens)
-            if m.combine(vision, self.language) > self.bound and not self.empty:
+            if m.combine(vision, self.language) > self.bound and not (self.empty or force):
                 return False
             self.vision = vision
             self._language_room = m.max_language(vision, self.bound)

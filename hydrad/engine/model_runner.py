@@ -66,13 +66,17 @@ class ModelRunner:
     def allocate_image_cache(self, num_blocks: int) -> None:
         self.image_cache = self._pool((num_blocks, self.image_block_size, self.model.image_hidden_size), self.shared)
 
-    def share_pools(self) -> None:
-        """Move the pools to shared memory (in place: data and views stay); new pools follow."""
+    def share_pools(self) -> int:
+        """Move the pools to shared memory (in place: data and views stay); new pools follow.
+        Returns the bytes moved (0 where they were there already, or on a GPU)."""
+        moved = 0
         if not self.shared:
             self.shared = True
             for pool in (self.kv_cache, self.image_cache):
                 if pool is not None and pool.device.type == "cpu":
                     pool.share_memory_()
+                    moved += pool.untyped_storage().nbytes()
+        return moved
 
     def free_kv_cache(self) -> None:
         """Drop the KV pool (peers that still hold a view keep its memory alive until they let go)."""

@@ -373,7 +373,7 @@ class Scheduler:
             self._bound_for_handoffs(bound, budget)
         self._schedule_prefills(out, budget)
         for req in list(self.encoding.values()):
-            self._schedule_images(req, budget, out)
+            self._schedule_images(req, budget, out, force="E" in self.retiring)
         self._admit_incoming(out)
         if not self.incoming or self._waited_longer():
             self._admit_new(out, budget)
@@ -439,6 +439,12 @@ class Scheduler:
                 budget.set_bound(left)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: StepBudget) -> None:
+        """The prompts being prefilled, each its largest chunk that fits. Where P is being
+        handed over (``retire``), each takes at least a ``min_chunk`` every step, past the
+        bound if need be: the decodes the instances taking P over send here can fill every
+        step to the bound for as long as the load lasts, and the redeploy waits for these
+        prompts (a hand-over held five minutes under 64 streams that way)."""
+        force = "P" in self.retiring
         for req in list(self.prefilling.values()):
             if budget.tokens_left < 1:
                 return
@@ -448,7 +454,7 @@ class Scheduler:
                 # It cannot be recomputed here, so it never waits on KV mid-way: it holds it all.
                 continue
             want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
-                                      self.min_chunk)
+                                      self.min_chunk, force)
             if want == 0:
                 return
             num_new = self._fit_chunk(req, want, out)
@@ -478,10 +484,13 @@ class Scheduler:
             out.chunks.append((req, num_new))
             req.scheduled_step = self._step
 
-    def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput) -> None:
-        for index in range(req.num_encoded_images + _num_scheduled(out, req), req.num_images):
+    def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput, force: bool = False) -> None:
+        """``req``'s images still to encode, while they fit; with ``force`` (E is being handed
+        over) its first one here past the bound, as ``_schedule_prefills``' chunks."""
+        first = req.num_encoded_images + _num_scheduled(out, req)
+        for index in range(first, req.num_images):
             image = req.images[index]
-            if not budget.add_image(image.num_patches, image.length):
+            if not budget.add_image(image.num_patches, image.length, force and index == first):
                 return
             out.encodes.append((req, index))
 

@@ -81,10 +81,12 @@ def worker_main(
     threads: CpuThreads,
     peer_ids: tuple[int, ...] = (),
     board_flags=None,
+    shared_pools: bool = False,
 ) -> None:
     """Process entry point (started by the daemon's supervisor). ``threads``: its torch
     threads on a CPU; ``board_flags``: the memory of the deployment's ``CoreBoard``, when
-    its CPU workers share the cores."""
+    its CPU workers share the cores; ``shared_pools``: its pools are made in shared memory
+    (with ``peer_ids``, always)."""
     # Ctrl-C reaches the whole process group; the daemon decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
@@ -98,7 +100,7 @@ def worker_main(
         torch.set_num_threads(threads.own)
         from hydrad.engine.core import EngineCore
 
-        engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=bool(peer_ids))
+        engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=shared_pools or bool(peer_ids))
         board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
         step_threads = StepThreads(engine, CoreLending(board, instance_id, threads))
         model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False)
@@ -480,7 +482,11 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 for peer_id, blob in msg.pools.items():
                     engine.attach_peer(peer_id, import_pools(blob))
             elif isinstance(msg, ExportPools):
-                engine.share_pools()
+                began = time.monotonic()
+                moved = engine.share_pools()
+                if moved:
+                    logger.info("moved the cache pools (%d MiB) to shared memory in %.1f s, no step meanwhile",
+                                moved >> 20, time.monotonic() - began)
                 blob = export_pools(engine.pools(), (msg.peer_id,), exported)[msg.peer_id]
                 conn.send(PoolsExported(engine.instance_id, msg.peer_id, blob))
             elif isinstance(msg, DetachPeer):

@@ -82,6 +82,51 @@ def test_the_supervisor_adopts_the_launched_worker(tiny_llava_dir):
     assert process.exitcode == 0
 
 
+@pytest.mark.parametrize("free_mb", [4096, 100])
+def test_cpu_workers_make_their_pools_shared_where_requests_move_or_dev_shm_has_room(tiny_llava_dir, tmp_path,
+                                                                                     monkeypatch, free_mb):
+    """What each worker is started with (its peers, and whether its pools are made in shared
+    memory): 2EPD moves no request, but with room in /dev/shm for both pools (768 MiB each
+    by default) they are made there, for a redeploy that would move requests; one that moves
+    requests always makes them there (its start is refused before any worker loads when they
+    do not fit: ``check_shared_memory``); one instance never."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster import preflight
+
+    monkeypatch.setattr(preflight, "SHM", str(tmp_path))
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free_mb * 256, f_frsize=4096))
+    started = []
+    monkeypatch.setattr(launch, "_launch", lambda workers, board: started.append(
+        [(spec.instance_id, peers, shared) for _, spec, peers, shared in workers]) or [None] * len(workers))
+    config = engine_config(tiny_llava_dir)
+    launch_all(config, plan_specs([("EPD", "cpu"), ("EPD", "cpu")]))
+    launch_all(config, plan_specs([("EP", "cpu"), ("D", "cpu")]))
+    launch_all(config, plan_specs([("EPD", "cpu")]))
+    room = free_mb >= 2 * 768 + preflight.SHM_SPARE_MB
+    assert started == [[(0, (), room), (1, (), room)], [(0, (1,), True), (1, (0,), True)], [(0, (), False)]]
+
+
+def test_pools_made_shared_at_start_are_not_moved_when_shared_again(tiny_llava_dir):
+    """A redeploy asks each worker to share its pools (``ExportPools``): pools made private
+    are moved to shared memory then (the bytes moved are returned, and the worker logs them);
+    pools made there at the start are not moved again."""
+    from hydrad.engine.core import EngineCore
+
+    config = load_config(None, {"model.path": str(tiny_llava_dir), "scheduler.derive_budgets": False,
+                                "cache.num_kv_blocks": 64, "cache.num_image_blocks": 8}).engine
+    private = EngineCore(config, role="EPD", device="cpu", instance_id=0)
+    kv = private.runner.kv_cache
+    kv.view(-1)[:3] = 7.0
+    assert not kv.is_shared()
+    assert private.share_pools() == kv.untyped_storage().nbytes() + private.runner.image_cache.untyped_storage().nbytes()
+    assert private.runner.kv_cache.is_shared() and private.runner.kv_cache.view(-1)[:3].tolist() == [7.0] * 3
+    assert private.share_pools() == 0
+    shared = EngineCore(config, role="EPD", device="cpu", instance_id=1, shared_pools=True)
+    assert shared.runner.kv_cache.is_shared() and shared.runner.image_cache.is_shared()
+    assert shared.share_pools() == 0
+
+
 @pytest.mark.parametrize("wait", [True, False], ids=["started", "starting"])
 def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir, wait):
     launched = launch_all(engine_config(tiny_llava_dir), plan_specs([("E", "cpu"), ("PD", "cpu")]))

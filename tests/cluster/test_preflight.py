@@ -53,6 +53,29 @@ def test_cache_pools_that_cannot_fit_in_shared_memory_are_said_before_any_worker
     assert not caplog.records
 
 
+def test_pools_are_made_shared_at_start_where_dev_shm_has_room_beside_them(tmp_path, monkeypatch):
+    """Where no request moves between the CPU instances, their pools are still made in shared
+    memory if /dev/shm has room for them and for the images in flight (``SHM_SPARE_MB``):
+    a later redeploy that moves requests then shares them as they are, instead of copying
+    them there while the workers step nothing."""
+    from types import SimpleNamespace
+
+    from hydrad.cluster.preflight import SHM_SPARE_MB, room_for_shared_pools
+
+    free_mb = [0]
+    monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=free_mb[0] * 256, f_frsize=4096))
+    small = CacheConfig(kv_cache_memory_mb=32, image_cache_memory_mb=8)  # 40 MiB an instance
+    shm = str(tmp_path)
+    free_mb[0] = 80 + SHM_SPARE_MB
+    assert room_for_shared_pools(small, ["cpu", "cpu"], shm)
+    free_mb[0] -= 1
+    assert not room_for_shared_pools(small, ["cpu", "cpu"], shm)
+    free_mb[0] = 1 << 20
+    assert not room_for_shared_pools(small, ["cpu"], shm)  # one instance: no redeploy moves requests
+    assert not room_for_shared_pools(small, ["cuda", "cuda"], shm)  # GPU pools: exported through IPC
+    assert not room_for_shared_pools(small, ["cpu", "cpu"], str(tmp_path / "none"))
+
+
 def _safetensors(path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     """A safetensors file's header (what ``weights_bytes`` reads), data left out."""
     header = json.dumps({"__metadata__": {"format": "pt"},

@@ -241,8 +241,9 @@ class PoolEngine(FakeEngine):
     def pools(self):
         return {"kv": self.pool, "image": None}
 
-    def share_pools(self) -> None:
+    def share_pools(self) -> int:
         """Its pool is in shared memory from the start (a real engine moves it there here)."""
+        return 0
 
     def detach_peer(self, instance_id: int) -> None:
         self.detached.append(instance_id)

@@ -522,3 +522,55 @@ def test_a_prompt_handed_over_is_no_decode_hand_over():
     s.add(make_request("a", num_prompt=4000, max_tokens=2))
     out = s.schedule()
     assert out.num_decodes == 0 and _full_to(s, out, 0.5)
+
+
+def test_a_stage_handed_over_advances_every_step_though_decodes_fill_the_bound():
+    """An EPD instance hands E and P over (a redeploy to ``1EP+1D`` keeping D), holding a
+    prompt half prefilled and a request with one of its two images encoded, while the
+    instance taking P over sends it decodes that fill every step to the bound (a closed
+    loop at saturation: each that ends is followed by another). Once, these never got a
+    step and the redeploy waited on them for five minutes; now each takes a chunk, or an
+    image, every step past the bound (a ``min_chunk``: a block of KV), and the hand-over
+    completes."""
+    from test_scheduler import handed_decode
+
+    model = dataclasses.replace(MODEL, l_decode=5e-3)  # ten decodes fill the 50 ms bound
+    s = scheduler_with(model, bound=0.05, image_budget=1, num_kv_blocks=256, kv_block_size=16)
+    prompt = make_request("p", num_prompt=1200, max_tokens=4)  # 0.12 s to prefill: chunked
+    pictured = make_request("q", num_prompt=60, images=[(2, 16), (30, 16)], max_tokens=4)
+    s.add(pictured)
+    s.add(prompt)
+    for _ in range(3):
+        out = s.schedule()
+        s.check_integrity()
+        s.update_after_encode(out)
+        s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        if 0 < prompt.num_computed_tokens and pictured.num_encoded_images == 1:
+            break
+    assert 0 < prompt.num_computed_tokens < 1200 and pictured.num_encoded_images == 1
+    s.retire("EP")
+    names = (f"d{i}" for i in range(10_000))
+    for _ in range(12):
+        s.add(handed_decode(next(names), max_tokens=30))
+    for step in range(200):
+        for pull in s.admit_pulls():
+            s.finish_pull(pull.req)
+        out = s.schedule()
+        s.check_integrity()
+        for pull in out.pulls:
+            s.finish_pull(pull.req)
+        forced = [r for r, n in out.chunks if r is prompt] + [r for r, _ in out.encodes]
+        if not forced:  # only the stage being handed over may take a step past its bound
+            assert model.step_seconds(shape_of(out, s)) <= s.latency_bound + 1e-9
+        s.update_after_encode(out)
+        result = s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        for req_id in list(s.offered):  # the instances that take E and P over pull what is offered
+            s.release(req_id)
+        for req in result.finished:
+            s.add(handed_decode(next(names), max_tokens=30))
+        if s.drained(keep_kv=True, keep_images=False):
+            break
+    assert s.drained(keep_kv=True, keep_images=False), (
+        f"still held after {step + 1} steps: {prompt.num_computed_tokens} of 1200 prompt tokens, "
+        f"{pictured.num_encoded_images} of 2 images")
+    assert prompt.output_token_ids and "p" in s.decoding  # D stays here: it decodes on
