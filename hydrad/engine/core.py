@@ -352,17 +352,18 @@ class EngineCore:
         self._add_pool(kind, num)
         return num
 
-    def _add_pool(self, kind: str, num_blocks: int, provisional: bool = False) -> None:
+    def _add_pool(self, kind: str, num_blocks: int, provisional: bool = False, pool=None) -> None:
         """Allocate the ``kind`` pool ("kv" or "image") of ``num_blocks`` and its block manager;
-        a KV pool that stays (not ``provisional``) limits the context to what it holds."""
+        a KV pool that stays (not ``provisional``) limits the context to what it holds.
+        ``pool``: the tensor made ahead for it (``pools_to_add``), if any."""
         if kind == "kv":
-            self.runner.allocate_kv_cache(num_blocks)
+            self.runner.allocate_kv_cache(num_blocks, pool)
             self.kv_manager = BlockManager(num_blocks, self.kv_block_size, "kv")
             if not provisional:
                 self._limit_context(num_blocks)
                 self.scheduler.max_model_len = self.max_model_len
         else:
-            self.runner.allocate_image_cache(num_blocks)
+            self.runner.allocate_image_cache(num_blocks, pool)
             self.image_manager = BlockManager(num_blocks, self.runner.image_block_size, "image")
 
     def _drop_pool(self, kind: str) -> None:
@@ -389,10 +390,30 @@ class EngineCore:
         return (pool.num_blocks, pool.block_size) if pool is not None else None
 
     # -- role changes (live redeploy) ------------------------------------------------------------
-    def expand(self, role: str) -> str:
+    def pools_to_add(self, role: str) -> dict[str, tuple[int, ...]]:
+        """The shapes of the pools ``expand(role)`` will allocate that can be made ahead, on
+        another thread while this instance steps (``ModelRunner.new_pool``), by kind: on a CPU,
+        of fixed sizes ([cache]), where their shape does not wait for the parts to load (a KV
+        pool of an instance without a language model yet takes its block size from the
+        attention backend). Under load, making a few hundred MiB in shared memory took a
+        busy worker a second, every stream of the instance waiting."""
+        if self.pool_bytes is not None or self.device.type != "cpu":
+            return {}
+        role = normalize_role(self.role + role)
+        has_kv, has_image_cache = "P" in role or "D" in role, "E" in role or "P" in role
+        num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, self.runner.image_block_size)
+        shapes = {}
+        if has_kv and self.kv_manager is None and self.model.has_language:
+            shapes["kv"] = tuple(self.model.kv_cache_shape(num_kv, self.kv_block_size))
+        if has_image_cache and self.image_manager is None:
+            shapes["image"] = self.runner.image_cache_shape(num_image)
+        return shapes
+
+    def expand(self, role: str, pools: dict | None = None) -> str:
         """Take on the stages of ``role`` too, while serving the current ones: build the model
-        parts and allocate the pools they need (pools already held keep their size). Returns
-        the instance's new role. The caller shares new pools with the peers."""
+        parts and allocate the pools they need (pools already held keep their size; ``pools``:
+        those made ahead, by kind, from ``pools_to_add``). Returns the instance's new role.
+        The caller shares new pools with the peers."""
         from hydrad.models.loader import iter_weights
 
         role = normalize_role(self.role + role)
@@ -421,10 +442,11 @@ class EngineCore:
                     self._allocate_from_device(kind, self._device_room())
         else:
             num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, image_block_size)
+            pools = pools or {}
             if has_kv and self.kv_manager is None:
-                self._add_pool("kv", num_kv)
+                self._add_pool("kv", num_kv, pool=pools.get("kv"))
             if has_image_cache and self.image_manager is None:
-                self._add_pool("image", num_image)
+                self._add_pool("image", num_image, pool=pools.get("image"))
         self.role = role
         self.scheduler.set_role(role, self.kv_manager, self.image_manager)
         self._stalled = False

@@ -59,12 +59,27 @@ class ModelRunner:
         if num_image_blocks:
             self.allocate_image_cache(num_image_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_cache = self._pool(self.model.kv_cache_shape(num_blocks, self.kv_block_size), self.shared)
+    def allocate_kv_cache(self, num_blocks: int, pool: torch.Tensor | None = None) -> None:
+        """``pool``: one made ahead (``new_pool``) for this shape, taken as it is."""
+        self.kv_cache = self._made(self.model.kv_cache_shape(num_blocks, self.kv_block_size), pool)
         self.batch = InputBatch(self.max_blocks_per_seq, self.vocab_size, self.sampler, self.device)
 
-    def allocate_image_cache(self, num_blocks: int) -> None:
-        self.image_cache = self._pool((num_blocks, self.image_block_size, self.model.image_hidden_size), self.shared)
+    def allocate_image_cache(self, num_blocks: int, pool: torch.Tensor | None = None) -> None:
+        self.image_cache = self._made(self.image_cache_shape(num_blocks), pool)
+
+    def image_cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, self.image_block_size, self.model.image_hidden_size)
+
+    def new_pool(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A pool of ``shape`` as ``allocate_*`` would make it, attached to nothing: safe to
+        make on another thread while this runner steps."""
+        return self._pool(shape, self.shared)
+
+    def _made(self, shape: tuple[int, ...], pool: torch.Tensor | None) -> torch.Tensor:
+        if pool is not None and tuple(pool.shape) == tuple(shape) and pool.is_shared() == (
+                self.shared and self.device.type == "cpu"):
+            return pool
+        return self._pool(shape, self.shared)
 
     def share_pools(self) -> int:
         """Move the pools to shared memory (in place: data and views stay); new pools follow.

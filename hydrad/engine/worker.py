@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -336,6 +337,7 @@ class _PendingReconfigure:
         self.room = (0, 0)
         self.steps = None  # the measurement, once the stages are taken on
         self.said: set[str] = set()  # what it has logged it waits for (once each)
+        self.pools: _PoolsAhead | None = None  # the new stages' pools, made beside the steps
 
     def due(self, engine, now: float) -> bool:
         if now < self.next_try:
@@ -356,8 +358,13 @@ class _PendingReconfigure:
 
         role = self.msg.role
         if self.steps is None:
+            if self.pools is None:
+                self.pools = _PoolsAhead(engine, role)
+            if not self.pools.ready():
+                self.next_try = now + POOLS_POLL_SECONDS
+                return None
             try:
-                role = engine.expand(role)
+                role = engine.expand(role, self.pools.take())
             except HydradError as e:
                 return _not_reconfigured(engine, self.msg.role, self.start, e)
             except Exception as e:  # the daemon reports it and keeps the deployment as it was
@@ -406,6 +413,46 @@ class _PendingReconfigure:
         self.waits_for, self.room = waits_for, _room(engine)
         self.next_try = now if waits is None else now + RECONFIGURE_RETRY_SECONDS
         return None
+
+
+class _PoolsAhead:
+    """The pools a ``Reconfigure``'s new stages need (``EngineCore.pools_to_add``), made on a
+    thread while the instance goes on stepping; ``expand`` then takes them as they are. Made
+    in its ``expand``, between two steps, the image pool of a D instance taking on E and P
+    (256 MiB in shared memory, every page touched) held all its streams for a second under
+    load. Where making them fails, ``expand`` makes them itself (and says why it cannot)."""
+
+    def __init__(self, engine, role: str):
+        self.shapes = engine.pools_to_add(role)
+        self.pools: dict = {}
+        self.failed = False
+        self._thread = None
+        if self.shapes:
+            self._thread = threading.Thread(target=self._make, args=(engine.runner,), name="hydrad-pools",
+                                            daemon=True)
+            self._thread.start()
+
+    def _make(self, runner) -> None:
+        import torch
+
+        torch.set_num_threads(1)  # this thread's own: the instance's threads step beside it
+        try:
+            for kind, shape in self.shapes.items():
+                self.pools[kind] = runner.new_pool(shape)
+        except Exception:  # noqa: BLE001 (expand allocates them again, and reports the error)
+            self.failed = True
+
+    def ready(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def take(self) -> dict:
+        pools = {} if self.failed else self.pools
+        self.pools = {}
+        return pools
+
+
+# How often a worker looks whether the pools of a ``Reconfigure`` are made (between steps).
+POOLS_POLL_SECONDS = 0.01
 
 
 def _room(engine) -> tuple[int, int]:

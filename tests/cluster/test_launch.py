@@ -127,6 +127,27 @@ def test_pools_made_shared_at_start_are_not_moved_when_shared_again(tiny_llava_d
     assert shared.share_pools() == 0
 
 
+def test_the_pools_of_new_stages_made_ahead_are_taken_by_expand(tiny_llava_dir):
+    """``pools_to_add`` names the pools a role's new stages need whose shape is known before
+    their parts load (a worker makes them on a thread while it steps), and ``expand`` takes
+    them as they are; a KV pool of an instance without a language model waits for it."""
+    from hydrad.engine.core import EngineCore
+
+    config = load_config(None, {"model.path": str(tiny_llava_dir), "scheduler.derive_budgets": False,
+                                "cache.num_kv_blocks": 64, "cache.num_image_blocks": 8}).engine
+    d = EngineCore(config, role="D", device="cpu", instance_id=0, shared_pools=True)
+    shapes = d.pools_to_add("EP")
+    assert list(shapes) == ["image"] and shapes["image"][0] == 8  # D holds its KV pool already
+    made = {kind: d.runner.new_pool(shape) for kind, shape in shapes.items()}
+    assert made["image"].is_shared()
+    assert d.expand("EP", made) == "EPD"
+    assert d.runner.image_cache is made["image"] and d.image_manager.num_blocks == 8
+    assert d.pools_to_add("EPD") == {}
+    e = EngineCore(config, role="E", device="cpu", instance_id=1, shared_pools=True)
+    assert e.pools_to_add("EP") == {}  # its KV block size follows the attention backend it loads
+    assert e.expand("EP", {}) == "EP" and e.kv_manager.num_blocks == 64
+
+
 @pytest.mark.parametrize("wait", [True, False], ids=["started", "starting"])
 def test_workers_no_supervisor_took_are_stopped(tiny_llava_dir, wait):
     launched = launch_all(engine_config(tiny_llava_dir), plan_specs([("E", "cpu"), ("PD", "cpu")]))

@@ -400,8 +400,12 @@ class FullPoolEngine(FakeEngine):
             self.image_manager.free(self.held.pop(finished.req_id))
         return out
 
-    def expand(self, role: str) -> str:
+    def expand(self, role: str, pools=None) -> str:
+        self.expanded_with = pools
         return self.role
+
+    def pools_to_add(self, role: str) -> dict:
+        return {}
 
     def geometry(self):
         return None
@@ -482,6 +486,40 @@ def test_a_busy_worker_serves_a_step_between_a_step_s_length_of_probes():
     log = "".join("p" if what == "probe" else "s" for what in threads.log)
     runs = [len(run) for run in log.strip("s").split("s") if run]
     assert sum(runs) == 20 and max(runs) <= 2 and len(runs) >= 10  # a step after two probes (or one)
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_a_busy_worker_steps_while_the_pools_of_its_new_stages_are_made():
+    """The pools a Reconfigure's new stages need are made on a thread while the worker goes on
+    stepping (a 256 MiB image pool in shared memory held a D instance's streams a second
+    under load), and ``expand`` takes them as they were made; the worker steps meanwhile."""
+    engine = FullPoolEngine()
+    engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks
+    made = []
+
+    class Runner:
+        def new_pool(self, shape):
+            time.sleep(0.3)
+            made.append(("pool", shape, threading.current_thread().name))
+            return ("pool", shape)
+
+    engine.runner = Runner()
+    engine.pools_to_add = lambda role: {"image": (4, 16, 8)}
+    threads = ProbingThreads(engine, probes=1)
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    conn.send(AddRequest(request("a", 1000)))
+    recv_until(conn, StepOutput)
+    conn.send(Reconfigure("EPD", CpuThreads(1), wait=30.0))
+    answer = recv_until(conn, Reconfigured)
+    assert answer.error is None
+    assert made == [("pool", (4, 16, 8), "hydrad-pools")]
+    assert engine.expanded_with == {"image": ("pool", (4, 16, 8))}
+    steps_before_probe = threads.log.index("probe")
+    assert steps_before_probe >= 10  # steps of 10 ms went on while the pool took 0.3 s
     conn.send(Shutdown(finish_running=False))
     thread.join(5)
     assert not thread.is_alive()
