@@ -50,11 +50,18 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q / 100 * len(values)))]
 
 
-def describe(records) -> dict:
-    """Latencies of finished requests: TTFT, end to end, worst gap per request."""
+def describe(records, since: float | None = None) -> dict:
+    """Latencies of finished requests: TTFT, end to end, worst gap per request; with ``since``
+    (a switch's command), also each request's worst gap among those that began after it
+    (what the switch did to streams, apart from the gaps they had before it)."""
     ok = [r for r in records if r.error is None and r.chunk_times]
     worst_gaps = [max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:])), default=0.0) for r in ok]
-    return {
+    after = {}
+    if since is not None:
+        gaps_after = [max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if a >= since), default=0.0)
+                      for r in ok]
+        after = {"gap_after_p50": percentile(gaps_after, 50), "gap_after_max": max(gaps_after, default=None)}
+    return after | {
         "requests": len(records),
         "failed": sum(r.error is not None for r in records),
         "ttft_p50": percentile([r.chunk_times[0] - r.start for r in ok], 50),
@@ -182,13 +189,14 @@ def main() -> None:
     for switch in switches:
         in_flight = [r for r in records if r.start < switch["sent"] < (r.end or float("inf"))]
         report["switches"].append({k: v for k, v in switch.items() if k not in ("sent", "done")}
-                                  | {"in_flight": describe(in_flight)})
+                                  | {"in_flight": describe(in_flight, switch["sent"])})
     report["failed"] = sum(r.error is not None for r in records)
     report["requests"] = len(records)
     for row in report["switches"]:
         f = row["in_flight"]
         print(f"{row['deploy']:>10}: {row['seconds']:.2f} s to serving; {f['requests']} in flight: "
-              f"e2e p50 {f['e2e_p50']:.2f} s max {f['e2e_max']:.2f} s, worst gap max {f['worst_gap_max']:.2f} s")
+              f"e2e p50 {f['e2e_p50']:.2f} s max {f['e2e_max']:.2f} s, worst gap max {f['worst_gap_max']:.2f} s "
+              f"(begun after the command: p50 {f['gap_after_p50']:.2f} s, max {f['gap_after_max']:.2f} s)")
     s = report["steady"]
     print(f"    steady: e2e p50 {s['e2e_p50']:.2f} s, worst gap p50 {s['worst_gap_p50']:.3f} s; "
           f"{report['failed']} of {report['requests']} requests failed")
