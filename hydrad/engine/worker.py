@@ -423,7 +423,10 @@ class _PoolsAhead:
     load. Where making them fails, ``expand`` makes them itself (and says why it cannot)."""
 
     def __init__(self, engine, role: str):
-        self.shapes = engine.pools_to_add(role)
+        try:
+            self.shapes = engine.pools_to_add(role)
+        except Exception:  # noqa: BLE001 (expand meets the same error, and reports it)
+            self.shapes = {}
         self.pools: dict = {}
         self.failed = False
         self._thread = None
