@@ -70,6 +70,9 @@ _RUNNING = RequestStatus.RUNNING
 HANDOFF_WINDOW = 10.0
 # The least share of the step bound such a step keeps for prefills and encodes.
 HANDOFF_SHARE = 0.5
+# Steps without a step for the prompts, while decodes are handed over here, after which each
+# step advances the oldest of them by one unit past its bound if need be (``_starved``).
+STARVED_STEPS = 4
 
 
 @dataclass
@@ -160,6 +163,11 @@ class Scheduler:
         self.idle_bound = 0.0
         # When the last decode handed over from another instance arrived (``clock``).
         self._last_handoff = -math.inf
+        # The last step that advanced a prompt (an image encoded, a chunk prefilled), or that
+        # had none to advance; and whether this step still owes one (``_starved``).
+        self._prompt_step = 0
+        self._force_one = False
+        self._forced = False  # this step's prompt unit went past the bound only by ``_force_one``
         # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
         self.calibration = 1.0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
@@ -371,18 +379,37 @@ class Scheduler:
             self._bound_by_deadlines(pressed, budget)
         if handoffs:
             self._bound_for_handoffs(bound, budget)
+        self._force_one, self._forced = handoffs and self._starved(), False
         self._schedule_prefills(out, budget)
         for req in list(self.encoding.values()):
+            n = len(out.encodes)
             self._schedule_images(req, budget, out, force="E" in self.retiring)
+            if len(out.encodes) == n and self._force_one:
+                self._schedule_images(req, budget, out, force=True)
+                self._forced = len(out.encodes) > n
+            self._force_one = self._force_one and len(out.encodes) == n
         self._admit_incoming(out)
         if not self.incoming or self._waited_longer():
             self._admit_new(out, budget)
         if self.prefill_after_encode and out.encodes and self.can_prefill and "P" not in self.retiring:
             self._prefill_encoded(out, budget)
+        # Starved prompts take a unit every step until one is advanced within the bound again.
+        if (((out.encodes or len(out.chunks) > out.num_decodes) and not self._forced)
+                or not (self.prefilling or self.encoding or self.waiting)):
+            self._prompt_step = self._step
         out.predicted_vision, out.predicted_language = budget.vision, budget.language
         out.predicted_prefill = budget.prefill
         self._dropped = []
         return out
+
+    def _starved(self) -> bool:
+        """Whether the prompts here have had no step for ``STARVED_STEPS`` steps while decodes
+        were handed over to this instance: this step then advances the oldest of them by one
+        unit (an image, a ``min_chunk``) past its bound if need be. An instance that prefills
+        and also decodes for others (``1EP+1EPD``) can have every step filled by their
+        decodes for as long as they keep prefilling, and its own prompts would wait as long;
+        its own decodes alone cannot do that (it admits none while they fill its steps)."""
+        return self.can_prefill and self._step - self._prompt_step > STARVED_STEPS
 
     def _bound_for_handoffs(self, bound: float, budget: StepBudget) -> None:
         """A stream handed over from another instance after its first token is pulled between
@@ -444,7 +471,7 @@ class Scheduler:
         bound if need be: the decodes the instances taking P over send here can fill every
         step to the bound for as long as the load lasts, and the redeploy waits for these
         prompts (a hand-over held five minutes under 64 streams that way)."""
-        force = "P" in self.retiring
+        retiring = "P" in self.retiring
         for req in list(self.prefilling.values()):
             if budget.tokens_left < 1:
                 return
@@ -454,7 +481,11 @@ class Scheduler:
                 # It cannot be recomputed here, so it never waits on KV mid-way: it holds it all.
                 continue
             want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
-                                      self.min_chunk, force)
+                                      self.min_chunk, retiring)
+            if want == 0 and self._force_one:
+                want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
+                                          self.min_chunk, True)
+                self._forced = want > 0
             if want == 0:
                 return
             num_new = self._fit_chunk(req, want, out)
@@ -463,6 +494,7 @@ class Scheduler:
             budget.add_prefill(req.num_computed_tokens, num_new)
             out.chunks.append((req, num_new))
             req.scheduled_step = self._step
+            self._force_one = False
 
     def _prefill_encoded(self, out: SchedulerOutput, budget: StepBudget) -> None:
         """With ``prefill_after_encode``: the requests whose last images this step encodes start
@@ -565,8 +597,12 @@ class Scheduler:
             if skipped < req.num_images:
                 if not self.images.can_allocate(self._image_blocks_needed(req, skipped)):
                     return
-                if not budget.add_image(req.images[skipped].num_patches, req.images[skipped].length):
-                    return
+                image = req.images[skipped]
+                if not budget.add_image(image.num_patches, image.length):
+                    if not (self._force_one and budget.add_image(image.num_patches, image.length, True)):
+                        return
+                    self._forced = True
+                self._force_one = False
                 self.waiting.popleft()
                 self._take_prefix(req, cached, skipped, replayed)
                 self._allocate_images(req, skipped)
@@ -577,8 +613,12 @@ class Scheduler:
             else:
                 start = (len(cached) + replayed) * bs
                 want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk)
+                if want == 0 and self._force_one:
+                    want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk, True)
+                    self._forced = want > 0
                 if want == 0:
                     return
+                self._force_one = False
                 self.waiting.popleft()
                 self._take_prefix(req, cached, skipped, replayed)
                 self._start_running(req)

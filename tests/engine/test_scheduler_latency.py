@@ -574,3 +574,54 @@ def test_a_stage_handed_over_advances_every_step_though_decodes_fill_the_bound()
         f"still held after {step + 1} steps: {prompt.num_computed_tokens} of 1200 prompt tokens, "
         f"{pictured.num_encoded_images} of 2 images")
     assert prompt.output_token_ids and "p" in s.decoding  # D stays here: it decodes on
+
+
+def test_prompts_advance_while_decodes_handed_over_fill_every_step():
+    """An instance that prefills and also decodes for another instance (``1EP+1EPD``), whose
+    decodes fill every step (to the bound less the room it keeps for the next handed-over
+    decode's first step) while each that ends is followed by another: its own prompts once
+    waited for as long as that lasted. After ``STARVED_STEPS`` steps without a step for
+    them, each step advances the oldest by one unit (a ``min_chunk``, an image) past that
+    bound if need be; a step over its bound carries that one unit beside the decodes."""
+    from hydrad.engine.scheduler import STARVED_STEPS
+    from test_scheduler import handed_decode
+
+    model = dataclasses.replace(MODEL, l_decode=5e-3)  # ten decodes fill the 50 ms bound
+    s = scheduler_with(model, bound=0.05, image_budget=2, num_kv_blocks=512, kv_block_size=16)
+    names = (f"d{i}" for i in range(10_000))
+    for _ in range(12):
+        s.add(handed_decode(next(names), max_tokens=30))
+    for _ in range(3):  # the decodes are pulled and running
+        for pull in s.admit_pulls():
+            s.finish_pull(pull.req)
+        out = s.schedule()
+        for pull in out.pulls:
+            s.finish_pull(pull.req)
+        s.update_after_encode(out)
+        s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    prompt = make_request("p", num_prompt=200, max_tokens=4)
+    pictured = make_request("q", num_prompt=60, images=[(2, 16), (30, 16)], max_tokens=4)
+    s.add(prompt)
+    s.add(pictured)
+    for step in range(400):
+        for pull in s.admit_pulls():
+            s.finish_pull(pull.req)
+        out = s.schedule()
+        s.check_integrity()
+        for pull in out.pulls:
+            s.finish_pull(pull.req)
+        units = len(out.encodes) + len(out.chunks) - out.num_decodes
+        if model.step_seconds(shape_of(out, s)) > s.latency_bound + 1e-9:
+            assert units == 1 and all(n <= s.min_chunk for r, n in out.chunks[out.num_decodes:]), out.chunks
+        s.update_after_encode(out)
+        result = s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        for req in result.finished:
+            if req not in (prompt, pictured):
+                s.add(handed_decode(next(names), max_tokens=30))
+        if prompt.output_token_ids and pictured.output_token_ids:
+            break
+    assert prompt.output_token_ids and pictured.output_token_ids, (
+        f"after {step + 1} steps: {prompt.num_computed_tokens} of 200 prompt tokens, "
+        f"{pictured.num_encoded_images} of 2 images, {pictured.num_computed_tokens} of 60 tokens")
+    # 13 chunks of 200 tokens, two images, 4 chunks of 60: a unit a step once starved.
+    assert step < STARVED_STEPS + 13 + 2 + 4 + 5
