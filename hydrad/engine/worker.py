@@ -101,7 +101,8 @@ def worker_main(
         torch.set_num_threads(threads.own)
         from hydrad.engine.core import EngineCore
 
-        engine = EngineCore(config, role=role, device=device, instance_id=instance_id, shared_pools=shared_pools or bool(peer_ids))
+        engine = EngineCore(config, role=role, device=device, instance_id=instance_id,
+                            shared_pools=shared_pools or bool(peer_ids))
         board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
         step_threads = StepThreads(engine, CoreLending(board, instance_id, threads))
         model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False)
