@@ -382,12 +382,7 @@ class Scheduler:
         self._force_one, self._forced = handoffs and self._starved(), False
         self._schedule_prefills(out, budget)
         for req in list(self.encoding.values()):
-            n = len(out.encodes)
-            self._schedule_images(req, budget, out, force="E" in self.retiring)
-            if len(out.encodes) == n and self._force_one:
-                self._schedule_images(req, budget, out, force=True)
-                self._forced = len(out.encodes) > n
-            self._force_one = self._force_one and len(out.encodes) == n
+            self._schedule_images(req, budget, out)
         self._admit_incoming(out)
         if not self.incoming or self._waited_longer():
             self._admit_new(out, budget)
@@ -403,13 +398,37 @@ class Scheduler:
         return out
 
     def _starved(self) -> bool:
-        """Whether the prompts here have had no step for ``STARVED_STEPS`` steps while decodes
-        were handed over to this instance: this step then advances the oldest of them by one
-        unit (an image, a ``min_chunk``) past its bound if need be. An instance that prefills
-        and also decodes for others (``1EP+1EPD``) can have every step filled by their
-        decodes for as long as they keep prefilling, and its own prompts would wait as long;
-        its own decodes alone cannot do that (it admits none while they fill its steps)."""
-        return self.can_prefill and self._step - self._prompt_step > STARVED_STEPS
+        """Whether the prompts here have had no step for ``STARVED_STEPS`` steps (called while
+        decodes are handed over to this instance): this step then advances the oldest of them
+        by one unit (an image, a ``min_chunk``) past its bound if need be (``_fit_prefill``,
+        ``_add_image``). Decodes that other instances keep sending can fill every step for as
+        long as they keep prefilling: an instance that prefills and also decodes for others
+        (``1EP+1EPD``), or one handing E or P over in a redeploy to the instance that sends it
+        decodes (the prompt it was to finish held a hand-over five minutes under 64 streams).
+        Its own decodes alone cannot do that: it admits none while they fill its steps."""
+        return self._step - self._prompt_step > STARVED_STEPS
+
+    def _fit_prefill(self, budget: StepBudget, start: int, num_tokens: int) -> int:
+        """``budget.fit_prefill``, or, where nothing fits and the prompts are starved
+        (``_force_one``), a ``min_chunk`` past the bound; a chunk given takes the step's force."""
+        want = budget.fit_prefill(start, num_tokens, self.min_chunk)
+        if want == 0 and self._force_one:
+            want = budget.fit_prefill(start, num_tokens, self.min_chunk, force=True)
+            self._forced = want > 0
+        if want:
+            self._force_one = False
+        return want
+
+    def _add_image(self, budget: StepBudget, image) -> bool:
+        """``budget.add_image``, or past the bound where the prompts are starved, as
+        ``_fit_prefill``."""
+        if budget.add_image(image.num_patches, image.length):
+            self._force_one = False
+            return True
+        if self._force_one and budget.add_image(image.num_patches, image.length, force=True):
+            self._force_one, self._forced = False, True
+            return True
+        return False
 
     def _bound_for_handoffs(self, bound: float, budget: StepBudget) -> None:
         """A stream handed over from another instance after its first token is pulled between
@@ -466,12 +485,8 @@ class Scheduler:
                 budget.set_bound(left)
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        """The prompts being prefilled, each its largest chunk that fits. Where P is being
-        handed over (``retire``), each takes at least a ``min_chunk`` every step, past the
-        bound if need be: the decodes the instances taking P over send here can fill every
-        step to the bound for as long as the load lasts, and the redeploy waits for these
-        prompts (a hand-over held five minutes under 64 streams that way)."""
-        retiring = "P" in self.retiring
+        """The prompts being prefilled, each its largest chunk that fits (the oldest at least a
+        ``min_chunk`` where they are starved: ``_starved``)."""
         for req in list(self.prefilling.values()):
             if budget.tokens_left < 1:
                 return
@@ -480,12 +495,7 @@ class Scheduler:
             if not req.preemptible and not self._reserve_kv(req, self._full_len(req), out):
                 # It cannot be recomputed here, so it never waits on KV mid-way: it holds it all.
                 continue
-            want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
-                                      self.min_chunk, retiring)
-            if want == 0 and self._force_one:
-                want = budget.fit_prefill(req.num_computed_tokens, req.num_tokens - req.num_computed_tokens,
-                                          self.min_chunk, True)
-                self._forced = want > 0
+            want = self._fit_prefill(budget, req.num_computed_tokens, req.num_tokens - req.num_computed_tokens)
             if want == 0:
                 return
             num_new = self._fit_chunk(req, want, out)
@@ -494,7 +504,6 @@ class Scheduler:
             budget.add_prefill(req.num_computed_tokens, num_new)
             out.chunks.append((req, num_new))
             req.scheduled_step = self._step
-            self._force_one = False
 
     def _prefill_encoded(self, out: SchedulerOutput, budget: StepBudget) -> None:
         """With ``prefill_after_encode``: the requests whose last images this step encodes start
@@ -516,13 +525,9 @@ class Scheduler:
             out.chunks.append((req, num_new))
             req.scheduled_step = self._step
 
-    def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput, force: bool = False) -> None:
-        """``req``'s images still to encode, while they fit; with ``force`` (E is being handed
-        over) its first one here past the bound, as ``_schedule_prefills``' chunks."""
-        first = req.num_encoded_images + _num_scheduled(out, req)
-        for index in range(first, req.num_images):
-            image = req.images[index]
-            if not budget.add_image(image.num_patches, image.length, force and index == first):
+    def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput) -> None:
+        for index in range(req.num_encoded_images + _num_scheduled(out, req), req.num_images):
+            if not self._add_image(budget, req.images[index]):
                 return
             out.encodes.append((req, index))
 
@@ -597,12 +602,8 @@ class Scheduler:
             if skipped < req.num_images:
                 if not self.images.can_allocate(self._image_blocks_needed(req, skipped)):
                     return
-                image = req.images[skipped]
-                if not budget.add_image(image.num_patches, image.length):
-                    if not (self._force_one and budget.add_image(image.num_patches, image.length, True)):
-                        return
-                    self._forced = True
-                self._force_one = False
+                if not self._add_image(budget, req.images[skipped]):
+                    return
                 self.waiting.popleft()
                 self._take_prefix(req, cached, skipped, replayed)
                 self._allocate_images(req, skipped)
@@ -612,13 +613,9 @@ class Scheduler:
                 self._schedule_images(req, budget, out)
             else:
                 start = (len(cached) + replayed) * bs
-                want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk)
-                if want == 0 and self._force_one:
-                    want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk, True)
-                    self._forced = want > 0
+                want = self._fit_prefill(budget, start, req.num_tokens - start)
                 if want == 0:
                     return
-                self._force_one = False
                 self.waiting.popleft()
                 self._take_prefix(req, cached, skipped, replayed)
                 self._start_running(req)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import threading
 import time
@@ -411,6 +412,19 @@ class FullPoolEngine(FakeEngine):
         return None
 
 
+@contextlib.contextmanager
+def serving(engine, threads: StepThreads):
+    """The daemon's end of a worker loop serving ``engine`` on ``threads`` in a thread; on
+    leaving, the worker is shut down (running requests aborted) and has stopped."""
+    conn, worker_end = mp.Pipe()
+    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
+    thread.start()
+    yield conn
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
 class ProbingThreads(StepThreads):
     """The worker's step threads (one thread, nothing borrowed), with latency models measured
     in ``probes`` probes, each only where a probe image fits. ``log`` records each probe and
@@ -443,28 +457,23 @@ class ProbingThreads(StepThreads):
 def test_a_reconfigure_waits_while_the_requests_in_flight_hold_the_room_its_probes_need(wait, caplog):
     engine = FullPoolEngine()
     threads = ProbingThreads(engine)
-    conn, worker_end = mp.Pipe()
-    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
-    thread.start()
-    steps = 100 if wait == 0.5 else 40  # the request outlasts the wait, or not
-    conn.send(AddRequest(request("a", steps)))
-    conn.send(Reconfigure("EPD", CpuThreads(2), wait=wait))
-    start = time.monotonic()
-    seen = []
-    while not seen or not isinstance(seen[-1], Reconfigured):
-        assert conn.poll(10), seen[-1:]
-        seen.append(conn.recv())
-    answer, finished = seen[-1], [f for m in seen if isinstance(m, StepOutput) for f in m.output.finished]
-    if wait == 30.0:  # answered once the request gave its blocks back, the models measured then
-        assert answer.error is None and answer.latency_model == "model" and threads.fits == [4, 4, 4]
-        assert finished == [FinishedRequest("a", "length", {"decode_exec": 0.001})]
-    else:  # at once, or when the wait ran out: an error the daemon reports in one line
-        assert answer.error == "the image cache has 0 free blocks: not one image fits" and threads.fits == []
-        assert not finished and time.monotonic() - start >= wait
-        assert "Traceback" not in caplog.text and "0 free blocks" in caplog.text
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    with serving(engine, threads) as conn:
+        steps = 100 if wait == 0.5 else 40  # the request outlasts the wait, or not
+        conn.send(AddRequest(request("a", steps)))
+        conn.send(Reconfigure("EPD", CpuThreads(2), wait=wait))
+        start = time.monotonic()
+        seen = []
+        while not seen or not isinstance(seen[-1], Reconfigured):
+            assert conn.poll(10), seen[-1:]
+            seen.append(conn.recv())
+        answer, finished = seen[-1], [f for m in seen if isinstance(m, StepOutput) for f in m.output.finished]
+        if wait == 30.0:  # answered once the request gave its blocks back, the models measured then
+            assert answer.error is None and answer.latency_model == "model" and threads.fits == [4, 4, 4]
+            assert finished == [FinishedRequest("a", "length", {"decode_exec": 0.001})]
+        else:  # at once, or when the wait ran out: an error the daemon reports in one line
+            assert answer.error == "the image cache has 0 free blocks: not one image fits" and threads.fits == []
+            assert not finished and time.monotonic() - start >= wait
+            assert "Traceback" not in caplog.text and "0 free blocks" in caplog.text
 
 
 def test_a_busy_worker_serves_a_step_between_a_step_s_length_of_probes():
@@ -475,20 +484,15 @@ def test_a_busy_worker_serves_a_step_between_a_step_s_length_of_probes():
     engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks
     threads = ProbingThreads(engine, probes=20, seconds=0.03)
     threads.bound = 0.05  # two probes a time
-    conn, worker_end = mp.Pipe()
-    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
-    thread.start()
-    conn.send(AddRequest(request("a", 1000)))
-    recv_until(conn, StepOutput)
-    conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
-    answer = recv_until(conn, Reconfigured)
-    assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 20
-    log = "".join("p" if what == "probe" else "s" for what in threads.log)
-    runs = [len(run) for run in log.strip("s").split("s") if run]
-    assert sum(runs) == 20 and max(runs) <= 2 and len(runs) >= 10  # a step after two probes (or one)
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    with serving(engine, threads) as conn:
+        conn.send(AddRequest(request("a", 1000)))
+        recv_until(conn, StepOutput)
+        conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
+        answer = recv_until(conn, Reconfigured)
+        assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 20
+        log = "".join("p" if what == "probe" else "s" for what in threads.log)
+        runs = [len(run) for run in log.strip("s").split("s") if run]
+        assert sum(runs) == 20 and max(runs) <= 2 and len(runs) >= 10  # a step after two probes (or one)
 
 
 def test_a_busy_worker_steps_while_the_pools_of_its_new_stages_are_made():
@@ -508,21 +512,16 @@ def test_a_busy_worker_steps_while_the_pools_of_its_new_stages_are_made():
     engine.runner = Runner()
     engine.pools_to_add = lambda role: {"image": (4, 16, 8)}
     threads = ProbingThreads(engine, probes=1)
-    conn, worker_end = mp.Pipe()
-    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
-    thread.start()
-    conn.send(AddRequest(request("a", 1000)))
-    recv_until(conn, StepOutput)
-    conn.send(Reconfigure("EPD", CpuThreads(1), wait=30.0))
-    answer = recv_until(conn, Reconfigured)
-    assert answer.error is None
-    assert made == [("pool", (4, 16, 8), "hydrad-pools")]
-    assert engine.expanded_with == {"image": ("pool", (4, 16, 8))}
-    steps_before_probe = threads.log.index("probe")
-    assert steps_before_probe >= 10  # steps of 10 ms went on while the pool took 0.3 s
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    with serving(engine, threads) as conn:
+        conn.send(AddRequest(request("a", 1000)))
+        recv_until(conn, StepOutput)
+        conn.send(Reconfigure("EPD", CpuThreads(1), wait=30.0))
+        answer = recv_until(conn, Reconfigured)
+        assert answer.error is None
+        assert made == [("pool", (4, 16, 8), "hydrad-pools")]
+        assert engine.expanded_with == {"image": ("pool", (4, 16, 8))}
+        steps_before_probe = threads.log.index("probe")
+        assert steps_before_probe >= 10  # steps of 10 ms went on while the pool took 0.3 s
 
 
 def test_an_idle_worker_answers_a_reconfigure_it_has_no_room_for_at_once():
@@ -530,18 +529,13 @@ def test_an_idle_worker_answers_a_reconfigure_it_has_no_room_for_at_once():
     engine = FullPoolEngine()
     held = engine.image_manager.allocate(engine.image_manager.num_free_blocks)  # pools too small
     threads = ProbingThreads(engine)
-    conn, worker_end = mp.Pipe()
-    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
-    thread.start()
-    start = time.monotonic()
-    conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
-    answer = recv_until(conn, Reconfigured)
-    assert answer.error == "the image cache has 0 free blocks: not one image fits"
-    assert time.monotonic() - start < 5.0
-    engine.image_manager.free(held)
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    with serving(engine, threads) as conn:
+        start = time.monotonic()
+        conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
+        answer = recv_until(conn, Reconfigured)
+        assert answer.error == "the image cache has 0 free blocks: not one image fits"
+        assert time.monotonic() - start < 5.0
+        engine.image_manager.free(held)
 
 
 def test_an_idle_worker_probing_tells_its_borrowers_it_has_work():
@@ -550,19 +544,14 @@ def test_an_idle_worker_probing_tells_its_borrowers_it_has_work():
     engine = FullPoolEngine()
     board = CoreBoard.new()
     threads = ProbingThreads(engine, probes=5, board=board)
-    conn, worker_end = mp.Pipe()
-    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
-    thread.start()
-    conn.send(Reconfigure("EPD", CpuThreads(1), wait=30.0))
-    answer = recv_until(conn, Reconfigured)
-    assert answer.error is None and threads.published == [1] * 5
-    deadline = time.monotonic() + 5
-    while board.flags[0] and time.monotonic() < deadline:  # idle again once measured
-        time.sleep(0.01)
-    assert board.flags[0] == 0
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    with serving(engine, threads) as conn:
+        conn.send(Reconfigure("EPD", CpuThreads(1), wait=30.0))
+        answer = recv_until(conn, Reconfigured)
+        assert answer.error is None and threads.published == [1] * 5
+        deadline = time.monotonic() + 5
+        while board.flags[0] and time.monotonic() < deadline:  # idle again once measured
+            time.sleep(0.01)
+        assert board.flags[0] == 0
 
 
 class LockedThreads(ProbingThreads):
@@ -585,19 +574,14 @@ def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it(
     engine = FullPoolEngine()
     engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks: room is not the matter
     threads = LockedThreads(engine)
-    conn, worker_end = mp.Pipe()
-    thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
-    thread.start()
-    conn.send(AddRequest(request("a", 1000)))
-    conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
-    tokens = 0
-    while tokens < 60:  # it keeps stepping while the other worker's probes last (10 ms a step)
-        msg = recv_until(conn, StepOutput)
-        tokens += len(msg.output.token_ids)
-    assert threads.fits == [] and threads.waited >= 2  # tried again every 0.2 s
-    threads.released.set()
-    answer = recv_until(conn, Reconfigured)
-    assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 3
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    with serving(engine, threads) as conn:
+        conn.send(AddRequest(request("a", 1000)))
+        conn.send(Reconfigure("EPD", CpuThreads(2), wait=30.0))
+        tokens = 0
+        while tokens < 60:  # it keeps stepping while the other worker's probes last (10 ms a step)
+            msg = recv_until(conn, StepOutput)
+            tokens += len(msg.output.token_ids)
+        assert threads.fits == [] and threads.waited >= 2  # tried again every 0.2 s
+        threads.released.set()
+        answer = recv_until(conn, Reconfigured)
+        assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 3

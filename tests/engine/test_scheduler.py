@@ -46,9 +46,29 @@ def make_scheduler(num_kv_blocks=64, kv_block_size=4, num_image_blocks=8, image_
     )
 
 
-def run_step(s: Scheduler, token=7):
-    """One step with synthetic model outputs; checks the invariants the engine relies on."""
+def schedule_pulling(s: Scheduler):
+    """The next step of an instance that takes migrating requests, each copy done at once
+    (those admitted ahead of the step, ``admit_pulls``, and those in it)."""
+    for pull in s.admit_pulls():
+        s.finish_pull(pull.req)
     out = s.schedule()
+    s.check_integrity()
+    for pull in out.pulls:
+        s.finish_pull(pull.req)
+    return out
+
+
+def finish_step(s: Scheduler, out, token=7):
+    """The step's results: its encodes done, and ``token`` sampled for each chunk that
+    completes its request's tokens, in chunk order (as the runner samples)."""
+    s.update_after_encode(out)
+    return s.update_after_language(out, [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+
+
+def run_step(s: Scheduler, token=7, pulling: bool = False):
+    """One step with synthetic model outputs; checks the invariants the engine relies on.
+    ``pulling``: migrating requests' copies are done at once (``schedule_pulling``)."""
+    out = schedule_pulling(s) if pulling else s.schedule()
     s.check_integrity()
     # A request preempted while this step was built may run again in it: the runner must
     # drop its old batch row before the step, so it is among this step's dropped.
@@ -66,10 +86,7 @@ def run_step(s: Scheduler, token=7):
                 assert req.image_block_ids[i], "prefill reads an image whose blocks were freed"
     for req, index in out.encodes:
         assert req.image_block_ids[index]
-    s.update_after_encode(out)
-    # One sampled token per chunk that completes its request's tokens, in chunk order.
-    sampled = [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens]
-    result = s.update_after_language(out, sampled)
+    result = finish_step(s, out, token)
     s.check_integrity()
     return out, result
 
@@ -364,11 +381,7 @@ def test_decodes_handed_over_without_end_leave_an_older_prompt_its_room(case):
         for _ in range(12):
             s.add(handed_decode(next(names)))
     for _ in range(100):
-        for pull in s.admit_pulls():
-            s.finish_pull(pull.req)
-        out, result = run_step(s)
-        for pull in out.pulls:
-            s.finish_pull(pull.req)
+        out, result = run_step(s, pulling=True)
         for req in result.finished:
             if req is not p:
                 s.add(handed_decode(next(names)))

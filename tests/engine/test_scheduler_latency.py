@@ -16,7 +16,7 @@ import pytest
 from hydrad.engine.latency_model import LatencyModel, StepShape, prefill_pairs
 from hydrad.engine.request import Request, RequestStatus
 from hydrad.engine.scheduler import HANDOFF_SHARE, HANDOFF_WINDOW, Scheduler
-from test_scheduler import make_request, make_scheduler
+from test_scheduler import finish_step, make_request, make_scheduler, schedule_pulling
 
 # Seconds: 2 ms per step, 0.1 ms per prefill token, 0.2 ms per decode, 0.05 ms per 1k KV
 # tokens a decode reads, attention 0.02 ms per 1k query-key pairs; 5 ms per image.
@@ -66,8 +66,7 @@ def step(s: Scheduler, token: int = 7):
     predicted = s.latency_model.step_seconds(shape_of(out, s))
     assert predicted == pytest.approx(s.latency_model.combine(out.predicted_vision, out.predicted_language))
     assert predicted <= bound_of(out, s) * (1 + 1e-9) or is_minimal(out, s), (predicted, out.chunks, out.encodes)
-    s.update_after_encode(out)
-    s.update_after_language(out, [token for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+    finish_step(s, out, token)
     s.check_integrity()
     return out, predicted
 
@@ -529,9 +528,9 @@ def test_a_stage_handed_over_advances_every_step_though_decodes_fill_the_bound()
     prompt half prefilled and a request with one of its two images encoded, while the
     instance taking P over sends it decodes that fill every step to the bound (a closed
     loop at saturation: each that ends is followed by another). Once, these never got a
-    step and the redeploy waited on them for five minutes; now each takes a chunk, or an
-    image, every step past the bound (a ``min_chunk``: a block of KV), and the hand-over
-    completes."""
+    step and the redeploy waited on them for five minutes; now, starved for ``STARVED_STEPS``
+    steps, the oldest takes a unit (a ``min_chunk``, an image) every step past the bound, and
+    the hand-over completes."""
     from test_scheduler import handed_decode
 
     model = dataclasses.replace(MODEL, l_decode=5e-3)  # ten decodes fill the 50 ms bound
@@ -541,10 +540,7 @@ def test_a_stage_handed_over_advances_every_step_though_decodes_fill_the_bound()
     s.add(pictured)
     s.add(prompt)
     for _ in range(3):
-        out = s.schedule()
-        s.check_integrity()
-        s.update_after_encode(out)
-        s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        finish_step(s, schedule_pulling(s))
         if 0 < prompt.num_computed_tokens and pictured.num_encoded_images == 1:
             break
     assert 0 < prompt.num_computed_tokens < 1200 and pictured.num_encoded_images == 1
@@ -553,17 +549,11 @@ def test_a_stage_handed_over_advances_every_step_though_decodes_fill_the_bound()
     for _ in range(12):
         s.add(handed_decode(next(names), max_tokens=30))
     for step in range(200):
-        for pull in s.admit_pulls():
-            s.finish_pull(pull.req)
-        out = s.schedule()
-        s.check_integrity()
-        for pull in out.pulls:
-            s.finish_pull(pull.req)
+        out = schedule_pulling(s)
         forced = [r for r, n in out.chunks if r is prompt] + [r for r, _ in out.encodes]
         if not forced:  # only the stage being handed over may take a step past its bound
             assert model.step_seconds(shape_of(out, s)) <= s.latency_bound + 1e-9
-        s.update_after_encode(out)
-        result = s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        result = finish_step(s, out)
         for req_id in list(s.offered):  # the instances that take E and P over pull what is offered
             s.release(req_id)
         for req in result.finished:
@@ -592,29 +582,17 @@ def test_prompts_advance_while_decodes_handed_over_fill_every_step():
     for _ in range(12):
         s.add(handed_decode(next(names), max_tokens=30))
     for _ in range(3):  # the decodes are pulled and running
-        for pull in s.admit_pulls():
-            s.finish_pull(pull.req)
-        out = s.schedule()
-        for pull in out.pulls:
-            s.finish_pull(pull.req)
-        s.update_after_encode(out)
-        s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        finish_step(s, schedule_pulling(s))
     prompt = make_request("p", num_prompt=200, max_tokens=4)
     pictured = make_request("q", num_prompt=60, images=[(2, 16), (30, 16)], max_tokens=4)
     s.add(prompt)
     s.add(pictured)
     for step in range(400):
-        for pull in s.admit_pulls():
-            s.finish_pull(pull.req)
-        out = s.schedule()
-        s.check_integrity()
-        for pull in out.pulls:
-            s.finish_pull(pull.req)
+        out = schedule_pulling(s)
         units = len(out.encodes) + len(out.chunks) - out.num_decodes
         if model.step_seconds(shape_of(out, s)) > s.latency_bound + 1e-9:
             assert units == 1 and all(n <= s.min_chunk for r, n in out.chunks[out.num_decodes:]), out.chunks
-        s.update_after_encode(out)
-        result = s.update_after_language(out, [7 for r, n in out.chunks if r.num_computed_tokens + n == r.num_tokens])
+        result = finish_step(s, out)
         for req in result.finished:
             if req not in (prompt, pictured):
                 s.add(handed_decode(next(names), max_tokens=30))
