@@ -63,14 +63,14 @@ def prepare_seconds(model: str, prompt_words: int = 12) -> tuple[float, int, int
 
 
 def model_seconds(model: str, prompt_tokens: int, image: tuple[int, int], in_flight: int, output_tokens: int,
-                  max_batch: int) -> dict:
+                  max_batch: int, dtype: str = "auto") -> dict:
     """Seconds of each step shape: ``encode[k]`` (k images), ``prefill[k]`` (k prompts),
     ``mixed[k]`` (k prompts and ``in_flight`` decodes), ``decode_step`` (``in_flight`` decodes),
     for k = 1 .. ``max_batch``."""
     from hydrad import LLM
     from hydrad.engine.profiler import EngineTimer, Probe
 
-    llm = LLM(model)
+    llm = LLM(model, dtype=dtype)
     try:
         timer = EngineTimer(llm.engine, repeats=15)
         decodes = (prompt_tokens + output_tokens // 2,) * in_flight  # a decode's mean context over its life
@@ -109,6 +109,8 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=4, help="most prompts (and images) in one timed step")
     parser.add_argument("--peaks", nargs="*", default=[], help="NAME=REQ_PER_S measured peaks to put against the bound")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                        help="the dtype the model's steps are timed in (auto: the device's default)")
     parser.add_argument("--out", help="JSON results")
     args = parser.parse_args()
 
@@ -122,9 +124,10 @@ def main() -> None:
     print(f"preparing a request ({model})", flush=True)
     prepare, prompt_tokens, image_tokens, patches = prepare_seconds(model)
     print(f"  {1e3 * prepare:.1f} ms of CPU; {prompt_tokens} prompt tokens, {image_tokens} image tokens", flush=True)
-    print(f"timing the model on {cores} threads, steps of 1-{args.max_batch} prompts and images", flush=True)
+    print(f"timing the model ({args.dtype}) on {cores} threads, steps of 1-{args.max_batch} prompts and images",
+          flush=True)
     parts = model_seconds(model, prompt_tokens, (patches, image_tokens), args.in_flight, args.output_tokens,
-                          args.max_batch)
+                          args.max_batch, args.dtype)
     for k in range(1, args.max_batch + 1):
         print(f"  {k} image(s): {1e3 * parts['encode'][k]:.1f} ms; {k} prompt(s): {1e3 * parts['prefill'][k]:.1f} ms, "
               f"with {args.in_flight} decodes: {1e3 * parts['mixed'][k]:.1f} ms", flush=True)
@@ -141,7 +144,7 @@ def main() -> None:
         name, _, value = item.partition("=")
         peaks[name] = {"req_per_s": float(value), "share_of_bound": float(value) / bound}
         print(f"  {name}: {float(value):.2f} req/s, {100 * float(value) / bound:.0f}% of the bound")
-    write_json(args.out, {"machine": machine(), "in_flight": args.in_flight, "output_tokens": args.output_tokens,
+    write_json(args.out, {"machine": machine(), "dtype": args.dtype, "in_flight": args.in_flight, "output_tokens": args.output_tokens,
                           "prompt_tokens": prompt_tokens, "image_tokens": image_tokens, "prepare_cpu_s": prepare,
                           **parts, **share, "bound_req_per_s": bound, "unbatched_req_per_s": unbatched,
                           "peaks": peaks})

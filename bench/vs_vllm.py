@@ -337,6 +337,8 @@ def main() -> None:
     parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
     parser.add_argument("--chat-blocks", type=int, default=1,
                         help="sets of W conversations per chat run (W: the concurrency, at least 32)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the dtype every server runs the model in (hydrad's [model] dtype, vLLM's --dtype)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every server this many times, in alternating order (forward, then "
                              "backward), and report each round's ratios and their median: on a machine whose "
@@ -367,7 +369,7 @@ def main() -> None:
         workloads = write_workloads(tmp)
         cache = tmp / "cache"
         hydrad = [sys.executable, "-m", "hydrad", "start", "--host", "127.0.0.1", "--model", str(model)]
-        slo_section = f"[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n"
+        slo_section = f'[model]\ndtype = "{args.dtype}"\n[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n'
         kv_mb = args.hydrad_kv_mb or 1024 * args.kv_cache_gib
         (tmp / "slo.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
         (tmp / "slo2.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb // 2}\n")
@@ -375,7 +377,8 @@ def main() -> None:
         for policy in ROUTED.values():
             (tmp / f"{policy}.toml").write_text(f'[server]\nrouter_policy = "{policy}"\n' + slo_section
                                                 + f"[cache]\nkv_cache_memory_mb = {kv_mb // 2}\n")
-        (tmp / "loose.toml").write_text("[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
+        model_section = f'[model]\ndtype = "{args.dtype}"\n'
+        (tmp / "loose.toml").write_text(model_section + "[slo]\nttft = 60\ntbt = 5\n[scheduler]\nmax_num_seqs = 1024\n"
                                         f"[cache]\nkv_cache_memory_mb = {kv_mb}\n")
         (tmp / "nocache.toml").write_text(slo_section + f"[cache]\nkv_cache_memory_mb = {kv_mb}\n"
                                           "prefix_caching = false\n")
@@ -402,7 +405,7 @@ def main() -> None:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
                                           ("start", "peak", "single", "poisson", "streams", "chat", "crowd"),
-                                          args.kv_cache_gib)
+                                          args.kv_cache_gib, args.dtype)
         rounds: list[dict] = []
         try:
             for round_index in range(args.rounds):

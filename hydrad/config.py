@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hydrad.dtypes import DTYPE_NAMES
 from hydrad.errors import ConfigError
 
-_DTYPES = ("float32", "bfloat16", "float16", "auto")
+_DTYPES = (*DTYPE_NAMES, "auto")
 # hydrad.models.attention.BACKENDS, and "auto"
 _ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")
 
@@ -19,7 +20,8 @@ _ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")
 class ModelConfig:
     # None: the built-in default model (built into the user cache dir on first use).
     path: str | None = None
-    # "auto": float32 on CPU, bfloat16 on CUDA.
+    # "auto": bfloat16 on CUDA; on a CPU float32, or bfloat16 for a checkpoint stored in half
+    # precision where the CPU has native bfloat16 (``hydrad.dtypes``).
     dtype: str = "auto"
     # Cap on prompt + output tokens; None: the checkpoint's max_position_embeddings.
     max_model_len: int | None = None

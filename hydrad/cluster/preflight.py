@@ -16,6 +16,7 @@ import struct
 from pathlib import Path
 
 from hydrad.config import CacheConfig, EngineConfig
+from hydrad.dtypes import resolve_dtype_name
 from hydrad.errors import HydradError
 
 logger = logging.getLogger("hydrad.supervisor")
@@ -118,10 +119,11 @@ _STORED_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I
 
 
 def weights_bytes(model_dir: str | os.PathLike, dtype: str) -> int | None:
-    """Bytes of a checkpoint's weights once loaded in ``dtype`` ("auto": float32, as on a CPU)
-    from its safetensors headers (floating tensors take ``dtype``, others their own size);
-    None without safetensors files or where a header cannot be read."""
-    size = _FLOAT_BYTES.get(dtype, 4)
+    """Bytes of a checkpoint's weights once loaded on a CPU in ``dtype`` ("auto": as
+    ``hydrad.dtypes`` resolves it there) from its safetensors headers (floating tensors take
+    ``dtype``, others their own size); None without safetensors files or where a header
+    cannot be read."""
+    size = _FLOAT_BYTES.get(resolve_dtype_name(dtype, "cpu", model_dir), 4)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         return None

@@ -37,6 +37,7 @@ from hydrad.engine.scheduler import Scheduler
 from hydrad.engine.allocator import keep_freed_memory
 from hydrad.engine import memory
 from hydrad.engine.streams import StageStreams
+from hydrad.dtypes import resolve_dtype_name
 from hydrad.errors import ConfigError, RequestError
 
 logger = logging.getLogger(__name__)
@@ -46,10 +47,10 @@ _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 _LANGUAGE_PREFIXES = ("language_model.", "lm_head.")
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device, model_dir=None) -> torch.dtype:
+    """The dtype ``name`` runs the checkpoint in ``model_dir`` in on ``device``
+    (``hydrad.dtypes``: "auto" follows the device and the checkpoint)."""
+    return _DTYPES[resolve_dtype_name(name, device.type, model_dir)]
 
 
 def normalize_role(role: str) -> str:
@@ -114,8 +115,8 @@ class EngineCore:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # the step's tensors reuse freed pages (engine.allocator)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_path = resolve_model_path(config.model.path)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, self.model_path)
         has_vision = "E" in self.role
         has_language = "P" in self.role or "D" in self.role
         has_kv = has_language

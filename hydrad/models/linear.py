@@ -4,14 +4,17 @@
 own blocked layout before it multiplies, every call. A batch of a few rows (a step of
 decodes) then spends most of its time packing: on two cores a 16-row step through the
 ``small`` model's 3072x512 gate/up projection takes 2.1 ms, 0.9 ms with the weight packed
-once; a 290-row prefill chunk 15.6 ms against 12.6 ms. Inference never changes a weight,
-so each ``nn.Linear`` of a part is replaced, once its weights are loaded, by a
-``PackedLinear`` that holds only the packed copy (the plain one is freed) and runs
-oneDNN's matmul on it. The packed layout serves any number of rows.
+once; a 290-row prefill chunk 15.6 ms against 12.6 ms. In bfloat16 on a CPU with native
+bfloat16 dot products (AVX512-BF16, AMX) the packed matmuls run at about twice float32's
+speed (one thread, a 297x512 by 512x3072 product: 4.2 ms against 8.4 ms; 16 rows 0.25 ms
+against 0.46 ms). Inference never changes a weight, so each ``nn.Linear`` of a part is
+replaced, once its weights are loaded, by a ``PackedLinear`` that holds only the packed
+copy (the plain one is freed) and runs oneDNN's matmul on it. The packed layout serves any
+number of rows.
 
 This is the CPU seam: ``pack_linears`` does nothing on CUDA, for dtypes other than
-float32, or where torch was built without oneDNN (``packing_supported``). Setting
-``HYDRAD_CPU_PACKED_LINEAR=0`` in the environment turns it off (the results are the same
+float32 and bfloat16, or where torch was built without oneDNN (``packing_supported``).
+Setting ``HYDRAD_CPU_PACKED_LINEAR=0`` in the environment turns it off (the results are the same
 up to float rounding; the switch is there to compare and to rule it out).
 """
 
@@ -31,7 +34,7 @@ def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` packs weights of ``dtype`` on ``device``."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return (torch.device(device).type == "cpu" and dtype == torch.float32
+    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 

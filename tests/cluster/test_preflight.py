@@ -84,12 +84,19 @@ def _safetensors(path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     path.write_bytes(struct.pack("<Q", len(header)) + header)
 
 
-def test_weights_are_counted_in_the_dtype_they_load_in(tmp_path):
+def test_weights_are_counted_in_the_dtype_they_load_in(tmp_path, monkeypatch):
+    from hydrad import dtypes
+
     _safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": ("BF16", [1024, 1024]), "ids": ("I64", [8])})
     _safetensors(tmp_path / "model-00002-of-00002.safetensors", {"b": ("F32", [256, 1024])})
     floats = 1024 * 1024 + 256 * 1024
-    assert weights_bytes(tmp_path, "auto") == floats * 4 + 64  # float32 on a CPU
+    assert weights_bytes(tmp_path, "auto") == floats * 4 + 64  # float32 on a CPU (no config.json: stored float32)
     assert weights_bytes(tmp_path, "bfloat16") == floats * 2 + 64
+    # A checkpoint stored in bfloat16: "auto" loads it in bfloat16 where the CPU has it natively.
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    for native, size in ((True, 2), (False, 4)):
+        monkeypatch.setattr(dtypes, "native_bfloat16", lambda native=native: native)
+        assert weights_bytes(tmp_path, "auto") == floats * size + 64
     assert weights_bytes(tmp_path / "none", "auto") is None
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"\x10")  # cut short
     assert weights_bytes(tmp_path, "auto") is None

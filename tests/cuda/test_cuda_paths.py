@@ -60,7 +60,7 @@ def test_one_instance_on_cuda_matches_transformers(tiny_llava_dir, conversations
 @pytest.mark.parametrize("dtype, backend", [("bfloat16", "auto"), ("bfloat16", "sdpa"), ("float16", "sdpa")])
 def test_half_precision_agrees_with_float32(tiny_llava_dir, conversations, dtype, backend):
     """bfloat16 (the default on CUDA) and float16 against float32 on the same GPU (which equals
-    transformers, above), token by token with log-probabilities (tests/cuda/agreement.py), with
+    transformers, above), token by token with log-probabilities (tests/agreement.py), with
     prefill chunks after cached context and decodes: the attention calls that take a mask."""
     from agreement import PARAMS, check_answers
 

@@ -25,7 +25,7 @@ from hydrad import LLM
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS / "engine")]
 
-from agreement import PARAMS, check_answers  # noqa: E402  (tests/cuda)
+from agreement import PARAMS, check_answers  # noqa: E402
 from test_disaggregation import conversations  # noqa: E402, F401  (fixture)
 from factories import FIXED_POOLS  # noqa: E402
 

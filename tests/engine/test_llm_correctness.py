@@ -172,6 +172,51 @@ def test_prefills_started_in_the_step_that_encodes_their_images_give_the_same_to
     assert len(set(started)) >= 3  # requests with images whose prefill began beside their encode
 
 
+def test_bfloat16_on_a_cpu_agrees_with_float32(tiny_llava_dir, conversations):
+    """bfloat16 on a CPU, every linear layer packed for oneDNN in bfloat16, against float32
+    (which equals transformers, above): the same tokens with near log-probabilities until a
+    near-tie, if any (tests/agreement.py), through chunked prefill over cached context and
+    decodes."""
+    from agreement import PARAMS, check_answers
+
+    from hydrad.models.linear import PackedLinear, packing_supported
+
+    want = LLM(str(tiny_llava_dir), dtype="float32", token_budget=24).chat(conversations, PARAMS)
+    half = LLM(str(tiny_llava_dir), dtype="bfloat16", token_budget=24)
+    model = half.engine.runner.model
+    assert next(model.parameters()).dtype == torch.bfloat16
+    if packing_supported("cpu", torch.float32):  # oneDNN packs bfloat16 wherever it packs float32
+        packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+        assert packed and all(m.packed_weight.dtype == torch.bfloat16 for m in packed)
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    check_answers(half.chat(conversations, PARAMS), want, "bfloat16")
+    assert half.engine.runner.kv_cache.dtype == torch.bfloat16
+
+
+def test_auto_runs_a_half_precision_checkpoint_in_bfloat16_where_the_cpu_has_it(tmp_path, tiny_llava_dir,
+                                                                                monkeypatch, conversations):
+    """``dtype = "auto"`` on a CPU: a checkpoint stored in bfloat16 runs in bfloat16 where the
+    CPU has native bfloat16 (hydrad.dtypes), in float32 elsewhere; a float32 one in float32."""
+    import json
+
+    from factories import make_layout, module_state_dict
+
+    from hydrad import dtypes
+
+    state_dict = {name: t.to(torch.bfloat16) for name, t in module_state_dict(tiny_llava_dir).items()}
+    path = make_layout(tiny_llava_dir, tmp_path / "half", state_dict, "hf5")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0)
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(dtypes, "native_bfloat16", lambda native=native: native)
+        llm = LLM(str(path), num_kv_blocks=64, num_image_blocks=8)
+        assert llm.engine.dtype == want and llm.engine.runner.kv_cache.dtype == want
+        assert [len(o.token_ids) for o in llm.chat(conversations[:2], params)] == [4, 4]
+        llm.shutdown()
+    assert LLM(str(tiny_llava_dir), num_kv_blocks=64, num_image_blocks=8).engine.dtype == torch.float32
+
+
 def test_same_seed_same_samples(tiny_llava_dir, conversations):
     llm = LLM(str(tiny_llava_dir))
     params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=s) for s in (1, 2)]

@@ -12,15 +12,22 @@ needs_packing = pytest.mark.skipif(not packing_supported("cpu", torch.float32), 
 
 
 @needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("rows", [0, 1, 16, 300])
-def test_packed_linear_computes_what_the_plain_one_does(rows, bias):
+def test_packed_linear_computes_what_the_plain_one_does(rows, bias, dtype):
     torch.manual_seed(rows)
-    plain = nn.Linear(96, 200, bias=bias)
+    plain = nn.Linear(96, 200, bias=bias).to(dtype)
     packed = PackedLinear(plain)
+    assert packed.packed_weight.dtype == dtype
+    # bfloat16 keeps 8 bits of mantissa: the two may round a sum's last bit apart
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for x in (torch.randn(rows, 96), torch.randn(2, rows, 96), torch.randn(96, rows).t()):
+        x = x.to(dtype)
         with torch.inference_mode():
-            torch.testing.assert_close(packed(x), F.linear(x, plain.weight, plain.bias), atol=1e-5, rtol=1e-5)
+            got = packed(x)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got, F.linear(x, plain.weight, plain.bias), atol=tol, rtol=tol)
 
 
 @needs_packing
@@ -53,6 +60,14 @@ def test_pack_linears_replaces_every_linear_of_the_parts_named():
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     with torch.inference_mode():
         torch.testing.assert_close(model.head(model.mlp(model.proj(x))), before, atol=1e-5, rtol=1e-5)
+
+
+@needs_packing
+def test_pack_linears_packs_bfloat16_where_it_packs_float32():
+    assert packing_supported("cpu", torch.bfloat16)
+    model = _Block().to(torch.bfloat16)
+    assert pack_linears(model, ["proj", "mlp", "head"], "cpu", torch.bfloat16) == 4
+    assert not any(type(m) is nn.Linear for m in model.modules())
 
 
 def test_pack_linears_leaves_other_devices_dtypes_and_the_switched_off_alone(monkeypatch):
