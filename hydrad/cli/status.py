@@ -103,8 +103,11 @@ def render(status: dict):
 
     deployment = status.get("deployment") or {}
     deploy = f", {deployment['deploy']}" if deployment.get("deploy") else ""
+    # The dtype the instances' models run in (one, unless CPU and CUDA instances differ).
+    shown = "/".join(dict.fromkeys(i["dtype"] for i in status["instances"] if i.get("dtype")))
+    dtypes = f", {shown}" if shown else ""
     # Borderless columns (as ``kubectl get``): the table fits an 80-column terminal.
-    instances = Table(title=f"hydrad: {status['model']}{deploy} (max_model_len {status['max_model_len']}, "
+    instances = Table(title=f"hydrad: {status['model']}{deploy}{dtypes} (max_model_len {status['max_model_len']}, "
                             f"up {_duration(status['uptime_seconds'])})", box=None, pad_edge=False,
                       header_style="bold")
     for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "cached", "tok/s"):

@@ -118,7 +118,8 @@ def worker_main(
         conn.close()
         sys.exit(1)
     conn.send(WorkerReady(instance_id, os.getpid(), engine.max_model_len, time.monotonic() - start, model, bound,
-                          engine.geometry(), bandwidth, pools, borrow_model, engine.image_cache()))
+                          engine.geometry(), bandwidth, pools, borrow_model, engine.image_cache(),
+                          str(engine.dtype).removeprefix("torch.")))
     freeze_startup_heap(logger)
     try:
         run_worker(engine, conn, step_threads, exported)
@@ -159,6 +160,9 @@ class StepThreads:
         self._torch_threads: int | None = None  # what torch runs on now
         self._hooks: list = []
         self._probing = False  # latency-model probes run: the hooks leave the count alone
+        # Borrowed counts whose lenders had work past ``LENDERS_PATIENCE`` the last time a
+        # model was measured at them: the next measurement does not wait for them again.
+        self._lenders_stayed_busy: set[int] = set()
 
     def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True, block: bool = True):
         """Measure (or load) the latency models of ``role`` at every count it steps on (from
@@ -181,8 +185,11 @@ class StepThreads:
         measured in runs while its lenders are idle (``LendersBusy`` while they are not), and
         not cached; where they have had work for ``LENDERS_PATIENCE`` seconds on end, or
         ``hurry()`` says there is no time to wait, it is left to the next start (its steps
-        on the borrowed cores are filled by the model at its own share meanwhile). Without
-        ``borrowed`` it is only taken from the cache (its threads change right after)."""
+        on the borrowed cores are filled by the model at its own share meanwhile). Once its
+        lenders have stayed busy that long, the next measurement at that count waits for them
+        no more (under load, each redeploy waited the whole patience, every time), until one
+        finds them idle and is measured. Without ``borrowed`` it is only taken from the cache
+        (its threads change right after)."""
         return self._fitting(role, threads, sliced=True, hurry=hurry, borrowed=borrowed)
 
     def _fitting(self, role: str, threads: CpuThreads | None, *, sliced: bool, allow_busy: bool = True,
@@ -228,15 +235,17 @@ class StepThreads:
         own = threads.own
         steps = measuring_latency_model(self.engine, cache=n == own)
         busy_since = None  # since when its lenders have had work
+        patience = 0.0 if n in self._lenders_stayed_busy else LENDERS_PATIENCE
         while True:
             waits = None
             if n != own and not self.lending.lenders_idle(threads):
                 busy_since = busy_since or time.monotonic()
-                if hurry() or time.monotonic() - busy_since >= LENDERS_PATIENCE:
+                if hurry() or time.monotonic() - busy_since >= patience:
                     steps.close()
+                    self._lenders_stayed_busy.add(n)
                     logger.info("the latency model at %d threads is left to a start: its lenders have work (a "
-                                "probe on their cores would time their steps too); its steps there are filled by "
-                                "the model at %d", n, own)
+                                "probe on their cores would time their steps too)%s; its steps there are filled "
+                                "by the model at %d", n, "" if patience else ", as the last time", own)
                     return None
                 waits = LendersBusy(f"the lenders of the cores its model at {n} threads is measured on have work")
             else:
@@ -244,6 +253,7 @@ class StepThreads:
             try:
                 waits = waits or next(steps)
             except StopIteration as stop:
+                self._lenders_stayed_busy.discard(n)
                 return stop.value
             # The worker serves a step between two runs: on its own threads, its hooks on.
             self._probing = False

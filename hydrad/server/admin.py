@@ -124,6 +124,7 @@ def status_body(supervisor, stats: list[EngineStats | None], *, model: str,
             "id": client.instance_id,
             "device": client.device,
             "role": client.role,
+            "dtype": getattr(client.ready, "dtype", None),  # what its model runs in (hydrad.dtypes)
             # On a CPU: its torch threads, and those it borrows while the instances it borrows from idle.
             "threads": supervisor.specs[client.instance_id].threads.own if client.device == "cpu" else None,
             "borrowed_threads": supervisor.specs[client.instance_id].threads.borrow if client.device == "cpu" else None,

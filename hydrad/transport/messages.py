@@ -146,6 +146,8 @@ class WorkerReady:
     # Its image cache (blocks, slots per block); None: it holds none. The front ends refuse a
     # request whose images one of them could never hold.
     image_cache: tuple[int, int] | None = None
+    # The dtype its model runs in ("float32", "bfloat16", "float16": ``hydrad.dtypes``).
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)

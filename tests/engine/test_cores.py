@@ -283,6 +283,32 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         threads.before_step()
         assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 2
 
+        def borrowed_count_with_busy_lenders():
+            """A measurement whose own count's probes run, and whose lender then has work: what
+            the first call for the borrowed count gives (the measurement left open)."""
+            probes.clear()
+            steps = threads.fitting("EP")
+            for _ in range(3):
+                assert next(steps) is None
+            lender.publish(True)
+            try:
+                return next(steps), steps
+            except StopIteration as stop:
+                return stop.value, None
+
+        # Its lenders stayed busy past its patience: the next measurement does not wait for
+        # them again, the borrowed count is left to a start at once...
+        result, _ = borrowed_count_with_busy_lenders()
+        assert result[2] is None and len(probes) == 3
+        # ... until one finds them idle and is measured: then it waits for them again.
+        lender.publish(False)
+        runs, result = run_through(threads.fitting("EP"), lambda: lender.publish(False))
+        assert runs == 6 and result[2] == "model at 2 threads"
+        waits, steps = borrowed_count_with_busy_lenders()
+        assert isinstance(waits, LendersBusy)
+        steps.close()
+        lender.publish(False)
+
         # Its threads change right after (a redeploy's next step): on the borrowed core only
         # what the cache has, nothing measured.
         for cached in (None, "cached model at 2 threads"):

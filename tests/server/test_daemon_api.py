@@ -431,6 +431,9 @@ def test_hydractl_status_shows_both_instances(daemon):
     rows = [cells for cells in map(str.split, out.stdout.splitlines()) if len(cells) == 10 and cells[2] == "EPD"]
     assert [cells[:4] for cells in rows] == [["0", "cpu", "EPD", "ready"], ["1", "cpu", "EPD", "ready"]], out.stdout
     assert "TTFT p50" in out.stdout and "TBT p90" in out.stdout
+    # the precision the models run in: the tiny checkpoint is stored in float32
+    assert [i["dtype"] for i in status(daemon)["instances"]] == ["float32", "float32"]
+    assert ", float32 (max_model_len" in out.stdout, out.stdout
     # each instance fitted its latency model at start, and says so with its bound and error
     text = " ".join(out.stdout.split())  # the instance lines as words: where they wrap does not matter
     assert text.count("steps up to 180.0 ms") == 2  # the TBT (0.2 s) less the 10% headroom, out.stdout
