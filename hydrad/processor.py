@@ -83,7 +83,6 @@ class InputProcessor:
         max_request_pixels: int | None = None,
         max_model_len: int | None = None,
     ):
-        from hydrad.models.hf_processor import load_hf_processor
         from hydrad.models.loader import load_config
         from hydrad.models.registry import get_model_class
 
@@ -95,7 +94,7 @@ class InputProcessor:
         self.max_images_per_request = max_images_per_request
         self.max_image_pixels = max_image_pixels
         self.max_request_pixels = max_request_pixels
-        self.processor = load_hf_processor(self.model_path, hf_config.model_type)
+        self.processor = self._load_processor()
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
         self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer, hf_config)
@@ -111,19 +110,26 @@ class InputProcessor:
     def add_instances(self, num: int) -> None:
         """Load ``num`` more HF processors now, so that as many calls at once find one ready
         (a call that finds none loads one, which costs that call the load time)."""
+        for _ in range(num):
+            self._idle.put(self._load_processor())
+
+    def _load_processor(self):
+        """The checkpoint's HF processor, its image processor served by the exact fast path
+        where its settings are LLaVA-1.5's CLIP steps (``hydrad.models.clip_images``)."""
+        from hydrad.models.clip_images import exact_clip_images
         from hydrad.models.hf_processor import load_hf_processor
 
-        for _ in range(num):
-            self._idle.put(load_hf_processor(self.model_path, self.hf_config.model_type))
+        processor = load_hf_processor(self.model_path, self.hf_config.model_type)
+        if getattr(processor, "image_processor", None) is not None:
+            processor.image_processor = exact_clip_images(processor.image_processor)
+        return processor
 
     @contextmanager
     def _hf_processor(self) -> Iterator:
         try:
             processor = self._idle.get_nowait()
         except queue.Empty:
-            from hydrad.models.hf_processor import load_hf_processor
-
-            processor = load_hf_processor(self.model_path, self.hf_config.model_type)
+            processor = self._load_processor()
         try:
             yield processor
         finally:
