@@ -111,6 +111,8 @@ def main() -> None:
     parser.add_argument("--peaks", nargs="*", default=[], help="NAME=REQ_PER_S measured peaks to put against the bound")
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                         help="the dtype the model's steps are timed in (auto: the device's default)")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="time only the preparation of a request (the daemon's CPU), not the model's steps")
     parser.add_argument("--out", help="JSON results")
     args = parser.parse_args()
 
@@ -124,6 +126,10 @@ def main() -> None:
     print(f"preparing a request ({model})", flush=True)
     prepare, prompt_tokens, image_tokens, patches = prepare_seconds(model)
     print(f"  {1e3 * prepare:.1f} ms of CPU; {prompt_tokens} prompt tokens, {image_tokens} image tokens", flush=True)
+    if args.prepare_only:
+        write_json(args.out, {"machine": machine(), "prompt_tokens": prompt_tokens, "image_tokens": image_tokens,
+                              "prepare_cpu_s": prepare})
+        return
     print(f"timing the model ({args.dtype}) on {cores} threads, steps of 1-{args.max_batch} prompts and images",
           flush=True)
     parts = model_seconds(model, prompt_tokens, (patches, image_tokens), args.in_flight, args.output_tokens,
