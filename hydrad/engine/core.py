@@ -53,6 +53,12 @@ def resolve_dtype(name: str, device: torch.device, model_dir=None) -> torch.dtyp
     return _DTYPES[resolve_dtype_name(name, device.type, model_dir)]
 
 
+def role_caches(role: str) -> tuple[bool, bool]:
+    """Whether a role holds a KV pool (it prefills or decodes) and an image pool (it encodes,
+    or prefills from encoded images)."""
+    return "P" in role or "D" in role, "E" in role or "P" in role
+
+
 def normalize_role(role: str) -> str:
     stages = set(role.upper())
     if not stages or stages - set("EPD"):
@@ -119,8 +125,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.model_path)
         has_vision = "E" in self.role
         has_language = "P" in self.role or "D" in self.role
-        has_kv = has_language
-        has_image_cache = "E" in self.role or "P" in self.role
+        has_kv, has_image_cache = role_caches(self.role)
 
         self.hf_config = hf_config = load_config(self.model_path)
         model_cls = get_model_class(hf_config)
@@ -400,8 +405,7 @@ class EngineCore:
         busy worker a second, every stream of the instance waiting."""
         if self.pool_bytes is not None or self.device.type != "cpu":
             return {}
-        role = normalize_role(self.role + role)
-        has_kv, has_image_cache = "P" in role or "D" in role, "E" in role or "P" in role
+        has_kv, has_image_cache = role_caches(normalize_role(self.role + role))
         num_kv, num_image = self._pool_sizes(has_kv, has_image_cache, self.runner.image_block_size)
         shapes = {}
         if has_kv and self.kv_manager is None and self.model.has_language:
@@ -430,8 +434,7 @@ class EngineCore:
             prefixes = (_VISION_PREFIXES if needs_vision else ()) + (_LANGUAGE_PREFIXES if needs_language else ())
             self.model.load_weights(iter_weights(self.model_path, self.dtype, prefixes=prefixes),
                                     vision=needs_vision, language=needs_language)
-        has_kv = "P" in role or "D" in role
-        has_image_cache = "E" in role or "P" in role
+        has_kv, has_image_cache = role_caches(role)
         image_block_size = self.runner.image_block_size
         if self.pool_bytes is not None:
             # Sized from the GPU: a new pool takes its share of the budget measured at start

@@ -13,7 +13,8 @@ copy (the plain one is freed) and runs oneDNN's matmul on it. The packed layout 
 number of rows.
 
 This is the CPU seam: ``pack_linears`` does nothing on CUDA, for dtypes other than
-float32 and bfloat16, or where torch was built without oneDNN (``packing_supported``).
+float32 and bfloat16 (bfloat16 only where oneDNN has bfloat16 kernels for the CPU), or
+where torch was built without oneDNN (``packing_supported``).
 Setting ``HYDRAD_CPU_PACKED_LINEAR=0`` in the environment turns it off (the results are the same
 up to float rounding; the switch is there to compare and to rule it out).
 """
@@ -34,8 +35,12 @@ def packing_supported(device: torch.device | str, dtype: torch.dtype) -> bool:
     """Whether ``pack_linears`` packs weights of ``dtype`` on ``device``."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    return (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    if torch.device(device).type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    # oneDNN's bfloat16 kernels need AVX-512 (or Arm's bfloat16); elsewhere the plain layers run
+    return dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):

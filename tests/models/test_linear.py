@@ -63,11 +63,17 @@ def test_pack_linears_replaces_every_linear_of_the_parts_named():
 
 
 @needs_packing
-def test_pack_linears_packs_bfloat16_where_it_packs_float32():
+def test_pack_linears_packs_bfloat16_where_onednn_has_bfloat16_kernels(monkeypatch):
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("oneDNN has no bfloat16 kernels for this CPU")
     assert packing_supported("cpu", torch.bfloat16)
     model = _Block().to(torch.bfloat16)
     assert pack_linears(model, ["proj", "mlp", "head"], "cpu", torch.bfloat16) == 4
     assert not any(type(m) is nn.Linear for m in model.modules())
+    # A CPU without them: float32 is still packed, bfloat16 runs the plain layers.
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert packing_supported("cpu", torch.float32) and not packing_supported("cpu", torch.bfloat16)
+    assert pack_linears(_Block().to(torch.bfloat16), ["proj", "mlp", "head"], "cpu", torch.bfloat16) == 0
 
 
 def test_pack_linears_leaves_other_devices_dtypes_and_the_switched_off_alone(monkeypatch):
