@@ -127,12 +127,17 @@ def _b64decode(payload: str, param: str) -> bytes:
         raise RequestError("invalid base64 in the image data URL", param=param) from None
 
 
-def decode_data_url(url: str, *, max_pixels: int, param: str = "messages") -> Image.Image:
-    """``data:image/png;base64,...`` → RGB image. RequestError for anything else."""
+def data_url_bytes(url: str, param: str = "messages") -> bytes:
+    """The image file a ``data:image/png;base64,...`` URL holds. RequestError for anything else."""
     data = _b64decode(_data_url_payload(url, param), param)
     if not data:
         raise RequestError("the image data URL is empty", param=param)
-    return open_image_bytes(data, max_pixels=max_pixels, param=param)
+    return data
+
+
+def decode_data_url(url: str, *, max_pixels: int, param: str = "messages") -> Image.Image:
+    """``data:image/png;base64,...`` → RGB image. RequestError for anything else."""
+    return open_image_bytes(data_url_bytes(url, param), max_pixels=max_pixels, param=param)
 
 
 def peek_data_url(url: str, *, max_pixels: int, param: str = "messages") -> tuple[int, int]:

@@ -30,7 +30,7 @@ from PIL import Image
 
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import RequestError
-from hydrad.images import EncodedImage, check_image_size, decode_data_url, open_image_bytes, peek_data_url
+from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
 
 _ROLES = ("system", "developer", "user", "assistant")
@@ -115,13 +115,13 @@ class InputProcessor:
 
     def _load_processor(self):
         """The checkpoint's HF processor, its image processor served by the exact fast path
-        where its settings are LLaVA-1.5's CLIP steps (``hydrad.models.clip_images``)."""
-        from hydrad.models.clip_images import exact_clip_images
+        where one serves its family and settings (``hydrad.models.exact_images``)."""
+        from hydrad.models.exact_images import exact_images
         from hydrad.models.hf_processor import load_hf_processor
 
         processor = load_hf_processor(self.model_path, self.hf_config.model_type)
         if getattr(processor, "image_processor", None) is not None:
-            processor.image_processor = exact_clip_images(processor.image_processor)
+            processor.image_processor = exact_images(processor.image_processor)
         return processor
 
     @contextmanager
@@ -216,12 +216,12 @@ class InputProcessor:
             check_image_size(source, max_pixels=self.max_image_pixels, param=where)
         return source.size  # EncodedImage: checked when it was fetched
 
-    def _decode(self, source: object, where: str) -> Image.Image:
-        if isinstance(source, str):
-            return decode_data_url(source, max_pixels=self.max_image_pixels, param=where)
-        if isinstance(source, EncodedImage):
-            return open_image_bytes(source.data, max_pixels=self.max_image_pixels, param=where)
-        return source if source.mode == "RGB" else source.convert("RGB")
+    def _decode(self, source: object, where: str) -> tuple[Image.Image, bytes | None]:
+        """The RGB image, and the file it was decoded from (None for an image object)."""
+        if isinstance(source, (str, EncodedImage)):
+            data = source.data if isinstance(source, EncodedImage) else data_url_bytes(source, where)
+            return open_image_bytes(data, max_pixels=self.max_image_pixels, param=where), data
+        return (source if source.mode == "RGB" else source.convert("RGB")), None
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
         """Refuse a text too long for ``max_model_len`` tokens before it reaches the tokenizer."""
@@ -259,10 +259,10 @@ class InputProcessor:
         normalized, sources, num_chars = self._normalize(messages)
         self.check_prompt_chars(num_chars, "messages")
         self._check_images(sources)
-        images = [self._decode(source, where) for source, where in sources]
+        decoded = [self._decode(source, where) for source, where in sources]
         with self._hf_processor() as processor:
             text = processor.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
-            return self._tokenize(processor, text, images)
+            return self._tokenize(processor, text, [image for image, _ in decoded], [data for _, data in decoded])
 
     def process_prompt(self, prompt: str) -> ProcessedPrompt:
         self.inspect_prompt(prompt)
@@ -270,7 +270,9 @@ class InputProcessor:
             return self._tokenize(processor, prompt, [])
 
     # -- tokens ---------------------------------------------------------------------------------
-    def _tokenize(self, processor, text: str, images: list[Image.Image]) -> ProcessedPrompt:
+    def _tokenize(self, processor, text: str, images: list[Image.Image],
+                  files: list[bytes | None] | None = None) -> ProcessedPrompt:
+        """``files``: the file each image was decoded from, where known (its digest's source)."""
         if not images:
             # Text alone: the processor would only call its tokenizer (special tokens added, no
             # padding); its own encode gives the same ids without the kwargs merging and tensors.
@@ -291,11 +293,11 @@ class InputProcessor:
         token_ids = out["input_ids"][0].tolist()
         inputs = self.model_cls.image_inputs(self.hf_config, out)
         offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
-        for image, offset, pil in zip(inputs, offsets, images):
+        for image, offset, pil, data in zip(inputs, offsets, images, files or [None] * len(images)):
             image.offset = offset
             if image.image_size is None:  # the size as sent, for the request trace
                 image.image_size = (pil.height, pil.width)
-            image.digest()  # here, once: the engine matches cached prefixes by it
+            image.digest(data)  # here, once: the engine matches cached prefixes by it
         prompt = ProcessedPrompt(token_ids, inputs)
         if self.model_cls.uses_mrope:
             from hydrad.models.qwen2_vl import get_mrope_positions

@@ -195,3 +195,31 @@ def test_text_prompts_get_the_ids_the_hf_processor_gives(tiny_checkpoint, arch):
     messages = [{"role": "user", "content": [{"type": "text", "text": TEXTS[2]}]}]
     text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert ours.process_chat(messages).prompt_token_ids == hf(text=text, return_tensors="pt")["input_ids"][0].tolist()
+
+
+def test_an_images_digest_is_its_files(processor):
+    """Prefix caching matches images by a digest of the file sent (and the layout it gives):
+    the same file in two requests, as a data URL or as fetched bytes, is one image; another file,
+    even of the same pixels, is another; an image object is matched by its pixels."""
+    from hydrad.images import EncodedImage, data_url_bytes
+
+    def digest(source) -> bytes:
+        prompt = processor.process_chat(user(source, {"type": "text", "text": "what is it?"}))
+        (only,) = prompt.images
+        return only.content_hash
+
+    url = png_url(40, 30, seed=1)
+    picture = Image.open(io.BytesIO(data_url_bytes(url))).convert("RGB")
+    again = io.BytesIO()
+    picture.save(again, "PNG", compress_level=1)  # the same pixels in another file
+    other = "data:image/png;base64," + base64.b64encode(again.getvalue()).decode()
+    data = data_url_bytes(url)
+    fetched = {"type": "image", "image": EncodedImage(data, picture.size)}
+    as_object = {"type": "image", "image": picture}
+
+    first = digest(image(url))
+    assert first is not None and len(first) == 16
+    assert digest(image(url)) == first == digest(fetched)
+    assert digest(image(other)) != first
+    assert digest(image(png_url(40, 30, seed=2))) != first
+    assert digest(as_object) == digest({"type": "image", "image": picture.copy()}) not in (None, first)

@@ -35,21 +35,30 @@ class ImageInput:
     # ``num_vision_patches``), filled by the processor so that the scheduler and the latency model
     # read a plain number; 0 when unknown (the image is then costed by its tokens alone).
     num_patches: int = 0
-    # A digest of what the encoder makes of it (the pixels and the layout above): requests whose
+    # A digest of what the encoder makes of it (the image and the layout above): requests whose
     # images have equal digests share the KV of their common prefix (prefix caching). Filled by
     # the processor (``digest``); None where unknown, and then no KV past the image is shared.
     content_hash: bytes | None = None
 
-    def digest(self) -> bytes | None:
-        """``content_hash``, computed from the pixels when there are some and it is not yet."""
-        if self.content_hash is None and self.pixel_values is not None:
+    def digest(self, source: bytes | None = None) -> bytes | None:
+        """``content_hash``, computed where it is not yet: from ``source``, the bytes of the image
+        file the pixels were decoded from (decoding is deterministic, and a file is a fraction of
+        its float pixels: a 640x480 JPEG about 1/30), else from the pixels when there are some.
+        The same picture sent as another file, or as an image object, is another image here."""
+        if self.content_hash is not None:
+            return self.content_hash
+        layout = repr((self.length, self.image_size, self.grid_thw))
+        if source is not None:
+            h = hashlib.blake2b(digest_size=16, person=b"hydrad-file")
+            h.update(layout.encode())
+            h.update(source)
+            self.content_hash = h.digest()
+        elif self.pixel_values is not None:
             import torch  # a tensor is here: torch is loaded
 
             pixels = self.pixel_values.detach().cpu().contiguous()
-            h = hashlib.blake2b(digest_size=16)
-            h.update(repr((str(pixels.dtype), tuple(pixels.shape), self.length, self.image_size,
-                           self.grid_thw)).encode())
+            h = hashlib.blake2b(digest_size=16, person=b"hydrad-pixels")
+            h.update(repr((str(pixels.dtype), tuple(pixels.shape), layout)).encode())
             h.update(pixels.reshape(-1).view(torch.uint8).numpy().data)
             self.content_hash = h.digest()
         return self.content_hash
-
