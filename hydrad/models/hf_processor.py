@@ -38,7 +38,16 @@ def load_hf_processor(path: str | os.PathLike, model_type: str) -> ProcessorMixi
     return cls.from_pretrained(path, local_files_only=True)
 
 
+# A video processor's settings, taken from the image processor's, for the families whose
+# transformers processor requires one (and torchvision to build it).
+_VIDEO_SETTINGS = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std", "resample",
+                   "rescale_factor", "do_resize", "do_rescale", "do_normalize", "do_convert_rgb")
+
+
 def save_hf_processor(processor: ProcessorMixin, out_dir: str | os.PathLike) -> None:
+    """Save as transformers saves the family's processor. Qwen2-VL's and Qwen2.5-VL's also get
+    the video processor they require where torchvision is installed (``Qwen2VLVideoProcessor``,
+    the image processor's settings), so that other servers load the folder; hydrad ignores it."""
     processor.save_pretrained(out_dir)
     config_file = Path(out_dir) / "processor_config.json"
     if not config_file.is_file():
@@ -47,4 +56,9 @@ def save_hf_processor(processor: ProcessorMixin, out_dir: str | os.PathLike) -> 
     for cls in PROCESSOR_CLASSES.values():
         if config.get("processor_class") == cls.__name__:
             config["processor_class"] = cls.__mro__[1].__name__
+            image = config.get("image_processor", {})
+            config.setdefault("video_processor", {
+                "video_processor_type": "Qwen2VLVideoProcessor",
+                **{key: image[key] for key in _VIDEO_SETTINGS if key in image},
+            })
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -288,6 +288,24 @@ def test_tiny_checkpoint_of_every_arch_loads_in_transformers(tiny_checkpoint, ar
     assert logits.shape[-1] == len(tokenizer)
 
 
+@pytest.mark.parametrize("arch", ["qwen2-vl", "qwen2.5-vl"])
+def test_qwen_folders_name_the_video_processor_their_processor_requires(tiny_checkpoint, arch):
+    """transformers' Qwen2-VL / Qwen2.5-VL processor requires a video processor (built where
+    torchvision is installed, as in other servers' environments): the folder configures one as
+    its image processor is configured, and hydrad, which serves images only, ignores it."""
+    from hydrad.models.hf_processor import load_hf_processor
+
+    path = tiny_checkpoint(arch)
+    config = json.loads((path / "processor_config.json").read_text())
+    video, image = config["video_processor"], config["image_processor"]
+    assert video["video_processor_type"] == "Qwen2VLVideoProcessor"
+    for key in ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
+        assert video[key] == image[key], key
+    processor = load_hf_processor(path, json.loads((path / "config.json").read_text())["model_type"])
+    assert getattr(processor, "video_processor", None) is None
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_hf5_layout_is_what_transformers_saves(tmp_path, tiny_checkpoint, arch):
     from factories import hf_model
