@@ -26,11 +26,11 @@ class ExactClipImages(ExactImages):
                 and set_sizes(getattr(p, "size", None)) == {"shortest_edge"}
                 and set_sizes(getattr(p, "crop_size", None)) == {"height", "width"})
 
-    def image_outputs(self, rgb: Image.Image) -> dict[str, np.ndarray]:
+    def image_outputs(self, rgb: Image.Image) -> dict:
         return {"pixel_values": self.pixel_values(rgb)}
 
     @staticmethod
-    def join(outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def join(outputs: list[dict]) -> dict[str, np.ndarray]:
         return {"pixel_values": np.stack([out["pixel_values"] for out in outputs])}
 
     def pixel_values(self, rgb: Image.Image) -> np.ndarray:

@@ -18,6 +18,8 @@ this way (arrays, images with transparency, other arguments) to the processor it
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 from PIL import Image
 
@@ -46,7 +48,7 @@ def set_sizes(size) -> set[str]:
     return {key for key, value in items if value is not None}
 
 
-class ExactImages:
+class ExactImages(ABC):
     """Calls as the wrapped image processor does; a subclass gives one image's outputs
     (``image_outputs``) and how they join into the call's (``join``)."""
 
@@ -63,8 +65,9 @@ class ExactImages:
         self.table = np.ascontiguousarray(table[:, 0, :])  # [3, 256]
 
     @staticmethod
+    @abstractmethod
     def serves(p) -> bool:
-        raise NotImplementedError
+        """Whether this path gives ``p``'s outputs: its family and settings."""
 
     @staticmethod
     def _pil_steps(p) -> bool:
@@ -97,12 +100,14 @@ class ExactImages:
         return (isinstance(image, Image.Image) and "A" not in image.getbands()
                 and image.info.get("transparency") is None)
 
-    def image_outputs(self, rgb: Image.Image) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+    @abstractmethod
+    def image_outputs(self, rgb: Image.Image) -> dict:
+        """One RGB image's outputs."""
 
     @staticmethod
-    def join(outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+    @abstractmethod
+    def join(outputs: list[dict]) -> dict[str, np.ndarray]:
+        """The call's outputs from its images' (``image_outputs``), in order."""
 
     def resized(self, rgb: Image.Image, height: int, width: int) -> np.ndarray:
         """[height, width, 3] uint8: the reference's resize (PIL's, no reducing gap)."""

@@ -36,7 +36,7 @@ class ExactLlavaNextImages(ExactImages):
                 and set_sizes(getattr(p, "crop_size", None)) == {"height", "width"}
                 and isinstance(pinpoints, list) and len(pinpoints) > 0)
 
-    def image_outputs(self, rgb: Image.Image) -> dict[str, np.ndarray]:
+    def image_outputs(self, rgb: Image.Image) -> dict:
         from transformers.image_processing_utils import get_patch_output_size, select_best_resolution
         from transformers.image_utils import ChannelDimension
 
@@ -69,7 +69,7 @@ class ExactLlavaNextImages(ExactImages):
         return self.normalized(cropped)
 
     @staticmethod
-    def join(outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def join(outputs: list[dict]) -> dict[str, np.ndarray]:
         most = max(len(out["pixel_values"]) for out in outputs)
         first = outputs[0]["pixel_values"]
         pixels = np.zeros((len(outputs), most, *first.shape[1:]), dtype=first.dtype)

@@ -38,7 +38,7 @@ class ExactQwen2VLImages(ExactImages):
                 and all(isinstance(getattr(p, name, None), int)
                         for name in ("patch_size", "merge_size", "temporal_patch_size")))
 
-    def image_outputs(self, rgb: Image.Image) -> dict[str, np.ndarray]:
+    def image_outputs(self, rgb: Image.Image) -> dict:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
         p, m, t = self.patch, self.merge, self.temporal
@@ -56,7 +56,7 @@ class ExactQwen2VLImages(ExactImages):
         return {"pixel_values": out.reshape(gh * gw, 3 * t * p * p), "grid": (1, gh, gw)}
 
     @staticmethod
-    def join(outputs: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    def join(outputs: list[dict]) -> dict[str, np.ndarray]:
         pixels = [out["pixel_values"] for out in outputs]
         return {"pixel_values": pixels[0] if len(pixels) == 1 else np.concatenate(pixels),
                 "image_grid_thw": np.array([out["grid"] for out in outputs], dtype=np.int64)}
