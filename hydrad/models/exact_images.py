@@ -12,8 +12,9 @@ on photographs, grayscale, palette and odd-sized images).
 
 ``exact_images(image_processor)`` wraps a processor whose family and settings one of the
 subclasses serves (LLaVA-1.5's CLIP steps: ``clip_images``; LLaVA-NeXT's anyres tiles:
-``llava_next_images``; Qwen2-VL's and Qwen2.5-VL's patches: ``qwen2_vl_images``) and leaves any other alone; a wrapper hands everything it does not do
-this way (arrays, images with transparency, other arguments) to the processor it wraps.
+``llava_next_images``; Qwen2-VL's and Qwen2.5-VL's patches: ``qwen2_vl_images``) and leaves
+any other alone; a wrapper hands everything it does not do this way (arrays, images with
+transparency, other arguments) to the processor it wraps.
 """
 
 from __future__ import annotations
