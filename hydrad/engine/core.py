@@ -644,10 +644,12 @@ class EngineCore:
                 self._calibrate(predicted, seconds)
         timing = StepTiming(out.predicted_vision, encode_secs, out.predicted_language, language_secs)
         if debug:
-            logger.debug("step: %d images, %d tokens in %d chunks (%d decodes); vision %.1f ms (predicted %.1f), language %.1f ms "
-                         "(predicted %.1f); step thread's CPU %.1f ms", len(out.encodes), out.num_tokens,
-                         len(out.chunks), out.num_decodes, 1e3 * encode_secs, 1e3 * out.predicted_vision, 1e3 * language_secs,
-                         1e3 * out.predicted_language, 1e3 * (time.thread_time() - cpu_start))
+            # bench/step_log.py reads this line.
+            logger.debug("step: %d images, %d tokens in %d chunks (%d decodes); vision %.1f ms (predicted %.1f), "
+                         "language %.1f ms (predicted %.1f); step thread's CPU %.1f ms", len(out.encodes),
+                         out.num_tokens, len(out.chunks), out.num_decodes, 1e3 * encode_secs,
+                         1e3 * out.predicted_vision, 1e3 * language_secs, 1e3 * out.predicted_language,
+                         1e3 * (time.thread_time() - cpu_start))
         if out.encodes:
             self.scheduler.update_after_encode(out, encode_secs, language_secs)
         if not out.chunks:

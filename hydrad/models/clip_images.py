@@ -27,20 +27,8 @@ class ExactClipImages(ExactImages):
                 and set_sizes(getattr(p, "crop_size", None)) == {"height", "width"})
 
     def image_outputs(self, rgb: Image.Image) -> dict:
-        return {"pixel_values": self.pixel_values(rgb)}
+        return {"pixel_values": self.edge_and_crop(rgb, self.shortest_edge, self.crop)}
 
     @staticmethod
     def join(outputs: list[dict]) -> dict[str, np.ndarray]:
         return {"pixel_values": np.stack([out["pixel_values"] for out in outputs])}
-
-    def pixel_values(self, rgb: Image.Image) -> np.ndarray:
-        """One RGB image's [3, crop height, crop width] float32 pixels."""
-        from transformers.image_transforms import center_crop, get_resize_output_image_size
-        from transformers.image_utils import ChannelDimension
-
-        shape = np.broadcast_to(np.uint8(0), (1, rgb.height, rgb.width))  # the size, as the reference reads it
-        height, width = get_resize_output_image_size(shape, size=self.shortest_edge, default_to_square=False,
-                                                     input_data_format=ChannelDimension.FIRST)
-        cropped = center_crop(self.resized(rgb, height, width), self.crop, data_format=ChannelDimension.LAST,
-                              input_data_format=ChannelDimension.LAST)
-        return self.normalized(cropped)

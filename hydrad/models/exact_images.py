@@ -114,6 +114,24 @@ class ExactImages(ABC):
         """[height, width, 3] uint8: the reference's resize (PIL's, no reducing gap)."""
         return np.asarray(rgb.resize((width, height), resample=self.resample, reducing_gap=None))
 
+    def edge_and_crop(self, image: Image.Image | np.ndarray, shortest_edge: int, crop: tuple[int, int]) -> np.ndarray:
+        """[3, crop h, crop w] floats of an RGB image (or [H, W, 3] uint8 pixels): CLIP's steps,
+        resized to ``shortest_edge`` (PIL's resize, skipped for pixels already that size, which
+        it would copy unchanged), centre-cropped, rescaled and normalized."""
+        from transformers.image_transforms import center_crop, get_resize_output_image_size
+        from transformers.image_utils import ChannelDimension
+
+        size = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[:2]
+        shape = np.broadcast_to(np.uint8(0), (1, *size))  # the size, as the reference reads it
+        height, width = get_resize_output_image_size(shape, size=shortest_edge, default_to_square=False,
+                                                     input_data_format=ChannelDimension.FIRST)
+        if isinstance(image, Image.Image) or (height, width) != size:
+            if not isinstance(image, Image.Image):
+                image = Image.fromarray(np.ascontiguousarray(image))
+            image = self.resized(image, height, width)
+        cropped = center_crop(image, crop, data_format=ChannelDimension.LAST, input_data_format=ChannelDimension.LAST)
+        return self.normalized(cropped)
+
     def normalized(self, pixels: np.ndarray) -> np.ndarray:
         """[3, H, W] float32 from [H, W, 3] uint8: the reference's rescale and normalize."""
         out = np.empty((3, *pixels.shape[:2]), dtype=self.table.dtype)

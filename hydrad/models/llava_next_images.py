@@ -51,22 +51,9 @@ class ExactLlavaNextImages(ExactImages):
         tiles = [self.resized(rgb, edge, edge)]
         side = self.crop[0]
         tiles += [padded[i:i + side, j:j + side] for i in range(0, best[0], side) for j in range(0, best[1], side)]
-        return {"pixel_values": np.stack([self._tile(tile) for tile in tiles]), "image_size": size}
-
-    def _tile(self, tile: np.ndarray) -> np.ndarray:
-        """One tile's [3, crop h, crop w] floats: resized to the shortest edge (by PIL, where
-        that changes its size), centre-cropped, rescaled and normalized."""
-        from transformers.image_transforms import center_crop, get_resize_output_image_size
-        from transformers.image_utils import ChannelDimension
-
-        shape = np.broadcast_to(np.uint8(0), (1, *tile.shape[:2]))
-        height, width = get_resize_output_image_size(shape, size=self.shortest_edge, default_to_square=False,
-                                                     input_data_format=ChannelDimension.FIRST)
-        if (height, width) != tile.shape[:2]:
-            tile = self.resized(Image.fromarray(np.ascontiguousarray(tile)), height, width)
-        cropped = center_crop(tile, self.crop, data_format=ChannelDimension.LAST,
-                              input_data_format=ChannelDimension.LAST)
-        return self.normalized(cropped)
+        # Each tile then takes CLIP's steps (resized only where that changes its size).
+        pixels = np.stack([self.edge_and_crop(tile, self.shortest_edge, self.crop) for tile in tiles])
+        return {"pixel_values": pixels, "image_size": size}
 
     @staticmethod
     def join(outputs: list[dict]) -> dict[str, np.ndarray]:

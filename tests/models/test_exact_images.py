@@ -129,6 +129,9 @@ def test_published_settings():
         LlavaNextImageProcessorPil(**clip, image_grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336],
                                                                  [336, 1008]]),
         Qwen2VLImageProcessorPil(),
+        # Tiles (the crop's size) smaller than the shortest edge: each is resized, then cropped.
+        LlavaNextImageProcessorPil(size={"shortest_edge": 256}, crop_size={"height": 224, "width": 224},
+                                   image_grid_pinpoints=[[224, 448], [448, 224], [448, 448]]),
     ]
     images = [IMAGES[name]() for name in ("astronaut", "coffee", "portrait", "palette")]
     for reference in published:

@@ -63,13 +63,19 @@ def test_pack_linears_replaces_every_linear_of_the_parts_named():
 
 
 @needs_packing
-def test_pack_linears_packs_bfloat16_where_onednn_has_bfloat16_kernels(monkeypatch):
+def test_pack_linears_packs_bfloat16_where_onednn_has_bfloat16_kernels():
+    # Packing runs oneDNN's bfloat16 reorder, which needs the kernels (AVX-512 bfloat16, or
+    # Arm's); the choice without them is the next test's, on any CPU.
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("oneDNN has no bfloat16 kernels for this CPU")
     assert packing_supported("cpu", torch.bfloat16)
     model = _Block().to(torch.bfloat16)
     assert pack_linears(model, ["proj", "mlp", "head"], "cpu", torch.bfloat16) == 4
     assert not any(type(m) is nn.Linear for m in model.modules())
+
+
+@needs_packing
+def test_pack_linears_leaves_bfloat16_alone_without_onednn_bfloat16_kernels(monkeypatch):
     # A CPU without them: float32 is still packed, bfloat16 runs the plain layers.
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
     assert packing_supported("cpu", torch.float32) and not packing_supported("cpu", torch.bfloat16)
