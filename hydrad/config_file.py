@@ -79,7 +79,11 @@ class ServerConfig:
     admin_token: str = ""
     # Largest accepted request body (base64 images count here).
     max_body_mb: int = 64
+    # Images and videos in one request.
     max_images_per_request: int = 8
+    # Frames kept from one video (models that take videos): sampled at the model's video
+    # frame rate (Qwen2-VL: 2 a second), at most this many; frames sent as such, at most this many.
+    max_video_frames: int = 32
     # Images with more pixels, and requests whose images have more pixels in all, are
     # refused before anything is decoded.
     max_image_pixels: int = 40_000_000
@@ -127,7 +131,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
-        for name in ("max_body_mb", "max_images_per_request", "max_image_pixels", "max_request_pixels",
+        for name in ("max_body_mb", "max_images_per_request", "max_video_frames", "max_image_pixels",
+                     "max_request_pixels",
                      "max_inflight_body_mb", "max_inflight_image_mb", "processor_threads", "frontend_processes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"server.{name} must be >= 1, got {getattr(self, name)}")

@@ -101,30 +101,31 @@ def check_image_size(image: Image.Image, *, max_pixels: int, param: str = "messa
         )
 
 
-def _data_url_payload(url: str, param: str) -> str:
-    """The base64 payload of a ``data:image/...;base64,`` URL (checked, not decoded)."""
+def _data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_MEDIA_TYPES,
+                      formats: str = "png, jpeg, webp or gif") -> str:
+    """The base64 payload of a ``data:<kind>/...;base64,`` URL (checked, not decoded)."""
     if not url.startswith("data:"):
-        raise RequestError("only data: image URLs are accepted here", param=param)
+        raise RequestError(f"only data: {kind} URLs are accepted here", param=param)
     header, sep, payload = url[5:].partition(",")
     if not sep:
         raise RequestError("malformed data: URL (no comma)", param=param)
     parts = header.split(";")
     media_type = parts[0].strip().lower()
     if "base64" not in parts[1:]:
-        raise RequestError("data: image URLs must be base64-encoded", param=param)
-    if media_type and media_type not in _MEDIA_TYPES:
-        raise RequestError(f"unsupported image media type {media_type!r}; use png, jpeg, webp or gif", param=param)
+        raise RequestError(f"data: {kind} URLs must be base64-encoded", param=param)
+    if media_type and media_type not in media_types:
+        raise RequestError(f"unsupported {kind} media type {media_type!r}; use {formats}", param=param)
     payload = payload.strip()
     if not payload:
-        raise RequestError("the image data URL is empty", param=param)
+        raise RequestError(f"the {kind} data URL is empty", param=param)
     return payload
 
 
-def _b64decode(payload: str, param: str) -> bytes:
+def _b64decode(payload: str, param: str, kind: str = "image") -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise RequestError("invalid base64 in the image data URL", param=param) from None
+        raise RequestError(f"invalid base64 in the {kind} data URL", param=param) from None
 
 
 def data_url_bytes(url: str, param: str = "messages") -> bytes:

@@ -87,6 +87,7 @@ class LLM:
         image_budget: int = 4,
         max_num_seqs: int = 256,
         max_images_per_request: int = 8,
+        max_video_frames: int = 32,
         dual_streams: bool | str = "auto",
         router_policy: str = "round-robin",
         worker_processes: bool = True,
@@ -137,7 +138,8 @@ class LLM:
                 raise ConfigError("worker_processes=False runs every instance on one device")
             self.engine = LocalCluster(self.config, roles, device=device, policy=router_policy)
         self.processor = InputProcessor(
-            model_path, max_images_per_request=max_images_per_request, max_model_len=self.engine.max_model_len
+            model_path, max_images_per_request=max_images_per_request, max_model_len=self.engine.max_model_len,
+            max_video_frames=max_video_frames,
         )
         self._ids = itertools.count()
 

@@ -4,8 +4,10 @@ It applies the checkpoint's chat template, decodes and checks images, runs the
 checkpoint's own image processor and tokenizer (so prompts match transformers
 exactly), splits the image outputs per image, and finds where each image's placeholder
 tokens sit in the prompt; images of one prompt may have different numbers of tokens
-(LLaVA-NeXT, Qwen2-VL). For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D
-positions, once. It holds no model weights; the daemon runs it in a thread pool, off the
+(LLaVA-NeXT, Qwen2-VL). Families that take videos (Qwen2-VL) get each video's frames
+sampled and decoded (``hydrad.videos``) and processed (``hydrad.models.qwen2_vl_videos``),
+its placeholder repeated once per video token, and then carry it as one more image with its
+grid. For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D positions, once. It holds no model weights; the daemon runs it in a thread pool, off the
 event loop, several requests at once: transformers does not promise that a processor is
 safe to call from several threads at once (its tokenizer's settings are changed in
 place), so each call borrows an instance of its own from a small pool.
@@ -32,6 +34,8 @@ from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
+from hydrad.videos import VideoClip, VideoSampling, decode_video, frames_clip, read_header, sample_indices, \
+    video_data_url_bytes
 
 _ROLES = ("system", "developer", "user", "assistant")
 # Unicode composition (NFC, NFKC) turns at most 4 code points into one (U+1F82 is
@@ -44,11 +48,29 @@ class PromptSize:
     """What a request holds, from a walk over its fields and its images' headers."""
 
     num_chars: int  # characters of text (message contents or the prompt)
-    image_sizes: tuple[tuple[int, int], ...] = ()  # (width, height) of each image
+    # (width, height) of each image, and of each frame a video keeps
+    image_sizes: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_pixels(self) -> int:
         return sum(w * h for w, h in self.image_sizes)
+
+
+@dataclass(frozen=True)
+class VideoSource:
+    """A video part before decoding: a file (``data``) or frames given as objects."""
+
+    data: bytes | None = None
+    frames: object = None
+    fps: float | None = None
+
+
+def holds_videos(messages) -> bool:
+    """Whether any message has a video part (its checks read the whole file)."""
+    return isinstance(messages, list) and any(
+        isinstance(part, dict) and part.get("type") in ("video_url", "video")
+        for message in messages if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"])
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
@@ -82,6 +104,7 @@ class InputProcessor:
         max_image_pixels: int = 40_000_000,
         max_request_pixels: int | None = None,
         max_model_len: int | None = None,
+        max_video_frames: int = 32,
     ):
         from hydrad.models.loader import load_config
         from hydrad.models.registry import get_model_class
@@ -97,6 +120,23 @@ class InputProcessor:
         self.processor = self._load_processor()
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        # Families that take videos: their processing, and how frames are drawn from a file.
+        self.videos = self.video_sampling = self.video_token = self.video_token_id = None
+        self.max_video_frames = max_video_frames
+        self._no_videos = f"this model ({hf_config.model_type}) does not take videos"
+        if getattr(self.model_cls, "takes_videos", False):
+            from hydrad.errors import CheckpointError
+            from hydrad.models.qwen2_vl_videos import Qwen2VLVideos
+
+            try:
+                self.videos = Qwen2VLVideos.from_checkpoint(self.model_path)
+            except CheckpointError as e:  # images are still served
+                self._no_videos = str(e)
+        if self.videos is not None:
+            self.video_sampling = VideoSampling(fps=self.videos.fps, min_frames=self.videos.min_frames,
+                                                max_frames=max_video_frames, temporal_patch=self.videos.temporal)
+            self.video_token = self.processor.video_token
+            self.video_token_id = self.tokenizer.convert_tokens_to_ids(self.video_token)
         self.eos_token_ids = _eos_token_ids(self.model_path, self.tokenizer, hf_config)
         # A longer text cannot fit in max_model_len tokens (None: the tokenizer may drop text,
         # so only the token count after tokenizing tells).
@@ -181,14 +221,22 @@ class InputProcessor:
                         raise RequestError(f"{pwhere}: images are accepted in user messages only", param=pwhere)
                     images.append((self._image_source(part, pwhere), pwhere))
                     parts.append({"type": "image"})
+                elif kind in ("video_url", "video"):
+                    if self.videos is None:
+                        raise RequestError(f"{pwhere}: {self._no_videos}", param=pwhere)
+                    if role != "user":
+                        raise RequestError(f"{pwhere}: videos are accepted in user messages only", param=pwhere)
+                    images.append((self._video_source(part, pwhere), pwhere))
+                    parts.append({"type": "video"})
                 else:
-                    raise RequestError(
-                        f"{pwhere}.type must be 'text', 'image_url' or 'image', got {kind!r}", param=pwhere
-                    )
+                    kinds = "'text', 'image_url', 'image', 'video_url' or 'video'" if self.videos else \
+                        "'text', 'image_url' or 'image'"
+                    raise RequestError(f"{pwhere}.type must be {kinds}, got {kind!r}", param=pwhere)
             normalized.append({"role": role, "content": parts})
         if len(images) > self.max_images_per_request:
+            what = "images and videos" if any(isinstance(s, VideoSource) for s, _ in images) else "images"
             raise RequestError(
-                f"{len(images)} images in one request; the limit is {self.max_images_per_request}", param="messages"
+                f"{len(images)} {what} in one request; the limit is {self.max_images_per_request}", param="messages"
             )
         return normalized, images, num_chars
 
@@ -208,6 +256,30 @@ class InputProcessor:
             raise RequestError("remote image URLs are not enabled on this server; send a data: URL", param=where)
         return url
 
+    def _video_source(self, part: dict, where: str) -> VideoSource:
+        if part["type"] == "video":
+            return VideoSource(frames=part.get("video"), fps=part.get("fps"))
+        video_url = part.get("video_url")
+        url = video_url.get("url") if isinstance(video_url, dict) else video_url
+        if not isinstance(url, str) or not url.strip():
+            raise RequestError(f"{where}.video_url.url must be a non-empty string", param=where)
+        if url.startswith(("http://", "https://")):
+            raise RequestError("remote video URLs are not supported; send a data: URL", param=where)
+        return VideoSource(data=video_data_url_bytes(url, where))
+
+    def _frames(self, source: VideoSource, where: str) -> VideoClip:
+        return frames_clip(source.frames, source.fps, max_frames=self.max_video_frames,
+                           max_pixels=self.max_image_pixels, param=where)
+
+    def _peek_video(self, source: VideoSource, where: str) -> list[tuple[int, int]]:
+        """(width, height) of each frame a video keeps, from its container's header."""
+        if source.data is None:
+            clip = self._frames(source, where)
+            return [clip.size] * len(clip.frames)
+        header = read_header(source.data, max_pixels=self.max_image_pixels, param=where)
+        return [(header.width, header.height)] * len(sample_indices(header.num_frames, header.fps,
+                                                                    self.video_sampling))
+
     def _peek(self, source: object, where: str) -> tuple[int, int]:
         """An image's (width, height) from its header, checked against ``max_image_pixels``."""
         if isinstance(source, str):
@@ -216,8 +288,14 @@ class InputProcessor:
             check_image_size(source, max_pixels=self.max_image_pixels, param=where)
         return source.size  # EncodedImage: checked when it was fetched
 
-    def _decode(self, source: object, where: str) -> tuple[Image.Image, bytes | None]:
-        """The RGB image, and the file it was decoded from (None for an image object)."""
+    def _decode(self, source: object, where: str) -> tuple[Image.Image | VideoClip, bytes | None]:
+        """The RGB image (or the video's frames), and the file it was decoded from (None for an
+        object)."""
+        if isinstance(source, VideoSource):
+            if source.data is None:
+                return self._frames(source, where), None
+            return decode_video(source.data, self.video_sampling, max_pixels=self.max_image_pixels,
+                                param=where), source.data
         if isinstance(source, (str, EncodedImage)):
             data = source.data if isinstance(source, EncodedImage) else data_url_bytes(source, where)
             return open_image_bytes(data, max_pixels=self.max_image_pixels, param=where), data
@@ -234,12 +312,19 @@ class InputProcessor:
             )
 
     def _check_images(self, sources: list[tuple[object, str]]) -> tuple[tuple[int, int], ...]:
-        sizes = tuple(self._peek(source, where) for source, where in sources)
+        """Each image's size and each kept video frame's, checked against ``max_request_pixels``."""
+        sizes = []
+        for source, where in sources:
+            if isinstance(source, VideoSource):
+                sizes += self._peek_video(source, where)
+            else:
+                sizes.append(self._peek(source, where))
         num_pixels = sum(w * h for w, h in sizes)
         if self.max_request_pixels is not None and num_pixels > self.max_request_pixels:
-            raise RequestError(f"the request's {len(sizes)} images have {num_pixels} pixels in all; the limit is "
+            what = "images and video frames" if len(sizes) > len(sources) else "images"
+            raise RequestError(f"the request's {len(sizes)} {what} have {num_pixels} pixels in all; the limit is "
                                f"{self.max_request_pixels}", param="messages")
-        return sizes
+        return tuple(sizes)
 
     def inspect_chat(self, messages) -> PromptSize:
         """Check a chat request's size without decoding an image or running the tokenizer:
@@ -260,38 +345,65 @@ class InputProcessor:
         self.check_prompt_chars(num_chars, "messages")
         self._check_images(sources)
         decoded = [self._decode(source, where) for source, where in sources]
+        images = [(item, data) for item, data in decoded if not isinstance(item, VideoClip)]
+        clips = [(item, data) for item, data in decoded if isinstance(item, VideoClip)]
         with self._hf_processor() as processor:
             text = processor.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
-            return self._tokenize(processor, text, [image for image, _ in decoded], [data for _, data in decoded])
+            videos = None
+            if clips:
+                text, videos = self._videos(text, clips)
+            return self._tokenize(processor, text, [image for image, _ in images], [data for _, data in images],
+                                  videos=videos)
 
     def process_prompt(self, prompt: str) -> ProcessedPrompt:
         self.inspect_prompt(prompt)
         with self._hf_processor() as processor:
             return self._tokenize(processor, prompt, [])
 
+    def _videos(self, text: str, clips: list[tuple[VideoClip, bytes | None]]) -> tuple[str, list[tuple]]:
+        """The prompt with each video's placeholder repeated once per video token, and each video's
+        processed frames with its time interval (M-RoPE) and the file it came from."""
+        videos = []
+        for clip, data in clips:
+            try:
+                processed = self.videos(clip.frames)
+            except ValueError as e:  # an aspect ratio over 200, as for images
+                raise RequestError(f"could not process the video: {e}", param="messages") from None
+            t, h, w = processed.grid_thw
+            length = t * h * w // self.videos.merge**2
+            interval = self.model_cls.video_time_interval(self.hf_config, self.videos.temporal, clip.fps)
+            source = None if data is None else repr(clip.sampling).encode() + data
+            videos.append((clip, processed, length, interval, source))
+        return repeat_placeholders(text, self.video_token, [v[2] for v in videos], "video"), videos
+
     # -- tokens ---------------------------------------------------------------------------------
     def _tokenize(self, processor, text: str, images: list[Image.Image],
-                  files: list[bytes | None] | None = None) -> ProcessedPrompt:
-        """``files``: the file each image was decoded from, where known (its digest's source)."""
+                  files: list[bytes | None] | None = None, videos: list[tuple] | None = None) -> ProcessedPrompt:
+        """``files``: the file each image was decoded from, where known (its digest's source);
+        ``videos``: from ``_videos``, their placeholders already repeated in ``text``."""
         if not images:
             # Text alone: the processor would only call its tokenizer (special tokens added, no
             # padding); its own encode gives the same ids without the kwargs merging and tensors.
             token_ids = encode_text(processor.tokenizer, text)
             if self.image_token_id in token_ids:
                 raise RequestError("the prompt contains image placeholder tokens but no image", param="messages")
-            return ProcessedPrompt(token_ids)
+            return self._with_videos(ProcessedPrompt(token_ids), videos) if videos else ProcessedPrompt(token_ids)
         try:
-            out = processor(text=text, images=images, return_tensors="pt")
+            if videos:
+                # transformers' processor refuses video placeholders without its video processor:
+                # its image processor, then the image placeholders repeated as the processor repeats them.
+                out = processor.image_processor(images=images, return_tensors="pt")
+            else:
+                out = processor(text=text, images=images, return_tensors="pt")
         except ValueError as e:
-            if images:
-                # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
-                raise RequestError(f"could not process the images: {e}", param="messages") from None
-            if processor.image_token in text:
-                # transformers 5's processors refuse placeholders without images themselves.
-                raise RequestError("the prompt contains image placeholder tokens but no image", param="messages") from None
-            raise
-        token_ids = out["input_ids"][0].tolist()
+            # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
+            raise RequestError(f"could not process the images: {e}", param="messages") from None
         inputs = self.model_cls.image_inputs(self.hf_config, out)
+        if videos:
+            token_ids = encode_text(processor.tokenizer, repeat_placeholders(
+                text, processor.image_token, [image.length for image in inputs], "image"))
+        else:
+            token_ids = out["input_ids"][0].tolist()
         offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
         for image, offset, pil, data in zip(inputs, offsets, images, files or [None] * len(images)):
             image.offset = offset
@@ -299,6 +411,8 @@ class InputProcessor:
                 image.image_size = (pil.height, pil.width)
             image.digest(data)  # here, once: the engine matches cached prefixes by it
         prompt = ProcessedPrompt(token_ids, inputs)
+        if videos:
+            return self._with_videos(prompt, videos)
         if self.model_cls.uses_mrope:
             from hydrad.models.qwen2_vl import get_mrope_positions
 
@@ -306,6 +420,30 @@ class InputProcessor:
                 token_ids, self.image_token_id, [image.grid_thw for image in inputs],
                 self.hf_config.vision_config.spatial_merge_size,
             )
+        return prompt
+
+    def _with_videos(self, prompt: ProcessedPrompt, videos: list[tuple]) -> ProcessedPrompt:
+        """The prompt's videos as vision inputs beside its images (in prompt order), and its
+        M-RoPE positions over both."""
+        from hydrad.models.qwen2_vl import get_mrope_positions
+
+        token_ids = prompt.prompt_token_ids
+        image_grids = [image.grid_thw for image in prompt.images]
+        offsets = find_image_runs(token_ids, self.video_token_id, [length for _, _, length, _, _ in videos],
+                                  kind="video")
+        for (clip, processed, length, _, source), offset in zip(videos, offsets):
+            t, h, w = processed.grid_thw
+            video = ImageInput(pixel_values=processed.pixel_values, offset=offset, length=length,
+                               image_size=tuple(clip.frames.shape[1:3]), grid_thw=processed.grid_thw,
+                               num_patches=t * h * w)
+            video.digest(source)
+            prompt.images.append(video)
+        prompt.images.sort(key=lambda image: image.offset)
+        prompt.mrope_positions, prompt.mrope_delta = get_mrope_positions(
+            token_ids, self.image_token_id, image_grids, self.hf_config.vision_config.spatial_merge_size,
+            video_token_id=self.video_token_id, video_grid_thw=[v[1].grid_thw for v in videos],
+            video_time_intervals=[v[3] for v in videos],
+        )
         return prompt
 
     def make_engine_request(self, req_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> EngineRequest:
@@ -328,22 +466,37 @@ class InputProcessor:
         )
 
 
-def find_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int]) -> list[int]:
-    """The offset of each image's placeholder run: image k takes the next ``lengths[k]``
-    placeholders, which must be contiguous. Runs are told apart by their lengths, so two images
-    whose runs touch are still found."""
+def repeat_placeholders(text: str, placeholder: str, lengths: Sequence[int], kind: str) -> str:
+    """``text`` with its k-th ``placeholder`` repeated ``lengths[k]`` times, as transformers'
+    processors expand them. RequestError when the text holds another number of them."""
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != len(lengths):
+        if len(pieces) - 1 < len(lengths):
+            raise RequestError(f"this checkpoint's chat template does not place {kind}s", param="messages")
+        raise RequestError(f"the prompt contains {kind} placeholder tokens beyond its {kind}s", param="messages")
+    out = [pieces[0]]
+    for length, piece in zip(lengths, pieces[1:]):
+        out += [placeholder * length, piece]
+    return "".join(out)
+
+
+def find_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int],
+                    kind: str = "image") -> list[int]:
+    """The offset of each image's (or video's) placeholder run: image k takes the next
+    ``lengths[k]`` placeholders, which must be contiguous. Runs are told apart by their lengths,
+    so two images whose runs touch are still found."""
     positions = [i for i, t in enumerate(token_ids) if t == image_token_id]
     if len(positions) != sum(lengths):
         raise RequestError(
-            f"the prompt holds {len(positions)} image placeholders for {len(lengths)} images of "
-            f"{sum(lengths)} image tokens",
+            f"the prompt holds {len(positions)} {kind} placeholders for {len(lengths)} {kind}s of "
+            f"{sum(lengths)} {kind} tokens",
             param="messages",
         )
     offsets, consumed = [], 0
     for length in lengths:
         run = positions[consumed : consumed + length]
         if run[-1] - run[0] + 1 != length:
-            raise RequestError("image placeholder tokens are not contiguous", param="messages")
+            raise RequestError(f"{kind} placeholder tokens are not contiguous", param="messages")
         offsets.append(run[0])
         consumed += length
     return offsets

@@ -3,6 +3,8 @@ conversations with images of many sizes and transformers' greedy references for 
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import shutil
 import threading
@@ -145,6 +147,56 @@ def noise(width: int, height: int, seed: int) -> Image.Image:
 
 def image(width: int, height: int, seed: int) -> dict:
     return {"type": "image", "image": noise(width, height, seed)}
+
+
+def photo_frames(num: int, height: int, width: int, seed: int) -> np.ndarray:
+    """A photograph resized to the frame size, each frame shifted and noised differently."""
+    from PIL import Image
+    from skimage import data
+
+    rng = np.random.default_rng(seed)
+    base = np.asarray(Image.fromarray(data.astronaut()).resize((width, height), Image.BICUBIC)).astype(np.int32)
+    frames = [np.roll(base, 3 * i, axis=1) + rng.integers(-12, 12, base.shape) for i in range(num)]
+    return np.clip(np.stack(frames), 0, 255).astype(np.uint8)
+
+
+def mp4(frames: np.ndarray, fps: int) -> bytes:
+    """An H.264 file of ``frames`` (PyAV)."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return buf.getvalue()
+
+
+def video_url(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def video_hf_inputs(processor, prompt) -> dict:
+    """transformers' model inputs for a prompt with videos as hydrad processed it: its pixels
+    (tests/models/test_qwen2_vl_videos.py compares the processing with transformers'), its
+    token ids and their modality."""
+    ids = torch.tensor([prompt.prompt_token_ids])
+    kinds = torch.zeros_like(ids)
+    kinds[ids == processor.image_token_id] = 1
+    kinds[ids == processor.video_token_id] = 2
+    is_video = [int(ids[0, item.offset]) == processor.video_token_id for item in prompt.images]
+    videos = [item for item, v in zip(prompt.images, is_video) if v]
+    images = [item for item, v in zip(prompt.images, is_video) if not v]
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": kinds,
+              "pixel_values_videos": torch.cat([v.pixel_values for v in videos]),
+              "video_grid_thw": torch.tensor([v.grid_thw for v in videos])}
+    if images:
+        inputs.update(pixel_values=torch.cat([i.pixel_values for i in images]),
+                      image_grid_thw=torch.tensor([i.grid_thw for i in images]))
+    return inputs
 
 
 def text(value: str) -> dict:

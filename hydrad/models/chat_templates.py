@@ -54,7 +54,7 @@ MISTRAL_CHAT_TEMPLATE = _LLAVA_RENDER + """
 {%- endfor -%}
 """
 
-# Qwen2-VL's ChatML format: images stay where they are in the turn, each wrapped in
+# Qwen2-VL's ChatML format: images and videos stay where they are in the turn, each wrapped in
 # <|vision_start|> ... <|vision_end|>; a default system turn comes first unless one is given.
 QWEN2_VL_CHAT_TEMPLATE = """
 {%- for message in messages -%}
@@ -71,6 +71,8 @@ QWEN2_VL_CHAT_TEMPLATE = """
         {%- for part in message['content'] -%}
             {%- if part['type'] in ('image', 'image_url') -%}
                 {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+            {%- elif part['type'] in ('video', 'video_url') -%}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
             {%- elif part['type'] == 'text' -%}
                 {{- part['text'] -}}
             {%- endif -%}

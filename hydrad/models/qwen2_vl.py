@@ -36,47 +36,70 @@ VISION_TRANSFORMERS = {
 }
 
 
+def _vision_runs(ids: torch.Tensor, token_id: int, grids, spatial_merge_size: int, kind: str) -> list[tuple]:
+    """(start, grid) of each image's (or video's) run of placeholder tokens: the k-th takes the
+    next ``t * h * w / merge**2`` placeholders, so adjacent runs are told apart by their grids."""
+    positions = (ids == token_id).nonzero().flatten().tolist()
+    runs, consumed = [], 0
+    for t, h, w in grids:
+        length = t * (h // spatial_merge_size) * (w // spatial_merge_size)
+        if consumed + length > len(positions):
+            raise ValueError(f"the prompt has {len(positions)} {kind} tokens, fewer than its {kind} grids need")
+        start = positions[consumed]
+        if positions[consumed + length - 1] != start + length - 1:
+            raise ValueError(f"the {kind} tokens at {start} do not form a run of {length}")
+        runs.append((start, (t, h, w)))
+        consumed += length
+    if consumed != len(positions):
+        raise ValueError(f"the prompt has {len(positions)} {kind} tokens; its {kind} grids cover {consumed}")
+    return runs
+
+
 def get_mrope_positions(
     prompt_token_ids: Sequence[int],
     image_token_id: int,
     image_grid_thw: Sequence[Sequence[int]],
     spatial_merge_size: int,
+    *,
+    video_token_id: int | None = None,
+    video_grid_thw: Sequence[Sequence[int]] = (),
+    video_time_intervals: Sequence[float] = (),
 ) -> tuple[torch.Tensor, int]:
     """A prompt's M-RoPE positions, ``[3, num_tokens]`` int64, and its delta, as transformers'
-    ``get_rope_index`` computes them: the k-th image occupies the next ``t * h * w / merge**2``
-    image tokens, so adjacent images are told apart by their grids. A generated token at sequence
-    index i has position i + delta in all three rows.
+    ``get_rope_index`` computes them. An image's or video's tokens take (time, row, column)
+    offset by where it starts; a video's k-th group of frames has time ``int(k * interval)``
+    (``video_time_intervals``: 1 for Qwen2-VL; Qwen2.5-VL spaces groups by their seconds). The
+    text after one resumes past its largest position, as Qwen's own code and vLLM place it: for
+    an image that is its start plus its larger side in merged patches, as transformers has it;
+    for a video whose time outruns its sides, transformers 5 resumes at the larger side alone
+    (positions the model never saw in training), and hydrad does not follow it there. A
+    generated token at sequence index i has position i + delta in all three rows.
 
-    Raises ValueError when the image tokens do not form one contiguous run per grid.
+    Raises ValueError when the placeholder tokens do not form one contiguous run per grid.
     """
     ids = torch.as_tensor(list(prompt_token_ids), dtype=torch.long)
     num_tokens = len(ids)
-    image_positions = (ids == image_token_id).nonzero().flatten().tolist()
+    runs = [(start, grid, 1.0) for start, grid in _vision_runs(ids, image_token_id, image_grid_thw,
+                                                               spatial_merge_size, "image")]
+    if video_token_id is not None:
+        videos = _vision_runs(ids, video_token_id, video_grid_thw, spatial_merge_size, "video")
+        intervals = list(video_time_intervals) or [1.0] * len(videos)
+        runs += [(start, grid, interval) for (start, grid), interval in zip(videos, intervals)]
     positions = torch.empty(3, num_tokens, dtype=torch.long)
     next_position = 0  # position of the next token
     cursor = 0  # sequence index of the next token
-    consumed = 0  # image tokens placed so far
-    for t, h, w in image_grid_thw:
+    for start, (t, h, w), interval in sorted(runs):
         rows, cols = h // spatial_merge_size, w // spatial_merge_size
         length = t * rows * cols
-        if consumed + length > len(image_positions):
-            raise ValueError(f"the prompt has {len(image_positions)} image tokens, fewer than its image grids need")
-        start = image_positions[consumed]
-        if image_positions[consumed + length - 1] != start + length - 1:
-            raise ValueError(f"the image tokens at {start} do not form a run of {length}")
-        # Text before the image: one position per token, the same in all three rows.
+        # Text before: one position per token, the same in all three rows.
         positions[:, cursor:start] = torch.arange(next_position, next_position + start - cursor)
         next_position += start - cursor
-        # The image: (frame, row, column) of each merged patch, offset by where the image starts.
-        grid = torch.stack(
-            torch.meshgrid(torch.arange(t), torch.arange(rows), torch.arange(cols), indexing="ij")
-        ).flatten(1)  # [3, length]
+        # (time, row, column) of each merged patch, offset by where the image or video starts.
+        times = (torch.arange(t) * interval).long()
+        grid = torch.stack(torch.meshgrid(times, torch.arange(rows), torch.arange(cols), indexing="ij")).flatten(1)
         positions[:, start : start + length] = grid + next_position
-        next_position += max(h, w) // spatial_merge_size
+        next_position += max(int(times[-1]) + 1, rows, cols)
         cursor = start + length
-        consumed += length
-    if consumed != len(image_positions):
-        raise ValueError(f"the prompt has {len(image_positions)} image tokens; its image grids cover {consumed}")
     positions[:, cursor:] = torch.arange(next_position, next_position + num_tokens - cursor)
     delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
     return positions, delta
@@ -96,6 +119,9 @@ def mrope_positions_slice(prompt_positions: torch.Tensor | None, delta: int, sta
 
 class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     uses_mrope = True
+    # Videos: frames in groups of the temporal patch through the same tower, their tokens in
+    # <|video_pad|> runs (``hydrad.models.qwen2_vl_videos``).
+    takes_videos = True
     # Image-cache blocks of 64 slots: an image takes from 4 to max_pixels / 28**2 tokens.
     default_image_block_size = 64
 
@@ -142,5 +168,17 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         ]
 
 
+    @staticmethod
+    def video_time_interval(hf_config, temporal_patch: int, fps: float) -> float:
+        """M-RoPE time positions between a video's consecutive groups of frames: one for Qwen2-VL."""
+        return 1.0
+
+
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
-    """Qwen2.5-VL differs only inside the vision transformer (``VISION_TRANSFORMERS``)."""
+    """Qwen2.5-VL differs inside the vision transformer (``VISION_TRANSFORMERS``) and in how far
+    apart a video's groups of frames sit in time."""
+
+    @staticmethod
+    def video_time_interval(hf_config, temporal_patch: int, fps: float) -> float:
+        # tokens_per_second x the seconds one group of frames spans (transformers' second_per_grid_ts).
+        return hf_config.vision_config.tokens_per_second * (temporal_patch / fps)

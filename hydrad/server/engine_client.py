@@ -29,7 +29,7 @@ from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
 from hydrad.errors import RequestError
 from hydrad.logs import REQUESTS_LOGGER
-from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize
+from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize, holds_videos
 from hydrad.sampling_params import split_choices
 from hydrad.cluster.worker_client import WorkerClient
 from hydrad.server.admission import Admission, Reservation
@@ -120,7 +120,12 @@ class EngineClient:
             messages = await fetch_remote_images(
                 messages, self.http_session, self.config.remote_images, max_pixels=self.config.max_image_pixels,
             )
-        size = self.processor.inspect_chat(messages)
+        if holds_videos(messages):
+            # A video's header may sit at the end of its file: the whole base64 is decoded to
+            # read it, off the event loop.
+            size = await asyncio.get_running_loop().run_in_executor(None, self.processor.inspect_chat, messages)
+        else:
+            size = self.processor.inspect_chat(messages)
         return await self._prepare(req_id, size, body, arrival, lambda: self.processor.process_chat(messages),
                                    chat.options, "messages")
 

@@ -1,5 +1,6 @@
 """``hydrad start --model`` on LLaVA-NeXT, Qwen2-VL and Qwen2.5-VL: chat completions with images
-over HTTP give transformers' greedy tokens, and ``/v1/models`` names the architecture.
+(and, on the Qwen families, a video file) over HTTP give transformers' greedy tokens, and
+``/v1/models`` names the architecture.
 
 One daemon per family, each in a deployment that migrates (so image layouts and M-RoPE
 positions cross worker processes), each worker fitting its latency model at start on the
@@ -15,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from factories import hf_inputs, hf_model, image, text
+from factories import hf_inputs, hf_model, image, mp4, photo_frames, text, video_hf_inputs, video_url
 
 from daemon_process import Daemon, http
 
@@ -78,6 +79,34 @@ def _reference(path, conversations) -> list[list[int]]:
     return tokens
 
 
+def _check_videos(client, model: str, path, family: str) -> None:
+    """A video file in a chat gives the tokens transformers gives for its frames as the daemon
+    decodes them; a damaged one, or a video to a model that takes none, gets a 400 and the
+    daemon goes on serving."""
+    from hydrad.processor import InputProcessor
+
+    data = mp4(photo_frames(30, 48, 64, 4), fps=10)
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": video_url(data)}},
+                                             text("What happens?")]}]
+    if family.startswith("qwen"):
+        processor = InputProcessor(path)
+        prompt = processor.process_chat(messages)
+        with torch.no_grad():
+            out = hf_model(path).generate(**video_hf_inputs(processor, prompt), do_sample=False,
+                                          max_new_tokens=MAX_TOKENS, pad_token_id=0)
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body={"return_token_ids": True})
+        assert reply.choices[0].token_ids == out[0, len(prompt.prompt_token_ids):].tolist()
+        messages[0]["content"][0]["video_url"]["url"] = video_url(data[: len(data) // 3])
+        refusal = "not a video file that can be read|damaged or truncated"
+    else:
+        refusal = "does not take videos"
+    with pytest.raises(openai.BadRequestError, match=refusal):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS)
+    assert client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=2).choices[0].finish_reason
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
     architecture, model_type, deploy, devices = FAMILIES[family]
@@ -104,6 +133,7 @@ def test_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
             replies = list(pool.map(ask, conversations))
         for i, (reply, expected) in enumerate(zip(replies, reference)):
             assert reply.choices[0].token_ids == expected, f"{family}: conversation {i}"
+        _check_videos(client, card.id, path, family)
         # Each worker fitted its latency model at start; the encoding one on the family's images.
         instances = http("GET", daemon.url + "/admin/status").json()["instances"]
         assert all(i["latency_model"] for i in instances)
