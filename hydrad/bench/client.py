@@ -40,11 +40,14 @@ class Payload(bytes):
         return payload
 
 
-def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling: dict | None = None) -> Payload:
+def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling: dict | None = None,
+                 video_urls: list[str] = ()) -> Payload:
     """The request body: exactly ``spec.output_tokens`` tokens, greedy unless ``sampling``
-    (body fields) says otherwise, usage and token ids in the stream."""
-    if image_urls:
+    (body fields) says otherwise, usage and token ids in the stream. Images, then videos, then
+    the prompt's text."""
+    if image_urls or video_urls:
         content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
+        content += [{"type": "video_url", "video_url": {"url": url}} for url in video_urls]
         content.append({"type": "text", "text": spec.prompt})
     else:
         content = spec.prompt
@@ -184,7 +187,10 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord, outpu
             error = body["error"]
             record.error = _short(error.get("message", str(error)) if isinstance(error, dict) else str(error))
             break
-        cumulative = (body.get("usage") or {}).get("completion_tokens")
+        usage = body.get("usage") or {}
+        cumulative = usage.get("completion_tokens")
+        if isinstance(usage.get("prompt_tokens"), int):
+            record.prompt_tokens = usage["prompt_tokens"]
         if body.get("choices"):
             choice = body["choices"][0]
             token_ids = choice.get("token_ids")

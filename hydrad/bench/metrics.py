@@ -35,6 +35,7 @@ observed at the same instant.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import asdict, dataclass, field
 
 from hydrad.bench.config import SLO
@@ -56,6 +57,7 @@ class StreamRecord:
     chunk_chars: list[int] = field(default_factory=list)
     # From the final usage chunk.
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
     error: str | None = None
 
 
@@ -70,6 +72,8 @@ class RequestResult:
     # "exact": the server gave the tokens of every chunk (or one per chunk, as its usage
     # confirms); "estimated": apportioned from the final usage, or assumed one per chunk.
     token_counts: str = "exact"
+    # The prompt's tokens as the server's usage counts them (images' and videos' included).
+    prompt_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tbts": list(self.tbts)}
@@ -166,6 +170,7 @@ def evaluate(record: StreamRecord, slo: SLO) -> RequestResult:
         met_slo=met,
         error=record.error,
         token_counts="exact" if counts_are_exact(record) else "estimated",
+        prompt_tokens=record.prompt_tokens,
     )
 
 
@@ -196,6 +201,9 @@ class Summary:
     duration: float
     # A closed-loop run: requests kept in flight (``rate`` is then the achieved req/s).
     concurrency: int | None = None
+    # Mean prompt tokens of the successful requests, as the server's usage counts them (None
+    # where it gave none): what one server made of the same images and videos against another.
+    prompt_tokens_mean: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -223,6 +231,8 @@ def summarize(results: list[RequestResult], rate: float | None, duration: float,
         num_met=num_met,
         duration=duration,
         concurrency=concurrency,
+        prompt_tokens_mean=statistics.fmean(counted) if (counted := [r.prompt_tokens for r in ok
+                                                                     if r.prompt_tokens is not None]) else None,
     )
 
 

@@ -30,7 +30,7 @@ from hydrad.bench.client import auth_headers, chat_payload, resolve_model, strea
 from hydrad.bench.config import DEFAULT_NUM_REQUESTS, BenchConfig, GoodputSearch
 from hydrad.bench.images import file_data_url, image_data_url, synth_image
 from hydrad.bench.metrics import GOODPUT_ATTAINMENT, RequestResult, Summary, evaluate, goodput, summarize
-from hydrad.bench.workloads import RequestSpec, SynthImage, load_workload
+from hydrad.bench.workloads import RequestSpec, SynthImage, SynthVideo, load_workload
 from hydrad.errors import ConfigError
 
 
@@ -238,9 +238,18 @@ class Bench:
             return self._file_urls[image]
         return image_data_url(synth_image(image.width, image.height, image.seed), self.config.image_format)
 
+    def _video_url(self, video: SynthVideo | str) -> str:
+        from hydrad.bench.videos import video_data_url, video_file_data_url
+
+        if isinstance(video, str):
+            if video not in self._file_urls:
+                self._file_urls[video] = video_file_data_url(video)
+            return self._file_urls[video]
+        return video_data_url(video)
+
     def _payload(self, spec: RequestSpec) -> bytes:
         return chat_payload(self.model, spec, [self._image_url(img) for img in spec.images],
-                            self.config.sampling.fields())
+                            self.config.sampling.fields(), [self._video_url(v) for v in spec.videos])
 
     async def _payloads(self, specs: list[RequestSpec]) -> list[bytes]:
         bodies = []

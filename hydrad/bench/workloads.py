@@ -42,12 +42,23 @@ class SynthImage:
 
 
 @dataclass(frozen=True)
+class SynthVideo:
+    frames: int
+    width: int
+    height: int
+    fps: float
+    seed: int
+
+
+@dataclass(frozen=True)
 class RequestSpec:
-    """One request's content. ``images`` holds synthetic images or image file paths."""
+    """One request's content. ``images`` holds synthetic images or image file paths,
+    ``videos`` synthetic videos or video file paths."""
 
     prompt: str
     output_tokens: int
     images: tuple[SynthImage | str, ...] = ()
+    videos: tuple[SynthVideo | str, ...] = ()
 
 
 class Workload(Protocol):
@@ -196,6 +207,7 @@ class _FileEntry:
     prompt_tokens: int | None
     images: tuple[tuple[int, int] | str, ...]
     output_tokens: int
+    videos: tuple[tuple[int, int, int, float] | str, ...] = ()  # (frames, width, height, fps) or a path
 
 
 class FileWorkload:
@@ -213,7 +225,8 @@ class FileWorkload:
         images = tuple(
             img if isinstance(img, str) else SynthImage(img[0], img[1], rng.getrandbits(63)) for img in entry.images
         )
-        return RequestSpec(prompt, entry.output_tokens, images)
+        videos = tuple(v if isinstance(v, str) else SynthVideo(*v, rng.getrandbits(63)) for v in entry.videos)
+        return RequestSpec(prompt, entry.output_tokens, images, videos)
 
 
 def _positive_int(value: object, what: str, where: str) -> int:
@@ -248,11 +261,31 @@ def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float
                            _positive_int(img.get("height"), "image height", where)))
         else:
             raise ConfigError(f"{where}: an image is a file path or {{\"width\": w, \"height\": h}}")
+    raw_videos = obj.get("videos", [])
+    if not isinstance(raw_videos, list):
+        raise ConfigError(f"{where}: 'videos' must be a list")
+    videos: list[tuple[int, int, int, float] | str] = []
+    for video in raw_videos:
+        if isinstance(video, str):
+            path = Path(video) if Path(video).is_absolute() else base / video
+            if not path.is_file():
+                raise ConfigError(f"{where}: video file {video!r} not found")
+            videos.append(str(path))
+        elif isinstance(video, dict):
+            fps = video.get("fps", 2)
+            if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
+                raise ConfigError(f"{where}: video fps must be a positive number, got {fps!r}")
+            videos.append((_positive_int(video.get("frames"), "video frames", where),
+                           _positive_int(video.get("width"), "video width", where),
+                           _positive_int(video.get("height"), "video height", where), float(fps)))
+        else:
+            raise ConfigError(f"{where}: a video is a file path or {{\"frames\": n, \"width\": w, "
+                              f"\"height\": h, \"fps\": f}}")
     timestamp = obj.get("timestamp")
     if timestamp is not None and (isinstance(timestamp, bool) or not isinstance(timestamp, (int, float))
                                   or timestamp < 0):
         raise ConfigError(f"{where}: 'timestamp' must be a number of seconds >= 0")
-    return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens), timestamp
+    return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens, tuple(videos)), timestamp
 
 
 def _read_lines(path: Path) -> list[tuple[str, str]]:

@@ -7,9 +7,9 @@ uint8 frames, rescales and normalizes in one step (``(x - mean / rescale) / (std
 rescale)`` in float32), repeats the last frame until the count is a multiple of the temporal
 patch, and lays the patches out as the vision tower reads them: for each group of
 ``temporal_patch_size`` frames, each 2x2 block of patches, each patch (channel, frame, row,
-column). The same operations here, with torch alone: the normalization is a table over the
-256 values of each channel, computed by the same float32 operations, so the floats are the
-reference's own. The settings are the checkpoint's video processor's (``processor_config.json``'s
+column). The same operations here, with torch alone, so the floats are the reference's own;
+the frames take the patch layout while still 8-bit (a quarter of the bytes to move), then
+each value is normalized there by the same float32 subtraction and division. The settings are the checkpoint's video processor's (``processor_config.json``'s
 ``video_processor`` entry, or ``video_preprocessor_config.json``), the reference's defaults
 where it says nothing.
 """
@@ -82,12 +82,10 @@ class Qwen2VLVideos:
         self.temporal = int(settings["temporal_patch_size"])
         self.fps = float(settings.get("fps") or DEFAULTS["fps"])
         self.min_frames = int(settings.get("min_frames") or DEFAULTS["min_frames"])
-        # The reference's fused rescale and normalize, over every value of every channel.
+        # The reference's fused rescale and normalize: (x - mean / rescale) / (std / rescale) in float32.
         factor = 1.0 / float(settings["rescale_factor"])
-        mean = torch.tensor(settings["image_mean"]) * factor
-        std = torch.tensor(settings["image_std"]) * factor
-        values = torch.arange(256, dtype=torch.float32).expand(3, 256)
-        self.table = (values - mean[:, None]) / std[:, None]  # [3, 256] float32
+        self.mean = (torch.tensor(settings["image_mean"]) * factor).view(1, 1, 1, 1, 1, 3, 1, 1, 1)
+        self.std = (torch.tensor(settings["image_std"]) * factor).view(1, 1, 1, 1, 1, 3, 1, 1, 1)
 
     @classmethod
     def from_checkpoint(cls, model_path: str | Path) -> Qwen2VLVideos:
@@ -117,6 +115,6 @@ class Qwen2VLVideos:
         gt, gh, gw = video.shape[0] // t, h // p, w // p
         # (group, frame, channel, rows of blocks, block row, patch row, cols of blocks, block col, patch col)
         patches = video.view(gt, t, 3, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        index = patches.to(torch.int64) + (torch.arange(3) * 256).view(1, 1, 1, 1, 1, 3, 1, 1, 1)
-        values = self.table.reshape(-1)[index]
+        # The same float32 operations on each element as the reference's, in the patch layout.
+        values = patches.to(torch.float32).sub_(self.mean).div_(self.std)
         return ProcessedVideo(values.reshape(gt * gh * gw, 3 * t * p * p), (gt, gh, gw))

@@ -79,6 +79,8 @@ def _describe(body: dict, authorization: str | None, arrived: float) -> dict:
         "text": " ".join(p["text"] for p in parts if p.get("type") == "text"),
         "image_headers": [url.split(",", 1)[0] for url in images],
         "image_bytes": [len(url) for url in images],
+        "videos": [p["video_url"]["url"] for p in parts if p.get("type") == "video_url"],
+        "kinds": [p.get("type") for p in parts],
     }
 
 

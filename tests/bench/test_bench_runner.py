@@ -254,6 +254,21 @@ def test_closed_loop_for_a_duration(make_config, write_jsonl):
     assert result.summary.errors == 0
 
 
+def test_video_workloads_send_video_files_and_count_prompt_tokens(make_config, write_jsonl, fake_requests):
+    pytest.importorskip("av")
+    from hydrad.videos import read_header, video_data_url_bytes
+
+    path = write_jsonl([{"prompt_tokens": 4, "output_tokens": 3, "images": [{"width": 40, "height": 30}],
+                         "videos": [{"frames": 6, "width": 64, "height": 48, "fps": 3}]}])
+    result = run_bench(make_config(workload=str(path), rates=(), concurrency=2, num_requests=2))
+    sent = fake_requests()
+    assert len(sent) == 2 and all(body["kinds"] == ["image_url", "video_url", "text"] for body in sent)
+    header = read_header(video_data_url_bytes(sent[0]["videos"][0], "p"), max_pixels=10**6, param="p")
+    assert (header.num_frames, header.fps, header.width, header.height) == (6, 3.0, 64, 48)
+    assert sent[0]["videos"] != sent[1]["videos"]  # each request its own video
+    assert result.summary.prompt_tokens_mean == 1  # the fake server's usage
+
+
 def test_sampling_goes_into_every_request(make_config, fake_requests):
     from hydrad.bench import Sampling
 

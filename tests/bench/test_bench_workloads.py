@@ -6,7 +6,8 @@ from PIL import Image
 
 from hydrad.bench.arrivals import Trace
 from hydrad.bench.images import file_data_url, image_data_url, synth_image
-from hydrad.bench.workloads import PROFILES, ChatWorkload, SynthImage, TraceTextWorkload, load_workload
+from hydrad.bench.videos import video_file_data_url
+from hydrad.bench.workloads import PROFILES, ChatWorkload, SynthImage, SynthVideo, TraceTextWorkload, load_workload
 from hydrad.errors import ConfigError
 
 
@@ -87,6 +88,19 @@ def test_jsonl_workload(tmp_path, write_jsonl):
     assert decode(file_data_url(second.images[0])).size == (32, 24)
 
 
+def test_jsonl_videos(tmp_path, write_jsonl):
+    (tmp_path / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    path = write_jsonl([{"prompt": "v", "output_tokens": 2,
+                         "videos": [{"frames": 8, "width": 320, "height": 240}, "clip.mp4"]}])
+    workload = load_workload(str(path), seed=0)
+    first = workload.request(0, 0)
+    synth, file = first.videos
+    assert isinstance(synth, SynthVideo) and (synth.frames, synth.width, synth.height, synth.fps) == (8, 320, 240, 2.0)
+    assert file == str(tmp_path / "clip.mp4") and first.images == ()
+    assert workload.request(1, 0).videos[0].seed != synth.seed  # fresh content when cycled
+    assert video_file_data_url(file).startswith("data:video/mp4;base64,")
+
+
 @pytest.mark.parametrize(
     "row, message",
     [
@@ -95,6 +109,10 @@ def test_jsonl_workload(tmp_path, write_jsonl):
         ({"prompt": "x", "output_tokens": 1, "images": ["missing.jpg"]}, "not found"),
         ({"prompt": "x", "output_tokens": 1, "images": [{"width": 0, "height": 5}]}, "width"),
         ({"prompt": "x", "output_tokens": 1, "timestamp": "soon"}, "timestamp"),
+        ({"prompt": "x", "output_tokens": 1, "videos": [{"frames": 4, "width": 8, "height": 8, "fps": 0}]}, "fps"),
+        ({"prompt": "x", "output_tokens": 1, "videos": [{"width": 8, "height": 8}]}, "video frames"),
+        ({"prompt": "x", "output_tokens": 1, "videos": ["missing.mp4"]}, "video file 'missing.mp4' not found"),
+        ({"prompt": "x", "output_tokens": 1, "videos": [7]}, "a video is a file path"),
     ],
 )
 def test_bad_jsonl_lines_name_the_line(write_jsonl, row, message):

@@ -90,6 +90,15 @@ def test_the_checkout_before_a_change_gets_its_own_ratios(script):
     assert "hydrad-1EPD requests preempted: chat256/greedy 0" in table
 
 
+def test_video_runs_compare_their_prompt_tokens(script):
+    run = {"req_per_s": 2.0, "ttft_p50": 1.0, "prompt_tokens": 280.0}
+    results = {"hydrad-1EPD": {"video16/greedy": run},
+               "vllm": {"video16/greedy": {**run, "req_per_s": 1.0, "prompt_tokens": 560.0}}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows == {"hydrad-1EPD video16/greedy": 2.0, "hydrad-1EPD video16/greedy, TTFT p50": 1.0,
+                    "hydrad-1EPD video16/greedy, prompt tokens": 0.5}
+
+
 def test_each_router_policy_gets_its_own_rows(script):
     run = {"req_per_s": 2.0, "ttft_p50": 1.0}
     results = {"hydrad-2EPD": {"peak/greedy": run, "chat16/defaults": run},
