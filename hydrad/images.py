@@ -101,7 +101,7 @@ def check_image_size(image: Image.Image, *, max_pixels: int, param: str = "messa
         )
 
 
-def _data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_MEDIA_TYPES,
+def data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_MEDIA_TYPES,
                       formats: str = "png, jpeg, webp or gif") -> str:
     """The base64 payload of a ``data:<kind>/...;base64,`` URL (checked, not decoded)."""
     if not url.startswith("data:"):
@@ -121,7 +121,7 @@ def _data_url_payload(url: str, param: str, *, kind: str = "image", media_types=
     return payload
 
 
-def _b64decode(payload: str, param: str, kind: str = "image") -> bytes:
+def decode_base64(payload: str, param: str, kind: str = "image") -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -130,7 +130,7 @@ def _b64decode(payload: str, param: str, kind: str = "image") -> bytes:
 
 def data_url_bytes(url: str, param: str = "messages") -> bytes:
     """The image file a ``data:image/png;base64,...`` URL holds. RequestError for anything else."""
-    data = _b64decode(_data_url_payload(url, param), param)
+    data = decode_base64(data_url_payload(url, param), param)
     if not data:
         raise RequestError("the image data URL is empty", param=param)
     return data
@@ -144,15 +144,15 @@ def decode_data_url(url: str, *, max_pixels: int, param: str = "messages") -> Im
 def peek_data_url(url: str, *, max_pixels: int, param: str = "messages") -> tuple[int, int]:
     """(width, height) of a data URL's image from its header, checked as ``decode_data_url``
     checks it, decoding only as much base64 as the header needs."""
-    payload = _data_url_payload(url, param)
+    payload = data_url_payload(url, param)
     for num_chars in _PEEK_CHARS:
         if num_chars >= len(payload):
             break
-        prefix = _b64decode(payload[: num_chars - num_chars % 4], param)
+        prefix = decode_base64(payload[: num_chars - num_chars % 4], param)
         try:
             return _open_header(prefix, max_pixels=max_pixels, param=param).size
         except RequestError:
             raise
         except _DECODE_ERRORS:
             continue  # the header goes on past the prefix (or the image is bad: decided on all of it)
-    return peek_image_bytes(_b64decode(payload, param), max_pixels=max_pixels, param=param)
+    return peek_image_bytes(decode_base64(payload, param), max_pixels=max_pixels, param=param)

@@ -7,8 +7,9 @@ tokens sit in the prompt; images of one prompt may have different numbers of tok
 (LLaVA-NeXT, Qwen2-VL). Families that take videos (Qwen2-VL) get each video's frames
 sampled and decoded (``hydrad.videos``) and processed (``hydrad.models.qwen2_vl_videos``),
 its placeholder repeated once per video token, and then carry it as one more image with its
-grid. For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D positions, once. It holds no model weights; the daemon runs it in a thread pool, off the
-event loop, several requests at once: transformers does not promise that a processor is
+grid. For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D positions, once. It
+holds no model weights; the daemon runs it in a thread pool, off the event loop, several
+requests at once: transformers does not promise that a processor is
 safe to call from several threads at once (its tokenizer's settings are changed in
 place), so each call borrows an instance of its own from a small pool.
 
@@ -31,7 +32,7 @@ import torch
 from PIL import Image
 
 from hydrad.engine.inputs import EngineRequest, ImageInput
-from hydrad.errors import RequestError
+from hydrad.errors import CheckpointError, RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
 from hydrad.videos import VideoClip, VideoSampling, decode_video, frames_clip, read_header, sample_indices, \
@@ -125,7 +126,6 @@ class InputProcessor:
         self.max_video_frames = max_video_frames
         self._no_videos = f"this model ({hf_config.model_type}) does not take videos"
         if getattr(self.model_cls, "takes_videos", False):
-            from hydrad.errors import CheckpointError
             from hydrad.models.qwen2_vl_videos import Qwen2VLVideos
 
             try:

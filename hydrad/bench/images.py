@@ -66,14 +66,16 @@ def image_data_url(image: Image.Image, fmt: str) -> str:
     return f"data:image/{fmt};base64,{base64.b64encode(buf.getvalue()).decode('ascii')}"
 
 
-def file_data_url(path: str | Path) -> str:
-    """The file's bytes as a data URL, so the server needs no access to the client's disk."""
+def file_data_url(path: str | Path, kind: str = "image") -> str:
+    """The file's bytes as a data URL, so the server needs no access to the client's disk;
+    ``kind``: "image" or "video", what its name must say it holds."""
     path = Path(path)
     mime, _ = mimetypes.guess_type(path.name)
-    if mime is None or not mime.startswith("image/"):
-        raise ConfigError(f"{path}: not an image file name (expected .jpg, .png, ...)")
+    if mime is None or not mime.startswith(kind + "/"):
+        article, examples = ("an", ".jpg, .png") if kind == "image" else ("a", ".mp4, .webm")
+        raise ConfigError(f"{path}: not {article} {kind} file name (expected {examples}, ...)")
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ConfigError(f"cannot read image {path}: {e.strerror}") from None
+        raise ConfigError(f"cannot read {kind} {path}: {e.strerror}") from None
     return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"

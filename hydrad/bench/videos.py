@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import base64
 import io
-import mimetypes
 from pathlib import Path
 
 import numpy as np
 
-from hydrad.bench.images import synth_image
+from hydrad.bench.images import file_data_url, synth_image
 from hydrad.bench.workloads import SynthVideo
 from hydrad.errors import ConfigError
 
@@ -47,13 +46,5 @@ def video_data_url(video: SynthVideo) -> str:
 
 
 def video_file_data_url(path: str | Path) -> str:
-    """The file's bytes as a data URL, so the server needs no access to the client's disk."""
-    path = Path(path)
-    mime, _ = mimetypes.guess_type(path.name)
-    if mime is None or not mime.startswith("video/"):
-        raise ConfigError(f"{path}: not a video file name (expected .mp4, .webm, ...)")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read video {path}: {e.strerror}") from None
-    return f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    """The video file's bytes as a data URL, so the server needs no access to the client's disk."""
+    return file_data_url(path, "video")

@@ -235,6 +235,21 @@ def _positive_int(value: object, what: str, where: str) -> int:
     return value
 
 
+def _media_list(obj: dict, key: str, where: str) -> list:
+    items = obj.get(key, [])
+    if not isinstance(items, list):
+        raise ConfigError(f"{where}: '{key}' must be a list")
+    return items
+
+
+def _media_file(name: str, kind: str, where: str, base: Path) -> str:
+    """An image or video file named in a workload line (relative to the file), which must exist."""
+    path = Path(name) if Path(name).is_absolute() else base / name
+    if not path.is_file():
+        raise ConfigError(f"{where}: {kind} file {name!r} not found")
+    return str(path)
+
+
 def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float | None]:
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected a JSON object")
@@ -246,31 +261,19 @@ def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float
     if prompt_tokens is not None:
         prompt_tokens = _positive_int(prompt_tokens, "'prompt_tokens'", where)
     output_tokens = _positive_int(obj.get("output_tokens"), "'output_tokens'", where)
-    raw_images = obj.get("images", [])
-    if not isinstance(raw_images, list):
-        raise ConfigError(f"{where}: 'images' must be a list")
     images: list[tuple[int, int] | str] = []
-    for img in raw_images:
+    for img in _media_list(obj, "images", where):
         if isinstance(img, str):
-            path = Path(img) if Path(img).is_absolute() else base / img
-            if not path.is_file():
-                raise ConfigError(f"{where}: image file {img!r} not found")
-            images.append(str(path))
+            images.append(_media_file(img, "image", where, base))
         elif isinstance(img, dict):
             images.append((_positive_int(img.get("width"), "image width", where),
                            _positive_int(img.get("height"), "image height", where)))
         else:
             raise ConfigError(f"{where}: an image is a file path or {{\"width\": w, \"height\": h}}")
-    raw_videos = obj.get("videos", [])
-    if not isinstance(raw_videos, list):
-        raise ConfigError(f"{where}: 'videos' must be a list")
     videos: list[tuple[int, int, int, float] | str] = []
-    for video in raw_videos:
+    for video in _media_list(obj, "videos", where):
         if isinstance(video, str):
-            path = Path(video) if Path(video).is_absolute() else base / video
-            if not path.is_file():
-                raise ConfigError(f"{where}: video file {video!r} not found")
-            videos.append(str(path))
+            videos.append(_media_file(video, "video", where, base))
         elif isinstance(video, dict):
             fps = video.get("fps", 2)
             if isinstance(fps, bool) or not isinstance(fps, (int, float)) or fps <= 0:
