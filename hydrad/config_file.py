@@ -41,12 +41,12 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 @dataclass(frozen=True)
 class RemoteImageConfig:
-    # Fetch http(s) image URLs. Off by default: a daemon that fetches URLs given by
-    # clients can be made to reach hosts on its own network.
+    # Fetch http(s) image (and video) URLs. Off by default: a daemon that fetches URLs
+    # given by clients can be made to reach hosts on its own network.
     enabled: bool = False
     max_bytes: int = 20 * 1024 * 1024
     timeout: float = 10.0
-    # Host names allowed to serve images; empty: any host.
+    # Host names allowed to serve images and videos; empty: any host.
     allowed_domains: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -35,8 +35,8 @@ from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import CheckpointError, RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
-from hydrad.videos import VideoClip, VideoSampling, decode_video, frames_clip, read_header, sample_indices, \
-    video_data_url_bytes
+from hydrad.videos import EncodedVideo, VideoClip, VideoSampling, decode_video, frames_clip, read_header, \
+    sample_indices, video_data_url_bytes
 
 _ROLES = ("system", "developer", "user", "assistant")
 # Unicode composition (NFC, NFKC) turns at most 4 code points into one (U+1F82 is
@@ -258,13 +258,16 @@ class InputProcessor:
 
     def _video_source(self, part: dict, where: str) -> VideoSource:
         if part["type"] == "video":
-            return VideoSource(frames=part.get("video"), fps=part.get("fps"))
+            video = part.get("video")
+            if isinstance(video, EncodedVideo):  # fetched from a remote URL
+                return VideoSource(data=video.data)
+            return VideoSource(frames=video, fps=part.get("fps"))
         video_url = part.get("video_url")
         url = video_url.get("url") if isinstance(video_url, dict) else video_url
         if not isinstance(url, str) or not url.strip():
             raise RequestError(f"{where}.video_url.url must be a non-empty string", param=where)
         if url.startswith(("http://", "https://")):
-            raise RequestError("remote video URLs are not supported; send a data: URL", param=where)
+            raise RequestError("remote video URLs are not enabled on this server; send a data: URL", param=where)
         return VideoSource(data=video_data_url_bytes(url, where))
 
     def _frames(self, source: VideoSource, where: str) -> VideoClip:

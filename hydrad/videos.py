@@ -31,6 +31,13 @@ DEFAULT_FRAMES_FPS = 24.0
 
 
 @dataclass(frozen=True)
+class EncodedVideo:
+    """A video file whose header has been checked, decoded only when the request is processed."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
 class VideoSampling:
     """How frames are drawn from a video file."""
 

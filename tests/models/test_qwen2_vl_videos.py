@@ -17,7 +17,7 @@ from hydrad.errors import RequestError
 from hydrad.models.qwen2_vl import get_mrope_positions
 from hydrad.models.qwen2_vl_videos import DEFAULTS, Qwen2VLVideos
 from hydrad.processor import InputProcessor
-from hydrad.videos import VideoSampling, decode_video, read_header, sample_indices
+from hydrad.videos import EncodedVideo, VideoSampling, decode_video, read_header, sample_indices
 
 av = pytest.importorskip("av")
 
@@ -184,7 +184,7 @@ def test_video_errors_are_clear(processor, tiny_checkpoint):
     frames = photo_frames(4, 48, 64, 0)
     with pytest.raises(RequestError, match="the video has 20 frames; the limit is 16"):
         processor.process_chat(user({"type": "video", "video": photo_frames(20, 48, 64, 0)}))
-    with pytest.raises(RequestError, match="remote video URLs are not supported"):
+    with pytest.raises(RequestError, match="remote video URLs are not enabled on this server"):
         processor.process_chat(user({"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}))
     with pytest.raises(RequestError, match="unsupported video media type 'image/png'"):
         processor.process_chat(user({"type": "video_url", "video_url": {"url": "data:image/png;base64,AAAA"}}))
@@ -226,6 +226,9 @@ def test_a_video_file_in_a_request(processor):
     prompt = processor.process_chat(messages)
     (video,) = prompt.images
     assert video.grid_thw[0] == 3 and video.image_size == (48, 64)
+    # A video fetched from a remote URL (the daemon's fetch hands over its bytes) is the same video.
+    fetched = [{"role": "user", "content": [{"type": "video", "video": EncodedVideo(data)}, text("Describe it.")]}]
+    assert processor.process_chat(fetched).prompt_token_ids == prompt.prompt_token_ids
     # The digest is the file's and the sampling's: the same file again finds it, another sampling not.
     assert processor.process_chat(messages).images[0].content_hash == video.content_hash
     other = InputProcessor(processor.model_path, max_video_frames=4)

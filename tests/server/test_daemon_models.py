@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-from factories import hf_inputs, hf_model, image, mp4, photo_frames, text, video_hf_inputs, video_url
+from factories import (hf_inputs, hf_model, http_get_stub, image, mp4, photo_frames, text, video_hf_inputs,
+                       video_url)
 
 from daemon_process import Daemon, http
 
@@ -80,9 +81,9 @@ def _reference(path, conversations) -> list[list[int]]:
 
 
 def _check_videos(client, model: str, path, family: str) -> None:
-    """A video file in a chat gives the tokens transformers gives for its frames as the daemon
-    decodes them; a damaged one, or a video to a model that takes none, gets a 400 and the
-    daemon goes on serving."""
+    """A video file in a chat, as a data URL or fetched from a URL, gives the tokens transformers
+    gives for its frames as the daemon decodes them; a damaged one, or a video to a model that
+    takes none, gets a 400 and the daemon goes on serving."""
     from hydrad.processor import InputProcessor
 
     data = mp4(photo_frames(30, 48, 64, 4), fps=10)
@@ -94,9 +95,17 @@ def _check_videos(client, model: str, path, family: str) -> None:
         with torch.no_grad():
             out = hf_model(path).generate(**video_hf_inputs(processor, prompt), do_sample=False,
                                           max_new_tokens=MAX_TOKENS, pad_token_id=0)
+        expected = out[0, len(prompt.prompt_token_ids):].tolist()
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
                                                extra_body={"return_token_ids": True})
-        assert reply.choices[0].token_ids == out[0, len(prompt.prompt_token_ids):].tolist()
+        assert reply.choices[0].token_ids == expected
+        # The same file from a URL ([server.remote_images] enabled): fetched, then the same video.
+        with http_get_stub(lambda path: data if path == "/clip.mp4" else None, "video/mp4") as root:
+            remote = [{**messages[0], "content": [{"type": "video_url", "video_url": {"url": root + "/clip.mp4"}},
+                                                  messages[0]["content"][1]]}]
+            reply = client.chat.completions.create(model=model, messages=remote, max_tokens=MAX_TOKENS,
+                                                   temperature=0, extra_body={"return_token_ids": True})
+        assert reply.choices[0].token_ids == expected
         messages[0]["content"][0]["video_url"]["url"] = video_url(data[: len(data) // 3])
         refusal = "not a video file that can be read|damaged or truncated"
     else:
@@ -116,7 +125,8 @@ def test_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
     config = tmp_path / "hydrad.toml"
     # Pools of a few MB (the tiny models need no more): allocating and sharing the default ones
     # between workers takes seconds on a small machine.
-    config.write_text("[cache]\nkv_cache_memory_mb = 32\nimage_cache_memory_mb = 16\n")
+    config.write_text("[cache]\nkv_cache_memory_mb = 32\nimage_cache_memory_mb = 16\n"
+                      "[server.remote_images]\nenabled = true\n")
     daemon = Daemon(["--model", str(path), "--config", str(config), "--devices", devices, "--deploy", deploy],
                     tmp_path / "hydrad.log")
     try:

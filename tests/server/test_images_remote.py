@@ -22,12 +22,13 @@ async def slow(request):
     return web.Response(body=png(4, 4))
 
 
-def run(url_path, config=RemoteImageConfig(enabled=True), max_pixels=10_000):
+def run(url_path, config=RemoteImageConfig(enabled=True), max_pixels=10_000, kind="image", video=b""):
     async def main():
         app = web.Application()
         app.router.add_get("/small.png", lambda r: web.Response(body=png(8, 6)))
         app.router.add_get("/huge.png", lambda r: web.Response(body=png(200, 200)))
         app.router.add_get("/slow.png", slow)
+        app.router.add_get("/clip.mp4", lambda r: web.Response(body=video))
         runner = web.AppRunner(app)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -35,7 +36,7 @@ def run(url_path, config=RemoteImageConfig(enabled=True), max_pixels=10_000):
         port = runner.addresses[0][1]
         messages = [{"role": "user", "content": [
             {"type": "text", "text": "look"},
-            {"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{port}{url_path}"}},
+            {"type": f"{kind}_url", f"{kind}_url": {"url": f"http://127.0.0.1:{port}{url_path}"}},
         ]}]
         try:
             async with aiohttp.ClientSession() as session:
@@ -64,3 +65,21 @@ def test_limits(path, config, message):
     with pytest.raises(RequestError, match=message) as info:
         run(path, config)
     assert info.value.param == "messages[0].content[1]"
+
+
+def test_fetched_video_replaces_the_url_and_its_header_is_checked():
+    pytest.importorskip("av")
+    from factories import mp4, photo_frames
+
+    from hydrad.videos import EncodedVideo
+
+    data = mp4(photo_frames(6, 48, 64, 0), fps=10)
+    part = run("/clip.mp4", kind="video", video=data)[0]["content"][1]
+    assert part == {"type": "video", "video": EncodedVideo(data)}
+    with pytest.raises(RequestError, match="the limit is 1000") as info:
+        run("/clip.mp4", kind="video", video=data, max_pixels=1000)
+    assert info.value.param == "messages[0].content[1]"
+    with pytest.raises(RequestError, match="not a video file that can be read"):
+        run("/clip.mp4", kind="video", video=b"garbage" * 50)
+    with pytest.raises(RequestError, match="fetching the video at .* failed with HTTP 404"):
+        run("/missing.mp4", kind="video")
