@@ -102,7 +102,7 @@ def check_image_size(image: Image.Image, *, max_pixels: int, param: str = "messa
 
 
 def data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_MEDIA_TYPES,
-                      formats: str = "png, jpeg, webp or gif") -> str:
+                     formats: str = "png, jpeg, webp or gif") -> str:
     """The base64 payload of a ``data:<kind>/...;base64,`` URL (checked, not decoded)."""
     if not url.startswith("data:"):
         raise RequestError(f"only data: {kind} URLs are accepted here", param=param)
@@ -128,11 +128,14 @@ def decode_base64(payload: str, param: str, kind: str = "image") -> bytes:
         raise RequestError(f"invalid base64 in the {kind} data URL", param=param) from None
 
 
-def data_url_bytes(url: str, param: str = "messages") -> bytes:
-    """The image file a ``data:image/png;base64,...`` URL holds. RequestError for anything else."""
-    data = decode_base64(data_url_payload(url, param), param)
+def data_url_bytes(url: str, param: str = "messages", *, kind: str = "image", media_types=_MEDIA_TYPES,
+                   formats: str = "png, jpeg, webp or gif") -> bytes:
+    """The image file a ``data:image/png;base64,...`` URL holds (or, with ``kind`` and its media
+    types, another kind of file). RequestError for anything else."""
+    payload = data_url_payload(url, param, kind=kind, media_types=media_types, formats=formats)
+    data = decode_base64(payload, param, kind)
     if not data:
-        raise RequestError("the image data URL is empty", param=param)
+        raise RequestError(f"the {kind} data URL is empty", param=param)
     return data
 
 

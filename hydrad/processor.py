@@ -59,11 +59,20 @@ class PromptSize:
 
 @dataclass(frozen=True)
 class VideoSource:
-    """A video part before decoding: a file (``data``) or frames given as objects."""
+    """A video part before decoding: a file (``data``), or frames given as objects (``clip``,
+    checked when the part was read)."""
 
     data: bytes | None = None
-    frames: object = None
-    fps: float | None = None
+    clip: VideoClip | None = None
+
+
+@dataclass
+class PreparedVideo:
+    """A video processed for the prompt: its vision input (placed once the prompt is
+    tokenized) and the M-RoPE time between its groups of frames."""
+
+    input: ImageInput
+    time_interval: float
 
 
 def holds_videos(messages) -> bool:
@@ -261,7 +270,8 @@ class InputProcessor:
             video = part.get("video")
             if isinstance(video, EncodedVideo):  # fetched from a remote URL
                 return VideoSource(data=video.data)
-            return VideoSource(frames=video, fps=part.get("fps"))
+            return VideoSource(clip=frames_clip(video, part.get("fps"), max_frames=self.max_video_frames,
+                                                max_pixels=self.max_image_pixels, param=where))
         video_url = part.get("video_url")
         url = video_url.get("url") if isinstance(video_url, dict) else video_url
         if not isinstance(url, str) or not url.strip():
@@ -270,15 +280,10 @@ class InputProcessor:
             raise RequestError("remote video URLs are not enabled on this server; send a data: URL", param=where)
         return VideoSource(data=video_data_url_bytes(url, where))
 
-    def _frames(self, source: VideoSource, where: str) -> VideoClip:
-        return frames_clip(source.frames, source.fps, max_frames=self.max_video_frames,
-                           max_pixels=self.max_image_pixels, param=where)
-
     def _peek_video(self, source: VideoSource, where: str) -> list[tuple[int, int]]:
         """(width, height) of each frame a video keeps, from its container's header."""
-        if source.data is None:
-            clip = self._frames(source, where)
-            return [clip.size] * len(clip.frames)
+        if source.clip is not None:
+            return [source.clip.size] * len(source.clip.frames)
         header = read_header(source.data, max_pixels=self.max_image_pixels, param=where)
         return [(header.width, header.height)] * len(sample_indices(header.num_frames, header.fps,
                                                                     self.video_sampling))
@@ -295,8 +300,8 @@ class InputProcessor:
         """The RGB image (or the video's frames), and the file it was decoded from (None for an
         object)."""
         if isinstance(source, VideoSource):
-            if source.data is None:
-                return self._frames(source, where), None
+            if source.clip is not None:
+                return source.clip, None
             return decode_video(source.data, self.video_sampling, max_pixels=self.max_image_pixels,
                                 param=where), source.data
         if isinstance(source, (str, EncodedImage)):
@@ -363,9 +368,9 @@ class InputProcessor:
         with self._hf_processor() as processor:
             return self._tokenize(processor, prompt, [])
 
-    def _videos(self, text: str, clips: list[tuple[VideoClip, bytes | None]]) -> tuple[str, list[tuple]]:
-        """The prompt with each video's placeholder repeated once per video token, and each video's
-        processed frames with its time interval (M-RoPE) and the file it came from."""
+    def _videos(self, text: str, clips: list[tuple[VideoClip, bytes | None]]) -> tuple[str, list[PreparedVideo]]:
+        """The prompt with each video's placeholder repeated once per video token, and the videos
+        processed (their digest over the file they came from and how its frames were drawn)."""
         videos = []
         for clip, data in clips:
             try:
@@ -373,15 +378,18 @@ class InputProcessor:
             except ValueError as e:  # an aspect ratio over 200, as for images
                 raise RequestError(f"could not process the video: {e}", param="messages") from None
             t, h, w = processed.grid_thw
-            length = t * h * w // self.videos.merge**2
+            video = ImageInput(pixel_values=processed.pixel_values, offset=-1, length=t * h * w // self.videos.merge**2,
+                               image_size=tuple(clip.frames.shape[1:3]), grid_thw=processed.grid_thw,
+                               num_patches=t * h * w)
+            video.digest(None if data is None else repr(clip.sampling).encode() + data)
             interval = self.model_cls.video_time_interval(self.hf_config, self.videos.temporal, clip.fps)
-            source = None if data is None else repr(clip.sampling).encode() + data
-            videos.append((clip, processed, length, interval, source))
-        return repeat_placeholders(text, self.video_token, [v[2] for v in videos], "video"), videos
+            videos.append(PreparedVideo(video, interval))
+        return repeat_placeholders(text, self.video_token, [v.input.length for v in videos], "video"), videos
 
     # -- tokens ---------------------------------------------------------------------------------
     def _tokenize(self, processor, text: str, images: list[Image.Image],
-                  files: list[bytes | None] | None = None, videos: list[tuple] | None = None) -> ProcessedPrompt:
+                  files: list[bytes | None] | None = None,
+                  videos: list[PreparedVideo] | None = None) -> ProcessedPrompt:
         """``files``: the file each image was decoded from, where known (its digest's source);
         ``videos``: from ``_videos``, their placeholders already repeated in ``text``."""
         if not images:
@@ -425,27 +433,22 @@ class InputProcessor:
             )
         return prompt
 
-    def _with_videos(self, prompt: ProcessedPrompt, videos: list[tuple]) -> ProcessedPrompt:
-        """The prompt's videos as vision inputs beside its images (in prompt order), and its
-        M-RoPE positions over both."""
+    def _with_videos(self, prompt: ProcessedPrompt, videos: list[PreparedVideo]) -> ProcessedPrompt:
+        """The prompt's videos placed beside its images (in prompt order), and its M-RoPE
+        positions over both."""
         from hydrad.models.qwen2_vl import get_mrope_positions
 
         token_ids = prompt.prompt_token_ids
         image_grids = [image.grid_thw for image in prompt.images]
-        offsets = find_image_runs(token_ids, self.video_token_id, [length for _, _, length, _, _ in videos],
-                                  kind="video")
-        for (clip, processed, length, _, source), offset in zip(videos, offsets):
-            t, h, w = processed.grid_thw
-            video = ImageInput(pixel_values=processed.pixel_values, offset=offset, length=length,
-                               image_size=tuple(clip.frames.shape[1:3]), grid_thw=processed.grid_thw,
-                               num_patches=t * h * w)
-            video.digest(source)
-            prompt.images.append(video)
+        offsets = find_image_runs(token_ids, self.video_token_id, [v.input.length for v in videos], kind="video")
+        for video, offset in zip(videos, offsets):
+            video.input.offset = offset
+            prompt.images.append(video.input)
         prompt.images.sort(key=lambda image: image.offset)
         prompt.mrope_positions, prompt.mrope_delta = get_mrope_positions(
             token_ids, self.image_token_id, image_grids, self.hf_config.vision_config.spatial_merge_size,
-            video_token_id=self.video_token_id, video_grid_thw=[v[1].grid_thw for v in videos],
-            video_time_intervals=[v[3] for v in videos],
+            video_token_id=self.video_token_id, video_grid_thw=[v.input.grid_thw for v in videos],
+            video_time_intervals=[v.time_interval for v in videos],
         )
         return prompt
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hydrad.errors import RequestError
-from hydrad.images import data_url_payload, decode_base64
+from hydrad.images import data_url_bytes
 
 VIDEO_MEDIA_TYPES = {"video/mp4", "video/webm", "video/quicktime", "video/x-matroska", "video/x-msvideo",
                      "video/avi", "video/mpeg", "video/ogg"}
@@ -94,11 +94,7 @@ def sample_indices(num_frames: int, video_fps: float | None, sampling: VideoSamp
 
 def video_data_url_bytes(url: str, param: str) -> bytes:
     """The file a ``data:video/mp4;base64,...`` URL holds. RequestError for anything else."""
-    payload = data_url_payload(url, param, kind="video", media_types=VIDEO_MEDIA_TYPES, formats=_FORMATS)
-    data = decode_base64(payload, param, kind="video")
-    if not data:
-        raise RequestError("the video data URL is empty", param=param)
-    return data
+    return data_url_bytes(url, param, kind="video", media_types=VIDEO_MEDIA_TYPES, formats=_FORMATS)
 
 
 def _av(param: str):

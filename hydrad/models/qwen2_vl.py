@@ -167,7 +167,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
             for pv, (t, h, w) in zip(pixel_values, grids)
         ]
 
-
     @staticmethod
     def video_time_interval(hf_config, temporal_patch: int, fps: float) -> float:
         """M-RoPE time positions between a video's consecutive groups of frames: one for Qwen2-VL."""

@@ -9,9 +9,9 @@ patch, and lays the patches out as the vision tower reads them: for each group o
 ``temporal_patch_size`` frames, each 2x2 block of patches, each patch (channel, frame, row,
 column). The same operations here, with torch alone, so the floats are the reference's own;
 the frames take the patch layout while still 8-bit (a quarter of the bytes to move), then
-each value is normalized there by the same float32 subtraction and division. The settings are the checkpoint's video processor's (``processor_config.json``'s
-``video_processor`` entry, or ``video_preprocessor_config.json``), the reference's defaults
-where it says nothing.
+each value is normalized there by the same float32 subtraction and division. The settings
+are the checkpoint's video processor's (``processor_config.json``'s ``video_processor``
+entry, or ``video_preprocessor_config.json``), the reference's defaults where it says nothing.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ DEFAULTS = {
     "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
     "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
     "rescale_factor": 1 / 255, "resample": BICUBIC,
-    "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
-    "fps": 2.0, "min_frames": 4, "max_frames": 768,
+    "do_resize": True, "do_rescale": True, "do_normalize": True,
+    # Frame sampling (``hydrad.videos``; how many at most is the server's max_video_frames).
+    "fps": 2.0, "min_frames": 4,
 }
 
 
@@ -80,8 +81,8 @@ class Qwen2VLVideos:
         self.patch = int(settings["patch_size"])
         self.merge = int(settings["merge_size"])
         self.temporal = int(settings["temporal_patch_size"])
-        self.fps = float(settings.get("fps") or DEFAULTS["fps"])
-        self.min_frames = int(settings.get("min_frames") or DEFAULTS["min_frames"])
+        self.fps = float(settings["fps"])
+        self.min_frames = int(settings["min_frames"])
         # The reference's fused rescale and normalize: (x - mean / rescale) / (std / rescale) in float32.
         factor = 1.0 / float(settings["rescale_factor"])
         self.mean = (torch.tensor(settings["image_mean"]) * factor).view(1, 1, 1, 1, 1, 3, 1, 1, 1)
@@ -97,10 +98,6 @@ class Qwen2VLVideos:
         # ValueError for an aspect ratio over 200, as the reference's call raises it.
         return smart_resize(height, width, factor=self.patch * self.merge, min_pixels=self.min_pixels,
                             max_pixels=self.max_pixels)
-
-    def grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        h, w = self.resized_size(height, width)
-        return -(-num_frames // self.temporal), h // self.patch, w // self.patch
 
     def __call__(self, frames: np.ndarray) -> ProcessedVideo:
         """``frames``: [frames, height, width, 3] uint8 RGB."""
