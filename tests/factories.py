@@ -376,3 +376,12 @@ def run_through(steps, between=lambda: None) -> tuple[int, object]:
             return runs, stop.value
         runs += 1
         between()
+
+
+def place_every_instance_on_gpu0(monkeypatch) -> None:
+    """``plan_instances`` placing every instance of the deploy spec on cuda:0 (also those asked
+    for on a CPU): one GPU runs every deployment of roles."""
+    import hydrad.cluster.deploy as deploy
+
+    monkeypatch.setattr(deploy, "plan_instances",
+                        lambda spec, devices, num_cuda: [(role, "cuda:0") for role in deploy.parse_deploy(spec)])

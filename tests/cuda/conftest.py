@@ -7,9 +7,7 @@ import pytest
 
 @pytest.fixture
 def one_gpu_for_every_instance(monkeypatch):
-    """``plan_instances`` placing every instance of the deploy spec on cuda:0: one GPU runs
-    every deployment of roles."""
-    import hydrad.cluster.deploy as deploy
+    """Every instance on cuda:0 (``factories.place_every_instance_on_gpu0``)."""
+    from factories import place_every_instance_on_gpu0
 
-    monkeypatch.setattr(deploy, "plan_instances",
-                        lambda spec, devices, num_cuda: [(role, "cuda:0") for role in deploy.parse_deploy(spec)])
+    place_every_instance_on_gpu0(monkeypatch)

@@ -25,7 +25,7 @@ sys.path[:0] = [str(TESTS / "engine"), str(TESTS / "server")]
 
 # transformers on CPU in float32: the external reference for every test here.
 from test_disaggregation import conversations, reference  # noqa: E402, F401  (fixtures)
-from factories import FIXED_POOLS  # noqa: E402
+from factories import FIXED_POOLS, place_every_instance_on_gpu0  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -139,21 +139,61 @@ def family_conversations():
 def test_families_on_cuda_with_chunks_preemption_and_ipc(tiny_checkpoint, family_conversations, arch,
                                                         one_gpu_for_every_instance):
     from factories import hf_references
-    from test_llm_families import CACHE, MAX_TOKENS as FAMILY_TOKENS, TOKEN_BUDGET, _check, _prompt_ids
+    from test_llm_families import CACHE, LONG_TOKENS, TOKEN_BUDGET, _check, _prompt_ids
 
     path = tiny_checkpoint(arch)
-    refs = hf_references(path, family_conversations, FAMILY_TOKENS)
+    refs = hf_references(path, family_conversations, LONG_TOKENS)
+    params = SamplingParams(max_tokens=LONG_TOKENS, min_tokens=LONG_TOKENS, temperature=0.0, logprobs=0)
 
     def check(llm: LLM, what: str) -> list:
-        return _check(llm, family_conversations, refs, what, tol=FAMILY_LOGPROB_TOL)
+        return _check(llm, family_conversations, refs, what, tol=FAMILY_LOGPROB_TOL, params=params)
 
-    longest = max(len(ids) for ids in _prompt_ids(path, family_conversations)) + FAMILY_TOKENS
-    llm = LLM(str(path), devices="cuda:0", **FIXED_POOLS, dtype="float32", token_budget=TOKEN_BUDGET, kv_block_size=4,
-              num_kv_blocks=-(-longest // 4) + 6, **CACHE)
+    # KV room for the longest request alone (as on the CPU, tests/engine/test_llm_families.py):
+    # the decodes of the requests admitted together outgrow it, and requests are preempted.
+    longest = max(len(ids) for ids in _prompt_ids(path, family_conversations)) + LONG_TOKENS
+    llm = LLM(str(path), devices="cuda:0", dtype="float32", token_budget=TOKEN_BUDGET, kv_block_size=4,
+              num_kv_blocks=-(-longest // 4), **CACHE)
     check(llm, f"{arch} one instance")
     assert llm.engine.scheduler.num_preemptions > 0
     llm.shutdown()
-    with LLM(str(path), deploy="1E+1P+1D", devices="cuda:0", **FIXED_POOLS, dtype="float32", token_budget=TOKEN_BUDGET,
+    with LLM(str(path), deploy="1E+1P+1D", devices="cuda:0", dtype="float32", token_budget=TOKEN_BUDGET,
              **CACHE) as llm:
         outs = check(llm, f"{arch} in worker processes")
     assert any("prefill_to_decode_migration" in (o.stage_times or {}) for o in outs)
+
+
+# -- videos (Qwen2-VL, Qwen2.5-VL) -------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["qwen2-vl", "qwen2.5-vl"])
+def test_videos_on_cuda_in_worker_processes(tiny_checkpoint, arch, monkeypatch):
+    """A conversation with an image and a video (frames given as arrays: no PyAV needed) on the
+    GPU, on one instance and across worker processes (the video's embeddings through CUDA IPC),
+    against the same request on the CPU in float32, token by token with log-probabilities. The
+    CPU path is transformers' own there (tests/models/test_qwen2_vl_videos.py)."""
+    from factories import image, photo_frames, text
+    from test_llm_families import CACHE
+
+    conversation = [
+        {"role": "user", "content": [image(80, 64, 3), text("and then")]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": [{"type": "video", "video": photo_frames(6, 90, 120, 1), "fps": 3.0},
+                                     text("What happens in the video?")]},
+    ]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0.0, logprobs=0)
+    path = str(tiny_checkpoint(arch))
+    with LLM(path, devices="cpu:1", worker_processes=False, **CACHE) as cpu:
+        want = cpu.chat([conversation], params, use_tqdm=False)[0]
+    place_every_instance_on_gpu0(monkeypatch)  # after the reference: it would take that to the GPU too
+
+    def check(llm: LLM, what: str):
+        got = llm.chat([conversation], params, use_tqdm=False)[0]
+        assert got.token_ids == want.token_ids, what
+        assert [e.logprob for e in got.logprobs] == pytest.approx([e.logprob for e in want.logprobs],
+                                                                   abs=FAMILY_LOGPROB_TOL), what
+        return got
+
+    with LLM(path, devices="cuda:0", dtype="float32", token_budget=16, **CACHE) as llm:
+        assert llm.engine.device.type == "cuda"
+        check(llm, f"{arch} one instance")
+    with LLM(path, deploy="1E+1P+1D", devices="cuda:0", dtype="float32", token_budget=16, **CACHE) as llm:
+        got = check(llm, f"{arch} in worker processes")
+    assert "encode_to_prefill_migration" in (got.stage_times or {})

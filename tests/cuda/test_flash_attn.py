@@ -61,7 +61,7 @@ def test_kernel_matches_sdpa(batch, dtype, num_heads, num_kv_heads, head_dim):
         n = -(-seq_len // BLOCK)
         tables.append(order[taken: taken + n])
         taken += n
-    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, device)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, device, mask_dtype=dtype)
     cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     num_tokens = sum(query_lens)
     # q, k, v: views into one fused projection, as the model hands them over
@@ -81,13 +81,46 @@ def test_kernel_matches_sdpa(batch, dtype, num_heads, num_kv_heads, head_dim):
     assert (want[0] - want[1]).abs().max() > 10 * KERNEL_TOL[dtype]
 
 
+def near_a_block_end(path, conversations, block: int = BLOCK, room: int = 12) -> list:
+    """The conversations with filler words before their last turn's content, so that each prompt
+    ends within ``room`` tokens of a block's end: every decode then needs a second block."""
+    from hydrad.processor import InputProcessor
+
+    processor = InputProcessor(path)
+
+    def padded(conversation, words: int):
+        *head, last = conversation
+        filler = {"type": "text", "text": "more " * words}
+        content = last["content"] if isinstance(last["content"], list) else [{"type": "text", "text": last["content"]}]
+        return [*head, {**last, "content": [filler, *content]}]
+
+    def length(conversation) -> int:
+        return len(processor.process_chat(conversation).prompt_token_ids)
+
+    out = []
+    for conversation in conversations:
+        base = length(conversation)
+        per_word = (length(padded(conversation, 100)) - base) / 100
+        words = int((block - room // 2 - base) / per_word)
+        while length(padded(conversation, words)) > block - 1:
+            words -= 1
+        while length(padded(conversation, words + 1)) <= block - room:
+            words += 1
+        assert block - room < length(padded(conversation, words)) < block, conversation
+        out.append(padded(conversation, words))
+    return out
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_one_instance_with_chunks_and_preemption(tiny_llava_dir, conversations, dtype):
+    conversations = near_a_block_end(tiny_llava_dir, conversations)
     sdpa = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS,
                dtype=dtype, attention_backend="sdpa", token_budget=24)
     want = sdpa.chat(conversations, PARAMS, use_tqdm=False)
     sdpa.shutdown()
-    # Three 256-token blocks for the batch: requests wait and are preempted and recomputed.
+    # Three 256-token blocks for the batch, each prompt a few tokens short of a block: three
+    # requests run, their decodes each need a second block, and requests are preempted and
+    # recomputed.
     llm = LLM(str(tiny_llava_dir), devices="cuda:0", **FIXED_POOLS, dtype=dtype, token_budget=24, num_kv_blocks=3)
     assert llm.engine.attention_backend == "flash_attn" and llm.engine.kv_block_size == BLOCK  # "auto"
     got = llm.chat(conversations, PARAMS, use_tqdm=False)

@@ -80,6 +80,8 @@ class SdpaBackend:
         scale: float,
     ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if meta.mask_dtype != q.dtype:  # cuDNN would read the masks wrong, without an error
+            raise ValueError(f"attention masks built in {meta.mask_dtype} for {q.dtype} queries")
         write_kv_cache(k, v, kv_cache_layer, meta.slot_mapping)
         out = torch.empty_like(q)
         for chunk in meta.prefill_chunks:
