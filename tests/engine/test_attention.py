@@ -106,6 +106,11 @@ def test_masks_take_the_models_dtype(tiny_llava_dir, monkeypatch):
     meta = AttentionMetadata.build([1, 3], [3, 4], [[0, 1], [2, 3]], 2, torch.device("cpu"), mask_dtype=torch.float16)
     assert {c.mask.dtype for c in meta.prefill_chunks} == {meta.decode_batch.mask.dtype} == {torch.float16}
     assert meta.decode_batch.mask.isneginf().any() and (meta.decode_batch.mask == 0).any()
+    # Masks of another dtype than the queries' are refused, not read wrong.
+    q = torch.randn(4, 2, HEAD_DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, 2, 1, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="masks built in torch.float16 for torch.bfloat16 queries"):
+        sdpa.SdpaBackend(torch.device("cpu")).forward(q, q[:, :1], q[:, :1], cache, meta, HEAD_DIM**-0.5)
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
