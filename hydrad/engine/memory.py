@@ -26,7 +26,7 @@ free, for a redeploy that gives it that stage.
 
 Plain arithmetic here, and the two calls that read the device (``device_memory``,
 ``reset_peak``): the engine (``EngineCore``) runs the step, the planner sizes its simulated
-pools by ``pool_bytes`` (``role_pool_bytes``). Not run on a GPU yet.
+pools by ``pool_bytes`` (``role_pool_bytes``). On a GPU: ``tests/cuda/test_cuda_memory.py``.
 """
 
 from __future__ import annotations
