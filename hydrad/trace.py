@@ -47,6 +47,8 @@ class TraceImage:
     offset: int  # position of its first token in the prompt
     # Patch positions the vision tower ran over (what encoding it cost; 0: unknown).
     patches: int = 0
+    # The patches one attention of the tower spanned (``ImageInput.attention_span``; 0: all).
+    span: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class TraceRecord:
             "prompt_tokens": self.prompt_tokens, "text_tokens": self.text_tokens,
             "template_tokens": self.template_tokens,
             "images": [{"width": i.width, "height": i.height, "tokens": i.tokens, "offset": i.offset,
-                        "patches": i.patches} for i in self.images],
+                        "patches": i.patches, "span": i.span} for i in self.images],
             "output_tokens": self.output_tokens, "max_tokens": self.max_tokens, "finish_reason": self.finish_reason,
             "preprocess": _round(self.preprocess), "ttft": _round(self.ttft), "e2e": _round(self.e2e),
             "tbt": {"count": self.num_gaps, "p50": _round(self.tbt_p50), "p90": _round(self.tbt_p90),
@@ -111,7 +113,7 @@ class TraceRecord:
             raise ValueError(f"not a {FORMAT} line")
         tbt = obj.get("tbt") or {}
         images = tuple(TraceImage(i.get("width"), i.get("height"), int(i["tokens"]), int(i["offset"]),
-                                  int(i.get("patches", 0))) for i in obj["images"])
+                                  int(i.get("patches", 0)), int(i.get("span", 0))) for i in obj["images"])
         record = cls(
             timestamp=float(obj["timestamp"]), model=str(obj["model"]), prompt_tokens=int(obj["prompt_tokens"]),
             text_tokens=int(obj["text_tokens"]), template_tokens=int(obj.get("template_tokens", 0)), images=images,
@@ -158,7 +160,7 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 
 def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_tokens: int,
-                images: list[tuple[int | None, int | None, int, int, int]], output_tokens: int, max_tokens: int,
+                images: list[tuple[int | None, int | None, int, int, int, int]], output_tokens: int, max_tokens: int,
                 finish_reason: str, preprocess: float, ttft: float | None, e2e: float, gaps: list[float] | None,
                 stages: dict[str, float] | None, instances: list[int], deploy: str,
                 cached_tokens: int = 0, processing: float | None = None) -> TraceRecord:

@@ -40,6 +40,21 @@ def test_a_record_keeps_the_shape_and_latencies_and_reads_back():
         TraceRecord.from_json({**record.to_json(), "format": "other"})
 
 
+def test_an_attention_span_is_kept_to_the_simulator_and_read_as_whole_where_older_lines_lack_it():
+    # A video of three groups of frames (Qwen2-VL), each of 120 patches, then an image.
+    record = make_record(model="m", deploy="2EPD", template_tokens=12,
+                         **facts(images=[(320, 240, 90, 5, 360, 120), (64, 64, 16, 100, 64, 0)]))
+    obj = json.loads(json.dumps(record.to_json()))
+    assert [i["span"] for i in obj["images"]] == [120, 0]
+    older = {**obj, "images": [{k: v for k, v in i.items() if k != "span"} for i in obj["images"]]}
+    assert [i.span for i in TraceRecord.from_json(older).images] == [0, 0]
+    from hydrad.planner.workload import Workload
+
+    later = make_record(model="m", deploy="2EPD", template_tokens=12, **facts(1))
+    (request, _) = Workload.from_records([TraceRecord.from_json(obj), later]).requests(1.0, 2)
+    assert request.images == ((5, 90, 360, 120), (100, 16, 64, 0))  # to the simulator (test_simulator.py)
+
+
 def test_the_prompt_tokens_found_cached_are_kept_and_read_where_older_lines_lack_them():
     record = make_record(model="m", deploy="2EPD", template_tokens=12, cached_tokens=288, **facts())
     obj = json.loads(json.dumps(record.to_json()))

@@ -14,7 +14,8 @@ with separate vision and language parts:
 An image's encode cost follows its *patches*, the positions the vision tower runs
 over (``ImageInput.num_patches``: LLaVA-NeXT's tiles and base image, Qwen2-VL's
 patches before the 2x2 merge), with a square term for towers whose layers attend over
-a whole image; its tokens in the language model (what prefill reads) add the
+a whole image (``patches * span``, where the tower attends within parts of ``span``
+patches: Qwen2-VL's videos, each group of frames alone); its tokens in the language model (what prefill reads) add the
 projector's or merger's share. ``prefill_pairs`` counts the (query, key) pairs of the
 prefill chunks' attention, a chunk of q tokens after c cached ones reading
 q*c + q(q+1)/2 pairs; ``decode_context``
@@ -111,7 +112,7 @@ class StepShape:
 
     num_images: int = 0
     num_patches: int = 0  # over images, the positions the vision tower runs over
-    patches_sq: int = 0  # sum over images of patches^2
+    patches_sq: int = 0  # sum over images of patches * attention span (patches^2 for a whole image)
     num_image_tokens: int = 0
     num_prefill_tokens: int = 0
     prefill_pairs: int = 0
@@ -119,15 +120,16 @@ class StepShape:
     decode_context: int = 0
 
     @staticmethod
-    def of(*, images: list[tuple[int, int]] = (), prefills: list[tuple[int, int]] = (),
+    def of(*, images: list[tuple[int, ...]] = (), prefills: list[tuple[int, int]] = (),
            decodes: list[int] = ()) -> StepShape:
-        """``images``: (patches, tokens) per image; ``prefills``: (context before, chunk tokens);
+        """``images``: (patches, tokens) or (patches, tokens, attention span) per image (a span
+        of 0 or none: the whole image); ``prefills``: (context before, chunk tokens);
         ``decodes``: context each decode reads (its tokens before the new one, plus one)."""
         return StepShape(
             num_images=len(images),
-            num_patches=sum(p for p, _ in images),
-            patches_sq=sum(p * p for p, _ in images),
-            num_image_tokens=sum(t for _, t in images),
+            num_patches=sum(image[0] for image in images),
+            patches_sq=sum(image[0] * attention_span(*image) for image in images),
+            num_image_tokens=sum(image[1] for image in images),
             num_prefill_tokens=sum(q for _, q in prefills),
             prefill_pairs=sum(prefill_pairs(c, q) for c, q in prefills),
             num_decodes=len(decodes),
@@ -143,6 +145,12 @@ class StepShape:
         if not self.num_prefill_tokens and not self.num_decodes:
             return [0.0] * len(LANGUAGE_TERMS)
         return [1.0, self.num_prefill_tokens, self.prefill_pairs / 1e3, self.num_decodes, self.decode_context / 1e3]
+
+
+def attention_span(patches: int, tokens: int = 0, span: int = 0) -> int:
+    """The patches one attention of the vision tower spans in an image of ``patches`` (its
+    ``ImageInput.attention_span``, 0 meaning all of them)."""
+    return span or patches
 
 
 def prefill_pairs(context: int, num_tokens: int) -> int:
@@ -191,9 +199,11 @@ class LatencyModel:
         return (self.v_fixed + self.v_image * shape.num_images + self.v_patch * shape.num_patches
                 + self.v_patch2 * shape.patches_sq / 1e3 + self.v_token * shape.num_image_tokens)
 
-    def image_seconds(self, num_patches: int, num_tokens: int) -> float:
-        """What one image adds to a step's vision work (the fixed part not included)."""
-        return (self.v_image + self.v_patch * num_patches + self.v_patch2 * num_patches * num_patches / 1e3
+    def image_seconds(self, num_patches: int, num_tokens: int, span: int = 0) -> float:
+        """What one image adds to a step's vision work (the fixed part not included); ``span``:
+        its attention span (``ImageInput.attention_span``)."""
+        return (self.v_image + self.v_patch * num_patches
+                + self.v_patch2 * num_patches * attention_span(num_patches, num_tokens, span) / 1e3
                 + self.v_token * num_tokens)
 
     def language_seconds(self, shape: StepShape) -> float:
@@ -273,7 +283,7 @@ class LatencyModel:
         images = self.meta.get("images") or []
         if images and any(getattr(self, name) for name in VISION_TERMS):
             # The per-image cost at the smallest and the largest image the probes encoded.
-            costs = sorted(1e3 * self.image_seconds(p, t) for p, t in images)
+            costs = sorted(1e3 * self.image_seconds(*image) for image in images)
             per_image = f"{costs[0]:.1f}" if costs[-1] - costs[0] < 0.05 else f"{costs[0]:.1f}-{costs[-1]:.1f}"
             parts.append(f"encode {1e3 * self.v_fixed:.1f} ms + {per_image} ms/image")
         if self.l_fixed or self.l_prefill or self.l_decode:
@@ -479,15 +489,16 @@ class StepBudget:
         self.empty = False
         self._num_language_units += 1
 
-    def add_image(self, num_patches: int, num_tokens: int, force: bool = False) -> bool:
+    def add_image(self, num_patches: int, num_tokens: int, force: bool = False, span: int = 0) -> bool:
         """One image to encode: ``num_patches`` positions through the vision tower (its
-        ``ImageInput.num_patches``), ``num_tokens`` image tokens out; with ``force`` past the
-        bound (not past the image cap), as ``fit_prefill``'s."""
+        ``ImageInput.num_patches``), ``num_tokens`` image tokens out, ``span`` its attention
+        span (``ImageInput.attention_span``); with ``force`` past the bound (not past the image
+        cap), as ``fit_prefill``'s."""
         if self.images_left < 1:
             return False
         if self.model is not None:
             m = self.model
-            vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.image_seconds(num_patches, num_tokens)
+            vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.image_seconds(num_patches, num_tokens, span)
             if m.combine(vision, self.language) > self.bound and not (self.empty or force):
                 return False
             self.vision = vision

@@ -422,10 +422,10 @@ class Scheduler:
     def _add_image(self, budget: StepBudget, image) -> bool:
         """``budget.add_image``, or past the bound where the prompts are starved, as
         ``_fit_prefill``."""
-        if budget.add_image(image.num_patches, image.length):
+        if budget.add_image(image.num_patches, image.length, span=image.attention_span):
             self._force_one = False
             return True
-        if self._force_one and budget.add_image(image.num_patches, image.length, force=True):
+        if self._force_one and budget.add_image(image.num_patches, image.length, force=True, span=image.attention_span):
             self._force_one, self._forced = False, True
             return True
         return False

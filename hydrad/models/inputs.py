@@ -35,6 +35,10 @@ class ImageInput:
     # ``num_vision_patches``), filled by the processor so that the scheduler and the latency model
     # read a plain number; 0 when unknown (the image is then costed by its tokens alone).
     num_patches: int = 0
+    # The patches one attention of the vision tower spans where it attends within parts of the
+    # image (Qwen2-VL: each group of a video's frames, h*w patches); 0: all of ``num_patches``.
+    # The latency model's square term is num_patches * attention_span.
+    attention_span: int = 0
     # A digest of what the encoder makes of it (the image and the layout above): requests whose
     # images have equal digests share the KV of their common prefix (prefix caching). Filled by
     # the processor (``digest``); None where unknown, and then no KV past the image is shared.

@@ -163,7 +163,7 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         merge = hf_config.vision_config.spatial_merge_size
         return [
             ImageInput(pixel_values=pv, offset=-1, length=t * h * w // merge**2, grid_thw=(t, h, w),
-                       num_patches=t * h * w)
+                       num_patches=t * h * w, attention_span=h * w)
             for pv, (t, h, w) in zip(pixel_values, grids)
         ]
 

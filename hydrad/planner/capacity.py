@@ -4,7 +4,7 @@
 roles that decode, alpha * TTFT otherwise). At that fill, the instance-seconds one
 request costs in each stage are, from the latency model:
 
-* encode: ``LatencyModel.image_seconds(patches, tokens)`` per image, plus ``v_fixed``
+* encode: ``LatencyModel.image_seconds(patches, tokens, span)`` per image, plus ``v_fixed``
   shared by the images of a full step;
 * prefill: ``l_prefill * n + l_attn * pairs(0, n) / 1e3`` for a prompt of ``n`` tokens,
   plus ``l_fixed`` shared by the tokens of the largest chunk that fits the bound;
@@ -72,10 +72,10 @@ def stage_costs(model: LatencyModel, role: str, workload: Workload, slo: SLOConf
     bound = latency_bound(slo, role)
     shapes = workload.shapes
     n = len(shapes)
-    images = [(patches, tokens) for s in shapes for _, tokens, patches in s.images]
+    images = [(patches, tokens, sum(span)) for s in shapes for _, tokens, patches, *span in s.images]
     encode = prefill = decode = 0.0
     if "E" in role and images:
-        per_image = [m.image_seconds(patches, tokens) for patches, tokens in images]
+        per_image = [m.image_seconds(*image) for image in images]
         mean = sum(per_image) / len(per_image)
         batch = _full_batch(bound, m.v_fixed, mean, scheduler.image_budget)
         encode = (sum(per_image) + len(images) * m.v_fixed / batch) / n

@@ -79,7 +79,8 @@ class SimRequest:
     arrival: float  # seconds from the start of the run
     num_prompt_tokens: int  # image tokens included
     num_output_tokens: int
-    images: tuple[tuple[int, int, int], ...] = ()  # (offset in the prompt, tokens, patches) per image
+    # (offset in the prompt, tokens, patches[, attention span]) per image
+    images: tuple[tuple[int, ...], ...] = ()
     # Seconds from reading the HTTP request to handing it to an instance (chat template,
     # tokenizer, image decoding): counted in its TTFT, as a client measures it.
     preprocess: float = 0.0
@@ -237,7 +238,7 @@ def step_shape(out, scheduler: Scheduler) -> StepShape:
             decodes.append(req.num_computed_tokens + 1)
         else:
             prefills.append((req.num_computed_tokens, n))
-    images = [(req.images[i].num_patches, req.images[i].length) for req, i in out.encodes]
+    images = [(req.images[i].num_patches, req.images[i].length, req.images[i].attention_span) for req, i in out.encodes]
     return StepShape.of(images=images, prefills=prefills, decodes=decodes)
 
 
@@ -713,8 +714,8 @@ class Simulation:
             params = self._params[spec.num_output_tokens] = SamplingParams(
                 max_tokens=spec.num_output_tokens, temperature=0.0, ignore_eos=True)
         return EngineRequest(f"r{i}", [0] * spec.num_prompt_tokens, params,
-                             [ImageInput(None, offset, length, num_patches=patches)
-                              for offset, length, patches in spec.images])
+                             [ImageInput(None, offset, length, num_patches=patches, attention_span=sum(span))
+                              for offset, length, patches, *span in spec.images])
 
     def _arrive(self, i: int) -> None:
         spec = self.requests[i]

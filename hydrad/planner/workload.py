@@ -32,7 +32,7 @@ SERVICE_QUANTILE = 0.5
 class RequestShape:
     num_prompt_tokens: int
     num_output_tokens: int
-    images: tuple[tuple[int, int, int], ...]  # (offset, tokens, patches)
+    images: tuple[tuple[int, int, int, int], ...]  # (offset, tokens, patches, attention span)
     preprocess: float
     cached_tokens: int = 0  # found in a prefix cache when it was traced
 
@@ -62,8 +62,8 @@ class Workload:
                 r.preprocess if r.processing is None else min(r.processing, r.preprocess))
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
-                                    tuple((i.offset, i.tokens, i.patches) for i in r.images), service[len(r.images)],
-                                    r.cached_tokens)
+                                    tuple((i.offset, i.tokens, i.patches, i.span) for i in r.images),
+                                    service[len(r.images)], r.cached_tokens)
                        for r in records)
         stamps = [r.timestamp for r in records]
         if stamps[-1] <= stamps[0]:
@@ -97,7 +97,7 @@ class Workload:
             "requests": n,
             "rate": self.mean_rate,
             "images": sum(len(s.images) for s in self.shapes) / n,
-            "image_tokens": sum(t for s in self.shapes for _, t, _ in s.images) / n,
+            "image_tokens": sum(image[1] for s in self.shapes for image in s.images) / n,
             "prompt_tokens": sum(s.num_prompt_tokens for s in self.shapes) / n,
             "cached_tokens": sum(s.cached_tokens for s in self.shapes) / n,
             "output_tokens": sum(s.num_output_tokens for s in self.shapes) / n,

@@ -18,13 +18,14 @@ EOS = 0
 
 
 def make_request(req_id, num_prompt=20, images=(), max_tokens=8, ignore_eos=True) -> Request:
-    """images: (offset, length) pairs inside the prompt, or (offset, length, num_patches)."""
+    """images: (offset, length) pairs inside the prompt, or (offset, length, num_patches[,
+    attention_span])."""
     return Request(
         EngineRequest(
             req_id=str(req_id),
             prompt_token_ids=[5 + i % 50 for i in range(num_prompt)],
             sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
-            images=[ImageInput(torch.zeros(1), image[0], image[1], num_patches=image[2] if len(image) > 2 else 0)
+            images=[ImageInput(torch.zeros(1), *image[:2], num_patches=sum(image[2:3]), attention_span=sum(image[3:]))
                     for image in images],
             eos_token_ids=(EOS,),
         )

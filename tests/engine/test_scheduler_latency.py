@@ -39,7 +39,7 @@ def is_decode(req, s: Scheduler) -> bool:
 
 
 def shape_of(out, s: Scheduler) -> StepShape:
-    images = [(req.images[i].num_patches, req.images[i].length) for req, i in out.encodes]
+    images = [(req.images[i].num_patches, req.images[i].length, req.images[i].attention_span) for req, i in out.encodes]
     decodes, prefills = [], []
     for req, n in out.chunks:
         if is_decode(req, s):
@@ -197,6 +197,23 @@ def test_encode_admission_follows_patches_not_image_count():
     out, _ = step(s)
     # 1 ms + n * 1 ms <= 20.5 ms
     assert len(out.encodes) == 19
+
+
+def test_an_encode_that_attends_within_parts_is_priced_by_them():
+    # A video of four groups of frames, 256 patches each, attended group by group (Qwen2-VL):
+    # its square term is 4 * 256^2 patches, not 1024^2.
+    model = LatencyModel(v_fixed=0.001, v_patch2=1e-5, l_fixed=0.002, l_prefill=1e-4, l_decode=2e-4)
+    whole, parts = model.image_seconds(1024, 16), model.image_seconds(1024, 16, span=256)
+    assert whole == pytest.approx(1e-5 * 1024 * 1024 / 1e3) and parts == pytest.approx(whole / 4)
+    assert StepShape.of(images=[(1024, 16, 256), (100, 4), (50, 4, 0)]).patches_sq == 1024 * 256 + 100**2 + 50**2
+    assert model.vision_seconds(StepShape.of(images=[(1024, 16, 256)])) == pytest.approx(0.001 + parts)
+    # Within 20.5 ms: one whole image a step (1 + 10.5 ms), or seven videos (1 + 7 * 2.6 ms).
+    for span, admitted in ((0, 1), (256, 7)):
+        s = scheduler_with(model, bound=0.0205, num_image_blocks=64, image_block_size=16)
+        for i in range(10):
+            s.add(make_request(i, num_prompt=30, images=[(2, 16, 1024, span)], max_tokens=2))
+        out, predicted = step(s)
+        assert len(out.encodes) == admitted and predicted <= 0.0205
 
 
 def test_hard_caps_still_bind_under_the_model():

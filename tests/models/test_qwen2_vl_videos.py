@@ -130,6 +130,11 @@ def test_a_video_takes_its_tokens_and_positions(processor, checkpoint, arch):
     video = prompt.images[1]
     assert [item.offset for item in prompt.images] == sorted(item.offset for item in prompt.images)
     assert video.grid_thw[0] == 3  # six frames, two a group
+    # The tower attends within each group of frames (the latency model's square term), within
+    # the whole of an image.
+    t, h, w = video.grid_thw
+    assert (video.num_patches, video.attention_span) == (t * h * w, h * w)
+    assert prompt.images[0].attention_span == prompt.images[0].num_patches
     assert ids[video.offset: video.offset + video.length] == [processor.video_token_id] * video.length
     assert ids.count(processor.video_token_id) == video.length
     # transformers' own positions (where its rule and Qwen's agree: the video's times stay

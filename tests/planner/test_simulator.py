@@ -50,6 +50,15 @@ def test_one_request_on_one_instance_encode_prefill_decode():
     assert r.gaps == pytest.approx([0.012, 0.012])
 
 
+@pytest.mark.parametrize("span, encode", [(0, 1024**2), (256, 1024 * 256), (1024, 1024**2)])
+def test_an_encode_is_priced_by_its_attention_span(span, encode):
+    # 1e-4 s per 1k patch pairs: a video of four groups of 256 patches attended group by group
+    # (span 256) encodes in a quarter of the square term of 1,024 patches attended at once.
+    model = LatencyModel(v_patch2=1e-4, l_fixed=0.01, l_prefill=0.001, l_decode=0.002, overlap=1.0)
+    (r,) = run(make_setup(model), ["EPD"], [SimRequest(0.0, 100, 2, images=((0, 50, 1024, span),))]).requests
+    assert r.ttft == pytest.approx(1e-4 * encode / 1e3 + 0.01 + 0.1)
+
+
 @pytest.mark.parametrize("after", [False, True])
 def test_a_prefill_starts_in_the_step_that_encodes_its_image_where_the_engine_does(after):
     # r0 prefills 10 tokens (20 ms), then decodes every 12 ms; r1 arrives at 30 ms, during
