@@ -42,7 +42,8 @@ the speed each deployment's workers measured on their own steps during its searc
 under that load out of the comparison: what is left is the replay's own error.
 
 Workloads: ``textcaps`` (TextCaps-like, Poisson), ``mix`` (TextCaps and POPE, half
-each, Poisson), ``mooncake`` (POPE-like requests at the arrival times of Mooncake's
+each, Poisson), ``video`` (a 4-second 320x240 MP4 at 2 frames a second, 12 prompt and 16
+output tokens, Poisson: for Qwen2-VL and Qwen2.5-VL), ``mooncake`` (POPE-like requests at the arrival times of Mooncake's
 ``conversation_trace.jsonl``, bursty). That trace's timestamps come in 3-second ticks
 (2 to 28 requests, 10 on average, share each one); taken as exact, every tick is a burst of
 simultaneous image requests that no deployment of two CPU cores answers within a 2 s TTFT
@@ -82,12 +83,26 @@ from rich.table import Table
 
 console = Console()
 MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "mooncake" / "conversation_trace.jsonl"
+# A workload spec given as file contents is written to the run's folder (``workload_spec``).
+VIDEO_WORKLOAD = ('{"prompt_tokens": 12, "output_tokens": 16, '
+                  '"videos": [{"frames": 8, "width": 320, "height": 240, "fps": 2}]}\n')
 WORKLOADS = {
     "textcaps": ("textcaps", None),
     "mix": ("mix:textcaps=0.5,pope=0.5", None),
     "mooncake": ("pope", MOONCAKE),
+    "video": (VIDEO_WORKLOAD, None),
 }
 ISSUE_WORKLOAD = '{"prompt_tokens": 12, "images": [{"width": 640, "height": 480}], "output_tokens": 16}\n'
+
+
+def workload_spec(spec: str, work: Path) -> str:
+    """``spec`` as ``hydractl bench --workload`` takes it: a workload line (JSON) is written
+    to ``work`` as a one-line file workload."""
+    if not spec.startswith("{"):
+        return spec
+    path = work / "workload.jsonl"
+    path.write_text(spec)
+    return str(path)
 
 
 def spread_ticks(src: Path, dst: Path, seed: int = 0) -> Path:
@@ -272,6 +287,7 @@ def accuracy(args) -> dict:
     for name in args.workloads.split(","):
         spec, arrivals = WORKLOADS[name]
         work = Path(tempfile.mkdtemp(prefix=f"planner-{name}-"))
+        spec = workload_spec(spec, work)
         if arrivals is not None:
             arrivals = spread_ticks(arrivals, work / "arrivals.jsonl")
         console.rule(f"{name}: recording {args.record_requests} requests at {args.record_rate} req/s")

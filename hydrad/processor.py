@@ -380,7 +380,7 @@ class InputProcessor:
             t, h, w = processed.grid_thw
             video = ImageInput(pixel_values=processed.pixel_values, offset=-1, length=t * h * w // self.videos.merge**2,
                                image_size=tuple(clip.frames.shape[1:3]), grid_thw=processed.grid_thw,
-                               num_patches=t * h * w, attention_span=h * w)
+                               num_patches=t * h * w, attention_span=h * w, frames=len(clip.frames))
             video.digest(None if data is None else repr(clip.sampling).encode() + data)
             interval = self.model_cls.video_time_interval(self.hf_config, self.videos.temporal, clip.fps)
             videos.append(PreparedVideo(video, interval))

@@ -33,6 +33,9 @@ _encode = json.JSONEncoder(separators=(",", ":")).encode
 CURRENT = "trace.jsonl"
 # Finish reasons of requests that ran to their end: the ones a replay reproduces.
 COMPLETED = ("stop", "length")
+# A traced video is replayed as its kept frames at 2 a second, the rate Qwen2-VL's video
+# processor samples at: the server keeps them all again.
+REPLAY_VIDEO_FPS = 2
 
 
 def default_trace_dir() -> Path:
@@ -49,6 +52,7 @@ class TraceImage:
     patches: int = 0
     # The patches one attention of the tower spanned (``ImageInput.attention_span``; 0: all).
     span: int = 0
+    frames: int = 0  # a video's frames as the server kept them; 0: an image
 
 
 @dataclass(frozen=True)
@@ -96,7 +100,7 @@ class TraceRecord:
             "prompt_tokens": self.prompt_tokens, "text_tokens": self.text_tokens,
             "template_tokens": self.template_tokens,
             "images": [{"width": i.width, "height": i.height, "tokens": i.tokens, "offset": i.offset,
-                        "patches": i.patches, "span": i.span} for i in self.images],
+                        "patches": i.patches, "span": i.span, "frames": i.frames} for i in self.images],
             "output_tokens": self.output_tokens, "max_tokens": self.max_tokens, "finish_reason": self.finish_reason,
             "preprocess": _round(self.preprocess), "ttft": _round(self.ttft), "e2e": _round(self.e2e),
             "tbt": {"count": self.num_gaps, "p50": _round(self.tbt_p50), "p90": _round(self.tbt_p90),
@@ -113,7 +117,8 @@ class TraceRecord:
             raise ValueError(f"not a {FORMAT} line")
         tbt = obj.get("tbt") or {}
         images = tuple(TraceImage(i.get("width"), i.get("height"), int(i["tokens"]), int(i["offset"]),
-                                  int(i.get("patches", 0)), int(i.get("span", 0))) for i in obj["images"])
+                                  int(i.get("patches", 0)), int(i.get("span", 0)), int(i.get("frames", 0)))
+                       for i in obj["images"])
         record = cls(
             timestamp=float(obj["timestamp"]), model=str(obj["model"]), prompt_tokens=int(obj["prompt_tokens"]),
             text_tokens=int(obj["text_tokens"]), template_tokens=int(obj.get("template_tokens", 0)), images=images,
@@ -133,13 +138,18 @@ class TraceRecord:
     def bench_entry(self) -> dict:
         """The request as a line of a ``hydractl bench`` JSONL workload: a generated prompt of
         the user's text tokens (the chat template adds its own again), the images' sizes, the
-        output length, the arrival time."""
-        return {
+        videos' frames and size (at ``REPLAY_VIDEO_FPS``), the output length, the arrival time."""
+        entry = {
             "prompt_tokens": max(1, self.text_tokens - self.template_tokens),
-            "images": [{"width": i.width or 336, "height": i.height or 336} for i in self.images],
+            "images": [{"width": i.width or 336, "height": i.height or 336} for i in self.images if not i.frames],
             "output_tokens": max(1, self.output_tokens),
             "timestamp": self.timestamp,
         }
+        videos = [{"frames": i.frames, "width": i.width or 336, "height": i.height or 336, "fps": REPLAY_VIDEO_FPS}
+                  for i in self.images if i.frames]
+        if videos:
+            entry["videos"] = videos
+        return entry
 
 
 def _round(value: float | None) -> float | None:
@@ -160,7 +170,7 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 
 def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_tokens: int,
-                images: list[tuple[int | None, int | None, int, int, int, int]], output_tokens: int, max_tokens: int,
+                images: list[tuple[int | None, int | None, int, int, int, int, int]], output_tokens: int, max_tokens: int,
                 finish_reason: str, preprocess: float, ttft: float | None, e2e: float, gaps: list[float] | None,
                 stages: dict[str, float] | None, instances: list[int], deploy: str,
                 cached_tokens: int = 0, processing: float | None = None) -> TraceRecord:

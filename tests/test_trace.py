@@ -40,14 +40,18 @@ def test_a_record_keeps_the_shape_and_latencies_and_reads_back():
         TraceRecord.from_json({**record.to_json(), "format": "other"})
 
 
-def test_an_attention_span_is_kept_to_the_simulator_and_read_as_whole_where_older_lines_lack_it():
-    # A video of three groups of frames (Qwen2-VL), each of 120 patches, then an image.
+def test_a_video_keeps_its_attention_span_and_frames_and_older_lines_read_as_images():
+    # A video of six frames kept, three groups of frames (Qwen2-VL) of 120 patches each, then an image.
     record = make_record(model="m", deploy="2EPD", template_tokens=12,
-                         **facts(images=[(320, 240, 90, 5, 360, 120), (64, 64, 16, 100, 64, 0)]))
+                         **facts(images=[(320, 240, 90, 5, 360, 120, 6), (64, 64, 16, 100, 64, 0, 0)]))
     obj = json.loads(json.dumps(record.to_json()))
-    assert [i["span"] for i in obj["images"]] == [120, 0]
-    older = {**obj, "images": [{k: v for k, v in i.items() if k != "span"} for i in obj["images"]]}
-    assert [i.span for i in TraceRecord.from_json(older).images] == [0, 0]
+    assert [(i["span"], i["frames"]) for i in obj["images"]] == [(120, 6), (0, 0)]
+    entry = TraceRecord.from_json(obj).bench_entry()  # the replay sends the video again
+    assert entry["videos"] == [{"frames": 6, "width": 320, "height": 240, "fps": 2}]
+    assert entry["images"] == [{"width": 64, "height": 64}]
+    older = {**obj, "images": [{k: v for k, v in i.items() if k not in ("span", "frames")} for i in obj["images"]]}
+    assert [(i.span, i.frames) for i in TraceRecord.from_json(older).images] == [(0, 0), (0, 0)]
+    assert "videos" not in TraceRecord.from_json(older).bench_entry()
     from hydrad.planner.workload import Workload
 
     later = make_record(model="m", deploy="2EPD", template_tokens=12, **facts(1))

@@ -39,6 +39,8 @@ class ImageInput:
     # image (Qwen2-VL: each group of a video's frames, h*w patches); 0: all of ``num_patches``.
     # The latency model's square term is num_patches * attention_span.
     attention_span: int = 0
+    # A video's frames (as kept: sampled, at most ``server.max_video_frames``); 0 for an image.
+    frames: int = 0
     # A digest of what the encoder makes of it (the image and the layout above): requests whose
     # images have equal digests share the KV of their common prefix (prefix caching). Filled by
     # the processor (``digest``); None where unknown, and then no KV past the image is shared.

@@ -424,7 +424,7 @@ class ChoiceStream:
             trace.record(
                 timestamp=wall_clock(parent.arrival), prompt_tokens=req.num_prompt_tokens,
                 images=[(i.image_size[1] if i.image_size else None, i.image_size[0] if i.image_size else None,
-                         i.length, i.offset, i.num_patches, i.attention_span) for i in req.images],
+                         i.length, i.offset, i.num_patches, i.attention_span, i.frames) for i in req.images],
                 output_tokens=self.num_output_tokens, max_tokens=req.sampling_params.max_tokens,
                 finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,

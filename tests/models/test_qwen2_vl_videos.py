@@ -133,7 +133,8 @@ def test_a_video_takes_its_tokens_and_positions(processor, checkpoint, arch):
     # The tower attends within each group of frames (the latency model's square term), within
     # the whole of an image.
     t, h, w = video.grid_thw
-    assert (video.num_patches, video.attention_span) == (t * h * w, h * w)
+    assert (video.num_patches, video.attention_span, video.frames) == (t * h * w, h * w, 6)
+    assert prompt.images[0].frames == 0
     assert prompt.images[0].attention_span == prompt.images[0].num_patches
     assert ids[video.offset: video.offset + video.length] == [processor.video_token_id] * video.length
     assert ids.count(processor.video_token_id) == video.length
