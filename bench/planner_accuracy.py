@@ -43,8 +43,8 @@ under that load out of the comparison: what is left is the replay's own error.
 
 Workloads: ``textcaps`` (TextCaps-like, Poisson), ``mix`` (TextCaps and POPE, half
 each, Poisson), ``video`` (a 4-second 320x240 MP4 at 2 frames a second, 12 prompt and 16
-output tokens, Poisson: for Qwen2-VL and Qwen2.5-VL), ``mooncake`` (POPE-like requests at the arrival times of Mooncake's
-``conversation_trace.jsonl``, bursty). That trace's timestamps come in 3-second ticks
+output tokens, Poisson: for Qwen2-VL and Qwen2.5-VL), ``mooncake`` (POPE-like requests at
+the arrival times of Mooncake's ``conversation_trace.jsonl``, bursty). That trace's timestamps come in 3-second ticks
 (2 to 28 requests, 10 on average, share each one); taken as exact, every tick is a burst of
 simultaneous image requests that no deployment of two CPU cores answers within a 2 s TTFT
 at any rate, so every goodput would be 0. The script spreads each tick's requests over the

@@ -170,12 +170,12 @@ def _percentile(ordered: list[float], q: float) -> float:
 
 
 def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_tokens: int,
-                images: list[tuple[int | None, int | None, int, int, int, int, int]], output_tokens: int, max_tokens: int,
-                finish_reason: str, preprocess: float, ttft: float | None, e2e: float, gaps: list[float] | None,
-                stages: dict[str, float] | None, instances: list[int], deploy: str,
+                images: list[tuple[int | None, int | None, int, int, int, int, int]], output_tokens: int,
+                max_tokens: int, finish_reason: str, preprocess: float, ttft: float | None, e2e: float,
+                gaps: list[float] | None, stages: dict[str, float] | None, instances: list[int], deploy: str,
                 cached_tokens: int = 0, processing: float | None = None) -> TraceRecord:
     """A record from what the daemon knows when a completion ends; ``images`` holds
-    (width, height, tokens, offset, patches) per image."""
+    (width, height, tokens, offset[, patches[, span[, frames]]]) per image (``TraceImage``)."""
     ordered = sorted(gaps or ())
     stats = (_percentile(ordered, 50), _percentile(ordered, 90), ordered[-1]) if ordered else (None, None, None)
     image_tokens = sum(image[2] for image in images)

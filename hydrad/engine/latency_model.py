@@ -15,8 +15,8 @@ An image's encode cost follows its *patches*, the positions the vision tower run
 over (``ImageInput.num_patches``: LLaVA-NeXT's tiles and base image, Qwen2-VL's
 patches before the 2x2 merge), with a square term for towers whose layers attend over
 a whole image (``patches * span``, where the tower attends within parts of ``span``
-patches: Qwen2-VL's videos, each group of frames alone); its tokens in the language model (what prefill reads) add the
-projector's or merger's share. ``prefill_pairs`` counts the (query, key) pairs of the
+patches: Qwen2-VL's videos, each group of frames alone); its tokens in the language
+model (what prefill reads) add the projector's or merger's share. ``prefill_pairs`` counts the (query, key) pairs of the
 prefill chunks' attention, a chunk of q tokens after c cached ones reading
 q*c + q(q+1)/2 pairs; ``decode_context``
 is the total KV context the decodes read. The fixed parts count only when the step
@@ -498,7 +498,8 @@ class StepBudget:
             return False
         if self.model is not None:
             m = self.model
-            vision = self.vision + (m.v_fixed if self.vision == 0.0 else 0.0) + m.image_seconds(num_patches, num_tokens, span)
+            vision = (self.vision + (m.v_fixed if self.vision == 0.0 else 0.0)
+                      + m.image_seconds(num_patches, num_tokens, span))
             if m.combine(vision, self.language) > self.bound and not (self.empty or force):
                 return False
             self.vision = vision
