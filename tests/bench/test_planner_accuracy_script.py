@@ -213,3 +213,14 @@ def test_auto_takes_vllm_in_every_round_and_divides_by_its_mean(script, monkeypa
     assert out["vllm_sweep"] == {"4": 0.5} and out["vllm_start_seconds"] == 1.5
     assert "vllm" not in out["results"]
     assert not any(x.up for x in servers), "every server is stopped"
+
+
+def test_a_workload_line_is_run_as_a_file_workload(script, tmp_path):
+    from hydrad.bench.workloads import SynthVideo, load_workload
+
+    assert script.workload_spec("textcaps", tmp_path) == "textcaps"
+    spec, _ = script.WORKLOADS["video"]
+    request = load_workload(script.workload_spec(spec, tmp_path), seed=0).request(0, 0)
+    (video,) = request.videos
+    assert isinstance(video, SynthVideo) and (video.frames, video.width, video.height, video.fps) == (8, 320, 240, 2.0)
+    assert request.images == () and request.output_tokens == 16
