@@ -101,8 +101,8 @@ def check_image_size(image: Image.Image, *, max_pixels: int, param: str = "messa
         )
 
 
-def data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_MEDIA_TYPES,
-                     formats: str = "png, jpeg, webp or gif") -> str:
+def _data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_MEDIA_TYPES,
+                      formats: str = "png, jpeg, webp or gif") -> str:
     """The base64 payload of a ``data:<kind>/...;base64,`` URL (checked, not decoded)."""
     if not url.startswith("data:"):
         raise RequestError(f"only data: {kind} URLs are accepted here", param=param)
@@ -121,7 +121,7 @@ def data_url_payload(url: str, param: str, *, kind: str = "image", media_types=_
     return payload
 
 
-def decode_base64(payload: str, param: str, kind: str = "image") -> bytes:
+def _b64decode(payload: str, param: str, kind: str = "image") -> bytes:
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
@@ -132,8 +132,8 @@ def data_url_bytes(url: str, param: str = "messages", *, kind: str = "image", me
                    formats: str = "png, jpeg, webp or gif") -> bytes:
     """The image file a ``data:image/png;base64,...`` URL holds (or, with ``kind`` and its media
     types, another kind of file). RequestError for anything else."""
-    payload = data_url_payload(url, param, kind=kind, media_types=media_types, formats=formats)
-    data = decode_base64(payload, param, kind)
+    payload = _data_url_payload(url, param, kind=kind, media_types=media_types, formats=formats)
+    data = _b64decode(payload, param, kind)
     if not data:
         raise RequestError(f"the {kind} data URL is empty", param=param)
     return data
@@ -147,15 +147,15 @@ def decode_data_url(url: str, *, max_pixels: int, param: str = "messages") -> Im
 def peek_data_url(url: str, *, max_pixels: int, param: str = "messages") -> tuple[int, int]:
     """(width, height) of a data URL's image from its header, checked as ``decode_data_url``
     checks it, decoding only as much base64 as the header needs."""
-    payload = data_url_payload(url, param)
+    payload = _data_url_payload(url, param)
     for num_chars in _PEEK_CHARS:
         if num_chars >= len(payload):
             break
-        prefix = decode_base64(payload[: num_chars - num_chars % 4], param)
+        prefix = _b64decode(payload[: num_chars - num_chars % 4], param)
         try:
             return _open_header(prefix, max_pixels=max_pixels, param=param).size
         except RequestError:
             raise
         except _DECODE_ERRORS:
             continue  # the header goes on past the prefix (or the image is bad: decided on all of it)
-    return peek_image_bytes(decode_base64(payload, param), max_pixels=max_pixels, param=param)
+    return peek_image_bytes(_b64decode(payload, param), max_pixels=max_pixels, param=param)

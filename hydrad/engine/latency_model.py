@@ -128,7 +128,7 @@ class StepShape:
         return StepShape(
             num_images=len(images),
             num_patches=sum(image[0] for image in images),
-            patches_sq=sum(image[0] * attention_span(*image) for image in images),
+            patches_sq=sum(image[0] * ((image[2] if len(image) > 2 else 0) or image[0]) for image in images),
             num_image_tokens=sum(image[1] for image in images),
             num_prefill_tokens=sum(q for _, q in prefills),
             prefill_pairs=sum(prefill_pairs(c, q) for c, q in prefills),
@@ -145,12 +145,6 @@ class StepShape:
         if not self.num_prefill_tokens and not self.num_decodes:
             return [0.0] * len(LANGUAGE_TERMS)
         return [1.0, self.num_prefill_tokens, self.prefill_pairs / 1e3, self.num_decodes, self.decode_context / 1e3]
-
-
-def attention_span(patches: int, tokens: int = 0, span: int = 0) -> int:
-    """The patches one attention of the vision tower spans in an image of ``patches`` (its
-    ``ImageInput.attention_span``, 0 meaning all of them)."""
-    return span or patches
 
 
 def prefill_pairs(context: int, num_tokens: int) -> int:
@@ -201,9 +195,8 @@ class LatencyModel:
 
     def image_seconds(self, num_patches: int, num_tokens: int, span: int = 0) -> float:
         """What one image adds to a step's vision work (the fixed part not included); ``span``:
-        its attention span (``ImageInput.attention_span``)."""
-        return (self.v_image + self.v_patch * num_patches
-                + self.v_patch2 * num_patches * attention_span(num_patches, num_tokens, span) / 1e3
+        its attention span (``ImageInput.attention_span``; 0: the whole image)."""
+        return (self.v_image + self.v_patch * num_patches + self.v_patch2 * num_patches * (span or num_patches) / 1e3
                 + self.v_token * num_tokens)
 
     def language_seconds(self, shape: StepShape) -> float:

@@ -72,7 +72,7 @@ def stage_costs(model: LatencyModel, role: str, workload: Workload, slo: SLOConf
     bound = latency_bound(slo, role)
     shapes = workload.shapes
     n = len(shapes)
-    images = [(patches, tokens, sum(span)) for s in shapes for _, tokens, patches, *span in s.images]
+    images = [(patches, tokens, span[0] if span else 0) for s in shapes for _, tokens, patches, *span in s.images]
     encode = prefill = decode = 0.0
     if "E" in role and images:
         per_image = [m.image_seconds(*image) for image in images]

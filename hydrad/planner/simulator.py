@@ -714,7 +714,8 @@ class Simulation:
             params = self._params[spec.num_output_tokens] = SamplingParams(
                 max_tokens=spec.num_output_tokens, temperature=0.0, ignore_eos=True)
         return EngineRequest(f"r{i}", [0] * spec.num_prompt_tokens, params,
-                             [ImageInput(None, offset, length, num_patches=patches, attention_span=sum(span))
+                             [ImageInput(None, offset, length, num_patches=patches,
+                                         attention_span=span[0] if span else 0)
                               for offset, length, patches, *span in spec.images])
 
     def _arrive(self, i: int) -> None:

@@ -167,8 +167,8 @@ def test_families_on_cuda_with_chunks_preemption_and_ipc(tiny_checkpoint, family
 def test_videos_on_cuda_in_worker_processes(tiny_checkpoint, arch, monkeypatch):
     """A conversation with an image and a video (frames given as arrays: no PyAV needed) on the
     GPU, on one instance and across worker processes (the video's embeddings through CUDA IPC),
-    against the same request on the CPU in float32, token by token with log-probabilities. The
-    CPU path is transformers' own there (tests/models/test_qwen2_vl_videos.py)."""
+    against the same request on the CPU in float32, token by token with log-probabilities (on the
+    CPU its greedy tokens are transformers', tests/models/test_qwen2_vl_videos.py)."""
     from factories import image, photo_frames, text
     from test_llm_families import CACHE
 
