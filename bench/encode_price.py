@@ -7,9 +7,11 @@ One EPD instance in this process (the engine's default threads), its latency mod
 the cache or fitted as the daemon fits it (``hydrad.engine.profiler.fit_latency_model``).
 Each input is processed as the daemon processes it (a video as frames at 2 a second, all
 kept), then its encode alone (``encode_images``, the vision tower and merger) is timed
-``--repeats`` times after a warm-up (median), and priced by the model twice: as one image of
-all its patches (square term patches^2) and by its attention span (patches * span, what the
-scheduler uses). Inputs: photo-like frames panning 4 pixels a frame, 8 and 16 frames at
+``--repeats`` times after a warm-up (median), and priced by the model: as one image of all
+its patches (square term patches^2), by its attention span (patches * span), and as the
+engine schedules it, by its groups (``ImageInput.groups``: a video's groups of frames each an
+input; an image one). The groups are also timed encoded a group a call, as the scheduler may
+spread them over steps, against the model's price for a step each. Inputs: photo-like frames panning 4 pixels a frame, 8 and 16 frames at
 320x240 and 8 at 640x480; images of 448x336, 640x480 and 1024x768.
 """
 
@@ -56,9 +58,11 @@ def main() -> None:
               for n, w, h in VIDEOS]
     inputs += [(f"image {w}x{h}", {"type": "image", "image": photo_like(w, h, seed=w)}) for w, h in IMAGES]
     rows = []
-    table = Table(title="encode seconds: predicted as one image of all its patches, by attention span, measured")
-    for column in ("input", "grid", "patches", "span", "whole", "by span", "measured", "whole / measured",
-                   "by span / measured"):
+    table = Table(title="encode seconds: predicted as one image of all its patches, by attention span, by "
+                        "groups, against measured; and a group a step")
+    for column in ("input", "grid", "patches", "span", "whole", "by span", "by groups", "measured",
+                   "whole / measured", "by span / measured", "by groups / measured", "groups",
+                   "a group a step: predicted", "measured", "predicted / measured"):
         table.add_column(column)
     with torch.inference_mode():
         for name, part in inputs:
@@ -66,12 +70,22 @@ def main() -> None:
             (item,) = prompt.images
             whole = model.v_fixed + model.image_seconds(item.num_patches, item.length)
             by_span = model.v_fixed + model.image_seconds(item.num_patches, item.length, item.attention_span)
-            measured = median_seconds(lambda: engine.runner.model.encode_images([item]), args.repeats)
+            groups = item.groups()
+            priced = [model.image_seconds(g.num_patches, g.length, g.attention_span) for g in groups]
+            by_groups = model.v_fixed + sum(priced)
+            apart = len(groups) * model.v_fixed + sum(priced)
+            encode = engine.runner.model.encode_images
+            measured = median_seconds(lambda: encode([item]), args.repeats)
+            measured_apart = median_seconds(lambda: [encode([g]) for g in groups], args.repeats)
             span = item.attention_span or item.num_patches
             rows.append({"input": name, "grid_thw": item.grid_thw, "patches": item.num_patches, "span": span,
-                         "predicted_whole_s": whole, "predicted_by_span_s": by_span, "measured_s": measured})
+                         "groups": len(groups), "predicted_whole_s": whole, "predicted_by_span_s": by_span,
+                         "predicted_by_groups_s": by_groups, "measured_s": measured,
+                         "predicted_a_group_a_step_s": apart, "measured_a_group_a_call_s": measured_apart})
             table.add_row(name, str(item.grid_thw), str(item.num_patches), str(span), f"{whole:.3f}",
-                          f"{by_span:.3f}", f"{measured:.3f}", f"{whole / measured:.2f}", f"{by_span / measured:.2f}")
+                          f"{by_span:.3f}", f"{by_groups:.3f}", f"{measured:.3f}", f"{whole / measured:.2f}",
+                          f"{by_span / measured:.2f}", f"{by_groups / measured:.2f}", str(len(groups)),
+                          f"{apart:.3f}", f"{measured_apart:.3f}", f"{apart / measured_apart:.2f}")
     llm.shutdown()
     console.print(table)
     write_json(args.out, {"model": path, "machine": machine(), "latency_model": model.summary(), "rows": rows})

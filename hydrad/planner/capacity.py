@@ -4,7 +4,8 @@
 roles that decode, alpha * TTFT otherwise). At that fill, the instance-seconds one
 request costs in each stage are, from the latency model:
 
-* encode: ``LatencyModel.image_seconds(patches, tokens, span)`` per image, plus ``v_fixed``
+* encode: ``LatencyModel.image_seconds(patches, tokens, span)`` per image (per group of
+  a video's frames, as the engine encodes them: ``ImageInput.groups``), plus ``v_fixed``
   shared by the images of a full step;
 * prefill: ``l_prefill * n + l_attn * pairs(0, n) / 1e3`` for a prompt of ``n`` tokens,
   plus ``l_fixed`` shared by the tokens of the largest chunk that fits the bound;
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.latency_model import LatencyModel, latency_bound, prefill_pairs
+from hydrad.models.inputs import encode_groups
 from hydrad.planner.simulator import role_model
 from hydrad.planner.workload import Workload
 
@@ -66,13 +68,20 @@ def _full_batch(budget: float, fixed: float, per_unit: float, cap: int) -> int:
     return max(1, min(cap, int((budget - fixed) / per_unit)))
 
 
+def _groups(patches: int, tokens: int, span: int) -> list[tuple[int, int, int]]:
+    """(patches, tokens, span) of each part an image encodes as (``encode_groups``)."""
+    n = encode_groups(patches, span, tokens)
+    return [(patches // n, tokens // n, span)] * n
+
+
 def stage_costs(model: LatencyModel, role: str, workload: Workload, slo: SLOConfig,
                 scheduler: SchedulerConfig) -> StageCosts:
     m = role_model(model, role)
     bound = latency_bound(slo, role)
     shapes = workload.shapes
     n = len(shapes)
-    images = [(patches, tokens, span[0] if span else 0) for s in shapes for _, tokens, patches, *span in s.images]
+    images = [part for s in shapes for _, tokens, patches, *span in s.images
+              for part in _groups(patches, tokens, span[0] if span else 0)]
     encode = prefill = decode = 0.0
     if "E" in role and images:
         per_image = [m.image_seconds(*image) for image in images]

@@ -26,7 +26,7 @@ import aiohttp
 
 from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
-from hydrad.engine.inputs import EngineRequest, TokenLogprobs
+from hydrad.engine.inputs import EngineRequest, ImageInput, TokenLogprobs
 from hydrad.errors import RequestError
 from hydrad.logs import REQUESTS_LOGGER
 from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize, holds_videos
@@ -145,7 +145,7 @@ class EngineClient:
             start = time.thread_time()
             prompt = process()
             params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
-            check_image_caches([image.length for image in prompt.images], self.image_caches, prompt_param)
+            check_image_caches(prompt.images, self.image_caches, prompt_param)
             choices = split_choices(params)
             requests = [self.processor.make_engine_request(f"{req_id}-{i}" if len(choices) > 1 else req_id,
                                                            prompt, p) for i, p in enumerate(choices)]
@@ -184,15 +184,17 @@ class EngineClient:
         return stream
 
 
-def check_image_caches(image_tokens: list[int], caches: tuple[tuple[int, int], ...], param: str) -> None:
-    """Refuse (RequestError) images of these token counts that an image cache of ``caches``
-    ((blocks, slots per block) each) could never hold at once; a request's images stay in the
-    cache of the instance that encodes them until its prefill has read them."""
+def check_image_caches(images: list[ImageInput], caches: tuple[tuple[int, int], ...], param: str) -> None:
+    """Refuse (RequestError) images that an image cache of ``caches`` ((blocks, slots per
+    block) each) could never hold at once; a request's images stay in the cache of the
+    instance that encodes them until its prefill has read them, each in blocks of its own
+    (a video's groups of frames each in theirs: ``ImageInput.groups``)."""
+    parts = [part.length for image in images for part in image.groups()]
     for num_blocks, block_size in caches:
-        need = sum(-(-tokens // block_size) for tokens in image_tokens)
+        need = sum(-(-tokens // block_size) for tokens in parts)
         if need > num_blocks:
             raise RequestError(
-                f"the request's {len(image_tokens)} images take {sum(image_tokens)} image tokens, {need} blocks of "
+                f"the request's {len(images)} images take {sum(parts)} image tokens, {need} blocks of "
                 f"{block_size}, but the image cache holds {num_blocks}; send fewer or smaller images", param)
 
 

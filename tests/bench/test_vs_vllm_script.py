@@ -112,3 +112,27 @@ def test_each_router_policy_gets_its_own_rows(script):
         "hydrad-2EPD chat16/defaults": 1.0, "hydrad-2EPD chat16/defaults, TTFT p50": 0.5,
         "hydrad-2EPD-cache-aware chat16/defaults": 1.0, "hydrad-2EPD-cache-aware chat16/defaults, TTFT p50": 0.5}
     assert set(script.ROUTED.values()) == {"round-robin", "least-load", "cache-aware"}
+
+
+def test_a_video_mix_reports_each_kinds_ttft_and_the_inter_token_p99(script):
+    from hydrad.bench.metrics import RequestResult
+
+    def result(prompt_tokens, ttft, error=None):
+        return RequestResult(ttft=ttft, tbts=(), e2e=ttft, output_tokens=1, met_slo=True, error=error,
+                             prompt_tokens=prompt_tokens)
+
+    results = [result(30, 0.1), result(31, 0.3), result(32, 0.2), result(440, 2.0), result(441, 4.0),
+               result(30, None, error="reset"), result(440, 9.0, error="timeout")]
+    assert script.ttft_by_kind(results) == {"text_requests": 3, "text_ttft_p50": 0.2,
+                                            "video_requests": 2, "video_ttft_p50": 3.0}
+    assert script.ttft_by_kind(results[:3])["video_ttft_p50"] is None
+    run = {"req_per_s": 4.0, "ttft_p50": 0.5, "prompt_tokens": 130.0, "text_ttft_p50": 0.2, "video_ttft_p50": 3.0,
+           "tbt_p99": 0.1}
+    results = {"hydrad-1EPD": {"videomix16/greedy": run},
+               "vllm": {"videomix16/greedy": {**run, "req_per_s": 2.0, "text_ttft_p50": 0.8, "tbt_p99": 1.0}}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows == {"hydrad-1EPD videomix16/greedy": 2.0, "hydrad-1EPD videomix16/greedy, TTFT p50": 1.0,
+                    "hydrad-1EPD videomix16/greedy, prompt tokens": 1.0,
+                    "hydrad-1EPD videomix16/greedy, text TTFT p50": 0.25,
+                    "hydrad-1EPD videomix16/greedy, video TTFT p50": 1.0,
+                    "hydrad-1EPD videomix16/greedy, inter-token p99": 0.1}

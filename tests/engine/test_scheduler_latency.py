@@ -207,13 +207,40 @@ def test_an_encode_that_attends_within_parts_is_priced_by_them():
     assert whole == pytest.approx(1e-5 * 1024 * 1024 / 1e3) and parts == pytest.approx(whole / 4)
     assert StepShape.of(images=[(1024, 16, 256), (100, 4), (50, 4, 0)]).patches_sq == 1024 * 256 + 100**2 + 50**2
     assert model.vision_seconds(StepShape.of(images=[(1024, 16, 256)])) == pytest.approx(0.001 + parts)
-    # Within 20.5 ms: one whole image a step (1 + 10.5 ms), or seven videos (1 + 7 * 2.6 ms).
-    for span, admitted in ((0, 1), (256, 7)):
+    # Within 20.5 ms: one whole image a step (1 + 10.5 ms); the videos group by group (each
+    # group an input of its own, 0.66 ms): 29 groups, seven videos and the eighth's first.
+    for span, admitted in ((0, [(0, 0)]), (256, [(i, k) for i in range(7) for k in range(4)] + [(7, 0)])):
         s = scheduler_with(model, bound=0.0205, num_image_blocks=64, image_block_size=16)
         for i in range(10):
             s.add(make_request(i, num_prompt=30, images=[(2, 16, 1024, span)], max_tokens=2))
         out, predicted = step(s)
-        assert len(out.encodes) == admitted and predicted <= 0.0205
+        assert [(int(r.req_id), k) for r, k in out.encodes] == admitted and predicted <= 0.0205
+
+
+@pytest.mark.parametrize("span", [0, 256])
+def test_a_video_is_encoded_group_by_group_beside_running_decodes(span):
+    """A video whose encode alone passes the TBT bound, on an instance decoding four streams:
+    encoded group by group (span 256: four independent groups of frames), its groups share
+    the decodes' steps and its prompt starts while they run; attended whole (span 0) it
+    cannot share a step with them, and waits until they have finished."""
+    model = LatencyModel(v_fixed=0.001, v_patch=1e-5, l_fixed=0.002, l_prefill=1e-5, l_decode=2e-4, overlap=1.0)
+    # Four decodes: 2.8 ms; a group: 1 + 2.56 ms; the whole video 1 + 10.24 ms.
+    s = scheduler_with(model, bound=0.01, idle_bound=1.0, num_image_blocks=64, image_block_size=16)
+    decodes = [make_request(f"d{i}", num_prompt=8, max_tokens=30) for i in range(4)]
+    for r in decodes:
+        s.add(r)
+    step(s)
+    video = make_request("v", num_prompt=40, images=[(2, 16, 1024, span)], max_tokens=2)
+    s.add(video)
+    assert len(video.images) == (4 if span else 1)
+    steps = 0
+    while not video.num_output_tokens:
+        out, _ = step(s)
+        steps += 1
+        if out.encodes and span:
+            assert out.num_decodes == 4
+    assert all(r.num_output_tokens < 30 for r in decodes) == bool(span)
+    assert steps <= 4 if span else steps > 28
 
 
 def test_hard_caps_still_bind_under_the_model():

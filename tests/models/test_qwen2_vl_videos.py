@@ -150,6 +150,34 @@ def test_a_video_takes_its_tokens_and_positions(processor, checkpoint, arch):
     assert int(delta) == prompt.mrope_delta
 
 
+def test_a_videos_groups_encode_as_the_whole_video(processor, checkpoint):
+    """The engine encodes a video group by group (``ImageInput.groups``): its groups of frames
+    split its pixels, tokens and grid, and the tower (Qwen2.5-VL's windows too) and merger
+    give each group's tokens exactly as over the whole video; an image stays one input."""
+    from vlm_cases import load_ours
+
+    from hydrad.models.loader import load_config
+    from hydrad.models.registry import get_model_class
+
+    prompt = processor.process_chat(_conversation(fps=None))
+    picture, video = prompt.images
+    assert picture.groups() == [picture] and video.num_groups == 3
+    groups = video.groups()
+    t, h, w = video.grid_thw
+    assert [g.grid_thw for g in groups] == [(1, h, w)] * 3
+    assert [(g.offset, g.length) for g in groups] == [(video.offset + k * h * w // 4, h * w // 4) for k in range(3)]
+    assert [(g.num_patches, g.attention_span, g.frames) for g in groups] == [(h * w, h * w, 2)] * 3
+    assert torch.equal(torch.cat([g.pixel_values for g in groups]), video.pixel_values)
+    digests = [g.content_hash for g in groups]
+    assert len(set(digests + [video.content_hash])) == 4 and None not in digests
+    assert [g.content_hash for g in video.groups()] == digests  # the same video, the same groups
+    assert groups[1].groups() == [groups[1]]
+    model = load_ours(get_model_class(load_config(checkpoint)), checkpoint)
+    (whole,) = model.encode_images([video])
+    torch.testing.assert_close(torch.cat(model.encode_images(groups)), whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(model.encode_images(groups[2:])[0], whole[2 * h * w // 4:], atol=1e-6, rtol=1e-6)
+
+
 def test_text_after_a_long_video_resumes_past_it():
     # 12 groups of frames over a 2 x 2 grid of merged patches: the times run to 11, past the sides.
     ids = [1, 2] + [9] * 48 + [3, 4]

@@ -12,7 +12,7 @@ import pytest
 
 from hydrad.config import SchedulerConfig, SLOConfig
 from hydrad.engine.latency_model import LatencyModel
-from hydrad.planner.capacity import algorithm2, apportion, stage_shares
+from hydrad.planner.capacity import algorithm2, apportion, stage_costs, stage_shares
 from hydrad.planner.search import ROLE_ORDER, Evaluation, Planner, deployments
 from hydrad.planner.simulator import InstanceLayout, SimSetup
 from hydrad.trace import make_record
@@ -93,6 +93,22 @@ def test_round_robin_shares_follow_the_router_and_in_place_stages():
     assert stage_shares(["E", "PD"], 0.5) == [(0.5, 0, 0), (0, 1.0, 1.0)]
     # 2EPD: halves.
     assert stage_shares(["EPD", "EPD"], 1.0) == [(0.5, 0.5, 0.5)] * 2
+
+
+def test_a_videos_encode_is_costed_group_by_group_as_the_engine_encodes_it():
+    def encode(*images) -> float:
+        records = [make_record(timestamp=t, model="m", prompt_tokens=500, template_tokens=10, images=list(images),
+                               output_tokens=10, max_tokens=10, finish_reason="length", preprocess=0.01, ttft=0.1,
+                               e2e=1.0, gaps=[], stages={}, instances=[0], deploy="1EPD") for t in (0.0, 1.0)]
+        return stage_costs(MODEL, "E", Workload.from_records(records), SLOConfig(ttft=2.0, tbt=0.1),
+                           SchedulerConfig()).encode
+
+    # A video of four groups of 396 patches (99 tokens each) costs what four such images do:
+    # four times v_image, not once as one image of its patches would.
+    video = encode((320, 240, 396, 5, 1584, 396, 8))
+    assert video == pytest.approx(encode(*[(320, 240, 99, 5 + 99 * k, 396, 396, 0) for k in range(4)]))
+    # (Beside one image of all its patches: three more v_image, and more steps' v_fixed shared.)
+    assert 3 * MODEL.v_image < video - encode((320, 240, 396, 5, 1584, 396 * 4, 0)) < 3 * MODEL.v_image + MODEL.v_fixed
 
 
 @pytest.mark.parametrize("roles", [("EP", "D"), ("E", "P", "D"), ("EPD", "EPD")])

@@ -161,3 +161,18 @@ def test_with_direct_writes_a_step_is_written_after_its_delivery_and_the_handler
     handler_batches = asyncio.run(run())
     assert written[1] == [([t], None) for t in ids[2:-1]] + [([ids[-1]], "length")]
     assert len(handler_batches) == 1
+
+
+def test_a_video_takes_its_groups_blocks_in_the_image_cache():
+    """A video is held in the image cache group by group (``ImageInput.groups``), each group
+    in blocks of its own: four groups of 99 tokens take 8 blocks of 64, not 7."""
+    from hydrad.engine.inputs import ImageInput
+    from hydrad.errors import RequestError
+    from hydrad.server.engine_client import check_image_caches
+
+    video = ImageInput(None, 5, 396, grid_thw=(4, 18, 22), num_patches=1584, attention_span=396, frames=8)
+    check_image_caches([video], ((8, 64),), "messages")
+    with pytest.raises(RequestError, match="the request's 1 images take 396 image tokens, 8 blocks of 64"):
+        check_image_caches([video], ((7, 64),), "messages")
+    whole = ImageInput(None, 5, 396, num_patches=1584)
+    check_image_caches([whole], ((7, 64),), "messages")
