@@ -198,6 +198,22 @@ def ttft_by_kind(results) -> dict:
     return doc
 
 
+def _closed_loops(out: dict, url: str, name: str, workload: Path, concurrencies: list[int], rounds: int, *,
+                  counters: bool = False, kinds: bool = False) -> None:
+    """``out[NAME{C}/{mode}]``: a closed loop of ``rounds`` requests per stream at each concurrency
+    C, greedy and at the API's defaults, under a loose SLO; with ``counters``, the server's
+    counters over it (``record_counters``); with ``kinds``, each kind's TTFT (``bench``)."""
+    loose = SLO(ttft=60.0, tbt=5.0)
+    for streams in concurrencies:
+        for mode in ("greedy", "defaults"):
+            key = f"{name}{streams}/{mode}"
+            before = server_counters(url) if counters else None
+            out[key] = bench(url, workload, loose, key, kinds=kinds, concurrency=streams, warmup=streams,
+                             num_requests=rounds * streams, sampling=SAMPLINGS[mode])
+            if counters:
+                record_counters(out[key], before, server_counters(url))
+
+
 def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) -> dict:
     out: dict = {}
     url = server.url
@@ -229,29 +245,12 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                                      sampling=SAMPLINGS[mode])
                     record_counters(out[key], before, server_counters(url))
         elif scenario == "crowd":
-            loose = SLO(ttft=60.0, tbt=5.0)
-            for streams in args.crowd_streams:
-                for mode in ("greedy", "defaults"):
-                    key = f"crowd{streams}/{mode}"
-                    before = server_counters(url)
-                    out[key] = bench(url, workloads["image32"], loose, key, concurrency=streams, warmup=streams,
-                                     num_requests=args.crowd_rounds * streams, sampling=SAMPLINGS[mode])
-                    record_counters(out[key], before, server_counters(url))
+            _closed_loops(out, url, "crowd", workloads["image32"], args.crowd_streams, args.crowd_rounds, counters=True)
         elif scenario == "video":
-            loose = SLO(ttft=60.0, tbt=5.0)
-            for streams in args.video_streams:
-                for mode in ("greedy", "defaults"):
-                    key = f"video{streams}/{mode}"
-                    out[key] = bench(url, workloads["video32"], loose, key, concurrency=streams, warmup=streams,
-                                     num_requests=args.video_rounds * streams, sampling=SAMPLINGS[mode])
+            _closed_loops(out, url, "video", workloads["video32"], args.video_streams, args.video_rounds)
         elif scenario == "videomix":
-            loose = SLO(ttft=60.0, tbt=5.0)
-            for streams in args.videomix_streams:
-                for mode in ("greedy", "defaults"):
-                    key = f"videomix{streams}/{mode}"
-                    out[key] = bench(url, workloads["videomix32"], loose, key, kinds=True, concurrency=streams,
-                                     warmup=streams, num_requests=args.videomix_rounds * streams,
-                                     sampling=SAMPLINGS[mode])
+            _closed_loops(out, url, "videomix", workloads["videomix32"], args.videomix_streams, args.videomix_rounds,
+                          kinds=True)
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:

@@ -136,3 +136,18 @@ def test_a_video_mix_reports_each_kinds_ttft_and_the_inter_token_p99(script):
                     "hydrad-1EPD videomix16/greedy, text TTFT p50": 0.25,
                     "hydrad-1EPD videomix16/greedy, video TTFT p50": 1.0,
                     "hydrad-1EPD videomix16/greedy, inter-token p99": 0.1}
+
+
+def test_closed_loops_run_each_concurrency_greedy_and_at_the_defaults(script, monkeypatch):
+    calls, counted = [], []
+    monkeypatch.setattr(script, "bench", lambda url, workload, slo, key, **kw: calls.append((key, kw)) or {"key": key})
+    monkeypatch.setattr(script, "server_counters", lambda url: counted.append(url) or {"queries": 0})
+    monkeypatch.setattr(script, "record_counters", lambda doc, before, after: doc.update(counted=True))
+    out = {}
+    script._closed_loops(out, "u", "videomix", "w.jsonl", [16, 256], 2, kinds=True)
+    assert [(key, kw["concurrency"], kw["num_requests"], kw["kinds"]) for key, kw in calls] == [
+        ("videomix16/greedy", 16, 32, True), ("videomix16/defaults", 16, 32, True),
+        ("videomix256/greedy", 256, 512, True), ("videomix256/defaults", 256, 512, True)]
+    assert calls[0][1]["sampling"] != calls[1][1]["sampling"] and not counted and "counted" not in out["videomix16/greedy"]
+    script._closed_loops(out, "u", "crowd", "w.jsonl", [8], 1, counters=True)
+    assert out["crowd8/defaults"] == {"key": "crowd8/defaults", "counted": True} and len(counted) == 4
