@@ -24,7 +24,7 @@ from common import machine, median_seconds, model_dir, photo_like, write_json
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+console = Console(width=200)  # fifteen columns
 VIDEOS = ((8, 320, 240), (16, 320, 240), (8, 640, 480))  # frames, width, height
 IMAGES = ((448, 336), (640, 480), (1024, 768))
 PAN_PIXELS = 4
