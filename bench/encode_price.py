@@ -11,8 +11,9 @@ kept), then its encode alone (``encode_images``, the vision tower and merger) is
 its patches (square term patches^2), by its attention span (patches * span), and as the
 engine schedules it, by its groups (``ImageInput.groups``: a video's groups of frames each an
 input; an image one). The groups are also timed encoded a group a call, as the scheduler may
-spread them over steps, against the model's price for a step each. Inputs: photo-like frames panning 4 pixels a frame, 8 and 16 frames at
-320x240 and 8 at 640x480; images of 448x336, 640x480 and 1024x768.
+spread them over steps, against the model's price for a step each. Inputs: photo-like frames
+panning 4 pixels a frame, 8 and 16 frames at 320x240 and 8 at 640x480; images of 448x336,
+640x480 and 1024x768.
 """
 
 from __future__ import annotations

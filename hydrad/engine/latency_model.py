@@ -16,13 +16,13 @@ over (``ImageInput.num_patches``: LLaVA-NeXT's tiles and base image, Qwen2-VL's
 patches before the 2x2 merge), with a square term for towers whose layers attend over
 a whole image (``patches * span``, where the tower attends within parts of ``span``
 patches: Qwen2-VL's videos, each group of frames alone); its tokens in the language
-model (what prefill reads) add the projector's or merger's share. ``prefill_pairs`` counts the (query, key) pairs of the
-prefill chunks' attention, a chunk of q tokens after c cached ones reading
-q*c + q(q+1)/2 pairs; ``decode_context``
-is the total KV context the decodes read. The fixed parts count only when the step
-has work of that kind. ``overlap`` is how much of the shorter part the longer one
-does not hide: 0 when vision and language run fully in parallel (two CUDA streams),
-about 1 when they share the same cores (two threads on a CPU).
+model (what prefill reads) add the projector's or merger's share. ``prefill_pairs``
+counts the (query, key) pairs of the prefill chunks' attention, a chunk of q tokens after
+c cached ones reading q*c + q(q+1)/2 pairs; ``decode_context`` is the total KV context
+the decodes read. The fixed parts count only when the step has work of that kind.
+``overlap`` is how much of the shorter part the longer one does not hide: 0 when vision
+and language run fully in parallel (two CUDA streams), about 1 when they share the same
+cores (two threads on a CPU).
 
 The coefficients are fitted by least squares on relative error to probe batches run
 through the real runner (``hydrad.engine.profiler``), and saved as JSON (format in

@@ -189,7 +189,9 @@ def check_image_caches(images: list[ImageInput], caches: tuple[tuple[int, int], 
     block) each) could never hold at once; a request's images stay in the cache of the
     instance that encodes them until its prefill has read them, each in blocks of its own
     (a video's groups of frames each in theirs: ``ImageInput.groups``)."""
-    parts = [part.length for image in images for part in image.groups()]
+    parts = []  # the tokens of each group, as ``ImageInput.groups`` splits them
+    for image in images:
+        parts += [image.length // image.num_groups] * image.num_groups
     for num_blocks, block_size in caches:
         need = sum(-(-tokens // block_size) for tokens in parts)
         if need > num_blocks:
