@@ -56,6 +56,11 @@ Scenarios (``--scenarios``, default all):
            20-token prompt, 32 output tokens) to one of the video scenario's requests, in turn:
            req/s, TTFT p50 of each kind (a text request waits behind the videos before it),
            inter-token p99, greedy and API defaults
+  mixrate  Poisson arrivals of the videomix scenario's requests at each ``--mix-rates`` rate
+           (``--mix-requests`` a run), greedy and API defaults: the share of all, of the text
+           and of the video requests meeting the SLO, each kind's TTFT p50 and the text
+           requests' TTFT p90, the inter-token p99: below its capacity, whether a text request
+           arriving behind a video waits for it
 
 ``--rounds N`` measures every server N times, in alternating order (forward, then backward),
 and reports each round's ratios and their median: the speed of a shared machine drifts by
@@ -71,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -86,7 +92,7 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video", "videomix")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video", "videomix", "mixrate")
 # In the videomix scenario's requests: a text prompt has under this many prompt tokens, a video's over.
 TEXT_PROMPT_TOKENS = 100
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
@@ -167,7 +173,8 @@ def record_counters(doc: dict, before: dict | None, after: dict | None) -> None:
 
 def bench(url: str, workload: Path | str, slo: SLO, phase: str, kinds: bool = False, **kw) -> dict:
     """One phase's summary; with ``kinds``, the TTFT p50 of its text requests and of its video
-    requests apart too (told apart by their prompt tokens: ``TEXT_PROMPT_TOKENS``)."""
+    requests apart too (told apart by their prompt tokens: ``TEXT_PROMPT_TOKENS``), and, at a
+    request rate, each kind's TTFT p90 and share within the SLO (``ttft_by_kind``)."""
     # Each phase draws its own prompts and images (the same ones on every server): a phase
     # repeating an earlier phase's requests would measure vLLM's prefix and encoder caches.
     seed = zlib.crc32(phase.encode())
@@ -182,19 +189,27 @@ def bench(url: str, workload: Path | str, slo: SLO, phase: str, kinds: bool = Fa
         doc["goodput_rps"] = result.goodput_total
         doc["sweep"] = {f"{r.rate:g}": r.summary.attainment for r in result.runs}
     if kinds:
-        doc.update(ttft_by_kind(result.headline.results))
+        doc.update(ttft_by_kind(result.headline.results, slo="rates" in kw))
     return doc
 
 
-def ttft_by_kind(results) -> dict:
+def ttft_by_kind(results, slo: bool = False) -> dict:
     """The count and TTFT p50 of the text requests and of the video requests among ``results``
-    (``RequestResult``s that succeeded), told apart by their prompt tokens."""
+    (``RequestResult``s that succeeded), told apart by their prompt tokens; with ``slo``, each
+    kind's TTFT p90 and the share of its requests (failed ones counted) that met the SLO too
+    (a failed request's kind is unknown: it counts against both)."""
     ok = [r for r in results if r.error is None and r.ttft is not None]
+    failed = len(results) - len(ok)
     doc = {}
     for kind, picked in (("text", [r for r in ok if (r.prompt_tokens or 0) < TEXT_PROMPT_TOKENS]),
                          ("video", [r for r in ok if (r.prompt_tokens or 0) >= TEXT_PROMPT_TOKENS])):
         doc[f"{kind}_requests"] = len(picked)
         doc[f"{kind}_ttft_p50"] = statistics.median(r.ttft for r in picked) if picked else None
+        if slo:
+            ttfts = sorted(r.ttft for r in picked)
+            doc[f"{kind}_ttft_p90"] = ttfts[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None
+            counted = len(picked) + failed
+            doc[f"{kind}_attainment"] = sum(r.met_slo for r in picked) / counted if counted else None
     return doc
 
 
@@ -251,6 +266,12 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
         elif scenario == "videomix":
             _closed_loops(out, url, "videomix", workloads["videomix32"], args.videomix_streams, args.videomix_rounds,
                           kinds=True)
+        elif scenario == "mixrate":
+            for rate in args.mix_rates:
+                for mode in ("greedy", "defaults"):
+                    key = f"mixrate{rate:g}/{mode}"
+                    out[key] = bench(url, workloads["videomix32"], slo, key, kinds=True, rates=(rate,),
+                                     num_requests=args.mix_requests, sampling=SAMPLINGS[mode])
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -320,6 +341,16 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
                     add(f"{name} {key}, {kind} TTFT p50", "s", ours[key].get(f"{kind}_ttft_p50"),
                         vllm[key].get(f"{kind}_ttft_p50"))
                 add(f"{name} {key}, inter-token p99", "s", ours[key]["tbt_p99"], vllm[key]["tbt_p99"])
+        for key in sorted((k for k in ours if k.startswith("mixrate") and k in vllm), key=_chat_order):
+            a, b = ours[key], vllm[key]
+            add(f"{name} {key}, within SLO", "share", a["attainment"], b["attainment"])
+            for kind in ("text", "video"):
+                add(f"{name} {key}, {kind} within SLO", "share", a.get(f"{kind}_attainment"),
+                    b.get(f"{kind}_attainment"))
+            add(f"{name} {key}, text TTFT p50", "s", a.get("text_ttft_p50"), b.get("text_ttft_p50"))
+            add(f"{name} {key}, text TTFT p90", "s", a.get("text_ttft_p90"), b.get("text_ttft_p90"))
+            add(f"{name} {key}, video TTFT p50", "s", a.get("video_ttft_p50"), b.get("video_ttft_p50"))
+            add(f"{name} {key}, inter-token p99", "s", a["tbt_p99"], b["tbt_p99"])
     return rows
 
 
@@ -328,10 +359,10 @@ def _with_twins(results: dict, *names: str) -> list[str]:
     return [n for name in names for n in (name, f"{name}@before") if n == name or n in results]
 
 
-def _chat_order(key: str) -> tuple[str, int, str]:
-    kind = next(k for k in ("chat", "crowd", "videomix", "video") if key.startswith(k))
+def _chat_order(key: str) -> tuple[str, float, str]:
+    kind = next(k for k in ("chat", "crowd", "videomix", "video", "mixrate") if key.startswith(k))
     streams, _, mode = key[len(kind):].partition("/")
-    return kind, int(streams), mode
+    return kind, float(streams), mode
 
 
 def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> str:
@@ -413,6 +444,9 @@ def main() -> None:
                         help="the width and height of those videos' frames")
     parser.add_argument("--videomix-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--videomix-rounds", type=int, default=2, help="requests per stream slot in a videomix run")
+    parser.add_argument("--mix-rates", type=float, nargs="+", default=[0.5, 1.0],
+                        help="request rates (req/s) of the mixrate runs")
+    parser.add_argument("--mix-requests", type=int, default=64, help="requests per mixrate run")
     parser.add_argument("--chat-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--chat-turns", type=int, default=3, help="turns per conversation in the chat runs")
     parser.add_argument("--chat-blocks", type=int, default=1,
@@ -465,7 +499,7 @@ def main() -> None:
         servers = {}
         for name, devices, deploy, config, scenarios in (
             ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml",
-             ("start", "peak", "single", "poisson", "chat", "crowd", "video", "videomix")),
+             ("start", "peak", "single", "poisson", "chat", "crowd", "video", "videomix", "mixrate")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
@@ -488,9 +522,9 @@ def main() -> None:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
                                           ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video",
-                                           "videomix"),
+                                           "videomix", "mixrate"),
                                           args.kv_cache_gib, args.dtype,
-                                          videos=bool({"video", "videomix"} & set(args.scenarios)))
+                                          videos=bool({"video", "videomix", "mixrate"} & set(args.scenarios)))
         rounds: list[dict] = []
         try:
             for round_index in range(args.rounds):

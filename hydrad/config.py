@@ -109,8 +109,16 @@ class SchedulerConfig:
     # to its [slo] bound by the model's prediction, within the caps above; off: only the
     # caps bind.
     derive_budgets: bool = True
+    # Prompts that one step could not carry alone (a long text, a video: their whole prompt
+    # work predicted over the instance's step bound) keep at least this share of each step's
+    # room left after the decodes while shorter prompts wait; the shorter ones take the rest
+    # first, ahead of them (the order within each kind stays first come first served).
+    # 1: first come first served whatever a prompt's length. Only with derive_budgets.
+    long_prompt_share: float = 0.25
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.long_prompt_share <= 1.0:
+            raise ConfigError(f"scheduler.long_prompt_share must be in [0, 1], got {self.long_prompt_share}")
         if self.token_budget < 1:
             raise ConfigError(f"scheduler.token_budget must be >= 1, got {self.token_budget}")
         if self.image_budget < 1:

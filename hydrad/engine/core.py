@@ -693,6 +693,7 @@ class EngineCore:
             num_kv_blocks_used=kv.num_used_blocks if kv else 0,
             num_image_blocks_used=img.num_used_blocks if img else 0,
             num_preemptions=s.num_preemptions,
+            num_overrun_steps=s.num_overrun_steps,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
             images_cached=s.images_cached,

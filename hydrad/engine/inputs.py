@@ -116,3 +116,6 @@ class EngineStats:
     live_speed: dict[str, float] = field(default_factory=dict)
     live_speed_steps: dict[str, int] = field(default_factory=dict)
     live_speed_spread: float = 0.0  # of log(measured / predicted) about each kind's median
+    # Steps built past their bound for images that could not fit beside their decodes
+    # (``scheduler.OVERRUN_STEPS``), since the instance started.
+    num_overrun_steps: int = 0

@@ -199,6 +199,16 @@ class LatencyModel:
         return (self.v_image + self.v_patch * num_patches + self.v_patch2 * num_patches * (span or num_patches) / 1e3
                 + self.v_token * num_tokens)
 
+    def prompt_seconds(self, images, num_tokens: int, encode: bool = True, prefill: bool = True) -> float:
+        """A whole prompt's work alone in one step: its ``images`` (``ImageInput``s) encoded
+        where ``encode``, and its ``num_tokens`` prefilled where ``prefill``."""
+        vision = language = 0.0
+        if encode and images:
+            vision = self.v_fixed + sum(self.image_seconds(i.num_patches, i.length, i.attention_span) for i in images)
+        if prefill and num_tokens:
+            language = self.l_fixed + self.l_prefill * num_tokens + self.l_attn * prefill_pairs(0, num_tokens) / 1e3
+        return self.combine(vision, language)
+
     def language_seconds(self, shape: StepShape) -> float:
         if not shape.num_prefill_tokens and not shape.num_decodes:
             return 0.0

@@ -72,6 +72,9 @@ class Request:
         # KV reservation up front instead.
         self.preemptible = True
         self.num_preemptions = 0
+        # Its prompt takes more than one step's bound here (``Scheduler._classify``): shorter
+        # prompts go ahead of it, within a share of each step.
+        self.long_prompt = False
         self.finish_reason: str | None = None
         # Monotonic timestamps (system-wide clock, so they survive migration) and exec seconds.
         self.timeline: dict[str, float] = {

@@ -17,6 +17,19 @@ top):
    encoding (image blocks for all their images are taken at once, so two requests
    can never each hold half of what they need), text-only ones straight to prefill.
 
+Prompts are of two kinds (``Request.long_prompt``): long where the whole prompt's work
+here, predicted alone, passes the step bound (a long text, a video), short where one step
+could carry it. While both kinds wait, steps 2, 3 and 5 run for the short prompts first,
+within ``1 - long_prompt_share`` of the room the decodes left, then for the long ones up to
+the bound: a text prompt arriving behind a video is prefilled in the next step instead of
+after the video's encode and prefill, and a long prompt keeps at least its share of every
+step however many short ones come; a step without decodes that gives a short prompt its
+first token keeps the long ones to the decodes' bound rather than the ``idle_bound``.
+Within a kind the order is first come first served, and a request of the other kind passed
+over at admission keeps the slot, image blocks and KV blocks it waits for (``_admit_new``).
+With one kind waiting, or a share of 1, steps are built as above. (vLLM's ``max_long_partial_prefills`` lets short prompts jump the queue the
+same way, by token counts; here the split is by predicted time.)
+
 With prefix caching (on the KV pool of an instance that prefills: ``BlockManager``,
 ``prefix_cache``), each full block a prefill completes is registered under a digest of
 the tokens and images it depends on, and so is every full block a request holds when it
@@ -36,7 +49,12 @@ next one's first step here (``_bound_for_handoffs``). Time is read from ``clock`
 planner's simulator passes its virtual one).
 
 The first unit of work of an empty step is always admitted, so a step makes progress
-even when the bound cannot be met. A request's prefill starts only after all its
+even when the bound cannot be met. An image (or a video's group of frames: the unit cannot
+be cut) too long to fit beside the step's decodes alone would wait for as long as decodes
+keep coming: after ``OVERRUN_STEPS`` steps in a row with one, a step may go past its bound,
+up to ``OVERRUN_FACTOR`` times it, for such images (at least one), and the next such step
+comes no sooner than ``OVERRUN_STEPS`` later, so a stream that stays sees at most one gap in
+that many past its bound (``SchedulerOutput.overrun``; its p90 TBT holds). A request's prefill starts only after all its
 images are encoded: in a later step, or, where the step's language work runs after its
 vision work (``prefill_after_encode``: no dual streams), in the step that encodes the
 last of them, with what is left of its bound. A stage this instance does not hold is
@@ -73,6 +91,13 @@ HANDOFF_SHARE = 0.5
 # Steps without a step for the prompts, while decodes are handed over here, after which each
 # step advances the oldest of them by one unit past its bound if need be (``_starved``).
 STARVED_STEPS = 4
+# An image (or a video's group) too long to fit beside a step's decodes alone waits while
+# decodes keep coming; after this many steps in a row with one, a step may go past its bound,
+# up to OVERRUN_FACTOR times it, for such images (at least one), and then not again for as
+# many steps: each stream that stays gets at most one gap in OVERRUN_STEPS past its bound (its
+# p90 TBT holds), where such a video waited for every stream to end (``_add_image``).
+OVERRUN_STEPS = 16
+OVERRUN_FACTOR = 2.0
 
 
 @dataclass
@@ -92,6 +117,9 @@ class SchedulerOutput:
     predicted_prefill: float = 0.0  # the prefill terms of predicted_language
     # The first chunks are this many decodes.
     num_decodes: int = 0
+    # The step goes past its bound for images that could not fit beside its decodes
+    # (``OVERRUN_STEPS``).
+    overrun: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -156,6 +184,7 @@ class Scheduler:
         # (request, kind) offered since the engine last looked; the engine drains it.
         self.new_offers: list[tuple[Request, str]] = []
         self.num_preemptions = 0
+        self.num_overrun_steps = 0
         self._dropped: list[Request] = []
         self._step = 0
         self.latency_model: LatencyModel | None = None
@@ -168,6 +197,14 @@ class Scheduler:
         self._prompt_step = 0
         self._force_one = False
         self._forced = False  # this step's prompt unit went past the bound only by ``_force_one``
+        # Images that cannot fit beside the decodes (``OVERRUN_STEPS``): the first step of the
+        # current run of steps with one (None: the last step had none), whether this step met
+        # one, the last step that went past its bound for them, and whether this one may.
+        self._stuck_since: int | None = None
+        self._stuck = False
+        self._last_overrun = -OVERRUN_STEPS
+        self._overrun = False
+        self._decode_language = 0.0  # the predicted language seconds of this step's decodes
         # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
         self.calibration = 1.0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
@@ -287,6 +324,8 @@ class Scheduler:
         self.latency_model = model
         self.latency_bound = bound
         self.idle_bound = max(bound, idle_bound or 0.0)
+        for req in self.requests.values():
+            self._classify(req)
 
     def set_calibration(self, factor: float) -> None:
         """Steps that carry decodes run ``factor`` times their prediction now: fill them to the
@@ -323,6 +362,7 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.check_fits(req)
         self.requests[req.req_id] = req
+        self._classify(req)
         queue = self.incoming if req.pull is not None else self.waiting
         queue.appendleft(req) if front else queue.append(req)
         if req.pull is not None and req.pull[0] == "kv" and req.output_token_ids:
@@ -380,14 +420,30 @@ class Scheduler:
         if handoffs:
             self._bound_for_handoffs(bound, budget)
         self._force_one, self._forced = handoffs and self._starved(), False
-        self._schedule_prefills(out, budget)
-        for req in list(self.encoding.values()):
-            self._schedule_images(req, budget, out)
-        self._admit_incoming(out)
-        if not self.incoming or self._waited_longer():
-            self._admit_new(out, budget)
-        if self.prefill_after_encode and out.encodes and self.can_prefill and "P" not in self.retiring:
-            self._prefill_encoded(out, budget)
+        self._decode_language, self._stuck = budget.language, False
+        self._overrun = (self._stuck_since is not None and self._step - self._stuck_since >= OVERRUN_STEPS
+                         and self._step - self._last_overrun >= OVERRUN_STEPS)
+        if self._both_kinds_wait():
+            # Prompts one step carries go first, within (1 - long_prompt_share) of the room
+            # the decodes left; the long ones then take what is left, at least their share.
+            room, floor = budget.bound, budget.predicted()
+            if room > floor:
+                budget.set_bound(floor + (1.0 - self.config.long_prompt_share) * (room - floor))
+            self._schedule_prompts(out, budget, long=False)
+            if room > bound and any(r.num_computed_tokens + n == r.num_tokens for r, n in out.chunks[out.num_decodes:]):
+                # A prompt's first token comes at this step's end: the long prompts keep it to
+                # the decodes' bound instead of the TTFT share an idle step takes.
+                room = max(bound, budget.predicted())
+            budget.set_bound(room)
+            self._schedule_prompts(out, budget, long=True)
+        else:
+            self._schedule_prompts(out, budget)
+        if not self._stuck:
+            self._stuck_since = None
+        elif self._stuck_since is None:
+            self._stuck_since = self._step
+        out.overrun = self._last_overrun == self._step
+        self.num_overrun_steps += out.overrun
         # Starved prompts take a unit every step until one is advanced within the bound again.
         if (((out.encodes or len(out.chunks) > out.num_decodes) and not self._forced)
                 or not (self.prefilling or self.encoding or self.waiting)):
@@ -396,6 +452,43 @@ class Scheduler:
         out.predicted_prefill = budget.prefill
         self._dropped = []
         return out
+
+    def _schedule_prompts(self, out: SchedulerOutput, budget: StepBudget, long: bool | None = None) -> None:
+        """Algorithm 1's prompt work, in its order: prefill chunks, encodes, migrating requests,
+        new requests, and (``prefill_after_encode``) the first chunks of the prompts whose last
+        images this step encodes; ``long``: only the prompts of that kind
+        (``Request.long_prompt``; migrating requests are admitted in the first pass)."""
+        self._schedule_prefills(out, budget, long)
+        for req in list(self.encoding.values()):
+            if long is None or req.long_prompt is long:
+                self._schedule_images(req, budget, out)
+        if long is not True:
+            self._admit_incoming(out)
+        if not self.incoming or self._waited_longer():
+            self._admit_new(out, budget, long)
+        if self.prefill_after_encode and out.encodes and self.can_prefill and "P" not in self.retiring:
+            self._prefill_encoded(out, budget)
+
+    def _classify(self, req: Request) -> None:
+        """Whether ``req``'s prompt is long: its whole work here (the images it still needs
+        encoded, its prefill), predicted alone, passes the step bound (``long_prompt_share``)."""
+        m = self.latency_model
+        req.long_prompt = m is not None and m.prompt_seconds(
+            req.images, req.num_tokens, encode="E" in self.role and not req.images_done,
+            prefill="P" in self.role) > self.latency_bound
+
+    def _both_kinds_wait(self) -> bool:
+        """Whether prompts of both kinds (long, and one step's) wait for this step's room."""
+        if self.latency_model is None or self.config.long_prompt_share >= 1.0:
+            return False
+        first = None
+        for queue in (self.prefilling.values(), self.encoding.values(), self.waiting):
+            for req in queue:
+                if first is None:
+                    first = req.long_prompt
+                elif req.long_prompt is not first:
+                    return True
+        return False
 
     def _starved(self) -> bool:
         """Whether the prompts here have had no step for ``STARVED_STEPS`` steps (called while
@@ -421,14 +514,31 @@ class Scheduler:
 
     def _add_image(self, budget: StepBudget, image) -> bool:
         """``budget.add_image``, or past the bound where the prompts are starved, as
-        ``_fit_prefill``."""
+        ``_fit_prefill``, or, for an image that cannot fit beside the step's decodes alone, up
+        to ``OVERRUN_FACTOR`` times the bound in a step allowed to (``OVERRUN_STEPS``)."""
         if budget.add_image(image.num_patches, image.length, span=image.attention_span):
             self._force_one = False
             return True
         if self._force_one and budget.add_image(image.num_patches, image.length, force=True, span=image.attention_span):
             self._force_one, self._forced = False, True
             return True
-        return False
+        m = self.latency_model
+        if m is None or budget.images_left < 1 or not self._decode_language:
+            return False  # without decodes, an empty step takes it
+        alone = m.v_fixed + m.image_seconds(image.num_patches, image.length, image.attention_span)
+        if m.combine(alone, self._decode_language) <= budget.bound:
+            return False  # it would fit beside the decodes: it waits for room, not for them
+        self._stuck = True
+        if not self._overrun:
+            return False
+        bound = budget.bound
+        budget.set_bound(OVERRUN_FACTOR * self.latency_bound / self.calibration)
+        first = self._last_overrun != self._step
+        added = budget.add_image(image.num_patches, image.length, force=first, span=image.attention_span)
+        budget.set_bound(bound)
+        if added:
+            self._last_overrun = self._step
+        return added
 
     def _bound_for_handoffs(self, bound: float, budget: StepBudget) -> None:
         """A stream handed over from another instance after its first token is pulled between
@@ -484,13 +594,13 @@ class Scheduler:
             if left < budget.bound:
                 budget.set_bound(left)
 
-    def _schedule_prefills(self, out: SchedulerOutput, budget: StepBudget) -> None:
-        """The prompts being prefilled, each its largest chunk that fits (the oldest at least a
-        ``min_chunk`` where they are starved: ``_starved``)."""
+    def _schedule_prefills(self, out: SchedulerOutput, budget: StepBudget, long: bool | None = None) -> None:
+        """The prompts being prefilled (``long``: those of that kind), each its largest chunk
+        that fits (the oldest at least a ``min_chunk`` where they are starved: ``_starved``)."""
         for req in list(self.prefilling.values()):
             if budget.tokens_left < 1:
                 return
-            if req.status is not _RUNNING:
+            if req.status is not _RUNNING or (long is not None and req.long_prompt is not long):
                 continue
             if not req.preemptible and not self._reserve_kv(req, self._full_len(req), out):
                 # It cannot be recomputed here, so it never waits on KV mid-way: it holds it all.
@@ -530,6 +640,7 @@ class Scheduler:
             if not self._add_image(budget, req.images[index]):
                 return
             out.encodes.append((req, index))
+            req.scheduled_step = self._step
 
     def admit_pulls(self) -> list[Pull]:
         """Pulls of migrating requests admitted ahead of the next ``schedule`` (so their copy
@@ -576,18 +687,32 @@ class Scheduler:
             self.pulling[req.req_id] = req
             out.pulls.append(Pull(req, kind, source, src, dst))
 
-    def _admit_new(self, out: SchedulerOutput, budget: StepBudget) -> None:
+    def _admit_new(self, out: SchedulerOutput, budget: StepBudget, long: bool | None = None) -> None:
         """Admit waiting requests in order while there is room: a slot (``max_num_seqs``), the
         image cache for its images, the step's budget for its first image or prompt chunk, and,
         where its prompt is prefilled, KV for that whole prompt beside what the requests
         admitted before it still need for theirs (``_kv_promised``). Admitted on image-cache
         room alone, hundreds of image requests over-commit the pool once their prefills start,
-        and preempt each other (an image request preempted is encoded again)."""
+        and preempt each other (an image request preempted is encoded again).
+        ``long``: only requests of that kind; the first one of the other kind passed over keeps
+        its slot, its image blocks and its prompt's KV blocks (it waits for the step's room,
+        not for them, and may have come first)."""
         kv = self.kv
         bs = kv.block_size if kv is not None else 0
         free_for_prompts = None  # free KV blocks less the admitted prompts' needs, once needed
-        while self.waiting and len(self.running) + len(self.encoding) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        held_slots = held_kv = held_images = 0  # kept for the request passed over
+        i = 0
+        while i < len(self.waiting) and len(self.running) + len(self.encoding) + held_slots < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if long is not None and req.long_prompt is not long:
+                if not held_slots:
+                    held_slots = 1
+                    if kv is not None and self.can_prefill:
+                        held_kv = kv.num_blocks_for(req.num_tokens)
+                    if req.images and self.images is not None and not req.images_done:
+                        held_images = self._image_blocks_needed(req, req.num_encoded_images)
+                i += 1
+                continue
             cached = self._cached_prefix(req) if self._caching else []
             replayed = self._replayed_blocks(req)
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
@@ -596,15 +721,15 @@ class Scheduler:
                     free_for_prompts = kv.num_free_blocks - self._kv_promised()
                 # Found blocks nobody holds leave the free count as they are taken.
                 prompt_need = kv.num_blocks_for(req.num_tokens) - len(cached) + kv.num_unheld(cached)
-                if prompt_need > free_for_prompts:
+                if prompt_need + held_kv > free_for_prompts:
                     return
                 free_for_prompts -= prompt_need
             if skipped < req.num_images:
-                if not self.images.can_allocate(self._image_blocks_needed(req, skipped)):
+                if not self.images.can_allocate(self._image_blocks_needed(req, skipped) + held_images):
                     return
                 if not self._add_image(budget, req.images[skipped]):
                     return
-                self.waiting.popleft()
+                del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
                 self._allocate_images(req, skipped)
                 req.status = RequestStatus.ENCODING
@@ -616,7 +741,7 @@ class Scheduler:
                 want = self._fit_prefill(budget, start, req.num_tokens - start)
                 if want == 0:
                     return
-                self.waiting.popleft()
+                del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
                 self._start_running(req)
                 self.kv.grow(req.kv_block_ids, start + want)

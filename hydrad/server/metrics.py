@@ -145,11 +145,12 @@ class WorkerFailures(Collector):
 
 class EngineCounters(Collector):
     """Each instance's running totals as its engine counts them (``Metrics.set_instance``):
-    prefix caching's lookups and hits, and preemptions."""
+    prefix caching's lookups and hits, preemptions, and steps built past their bound."""
 
     def __init__(self, model: str):
         self.model = model
-        self.totals: dict[str, tuple[int, int, int, int]] = {}  # instance -> (queries, hits, images, preemptions)
+        # instance -> (queries, hits, images, preemptions, overrun steps)
+        self.totals: dict[str, tuple[int, int, int, int, int]] = {}
 
     def collect(self):
         families = (
@@ -161,6 +162,9 @@ class EngineCounters(Collector):
                                 labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_preemptions", "Requests preempted on the instance for KV room (their KV "
                                 "freed, recomputed when they run again).", labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_steps_over_bound", "Steps built past their latency bound for images too long "
+                                "to fit beside their decodes (one in 16 steps at most).",
+                                labels=["model_name", "instance"]),
         )
         for instance, values in sorted(self.totals.items()):
             for family, value in zip(families, values):
@@ -361,7 +365,8 @@ class Metrics:
             self.live_speed.labels(self._model, str(instance_id), kind).set(factor)
         self.image_usage.labels(*labels).set(stats.image_usage)
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
-                                                         stats.images_cached, stats.num_preemptions)
+                                                         stats.images_cached, stats.num_preemptions,
+                                                         stats.num_overrun_steps)
 
     def set_worker_usage(self, usage: dict[int, ProcessUsage]) -> None:
         """instance -> its worker process's CPU time and memory (instances without a live

@@ -151,3 +151,40 @@ def test_closed_loops_run_each_concurrency_greedy_and_at_the_defaults(script, mo
     assert calls[0][1]["sampling"] != calls[1][1]["sampling"] and not counted and "counted" not in out["videomix16/greedy"]
     script._closed_loops(out, "u", "crowd", "w.jsonl", [8], 1, counters=True)
     assert out["crowd8/defaults"] == {"key": "crowd8/defaults", "counted": True} and len(counted) == 4
+
+
+def test_a_mix_at_a_rate_reports_each_kinds_share_within_the_slo(script, monkeypatch):
+    from hydrad.bench.metrics import RequestResult
+
+    def result(prompt_tokens, ttft, met=True, error=None):
+        return RequestResult(ttft=ttft, tbts=(), e2e=ttft, output_tokens=1, met_slo=met, error=error,
+                             prompt_tokens=prompt_tokens)
+
+    results = [result(30, 0.1), result(31, 0.3), result(32, 0.2), result(33, 2.5, met=False),
+               result(440, 2.0), result(441, 4.0, met=False), result(30, None, met=False, error="reset")]
+    doc = script.ttft_by_kind(results, slo=True)
+    # A failed request counts against both kinds; the p90 is the nearest rank.
+    assert doc == {"text_requests": 4, "text_ttft_p50": 0.25, "text_ttft_p90": 2.5, "text_attainment": 3 / 5,
+                   "video_requests": 2, "video_ttft_p50": 3.0, "video_ttft_p90": 4.0, "video_attainment": 1 / 3}
+    assert "text_attainment" not in script.ttft_by_kind(results)
+    run = {"req_per_s": 0.5, "attainment": 0.5, "text_attainment": 0.6, "video_attainment": 0.25,
+           "text_ttft_p50": 0.2, "text_ttft_p90": 0.4, "video_ttft_p50": 2.0, "tbt_p99": 0.1, "ttft_p50": 0.3}
+    theirs = {**run, "attainment": 0.25, "text_attainment": 0.3, "text_ttft_p90": 1.6, "tbt_p99": 2.0}
+    rows = {label: ratio for label, _, _, _, ratio in
+            script.ratios({"hydrad-1EPD": {"mixrate0.5/greedy": run}, "vllm": {"mixrate0.5/greedy": theirs}})}
+    assert rows == {"hydrad-1EPD mixrate0.5/greedy, within SLO": 2.0,
+                    "hydrad-1EPD mixrate0.5/greedy, text within SLO": 2.0,
+                    "hydrad-1EPD mixrate0.5/greedy, video within SLO": 1.0,
+                    "hydrad-1EPD mixrate0.5/greedy, text TTFT p50": 1.0,
+                    "hydrad-1EPD mixrate0.5/greedy, text TTFT p90": 0.25,
+                    "hydrad-1EPD mixrate0.5/greedy, video TTFT p50": 1.0,
+                    "hydrad-1EPD mixrate0.5/greedy, inter-token p99": 0.05}
+    # Each rate runs greedy and at the API's defaults, at that rate, under the SLO.
+    calls = []
+    monkeypatch.setattr(script, "bench", lambda url, workload, slo, key, **kw: calls.append((key, kw)) or {})
+    server = type("S", (), {"url": "u", "name": "hydrad-1EPD", "scenarios": ("mixrate",)})()
+    args = type("A", (), {"scenarios": ("mixrate",), "mix_rates": [0.5, 1.0], "mix_requests": 64})()
+    script.run_scenarios(server, args, {"videomix32": "w.jsonl"}, "slo")
+    assert [(key, kw["rates"], kw["num_requests"], kw["kinds"]) for key, kw in calls] == [
+        ("mixrate0.5/greedy", (0.5,), 64, True), ("mixrate0.5/defaults", (0.5,), 64, True),
+        ("mixrate1/greedy", (1.0,), 64, True), ("mixrate1/defaults", (1.0,), 64, True)]
