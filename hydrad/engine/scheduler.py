@@ -27,8 +27,9 @@ step however many short ones come; a step without decodes that gives a short pro
 first token keeps the long ones to the decodes' bound rather than the ``idle_bound``.
 Within a kind the order is first come first served, and a request of the other kind passed
 over at admission keeps the slot, image blocks and KV blocks it waits for (``_admit_new``).
-With one kind waiting, or a share of 1, steps are built as above. (vLLM's ``max_long_partial_prefills`` lets short prompts jump the queue the
-same way, by token counts; here the split is by predicted time.)
+With one kind waiting, or a share of 1, steps are built as above. (vLLM's
+``max_long_partial_prefills`` lets short prompts jump the queue the same way, by token
+counts; here the split is by predicted time.)
 
 With prefix caching (on the KV pool of an instance that prefills: ``BlockManager``,
 ``prefix_cache``), each full block a prefill completes is registered under a digest of
@@ -54,10 +55,10 @@ be cut) too long to fit beside the step's decodes alone would wait for as long a
 keep coming: after ``OVERRUN_STEPS`` steps in a row with one, a step may go past its bound,
 up to ``OVERRUN_FACTOR`` times it, for such images (at least one), and the next such step
 comes no sooner than ``OVERRUN_STEPS`` later, so a stream that stays sees at most one gap in
-that many past its bound (``SchedulerOutput.overrun``; its p90 TBT holds). A request's prefill starts only after all its
-images are encoded: in a later step, or, where the step's language work runs after its
-vision work (``prefill_after_encode``: no dual streams), in the step that encodes the
-last of them, with what is left of its bound. A stage this instance does not hold is
+that many past its bound (``SchedulerOutput.overrun``; its p90 TBT holds). A request's
+prefill starts only after all its images are encoded: in a later step, or, where the step's
+language work runs after its vision work (``prefill_after_encode``: no dual streams), in the
+step that encodes the last of them, with what is left of its bound. A stage this instance does not hold is
 offered to another instance: the request keeps its blocks until the target has pulled
 them. When the KV pool runs dry, the latest-admitted running request not yet in this
 batch is preempted: it gives back everything and is recomputed later from its prompt and
@@ -640,7 +641,6 @@ class Scheduler:
             if not self._add_image(budget, req.images[index]):
                 return
             out.encodes.append((req, index))
-            req.scheduled_step = self._step
 
     def admit_pulls(self) -> list[Pull]:
         """Pulls of migrating requests admitted ahead of the next ``schedule`` (so their copy
