@@ -115,6 +115,11 @@ class SchedulerConfig:
     # first, ahead of them (the order within each kind stays first come first served).
     # 1: first come first served whatever a prompt's length. Only with derive_budgets.
     long_prompt_share: float = 0.25
+    # While a long prompt waits, a step that carries decodes may go past the TBT bound, up
+    # to the TTFT share a step without decodes takes, when every stream in it can take one
+    # gap past the TBT with its p90 gap still within it, counted over the gaps it has had
+    # (so however soon it ends). false: steps with decodes always keep to the TBT bound.
+    tbt_slack: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.long_prompt_share <= 1.0:

@@ -694,6 +694,7 @@ class EngineCore:
             num_image_blocks_used=img.num_used_blocks if img else 0,
             num_preemptions=s.num_preemptions,
             num_overrun_steps=s.num_overrun_steps,
+            num_slack_steps=s.num_slack_steps,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
             images_cached=s.images_cached,

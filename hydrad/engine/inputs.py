@@ -119,3 +119,6 @@ class EngineStats:
     # Steps built past their bound for images that could not fit beside their decodes
     # (``scheduler.OVERRUN_STEPS``), since the instance started.
     num_overrun_steps: int = 0
+    # Steps with decodes built past the TBT bound for long prompts on the streams' p90 slack
+    # (``SchedulerConfig.tbt_slack``), since the instance started.
+    num_slack_steps: int = 0

@@ -79,6 +79,8 @@ class MigrationOffer:
     # When its latest token was sampled (system-wide monotonic clock): the target's next
     # token is due one TBT after it (``Scheduler``'s deadlines). None: no token yet.
     last_token_time: float | None = None
+    # Its gaps between two tokens so far that passed the step bound (``Request.num_long_gaps``).
+    num_long_gaps: int = 0
     # Prompt tokens the request found cached where its prefill started (None: not there yet).
     num_cached_tokens: int | None = None
 
@@ -140,6 +142,7 @@ def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
         mrope_positions=req.mrope_positions,
         mrope_delta=req.mrope_delta,
         last_token_time=req.last_token_time,
+        num_long_gaps=req.num_long_gaps,
         num_cached_tokens=req.num_cached_tokens,
     )
 

@@ -88,6 +88,10 @@ class Request:
         # When its latest token was sampled, on the scheduler's clock (carried across migration):
         # its next one is due a TBT later. None until the first.
         self.last_token_time: float | None = None
+        # How many of its gaps between two tokens passed the step bound (on the scheduler's
+        # clock, carried across migration): a step may go past the bound only while every
+        # stream in it keeps its p90 gap within the TBT (``Scheduler._streams_have_slack``).
+        self.num_long_gaps = 0
         # Set while migrating in: (kind, source instance, source block ids, num computed tokens).
         self.pull: tuple[str, int, list, int] | None = None
 
@@ -108,6 +112,7 @@ class Request:
         req.set_output(offer.output_token_ids)
         req.timeline = dict(offer.timeline)
         req.last_token_time = offer.last_token_time
+        req.num_long_gaps = offer.num_long_gaps
         req.num_cached_tokens = offer.num_cached_tokens
         # A request that had not started moves whole: nothing to pull, it starts here.
         req.pull = None if offer.kind == "prompt" else (offer.kind, offer.source, offer.block_ids,

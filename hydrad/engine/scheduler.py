@@ -55,7 +55,11 @@ be cut) too long to fit beside the step's decodes alone would wait for as long a
 keep coming: after ``OVERRUN_STEPS`` steps in a row with one, a step may go past its bound,
 up to ``OVERRUN_FACTOR`` times it, for such images (at least one), and the next such step
 comes no sooner than ``OVERRUN_STEPS`` later, so a stream that stays sees at most one gap in
-that many past its bound (``SchedulerOutput.overrun``; its p90 TBT holds). A request's
+that many past its bound (``SchedulerOutput.overrun``; its p90 TBT holds). The SLO bounds
+each stream's p90 gap, not every gap: while a long prompt waits, a step may take the TTFT
+share (the ``idle_bound``) for the long prompts when every stream decoding in it could have
+one more gap past the TBT and still meet its p90, counted over the gaps it has had, as if it
+ended after this step (``tbt_slack``, ``gaps_past_p90``, ``SchedulerOutput.slack``). A request's
 prefill starts only after all its images are encoded: in a later step, or, where the step's
 language work runs after its vision work (``prefill_after_encode``: no dual streams), in the
 step that encodes the last of them, with what is left of its bound. A stage this instance does not hold is
@@ -121,6 +125,8 @@ class SchedulerOutput:
     # The step goes past its bound for images that could not fit beside its decodes
     # (``OVERRUN_STEPS``).
     overrun: bool = False
+    # The step goes past the TBT bound for long prompts, on its streams' slack (``tbt_slack``).
+    slack: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -186,6 +192,7 @@ class Scheduler:
         self.new_offers: list[tuple[Request, str]] = []
         self.num_preemptions = 0
         self.num_overrun_steps = 0
+        self.num_slack_steps = 0
         self._dropped: list[Request] = []
         self._step = 0
         self.latency_model: LatencyModel | None = None
@@ -424,21 +431,33 @@ class Scheduler:
         self._decode_language, self._stuck = budget.language, False
         self._overrun = (self._stuck_since is not None and self._step - self._stuck_since >= OVERRUN_STEPS
                          and self._step - self._last_overrun >= OVERRUN_STEPS)
-        if self._both_kinds_wait():
+        short, long = self._waiting_kinds()
+        # Long prompts wait and every stream can take a gap past the TBT: they may take the
+        # TTFT share, as a step without decodes does.
+        slack = (long and out.num_decodes and not handoffs and self.config.tbt_slack
+                 and self.idle_bound > max(self.latency_bound, budget.bound) and self._streams_have_slack(out))
+        if short and long and self.config.long_prompt_share < 1.0:
             # Prompts one step carries go first, within (1 - long_prompt_share) of the room
             # the decodes left; the long ones then take what is left, at least their share.
             room, floor = budget.bound, budget.predicted()
             if room > floor:
                 budget.set_bound(floor + (1.0 - self.config.long_prompt_share) * (room - floor))
             self._schedule_prompts(out, budget, long=False)
-            if room > bound and any(r.num_computed_tokens + n == r.num_tokens for r, n in out.chunks[out.num_decodes:]):
+            first_token = any(r.num_computed_tokens + n == r.num_tokens for r, n in out.chunks[out.num_decodes:])
+            if slack and not first_token:
+                room = self.idle_bound
+            elif room > bound and first_token:
                 # A prompt's first token comes at this step's end: the long prompts keep it to
                 # the decodes' bound instead of the TTFT share an idle step takes.
                 room = max(bound, budget.predicted())
             budget.set_bound(room)
             self._schedule_prompts(out, budget, long=True)
         else:
+            if slack and not short:
+                budget.set_bound(self.idle_bound)
             self._schedule_prompts(out, budget)
+        out.slack = bool(slack) and budget.predicted() > bound
+        self.num_slack_steps += out.slack
         if not self._stuck:
             self._stuck_since = None
         elif self._stuck_since is None:
@@ -478,18 +497,34 @@ class Scheduler:
             req.images, req.num_tokens, encode="E" in self.role and not req.images_done,
             prefill="P" in self.role) > self.latency_bound
 
-    def _both_kinds_wait(self) -> bool:
-        """Whether prompts of both kinds (long, and one step's) wait for this step's room."""
-        if self.latency_model is None or self.config.long_prompt_share >= 1.0:
-            return False
-        first = None
+    def _waiting_kinds(self) -> tuple[bool, bool]:
+        """Whether short prompts (one step's), and long ones, wait for this step's room; a
+        scan that stops once it has met both."""
+        if self.latency_model is None:
+            return False, False
+        short = long = False
         for queue in (self.prefilling.values(), self.encoding.values(), self.waiting):
             for req in queue:
-                if first is None:
-                    first = req.long_prompt
-                elif req.long_prompt is not first:
-                    return True
-        return False
+                if req.long_prompt:
+                    long = True
+                else:
+                    short = True
+                if short and long:
+                    return True, True
+        return short, long
+
+    def _streams_have_slack(self, out: SchedulerOutput) -> bool:
+        """Whether every stream decoding in this step can take one gap past the TBT and still
+        have its p90 gap within it, counted over the gaps it will have had after this step (as
+        if it ended then: however soon it ends, it meets its p90). A gap counts as past the
+        TBT from the step bound on (``num_long_gaps``): the p90 of a stream that spent its
+        slack is its longest other gap, which the bound's headroom keeps within the TBT as
+        the client sees it."""
+        for req, _ in out.chunks[:out.num_decodes]:
+            # Before this step it has num_output_tokens tokens: after it, as many gaps.
+            if req.num_long_gaps >= gaps_past_p90(req.num_output_tokens):
+                return False
+        return True
 
     def _starved(self) -> bool:
         """Whether the prompts here have had no step for ``STARVED_STEPS`` steps (called while
@@ -941,7 +976,9 @@ class Scheduler:
 
         ``sampled`` holds one token per chunk that completes its request's tokens, in chunk
         order (the runner samples exactly those rows)."""
-        now = self.clock()
+        # A gap past the bound (the TBT less the headroom a token's delivery takes) counts
+        # against the stream's p90 (``_streams_have_slack``).
+        now, tbt = self.clock(), self.latency_bound
         result = LanguageResult()
         req_ids, token_ids, sample_index = result.req_ids, result.token_ids, result.sample_index
         num_decodes = out.num_decodes
@@ -953,6 +990,8 @@ class Scheduler:
             req.num_computed_tokens += 1
             token_id = sampled[index]
             req.append_token(token_id)
+            if req.last_token_time is not None and now - req.last_token_time > tbt:
+                req.num_long_gaps += 1
             req.last_token_time = now
             req_ids.append(req.req_id)
             token_ids.append(token_id)
@@ -987,6 +1026,8 @@ class Scheduler:
                 continue
             token_id = sampled[index]
             req.append_token(token_id)
+            if req.last_token_time is not None and now - req.last_token_time > tbt:
+                req.num_long_gaps += 1  # recomputed after a preemption
             req.last_token_time = now
             if "first_token" not in timeline:
                 timeline["first_token"] = now
@@ -1122,6 +1163,15 @@ class Scheduler:
                 held = sum(1 for ids in r.image_block_ids if ids)
                 if status is RequestStatus.RUNNING and held != r.num_held_images:
                     raise AssertionError(f"{r} holds {held} image block lists, counts {r.num_held_images}")
+
+
+def gaps_past_p90(num_gaps: int) -> int:
+    """How many of ``num_gaps`` gaps between tokens may pass a bound with their 90th percentile
+    (linear interpolation, as the bench and the planner's simulator compute it) still within
+    it: those above both values it interpolates between."""
+    if num_gaps < 1:
+        return 0
+    return num_gaps - 1 - (9 * (num_gaps - 1) + 9) // 10  # ceil(0.9 * (num_gaps - 1)), exactly
 
 
 def _num_scheduled(out: SchedulerOutput, req: Request) -> int:

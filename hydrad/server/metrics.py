@@ -149,8 +149,8 @@ class EngineCounters(Collector):
 
     def __init__(self, model: str):
         self.model = model
-        # instance -> (queries, hits, images, preemptions, overrun steps)
-        self.totals: dict[str, tuple[int, int, int, int, int]] = {}
+        # instance -> (queries, hits, images, preemptions, overrun steps, slack steps)
+        self.totals: dict[str, tuple[int, int, int, int, int, int]] = {}
 
     def collect(self):
         families = (
@@ -164,6 +164,9 @@ class EngineCounters(Collector):
                                 "freed, recomputed when they run again).", labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_steps_over_bound", "Steps built past their latency bound for images too long "
                                 "to fit beside their decodes (one in 16 steps at most).",
+                                labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_steps_on_tbt_slack", "Steps with decodes built past the TBT bound for long "
+                                "prompts, every stream in them able to take one gap past the TBT within its p90.",
                                 labels=["model_name", "instance"]),
         )
         for instance, values in sorted(self.totals.items()):
@@ -366,7 +369,7 @@ class Metrics:
         self.image_usage.labels(*labels).set(stats.image_usage)
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions,
-                                                         stats.num_overrun_steps)
+                                                         stats.num_overrun_steps, stats.num_slack_steps)
 
     def set_worker_usage(self, usage: dict[int, ProcessUsage]) -> None:
         """instance -> its worker process's CPU time and memory (instances without a live

@@ -15,7 +15,9 @@ import pytest
 
 from hydrad.engine.latency_model import LatencyModel, StepShape, prefill_pairs
 from hydrad.engine.request import Request, RequestStatus
-from hydrad.engine.scheduler import HANDOFF_SHARE, HANDOFF_WINDOW, OVERRUN_FACTOR, OVERRUN_STEPS, Scheduler
+from hydrad.engine.scheduler import (
+    HANDOFF_SHARE, HANDOFF_WINDOW, OVERRUN_FACTOR, OVERRUN_STEPS, Scheduler, gaps_past_p90,
+)
 from test_scheduler import finish_step, make_request, make_scheduler, schedule_pulling
 
 # Seconds: 2 ms per step, 0.1 ms per prefill token, 0.2 ms per decode, 0.05 ms per 1k KV
@@ -50,8 +52,9 @@ def shape_of(out, s: Scheduler) -> StepShape:
 
 
 def bound_of(out, s: Scheduler) -> float:
-    """A step with a decode keeps to the bound; one without may take the idle bound."""
-    return s.latency_bound if any(is_decode(r, s) for r, n in out.chunks) else s.idle_bound
+    """A step with a decode keeps to the bound, unless it runs on its streams' slack
+    (``tbt_slack``); one without may take the idle bound."""
+    return s.latency_bound if any(is_decode(r, s) for r, n in out.chunks) and not out.slack else s.idle_bound
 
 
 def is_minimal(out, s: Scheduler) -> bool:
@@ -60,9 +63,16 @@ def is_minimal(out, s: Scheduler) -> bool:
     return units == 1 and (not out.chunks or out.chunks[0][1] <= s.min_chunk)
 
 
-def step(s: Scheduler, token: int = 7):
+def step(s: Scheduler, token: int = 7, clock=None):
+    """One step, checked; ``clock`` (a ``Clock``): moved by the step's prediction before its
+    tokens are sampled."""
     out = s.schedule()
     s.check_integrity()
+    if out.slack:
+        # Past the TBT bound only with every stream in it able to take one more long gap
+        # within its p90, as if it ended after this step.
+        assert out.num_decodes and all(r.num_long_gaps < gaps_past_p90(r.num_output_tokens)
+                                       for r, _ in out.chunks[:out.num_decodes])
     predicted = s.latency_model.step_seconds(shape_of(out, s))
     assert predicted == pytest.approx(s.latency_model.combine(out.predicted_vision, out.predicted_language))
     if out.overrun:
@@ -74,6 +84,8 @@ def step(s: Scheduler, token: int = 7):
         s.last_overrun_seen = s._step
     else:
         assert predicted <= bound_of(out, s) * (1 + 1e-9) or is_minimal(out, s), (predicted, out.chunks, out.encodes)
+    if clock is not None:
+        clock.now += predicted
     finish_step(s, out, token)
     s.check_integrity()
     return out, predicted
@@ -231,10 +243,12 @@ def test_a_video_is_encoded_group_by_group_beside_running_decodes(span):
     encoded group by group (span 256: four independent groups of frames), its groups share
     the decodes' steps and its prompt starts while they run; attended whole (span 0) it
     cannot share a step with them within the bound: after ``OVERRUN_STEPS`` steps, one step
-    goes past it (up to ``OVERRUN_FACTOR`` times) to encode it, before the decodes finish."""
+    goes past it (up to ``OVERRUN_FACTOR`` times) to encode it, before the decodes finish
+    (the streams' p90 slack, which would carry it sooner, off: ``tbt_slack``)."""
     model = LatencyModel(v_fixed=0.001, v_patch=1e-5, l_fixed=0.002, l_prefill=1e-5, l_decode=2e-4, overlap=1.0)
     # Four decodes: 2.8 ms; a group: 1 + 2.56 ms; the whole video 1 + 10.24 ms.
-    s = scheduler_with(model, bound=0.01, idle_bound=1.0, num_image_blocks=64, image_block_size=16)
+    s = scheduler_with(model, bound=0.01, idle_bound=1.0, num_image_blocks=64, image_block_size=16,
+                       tbt_slack=False)
     decodes = [make_request(f"d{i}", num_prompt=8, max_tokens=30) for i in range(4)]
     for r in decodes:
         s.add(r)
@@ -515,9 +529,11 @@ def test_a_migrated_streams_next_token_is_due_a_bound_after_the_one_sampled_at_i
         step(source)
     clock.now += 0.01
     ((req, kind),) = source.new_offers
+    req.num_long_gaps = 1  # and its gaps past the TBT so far (``tbt_slack``)
     offer = offer_for(req, kind, 0)
     assert kind == "kv" and offer.last_token_time == pytest.approx(clock.now - 0.01)
     target, _ = _decoding_with_a_long_prompt_waiting(clock)
+    assert Request.from_offer(offer).num_long_gaps == 1
     target.add(Request.from_offer(offer))
     out = target.schedule()
     (pull,) = out.pulls

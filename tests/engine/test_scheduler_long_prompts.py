@@ -221,3 +221,154 @@ def test_a_step_that_gives_a_short_prompt_its_first_token_keeps_to_the_decodes_b
     assert _chunk(out, short) == 40 and _chunk(out, long) > 0 and predicted <= 0.05 * (1 + 1e-9)
     out, predicted = step(s)  # the short one decodes now: the decodes' bound anyway
     assert out.num_decodes == 1 and predicted <= 0.05 * (1 + 1e-9)
+
+
+# -- steps on the streams' p90 slack (``tbt_slack``) --------------------------------------------
+
+TBT = 0.05 / 0.9  # the SLO's TBT behind a 0.05 s bound (10% headroom)
+BOUND = 0.05 * (1 + 1e-9)  # a gap past the bound counts as past the TBT: the p90 gap stays within the bound
+
+
+@pytest.mark.parametrize("num_gaps", range(1, 64))
+def test_gaps_past_p90_is_what_the_bench_allows(num_gaps):
+    """With ``gaps_past_p90(n)`` of n gaps past the TBT, the bench's p90 gap is within it;
+    with one more, it is not."""
+    from hydrad.bench.metrics import percentile
+    from hydrad.engine.scheduler import gaps_past_p90
+
+    k = gaps_past_p90(num_gaps)
+    assert 0 <= k < num_gaps
+    for long in (k, k + 1):
+        gaps = [0.01] * (num_gaps - long) + [1.0] * long
+        assert (percentile(gaps, 90) <= TBT) == (long == k), (num_gaps, long)
+
+
+# Steps of 10 ms, and 2 ms a decode: eight streams take half of a 0.05 s bound.
+BUSY = LatencyModel(v_fixed=0.001, v_image=0.02, l_fixed=0.01, l_prefill=1e-4, l_attn=2e-5, l_decode=2e-3,
+                    l_ctx=5e-5, overlap=1.0)
+
+
+def _streams_and_a_long_prompt(clock, slack: bool, max_tokens, long_prompt):
+    """Streams (``max_tokens`` each) decoding on an instance with a 0.05 s bound (idle bound
+    0.5 s) and the ``BUSY`` model, the clock moved by each step's prediction; ``long_prompt``
+    (tokens, request) added once the streams have that many tokens. Returns the scheduler,
+    every step's output and prediction, and each request's token times."""
+    s = scheduler_with(BUSY, bound=0.05, idle_bound=0.5, clock=clock, tbt_slack=slack, num_image_blocks=64)
+    streams = [make_request(f"d{i}", num_prompt=40, max_tokens=m) for i, m in enumerate(max_tokens)]
+    for r in streams:
+        s.add(r)
+    times: dict[str, list[float]] = {}
+    steps = []
+    added = False
+    while s.num_unfinished or not added:
+        if not added and all(r.num_output_tokens >= long_prompt[0] or r.finish_reason for r in streams):
+            s.add(long_prompt[1])
+            added = True
+        before = {r.req_id: r.num_output_tokens for r in s.requests.values()}
+        out, predicted = step(s, clock=clock)
+        steps.append((out, predicted))
+        for r, _ in out.chunks:
+            if r.num_output_tokens > before.get(r.req_id, 0):
+                times.setdefault(r.req_id, []).append(clock.now)
+    return s, steps, times
+
+
+def _p90_gap(token_times: list[float]) -> float:
+    from hydrad.bench.metrics import percentile
+
+    gaps = [b - a for a, b in zip(token_times, token_times[1:])]
+    return percentile(gaps, 90) or 0.0
+
+
+@pytest.mark.parametrize("kind", ["text", "video"])
+def test_a_long_prompt_takes_the_streams_slack_and_every_stream_keeps_its_p90(kind):
+    """A long prompt (a 3,000-token text; a video of twelve groups, 0.25 s of encode) arrives
+    while eight streams decode, each past its tenth gap: steps go past the TBT bound (to the
+    idle bound) for it, each stream's p90 gap stays within the bound, and its first token comes
+    sooner than when steps keep to the bound (half of each goes to the decodes)."""
+    from test_scheduler_latency import Clock
+
+    first_token = {}
+    for slack in (True, False):
+        clock = Clock()
+        if kind == "text":
+            long = make_request("long", num_prompt=3000, max_tokens=2)
+        else:
+            long = make_request("long", num_prompt=60, images=[(4 * i, 4) for i in range(12)], max_tokens=2)
+        s, steps, times = _streams_and_a_long_prompt(clock, slack, [40 + 5 * i for i in range(8)], (12, long))
+        assert long.long_prompt
+        slack_steps = [(out, p) for out, p in steps if out.slack]
+        assert bool(slack_steps) == slack and s.num_slack_steps == len(slack_steps)
+        for out, predicted in slack_steps:
+            assert 0.05 < predicted <= 0.5 * (1 + 1e-9) and out.num_decodes
+        for i in range(8):
+            assert _p90_gap(times[f"d{i}"]) <= BOUND, (slack, i)
+        arrival = times["d0"][11]
+        first_token[slack] = times["long"][0] - arrival
+    assert first_token[True] < 0.7 * first_token[False], first_token
+
+
+def test_young_streams_have_no_slack():
+    """Streams with fewer than ten gaps (one past the TBT would be their p90) keep every step
+    to the bound, however long the prompt that waits."""
+    from test_scheduler_latency import Clock
+
+    clock = Clock()
+    long = make_request("long", num_prompt=3000, max_tokens=2)
+    s, steps, times = _streams_and_a_long_prompt(clock, True, [10] * 8, (1, long))
+    assert not any(out.slack for out, _ in steps) and s.num_slack_steps == 0
+    assert all(p <= 0.05 * (1 + 1e-9) for out, p in steps if out.num_decodes)
+
+
+def test_streams_that_end_early_keep_their_p90_on_slack():
+    """Streams of random lengths (their ends unknown to the scheduler, as with EOS), one new
+    every 15 steps, and long prompts: steps take the slack while every stream has some, and
+    every stream's p90 gap stays within the TBT however soon it ends."""
+    from test_scheduler_latency import Clock
+
+    rng = random.Random(3)
+    clock = Clock()
+    s = scheduler_with(bound=0.05, idle_bound=0.5, clock=clock, num_kv_blocks=20000)
+    times: dict[str, list[float]] = {}
+    for i in range(600):
+        if i % 15 == 0:
+            s.add(make_request(f"s{i}", num_prompt=30, max_tokens=rng.randint(2, 60)))
+        if i % 40 == 0:
+            s.add(make_request(f"long{i}", num_prompt=3000, max_tokens=2))
+        before = {r.req_id: r.num_output_tokens for r in s.requests.values()}
+        out, _ = step(s, clock=clock)
+        for r, _ in out.chunks:
+            if r.num_output_tokens > before.get(r.req_id, 0):
+                times.setdefault(r.req_id, []).append(clock.now)
+    assert s.num_slack_steps > 0
+    for req_id, t in times.items():
+        if req_id.startswith("s"):
+            assert _p90_gap(t) <= BOUND, req_id
+
+
+def test_a_slack_step_still_gives_a_short_prompt_its_first_token_within_the_bound():
+    """A step that completes a short prompt keeps the long ones beside it to the decodes' bound,
+    slack or not."""
+    from test_scheduler_latency import Clock
+
+    clock = Clock()
+    s = scheduler_with(bound=0.05, idle_bound=0.5, clock=clock)
+    streams = [make_request(f"d{i}", num_prompt=40, max_tokens=60) for i in range(4)]
+    for r in streams:
+        s.add(r)
+    while not all(r.num_output_tokens >= 12 for r in streams):
+        step(s, clock=clock)
+    long = make_request("long", num_prompt=8000, max_tokens=2)
+    short = make_request("short", num_prompt=40, max_tokens=2)
+    s.add(long)
+    s.add(short)
+    out, predicted = step(s, clock=clock)
+    assert _chunk(out, short) == 40 and _chunk(out, long) > 0
+    assert not out.slack and predicted <= 0.05 * (1 + 1e-9)
+    # The short one decodes now, a stream without slack: the steps keep to the bound until it
+    # ends; the long prompt then takes the others' slack.
+    while short.finish_reason is None:
+        out, predicted = step(s, clock=clock)
+        assert not out.slack and predicted <= 0.05 * (1 + 1e-9)
+    out, predicted = step(s, clock=clock)
+    assert out.slack and predicted > 0.05

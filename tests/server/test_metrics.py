@@ -19,7 +19,8 @@ def test_finished_request_metrics_and_stage_times():
                                                    "encode_to_prefill_migration": 0.004})
     metrics.set_instance(0, "cpu", "EPD", True, EngineStats(2, 1, 0.5, 0.25, 8, 1, 3, live_speed={"images": 1.25},
                                                                  prefix_cache_queries=300, prefix_cache_hits=96,
-                                                                 images_cached=2, num_overrun_steps=4))
+                                                                 images_cached=2, num_overrun_steps=4,
+                                                                 num_slack_steps=5))
     metrics.set_instance(1, "cpu", "EPD", False, None)
     metrics.set_instance(2, "cpu", "EPD", True, None)  # alive, but busy past the stats timeout
     text = generate_latest(metrics.registry).decode()
@@ -44,6 +45,7 @@ def test_finished_request_metrics_and_stage_times():
         'hydrad_prefix_cache_images_total{instance="0",model_name="m"} 2.0',
         'hydrad_preemptions_total{instance="0",model_name="m"} 3.0',
         'hydrad_steps_over_bound_total{instance="0",model_name="m"} 4.0',
+        'hydrad_steps_on_tbt_slack_total{instance="0",model_name="m"} 5.0',
     ]:
         assert line in text, line
 
