@@ -106,11 +106,14 @@ def _table(profile, top_k: int):
               "up to 16; 1 beside a busy daemon keeps the planning off its other cores).")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the ranking and its inputs as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate of the top K as PNG.")
+@click.option("--keep", is_flag=True, help="Keep the pick as the plan hydrad start --deploy auto deploys with this "
+              "--config, --devices, --trace and SLO (plan.json in the config's trace folder): no planning at the "
+              "start while the trace holds fewer new requests than it was made from, for [planner] reuse_hours.")
 @click.option("--validate", is_flag=True, help="Start each top deployment live, replay the trace with the bench "
               "client, and compare simulated with live goodput.")
 def profile(trace_path, url, admin_token, limit, devices, model_path, config_file, slo_ttft, slo_tbt, top_k,
             num_requests, arrivals, message_ms, step_overhead_ms, client_cpu_ms, speed_history, jobs, out,
-            plot, validate) -> None:
+            plot, keep, validate) -> None:
     """Rank every deployment of the devices for a recorded workload by simulated goodput."""
     import dataclasses
     import json
@@ -130,6 +133,8 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
 
     if (trace_path is None) == (url is None):
         raise click.UsageError("give exactly one of --trace and --url")
+    if keep and trace_path is None:
+        raise click.UsageError("--keep needs --trace: the trace hydrad start --deploy auto plans from")
     try:
         SLOConfig(ttft=slo_ttft, tbt=slo_tbt)
     except ConfigError as e:
@@ -206,9 +211,36 @@ def profile(trace_path, url, admin_token, limit, devices, model_path, config_fil
         if out:
             Path(out).write_text(json.dumps(result.to_json(top_k), indent=2))
             console.print(f"results written to {out}")
+        if keep:
+            _keep(result, config, devices, device_set, Path(trace_path), mine, config_file)
     finally:
         if probe is not None:
             probe.close()
+
+
+def _keep(result, config, devices: str | None, device_set, trace: Path, records, config_file: str | None) -> None:
+    """``--keep``: the pick kept as the plan of the start with the same inputs, and that
+    start's command."""
+    import dataclasses
+
+    from hydrad.planner.auto import keep_profile
+
+    spec = devices or (device_set.spec if device_set.is_cpu else "auto")
+    slo = config.engine.slo
+    kept_slo = dataclasses.replace(slo, ttft=result.slo_ttft, tbt=result.slo_tbt)
+    kept = dataclasses.replace(config, engine=dataclasses.replace(config.engine, slo=kept_slo))
+    reason = result.pick_reason(len(records), "the pick of hydractl profile")
+    path = keep_profile(kept, spec, trace, records, result.pick, reason)
+    command = " ".join(["hydrad start --deploy auto", f"--devices {spec}",
+                        *([f"--config {config_file}"] if config_file else []),
+                        *([] if trace.resolve() == config.trace.directory.resolve() else [f"--trace {trace}"])])
+    console.print(f"kept in {path}: `{command}` deploys {result.pick} without planning while the trace holds fewer "
+                  f"new requests than the {len(records)} it was planned from, for [planner] reuse_hours = "
+                  f"{config.planner.reuse_hours:g}", highlight=False, markup=False)
+    if (slo.ttft, slo.tbt) != (result.slo_ttft, result.slo_tbt):
+        console.print(f"note: the config's [slo] is TTFT {slo.ttft:g} s, TBT {slo.tbt:g} s, and a start plans for "
+                      f"it: set ttft = {result.slo_ttft:g} and tbt = {result.slo_tbt:g} there to deploy this pick",
+                      highlight=False, markup=False)
 
 
 def _validate(result, config, trace_file: Path, top_k: int, work_dir: Path, probe) -> None:

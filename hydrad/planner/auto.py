@@ -14,6 +14,9 @@ the trace and the newest request it read. A start reuses it while it is younger 
 the trace holds fewer new requests than the plan was made from (the workload it saw is
 still at least half of what there is now); otherwise it plans again and keeps the new one.
 
+``hydractl profile --keep`` keeps its pick the same way (``keep_profile``), under the key
+of the start with the profile's inputs: what the operator read is what that start deploys.
+
 A daemon started with ``--deploy auto`` that re-plans while serving (``[planner] auto``,
 ``replan``) keeps each deployment it redeploys to the same way, so that a restart comes
 back on it.
@@ -127,9 +130,9 @@ def load_plan(path: Path) -> KeptPlan | None:
         return None
 
 
-def save_plan(path: Path, plan: KeptPlan) -> None:
+def save_plan(path: Path, plan: KeptPlan) -> str | None:
     """Keep ``plan`` at ``path`` (written whole, then renamed into place); a failure is
-    logged, never raised: it only costs the next start a plan."""
+    logged and returned (why), never raised: it only costs the next start a plan."""
     temp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -139,10 +142,13 @@ def save_plan(path: Path, plan: KeptPlan) -> None:
             json.dump(plan.to_json(), f, indent=1)
         os.replace(temp, path)
     except (OSError, TypeError, ValueError) as e:
-        logger.warning("deploy auto: cannot keep the plan in %s (%s)", path, getattr(e, "strerror", None) or e)
+        why = str(getattr(e, "strerror", None) or e)
+        logger.warning("deploy auto: cannot keep the plan in %s (%s)", path, why)
         if temp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(temp)
+        return why
+    return None
 
 
 def reusable(plan: KeptPlan | None, key: PlanKey, records, *, reuse_hours: float, now: float) -> str | None:
@@ -207,6 +213,43 @@ def _key_devices(devices: list[str], cores: int | None) -> list[str]:
     return [f"auto:cpu:{cores}"] if cores else devices
 
 
+def _start_key(config, devices: list[str], cores: int | None, source: Path) -> PlanKey:
+    """The key of the plan a start with ``config`` (its model path resolved, its
+    ``parallel.devices`` as given) on ``devices`` makes from the trace at ``source``."""
+    return plan_key(Path(config.engine.model.path).name, _key_devices(devices, cores), config.engine,
+                    config.server.router_policy, source)
+
+
+def keep_profile(config, devices_spec: str, source: Path, records, deploy: str, reason: str,
+                 now: float | None = None) -> Path:
+    """Keep the pick ``deploy`` of a ``hydractl profile`` run as the plan of ``hydrad start
+    --deploy auto --devices devices_spec`` with ``config`` (a ``DaemonConfig`` with its model
+    path resolved and its ``[slo]`` the profile's), planning from the trace at ``source``; a
+    start with those inputs deploys it without planning (``reusable``). ``records``: the
+    finished requests of the model it was planned from. Returns where it was kept.
+
+    Raises ``ConfigError`` where no start could reuse it: ``--devices auto`` on CPU cores
+    (that start picks its count of workers too)."""
+    from hydrad.cluster.deploy import parse_devices
+    from hydrad.cluster.launch import cuda_device_count
+    from hydrad.errors import ConfigError
+
+    num_cuda = cuda_device_count(devices_spec)
+    if auto_cpu_cores(devices_spec, num_cuda):
+        raise ConfigError("a start with --devices auto on CPU cores picks its count of workers too and plans "
+                          "itself: give --devices cpu:N to keep the pick")
+    engine = dataclasses.replace(config.engine, parallel=dataclasses.replace(config.engine.parallel,
+                                                                             devices=devices_spec))
+    config = dataclasses.replace(config, engine=engine)
+    key = _start_key(config, parse_devices(devices_spec, num_cuda), None, Path(source))
+    path = config.trace.directory / PLAN_FILE
+    now = time.time() if now is None else now
+    if (why := save_plan(path, KeptPlan(key, deploy, reason, now, len(records),
+                                        max(r.timestamp for r in records)))) is not None:
+        raise ConfigError(f"cannot keep the plan in {path}: {why}")
+    return path
+
+
 def keep_redeploy(trace_dir: Path, model: str, engine, router_policy: str, requested_devices: str,
                   devices: list[str], deploy: str, reason: str, now: float, num_requests: int) -> None:
     """Keep a redeploy to ``deploy`` on ``devices`` (one device string per instance) of a daemon
@@ -261,7 +304,7 @@ def choose_deployment(config, trace_path: str | None = None) -> Choice:
         if len(records) < MIN_REQUESTS:
             return fallback(f"one EPD instance per device: {source} holds {len(records)} finished request(s) of "
                             f"{model}, fewer than {MIN_REQUESTS}")
-        key = plan_key(model, _key_devices(devices, cores), config.engine, config.server.router_policy, source)
+        key = _start_key(config, devices, cores, source)
         plan_path = config.trace.directory / PLAN_FILE
         kept = load_plan(plan_path)
         now = time.time()

@@ -442,6 +442,23 @@ class Profile:
         self.result.num_replays += replays
         self.result.rerank(self.planner.rank_key)
 
+    def pick_reason(self, num_records: int, who: str = "planner's pick") -> str:
+        """One line on why the pick: the SLO, what it was planned from, its simulated goodput
+        and, where it was replayed too, that of one EPD instance per device."""
+        best = self.result.best
+        default = ("EPD",) * len(self.devices)
+        baseline = next((e for e in self.result.evaluations if e.roles == default), None)
+        ceiling = 0.95 * self.planner.max_rate
+
+        def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
+            return f"{'>=' if goodput >= ceiling else ''}{goodput:.3g}"
+
+        versus = (f", {len(self.devices)}EPD {rate(baseline.goodput)}"
+                  if baseline is not None and baseline.goodput is not None and best is not baseline else "")
+        return (f"{who} for TTFT <= {self.slo_ttft:g} s, TBT p90 <= {self.slo_tbt:g} s from {num_records} traced "
+                f"requests ({self.workload.mean_rate:.3g} req/s): simulated goodput {rate(best.goodput)} req/s"
+                f"{versus}")
+
     def to_json(self, top_k: int) -> dict:
         r = self.result
         a2 = r.algorithm2_pick
@@ -584,14 +601,5 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
                           probe=None if probe is None else probe.for_devices(devices),
                           max_requests=MAX_PLAN_REQUESTS)
     best = profile.result.best
-    baseline = next((e for e in profile.result.evaluations if e.roles == default), None)
-    ceiling = 0.95 * profile.planner.max_rate
-
-    def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
-        return f"{'>=' if goodput >= ceiling else ''}{goodput:.3g}"
-
-    versus = f", {len(devices)}EPD {rate(baseline.goodput)}" if baseline is not None and best is not baseline else ""
-    reason = (f"planner's pick for TTFT <= {slo.ttft:g} s, TBT p90 <= {slo.tbt:g} s from {len(records)} traced "
-              f"requests ({profile.workload.mean_rate:.3g} req/s): simulated goodput {rate(best.goodput)} req/s"
-              f"{versus}")
-    return PlannedDeployment(best.spec, reason, best.goodput, best.goodput >= ceiling)
+    reason = profile.pick_reason(len(records))
+    return PlannedDeployment(best.spec, reason, best.goodput, best.goodput >= 0.95 * profile.planner.max_rate)

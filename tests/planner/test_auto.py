@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import time
 
 import pytest
 
@@ -157,6 +158,43 @@ def test_without_room_in_shared_memory_the_pick_is_the_deployment_whose_pools_st
     assert spec == "1EP+1D" and planning.calls == [40]
 
 
+def test_a_profile_kept_is_the_plan_of_the_start_with_its_inputs(tmp_path, planning):
+    """``hydractl profile --keep``: the start with the profile's devices, SLO and trace deploys
+    its pick without planning; a start for other inputs plans as before."""
+    from hydrad.errors import ConfigError
+
+    write_trace(tmp_path / "trace", 40)
+    from hydrad.trace import read_trace
+
+    records = read_trace(tmp_path / "trace")
+    config = config_for(tmp_path, **{"slo.ttft": 3.0})
+    path = auto.keep_profile(config, "cpu:2", tmp_path / "trace", records, "1E+1PD", "the pick of hydractl profile",
+                             now=time.time() - 120)
+    assert path == tmp_path / "trace" / auto.PLAN_FILE
+    spec, reason, devices = auto.choose_deployment(config)
+    assert (spec, devices) == ("1E+1PD", "cpu:2") and planning.calls == []
+    assert reason.startswith("the plan of 2 min ago, kept in ") and reason.endswith(": the pick of hydractl profile")
+    # Given the trace folder by --trace, as the profile read it: the same plan.
+    assert auto.choose_deployment(config, str(tmp_path / "trace")).deploy == "1E+1PD" and planning.calls == []
+    # The config's own [slo] (TTFT 2 s), a trace file instead of the folder: planned.
+    assert auto.choose_deployment(config_for(tmp_path)).deploy == "1EP+1D" and planning.calls == [40]
+    auto.keep_profile(config, "cpu:2", tmp_path / "trace", records, "1E+1PD", "again")
+    assert auto.choose_deployment(config, str(tmp_path / "trace" / "trace.jsonl")).deploy == "1EP+1D"
+    assert planning.calls == [40, 40]
+    # A start that picks its count of CPU workers plans itself: nothing to keep for it.
+    with pytest.raises(ConfigError, match="--devices auto on CPU cores"):
+        from hydrad.engine import cores
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cores, "usable_cpus", lambda: 2)
+            auto.keep_profile(config, "auto", tmp_path / "trace", records, "2EPD", "why")
+    # A trace folder that cannot be written: one clear error.
+    (tmp_path / "ro").write_text("a file where the folder should be")
+    with pytest.raises(ConfigError, match="cannot keep the plan in "):
+        auto.keep_profile(config_for(tmp_path, **{"trace.dir": str(tmp_path / "ro")}), "cpu:2", tmp_path / "trace",
+                          records, "2EPD", "why")
+
+
 def test_reasons_a_kept_plan_is_not_reused(tmp_path):
     engine = load_config(None, {}).engine
     key = auto.plan_key("m", ["cpu", "cpu"], engine, "round-robin", tmp_path)
@@ -239,3 +277,13 @@ def test_devices_auto_without_a_gpu_plans_the_count_of_cpu_workers_too(tmp_path,
     (tmp_path / "trace" / auto.PLAN_FILE).unlink()
     planning.answers = {1: ("1EPD", 6.0, False), 2: ("1EP+1D", 6.1, False)}
     assert auto.choose_deployment(config)[::2] == ("1EPD", "cpu:1")
+
+
+def test_profile_keep_needs_the_trace_a_start_reads(tmp_path):
+    from click.testing import CliRunner
+
+    from hydrad.cli.hydractl_main import cli
+
+    run = CliRunner().invoke(cli, ["profile", "--url", "http://127.0.0.1:9", "--slo-ttft", "2", "--slo-tbt", "0.2",
+                                   "--keep"])
+    assert run.exit_code == 2 and "--keep needs --trace" in run.output and "Traceback" not in run.output
