@@ -4,7 +4,10 @@ what the requests in flight across the switch saw.
 A daemon is started on ``--devices`` with the first deployment of ``--chain``, and
 ``--streams`` clients keep requests in flight (closed loop): half carry one 640x480 JPEG,
 half are text only; half are greedy, half sampled at the API's defaults; ``--max-tokens``
-output tokens each. After ``--settle`` seconds the script redeploys through the rest of the
+output tokens each. ``--videos K`` (models that take videos: Qwen2-VL, Qwen2.5-VL) puts one
+MP4 video (``--video-frames`` frames of ``--video-size``, 2 frames a second) instead in K of
+every 8 requests: with a tight ``[slo]`` (``--slo-ttft 2 --slo-tbt 0.1``) their prompts are
+long, and the steps that carry them beside decodes take the streams' slack or run over. After ``--settle`` seconds the script redeploys through the rest of the
 chain with ``POST /admin/redeploy`` (what ``hydractl redeploy`` sends), ``--settle``
 seconds apart, and records per switch:
 
@@ -13,7 +16,11 @@ seconds apart, and records per switch:
 - the requests in flight when the command was sent: how many, their worst inter-token
   gap and their end-to-end latency, against requests that ran entirely before the first
   switch (the steady state);
-- failed requests (there should be none).
+- failed requests (there should be none);
+- at the end, each instance's preemptions, steps built past their bound (over it for
+  images too long for any step with decodes, on the streams' TBT slack) and steps that
+  held new prompts while a first token handed over waited, as the daemon's ``/metrics``
+  count them since each worker started.
 
 A step ``kill:N`` of the chain kills instance N's worker (SIGKILL) instead: its requests run
 again elsewhere or on the restarted worker; ``seconds`` is then the time until that worker
@@ -78,10 +85,20 @@ async def drive(url: str, args, switches: list[dict]) -> tuple[list, list[dict]]
 
     rng_prompt = __import__("random").Random(0)
     image = image_data_url(synth_image(640, 480, 7), "jpeg")
+    video = None
+    if args.videos:
+        from hydrad.bench.videos import video_data_url
+        from hydrad.bench.workloads import SynthVideo
+
+        width, height = args.video_size
+        video = video_data_url(SynthVideo(args.video_frames, width, height, 2.0, 7))
     bodies = []
     for i in range(64):
         spec = RequestSpec(make_prompt(12 + i % 20, rng_prompt), args.max_tokens)
-        body = json.loads(chat_payload("", spec, [image] if i % 2 else []))
+        if i % 8 < args.videos:
+            body = json.loads(chat_payload("", spec, [], video_urls=[video]))
+        else:
+            body = json.loads(chat_payload("", spec, [image] if i % 2 else []))
         body.pop("model")
         if i % 4 >= 2:
             body["temperature"] = 1.0
@@ -122,7 +139,26 @@ async def drive(url: str, args, switches: list[dict]) -> tuple[list, list[dict]]
             await asyncio.sleep(args.settle)
         stop.set()
         await asyncio.gather(*clients)
-    return records, switches
+        async with session.get(url + "/metrics") as resp:
+            counters = engine_counters(await resp.text())
+    return records, switches, counters
+
+
+COUNTERS = {"hydrad_preemptions_total": "preemptions", "hydrad_steps_over_bound_total": "steps_over_bound",
+            "hydrad_steps_on_tbt_slack_total": "steps_on_tbt_slack",
+            "hydrad_steps_holding_prompts_total": "steps_holding_prompts"}
+
+
+def engine_counters(text: str) -> dict[str, dict[str, float]]:
+    """Each instance's counters of ``COUNTERS`` in a Prometheus exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in COUNTERS:
+                out.setdefault(sample.labels.get("instance", "?"), {})[COUNTERS[sample.name]] = sample.value
+    return out
 
 
 async def kill(session, url: str, instance_id: int) -> dict:
@@ -162,6 +198,11 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=20.0, help="seconds of steady load before and between switches")
     parser.add_argument("--slo-ttft", type=float, default=60.0)
     parser.add_argument("--slo-tbt", type=float, default=5.0)
+    parser.add_argument("--videos", type=int, choices=range(9), default=0, metavar="K",
+                        help="K of every 8 requests carry a video instead (models that take videos)")
+    parser.add_argument("--video-frames", type=int, default=16)
+    parser.add_argument("--video-size", type=lambda v: tuple(int(x) for x in v.lower().split("x")), default=(640, 480),
+                        metavar="WxH")
     parser.add_argument("--out")
     parser.add_argument("--log", help="keep the daemon's log here (default: a temporary folder's, removed)")
     args = parser.parse_args()
@@ -181,7 +222,7 @@ def main() -> None:
                          "--deploy", args.chain[0]], Path(args.log) if args.log else tmp / "hydrad.log",
                         timeout=600)
         try:
-            records, switches = asyncio.run(drive(daemon.url, args, []))
+            records, switches, counters = asyncio.run(drive(daemon.url, args, []))
         finally:
             daemon.stop()
     first = switches[0]["sent"] if switches else float("inf")
@@ -190,6 +231,7 @@ def main() -> None:
         in_flight = [r for r in records if r.start < switch["sent"] < (r.end or float("inf"))]
         report["switches"].append({k: v for k, v in switch.items() if k not in ("sent", "done")}
                                   | {"in_flight": describe(in_flight, switch["sent"])})
+    report["counters"] = counters
     report["failed"] = sum(r.error is not None for r in records)
     report["requests"] = len(records)
     for row in report["switches"]:
@@ -198,6 +240,9 @@ def main() -> None:
               f"e2e p50 {f['e2e_p50']:.2f} s max {f['e2e_max']:.2f} s, worst gap max {f['worst_gap_max']:.2f} s "
               f"(begun after the command: p50 {f['gap_after_p50']:.2f} s, max {f['gap_after_max']:.2f} s)")
     s = report["steady"]
+    for instance, values in sorted(counters.items()):
+        print(f"  instance {instance}: " + ", ".join(f"{name.replace('_', ' ')} {value:g}"
+                                                     for name, value in values.items()))
     print(f"    steady: e2e p50 {s['e2e_p50']:.2f} s, worst gap p50 {s['worst_gap_p50']:.3f} s; "
           f"{report['failed']} of {report['requests']} requests failed")
     write_json(args.out, {"machine": machine(), "args": vars(args), **report})

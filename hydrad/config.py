@@ -120,6 +120,12 @@ class SchedulerConfig:
     # gap past the TBT with its p90 gap still within it, counted over the gaps it has had
     # (so however soon it ends). false: steps with decodes always keep to the TBT bound.
     tbt_slack: bool = True
+    # An instance that hands its streams' decodes to another after their first token (EP of
+    # EP+D) admits no new prompt while a first token it handed over has waited longer than
+    # the [slo] TBT for that instance to take it (its steps are full): the new prompts wait
+    # before their first token instead of between their first and second. false: they are
+    # admitted, and wait there.
+    handoff_backpressure: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.long_prompt_share <= 1.0:

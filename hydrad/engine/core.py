@@ -28,7 +28,7 @@ from hydrad.engine.inputs import (
     FinishedRequest,
     StepTiming,
 )
-from hydrad.engine.latency_model import Calibration, LatencyModel, LiveSpeed, idle_bound
+from hydrad.engine.latency_model import Calibration, LatencyModel, LiveSpeed, handoff_wait, idle_bound
 from hydrad.engine.model_runner import ModelRunner
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
@@ -680,7 +680,8 @@ class EngineCore:
         if model is not self.scheduler.latency_model:  # a new model starts uncalibrated
             self.calibration = Calibration()
             self.scheduler.set_calibration(1.0)
-        self.scheduler.set_latency_model(model, bound, idle_bound=idle_bound(slo))
+        self.scheduler.set_latency_model(model, bound, idle_bound=idle_bound(slo), handoff_wait=handoff_wait(slo)
+                                         if self.config.scheduler.handoff_backpressure else None)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler
@@ -695,6 +696,7 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_overrun_steps=s.num_overrun_steps,
             num_slack_steps=s.num_slack_steps,
+            num_held_steps=s.num_held_steps,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,
             images_cached=s.images_cached,

@@ -79,6 +79,13 @@ def idle_bound(slo: SLOConfig) -> float:
     return slo.alpha * slo.ttft * (1.0 - slo.headroom)
 
 
+def handoff_wait(slo: SLOConfig) -> float:
+    """How long a first token handed over to another instance may wait for it to take the
+    stream's decodes before the instance that sampled it holds its new prompts
+    (``Scheduler._hold_new``): the TBT, the gap that wait opens."""
+    return slo.tbt
+
+
 def at_threads(models: Mapping[int, LatencyModel], threads: int) -> LatencyModel:
     """The model of a CPU instance on ``threads`` torch threads, from ``models`` measured at
     other counts (by count): the one measured at ``threads``; else each coefficient as

@@ -64,7 +64,12 @@ prefill starts only after all its images are encoded: in a later step, or, where
 language work runs after its vision work (``prefill_after_encode``: no dual streams), in the
 step that encodes the last of them, with what is left of its bound. A stage this instance does not hold is
 offered to another instance: the request keeps its blocks until the target has pulled
-them. When the KV pool runs dry, the latest-admitted running request not yet in this
+them. An instance that only decodes pulls a stream handed over after its first token only
+when its next step can carry that stream's decode within the bound (``_decode_room``), and
+the instance that sampled the first token admits no new prompt while one it handed over has
+waited past the TBT (``handoff_wait``) to be taken (``_hold_new``): with the decodes' steps
+full, new prompts wait before their first token rather than between their first and second.
+When the KV pool runs dry, the latest-admitted running request not yet in this
 batch is preempted: it gives back everything and is recomputed later from its prompt and
 the tokens it has produced.
 
@@ -93,6 +98,9 @@ _RUNNING = RequestStatus.RUNNING
 HANDOFF_WINDOW = 10.0
 # The least share of the step bound such a step keeps for prefills and encodes.
 HANDOFF_SHARE = 0.5
+# Seconds after a first token handed over last waited past ``handoff_wait`` to be taken
+# during which the instance's steps keep to ``handoff_wait`` (``_handoffs_behind``).
+BEHIND_WINDOW = 2.0
 # Steps without a step for the prompts, while decodes are handed over here, after which each
 # step advances the oldest of them by one unit past its bound if need be (``_starved``).
 STARVED_STEPS = 4
@@ -187,17 +195,26 @@ class Scheduler:
         self.prefilling: dict[str, Request] = {}
         self.pulling: dict[str, Request] = {}
         self.offered: dict[str, Request] = {}
+        # The offered requests whose first token was sampled here and whose decodes another
+        # instance is to take, by id: when each was offered (``clock``), oldest first.
+        self._first_tokens_offered: dict[str, float] = {}
         self.requests: dict[str, Request] = {}
         # (request, kind) offered since the engine last looked; the engine drains it.
         self.new_offers: list[tuple[Request, str]] = []
         self.num_preemptions = 0
         self.num_overrun_steps = 0
         self.num_slack_steps = 0
+        self.num_held_steps = 0
         self._dropped: list[Request] = []
         self._step = 0
         self.latency_model: LatencyModel | None = None
         self.latency_bound = 0.0
         self.idle_bound = 0.0
+        # Seconds a first token handed over may wait to be taken before new prompts wait here
+        # (``_hold_new``); inf: never.
+        self.handoff_wait = math.inf
+        self._hold_new = False
+        self._behind_until = -math.inf  # (``clock``) while its steps keep to ``handoff_wait``
         # When the last decode handed over from another instance arrived (``clock``).
         self._last_handoff = -math.inf
         # The last step that advanced a prompt (an image encoded, a chunk prefilled), or that
@@ -290,6 +307,7 @@ class Scheduler:
         req = self.offered.pop(req_id, None)
         if req is None:
             return False
+        self._first_tokens_offered.pop(req_id, None)
         req.mark("reclaimed")
         self._start_running(req)
         return True
@@ -324,14 +342,18 @@ class Scheduler:
             return False
         return True
 
-    def set_latency_model(self, model: LatencyModel | None, bound: float, idle_bound: float | None = None) -> None:
+    def set_latency_model(self, model: LatencyModel | None, bound: float, idle_bound: float | None = None,
+                          handoff_wait: float | None = None) -> None:
         """Fill steps by predicted latency up to ``bound`` seconds (None: caps only), and a
-        step without decodes up to ``idle_bound`` (at least ``bound``; None: ``bound``)."""
+        step without decodes up to ``idle_bound`` (at least ``bound``; None: ``bound``);
+        admit no new prompt while a first token handed over has waited ``handoff_wait``
+        seconds to be taken (None: never hold them)."""
         if model is not None and bound <= 0:
             raise ValueError(f"latency bound must be > 0 seconds, got {bound}")
         self.latency_model = model
         self.latency_bound = bound
         self.idle_bound = max(bound, idle_bound or 0.0)
+        self.handoff_wait = math.inf if handoff_wait is None else handoff_wait
         for req in self.requests.values():
             self._classify(req)
 
@@ -428,6 +450,10 @@ class Scheduler:
         if handoffs:
             self._bound_for_handoffs(bound, budget)
         self._force_one, self._forced = handoffs and self._starved(), False
+        self._hold_new, behind = self._handoffs_behind()
+        self.num_held_steps += self._hold_new
+        if behind and self.handoff_wait < budget.bound:
+            budget.set_bound(self.handoff_wait)
         self._decode_language, self._stuck = budget.language, False
         self._overrun = (self._stuck_since is not None and self._step - self._stuck_since >= OVERRUN_STEPS
                          and self._step - self._last_overrun >= OVERRUN_STEPS)
@@ -484,7 +510,7 @@ class Scheduler:
                 self._schedule_images(req, budget, out)
         if long is not True:
             self._admit_incoming(out)
-        if not self.incoming or self._waited_longer():
+        if (not self.incoming or self._waited_longer()) and not self._hold_new:
             self._admit_new(out, budget, long)
         if self.prefill_after_encode and out.encodes and self.can_prefill and "P" not in self.retiring:
             self._prefill_encoded(out, budget)
@@ -525,6 +551,40 @@ class Scheduler:
             if req.num_long_gaps >= gaps_past_p90(req.num_output_tokens):
                 return False
         return True
+
+    def _handoffs_behind(self) -> tuple[bool, bool]:
+        """Whether a first token sampled here has waited more than ``handoff_wait`` for the
+        instance it was handed over to to take its decodes (``_first_tokens_offered``): that
+        instance's steps are full, and each new prompt prefilled here would wait there
+        too, between its first token and its second. New prompts then wait here, before
+        their first token, until it catches up; prompts already admitted go on. And whether
+        one did within ``BEHIND_WINDOW`` seconds: the steps here then keep to
+        ``handoff_wait``, so that the first tokens come a few at a time, as the decode
+        instance takes them, instead of a whole long step's worth at once when the hold
+        ends (that instance, not this one, bounds the throughput meanwhile)."""
+        if not self._first_tokens_offered and self._behind_until == -math.inf:
+            return False, False
+        now = self.clock()
+        oldest = next(iter(self._first_tokens_offered.values()), now)
+        if now - oldest > self.handoff_wait:
+            self._behind_until = now + BEHIND_WINDOW
+            return True, True
+        if now >= self._behind_until:
+            self._behind_until = -math.inf
+            return False, False
+        return False, True
+
+    def _decode_room(self) -> tuple[float, bool]:
+        """Predicted language seconds left under the bound of a step that carries every decode
+        here and every decode being pulled (each at its context), for the decodes handed over
+        after their first token; and whether there is any such decode (without, the first one
+        is taken whatever its room: a step makes progress even when the bound cannot be met)."""
+        m = self.latency_model
+        pulled = [r.pull[3] for r in self.pulling.values() if r.pull[0] == "kv"]
+        contexts = sum(r.num_computed_tokens + 1 for r in self.decoding.values()) + sum(n + 1 for n in pulled)
+        used = m.l_fixed + m.l_decode * (len(self.decoding) + len(pulled)) + m.l_ctx * contexts / 1e3
+        room = m.max_language(0.0, self.latency_bound / self.calibration) - used
+        return room, bool(self.decoding or pulled)
 
     def _starved(self) -> bool:
         """Whether the prompts here have had no step for ``STARVED_STEPS`` steps (called while
@@ -693,9 +753,25 @@ class Scheduler:
         instances keep prefilling (where a redeploy takes P from this instance, its hand-over
         waits on that prompt), and the prompt crawls a token a step until it is preempted."""
         promised = None
+        room = decodes = None  # seconds the next step has left for decodes, and whether it has any
         while self.incoming:
             req = self.incoming[0]
             kind, source, src_block_ids, num_computed = req.pull
+            if (kind == "kv" and req.num_output_tokens <= 1 and self.latency_model is not None
+                    and not self.can_prefill):
+                # A first token handed over to an instance that only decodes: taken only where
+                # the next step can carry its decode (``_decode_room``); else it waits at its
+                # source, which then holds its new prompts (``_hold_new``) instead of giving
+                # more streams a first token. (An instance that also prefills takes it at once:
+                # its steps keep room for it, ``_bound_for_handoffs``, and its own prompts
+                # would wait behind it.)
+                m = self.latency_model
+                cost = m.l_decode + m.l_ctx * (num_computed + 1) / 1e3
+                if room is None:
+                    room, decodes = self._decode_room()
+                if cost > room and decodes:  # the first decode here is always taken
+                    return
+                room, decodes = room - cost, True
             if kind == "image":
                 need = self._image_blocks_needed(req)
                 if not self.images.can_allocate(need):
@@ -1067,6 +1143,8 @@ class Scheduler:
         req.status = RequestStatus.OFFERED
         req.mark(f"{kind}_offered")
         self.offered[req.req_id] = req
+        if kind == "kv" and req.num_output_tokens <= 1:
+            self._first_tokens_offered[req.req_id] = self.clock()
         self.new_offers.append((req, kind))
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -1107,6 +1185,7 @@ class Scheduler:
             (self.incoming if req.pull is not None else self.waiting).remove(req)
         elif status is RequestStatus.OFFERED:
             del self.offered[req.req_id]
+            self._first_tokens_offered.pop(req.req_id, None)
 
     def _remove(self, req: Request) -> None:
         """Take req out of its queue and give back every block it holds."""

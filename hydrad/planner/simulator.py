@@ -61,7 +61,8 @@ from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.cores import CpuThreads, cpu_threads
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.engine.latency_model import (
-    KINDS, LANGUAGE_TERMS, VISION_TERMS, Calibration, LatencyModel, StepShape, at_threads, idle_bound, latency_bound,
+    KINDS, LANGUAGE_TERMS, VISION_TERMS, Calibration, LatencyModel, StepShape, at_threads, handoff_wait, idle_bound,
+    latency_bound,
 )
 from hydrad.engine.migration import MigrationOffer, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.request import Request
@@ -363,7 +364,8 @@ class SimInstance:
             # As EngineCore.set_latency_model: a step without decodes takes the TTFT share.
             setup = self.sim.setup
             self.scheduler.set_latency_model(self.model, latency_bound(setup.slo, self.role),
-                                             idle_bound=idle_bound(setup.slo))
+                                             idle_bound=idle_bound(setup.slo), handoff_wait=handoff_wait(setup.slo)
+                                             if setup.scheduler.handoff_backpressure else None)
 
     @property
     def has_work(self) -> bool:

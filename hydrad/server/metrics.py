@@ -145,12 +145,13 @@ class WorkerFailures(Collector):
 
 class EngineCounters(Collector):
     """Each instance's running totals as its engine counts them (``Metrics.set_instance``):
-    prefix caching's lookups and hits, preemptions, and steps built past their bound."""
+    prefix caching's lookups and hits, preemptions, steps built past their bound, and steps that
+    held new prompts for hand-overs."""
 
     def __init__(self, model: str):
         self.model = model
-        # instance -> (queries, hits, images, preemptions, overrun steps, slack steps)
-        self.totals: dict[str, tuple[int, int, int, int, int, int]] = {}
+        # instance -> (queries, hits, images, preemptions, overrun steps, slack steps, held steps)
+        self.totals: dict[str, tuple[int, int, int, int, int, int, int]] = {}
 
     def collect(self):
         families = (
@@ -167,6 +168,9 @@ class EngineCounters(Collector):
                                 labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_steps_on_tbt_slack", "Steps with decodes built past the TBT bound for long "
                                 "prompts, every stream in them able to take one gap past the TBT within its p90.",
+                                labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_steps_holding_prompts", "Steps that admitted no new prompt while a first "
+                                "token handed over to another instance waited past the TBT to be taken.",
                                 labels=["model_name", "instance"]),
         )
         for instance, values in sorted(self.totals.items()):
@@ -369,7 +373,8 @@ class Metrics:
         self.image_usage.labels(*labels).set(stats.image_usage)
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions,
-                                                         stats.num_overrun_steps, stats.num_slack_steps)
+                                                         stats.num_overrun_steps, stats.num_slack_steps,
+                                                         stats.num_held_steps)
 
     def set_worker_usage(self, usage: dict[int, ProcessUsage]) -> None:
         """instance -> its worker process's CPU time and memory (instances without a live
