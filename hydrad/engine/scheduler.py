@@ -451,7 +451,7 @@ class Scheduler:
             self._bound_for_handoffs(bound, budget)
         self._force_one, self._forced = handoffs and self._starved(), False
         self._hold_new, behind = self._handoffs_behind()
-        self.num_held_steps += self._hold_new
+        self.num_held_steps += self._hold_new and bool(self.waiting)  # a prompt it could have admitted
         if behind and self.handoff_wait < budget.bound:
             budget.set_bound(self.handoff_wait)
         self._decode_language, self._stuck = budget.language, False

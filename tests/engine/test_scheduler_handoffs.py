@@ -138,14 +138,18 @@ def test_while_first_tokens_wait_the_steps_keep_to_the_handoff_wait():
     assert out.predicted_language > 0.5
     finish_step(source, out)
     clock.now += 2 * TBT
-    out = source.schedule()  # "a" waits past the TBT: held, and a step of the TBT
-    assert out.chunks and out.predicted_language <= TBT * (1 + 1e-9) and source.num_held_steps == 1
+    source.add(make_request("w", num_prompt=64, max_tokens=8))
+    out = source.schedule()  # "a" waits past the TBT: "w" held, and a step of the TBT
+    assert [r.req_id for r, _ in out.chunks] == ["long"] and out.predicted_language <= TBT * (1 + 1e-9)
+    assert source.num_held_steps == 1
     finish_step(source, out)
     source.release("a")
     clock.now += BEHIND_WINDOW / 2
-    out = source.schedule()  # taken, within the window: not held, still short steps
-    assert out.predicted_language <= TBT * (1 + 1e-9) and source.num_held_steps == 1
+    out = source.schedule()  # taken, within the window: "w" admitted, still short steps
+    assert "w" in {r.req_id for r, _ in out.chunks} and out.predicted_language <= TBT * (1 + 1e-9)
+    assert source.num_held_steps == 1
     finish_step(source, out)
+    source.release("w")  # its first token taken at once
     clock.now += BEHIND_WINDOW
     out = source.schedule()  # past it: the whole bound again
     assert out.predicted_language > 0.5 and long.num_computed_tokens < 20_000
