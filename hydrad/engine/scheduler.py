@@ -754,8 +754,9 @@ class Scheduler:
         waits on that prompt), and the prompt crawls a token a step until it is preempted."""
         promised = None
         room = decodes = None  # seconds the next step has left for decodes, and whether it has any
-        while self.incoming:
-            req = self.incoming[0]
+        i = 0
+        while i < len(self.incoming):
+            req = self.incoming[i]
             kind, source, src_block_ids, num_computed = req.pull
             if (kind == "kv" and req.num_output_tokens <= 1 and self.latency_model is not None
                     and not self.can_prefill):
@@ -764,13 +765,16 @@ class Scheduler:
                 # source, which then holds its new prompts (``_hold_new``) instead of giving
                 # more streams a first token. (An instance that also prefills takes it at once:
                 # its steps keep room for it, ``_bound_for_handoffs``, and its own prompts
-                # would wait behind it.)
+                # would wait behind it.) The streams handed over mid-answer behind it (a
+                # redeploy taking D away from another instance) are taken meanwhile.
                 m = self.latency_model
                 cost = m.l_decode + m.l_ctx * (num_computed + 1) / 1e3
                 if room is None:
                     room, decodes = self._decode_room()
                 if cost > room and decodes:  # the first decode here is always taken
-                    return
+                    room = -math.inf  # the first tokens after it wait too, in their order
+                    i += 1
+                    continue
                 room, decodes = room - cost, True
             if kind == "image":
                 need = self._image_blocks_needed(req)
@@ -793,7 +797,7 @@ class Scheduler:
                 # may reserve fewer.
                 src = list(src_block_ids)[: self.kv.num_blocks_for(num_computed)]
                 dst = req.kv_block_ids[: len(src)]
-            self.incoming.popleft()
+            del self.incoming[i]
             req.status = RequestStatus.PULLING
             self.pulling[req.req_id] = req
             out.pulls.append(Pull(req, kind, source, src, dst))

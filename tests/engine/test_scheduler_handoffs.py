@@ -66,15 +66,25 @@ def test_a_decode_instance_takes_first_tokens_only_where_its_next_step_carries_t
 def test_streams_handed_over_mid_answer_are_taken_whatever_the_room():
     """A redeploy that takes D from an instance hands over streams already decoding: the
     instance taking D over pulls them at once (the redeploy waits on it), past its step's
-    room; their decodes then share the steps as before."""
-    target = scheduler_with(DECODES, bound=TBT, kv_block_size=16, num_kv_blocks=4096)
-    target.set_role("D", target.kv, None)
+    room and past the first tokens waiting for room ahead of them; their decodes then share
+    the steps as before."""
     from test_scheduler_latency import _kv_offer
 
+    source = scheduler_with(DECODES, bound=1.0, kv_block_size=16, num_kv_blocks=4096)
+    source.set_role("P", source.kv, source.images)
+    target = scheduler_with(DECODES, bound=TBT, kv_block_size=16, num_kv_blocks=4096)
+    target.set_role("D", target.kv, None)
+    for i in range(30):
+        target.add(first_token_offer(source, f"r{i}"))
     for i in range(40):
         target.add(Request.from_offer(_kv_offer(f"m{i}", [7, 7, 7])))
+    target.add(first_token_offer(source, "late"))
     out = target.schedule()
-    assert len(out.pulls) == 40
+    pulled = [p.req.req_id for p in out.pulls]
+    assert sum(r.startswith("m") for r in pulled) == 40 and "late" not in pulled
+    first = [r for r in pulled if r.startswith("r")]
+    assert 0 < len(first) < 30 and first == [f"r{i}" for i in range(len(first))]  # in their order
+    assert [r.req_id for r in target.incoming] == [f"r{i}" for i in range(len(first), 30)] + ["late"]
 
 
 def test_the_instance_that_sampled_first_tokens_holds_new_prompts_while_one_waits_past_the_tbt():
