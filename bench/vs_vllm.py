@@ -182,7 +182,8 @@ def bench(url: str, workload: Path | str, slo: SLO, phase: str, kinds: bool = Fa
     s = result.summary
     doc = {
         "req_per_s": s.throughput_rps, "output_tok_per_s": s.output_tokens_per_s,
-        "ttft_p50": s.ttft_p50, "tbt_p50": s.tbt_p50, "tbt_p99": s.tbt_p99, "attainment": s.attainment,
+        "ttft_p50": s.ttft_p50, "tbt_p50": s.tbt_p50, "tbt_p99": s.tbt_p99, "max_gap_p50": s.max_gap_p50,
+        "attainment": s.attainment,
         "errors": s.errors, "requests": s.num_requests, "prompt_tokens": s.prompt_tokens_mean,
     }
     if result.goodput_total is not None:

@@ -204,6 +204,12 @@ class Summary:
     # Mean prompt tokens of the successful requests, as the server's usage counts them (None
     # where it gave none): what one server made of the same images and videos against another.
     prompt_tokens_mean: float | None = None
+    # Each successful request's longest gap between two tokens, its percentiles: a stall (a
+    # stream handed over and left waiting, a step past the bound) that the TBT percentiles,
+    # pooled over every gap, and the SLO, a p90 per request, do not show.
+    max_gap_p50: float | None = None
+    max_gap_p90: float | None = None
+    max_gap_p99: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -216,6 +222,7 @@ def summarize(results: list[RequestResult], rate: float | None, duration: float,
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     tbts = [gap for r in ok for gap in r.tbts]
     e2es = [r.e2e for r in ok if r.e2e is not None]
+    longest = [max(r.tbts) for r in ok if r.tbts]
     num_met = sum(r.met_slo for r in results)
     throughput = len(ok) / duration if duration > 0 else 0.0
     return Summary(
@@ -233,6 +240,7 @@ def summarize(results: list[RequestResult], rate: float | None, duration: float,
         concurrency=concurrency,
         prompt_tokens_mean=statistics.fmean(counted) if (counted := [r.prompt_tokens for r in ok
                                                                      if r.prompt_tokens is not None]) else None,
+        max_gap_p50=percentile(longest, 50), max_gap_p90=percentile(longest, 90), max_gap_p99=percentile(longest, 99),
     )
 
 

@@ -53,8 +53,9 @@ def _latency_table(summary):
     table = Table(title=f"latency at {at} (ms)")
     for column in ("", "p50", "p90", "p99"):
         table.add_column(column, justify="right")
-    for name in ("ttft", "tbt", "e2e"):
-        table.add_row(name.upper(), *(_ms(getattr(summary, f"{name}_p{q}")) for q in (50, 90, 99)))
+    for name, label in (("ttft", "TTFT"), ("tbt", "TBT"), ("max_gap", "longest gap"), ("e2e", "E2E")):
+        table.add_row(label, *(_ms(getattr(summary, f"{name}_p{q}")) for q in (50, 90, 99)))
+    table.caption = "longest gap: each request's longest gap between two tokens"
     return table
 
 

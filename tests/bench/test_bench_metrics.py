@@ -133,6 +133,22 @@ def test_summary_counts_failures_as_sent_and_not_met():
     assert s.output_tokens_per_s == pytest.approx(2.5)
 
 
+def test_a_stall_once_per_answer_shows_in_the_longest_gaps_not_in_the_pooled_tbt():
+    """Ten streams of 31 gaps of 20 ms, each with one gap of 5 s (a stream left waiting after
+    its first token): the pooled TBT p90 and each request's p90 stay at 20 ms, and each
+    request meets the SLO; the longest gaps say 5 s."""
+    results = []
+    for i in range(10):
+        times = [0.5, 5.5] + [5.5 + 0.02 * k for k in range(1, 31)]
+        results.append(evaluate(make_record(times, start=0.0), SLO_))
+    results.append(evaluate(make_record([0.1, 0.2]), SLO_))  # one without a stall
+    s = summarize(results, rate=1.0, duration=10.0)
+    assert s.tbt_p90 == pytest.approx(0.02) and all(r.met_slo for r in results[:10])
+    assert s.max_gap_p50 == pytest.approx(5.0) and s.max_gap_p99 == pytest.approx(5.0)
+    assert summarize(results[10:], rate=1.0, duration=1.0).max_gap_p50 == pytest.approx(0.1)
+    assert "max_gap_p90" in s.to_dict()
+
+
 def test_goodput_is_the_last_passing_rate_before_the_first_failure():
     assert goodput([(1, 1.0), (2, 0.95), (3, 0.8), (4, 0.92)]) == 2
     assert goodput([(4, 0.5), (2, 0.89)]) == 0.0
