@@ -333,6 +333,7 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
                           key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
             add(f"{name} {key}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
+            _add_longest_gap(add, f"{name} {key}", ours[key], vllm[key])
             if key.startswith("video"):  # the same frames kept: the prompts count alike
                 add(f"{name} {key}, prompt tokens", "tokens", ours[key].get("prompt_tokens"),
                     vllm[key].get("prompt_tokens"))
@@ -351,7 +352,15 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
             add(f"{name} {key}, text TTFT p90", "s", a.get("text_ttft_p90"), b.get("text_ttft_p90"))
             add(f"{name} {key}, video TTFT p50", "s", a.get("video_ttft_p50"), b.get("video_ttft_p50"))
             add(f"{name} {key}, inter-token p99", "s", a["tbt_p99"], b["tbt_p99"])
+            _add_longest_gap(add, f"{name} {key}", a, b)
     return rows
+
+
+def _add_longest_gap(add, label: str, ours: dict, vllm: dict) -> None:
+    """The p50 of each request's longest gap between two tokens, where both runs have it
+    (results written before the bench measured it have not)."""
+    if ours.get("max_gap_p50") is not None and vllm.get("max_gap_p50") is not None:
+        add(f"{label}, longest gap p50", "s", ours["max_gap_p50"], vllm["max_gap_p50"])
 
 
 def _with_twins(results: dict, *names: str) -> list[str]:

@@ -99,6 +99,17 @@ def test_video_runs_compare_their_prompt_tokens(script):
                     "hydrad-1EPD video16/greedy, prompt tokens": 0.5}
 
 
+def test_many_streams_compare_each_requests_longest_gap(script):
+    run = {"req_per_s": 2.0, "ttft_p50": 1.0, "max_gap_p50": 0.1}
+    results = {"hydrad-1EP+1D": {"crowd256/greedy": run},
+               "vllm": {"crowd256/greedy": {**run, "max_gap_p50": 0.8}}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad-1EP+1D crowd256/greedy, longest gap p50"] == pytest.approx(0.125)
+    # A result written before the bench measured it: no row.
+    del results["vllm"]["crowd256/greedy"]["max_gap_p50"]
+    assert not any("longest gap" in label for label, *_ in script.ratios(results))
+
+
 def test_each_router_policy_gets_its_own_rows(script):
     run = {"req_per_s": 2.0, "ttft_p50": 1.0}
     results = {"hydrad-2EPD": {"peak/greedy": run, "chat16/defaults": run},
