@@ -52,9 +52,10 @@ def _table(profile, top_k: int):
         table.add_column(name, justify="right" if name in ("#", "goodput", "at recent speeds", "bound", "attainment")
                          else "left", no_wrap=name != "Algorithm 2")
 
+    from hydrad.planner.search import rate_text
+
     def rate(goodput: float) -> str:
-        # At the replay's limit the goodput is only known to be at least that (search.SPAN).
-        return f"{'>=' if goodput >= 0.95 * profile.planner.max_rate else ''}{goodput:.3g}"
+        return rate_text(goodput, profile.planner.max_rate)
 
     for e in shown:
         rank = result.ranked.index(e) + 1

@@ -445,6 +445,18 @@ class StepBudget:
         self._num_language_units += 1
         return True
 
+    def add_decodes(self, count: int, contexts: int) -> None:
+        """Account ``count`` decodes reading ``contexts`` tokens of KV in all, whatever the
+        bound: decodes the step carries before anything else is weighed."""
+        if count < 1:
+            return
+        if self.model is not None:
+            self.language += ((self.model.l_fixed if self.language == 0.0 else 0.0) + count * self._decode_cost
+                              + self._ctx_cost * contexts)
+        self.tokens_left -= count
+        self.empty = False
+        self._num_language_units += count
+
     def undo_decode(self, context: int) -> None:
         """Take back the last ``add_decode`` (the decode could not get its KV block)."""
         self.tokens_left += 1

@@ -65,7 +65,7 @@ language work runs after its vision work (``prefill_after_encode``: no dual stre
 step that encodes the last of them, with what is left of its bound. A stage this instance does not hold is
 offered to another instance: the request keeps its blocks until the target has pulled
 them. An instance that only decodes pulls a stream handed over after its first token only
-when its next step can carry that stream's decode within the bound (``_decode_room``), and
+when its next step can carry that stream's decode within the bound (``_decode_budget``), and
 the instance that sampled the first token admits no new prompt while one it handed over has
 waited past the TBT (``handoff_wait``) to be taken (``_hold_new``): with the decodes' steps
 full, new prompts wait before their first token rather than between their first and second.
@@ -574,17 +574,17 @@ class Scheduler:
             return False, False
         return False, True
 
-    def _decode_room(self) -> tuple[float, bool]:
-        """Predicted language seconds left under the bound of a step that carries every decode
-        here and every decode being pulled (each at its context), for the decodes handed over
-        after their first token; and whether there is any such decode (without, the first one
-        is taken whatever its room: a step makes progress even when the bound cannot be met)."""
-        m = self.latency_model
-        pulled = [r.pull[3] for r in self.pulling.values() if r.pull[0] == "kv"]
-        contexts = sum(r.num_computed_tokens + 1 for r in self.decoding.values()) + sum(n + 1 for n in pulled)
-        used = m.l_fixed + m.l_decode * (len(self.decoding) + len(pulled)) + m.l_ctx * contexts / 1e3
-        room = m.max_language(0.0, self.latency_bound / self.calibration) - used
-        return room, bool(self.decoding or pulled)
+    def _decode_budget(self) -> StepBudget:
+        """The next step of this instance as the decodes it holds and those it is pulling make
+        it (each at its context), for the first tokens handed over to fill (``add_decode``:
+        with no decode here the first one is taken whatever it costs, as a step makes
+        progress even when the bound cannot be met)."""
+        pulled = [r.pull[3] + 1 for r in self.pulling.values() if r.pull[0] == "kv"]
+        budget = StepBudget(self.latency_model, self.latency_bound / self.calibration, self.config.token_budget,
+                            self.config.image_budget)
+        budget.add_decodes(len(self.decoding) + len(pulled),
+                           sum(r.num_computed_tokens + 1 for r in self.decoding.values()) + sum(pulled))
+        return budget
 
     def _starved(self) -> bool:
         """Whether the prompts here have had no step for ``STARVED_STEPS`` steps (called while
@@ -753,7 +753,7 @@ class Scheduler:
         instances keep prefilling (where a redeploy takes P from this instance, its hand-over
         waits on that prompt), and the prompt crawls a token a step until it is preempted."""
         promised = None
-        room = decodes = None  # seconds the next step has left for decodes, and whether it has any
+        budget, full = None, False  # the next step's decodes, once needed; whether a first token did not fit
         i = 0
         while i < len(self.incoming):
             req = self.incoming[i]
@@ -761,21 +761,18 @@ class Scheduler:
             if (kind == "kv" and req.num_output_tokens <= 1 and self.latency_model is not None
                     and not self.can_prefill):
                 # A first token handed over to an instance that only decodes: taken only where
-                # the next step can carry its decode (``_decode_room``); else it waits at its
+                # the next step can carry its decode (``_decode_budget``); else it waits at its
                 # source, which then holds its new prompts (``_hold_new``) instead of giving
                 # more streams a first token. (An instance that also prefills takes it at once:
                 # its steps keep room for it, ``_bound_for_handoffs``, and its own prompts
                 # would wait behind it.) The streams handed over mid-answer behind it (a
                 # redeploy taking D away from another instance) are taken meanwhile.
-                m = self.latency_model
-                cost = m.l_decode + m.l_ctx * (num_computed + 1) / 1e3
-                if room is None:
-                    room, decodes = self._decode_room()
-                if cost > room and decodes:  # the first decode here is always taken
-                    room = -math.inf  # the first tokens after it wait too, in their order
+                if budget is None:
+                    budget = self._decode_budget()
+                if full or not budget.add_decode(num_computed + 1):
+                    full = True  # the first tokens after it wait too, in their order
                     i += 1
                     continue
-                room, decodes = room - cost, True
             if kind == "image":
                 need = self._image_blocks_needed(req)
                 if not self.images.can_allocate(need):

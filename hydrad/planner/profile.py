@@ -35,7 +35,8 @@ from hydrad.config import EngineConfig, SLOConfig
 from hydrad.engine.cores import usable_cpus
 from hydrad.engine.latency_model import NORMAL_MEDIAN_ABS, LatencyModel
 from hydrad.errors import ConfigError
-from hydrad.planner.search import MAX_PLAN_REQUESTS, ROLE_ORDER, Evaluation, Planner, SearchResult, bisect_at_each
+from hydrad.planner.search import (MAX_PLAN_REQUESTS, ROLE_ORDER, Evaluation, Planner, SearchResult, at_ceiling,
+                                   bisect_at_each, rate_text)
 from hydrad.planner.simulator import InstanceLayout, SimSetup
 from hydrad.planner.workload import Workload
 from hydrad.trace import TraceRecord
@@ -448,16 +449,12 @@ class Profile:
         best = self.result.best
         default = ("EPD",) * len(self.devices)
         baseline = next((e for e in self.result.evaluations if e.roles == default), None)
-        ceiling = 0.95 * self.planner.max_rate
-
-        def rate(goodput: float) -> str:  # at the replay's limit, only known to be at least that
-            return f"{'>=' if goodput >= ceiling else ''}{goodput:.3g}"
-
-        versus = (f", {len(self.devices)}EPD {rate(baseline.goodput)}"
+        top = self.planner.max_rate
+        versus = (f", {len(self.devices)}EPD {rate_text(baseline.goodput, top)}"
                   if baseline is not None and baseline.goodput is not None and best is not baseline else "")
         return (f"{who} for TTFT <= {self.slo_ttft:g} s, TBT p90 <= {self.slo_tbt:g} s from {num_records} traced "
-                f"requests ({self.workload.mean_rate:.3g} req/s): simulated goodput {rate(best.goodput)} req/s"
-                f"{versus}")
+                f"requests ({self.workload.mean_rate:.3g} req/s): simulated goodput "
+                f"{rate_text(best.goodput, top)} req/s{versus}")
 
     def to_json(self, top_k: int) -> dict:
         r = self.result
@@ -602,4 +599,4 @@ def plan_deployment(records: list[TraceRecord], config: EngineConfig, devices: D
                           max_requests=MAX_PLAN_REQUESTS)
     best = profile.result.best
     reason = profile.pick_reason(len(records))
-    return PlannedDeployment(best.spec, reason, best.goodput, best.goodput >= 0.95 * profile.planner.max_rate)
+    return PlannedDeployment(best.spec, reason, best.goodput, at_ceiling(best.goodput, profile.planner.max_rate))

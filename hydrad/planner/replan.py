@@ -40,7 +40,7 @@ from hydrad.cluster.deploy import format_deploy
 from hydrad.config import EngineConfig
 from hydrad.engine.cores import usable_cpus
 from hydrad.engine.latency_model import LANGUAGE_TERMS, VISION_TERMS, LatencyModel
-from hydrad.planner.search import ROLE_ORDER
+from hydrad.planner.search import ROLE_ORDER, rate_text
 
 logger = logging.getLogger("hydrad.planner")
 
@@ -346,7 +346,7 @@ class Replanner:
                        num_requests=ranking.num_requests, rate=ranking.rate, seconds=ranking.seconds)
 
         def rate(goodput: float) -> str:
-            return f"{'>=' if goodput >= 0.95 * ranking.max_rate else ''}{goodput:.3g} req/s"
+            return f"{rate_text(goodput, ranking.max_rate)} req/s"
 
         summary = (f"{ranking.num_requests} requests in {window} ({ranking.rate:.3g} req/s); simulated goodput "
                    f"{current} {rate(ranking.current_goodput)}")

@@ -53,8 +53,21 @@ ROLE_ORDER = ("E", "EP", "ED", "EPD", "P", "PD", "D")
 SLACK = 1.1
 # A replay tells a rate only if its arrivals span this many TTFTs (``Planner.max_rate``).
 SPAN = 3.0
+# A goodput this close to the replay's ceiling (``Planner.max_rate``, within the bisection's
+# 5%) is only known to be at least what it says (``rate_text``).
+CEILING_SHARE = 0.95
 # The first step of a bracket started from a guess (``Planner.bisect``).
 GUESS_STEP = 1.15
+def at_ceiling(goodput: float, max_rate: float) -> bool:
+    """Whether ``goodput`` is at the replay's ceiling ``max_rate``: only known to be at least that."""
+    return goodput >= CEILING_SHARE * max_rate
+
+
+def rate_text(goodput: float, max_rate: float) -> str:
+    """``goodput`` in req/s for people, ``>=`` where it is at the replay's ceiling."""
+    return f"{'>=' if at_ceiling(goodput, max_rate) else ''}{goodput:.3g}"
+
+
 # ``--deploy auto``, the re-planner and ``hydractl profile`` (unless told a count) replay up to
 # this many requests per rate where fewer cannot tell the best deployments apart
 # (``Planner.fit_requests``: a fast machine's rates are past what 300 requests tell at the

@@ -21,6 +21,25 @@ DECODES = dataclasses.replace(MODEL, l_decode=2e-3)
 TBT = 0.05
 
 
+def prefill_instance(bound: float = 1.0, handoff_wait: float | None = None, clock=None,
+                     num_kv_blocks: int = 4096) -> Scheduler:
+    """A P instance (its decodes handed over), holding new prompts while a first token it
+    handed over waits ``handoff_wait`` seconds to be taken (None: never)."""
+    s = scheduler_with(DECODES, bound=bound, kv_block_size=16, num_kv_blocks=num_kv_blocks,
+                       **({"clock": clock} if clock else {}))
+    s.set_role("P", s.kv, s.images)
+    s.set_latency_model(DECODES, bound, handoff_wait=handoff_wait)
+    return s
+
+
+def decode_instance(clock=None, num_kv_blocks: int = 4096) -> Scheduler:
+    """A D instance whose steps within the TBT carry about twenty decodes."""
+    s = scheduler_with(DECODES, bound=TBT, kv_block_size=16, num_kv_blocks=num_kv_blocks,
+                       **({"clock": clock} if clock else {}))
+    s.set_role("D", s.kv, None)
+    return s
+
+
 def decode_step_seconds(s: Scheduler, contexts: list[int]) -> float:
     m = s.latency_model
     return m.l_fixed + sum(m.l_decode + m.l_ctx * c / 1e3 for c in contexts)
@@ -38,10 +57,7 @@ def first_token_offer(source: Scheduler, req_id: str, num_prompt: int = 64, max_
 
 
 def test_a_decode_instance_takes_first_tokens_only_where_its_next_step_carries_their_decodes():
-    source = scheduler_with(DECODES, bound=1.0, kv_block_size=16, num_kv_blocks=4096)
-    source.set_role("P", source.kv, source.images)
-    target = scheduler_with(DECODES, bound=TBT, kv_block_size=16, num_kv_blocks=4096)
-    target.set_role("D", target.kv, None)
+    source, target = prefill_instance(), decode_instance()
     for i in range(40):
         target.add(first_token_offer(source, f"r{i}"))
     pulled_at: dict[str, int] = {}
@@ -70,10 +86,7 @@ def test_streams_handed_over_mid_answer_are_taken_whatever_the_room():
     the steps as before."""
     from test_scheduler_latency import _kv_offer
 
-    source = scheduler_with(DECODES, bound=1.0, kv_block_size=16, num_kv_blocks=4096)
-    source.set_role("P", source.kv, source.images)
-    target = scheduler_with(DECODES, bound=TBT, kv_block_size=16, num_kv_blocks=4096)
-    target.set_role("D", target.kv, None)
+    source, target = prefill_instance(), decode_instance()
     for i in range(30):
         target.add(first_token_offer(source, f"r{i}"))
     for i in range(40):
@@ -89,9 +102,7 @@ def test_streams_handed_over_mid_answer_are_taken_whatever_the_room():
 
 def test_the_instance_that_sampled_first_tokens_holds_new_prompts_while_one_waits_past_the_tbt():
     clock = Clock()
-    source = scheduler_with(DECODES, bound=1.0, kv_block_size=16, num_kv_blocks=4096, clock=clock)
-    source.set_role("P", source.kv, source.images)
-    source.set_latency_model(DECODES, 1.0, handoff_wait=TBT)
+    source = prefill_instance(handoff_wait=TBT, clock=clock)
     source.add(make_request("a", num_prompt=64, max_tokens=8))
     out = source.schedule()
     finish_step(source, out)
@@ -138,9 +149,7 @@ def test_while_first_tokens_wait_the_steps_keep_to_the_handoff_wait():
     from hydrad.engine.scheduler import BEHIND_WINDOW
 
     clock = Clock()
-    source = scheduler_with(DECODES, bound=1.0, kv_block_size=16, num_kv_blocks=4096, clock=clock)
-    source.set_role("P", source.kv, source.images)
-    source.set_latency_model(DECODES, 1.0, handoff_wait=TBT)
+    source = prefill_instance(handoff_wait=TBT, clock=clock)
     source.add(make_request("a", num_prompt=64, max_tokens=8))
     finish_step(source, source.schedule())
     source.add(long := make_request("long", num_prompt=20_000, max_tokens=8))
@@ -167,8 +176,7 @@ def test_while_first_tokens_wait_the_steps_keep_to_the_handoff_wait():
 
 def test_without_a_handoff_wait_new_prompts_are_admitted_whatever_waits():
     clock = Clock()
-    source = scheduler_with(DECODES, bound=1.0, kv_block_size=16, num_kv_blocks=4096, clock=clock)
-    source.set_role("P", source.kv, source.images)
+    source = prefill_instance(clock=clock)
     source.add(make_request("a", num_prompt=64, max_tokens=8))
     finish_step(source, source.schedule())
     clock.now += 100.0
@@ -188,11 +196,8 @@ def _ep_d(backpressure: bool, num_streams: int, seconds: float, seed: int = 0):
 
     rng = random.Random(seed)
     clock = Clock()
-    p = scheduler_with(DECODES, bound=0.2, kv_block_size=16, num_kv_blocks=8192, clock=clock)
-    p.set_role("P", p.kv, p.images)
-    p.set_latency_model(DECODES, 0.2, handoff_wait=TBT if backpressure else None)
-    d = scheduler_with(DECODES, bound=TBT, kv_block_size=16, num_kv_blocks=8192, clock=clock)
-    d.set_role("D", d.kv, None)
+    p = prefill_instance(0.2, TBT if backpressure else None, clock, num_kv_blocks=8192)
+    d = decode_instance(clock, num_kv_blocks=8192)
     arrival, first, second, done = {}, {}, {}, []
     names = iter(range(10**6))
 
