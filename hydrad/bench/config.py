@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from hydrad.bench.images import IMAGE_FORMATS
@@ -65,6 +67,8 @@ class Sampling:
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
+    # The request body's ``response_format`` as JSON text (kept hashable): structured outputs.
+    response_format: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.temperature <= 2):
@@ -81,7 +85,26 @@ class Sampling:
             out["top_p"] = self.top_p
         if self.top_k is not None:
             out["top_k"] = self.top_k
+        if self.response_format is not None:
+            out["response_format"] = json.loads(self.response_format)
         return out
+
+
+def response_format_of(spec: str) -> str:
+    """``--response-format``: ``json_object``, or ``json_schema:FILE`` (a JSON schema in FILE), as
+    the request body's ``response_format`` in JSON text."""
+    if spec == "json_object":
+        return json.dumps({"type": "json_object"})
+    kind, _, path = spec.partition(":")
+    if kind != "json_schema" or not path:
+        raise ConfigError(f"--response-format is json_object or json_schema:FILE, got {spec!r}")
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--response-format: cannot read a JSON schema from {path}: {e}") from None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"--response-format: {path} holds no JSON schema object")
+    return json.dumps({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}})
 
 
 # The samplings benchmarks compare by name: greedy (exact comparisons), the API's

@@ -140,6 +140,8 @@ def _report(result) -> None:
               help="Sampling temperature of every request (0: greedy).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), help="Nucleus sampling of every request.")
 @click.option("--top-k", type=click.IntRange(min=1), help="Top-k sampling of every request.")
+@click.option("--response-format", metavar="SPEC",
+              help="Structured outputs of every request: json_object, or json_schema:FILE (a JSON schema).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--image-format", type=click.Choice(["jpeg", "png"]), default="jpeg", show_default=True)
 @click.option("--timeout", type=float, default=600.0, show_default=True,
@@ -147,12 +149,13 @@ def _report(result) -> None:
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate as a PNG.")
 def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, goodput, concurrency, warmup,
-          search_start, search_tol, arrivals, trace, slo_ttft, slo_tbt, instances, temperature, top_p, top_k, seed,
-          image_format, timeout, out, plot) -> None:
+          search_start, search_tol, arrivals, trace, slo_ttft, slo_tbt, instances, temperature, top_p, top_k,
+          response_format, seed, image_format, timeout, out, plot) -> None:
     """Measure TTFT, TBT, SLO attainment and goodput of an OpenAI-compatible server."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from hydrad.bench import SLO, BenchConfig, GoodputSearch, Sampling, run_bench
+    from hydrad.bench.config import response_format_of
     from hydrad.bench.plot import plot_attainment
 
     if sum((rate is not None, sweep is not None, goodput, concurrency is not None)) != 1:
@@ -169,7 +172,8 @@ def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, go
         search=GoodputSearch(start_rate=search_start, rel_tol=search_tol) if goodput else None,
         concurrency=concurrency,
         warmup=warmup,
-        sampling=Sampling(temperature, top_p, top_k),
+        sampling=Sampling(temperature, top_p, top_k,
+                          response_format_of(response_format) if response_format is not None else None),
         arrivals=arrivals or ("trace" if trace else "poisson"),
         trace=trace,
         instances=instances,

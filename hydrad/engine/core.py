@@ -191,6 +191,7 @@ class EngineCore:
             shared=shared_pools,
             max_blocks_per_seq=-(-self.max_model_len // self.kv_block_size),
             vocab_size=hf_config.text_config.vocab_size,
+            tokenizer_path=str(config.model.path),
         )
         self.vocab_size = hf_config.text_config.vocab_size
         self.streams = StageStreams(self.device, dual)
@@ -505,7 +506,11 @@ class EngineCore:
             # A flat arange would be wrong from the first image on: the processor computes them.
             raise ValueError("a request with images to an M-RoPE model needs its mrope_positions")
         self._check_token_ids(req)
-        self.scheduler.add(Request(req))
+        request = Request(req)
+        if req.sampling_params.structured_outputs is not None:
+            # Its grammar with this model's tokenizer, checked before it is queued (RequestError).
+            request.matcher = self.runner.grammars.matcher(request)
+        self.scheduler.add(request)
         self._stalled = False
 
     def _check_token_ids(self, req: EngineRequest) -> None:

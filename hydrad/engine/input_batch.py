@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hydrad.engine.grammar_mask import GrammarMasks
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import PenaltyCache, Sampler, SamplingMetadata
 
@@ -20,12 +21,15 @@ _INITIAL_ROWS = 64
 
 
 class InputBatch:
-    def __init__(self, max_blocks_per_row: int, vocab_size: int, sampler: Sampler, device: torch.device):
+    def __init__(self, max_blocks_per_row: int, vocab_size: int, sampler: Sampler, device: torch.device,
+                 grammars: GrammarMasks | None = None):
         self.max_blocks_per_row = max_blocks_per_row
         self.vocab_size = vocab_size
         self.sampler = sampler
         self.penalties = PenaltyCache(vocab_size, device)
         sampler.penalties = self.penalties
+        self.grammars = grammars if grammars is not None else GrammarMasks(None, vocab_size)
+        sampler.grammars = self.grammars
         self.capacity = 0
         self._free: list[int] = []
         self.block_table = np.zeros((0, max_blocks_per_row), dtype=np.int64)
@@ -45,6 +49,8 @@ class InputBatch:
         # Per row: (token ids, values) of its logit bias, and the ids min_tokens masks.
         self.bias: list[tuple[list[int], list[float]] | None] = []
         self.stop_ids: list[list[int]] = []
+        # Per row: the matcher of a request with structured outputs (``grammar_mask``).
+        self.matchers: list = []
         # The request holding each row: a request's ``row`` may refer to a batch that was
         # dropped since (a redeploy freed the KV pool), so ownership is checked, not assumed.
         self.owners: list[Request | None] = []
@@ -53,6 +59,7 @@ class InputBatch:
         # neither (the usual case) looks at no row's in Python.
         self.num_seeded = 0
         self.num_biased = 0
+        self.num_constrained = 0
         self._grow(_INITIAL_ROWS)
 
     # -- rows ------------------------------------------------------------------------------
@@ -87,6 +94,11 @@ class InputBatch:
         self.generators[row] = req.generator if params.seed is not None else None
         self.num_seeded += self.generators[row] is not None
         self.num_biased += self.bias[row] is not None
+        if params.structured_outputs is not None and req.matcher is None:
+            # Handed over, preempted on another instance, or run again: past its tokens so far.
+            req.matcher = self.grammars.matcher(req)
+        self.matchers[row] = req.matcher if params.structured_outputs is not None else None
+        self.num_constrained += self.matchers[row] is not None
         self.penalty_slot[row] = (self.penalties.allocate(req.prompt_token_ids, req.output_token_ids)
                                   if params.has_penalties else -1)
         return row
@@ -106,8 +118,10 @@ class InputBatch:
             self.penalty_slot[row] = -1
         self.num_seeded -= self.generators[row] is not None
         self.num_biased -= self.bias[row] is not None
+        self.num_constrained -= self.matchers[row] is not None
         self.generators[row] = None
         self.bias[row] = None
+        self.matchers[row] = None
         self._free.append(row)
         self.num_rows_used -= 1
 
@@ -147,6 +161,9 @@ class InputBatch:
         if bias:
             meta.bias = ([i for i, (ids, _) in bias for _ in ids], [t for _, (ids, _) in bias for t in ids],
                          [v for _, (_, values) in bias for v in values])
+        if self.num_constrained:
+            matchers = [(i, self.matchers[r]) for i, r in enumerate(rows.tolist()) if self.matchers[r] is not None]
+            meta.matchers = matchers or None
         if self.min_tokens[rows].any():
             mask_rows, mask_ids = [], []
             for i, req in enumerate(reqs):
@@ -159,11 +176,16 @@ class InputBatch:
         return meta
 
     def add_sampled(self, rows: np.ndarray, token_ids: list[int]) -> None:
-        """Count the sampled tokens of rows with penalty state."""
+        """Count the sampled tokens of rows with penalty state; advance the rows' matchers."""
         slots = self.penalty_slot[rows]
         with_state = slots >= 0
         if with_state.any():
             self.penalties.add_tokens(slots[with_state].tolist(), np.asarray(token_ids)[with_state].tolist())
+        if self.num_constrained:
+            matchers = self.matchers
+            for row, token_id in zip(rows.tolist(), token_ids):
+                if matchers[row] is not None:
+                    matchers[row].consume_token(token_id)
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
@@ -183,6 +205,7 @@ class InputBatch:
         self.num_blocks += [0] * (capacity - old)
         self.generators += [None] * (capacity - old)
         self.bias += [None] * (capacity - old)
+        self.matchers += [None] * (capacity - old)
         self.stop_ids += [[] for _ in range(capacity - old)]
         self.owners += [None] * (capacity - old)
         self._free.extend(range(capacity - 1, old - 1, -1))

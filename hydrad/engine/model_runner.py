@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hydrad.models.attention.metadata import AttentionMetadata
+from hydrad.engine.grammar_mask import GrammarMasks
 from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler, SamplerOutput
@@ -35,6 +36,7 @@ class ModelRunner:
         shared: bool = False,
         max_blocks_per_seq: int = 0,
         vocab_size: int = 0,
+        tokenizer_path: str | None = None,
     ):
         self.model = model
         self.device = device
@@ -47,6 +49,8 @@ class ModelRunner:
         self.shared = shared
         self.max_blocks_per_seq = max_blocks_per_seq
         self.vocab_size = vocab_size
+        # Structured outputs' matchers and masks (the tokenizer, from ``tokenizer_path``, on first use).
+        self.grammars = GrammarMasks(tokenizer_path, vocab_size)
         # A pool of 0 blocks is not allocated: the role does not use that cache.
         # kv_cache [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]; batch: the
         # rows of the requests running language steps (only instances with a KV cache).
@@ -62,7 +66,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, pool: torch.Tensor | None = None) -> None:
         """``pool``: one made ahead (``new_pool``) for this shape, taken as it is."""
         self.kv_cache = self._made(self.model.kv_cache_shape(num_blocks, self.kv_block_size), pool)
-        self.batch = InputBatch(self.max_blocks_per_seq, self.vocab_size, self.sampler, self.device)
+        self.batch = InputBatch(self.max_blocks_per_seq, self.vocab_size, self.sampler, self.device, self.grammars)
 
     def allocate_image_cache(self, num_blocks: int, pool: torch.Tensor | None = None) -> None:
         self.image_cache = self._made(self.image_cache_shape(num_blocks), pool)

@@ -45,6 +45,9 @@ class Request:
         # Token ids that finish the request: EOS unless ignore_eos, and the stop token ids.
         params = req.sampling_params
         self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        # Structured outputs: its llguidance matcher on this instance, past its tokens so far
+        # (``engine.grammar_mask``; None until it first samples here).
+        self.matcher = None
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -5,7 +5,8 @@ rows, no copy to the host per row):
 
 1. logit bias, then repetition / presence / frequency penalties over per-request token
    counts kept on the device (``PenaltyCache``), then the ``min_tokens`` mask of EOS
-   and the stop token ids;
+   and the stop token ids, then, for requests with structured outputs, the tokens their
+   grammar does not allow (``grammar_mask``);
 2. greedy rows: argmax (only over the greedy rows; a step without one skips it);
 3. sampled rows: temperature, then transformers' warper order top-k, top-p, min-p,
    then one draw per row by inverse CDF (one uniform per row: from the instance's
@@ -56,6 +57,8 @@ class SamplingMetadata:
     bias: tuple[list[int], list[int], list[float]] | None = None
     # (rows, token ids) to mask until min_tokens is reached; None: none.
     min_tokens_mask: tuple[list[int], list[int]] | None = None
+    # (row, llguidance matcher) of rows with structured outputs; None: none.
+    matchers: list[tuple[int, object]] | None = None
 
     @classmethod
     def greedy(cls, num_rows: int) -> SamplingMetadata:
@@ -206,8 +209,10 @@ class Sampler:
         self.device = torch.device(device)
         # Uniforms of rows without a seed; seeds of requests that bring one are theirs.
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        # The penalty state of the requests this sampler serves (owned by the runner's batch).
+        # The penalty state of the requests this sampler serves (owned by the runner's batch),
+        # and the masks of structured outputs (``grammar_mask.GrammarMasks``).
         self.penalties: PenaltyCache | None = None
+        self.grammars = None
         # Scratch for the full-vocabulary draw, kept between steps: a fresh buffer of this
         # size every step costs its page faults again (as much as the arithmetic on a CPU).
         self._scratch = torch.empty(0, device=self.device)
@@ -242,7 +247,10 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows is not None:
             raw_logprobs = torch.log_softmax(logits[_index(logprob_rows, logits.device)].float(), dim=-1)
+        raw = logits
         logits = self._process(logits, meta)
+        if meta.matchers:
+            logits = self.grammars.apply(logits, raw, meta.matchers)
 
         if greedy.all():
             tokens = argmax_rows(logits)

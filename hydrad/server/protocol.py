@@ -2,7 +2,7 @@
 
 Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``, ``stream_options.continuous_usage_stats``). Message contents
+``return_token_ids``, ``stream_options.continuous_usage_stats``, ``structured_outputs``). Message contents
 (roles, content parts, images) are validated by the Request Processor; everything
 else here. Every problem raises ``RequestError`` naming the offending parameter, and
 a field that is not served is refused by name rather than ignored.
@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hydrad.errors import RequestError
-from hydrad.sampling_params import SEED_RANGE, SamplingParams
+from hydrad.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -107,10 +107,10 @@ _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
     "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
     "min_tokens", "ignore_eos", "return_token_ids", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "user",
+    "skip_special_tokens", "user", "response_format", "structured_outputs",
 }
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                                 "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                 "functions", "function_call", "parallel_tool_calls"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 
@@ -131,12 +131,6 @@ def parse_chat_request(body: Any) -> ChatRequest:
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise RequestError(f"{name} is not supported (no tools are served)", name)
-    response_format = body.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise RequestError(f"response_format {kind or response_format!r} is not supported: structured output "
-                               "(json_object, json_schema) is not served; only {'type': 'text'}", "response_format")
     common = _common(body, max_param)
     logprobs = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int, None)
@@ -220,12 +214,50 @@ def _common(body: dict, max_param: str) -> dict:
             params[name] = value
     if logit_bias:
         params["logit_bias"] = logit_bias
+    structured = _structured_outputs(body)
+    if structured is not None:
+        params["structured_outputs"] = structured
     options = SamplingOptions(max_tokens=_get(body, max_param, int, None), max_tokens_param=max_param, params=params)
     if options.max_tokens is not None and options.max_tokens < 1:
         raise RequestError(f"{max_param} must be at least 1, got {options.max_tokens}", max_param)
     return dict(model=model, options=options, stream=stream, include_usage=include_usage,
                 continuous_usage=continuous_usage, return_token_ids=_get(body, "return_token_ids", bool, False),
                 user=_get(body, "user", str, None))
+
+
+def _structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """The output's language from OpenAI's ``response_format`` (``json_object``, ``json_schema``;
+    ``text``: none) or vLLM's ``structured_outputs`` (``json``, ``json_object``, ``regex``, ``choice``,
+    ``grammar``), compiled now: a language that does not compile is refused before the
+    request's prompt or images are processed."""
+    response_format, extension = body.get("response_format"), body.get("structured_outputs")
+    if response_format is not None and extension is not None:
+        raise RequestError("set response_format or structured_outputs, not both", "structured_outputs")
+    if extension is not None:
+        if not isinstance(extension, dict):
+            raise RequestError("structured_outputs must be an object", "structured_outputs")
+        try:
+            return StructuredOutputsParams.of(extension)
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), "structured_outputs") from None
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    try:
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = response_format.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                                   "response_format")
+            return StructuredOutputsParams(json=spec["schema"])
+    except ValueError as e:
+        raise RequestError(str(e), "response_format") from None
+    raise RequestError(f"response_format type {kind or response_format!r} is not supported; the types are 'text', "
+                       "'json_object' and 'json_schema'", "response_format")
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean"}

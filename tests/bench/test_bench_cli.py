@@ -43,6 +43,19 @@ def test_closed_loop_from_the_command_line(server_url, write_jsonl, tmp_path):
     assert "4 in flight" in result.output
 
 
+def test_a_response_format_from_the_command_line(server_url, write_jsonl, tmp_path):
+    workload = write_jsonl([{"prompt": "ttft=0.01 tbt=0.01", "output_tokens": 3}])
+    out = tmp_path / "results.json"
+    result = CliRunner().invoke(cli, ["bench", "--url", server_url, "--workload", str(workload), "--concurrency", "2",
+                                      "--num-requests", "4", "--response-format", "json_object", *SLO_FLAGS,
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["config"]["sampling"]["response_format"] == {"type": "json_object"}
+    proc = hydractl("bench", "--url", server_url, *SLO_FLAGS, "--workload", "text", "--concurrency", "2",
+                    "--response-format", "yaml")
+    assert proc.returncode != 0 and "json_object or json_schema:FILE" in proc.stderr and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [(["--workload", "text", "--concurrency", "2", "--top-p", "0"], "Invalid value for '--top-p'")],

@@ -73,3 +73,23 @@ def test_bad_sampling_is_refused(kwargs):
 def test_sampling_fields_name_only_what_is_set():
     assert Sampling().fields() == {"temperature": 0.0}
     assert Sampling(0.8, 0.9, 50).fields() == {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
+
+
+def test_a_response_format_goes_in_every_request(tmp_path):
+    from hydrad.bench.config import response_format_of
+
+    assert Sampling(response_format=response_format_of("json_object")).fields() == {
+        "temperature": 0.0, "response_format": {"type": "json_object"}}
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    body = Sampling(1.0, response_format=response_format_of(f"json_schema:{schema}")).fields()["response_format"]
+    assert body == {"type": "json_schema", "json_schema": {"name": "bench", "schema": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}
+    for spec, message in (("xml", "json_object or json_schema:FILE"), (f"json_schema:{tmp_path}/none.json",
+                                                                      "cannot read a JSON schema"),
+                          ("json_schema:", "json_object or json_schema:FILE")):
+        with pytest.raises(ConfigError, match=message):
+            response_format_of(spec)
+    schema.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="holds no JSON schema object"):
+        response_format_of(f"json_schema:{schema}")

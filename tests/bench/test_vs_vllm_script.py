@@ -164,6 +164,27 @@ def test_closed_loops_run_each_concurrency_greedy_and_at_the_defaults(script, mo
     assert out["crowd8/defaults"] == {"key": "crowd8/defaults", "counted": True} and len(counted) == 4
 
 
+def test_json_runs_constrain_every_request_and_compare_throughput_and_latency(script, monkeypatch):
+    import json
+
+    calls = []
+    monkeypatch.setattr(script, "bench", lambda url, workload, slo, key, **kw: calls.append((key, kw)) or {"key": key})
+    out = {}
+    script._closed_loops(out, "u", "json", "w.jsonl", [256], 2, response_format=script.JSON_FORMAT)
+    assert [key for key, _ in calls] == ["json256/greedy", "json256/defaults"]
+    fields = [kw["sampling"].fields() for _, kw in calls]
+    assert [f["temperature"] for f in fields] == [0.0, 1.0]
+    assert all(f["response_format"]["type"] == "json_schema" for f in fields)
+    assert json.loads(script.JSON_FORMAT)["json_schema"]["schema"]["required"] == ["name", "score"]
+    run = {"output_tok_per_s": 900.0, "ttft_p50": 0.5, "tbt_p99": 0.2}
+    results = {"hydrad-streams": {"json256/greedy": run},
+               "vllm": {"json256/greedy": {"output_tok_per_s": 600.0, "ttft_p50": 1.0, "tbt_p99": 0.8}}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad json256/greedy"] == pytest.approx(1.5)
+    assert rows["hydrad json256/greedy, TTFT p50"] == pytest.approx(0.5)
+    assert rows["hydrad json256/greedy, inter-token p99"] == pytest.approx(0.25)
+
+
 def test_a_mix_at_a_rate_reports_each_kinds_share_within_the_slo(script, monkeypatch):
     from hydrad.bench.metrics import RequestResult
 

@@ -506,7 +506,13 @@ BAD = {
     "min_tokens_over_max": (400, "min_tokens", {"min_tokens": 5}, {}),
     "top_logprobs_high": (400, "top_logprobs", {"logprobs": True, "top_logprobs": 21}, {}),
     "top_logprobs_without_logprobs": (400, "top_logprobs", {"top_logprobs": 2}, {}),
-    "response_format_json": (400, "response_format", {"response_format": {"type": "json_object"}}, {}),
+    "response_format_xml": (400, "response_format", {"response_format": {"type": "xml"}}, {}),
+    "json_schema_invalid": (400, "response_format", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}}, {}),
+    "regex_invalid": (400, "structured_outputs", {"structured_outputs": {"regex": "a(b"}}, {}),
+    # Compiles without a tokenizer; the worker's matcher, built with the model's, refuses it.
+    "grammar_unknown_special_token": (400, "structured_outputs",
+                                      {"structured_outputs": {"grammar": 'start: <|no_such_token|> "a"'}}, {}),
     "tools": (400, "tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
     "unknown_field": (400, "frobnicate", {"frobnicate": 1}, {}),
     "unknown_model": (404, "model", {"model": "no-such-model"}, {}),
@@ -552,6 +558,47 @@ def test_openai_client_sees_typed_errors(client, model_name):
 
 
 # -- sampling options over HTTP -----------------------------------------------------------------
+
+
+def test_structured_outputs_over_http_are_the_engines_and_in_their_language(client, model_name, tiny_llava_dir):
+    """response_format (json_schema, json_object) and vLLM's structured_outputs (choice, regex):
+    greedy tokens equal the offline engine's (whose tokens equal transformers' masked by the
+    same grammar, tests/engine/test_structured_outputs.py), whole and streamed; sampled
+    answers stay in their language."""
+    from hydrad import LLM, SamplingParams
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    cases = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}, {"json": schema},
+         lambda text: json.loads(text)["answer"] in ("yes", "no")),
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}, None),
+        ({"structured_outputs": {"choice": ["red", "green"]}}, {"choice": ["red", "green"]},
+         lambda text: text in ("red", "green")),
+        ({"structured_outputs": {"regex": "[0-9]{2}-[a-z]"}}, {"regex": "[0-9]{2}-[a-z]"},
+         lambda text: re.fullmatch("[0-9]{2}-[a-z]", text) is not None),
+    ]
+    messages = [{"role": "user", "content": "Answer in the format asked."}]
+    llm = LLM(str(tiny_llava_dir), worker_processes=False)
+    for body, language, check in cases:
+        offline = llm.chat(messages, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                                    structured_outputs=language))[0]
+        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0, extra_body={**body, "return_token_ids": True})
+        assert reply.choices[0].token_ids == offline.token_ids, body
+        streamed = client.chat.completions.create(model=model_name, messages=messages, max_tokens=MAX_TOKENS,
+                                                  temperature=0, stream=True, extra_body=body)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) \
+            == reply.choices[0].message.content
+        if check is not None:
+            assert reply.choices[0].finish_reason == "stop" and check(reply.choices[0].message.content), body
+            sampled = client.chat.completions.create(model=model_name, messages=messages, max_tokens=40,
+                                                     temperature=1.0, n=4, seed=3, extra_body=body)
+            for choice in sampled.choices:
+                assert choice.finish_reason != "stop" or check(choice.message.content), (body, choice)
+    completion = client.completions.create(model=model_name, prompt="Pick one:", max_tokens=MAX_TOKENS,
+                                           temperature=0, extra_body={"structured_outputs": {"choice": ["a", "b"]}})
+    assert completion.choices[0].text in ("a", "b")
 
 
 def test_n_completions_whole_and_streamed(client, model_name):

@@ -58,8 +58,15 @@ def test_default_max_tokens_fills_the_context():
     ({"messages": MESSAGES, "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
     ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}},
+     "response_format"),
+    ({"messages": MESSAGES, "structured_outputs": {"regex": "a("}}, "structured_outputs"),
+    ({"messages": MESSAGES, "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"messages": MESSAGES, "structured_outputs": ["a"]}, "structured_outputs"),
+    ({"messages": MESSAGES, "structured_outputs": {"choice": ["a"]}, "response_format": {"type": "text"}},
+     "structured_outputs"),
     ({"messages": MESSAGES, "best_of": 2}, "best_of"),
     ({"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
     ({"messages": MESSAGES, "seed": 2**64}, "seed"),
@@ -118,6 +125,20 @@ def test_every_sampling_field_is_range_checked_and_named(fields, param):
     with pytest.raises(RequestError) as info:
         chat(**fields).options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
     assert info.value.param == param and str(info.value).startswith(param.split(".")[0]), str(info.value)
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("response_format", {"type": "json_object"}, "json_object"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "n", "strict": True,
+                                                                 "schema": {"type": "object"}}}, "json"),
+    ("structured_outputs", {"regex": "[0-9]+"}, "regex"),
+    ("structured_outputs", {"choice": ["yes", "no"]}, "choice"),
+    ("structured_outputs", {"grammar": 'start: "a"+'}, "grammar"),
+])
+def test_structured_outputs_reach_the_params_compiled(field, value, kind):
+    for req in (chat(**{field: value}), parse_completion_request({"prompt": "x", field: value})):
+        params = req.options.to_params(num_prompt_tokens=10, max_model_len=100, prompt_param="messages")
+        assert params.structured_outputs.kind == kind and params.structured_outputs.compiled
 
 
 def test_new_sampling_fields_reach_the_params():

@@ -1,0 +1,59 @@
+"""Structured outputs' languages as llguidance grammars (checked where a request comes in).
+
+A request's ``StructuredOutputsParams`` (a JSON schema, any JSON object, a regex, a choice
+of strings or a Lark grammar) becomes one llguidance grammar, checked at once, so that a
+language llguidance cannot compile is refused as the request's error before any of its
+work runs; the grammar text then travels with the request to every instance that samples
+it (``hydrad.engine.grammar_mask`` builds its matcher there). No tokenizer is needed here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from llguidance import LLMatcher
+
+if TYPE_CHECKING:
+    from hydrad.sampling_params import StructuredOutputsParams
+
+# JSON output as the OpenAI API and vLLM give it: whitespace between tokens only where the
+# model puts it (llguidance's default lets the schema's own "x-guidance" options override).
+_JSON_OPTIONS = {"whitespace_flexible": True}
+
+
+def compile_grammar(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar of ``params``' language; ValueError (one line) where it does not compile."""
+    kind = params.kind
+    try:
+        if kind == "json":
+            schema = json.loads(params.json) if isinstance(params.json, str) else params.json
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema is an object")
+            grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        elif kind == "json_object":
+            grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        elif kind == "regex":
+            grammar = LLMatcher.grammar_from_regex(params.regex)
+        elif kind == "choice":
+            # Lark string literals, one alternative each (JSON's escapes are Lark's).
+            grammar = LLMatcher.grammar_from_lark(
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice))
+        else:
+            grammar = LLMatcher.grammar_from_lark(params.grammar)
+    except (ValueError, TypeError) as e:  # JSON text that does not parse, a schema of the wrong type
+        raise ValueError(f"structured outputs: the {kind} is not valid: {_one_line(str(e))}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"structured outputs: the {kind} is not valid: {_one_line(error)}")
+    return grammar
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message on one line: its first line and its "error: ..." line, without
+    the source excerpt between them."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected by llguidance"
+    detail = next((line for line in lines[1:] if line.startswith("error:")), None)
+    return f"{lines[0]} {detail}" if detail else lines[0]
