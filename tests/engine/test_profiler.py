@@ -436,10 +436,13 @@ def test_real_fit_on_the_tiny_checkpoint_predicts_measured_steps(tiny_llava_dir,
     # A fresh engine's first prefill of 2,000 tokens pays one-off allocation and page faults
     # (up to 3x its steady time); a serving engine is past them after its first steps.
     run_batch("warm", first=70)
-    steps = run_batch("r", first=5)
+    # Three batches (their prompts' tokens differ: nothing is found cached): a step the machine
+    # stalls once (on a shared 2-core machine the first prefill step of one run in five took
+    # 50 ms against its usual 15-22 ms) cannot carry the checks below alone.
+    batches = [run_batch(f"r{k}", first=5 + k) for k in range(3)]
     engine.shutdown()
-    timings = [t for t, _ in steps]
-    assert len(timings) > 25
+    timings = [t for steps in batches for t, _ in steps]
+    assert len(timings) > 75
     # Every step counts: choosing steps by their measured time (say, over 2 ms) would keep
     # exactly the ones the machine slowed down and bias the ratio low.
     # Within 3x: on the tiny model a decode step is 2-5 ms, about 2 ms of it fixed, and the
@@ -453,11 +456,14 @@ def test_real_fit_on_the_tiny_checkpoint_predicts_measured_steps(tiny_llava_dir,
     # The steps with prompts in them, chosen by what they did (neither the measurement's noise
     # nor the fit can move that): those that gave a request its first token. The 24 prompts
     # (2,340 tokens) take a step or two. Their total within 2.5x, for shapes far beyond the
-    # probes'.
-    prefills = [t for t, started in steps if started]
-    assert 0 < len(prefills) < 5, (model.summary(), len(prefills))
-    total = sum(t.predicted_language for t in prefills) / sum(t.language for t in prefills)
-    assert 1 / 2.5 < total < 2.5, (model.summary(), [(t.predicted_language, t.language) for t in prefills])
+    # probes': the median over the three batches.
+    totals, shown = [], []
+    for steps in batches:
+        prefills = [t for t, started in steps if started]
+        assert 0 < len(prefills) < 5, (model.summary(), len(prefills))
+        totals.append(sum(t.predicted_language for t in prefills) / sum(t.language for t in prefills))
+        shown.append([(t.predicted_language, t.language) for t in prefills])
+    assert 1 / 2.5 < statistics.median(totals) < 2.5, (model.summary(), shown)
 
 
 def test_a_role_with_fewer_parts_takes_its_model_from_a_fitted_one_without_measuring(engine, cache_dir):
