@@ -98,10 +98,10 @@ SAMPLINGS = SAMPLING_PRESETS
 KV_CACHE_GIB = 2
 SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "chat", "crowd", "video", "videomix", "mixrate")
 # The json scenario's response_format: a small schema of the kind an extraction asks for.
-JSON_FORMAT = json.dumps({"type": "json_schema", "json_schema": {"name": "record", "schema": {
+JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": {
     "type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}},
-    "required": ["name", "score"]}}})
+    "required": ["name", "score"]}}}
 # In the videomix scenario's requests: a text prompt has under this many prompt tokens, a video's over.
 TEXT_PROMPT_TOKENS = 100
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
@@ -223,11 +223,11 @@ def ttft_by_kind(results, slo: bool = False) -> dict:
 
 
 def _closed_loops(out: dict, url: str, name: str, workload: Path, concurrencies: list[int], rounds: int, *,
-                  counters: bool = False, kinds: bool = False, response_format: str | None = None) -> None:
+                  counters: bool = False, kinds: bool = False, response_format: dict | None = None) -> None:
     """``out[NAME{C}/{mode}]``: a closed loop of ``rounds`` requests per stream at each concurrency
     C, greedy and at the API's defaults, under a loose SLO; with ``counters``, the server's
     counters over it (``record_counters``); with ``kinds``, each kind's TTFT (``bench``); with
-    ``response_format``, every request constrained by it (JSON text of the body's field)."""
+    ``response_format``, every request constrained by it (the body's field)."""
     loose = SLO(ttft=60.0, tbt=5.0)
     for streams in concurrencies:
         for mode in ("greedy", "defaults"):

@@ -42,14 +42,14 @@ def compile_grammar(params: StructuredOutputsParams) -> str:
         else:
             grammar = LLMatcher.grammar_from_lark(params.grammar)
     except (ValueError, TypeError) as e:  # JSON text that does not parse, a schema of the wrong type
-        raise ValueError(f"structured outputs: the {kind} is not valid: {_one_line(str(e))}") from None
+        raise ValueError(f"structured outputs: the {kind} is not valid: {one_line(str(e))}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise ValueError(f"structured outputs: the {kind} is not valid: {_one_line(error)}")
+        raise ValueError(f"structured outputs: the {kind} is not valid: {one_line(error)}")
     return grammar
 
 
-def _one_line(message: str) -> str:
+def one_line(message: str) -> str:
     """llguidance's message on one line: its first line and its "error: ..." line, without
     the source excerpt between them."""
     lines = [line.strip() for line in message.strip().splitlines() if line.strip()]

@@ -67,8 +67,8 @@ class Sampling:
     temperature: float = 0.0
     top_p: float | None = None
     top_k: int | None = None
-    # The request body's ``response_format`` as JSON text (kept hashable): structured outputs.
-    response_format: str | None = None
+    # The request body's ``response_format`` (structured outputs); None: none.
+    response_format: dict | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.temperature <= 2):
@@ -86,15 +86,15 @@ class Sampling:
         if self.top_k is not None:
             out["top_k"] = self.top_k
         if self.response_format is not None:
-            out["response_format"] = json.loads(self.response_format)
+            out["response_format"] = self.response_format
         return out
 
 
-def response_format_of(spec: str) -> str:
+def response_format_of(spec: str) -> dict:
     """``--response-format``: ``json_object``, or ``json_schema:FILE`` (a JSON schema in FILE), as
-    the request body's ``response_format`` in JSON text."""
+    the request body's ``response_format``."""
     if spec == "json_object":
-        return json.dumps({"type": "json_object"})
+        return {"type": "json_object"}
     kind, _, path = spec.partition(":")
     if kind != "json_schema" or not path:
         raise ConfigError(f"--response-format is json_object or json_schema:FILE, got {spec!r}")
@@ -104,7 +104,7 @@ def response_format_of(spec: str) -> str:
         raise ConfigError(f"--response-format: cannot read a JSON schema from {path}: {e}") from None
     if not isinstance(schema, dict):
         raise ConfigError(f"--response-format: {path} holds no JSON schema object")
-    return json.dumps({"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}})
+    return {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
 
 
 # The samplings benchmarks compare by name: greedy (exact comparisons), the API's

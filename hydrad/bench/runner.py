@@ -128,9 +128,8 @@ class BenchResult:
     def to_dict(self) -> dict:
         config = asdict(self.config)
         config.pop("api_key")  # results files get shared; keys must not travel with them
-        response_format = config["sampling"].pop("response_format")
-        if response_format is not None:  # as the requests carried it
-            config["sampling"]["response_format"] = json.loads(response_format)
+        if config["sampling"]["response_format"] is None:  # named only where the requests carried one
+            del config["sampling"]["response_format"]
         config["model"] = self.model
         summary = self.summary
         out = {

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from hydrad.errors import RequestError
+from hydrad.grammar import one_line
 
 logger = logging.getLogger("hydrad.engine")
 
@@ -62,8 +63,7 @@ class GrammarMasks:
         if not matcher.is_error() and req.output_token_ids:
             matcher.consume_tokens(req.output_token_ids)
         if matcher.is_error():
-            raise RequestError(f"structured outputs: {matcher.get_error().strip().splitlines()[0]}",
-                               "structured_outputs")
+            raise RequestError(f"structured outputs: {one_line(matcher.get_error())}", "structured_outputs")
         return matcher
 
     def apply(self, logits: torch.Tensor, raw: torch.Tensor, matchers: list[tuple[int, object]]) -> torch.Tensor:

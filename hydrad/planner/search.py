@@ -58,6 +58,15 @@ SPAN = 3.0
 CEILING_SHARE = 0.95
 # The first step of a bracket started from a guess (``Planner.bisect``).
 GUESS_STEP = 1.15
+# ``--deploy auto``, the re-planner and ``hydractl profile`` (unless told a count) replay up to
+# this many requests per rate where fewer cannot tell the best deployments apart
+# (``Planner.fit_requests``: a fast machine's rates are past what 300 requests tell at the
+# TTFT bound, 300 / (3 TTFT) req/s).
+MAX_PLAN_REQUESTS = 2400
+
+logger = logging.getLogger("hydrad.planner")
+
+
 def at_ceiling(goodput: float, max_rate: float) -> bool:
     """Whether ``goodput`` is at the replay's ceiling ``max_rate``: only known to be at least that."""
     return goodput >= CEILING_SHARE * max_rate
@@ -66,15 +75,6 @@ def at_ceiling(goodput: float, max_rate: float) -> bool:
 def rate_text(goodput: float, max_rate: float) -> str:
     """``goodput`` in req/s for people, ``>=`` where it is at the replay's ceiling."""
     return f"{'>=' if at_ceiling(goodput, max_rate) else ''}{goodput:.3g}"
-
-
-# ``--deploy auto``, the re-planner and ``hydractl profile`` (unless told a count) replay up to
-# this many requests per rate where fewer cannot tell the best deployments apart
-# (``Planner.fit_requests``: a fast machine's rates are past what 300 requests tell at the
-# TTFT bound, 300 / (3 TTFT) req/s).
-MAX_PLAN_REQUESTS = 2400
-
-logger = logging.getLogger("hydrad.planner")
 
 
 def deployments(n: int) -> list[tuple[str, ...]]:

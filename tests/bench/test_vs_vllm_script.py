@@ -165,8 +165,6 @@ def test_closed_loops_run_each_concurrency_greedy_and_at_the_defaults(script, mo
 
 
 def test_json_runs_constrain_every_request_and_compare_throughput_and_latency(script, monkeypatch):
-    import json
-
     calls = []
     monkeypatch.setattr(script, "bench", lambda url, workload, slo, key, **kw: calls.append((key, kw)) or {"key": key})
     out = {}
@@ -175,7 +173,7 @@ def test_json_runs_constrain_every_request_and_compare_throughput_and_latency(sc
     fields = [kw["sampling"].fields() for _, kw in calls]
     assert [f["temperature"] for f in fields] == [0.0, 1.0]
     assert all(f["response_format"]["type"] == "json_schema" for f in fields)
-    assert json.loads(script.JSON_FORMAT)["json_schema"]["schema"]["required"] == ["name", "score"]
+    assert script.JSON_FORMAT["json_schema"]["schema"]["required"] == ["name", "score"]
     run = {"output_tok_per_s": 900.0, "ttft_p50": 0.5, "tbt_p99": 0.2}
     results = {"hydrad-streams": {"json256/greedy": run},
                "vllm": {"json256/greedy": {"output_tok_per_s": 600.0, "ttft_p50": 1.0, "tbt_p99": 0.8}}}
