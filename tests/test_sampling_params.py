@@ -49,3 +49,21 @@ def test_top_k_and_top_p_restrict_the_candidates():
     assert set(top_k) == {0, 1}
     # softmax: p0 ~ 0.73, so top_p=0.5 keeps token 0 alone
     assert set(sampler.sample(logits, meta_for(SamplingParams(temperature=1.0, top_p=0.5), 200)).token_ids) == {0}
+
+
+def test_a_language_is_compiled_once_and_a_schema_keeps_its_order_of_keys():
+    """The same schema again takes the kept grammar; a schema whose properties come in another
+    order is another language (its properties are generated in that order)."""
+    from hydrad import grammar
+    from hydrad.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"}, "alpha": {"type": "string"}},
+              "required": ["zeta", "alpha"]}
+    first = StructuredOutputsParams(json=schema).compiled
+    hits = grammar._compile_cached.cache_info().hits
+    assert StructuredOutputsParams(json=dict(schema)).compiled == first
+    assert grammar._compile_cached.cache_info().hits == hits + 1
+    swapped = dict(schema, properties=dict(reversed(list(schema["properties"].items()))))
+    assert StructuredOutputsParams(json=swapped).compiled != first
+    choices = StructuredOutputsParams(choice=["a\nb", "c"]).compiled
+    assert StructuredOutputsParams(choice=["a", "b\nc"]).compiled != choices  # not joined by lines

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 import time
+from concurrent.futures import Future
 from typing import Iterable
 
 import torch
@@ -488,6 +489,16 @@ class EngineCore:
         return role
 
     # -- requests ---------------------------------------------------------------------------
+    def grammar_pending(self, req: EngineRequest | MigrationOffer) -> Future | None:
+        """Where ``req`` has structured outputs whose grammar this instance has not built: the
+        future of that build, started on a thread of its own (``add_request`` would otherwise
+        build it on the calling thread: up to a few hundred milliseconds for the largest
+        grammars, on a worker its step thread). None: nothing to wait for."""
+        params = req.sampling_params.structured_outputs
+        if params is None:
+            return None
+        return self.runner.grammars.prepare(params, req.eos_token_ids)
+
     def add_request(self, req: EngineRequest) -> None:
         """Queue a request; ValueError if it could never fit this instance."""
         if req.num_prompt_tokens == 0:
@@ -715,3 +726,4 @@ class EngineCore:
     def shutdown(self) -> None:
         self.streams.shutdown()
         self.copier.shutdown()
+        self.runner.grammars.close()

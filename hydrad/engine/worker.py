@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Protocol
 
@@ -57,6 +58,7 @@ class Engine(Protocol):
     instance_id: int
 
     def add_request(self, req: EngineRequest) -> None: ...
+    def grammar_pending(self, req: EngineRequest | MigrationOffer) -> Future | None: ...
     def abort_requests(self, req_ids) -> None: ...
     def step(self) -> EngineOutput: ...
     def has_work(self) -> bool: ...
@@ -475,6 +477,8 @@ def _room(engine) -> tuple[int, int]:
 
 
 RECONFIGURE_RETRY_SECONDS = 0.2
+# How often an idle worker looks whether a grammar it builds for a waiting request is done.
+GRAMMAR_POLL_SECONDS = 0.002
 # How long a borrower's model at its borrowed count waits, on end, for its lenders to be idle
 # before it is left to the next start.
 LENDERS_PATIENCE = 2.0
@@ -498,7 +502,23 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     retiring_since: float | None = None  # a Retire is under way
     received = 0  # messages taken from the daemon (stamped on what is sent about requests)
     reconfiguring: _PendingReconfigure | None = None
+    # New requests whose grammar (structured outputs) is being built off the step thread:
+    # req_id -> (request, the message count when it came, the build); admitted when it is done.
+    awaiting_grammar: dict[str, tuple[EngineRequest, int, Future]] = {}
+
+    def admit(req_id: str, add, payload, stamp: int) -> None:
+        try:
+            add(payload)
+        except ValueError as e:
+            live.discard(req_id)
+            conn.send(RequestRejected(req_id, str(e), getattr(e, "param", None), stamp))
+        else:
+            live.add(req_id)
+
     while True:
+        for req_id in [r for r, (_, _, build) in awaiting_grammar.items() if build.done()]:
+            request, stamp, _ = awaiting_grammar.pop(req_id)
+            admit(req_id, engine.add_request, request, stamp)
         if retiring_since is not None and engine.drained():
             role = engine.shrink()
             bound = None
@@ -509,33 +529,39 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 step_threads.set_bound(bound)
             conn.send(Retired(engine.instance_id, role, time.monotonic() - retiring_since, bound))
             retiring_since = None
-        if draining and not engine.has_unfinished_requests():
+        if draining and not engine.has_unfinished_requests() and not awaiting_grammar:
             return
         busy = engine.has_work()
         step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
-        # Block for messages only when there is nothing to step (and no probe to run or try again).
+        # Block for messages only when there is nothing to step (and no probe to run or try
+        # again, no grammar being built).
         timeout = 0 if busy else (None if reconfiguring is None else
                                   max(0.0, reconfiguring.next_try - time.monotonic()))
+        if awaiting_grammar and not busy:
+            timeout = GRAMMAR_POLL_SECONDS if timeout is None else min(timeout, GRAMMAR_POLL_SECONDS)
         while conn.poll(timeout):
             msg = conn.recv()
             received += 1
             timeout = 0
-            if isinstance(msg, (AddRequest, Migrate)):
-                # A new request, or one migrating in: either may not fit this instance.
-                req_id, admit, payload = (
-                    (msg.request.req_id, engine.add_request, msg.request)
-                    if isinstance(msg, AddRequest)
-                    else (msg.offer.req_id, engine.add_migration, msg.offer)
-                )
-                try:
-                    admit(payload)
-                except ValueError as e:
-                    conn.send(RequestRejected(req_id, str(e), getattr(e, "param", None), received))
+            if isinstance(msg, AddRequest):
+                # A new request: it may not fit this instance, or wait for its grammar.
+                req_id = msg.request.req_id
+                build = engine.grammar_pending(msg.request)
+                if build is None:
+                    admit(req_id, engine.add_request, msg.request, received)
                 else:
+                    awaiting_grammar[req_id] = (msg.request, received, build)
                     live.add(req_id)
+            elif isinstance(msg, Migrate):
+                # Its grammar, where it has one, is started off this thread: its first step here
+                # waits only for what is left of that build.
+                engine.grammar_pending(msg.offer)
+                admit(msg.offer.req_id, engine.add_migration, msg.offer, received)
             elif isinstance(msg, Abort):
                 engine.abort_requests(msg.req_ids)
                 live.difference_update(msg.req_ids)
+                for req_id in msg.req_ids:
+                    awaiting_grammar.pop(req_id, None)
             elif isinstance(msg, Release):
                 engine.release(msg.req_ids)
                 live.difference_update(msg.req_ids)
@@ -571,6 +597,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                 conn.send(StatsReply(msg.seq, engine.get_stats()))
             elif isinstance(msg, Shutdown):
                 if not msg.finish_running and live:
+                    awaiting_grammar.clear()
                     engine.abort_requests(list(live))
                     conn.send(StepOutput(EngineOutput(finished=[FinishedRequest(r, "abort") for r in sorted(live)]),
                                          received=received))

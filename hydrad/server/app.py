@@ -262,7 +262,14 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     with admission.track() as inflight:
         body, reservation = await admission.read_body(request, arrival)
         try:
-            req = (parse_chat_request if chat else parse_completion_request)(_json(body))
+            parsed = _json(body)
+            parse = parse_chat_request if chat else parse_completion_request
+            if isinstance(parsed, dict) and ("response_format" in parsed or "structured_outputs" in parsed):
+                # Compiling a language takes up to a few hundred milliseconds for the largest
+                # (llguidance releases the GIL meanwhile): never on the event loop.
+                req = await asyncio.get_running_loop().run_in_executor(None, parse, parsed)
+            else:
+                req = parse(parsed)
             del body  # the parsed request holds what is needed until it is processed
             engine = _engine_for(request, req)
             req_id = inflight.req_id = f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_ID_COUNTER):08x}"

@@ -183,6 +183,24 @@ def test_json_runs_constrain_every_request_and_compare_throughput_and_latency(sc
     assert rows["hydrad json256/greedy, inter-token p99"] == pytest.approx(0.25)
 
 
+def test_the_large_schema_compiles_and_runs_beside_the_code_before(script):
+    """The jsonlarge scenario's schema is one hydrad takes (every field typed, the two of the
+    small schema required), and a ``--before`` twin of the stream server gets its own rows."""
+    from hydrad.sampling_params import StructuredOutputsParams
+
+    schema = script.JSON_LARGE_FORMAT["json_schema"]["schema"]
+    assert len(schema["properties"]) == 202 and schema["required"] == ["name", "score"]
+    assert StructuredOutputsParams(json=schema).compiled
+    run = {"output_tok_per_s": 900.0, "ttft_p50": 0.5, "tbt_p99": 0.2}
+    results = {"hydrad-streams": {"jsonlarge16/defaults": run},
+               "hydrad-streams@before": {"jsonlarge16/defaults": dict(run, output_tok_per_s=300.0)},
+               "vllm": {"jsonlarge16/defaults": {"output_tok_per_s": 600.0, "ttft_p50": 1.0, "tbt_p99": 0.8}}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad jsonlarge16/defaults"] == pytest.approx(1.5)
+    assert rows["hydrad@before jsonlarge16/defaults"] == pytest.approx(0.5)
+    assert rows["hydrad@before jsonlarge16/defaults, inter-token p99"] == pytest.approx(0.25)
+
+
 def test_a_mix_at_a_rate_reports_each_kinds_share_within_the_slo(script, monkeypatch):
     from hydrad.bench.metrics import RequestResult
 

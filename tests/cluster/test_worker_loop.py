@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing as mp
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -41,6 +42,11 @@ class FakeEngine:
 
     def __init__(self):
         self.requests: dict[str, list] = {}
+        self.grammar_builds: dict[str, Future] = {}  # by request: its grammar's build, set by a test
+
+    def grammar_pending(self, req) -> Future | None:
+        build = self.grammar_builds.get(req.req_id)
+        return None if build is None or build.done() else build
 
     def add_request(self, req: EngineRequest) -> None:
         if 0 in req.prompt_token_ids:
@@ -144,6 +150,53 @@ def test_shutdown_aborting_running_requests():
     assert finished == [FinishedRequest("a", "abort")]
     thread.join(5)
     assert not thread.is_alive() and not engine.requests
+
+
+def test_a_request_waits_for_its_grammar_while_the_others_stream():
+    """A request whose grammar is being built is admitted when the build is done; meanwhile the
+    worker steps the rest. A refusal then carries the count of messages at its arrival (the
+    daemon's fence for a run aborted since), and a request aborted while waiting is dropped."""
+    from hydrad.transport.messages import RequestRejected
+
+    engine = FakeEngine()
+    builds = {req_id: Future() for req_id in ("g", "bad", "gone")}
+    engine.grammar_builds.update(builds)
+    conn, thread = start_worker(engine)
+    conn.send(AddRequest(request("a", 10_000)))
+    conn.send(AddRequest(request("g", 3)))
+    conn.send(AddRequest(request("bad", 3, prompt=(0,))))  # its 3rd message
+    conn.send(AddRequest(request("gone", 3)))
+    conn.send(Abort(("gone",)))
+    for _ in range(20):  # "a" streams; nothing waiting has run
+        assert set(recv_until(conn, StepOutput).output.req_ids) == {"a"}
+    builds["gone"].set_result(None)
+    builds["bad"].set_result(None)
+    rejected = recv_until(conn, RequestRejected)
+    assert (rejected.req_id, rejected.received) == ("bad", 3) and "token 0" in rejected.message
+    builds["g"].set_result(None)
+    tokens = []
+    while True:
+        out = recv_until(conn, StepOutput).output
+        tokens += [t for r, t in zip(out.req_ids, out.token_ids) if r == "g"]
+        if any(f.req_id == "g" for f in out.finished):
+            break
+    assert tokens == [101, 102, 103] and "gone" not in engine.requests
+    conn.send(Shutdown(finish_running=False))
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+def test_an_idle_worker_admits_a_request_when_its_grammar_is_built():
+    engine = FakeEngine()
+    engine.grammar_builds["g"] = build = Future()
+    conn, thread = start_worker(engine)
+    conn.send(AddRequest(request("g", 2)))
+    assert not conn.poll(0.1)  # nothing to step until the grammar is there
+    build.set_result(None)
+    assert recv_until(conn, StepOutput).output.token_ids == [101]
+    conn.send(Shutdown(finish_running=True))
+    thread.join(5)
+    assert not thread.is_alive()
 
 
 def test_worker_exits_when_the_daemon_end_closes():

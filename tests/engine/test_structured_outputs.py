@@ -185,6 +185,53 @@ def test_a_grammar_the_models_tokenizer_refuses_is_the_requests_error_alone(llm,
     assert llm.chat(conversations[1], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids
 
 
+def test_an_instance_builds_each_grammar_once_and_each_request_gets_a_fresh_copy(llm, conversations):
+    """The second request of a grammar takes a copy of the instance's matcher of it, not the
+    first request's state: the same prompt gives the same tokens, alone and batched, and the
+    grammar was built once. A refused grammar is refused again without another build."""
+    from hydrad.errors import RequestError
+
+    grammars = llm.engine.runner.grammars
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs={"regex": "[a-f]{2}-[0-9]{5}"})
+    built = grammars.num_built
+    first = llm.chat(conversations[1], params)[0].token_ids
+    assert grammars.num_built == built + 1
+    again = llm.chat([conversations[1]] * 3, params)
+    assert [o.token_ids for o in again] == [first] * 3 and grammars.num_built == built + 1
+    refused = SamplingParams(max_tokens=4, structured_outputs={"grammar": 'start: <|not_a_token|> "b"'})
+    for _ in range(2):
+        with pytest.raises(RequestError, match="not_a_token"):
+            llm.chat(conversations[1], refused)
+    assert grammars.num_built == built + 2
+
+
+def test_a_grammar_is_built_on_a_thread_of_its_own_then_kept(tiny_llava_dir):
+    import threading
+
+    from hydrad.engine.grammar_mask import MAX_TEMPLATES, GrammarMasks
+    from hydrad.engine.request import Request
+    from hydrad.engine.inputs import EngineRequest
+
+    grammars = GrammarMasks(str(tiny_llava_dir), 4096)
+    threads = []
+    build = grammars._build
+    grammars._build = lambda *args: threads.append(threading.current_thread()) or build(*args)
+    params = StructuredOutputsParams(regex="x[0-9]+")
+    future = grammars.prepare(params, (2,))
+    assert future is not None and grammars.prepare(params, (2,)) in (future, None)
+    future.result(timeout=30)
+    assert grammars.prepare(params, (2,)) is None and threads[0] is not threading.current_thread()
+    req = Request(EngineRequest("r", [1, 2], SamplingParams(structured_outputs=params), eos_token_ids=(2,)))
+    matcher = grammars.matcher(req)
+    assert not matcher.is_error() and not matcher.is_accepting()  # fresh: "x" not taken yet
+    assert len(threads) == 1  # the matcher is a copy of the one built
+    for i in range(MAX_TEMPLATES):  # the least recently used grammars go first
+        grammars.matcher(Request(EngineRequest(f"r{i}", [1], SamplingParams(
+            structured_outputs=StructuredOutputsParams(regex=f"y{i}")), eos_token_ids=(2,))))
+    assert grammars.prepare(params, (2,)) is not None
+    grammars.close()
+
+
 @pytest.mark.parametrize("language, message", [
     ({"json": {"type": "objekt"}}, "the json is not valid: Invalid type: objekt"),
     ({"json": "{not json"}, "the json is not valid"),
