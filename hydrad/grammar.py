@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import TYPE_CHECKING
 
 from llguidance import LLMatcher
-
-if TYPE_CHECKING:
-    from hydrad.sampling_params import StructuredOutputsParams
 
 # JSON output as the OpenAI API and vLLM give it: whitespace between tokens only where the
 # model puts it (llguidance's default lets the schema's own "x-guidance" options override).
 _JSON_OPTIONS = {"whitespace_flexible": True}
-
 
 # Languages up to this many characters have their grammar kept (``CACHED_GRAMMARS`` of them,
 # least recently used first out): an application sends the same schema with every request,
@@ -30,40 +25,31 @@ CACHED_SOURCE_CHARS = 64 << 10
 CACHED_GRAMMARS = 128
 
 
-def compile_grammar(params: StructuredOutputsParams) -> str:
-    """llguidance's grammar of ``params``' language; ValueError (one line) where it does not compile."""
-    kind = params.kind
-    if kind == "json":
-        # The schema's own order of keys (the order its properties are generated in) is kept.
-        key = params.json if isinstance(params.json, str) else json.dumps(params.json)
-    elif kind == "choice":
-        key = json.dumps(params.choice)
-    else:
-        key = params.regex or params.grammar or ""
-    if len(key) <= CACHED_SOURCE_CHARS:
-        return _compile_cached(kind, key)
-    return _compile(kind, key)
+def compile_grammar(kind: str, source: str) -> str:
+    """llguidance's grammar of a language of ``kind`` given as ``source``
+    (``StructuredOutputsParams.source``); ValueError (one line) where it does not compile."""
+    if len(source) <= CACHED_SOURCE_CHARS:
+        return _compile_cached(kind, source)
+    return _compile(kind, source)
 
 
-def _compile(kind: str, key: str) -> str:
-    """``key``: the language as text (a JSON schema, the JSON list of choices, the regex or
-    the Lark grammar; nothing for json_object)."""
+def _compile(kind: str, source: str) -> str:
     try:
         if kind == "json":
-            schema = json.loads(key)
+            schema = json.loads(source)
             if not isinstance(schema, (dict, bool)):
                 raise ValueError("a JSON schema is an object")
             grammar = LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
         elif kind == "json_object":
             grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
         elif kind == "regex":
-            grammar = LLMatcher.grammar_from_regex(key)
+            grammar = LLMatcher.grammar_from_regex(source)
         elif kind == "choice":
             # Lark string literals, one alternative each (JSON's escapes are Lark's).
             grammar = LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(key)))
+                "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(source)))
         else:
-            grammar = LLMatcher.grammar_from_lark(key)
+            grammar = LLMatcher.grammar_from_lark(source)
     except (ValueError, TypeError) as e:  # JSON text that does not parse, a schema of the wrong type
         raise ValueError(f"structured outputs: the {kind} is not valid: {one_line(str(e))}") from None
     error = LLMatcher.validate_grammar(grammar)

@@ -78,11 +78,12 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise ValueError(f"structured outputs: choice must be 1 to {MAX_CHOICES} non-empty strings")
             self.choice = list(self.choice)
-        if len(self.source()) > MAX_GRAMMAR_CHARS:
+        source = self.source()
+        if len(source) > MAX_GRAMMAR_CHARS:
             raise ValueError(f"structured outputs: the {self.kind} has more than {MAX_GRAMMAR_CHARS} characters")
         from hydrad.grammar import compile_grammar
 
-        self.compiled = compile_grammar(self)
+        self.compiled = compile_grammar(self.kind, source)
 
     def _kinds(self) -> list[str]:
         return [name for name, value in (("json", self.json), ("json_object", self.json_object or None),
@@ -94,12 +95,16 @@ class StructuredOutputsParams:
         return self._kinds()[0]
 
     def source(self) -> str:
-        """What the language is given as, in text."""
+        """What the language is given as, in text: the JSON schema (its keys in their order, the
+        order its properties are generated in), the JSON array of the choices, the regex or
+        the grammar."""
         if self.json is not None:
             return self.json if isinstance(self.json, str) else json.dumps(self.json)
         if self.json_object:
             return '{"type": "object"}'
-        return self.regex or self.grammar or "\n".join(self.choice or ())
+        if self.choice is not None:
+            return json.dumps(self.choice)
+        return self.regex or self.grammar or ""
 
     @classmethod
     def of(cls, value) -> StructuredOutputsParams:

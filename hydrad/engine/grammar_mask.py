@@ -136,6 +136,10 @@ class GrammarMasks:
         self.num_built += 1
         if matcher.is_error():
             return RequestError(f"structured outputs: {one_line(matcher.get_error())}", "structured_outputs")
+        # Its first mask once here: the lexer states that takes are kept in every copy, whose
+        # own first mask then costs microseconds instead of milliseconds (a large schema).
+        scratch = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         return matcher
 
     def close(self) -> None:
