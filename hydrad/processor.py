@@ -198,14 +198,14 @@ class InputProcessor:
                 raise RequestError(f"{where} must be an object", param=where)
             role = message.get("role")
             if role in ("tool", "function"):
-                raise RequestError(f"{where}: {role} messages are not supported (no tools are served)",
-                                   param=f"{where}.role")
+                raise RequestError(f"{where}: {role} messages are not supported (tool results are not put in the "
+                                   "model's chat template)", param=f"{where}.role")
             if role not in _ROLES:
                 raise RequestError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
             for name in ("tool_calls", "function_call"):
                 if message.get(name):
-                    raise RequestError(f"{where}.{name}: tool and function calls are not supported (no tools are "
-                                       "served)", param=f"{where}.{name}")
+                    raise RequestError(f"{where}.{name}: earlier tool and function calls are not supported (they are "
+                                       "not put in the model's chat template)", param=f"{where}.{name}")
             role = "system" if role == "developer" else role
             content = message.get("content")
             if isinstance(content, str):

@@ -47,6 +47,8 @@ logger = logging.getLogger("hydrad.server")
 # Request ids: random per daemon run, then counted (unique without a system call per request).
 _ID_PREFIX = uuid.uuid4().hex[:16]
 _ID_COUNTER = itertools.count()
+# Fields whose language (structured outputs, tool calls) is compiled while the request is parsed.
+_STRUCTURED = frozenset({"response_format", "structured_outputs", "tools"})
 
 CONFIG = web.AppKey("config", DaemonConfig)
 SPECS = web.AppKey("specs", list)
@@ -264,7 +266,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             parsed = _json(body)
             parse = parse_chat_request if chat else parse_completion_request
-            if isinstance(parsed, dict) and ("response_format" in parsed or "structured_outputs" in parsed):
+            if isinstance(parsed, dict) and not _STRUCTURED.isdisjoint(parsed):
                 # Compiling a language takes up to a few hundred milliseconds for the largest
                 # (llguidance releases the GIL meanwhile): never on the event loop.
                 req = await asyncio.get_running_loop().run_in_executor(None, parse, parsed)
@@ -282,7 +284,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             req.messages = []
         else:
             req.prompt = ""
-        fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text)
+        fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
+                             tools=req.tools if chat else None)
         return await _respond(request, engine, req, fmt, prepared, arrival)
 
 

@@ -2,7 +2,8 @@
 
 Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``, ``stream_options.continuous_usage_stats``, ``structured_outputs``). Message contents
+``return_token_ids``, ``stream_options.continuous_usage_stats``, ``structured_outputs``); tool calls
+are structured outputs (``hydrad.server.tools``). Message contents
 (roles, content parts, images) are validated by the Request Processor; everything
 else here. Every problem raises ``RequestError`` naming the offending parameter, and
 a field that is not served is refused by name rather than ignored.
@@ -15,6 +16,7 @@ from typing import Any
 
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
+from hydrad.server.tools import ToolChoice, parse_tools
 
 
 @dataclass
@@ -95,6 +97,8 @@ class GenerateRequest:
 @dataclass
 class ChatRequest(GenerateRequest):
     messages: list[dict]
+    # A tool choice that constrains the answer to tool calls (``tools.ToolChoice``); None: none.
+    tools: ToolChoice | None = None
 
 
 @dataclass
@@ -125,13 +129,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not all(isinstance(m, dict) for m in messages):
         raise RequestError("each message must be an object", "messages")
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    for name in ("tools", "functions"):
-        if body.get(name):
-            raise RequestError(f"{name} (tool and function calling) is not supported", name)
-    for name in ("tool_choice", "function_call"):
-        if body.get(name) not in (None, "none"):
-            raise RequestError(f"{name} is not supported (no tools are served)", name)
+    tools = parse_tools(body)
     common = _common(body, max_param)
+    if tools is not None:
+        params = common["options"].params
+        if "structured_outputs" in params:
+            raise RequestError("a tool_choice that calls a tool constrains the answer itself: set it or "
+                               "response_format / structured_outputs, not both", "tool_choice")
+        params["structured_outputs"] = tools.language()
     logprobs = _get(body, "logprobs", bool, False)
     top_logprobs = _get(body, "top_logprobs", int, None)
     if top_logprobs is not None and not logprobs:
@@ -140,7 +145,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         common["options"].params["logprobs"] = 0 if top_logprobs is None else top_logprobs
         if top_logprobs is not None:
             common["options"].param_names["logprobs"] = "top_logprobs"
-    return ChatRequest(messages=messages, **common)
+    return ChatRequest(messages=messages, tools=tools, **common)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

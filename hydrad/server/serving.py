@@ -35,6 +35,7 @@ from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
 from hydrad.cluster.requests import ServiceStopping
 from hydrad.server.sse import open_event_stream, send_done, send_event
+from hydrad.server.tools import ToolCallStream, ToolChoice
 
 logger = logging.getLogger("hydrad.server")
 
@@ -64,8 +65,12 @@ def json_text(text: str) -> bytes:
 class ResponseFormat:
     """The shape of one request's response: chat or text completion."""
 
-    def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None):
+    def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None,
+                 tools: ToolChoice | None = None):
         self.chat = chat
+        # A chat answer constrained to tool calls: its text goes out as their arguments.
+        self.tools = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self.req_id = req_id
         self.model = model
         self.return_token_ids = return_token_ids
@@ -88,7 +93,7 @@ class ResponseFormat:
     def chunk_bytes(self, out: Output, first: bool, usage: dict | None, include_usage: bool) -> bytes:
         """The SSE event of one output; plain text chunks are framed from prebuilt bytes."""
         if not first and out.finish_reason is None and out.logprobs is None and not self.return_token_ids \
-                and not include_usage:
+                and not include_usage and self.tools is None:
             head = self._heads.get(out.index)
             if head is None:
                 head = self._heads[out.index] = self._prefix + str(out.index).encode() + self._text_key
@@ -100,7 +105,18 @@ class ResponseFormat:
 
     def chunk(self, out: Output, first: bool) -> dict:
         logprobs = self.logprobs([out.logprobs], out.text) if out.logprobs is not None else None
-        if self.chat:
+        if self.chat and self.tools is not None:
+            # A chunk per token still; its text goes to the calls' arguments.
+            stream = self._tool_streams.get(out.index)
+            if stream is None:
+                stream = self._tool_streams[out.index] = self.tools.stream()
+            delta = {"role": "assistant", "content": None} if first else {}
+            calls = stream.feed(out.text)
+            if calls:
+                delta["tool_calls"] = calls
+            choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
+                      "finish_reason": self.tools.finish_reason(out.finish_reason)}
+        elif self.chat:
             # Every token chunk carries "content", empty or not, so clients can time each token.
             delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
@@ -120,7 +136,14 @@ class ResponseFormat:
         out = []
         for index, c in enumerate(choices):
             logprobs = self.logprobs(c["logprobs"], c["text"]) if c["logprobs"] is not None else None
-            if self.chat:
+            if self.chat and self.tools is not None:
+                calls = self.tools.calls(c["text"])
+                # An answer cut before its first call keeps its text where it can be seen.
+                message = {"role": "assistant", "content": None if calls or not c["text"] else c["text"],
+                           "tool_calls": calls}
+                choice = {"index": index, "message": message, "logprobs": logprobs,
+                          "finish_reason": self.tools.finish_reason(c["finish_reason"])}
+            elif self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
                           "logprobs": logprobs, "finish_reason": c["finish_reason"]}
             else:

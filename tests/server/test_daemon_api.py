@@ -513,7 +513,16 @@ BAD = {
     # Compiles without a tokenizer; the worker's matcher, built with the model's, refuses it.
     "grammar_unknown_special_token": (400, "structured_outputs",
                                       {"structured_outputs": {"grammar": 'start: <|no_such_token|> "a"'}}, {}),
-    "tools": (400, "tools", {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
+    # Tools without a tool_choice: "auto", which needs a parser of the model's tool-call format.
+    "tools_auto": (400, "tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
+    "tool_choice_unknown_function": (400, "tool_choice", {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, {}),
+    "tool_parameters_invalid": (400, "tools", {
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+        "tool_choice": "required"}, {}),
+    "tool_message": (400, "messages[1].role", {"messages": [
+        {"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]}, {}),
     "unknown_field": (400, "frobnicate", {"frobnicate": 1}, {}),
     "unknown_model": (404, "model", {"model": "no-such-model"}, {}),
     "missing_api_key": (401, None, {}, {"Authorization": None}),
@@ -599,6 +608,63 @@ def test_structured_outputs_over_http_are_the_engines_and_in_their_language(clie
     completion = client.completions.create(model=model_name, prompt="Pick one:", max_tokens=MAX_TOKENS,
                                            temperature=0, extra_body={"structured_outputs": {"choice": ["a", "b"]}})
     assert completion.choices[0].text in ("a", "b")
+
+
+def test_tool_calls_over_http_are_the_engines_answer_as_calls(client, model_name, tiny_llava_dir):
+    """A named function's arguments and "required"'s calls are the offline engine's greedy answer
+    in the language the tool choice makes (tokens equal), whole and streamed (the arguments
+    streamed piece by piece add up to the whole answer's); sampled calls name the tools."""
+    from hydrad import LLM, SamplingParams
+    from hydrad.server.tools import parse_tools
+
+    city = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+            "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    tools = [{"type": "function", "function": {"name": "weather", "description": "The weather in a city.",
+                                               "parameters": city}},
+             {"type": "function", "function": {"name": "now", "parameters": {
+                 "type": "object", "properties": {}, "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    llm = LLM(str(tiny_llava_dir), worker_processes=False)
+    for choice, max_tokens in (({"type": "function", "function": {"name": "weather"}}, 24), ("required", 64)):
+        body = {"tools": tools, "tool_choice": choice}
+        language = parse_tools(body).language()
+        offline = llm.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                    structured_outputs=language))[0]
+        reply = client.chat.completions.create(model=model_name, messages=messages, max_tokens=max_tokens,
+                                               temperature=0, tools=tools, tool_choice=choice,
+                                               extra_body={"return_token_ids": True})
+        answer = reply.choices[0]
+        assert answer.token_ids == offline.token_ids, choice
+        calls = answer.message.tool_calls
+        assert answer.message.content is None and calls, (choice, answer)
+        if choice == "required":
+            assert answer.finish_reason in ("tool_calls", "length")
+            assert all(c.function.arguments in offline.text for c in calls)
+            if answer.finish_reason == "tool_calls":
+                assert [{"name": c.function.name, "parameters": json.loads(c.function.arguments)} for c in calls] \
+                    == json.loads(offline.text)
+        else:
+            assert [c.function.name for c in calls] == ["weather"] and calls[0].function.arguments == offline.text
+            assert answer.finish_reason == offline.finish_reason
+        streamed = client.chat.completions.create(model=model_name, messages=messages, max_tokens=max_tokens,
+                                                  temperature=0, tools=tools, tool_choice=choice, stream=True)
+        got, finish = {}, None
+        for chunk in streamed:
+            for delta_call in chunk.choices[0].delta.tool_calls or []:
+                if delta_call.id is not None:
+                    got[delta_call.index] = [delta_call.id, delta_call.function.name, ""]
+                got[delta_call.index][2] += delta_call.function.arguments or ""
+            finish = chunk.choices[0].finish_reason or finish
+        assert [(name, args) for _, name, args in got.values()] == [(c.function.name, c.function.arguments)
+                                                                   for c in calls]
+        assert finish == answer.finish_reason
+    sampled = client.chat.completions.create(model=model_name, messages=messages, max_tokens=64, temperature=1.0,
+                                             n=4, seed=5, tools=tools, tool_choice="required")
+    for answer in sampled.choices:
+        if answer.finish_reason == "tool_calls":
+            assert {c.function.name for c in answer.message.tool_calls} <= {"weather", "now"}
+            for call in answer.message.tool_calls:
+                assert isinstance(json.loads(call.function.arguments), dict)
 
 
 def test_n_completions_whole_and_streamed(client, model_name):
