@@ -195,15 +195,10 @@ class ToolCallStream:
         if self._capturing and self._step_arguments(char):
             return True
         if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
+            if self._string_ends(char):
                 self._end_string(json.loads('"' + "".join(self._token) + '"'))
-                return False
-            self._token.append(char)
+            else:
+                self._token.append(char)
         elif char == '"':
             self._in_string, self._token = True, []
         elif char in "[{":
@@ -216,6 +211,17 @@ class ToolCallStream:
             self._expect_key, self._key = True, None
         elif char == ":" and self._depth == 2 and self._key == "parameters":
             self._capturing, self._value_depth, self._scalar = True, None, False
+        return False
+
+    def _string_ends(self, char: str) -> bool:
+        """Inside a string: whether ``char`` closes it."""
+        if self._escape:
+            self._escape = False
+        elif char == "\\":
+            self._escape = True
+        elif char == '"':
+            self._in_string = False
+            return True
         return False
 
     def _end_string(self, value: str) -> None:
@@ -242,14 +248,8 @@ class ToolCallStream:
                 self._scalar = True
             return True
         if self._in_string:
-            if self._escape:
-                self._escape = False
-            elif char == "\\":
-                self._escape = True
-            elif char == '"':
-                self._in_string = False
-                if self._depth == self._value_depth:  # the parameters were a string
-                    self._capturing = False
+            if self._string_ends(char) and self._depth == self._value_depth:  # the parameters were a string
+                self._capturing = False
             return True
         if self._scalar:
             if char in ",}" or char.isspace():
