@@ -348,7 +348,9 @@ class InputProcessor:
         self.check_prompt_chars(len(prompt), "prompt")
         return PromptSize(len(prompt))
 
-    def process_chat(self, messages: list[dict]) -> ProcessedPrompt:
+    def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedPrompt:
+        """``tools``: the request's (OpenAI's ``tools``), given to the chat template, which puts
+        them in the prompt where it has a place for them."""
         normalized, sources, num_chars = self._normalize(messages)
         self.check_prompt_chars(num_chars, "messages")
         self._check_images(sources)
@@ -356,7 +358,7 @@ class InputProcessor:
         images = [(item, data) for item, data in decoded if not isinstance(item, VideoClip)]
         clips = [(item, data) for item, data in decoded if isinstance(item, VideoClip)]
         with self._hf_processor() as processor:
-            text = processor.apply_chat_template(normalized, add_generation_prompt=True, tokenize=False)
+            text = processor.apply_chat_template(normalized, tools=tools, add_generation_prompt=True, tokenize=False)
             videos = None
             if clips:
                 text, videos = self._videos(text, clips)

@@ -140,7 +140,7 @@ def test_pixels_per_request_are_checked_from_the_headers(processor):
     (user({"type": "image_url", "image_url": {}}), "messages[0].content[0].image_url.url must be a string",
      "messages[0].content[0]"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}],
-     "messages[0].tool_calls: tool and function calls are not supported", "messages[0].tool_calls"),
+     "messages[0].tool_calls: earlier tool and function calls are not supported", "messages[0].tool_calls"),
     ([{"role": "tool", "content": "42", "tool_call_id": "1"}], "messages[0]: tool messages are not supported",
      "messages[0].role"),
     ([{"role": "user", "content": None}], "messages[0].content must be a string or a non-empty list of parts, got null",
@@ -223,3 +223,23 @@ def test_an_images_digest_is_its_files(processor):
     assert digest(image(other)) != first
     assert digest(image(png_url(40, 30, seed=2))) != first
     assert digest(as_object) == digest({"type": "image", "image": picture.copy()}) not in (None, first)
+
+
+def test_a_requests_tools_reach_a_chat_template_that_renders_them(tiny_llava_dir, tmp_path):
+    """The served families' templates have no place for tools (they are left out there); a
+    checkpoint whose template renders them gets them in the prompt."""
+    import shutil
+
+    model_dir = tmp_path / "with-tools"
+    shutil.copytree(tiny_llava_dir, model_dir)
+    template = model_dir / "chat_template.jinja"
+    template.write_text("{%- if tools %}TOOLS: {{ tools | map(attribute='function') | map(attribute='name') "
+                        "| join(',') }}\n{% endif %}" + template.read_text())
+    tools = [{"type": "function", "function": {"name": "lookup_weather"}}]
+    messages = [{"role": "user", "content": "hi"}]
+    ours = InputProcessor(model_dir, max_images_per_request=1, max_image_pixels=10**6)
+    text = lambda ids: ours.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    with_tools = ours.process_chat(messages, tools).prompt_token_ids
+    assert text(with_tools) == "TOOLS: lookup_weather\n" + text(ours.process_chat(messages).prompt_token_ids)
+    plain = InputProcessor(tiny_llava_dir, max_images_per_request=1, max_image_pixels=10**6)
+    assert plain.process_chat(messages, tools).prompt_token_ids == plain.process_chat(messages).prompt_token_ids

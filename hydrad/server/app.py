@@ -281,7 +281,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             reservation.release()  # a request refused before processing took the reservation over
         # The input's memory goes with its reservation: only the prepared prompt stays.
         if chat:
-            req.messages = []
+            req.messages, req.tool_specs = [], None
         else:
             req.prompt = ""
         fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,

@@ -126,8 +126,9 @@ class EngineClient:
             size = await asyncio.get_running_loop().run_in_executor(None, self.processor.inspect_chat, messages)
         else:
             size = self.processor.inspect_chat(messages)
-        return await self._prepare(req_id, size, body, arrival, lambda: self.processor.process_chat(messages),
-                                   chat.options, "messages")
+        return await self._prepare(req_id, size, body, arrival,
+                                   lambda: self.processor.process_chat(messages, chat.tool_specs), chat.options,
+                                   "messages")
 
     async def prepare_completion(self, req_id: str, req: CompletionRequest, body: Reservation,
                                  arrival: float) -> Prepared:

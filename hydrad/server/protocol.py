@@ -99,6 +99,8 @@ class ChatRequest(GenerateRequest):
     messages: list[dict]
     # A tool choice that constrains the answer to tool calls (``tools.ToolChoice``); None: none.
     tools: ToolChoice | None = None
+    # The request's tools as sent (checked), for the chat template; None: none sent.
+    tool_specs: list[dict] | None = None
 
 
 @dataclass
@@ -145,7 +147,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         common["options"].params["logprobs"] = 0 if top_logprobs is None else top_logprobs
         if top_logprobs is not None:
             common["options"].param_names["logprobs"] = "top_logprobs"
-    return ChatRequest(messages=messages, tools=tools, **common)
+    return ChatRequest(messages=messages, tools=tools, tool_specs=body.get("tools"), **common)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:

@@ -56,7 +56,7 @@ def test_default_max_tokens_fills_the_context():
     ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": MESSAGES, "logit_bias": [1, 2]}, "logit_bias"),
     ({"messages": MESSAGES, "stop_token_ids": ["a"]}, "stop_token_ids"),
-    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]"),
     ({"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice"),
     ({"messages": MESSAGES, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
