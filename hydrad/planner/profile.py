@@ -491,6 +491,10 @@ class Profile:
                 "step_overhead": self.setup.step_overhead},
             "search": {"instances": r.n, "deployments": len(r.evaluations), "replays": r.num_replays,
                        "seconds": r.seconds, "ranked": len(r.ranked),
+                       # What the Request Processor prepares a second (the trace's times): no
+                       # deployment's goodput passes it. None: no preparing time recorded.
+                       "processor_rate_rps": (self.planner.processor_rate
+                                              if math.isfinite(self.planner.processor_rate) else None),
                        "below": sum(e.status == "below" for e in r.evaluations),
                        "pruned": sum(e.status == "pruned" for e in r.evaluations)},
             "algorithm2": {"candidates": {m: format_deploy(list(roles)) for m, roles in r.algorithm2.items()},

@@ -63,12 +63,20 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     ranked = [min(g, ceiling) if g < 0.95 * ceiling else ceiling for g in goodputs]
     assert ranked == sorted(ranked, reverse=True) and goodputs[0] > 0
     # The tiny model's capacity bounds (thousands of req/s) are past what 300 requests a replay
-    # tell: the search replays the most it may, and finds the best at that ceiling still.
-    assert profile["num_requests"] == 2400 and ranking[0]["bound_rps"] > ceiling
+    # tell: the search replays the most it may, and finds the best at that ceiling still, or
+    # at the rate the Request Processor prepares requests where that is lower (the trace's
+    # preparing times, slower on a busy machine: no deployment serves more; a replay's queue
+    # of two seconds lets a rate pass it by a little).
+    processor_rate = profile["search"]["processor_rate_rps"]
+    assert processor_rate is None or processor_rate > 0
+    reachable = min(ceiling, processor_rate or ceiling)
+    assert ranking[0]["bound_rps"] > ceiling and 300 <= profile["num_requests"] <= 2400
+    if reachable == ceiling:  # (a Request Processor slower than that asks for fewer requests)
+        assert profile["num_requests"] == 2400
     # At or near it: the replay draws each step's time with the spread of the machine's speed
     # checks (``SimSetup.step_noise``), and on a busy shared CPU that spread makes a few steps
     # of the best deployment slow enough to cost it the last few percent.
-    assert 0.85 * ceiling <= goodputs[0] <= ceiling * 1.001
+    assert 0.85 * reachable <= goodputs[0] <= ceiling * 1.001
     assert set(profile["algorithm2"]["candidates"]) == {"EP+D", "ED+P"}
     # The speed the machine runs the model's probes at now (at one thread, and at the borrowers' count).
     speeds = profile["machine"]["speed_vs_latency_model"]
