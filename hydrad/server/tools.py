@@ -79,7 +79,8 @@ class ToolChoice:
         return ToolCallStream(self)
 
     def calls(self, text: str) -> list[dict]:
-        """The tool calls of a whole answer (those complete, where ``max_tokens`` cut it)."""
+        """The tool calls of a whole answer (where ``max_tokens`` cut it, the last one's
+        arguments as far as they were generated, as a streamed answer's)."""
         stream = self.stream()
         stream.feed(text)
         return stream.calls

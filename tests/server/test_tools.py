@@ -155,3 +155,10 @@ def test_the_response_carries_tool_calls_whole_and_streamed():
                          {})
     assert cut["choices"][0]["finish_reason"] == "length"
     assert cut["choices"][0]["message"] == {"role": "assistant", "content": '[{"name": "wea', "tool_calls": []}
+    # Cut inside the second call's arguments: both calls, the second's arguments as far as they go.
+    text = '[{"name": "now", "parameters": {}}, {"name": "weather", "parameters": {"city": "Os'
+    cut = required.whole([{"text": text, "token_ids": [1], "finish_reason": "length", "logprobs": None}], {})
+    calls = cut["choices"][0]["message"]["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("now", "{}"), ("weather", '{"city": "Os')]
+    assert cut["choices"][0]["message"]["content"] is None and cut["choices"][0]["finish_reason"] == "length"
