@@ -17,7 +17,7 @@ import torch
 
 from common import machine, median_seconds, write_json
 
-SETTINGS = ("greedy", "defaults", "filtered", "filtered+penalties+min_p", "quarter_seeded")
+SETTINGS = ("greedy", "defaults", "top_p", "filtered", "filtered+penalties+min_p", "quarter_seeded")
 
 
 def metadata(setting: str, rows: int, sampler, vocab: int):
@@ -27,6 +27,9 @@ def metadata(setting: str, rows: int, sampler, vocab: int):
     if setting == "greedy":
         return meta
     meta.temperature[:] = 1.0
+    if setting == "top_p":  # the OpenAI API's filter: top-p without top-k
+        meta.temperature[:] = 0.7
+        meta.top_p[:] = 0.95
     if setting.startswith("filtered"):
         meta.temperature[:] = 0.8
         meta.top_p[:] = 0.9

@@ -117,6 +117,7 @@ def main() -> None:
     settings = {
         "greedy": SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True),
         "defaults": SamplingParams(max_tokens=100_000, ignore_eos=True),
+        "top_p": SamplingParams(max_tokens=100_000, temperature=0.7, top_p=0.95, ignore_eos=True),
         "filtered": SamplingParams(max_tokens=100_000, temperature=0.8, top_p=0.9, top_k=50, ignore_eos=True),
     }
     results = []

@@ -130,11 +130,14 @@ class InputBatch:
         (a step's decodes, as columns)."""
         owners, num_blocks, capacity = self.owners, self.num_blocks, self.capacity
         rows = [req.row for req in reqs]
-        for i in [i for i, (req, row) in enumerate(zip(reqs, rows))
-                  if row < 0 or row >= capacity or owners[row] is not req]:
-            rows[i] = self.add(reqs[i])
-        for i in [i for i, (req, row) in enumerate(zip(reqs, rows)) if len(req.kv_block_ids) != num_blocks[row]]:
-            self.sync_blocks(rows[i], reqs[i].kv_block_ids)
+        # One pass that finds nothing in the usual step: rows held, blocks synced but a few.
+        for i in [i for i, req, row in zip(range(len(reqs)), reqs, rows)
+                  if not (0 <= row < capacity and owners[row] is req and len(req.kv_block_ids) == num_blocks[row])]:
+            req = reqs[i]
+            if not self.holds(req):
+                rows[i] = self.add(req)
+                owners, num_blocks, capacity = self.owners, self.num_blocks, self.capacity  # may have grown
+            self.sync_blocks(rows[i], req.kv_block_ids)
         return rows
 
     def sync_blocks(self, row: int, block_ids: list[int]) -> None:

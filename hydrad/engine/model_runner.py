@@ -204,7 +204,7 @@ class ModelRunner:
         max_num_blocks = -(-int(seq_lens.max()) // self.kv_block_size)
         meta = AttentionMetadata.build(query_lens_np, seq_lens, batch.block_table[rows_np, :max_num_blocks],
                                        self.kv_block_size, device, mask_dtype=self.dtype)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        input_ids = torch.from_numpy(np.array(token_ids, dtype=np.int64)).to(device)  # torch.tensor: 2x slower
         embeds = self.model.embed_tokens(input_ids)  # [num_tokens, hidden]
         if mm_dst:
             flat_cache = self.image_cache.view(-1, self.image_cache.shape[-1])

@@ -14,12 +14,14 @@ rows, no copy to the host per row):
    request's tokens do not depend on what shares its batch; that generator is a CPU
    one on every device, so its state moves with the request between any instances).
 
-Candidates are kept sorted by logit, so top-p and min-p cut a prefix of them and one
-cumulative sum serves the filters and the draw. With top-k the sort covers k entries,
-not the vocabulary; top-p alone first tries the top 1024 entries and sorts the whole
-vocabulary only for rows whose top-p mass lies beyond them. Log-probabilities come
-from the raw logits (the model's distribution before any processing), as vLLM's
-default.
+With top-k the candidates are the k largest, kept sorted by logit, so top-p and min-p
+cut a prefix of them and one cumulative sum serves the filters and the draw. Without
+top-k the draw runs over the whole vocabulary in its own order (two-level inverse CDF,
+``_draw_unsorted``): min-p is a threshold on the weights, and top-p becomes one too,
+the smallest weight it keeps (``top_p_cut``: among the few largest, or a sort of the
+row's values, without ids).
+Log-probabilities come from the raw logits (the model's distribution before any
+processing), as vLLM's default.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ from hydrad.sampling_params import GREEDY_BELOW
 
 # The largest scratch buffer the sampler keeps between steps (larger ones are not kept).
 MAX_SCRATCH_BYTES = 256 << 20
-# Candidates tried before a full sort for rows with top-p and no top-k.
-TOP_P_CANDIDATES = 1024
 
 
 @dataclass
@@ -140,21 +140,31 @@ class PenaltyCache:
         """Apply the penalties to ``logits[rows]`` in place; ``slots`` and the penalties are one
         per row: transformers' RepetitionPenaltyLogitsProcessor over every seen token, then
         OpenAI's ``logit -= count * frequency + (count > 0) * presence`` over generated ones."""
-        num_seen = torch.tensor([len(self.columns[s]) for s in slots], device=self.device)
-        width = int(num_seen.max()) if len(slots) else 0
-        if width == 0:
+        num_seen = np.fromiter((len(self.columns[s]) for s in slots), dtype=np.int64, count=len(slots))
+        if not num_seen.all():  # a slot that has seen nothing (no prompt) has nothing to penalize
+            keep = np.flatnonzero(num_seen)
+            rows, repetition, presence, frequency = (t[_index(keep, self.device)]
+                                                     for t in (rows, repetition, presence, frequency))
+            slots, num_seen = [slots[i] for i in keep], num_seen[keep]
+        if not len(slots):
             return
-        slots_t = torch.tensor(slots, device=self.device)
-        valid = torch.arange(width, device=self.device)[None, :] < num_seen[:, None]  # [rows, width]
-        flat_rows = rows[:, None].expand(-1, width)[valid]
-        flat_ids = self.ids[slots_t, :width][valid]
-        counts = self.counts[slots_t, :width][valid].to(logits.dtype)
-        per_row = lambda values: values[:, None].expand(-1, width)[valid]  # noqa: E731
-        values = logits[flat_rows, flat_ids]
-        rep = per_row(repetition)
+        width = int(num_seen.max())
+        slots_t = _index(slots, self.device)
+        # Dense [rows, width] tables: a row's columns past its tokens repeat its first column,
+        # so they compute and write back that token's value again (the same value: harmless),
+        # where boolean indexing would cost a pass and a copy per table (~10x slower here).
+        past = torch.arange(width, device=self.device)[None, :] >= torch.from_numpy(num_seen).to(self.device)[:, None]
+        ids = self.ids[slots_t, :width]
+        ids = torch.where(past, ids[:, :1], ids)
+        counts = self.counts[slots_t, :width]
+        counts = torch.where(past, counts[:, :1], counts).to(logits.dtype)
+        flat = logits.view(-1)
+        index = (rows[:, None] * logits.shape[-1] + ids).view(-1)
+        values = flat.index_select(0, index).view(len(slots), width)
+        rep = repetition[:, None]
         values = torch.where(values < 0, values * rep, values / rep)
-        values = values - counts * per_row(frequency) - (counts > 0).to(logits.dtype) * per_row(presence)
-        logits[flat_rows, flat_ids] = values
+        values = values - counts * frequency[:, None] - (counts > 0).to(logits.dtype) * presence[:, None]
+        flat.index_put_((index,), values.view(-1))
 
     def _grow(self, slots: int = 0, width: int = 0) -> None:
         old_slots, old_width = self.ids.shape
@@ -213,18 +223,20 @@ class Sampler:
         # and the masks of structured outputs (``grammar_mask.GrammarMasks``).
         self.penalties: PenaltyCache | None = None
         self.grammars = None
-        # Scratch for the full-vocabulary draw, kept between steps: a fresh buffer of this
-        # size every step costs its page faults again (as much as the arithmetic on a CPU).
-        self._scratch = torch.empty(0, device=self.device)
+        # Scratch for the full-vocabulary draw and the top-p cut, kept between steps: a fresh
+        # buffer of this size every step costs its page faults again (as much as the
+        # arithmetic on a CPU).
+        self._scratch: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
-    def scratch(self, rows: int, width: int) -> torch.Tensor:
-        """A [rows, width] float32 buffer, reused while it is at most ``MAX_SCRATCH_BYTES``."""
+    def scratch(self, rows: int, width: int, name: str = "draw", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A [rows, width] buffer of one use (``name``), reused while it is at most ``MAX_SCRATCH_BYTES``."""
         size = rows * width
-        if size * 4 > MAX_SCRATCH_BYTES:
-            return torch.empty(rows, width, device=self.device)
-        if self._scratch.numel() < size:
-            self._scratch = torch.empty(size, device=self.device)
-        return self._scratch[:size].view(rows, width)
+        if size * dtype.itemsize > MAX_SCRATCH_BYTES:
+            return torch.empty(rows, width, dtype=dtype, device=self.device)
+        buffer = self._scratch.get((name, dtype))
+        if buffer is None or buffer.numel() < size:
+            buffer = self._scratch[(name, dtype)] = torch.empty(size, dtype=dtype, device=self.device)
+        return buffer[:size].view(rows, width)
 
     @staticmethod
     def generator_for(seed: int, num_drawn: int = 0) -> torch.Generator:
@@ -331,7 +343,9 @@ class Sampler:
             return _draw_sorted(values, ids, t_on(top_p, m, 1.0), t_on(min_p, m, 0.0), u)
 
         def draw_top_p(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
-            return self._draw_top_p(x / t(temperature, m)[:, None], t(top_p, m), t(min_p, m), u)
+            temp = t(temperature, m) if (temperature[m] != 1.0).any() else None
+            out = self.scratch(x.shape[0], vocab + -vocab % _BLOCK)
+            return _draw_unsorted(x, t_on(min_p, m, 0.0), u, temp, out, top_p=t(top_p, m), scratch=self.scratch)
 
         def draw_plain(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
             temp = t(temperature, m) if (temperature[m] != 1.0).any() else None
@@ -349,25 +363,6 @@ class Sampler:
             tokens[idx] = draw(logits[idx], uniform[idx], mask)
         return tokens
 
-    def _draw_top_p(self, logits: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
-                    uniform: torch.Tensor) -> torch.Tensor:
-        """Top-p without top-k: the top candidates when they hold the top-p mass, else a full sort."""
-        vocab = logits.shape[-1]
-        k = min(vocab, TOP_P_CANDIDATES)
-        values, ids = topk_rows(logits, k)
-        total = torch.exp(logits - values[:, :1]).sum(-1)
-        covered = torch.cumsum(torch.exp(values - values[:, :1]), dim=-1)[:, -1] >= top_p * total
-        if k == vocab or covered.all():
-            return _draw_sorted(values, ids, top_p, min_p, uniform, total)
-        tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-        if covered.any():
-            c = covered.nonzero()[:, 0]
-            tokens[c] = _draw_sorted(values[c], ids[c], top_p[c], min_p[c], uniform[c], total[c])
-        rest = (~covered).nonzero()[:, 0]
-        values, ids = logits[rest].sort(dim=-1, descending=True)
-        tokens[rest] = _draw_sorted(values, ids, top_p[rest], min_p[rest], uniform[rest])
-        return tokens
-
 
 # Inverse CDF over the whole vocabulary in two levels: which block of this many tokens,
 # then which token in it; the running sum covers the block sums and one block per row.
@@ -375,10 +370,11 @@ _BLOCK = 128
 
 
 def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: torch.Tensor,
-                   temperature: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One token per row from ``softmax(logits / temperature)`` (after min-p; None: off), by inverse CDF.
-    ``out``: a [rows, vocab rounded up to the block] buffer to work in (the logits are not
-    changed)."""
+                   temperature: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                   top_p: torch.Tensor | None = None, scratch=None) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)`` (after top-p then min-p; None:
+    off), by inverse CDF. ``out``: a [rows, vocab rounded up to the block] buffer to work in
+    (the logits are not changed); ``scratch``: ``Sampler.scratch``, for the top-p cut."""
     rows, vocab = logits.shape
     width = vocab + (-vocab % _BLOCK)
     if out is None:
@@ -391,8 +387,12 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     weights.exp_()  # the largest weighs 1
     if width > vocab:
         out[:, vocab:].zero_()
+    # Top-p and min-p are thresholds on the weights: tokens below the higher weigh nothing.
+    floor = top_p_cut(weights, top_p, scratch) if top_p is not None else None
     if min_p is not None and (min_p > 0).any():
-        weights.masked_fill_(weights < min_p[:, None], 0.0)
+        floor = min_p if floor is None else torch.maximum(floor, min_p)
+    if floor is not None:
+        drop_below(weights, floor)
     num_blocks = width // _BLOCK
     flat_blocks = out.view(-1, _BLOCK)  # [rows * num_blocks, block]
     block_cum = torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1)  # [rows, num_blocks]
@@ -404,6 +404,84 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     inner = torch.cumsum(flat_blocks.index_select(0, flat), dim=-1)
     pos = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0].clamp_(max=_BLOCK - 1)
     return (block * _BLOCK + pos).clamp_(max=vocab - 1)
+
+
+# The largest float32 below 1, and the smallest floor ``drop_below`` divides by.
+_BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+_MIN_FLOOR = 1e-30
+
+
+def drop_below(weights: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """Zero each row's weights below its ``floor`` (a weight equal to it stays), in place, as
+    ``weights / floor`` then one scalar threshold at 1: a comparison and a masked fill are
+    ~10x slower on a CPU (a boolean tensor, and a branch per entry). The rows come out
+    scaled by 1 / floor, which a draw does not see; division rounds so that ``w / f >= 1``
+    exactly when ``w >= f``. A floor is taken to be at least 1e-30 (of the row's largest
+    weight, which is 1): the weights under it would otherwise overflow."""
+    weights.div_(floor.clamp(min=_MIN_FLOOR)[:, None])
+    return torch.nn.functional.threshold_(weights, _BELOW_ONE, 0.0)
+
+
+# The top-p cut first looks for its token among the scores of this many blocks of this
+# many tokens, those with the largest maxima (0 blocks: always sort the row).
+_CUT_BLOCKS, _CUT_BLOCK = 32, 32
+
+
+def top_p_cut(weights: torch.Tensor, top_p: torch.Tensor, scratch=None) -> torch.Tensor:
+    """Per row, the smallest weight top-p keeps (``weights``: [rows, vocab], ``exp`` of the
+    scores after temperature, less the row's largest; ``top_p``: [rows]), transformers' TopP as
+    one threshold, so that the draw needs no sorted order and no ids. A token stays while the
+    mass of the tokens above it is below top_p of the row's (the largest always stays); ties at
+    the cut stay together.
+
+    Where a few tokens hold the top-p mass (a trained model's rows): the blocks of
+    ``_CUT_BLOCK`` tokens with the ``_CUT_BLOCKS`` largest maxima hold every token at or above
+    the smallest of those maxima, in exact order once sorted; when the cut falls among them,
+    no more is needed. Other rows (flat ones) sort their weights, values only (``_sorted``),
+    then, as transformers, take the running mass from the smallest up. ``scratch``:
+    ``Sampler.scratch`` (None: fresh buffers)."""
+    rows, vocab = weights.shape
+    threshold = top_p * weights.sum(-1)  # the mass above a kept token is below this
+    cut = torch.empty(rows, dtype=weights.dtype, device=weights.device)
+    todo = torch.ones(rows, dtype=torch.bool, device=weights.device)
+    num_blocks = vocab // _CUT_BLOCK
+    if 0 < 4 * _CUT_BLOCKS <= num_blocks:
+        blocks = weights[:, : num_blocks * _CUT_BLOCK].view(rows, num_blocks, _CUT_BLOCK)
+        maxima, best = blocks.amax(dim=-1).topk(_CUT_BLOCKS, dim=-1)  # descending
+        floor = maxima[:, -1]  # every token at or above it is a candidate
+        candidates = blocks.gather(1, best[:, :, None].expand(-1, -1, _CUT_BLOCK)).view(rows, -1)
+        candidates = torch.cat([candidates, weights[:, num_blocks * _CUT_BLOCK:]], dim=1)
+        descending = _sorted(candidates).flip(-1)
+        through = descending.cumsum(dim=-1)
+        last = ((through - descending) < threshold[:, None]).sum(-1, keepdim=True) - 1  # the last one kept
+        value = descending.gather(1, last)[:, 0]
+        done = (through.gather(1, last)[:, 0] >= threshold) & (value >= floor)
+        cut = torch.where(done, value, cut)
+        todo = ~done
+        if not todo.any():
+            return cut
+    rest = todo.nonzero()[:, 0] if not todo.all() else None
+    flat = weights if rest is None else weights[rest]
+    p = top_p if rest is None else top_p[rest]
+    ascending = _sorted(flat, scratch(len(flat), vocab, "sorted") if scratch and flat.device.type == "cpu" else None)
+    mass = torch.cumsum(ascending, dim=-1, out=scratch(len(flat), vocab, "mass") if scratch else None)
+    # The first position whose running mass passes (1 - top_p) of the row's.
+    first = torch.searchsorted(mass, ((1 - p) * mass[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+    values = ascending.gather(1, first)[:, 0]
+    if rest is None:
+        return values
+    cut[rest] = values
+    return cut
+
+
+def _sorted(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's values, ascending (no ids). On a CPU numpy's vectorized sort, in place in
+    ``out`` when given (``torch.sort`` is ~12x slower at 256 x 32k here)."""
+    if x.device.type != "cpu":
+        return x.sort(dim=-1).values
+    out = out.copy_(x) if out is not None else x.clone()
+    out.numpy().sort(axis=-1)
+    return out
 
 
 # Width of the blocks whose maxima ``topk_rows`` ranks first on a CPU.
@@ -444,16 +522,23 @@ def topk_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def allowed_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor) -> torch.Tensor:
     """[rows, vocab] True where a token can be drawn after temperature, top-k, top-p and
-    min-p: the support of the sampler's draw, built from the same candidate sorting and
-    cut-offs (for tests and diagnostics)."""
+    min-p: the support of the sampler's draw, built with the same operations as each row's
+    path (top-k rows: sorted candidates and cut-offs; the others: the top-p cut and the
+    min-p threshold of ``_draw_unsorted``), for tests and diagnostics."""
+    vocab = logits.shape[-1]
+    with_k = (top_k > 0) & (top_k < vocab)
     x = logits / temperature[:, None]
-    vocab = x.shape[-1]
-    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    k = torch.where(with_k, top_k, vocab)
     values, ids = x.sort(dim=-1, descending=True)
     values = values.masked_fill(torch.arange(vocab)[None, :] >= k[:, None], float("-inf"))
     keep, _, _ = sorted_keep_counts(values, top_p, min_p)
     allowed = torch.zeros_like(x, dtype=torch.bool)
     allowed.scatter_(1, ids, torch.arange(vocab)[None, :] < keep[:, None])
+    rows = (~with_k).nonzero()[:, 0]
+    if len(rows):
+        weights = ((logits[rows] - logits[rows].amax(dim=-1, keepdim=True)) / temperature[rows, None]).exp()
+        cut = torch.where(top_p[rows] < 1.0, top_p_cut(weights, top_p[rows]), 0.0)
+        allowed[rows] = drop_below(weights, torch.maximum(cut, min_p[rows])) > 0
     return allowed
 
 

@@ -192,6 +192,26 @@ def test_decode_groups_stay_within_their_size_and_cover_every_decode():
     assert [len(g.token_ids) for g in grouped if 20 in [lens[rows.index(r)] for r in g.token_ids.tolist()]] == [1]
 
 
+def test_decode_masks_are_windows_of_one_ramp_whatever_came_before():
+    """A decode batch's mask is a gather of windows of one cached ramp (zeros, then -infs),
+    which grows when a wider mask is asked for: masks of growing and shrinking widths, in
+    two dtypes, equal the comparison they stand for, and a decodes-only step's block table
+    is its whole table."""
+    generator = torch.Generator().manual_seed(5)
+    for width_blocks in (3, 1, 40, 7, 130, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            lens = torch.randint(1, 4 * width_blocks + 1, (17,), generator=generator)
+            lens[0] = 4 * width_blocks  # one row fills its blocks
+            tables = [list(range(-(-int(n) // 4))) for n in lens]
+            meta = AttentionMetadata.build([1] * len(lens), lens.tolist(), tables, 4, torch.device("cpu"),
+                                           mask_dtype=dtype)
+            group = meta.decode_batch
+            expected = torch.where(torch.arange(4 * width_blocks)[None, :] < lens[:, None], 0.0, float("-inf"))
+            assert group.mask.dtype == dtype and group.mask.shape == (len(lens), 1, 1, 4 * width_blocks)
+            assert torch.equal(group.mask[:, 0, 0].float(), expected)
+            assert torch.equal(group.block_ids, meta.block_tables_cpu)
+
+
 @pytest.mark.parametrize("gather_bytes", [1, 32 << 10, 96 << 10])
 def test_sdpa_decode_groups_give_the_same_attention(monkeypatch, gather_bytes):
     """Decodes gathered a few rows at a time into the kept buffer (or one row at a time, or all

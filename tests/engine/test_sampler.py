@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from hydrad.engine.sampler import PenaltyCache, Sampler, SamplingMetadata, allowed_tokens
+from hydrad.engine.sampler import PenaltyCache, Sampler, SamplingMetadata, allowed_tokens, top_p_cut
 
 VOCAB = 300
 
@@ -59,6 +59,36 @@ def test_filters_equal_transformers_warpers_row_for_row_in_a_mixed_batch():
     for row, (temperature, top_k, top_p, min_p) in enumerate(grid):
         expected = hf_allowed(logits[row], temperature, top_k, top_p, min_p)
         assert torch.equal(ours[row], expected), (row, grid[row], int(ours[row].sum()), int(expected.sum()))
+
+
+@pytest.mark.parametrize("vocab", [4096, 32000])
+@pytest.mark.parametrize("candidates", [True, False])
+def test_top_p_cut_keeps_what_transformers_top_p_keeps_on_wide_rows(vocab, candidates, monkeypatch):
+    """Top-p without top-k is a threshold on the weights: on rows from flat to peaked, with
+    masked (-inf) tokens in some, the tokens at or above the cut are exactly those
+    transformers' TopP warper keeps, whether the cut is found among the largest blocks'
+    tokens or by sorting the row (``candidates=False``), and the sampler draws only among
+    them."""
+    import hydrad.engine.sampler as sampler_module
+
+    if not candidates:
+        monkeypatch.setattr(sampler_module, "_CUT_BLOCKS", 0)
+    generator = torch.Generator().manual_seed(vocab)
+    top_p = torch.tensor([0.95, 0.9, 0.5, 0.05, 0.999, 0.7, 0.9, 0.3])
+    logits = torch.randn(len(top_p), vocab, generator=generator) * torch.tensor([0.5, 1, 2, 3, 4, 6, 10, 1])[:, None]
+    logits[1, ::3] = float("-inf")  # a grammar's mask
+    scores = logits - logits.amax(dim=-1, keepdim=True)
+    cut = top_p_cut(scores.exp(), top_p)
+    kept_sizes = []
+    for row in range(len(top_p)):
+        expected = torch.isfinite(TopPLogitsWarper(float(top_p[row]))(None, scores[row][None].clone())[0])
+        assert torch.equal(scores[row].exp() >= cut[row], expected), row
+        kept_sizes.append(int(expected.sum()))
+    assert min(kept_sizes) < 10 < vocab // 2 < max(kept_sizes)  # cuts near the top and deep in the tail
+    meta = metadata(len(top_p), top_p=top_p.numpy())
+    for seed in range(5):
+        tokens = Sampler(seed=seed).sample(logits, meta).token_ids
+        assert all(scores[row, token].exp() >= cut[row] for row, token in enumerate(tokens))
 
 
 def test_repetition_penalty_equals_transformers_and_openai_penalties_follow_the_formula():
