@@ -342,17 +342,13 @@ class Sampler:
                 values = values.masked_fill(past_k, float("-inf"))
             return _draw_sorted(values, ids, t_on(top_p, m, 1.0), t_on(min_p, m, 0.0), u)
 
-        def draw_top_p(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
-            temp = t(temperature, m) if (temperature[m] != 1.0).any() else None
-            out = self.scratch(x.shape[0], vocab + -vocab % _BLOCK)
-            return _draw_unsorted(x, t_on(min_p, m, 0.0), u, temp, out, top_p=t(top_p, m), scratch=self.scratch)
-
-        def draw_plain(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
-            temp = t(temperature, m) if (temperature[m] != 1.0).any() else None
-            return _draw_unsorted(x, t_on(min_p, m, 0.0), u, temp, self.scratch(x.shape[0], vocab + -vocab % _BLOCK))
+        def draw_unsorted(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
+            return _draw_unsorted(x, t_on(min_p, m, 0.0), u, t_on(temperature, m, 1.0),
+                                  self.scratch(x.shape[0], vocab + -vocab % _BLOCK), t_on(top_p, m, 1.0), self.scratch)
 
         tokens = None
-        for mask, draw in ((with_k, draw_top_k), (with_p, draw_top_p), (plain, draw_plain)):
+        # Rows with top-p and rows without apart: a row without pays no cut.
+        for mask, draw in ((with_k, draw_top_k), (with_p, draw_unsorted), (plain, draw_unsorted)):
             if not mask.any():
                 continue
             if mask.all():  # every row of one kind: no copy of the logits, no scatter
@@ -395,19 +391,40 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
         drop_below(weights, floor)
     num_blocks = width // _BLOCK
     flat_blocks = out.view(-1, _BLOCK)  # [rows * num_blocks, block]
-    block_cum = torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1)  # [rows, num_blocks]
-    target = uniform * block_cum[:, -1]
-    block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].clamp_(max=num_blocks - 1)
+    # Running mass of the blocks after a leading 0: [rows, 1 + num_blocks].
+    block_cum = torch.zeros(rows, 1 + num_blocks, device=logits.device)
+    torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1, out=block_cum[:, 1:])
+    # A uniform below 1 - 2^-23 keeps the target under the row's mass after rounding, so the
+    # block found holds some of it.
+    target = uniform.clamp(max=_BELOW_ONE_BY_TWO_ULPS) * block_cum[:, -1]
+    block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].sub_(1)
+    starts = _row_starts(rows, num_blocks, logits.device)
+    before = block_cum.view(-1)[block + _row_starts(rows, 1 + num_blocks, logits.device)]  # mass of the blocks before
     # The chosen block of each row in the flattened blocks (index_select: the fastest row gather on a CPU).
-    flat = torch.arange(0, rows * num_blocks, num_blocks, device=logits.device).add_(block)
-    before = torch.where(block > 0, block_cum.view(-1)[flat - 1], 0.0)  # the mass of the blocks before it
-    inner = torch.cumsum(flat_blocks.index_select(0, flat), dim=-1)
-    pos = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0].clamp_(max=_BLOCK - 1)
-    return (block * _BLOCK + pos).clamp_(max=vocab - 1)
+    inner = torch.cumsum(flat_blocks.index_select(0, block + starts), dim=-1)
+    pos = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0]
+    # Rounding may put the target at the block's end: its last token of some weight, never one past.
+    pos = torch.minimum(pos, (inner < inner[:, -1:]).sum(-1))
+    return pos.add_(block, alpha=_BLOCK)
 
 
-# The largest float32 below 1, and the smallest floor ``drop_below`` divides by.
+_ROW_STARTS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _row_starts(rows: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """[rows] the first flattened block of each row (``i * num_blocks``), kept per shape."""
+    key = (rows, num_blocks, device)
+    starts = _ROW_STARTS.get(key)
+    if starts is None:
+        if len(_ROW_STARTS) > 256:
+            _ROW_STARTS.clear()
+        starts = _ROW_STARTS[key] = torch.arange(0, rows * num_blocks, num_blocks, device=device)
+    return starts
+
+
+# The largest float32 below 1 and the one below it, and the smallest floor ``drop_below`` divides by.
 _BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+_BELOW_ONE_BY_TWO_ULPS = float(np.nextafter(np.float32(_BELOW_ONE), np.float32(0.0)))
 _MIN_FLOOR = 1e-30
 
 
@@ -441,11 +458,10 @@ def top_p_cut(weights: torch.Tensor, top_p: torch.Tensor, scratch=None) -> torch
     then, as transformers, take the running mass from the smallest up. ``scratch``:
     ``Sampler.scratch`` (None: fresh buffers)."""
     rows, vocab = weights.shape
-    threshold = top_p * weights.sum(-1)  # the mass above a kept token is below this
-    cut = torch.empty(rows, dtype=weights.dtype, device=weights.device)
-    todo = torch.ones(rows, dtype=torch.bool, device=weights.device)
     num_blocks = vocab // _CUT_BLOCK
+    cut = rest = None
     if 0 < 4 * _CUT_BLOCKS <= num_blocks:
+        threshold = top_p * weights.sum(-1)  # the mass above a kept token is below this
         blocks = weights[:, : num_blocks * _CUT_BLOCK].view(rows, num_blocks, _CUT_BLOCK)
         maxima, best = blocks.amax(dim=-1).topk(_CUT_BLOCKS, dim=-1)  # descending
         floor = maxima[:, -1]  # every token at or above it is a candidate
@@ -454,13 +470,11 @@ def top_p_cut(weights: torch.Tensor, top_p: torch.Tensor, scratch=None) -> torch
         descending = _sorted(candidates).flip(-1)
         through = descending.cumsum(dim=-1)
         last = ((through - descending) < threshold[:, None]).sum(-1, keepdim=True) - 1  # the last one kept
-        value = descending.gather(1, last)[:, 0]
-        done = (through.gather(1, last)[:, 0] >= threshold) & (value >= floor)
-        cut = torch.where(done, value, cut)
-        todo = ~done
-        if not todo.any():
+        cut = descending.gather(1, last)[:, 0]
+        done = (through.gather(1, last)[:, 0] >= threshold) & (cut >= floor)
+        if done.all():
             return cut
-    rest = todo.nonzero()[:, 0] if not todo.all() else None
+        rest = (~done).nonzero()[:, 0]
     flat = weights if rest is None else weights[rest]
     p = top_p if rest is None else top_p[rest]
     ascending = _sorted(flat, scratch(len(flat), vocab, "sorted") if scratch and flat.device.type == "cpu" else None)

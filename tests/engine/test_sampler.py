@@ -215,6 +215,28 @@ def test_unfiltered_draws_across_vocabulary_blocks_match_the_distribution(min_p)
     assert np.abs(counts / counts.sum() - probs).max() < 0.012
 
 
+def test_the_draw_never_lands_on_a_token_without_weight_at_the_ends_of_the_uniform():
+    """The largest uniforms (up to 1 - 2^-24) and the smallest, on rows whose mass ends early
+    in their last block or in an earlier one (masked tokens after it, as a grammar or top-p
+    leaves them): rounding can put the target at the end of the mass, and the token drawn is
+    still one of some weight."""
+    from hydrad.engine.sampler import _draw_unsorted
+
+    vocab, rows = 384, 64
+    generator = torch.Generator().manual_seed(11)
+    logits = torch.randn(rows, vocab, generator=generator) * 4
+    ends = torch.randint(1, vocab, (rows,), generator=generator)
+    ends[:4] = torch.tensor([1, 128, 129, 383])
+    logits[torch.arange(vocab)[None, :] >= ends[:, None]] = float("-inf")
+    logits[5, 1:100] = float("-inf")  # a gap before the last tokens of weight
+    top = torch.tensor(float(np.nextafter(np.float32(1.0), np.float32(0.0))))
+    for uniform in (top.expand(rows), torch.zeros(rows), 1 - torch.rand(rows, generator=generator) * 1e-6):
+        tokens = _draw_unsorted(logits, None, uniform.contiguous())
+        assert torch.isfinite(logits.gather(1, tokens[:, None])).all()
+    tokens = _draw_unsorted(logits, None, top.expand(rows).contiguous())
+    assert (tokens == ends - 1).float().mean() > 0.5  # the top uniform draws the last token of weight
+
+
 def test_the_batch_looks_up_generators_and_biases_only_of_rows_that_have_them():
     import numpy as np
 
