@@ -394,16 +394,17 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     # Running mass of the blocks after a leading 0: [rows, 1 + num_blocks].
     block_cum = torch.zeros(rows, 1 + num_blocks, device=logits.device)
     torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1, out=block_cum[:, 1:])
-    # A uniform below 1 - 2^-23 keeps the target under the row's mass after rounding, so the
-    # block found holds some of it.
-    target = uniform.clamp(max=_BELOW_ONE_BY_TWO_ULPS) * block_cum[:, -1]
+    # u < 1 puts the target below the row's mass (u * m rounds below m for every float32 u < 1),
+    # so the block found holds some of it.
+    target = uniform * block_cum[:, -1]
     block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].sub_(1)
     starts = _row_starts(rows, num_blocks, logits.device)
     before = block_cum.view(-1)[block + _row_starts(rows, 1 + num_blocks, logits.device)]  # mass of the blocks before
     # The chosen block of each row in the flattened blocks (index_select: the fastest row gather on a CPU).
     inner = torch.cumsum(flat_blocks.index_select(0, block + starts), dim=-1)
     pos = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0]
-    # Rounding may put the target at the block's end: its last token of some weight, never one past.
+    # The block's own running sum is not the difference of the blocks' (other summation orders):
+    # the target may pass its end. Then its last token of some weight, never one without.
     pos = torch.minimum(pos, (inner < inner[:, -1:]).sum(-1))
     return pos.add_(block, alpha=_BLOCK)
 
@@ -422,9 +423,8 @@ def _row_starts(rows: int, num_blocks: int, device: torch.device) -> torch.Tenso
     return starts
 
 
-# The largest float32 below 1 and the one below it, and the smallest floor ``drop_below`` divides by.
+# The largest float32 below 1, and the smallest floor ``drop_below`` divides by.
 _BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
-_BELOW_ONE_BY_TWO_ULPS = float(np.nextafter(np.float32(_BELOW_ONE), np.float32(0.0)))
 _MIN_FLOOR = 1e-30
 
 

@@ -230,11 +230,17 @@ def test_the_draw_never_lands_on_a_token_without_weight_at_the_ends_of_the_unifo
     logits[torch.arange(vocab)[None, :] >= ends[:, None]] = float("-inf")
     logits[5, 1:100] = float("-inf")  # a gap before the last tokens of weight
     top = torch.tensor(float(np.nextafter(np.float32(1.0), np.float32(0.0))))
-    for uniform in (top.expand(rows), torch.zeros(rows), 1 - torch.rand(rows, generator=generator) * 1e-6):
+    for uniform in (top.expand(rows), torch.zeros(rows), (1 - torch.rand(rows, generator=generator) * 1e-6).clamp(max=top)):
         tokens = _draw_unsorted(logits, None, uniform.contiguous())
         assert torch.isfinite(logits.gather(1, tokens[:, None])).all()
     tokens = _draw_unsorted(logits, None, top.expand(rows).contiguous())
     assert (tokens == ends - 1).float().mean() > 0.5  # the top uniform draws the last token of weight
+    # Sorted candidates (top-k) with fewer tokens of weight than k: the same at the top.
+    from hydrad.engine.sampler import _draw_sorted
+
+    values, ids = logits.sort(dim=-1, descending=True)
+    tokens = _draw_sorted(values[:, :50], ids[:, :50], None, None, top.expand(rows).contiguous())
+    assert torch.isfinite(logits.gather(1, tokens[:, None])).all()
 
 
 def test_the_batch_looks_up_generators_and_biases_only_of_rows_that_have_them():
