@@ -402,10 +402,10 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     before = block_cum.view(-1)[block + _row_starts(rows, 1 + num_blocks, logits.device)]  # mass of the blocks before
     # The chosen block of each row in the flattened blocks (index_select: the fastest row gather on a CPU).
     inner = torch.cumsum(flat_blocks.index_select(0, block + starts), dim=-1)
-    pos = torch.searchsorted(inner, (target - before)[:, None], right=True)[:, 0]
     # The block's own running sum is not the difference of the blocks' (other summation orders):
-    # the target may pass its end. Then its last token of some weight, never one without.
-    pos = torch.minimum(pos, (inner < inner[:, -1:]).sum(-1))
+    # the target may pass its end. Kept below it, it lands on a token of some weight.
+    inner_target = torch.minimum(target - before, inner[:, -1] * _BELOW_ONE)
+    pos = torch.searchsorted(inner, inner_target[:, None], right=True)[:, 0]
     return pos.add_(block, alpha=_BLOCK)
 
 
