@@ -35,8 +35,8 @@ Scenarios (``--scenarios``, default all):
            TTFT <= --slo-ttft and p90 TBT <= --slo-tbt; the goodput is the highest swept rate
            with >= 90% below the first that misses
   streams  closed loop at each ``--streams`` concurrency, ~20-token text prompts, 32 output
-           tokens: output tok/s, greedy / API defaults (temperature 1) / filtered
-           (temperature 0.8, top-p 0.9, top-k 50)
+           tokens: output tok/s, greedy / API defaults (temperature 1) / top_p (temperature
+           0.7, top-p 0.95) / filtered (temperature 0.8, top-p 0.9, top-k 50)
   json     the same requests at each ``--json-streams`` concurrency with a JSON schema as their
            ``response_format`` (structured outputs: hydrad's llguidance masks, vLLM's own
            backend), greedy / API defaults: output tok/s, TTFT p50, inter-token p99

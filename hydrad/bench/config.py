@@ -108,10 +108,12 @@ def response_format_of(spec: str) -> dict:
 
 
 # The samplings benchmarks compare by name: greedy (exact comparisons), the API's
-# defaults (temperature 1), and temperature with top-p and top-k filtering.
+# defaults (temperature 1), temperature with top-p alone (as OpenAI's API filters), and
+# temperature with top-p and top-k filtering.
 SAMPLING_PRESETS = {
     "greedy": Sampling(temperature=0.0),
     "defaults": Sampling(temperature=1.0),
+    "top_p": Sampling(temperature=0.7, top_p=0.95),
     "filtered": Sampling(temperature=0.8, top_p=0.9, top_k=50),
 }
 
