@@ -183,16 +183,14 @@ class PenaltyCache:
 
 
 def sorted_keep_counts(sorted_logits: torch.Tensor, top_p: torch.Tensor | None, min_p: torch.Tensor | None,
-                       total: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For candidates sorted by logit (descending, -inf past a row's end): how many of
     each row's first candidates survive top-p then min-p (at least one), the weights
-    ``exp(logit - max)`` and their running sum. ``total``: the row's whole weight when the
-    candidates are a subset of the distribution (top-p alone). ``top_p`` / ``min_p`` None:
-    off for every row (the caller knows it from the settings, without a pass over them)."""
+    ``exp(logit - max)`` and their running sum. ``top_p`` / ``min_p`` None: off for every
+    row (the caller knows it from the settings, without a pass over them)."""
     weights = torch.exp(sorted_logits - sorted_logits[:, :1])
     cum = torch.cumsum(weights, dim=-1)
-    if total is None:
-        total = cum[:, -1]
+    total = cum[:, -1]
     keep = torch.full_like(total, sorted_logits.shape[-1], dtype=torch.int64)
     if top_p is not None and (top_p < 1.0).any():
         # A token goes once the mass strictly before it reaches top_p (transformers' TopP): the
@@ -206,8 +204,8 @@ def sorted_keep_counts(sorted_logits: torch.Tensor, top_p: torch.Tensor | None, 
 
 
 def _draw_sorted(sorted_logits: torch.Tensor, sorted_ids: torch.Tensor, top_p: torch.Tensor | None,
-                 min_p: torch.Tensor | None, uniform: torch.Tensor, total: torch.Tensor | None = None) -> torch.Tensor:
-    keep, _, cum = sorted_keep_counts(sorted_logits, top_p, min_p, total)
+                 min_p: torch.Tensor | None, uniform: torch.Tensor) -> torch.Tensor:
+    keep, _, cum = sorted_keep_counts(sorted_logits, top_p, min_p)
     target = uniform * cum.gather(1, (keep - 1)[:, None])[:, 0]
     pos = torch.searchsorted(cum, target[:, None], right=True)[:, 0]
     pos = torch.minimum(pos, keep - 1)
