@@ -1059,22 +1059,31 @@ class Scheduler:
         result = LanguageResult()
         req_ids, token_ids, sample_index = result.req_ids, result.token_ids, result.sample_index
         num_decodes = out.num_decodes
+        max_model_len = self.max_model_len
         # The decodes first, column by column: each samples, each is past its first token.
+        # (This loop runs for every decode of every step: ``Request.append_token`` and
+        # ``_stop_reason`` are written out in it.)
         for index, req in enumerate([req for req, _ in out.chunks[:num_decodes]]):
             if req.status is not _RUNNING:
                 continue  # aborted while the batch ran
             req.timeline["decode_exec"] += exec_time
             req.num_computed_tokens += 1
             token_id = sampled[index]
-            req.append_token(token_id)
-            if req.last_token_time is not None and now - req.last_token_time > tbt:
+            req.output_token_ids.append(token_id)
+            num_tokens = req.num_tokens = req.num_tokens + 1
+            last = req.last_token_time
+            if last is not None and now - last > tbt:
                 req.num_long_gaps += 1
             req.last_token_time = now
             req_ids.append(req.req_id)
             token_ids.append(token_id)
             sample_index.append(index)
-            reason = self._stop_reason(req, token_id)
-            if reason is None:
+            if token_id in req.stop_ids:
+                reason = "stop"
+            elif (num_tokens - req.num_prompt_tokens >= req.sampling_params.max_tokens
+                  or num_tokens >= max_model_len):
+                reason = "length"
+            else:
                 continue
             self._remove(req)
             self._finish(req, reason)
@@ -1125,7 +1134,8 @@ class Scheduler:
         return result
 
     def _stop_reason(self, req: Request, token_id: int) -> str | None:
-        """Why ``req`` ends with its new ``token_id`` ("stop", "length"), or None: it goes on."""
+        """Why ``req`` ends with its new ``token_id`` ("stop", "length"), or None: it goes on.
+        (The decode loop of ``update_after_language`` has the same test written out.)"""
         if token_id in req.stop_ids:
             return "stop"
         if (req.num_tokens - req.num_prompt_tokens >= req.sampling_params.max_tokens
