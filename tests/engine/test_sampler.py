@@ -267,7 +267,7 @@ def test_the_batch_looks_up_generators_and_biases_only_of_rows_that_have_them():
     assert meta.generators == [] and meta.bias is None
 
 
-@pytest.mark.parametrize("vocab", [6421, 32064])
+@pytest.mark.parametrize("vocab", [4096, 6421, 32064])  # blocks of 16, 32, 32 for k = 50
 def test_blockwise_top_k_equals_torch_topk_on_wide_rows(vocab):
     """On a CPU ``topk_rows`` ranks blocks by their maximum before the top k: the values are
     torch's, in its order, and each id points at its value, wherever the maxima sit (in one
