@@ -26,6 +26,8 @@ processing), as vLLM's default.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -486,14 +488,37 @@ def top_p_cut(weights: torch.Tensor, top_p: torch.Tensor, scratch=None) -> torch
     return cut
 
 
+# Rows of at least this many values in all are sorted in two halves at once where the step
+# has more than one thread (numpy's sort releases the GIL; torch's threads are idle then).
+_SPLIT_SORT_AT = 1 << 20
+_sort_pool: ThreadPoolExecutor | None = None
+_sort_pool_lock = threading.Lock()
+
+
 def _sorted(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's values, ascending (no ids). On a CPU numpy's vectorized sort, in place in
-    ``out`` when given (``torch.sort`` is ~12x slower at 256 x 32k here)."""
+    ``out`` when given (``torch.sort`` is ~12x slower at 256 x 32k here), half the rows on a
+    second thread where the process's torch threads allow two (1.9x at 256 x 32k)."""
     if x.device.type != "cpu":
         return x.sort(dim=-1).values
     out = out.copy_(x) if out is not None else x.clone()
-    out.numpy().sort(axis=-1)
+    values = out.numpy()
+    half = len(values) // 2
+    if values.size >= _SPLIT_SORT_AT and half and torch.get_num_threads() > 1:
+        future = _sorting_thread().submit(values[half:].sort, axis=-1)
+        values[:half].sort(axis=-1)
+        future.result()
+    else:
+        values.sort(axis=-1)
     return out
+
+
+def _sorting_thread() -> ThreadPoolExecutor:
+    global _sort_pool
+    with _sort_pool_lock:
+        if _sort_pool is None:
+            _sort_pool = ThreadPoolExecutor(1, thread_name_prefix="hydrad-sort")
+        return _sort_pool
 
 
 # Width of the blocks whose maxima ``topk_rows`` ranks first on a CPU.

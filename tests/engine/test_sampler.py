@@ -91,6 +91,23 @@ def test_top_p_cut_keeps_what_transformers_top_p_keeps_on_wide_rows(vocab, candi
         assert all(scores[row, token].exp() >= cut[row] for row, token in enumerate(tokens))
 
 
+@pytest.mark.parametrize("split", [True, False])
+def test_rows_sorted_in_two_halves_equal_one_sort(split, monkeypatch):
+    """The top-p cut's sort of a row's values (numpy's, in place), whole or in two halves on
+    two threads: the same ascending rows as torch's sort, -inf and ties included."""
+    import hydrad.engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_SPLIT_SORT_AT", 0 if split else 1 << 62)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    generator = torch.Generator().manual_seed(3)
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, 1000, generator=generator).round(decimals=1)  # ties
+        x[:, ::7] = float("-inf")
+        out = torch.empty(rows, 1000)
+        assert torch.equal(sampler_module._sorted(x, out), x.sort(dim=-1).values)
+        assert torch.equal(sampler_module._sorted(x), x.sort(dim=-1).values)
+
+
 def test_repetition_penalty_equals_transformers_and_openai_penalties_follow_the_formula():
     generator = torch.Generator().manual_seed(1)
     rows = 6
