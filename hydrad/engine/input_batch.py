@@ -136,7 +136,6 @@ class InputBatch:
             req = reqs[i]
             if not self.holds(req):
                 rows[i] = self.add(req)
-                owners, num_blocks, capacity = self.owners, self.num_blocks, self.capacity  # may have grown
             self.sync_blocks(rows[i], req.kv_block_ids)
         return rows
 
