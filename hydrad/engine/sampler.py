@@ -17,15 +17,18 @@ rows, no copy to the host per row):
 With top-k the candidates are the k largest, kept sorted by logit, so top-p and min-p
 cut a prefix of them and one cumulative sum serves the filters and the draw. Without
 top-k the draw runs over the whole vocabulary in its own order (two-level inverse CDF,
-``_draw_unsorted``): min-p is a threshold on the weights, and top-p becomes one too,
-the smallest weight it keeps (``top_p_cut``: among the few largest, or a sort of the
-row's values, without ids).
+``_draw_unsorted``): min-p is a threshold on the weights, and top-p rejects a token drawn
+whose heavier tokens already hold its share of the mass, then draws again above it
+(``_draw_nucleus``); a row still drawing after a few rounds takes top-p's cut, the
+smallest weight it keeps (``top_p_cut``: among the few largest, or a sort of the row's
+values, without ids).
 Log-probabilities come from the raw logits (the model's distribution before any
 processing), as vLLM's default.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -318,6 +321,28 @@ class Sampler:
                 uniform[_index(np.array([i for i, _ in seeded]), device)] = draws.to(device)
         return uniform
 
+    def _redraws(self, rows: np.ndarray, uniform: torch.Tensor, meta: SamplingMetadata):
+        """``redraw(positions, round)`` for a draw over ``rows`` (meta rows) that drew ``uniform``
+        first: more uniforms for the rows at those positions. A seeded request's come from a
+        generator of its own seed, its first uniform and the round, not from its generator,
+        which draws one uniform per token (``generator_for`` replays that count after a
+        migration): the same request draws the same tokens in any batch, on any instance."""
+        seeds = {row: generator.initial_seed() for row, generator in meta.generators}
+
+        def redraw(positions: torch.Tensor, round: int) -> torch.Tensor:
+            more = torch.rand(len(positions), generator=self.generator, device=uniform.device)
+            if seeds:
+                at = positions.tolist()
+                seeded = [(i, seeds[row]) for i, row in enumerate(rows[at].tolist()) if row in seeds]
+                if seeded:
+                    firsts = uniform[[at[i] for i, _ in seeded]].cpu().numpy().view(np.uint32).tolist()
+                    draws = [torch.rand(1, generator=torch.Generator().manual_seed(_mix(seed, first, round)))
+                             for (_, seed), first in zip(seeded, firsts)]
+                    more[_index([i for i, _ in seeded], more.device)] = torch.cat(draws).to(more.device)
+            return more
+
+        return redraw
+
     def _draw(self, logits: torch.Tensor, meta: SamplingMetadata, rows: np.ndarray) -> torch.Tensor:
         # logits: [num_sampled, vocab], the sampled rows only
         device = logits.device
@@ -344,7 +369,8 @@ class Sampler:
 
         def draw_unsorted(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
             return _draw_unsorted(x, t_on(min_p, m, 0.0), u, t_on(temperature, m, 1.0),
-                                  self.scratch(x.shape[0], vocab + -vocab % _BLOCK), t_on(top_p, m, 1.0), self.scratch)
+                                  self.scratch(x.shape[0], vocab + -vocab % _BLOCK), t_on(top_p, m, 1.0), self.scratch,
+                                  self._redraws(rows[m], u, meta))
 
         tokens = None
         # Rows with top-p and rows without apart: a row without pays no cut.
@@ -367,10 +393,13 @@ _BLOCK = 128
 
 def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: torch.Tensor,
                    temperature: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                   top_p: torch.Tensor | None = None, scratch=None) -> torch.Tensor:
+                   top_p: torch.Tensor | None = None, scratch=None, redraw=None) -> torch.Tensor:
     """One token per row from ``softmax(logits / temperature)`` (after top-p then min-p; None:
     off), by inverse CDF. ``out``: a [rows, vocab rounded up to the block] buffer to work in
-    (the logits are not changed); ``scratch``: ``Sampler.scratch``, for the top-p cut."""
+    (the logits are not changed); ``scratch``: ``Sampler.scratch``.
+
+    Top-p: with ``redraw`` (``redraw(positions, round)``: fresh uniforms for those rows), by
+    rejection (``_draw_nucleus``), else by its cut (``top_p_cut``) as one more threshold."""
     rows, vocab = logits.shape
     width = vocab + (-vocab % _BLOCK)
     if out is None:
@@ -380,19 +409,46 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=weights)
     if temperature is not None:
         weights.div_(temperature[:, None])
-    weights.exp_()  # the largest weighs 1
+    # On a CPU, exp of a score below about -87.3 (a masked token's -inf, a low temperature's far
+    # tail) is a denormal or 0 and takes a slow path, ~15x for the whole step where a few
+    # percent of the scores are there: those are clamped first, and what the clamp raised
+    # weighs 0 again (two passes). Whether to is read off every ``_PROBE_STRIDE``-th score of
+    # wide rows (a full read costs as much as the clamp): a few such scores that it misses
+    # cost little on the slow path, and the result is the same either way.
+    probe = weights[:, ::_PROBE_STRIDE] if vocab >= 32 * _PROBE_STRIDE else weights
+    if weights.device.type == "cpu" and bool(probe.amin() < _LOWEST_SCORE):
+        weights.clamp_(min=_LOWEST_SCORE).exp_()
+        torch.nn.functional.threshold_(weights, _NO_WEIGHT, 0.0)
+    else:
+        weights.exp_()  # the largest weighs 1
     if width > vocab:
         out[:, vocab:].zero_()
+    min_p = min_p if min_p is not None and (min_p > 0).any() else None
+    if top_p is not None and redraw is not None:
+        def exactly(positions: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+            pick = lambda x: None if x is None else x[positions]  # noqa: E731
+            return _draw_unsorted(logits[positions], pick(min_p), uniform, pick(temperature), None,
+                                  top_p[positions], scratch)
+
+        return _draw_nucleus(out, vocab, top_p, min_p, uniform, redraw, exactly, scratch)
     # Top-p and min-p are thresholds on the weights: tokens below the higher weigh nothing.
     floor = top_p_cut(weights, top_p, scratch) if top_p is not None else None
-    if min_p is not None and (min_p > 0).any():
+    if min_p is not None:
         floor = min_p if floor is None else torch.maximum(floor, min_p)
     if floor is not None:
         drop_below(weights, floor)
+    return _inverse_cdf(out, uniform)
+
+
+def _inverse_cdf(out: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``out`` ([rows, width], weights >= 0, width a multiple of ``_BLOCK``, a
+    row's largest weight at most 1e38), the token where ``uniform`` of the row's mass falls:
+    the block from the blocks' running mass, then the token from that block's own."""
+    rows, width = out.shape
     num_blocks = width // _BLOCK
     flat_blocks = out.view(-1, _BLOCK)  # [rows * num_blocks, block]
     # Running mass of the blocks after a leading 0: [rows, 1 + num_blocks].
-    block_cum = torch.zeros(rows, 1 + num_blocks, device=logits.device)
+    block_cum = torch.zeros(rows, 1 + num_blocks, device=out.device)
     torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1, out=block_cum[:, 1:])
     # u < 1 puts the target below the row's mass (u * m rounds below m for every float32 u < 1),
     # so the block found holds some of it.
@@ -400,7 +456,7 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     block = torch.searchsorted(block_cum, target[:, None], right=True)[:, 0].sub_(1)
     before = block_cum.gather(1, block[:, None])[:, 0]  # the mass of the blocks before it
     # The chosen block of each row in the flattened blocks (index_select: the fastest row gather on a CPU).
-    flat = torch.arange(0, rows * num_blocks, num_blocks, device=logits.device).add_(block)
+    flat = torch.arange(0, rows * num_blocks, num_blocks, device=out.device).add_(block)
     inner = torch.cumsum(flat_blocks.index_select(0, flat), dim=-1)
     # The block's own running sum is not the difference of the blocks' (other summation orders):
     # the target may pass its end. Kept below it, it lands on a token of some weight.
@@ -409,6 +465,56 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
     return pos.add_(block, alpha=_BLOCK)
 
 
+# Rounds of top-p's rejection before the rows still drawing take the exact cut.
+_NUCLEUS_ROUNDS = 3
+
+
+def _draw_nucleus(out: torch.Tensor, vocab: int, top_p: torch.Tensor, min_p: torch.Tensor | None,
+                  uniform: torch.Tensor, redraw, exactly, scratch) -> torch.Tensor:
+    """Top-p's draw without its cut (FlashInfer's way, on a CPU too): draw from the row's
+    weights (``out``, [rows, width]; after min-p), keep the token if the mass of the tokens
+    heavier than it is below top-p of the row's mass (the test ``top_p_cut`` keeps a token
+    by), else drop it and every lighter token and draw again. Every token top-p keeps
+    stays in the running, so an accepted token is a draw from exactly top-p's distribution.
+    A round costs three passes over the row; at top-p 0.95 one row in twenty draws again, on
+    its own row only. The rows still drawing after ``_NUCLEUS_ROUNDS`` take the cut
+    (``exactly(positions, uniforms)``). The sort the cut needs costs ~10x one round on flat
+    rows (256 x 32k: ~40 ms)."""
+    weights = out[:, :vocab]
+    mass = weights.sum(-1)  # top-p's share is of the row's whole mass, before min-p
+    if min_p is not None:
+        floor = min_p.clamp(min=_MIN_FLOOR)
+        drop_below(weights, floor)
+        mass = mass / floor
+    tokens = _inverse_cdf(out, uniform)
+    drawn, positions, share = tokens, None, top_p * mass
+    for round in range(1, _NUCLEUS_ROUNDS + 2):
+        picked = out.gather(1, drawn[:, None])[:, 0].clamp_(min=_MIN_FLOOR)
+        # The mass above the token drawn, over its weight: the heavier tokens' weights over it, past 1.
+        above = scratch(len(out), vocab, "above") if scratch else torch.empty(len(out), vocab, device=out.device)
+        torch.nn.functional.threshold_(torch.div(out[:, :vocab], picked[:, None], out=above), 1.0, 0.0)
+        rejected = above.sum(-1) * picked >= share
+        if positions is not None:
+            tokens[positions] = drawn
+        if not rejected.any():
+            return tokens
+        again = rejected.nonzero()[:, 0]
+        positions = again if positions is None else positions[again]
+        if round > _NUCLEUS_ROUNDS:
+            break
+        # The rows drawing again, over the token drawn: it and every lighter token go.
+        out = torch.div(out[again], picked[again, None])
+        torch.nn.functional.threshold_(out, 1.0, 0.0)
+        share = share[again] / picked[again]
+        drawn = _inverse_cdf(out, redraw(positions, round))
+    tokens[positions] = exactly(positions, redraw(positions, _NUCLEUS_ROUNDS + 1))
+    return tokens
+
+
+# Scores (less the row's largest) are clamped to this before ``exp``; weights at or below
+# ``_NO_WEIGHT`` (above exp(-87), the clamp's own) are 0: at most 2e-38 of the largest weight.
+_LOWEST_SCORE, _NO_WEIGHT = -87.0, 2e-38
+_PROBE_STRIDE = 256
 # The largest float32 below 1, and the smallest floor ``drop_below`` divides by.
 _BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
 _MIN_FLOOR = 1e-30
@@ -557,7 +663,8 @@ def allowed_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     """[rows, vocab] True where a token can be drawn after temperature, top-k, top-p and
     min-p: the support of the sampler's draw, built with the same operations as each row's
     path (top-k rows: sorted candidates and cut-offs; the others: the top-p cut and the
-    min-p threshold of ``_draw_unsorted``), for tests and diagnostics."""
+    min-p threshold of ``_draw_unsorted``; top-p's rejection draws from the same tokens),
+    for tests and diagnostics."""
     vocab = logits.shape[-1]
     with_k = (top_k > 0) & (top_k < vocab)
     x = logits / temperature[:, None]
@@ -573,6 +680,12 @@ def allowed_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
         cut = torch.where(top_p[rows] < 1.0, top_p_cut(weights, top_p[rows]), 0.0)
         allowed[rows] = drop_below(weights, torch.maximum(cut, min_p[rows])) > 0
     return allowed
+
+
+def _mix(*values: int) -> int:
+    """A 63-bit seed from ``values``, the same in every process (Python's ``hash`` of bytes is not)."""
+    digest = hashlib.blake2b(b"".join(v.to_bytes(8, "little", signed=False) for v in values), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _index(values, device: torch.device) -> torch.Tensor:

@@ -180,6 +180,73 @@ def test_sampled_frequencies_match_the_filtered_distribution(temperature, top_k,
     assert np.abs(freq - probs).max() < 0.012, (freq.round(3), probs.round(3))
 
 
+@pytest.mark.parametrize("rounds", [3, 0])
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.3, 0.0), (0.6, 0.2)])
+def test_top_p_by_rejection_draws_top_ps_distribution(top_p, min_p, rounds, monkeypatch):
+    """Top-p without top-k draws, rejects a token whose heavier tokens already hold top-p of
+    the mass, and draws again above it; rows still drawing after the rounds (``rounds=0``:
+    every row rejected once) take the exact cut. Over a 1,024-token row (8 blocks) with its
+    mass on 12 tokens in different blocks and a tail on the rest: 40,000 draws, each
+    frequency within 0.012 of transformers' filtered distribution, no token outside it."""
+    import hydrad.engine.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_NUCLEUS_ROUNDS", rounds)
+    vocab, copies, draws = 1024, 2000, 20
+    logits_row = torch.full((vocab,), -6.0)
+    hot = torch.tensor([3, 100, 130, 257, 300, 511, 512, 640, 700, 800, 1000, 1023])
+    logits_row[hot] = torch.tensor([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -2.0, -3.0, -4.0])
+    sampler = Sampler(seed=5)
+    meta = metadata(copies, 1.0, 0, top_p, min_p)
+    counts = np.zeros(vocab)
+    for _ in range(draws):
+        counts += np.bincount(sampler.sample(logits_row.repeat(copies, 1), meta).token_ids, minlength=vocab)
+    allowed = hf_allowed(logits_row, 1.0, 0, top_p, min_p)
+    probs = torch.softmax(logits_row.masked_fill(~allowed, float("-inf")), dim=-1).numpy()
+    assert 1 < int(allowed.sum()) < len(hot)
+    assert (counts[~allowed.numpy()] == 0).all()
+    assert np.abs(counts / counts.sum() - probs).max() < 0.012, (counts[hot] / counts.sum(), probs[hot])
+
+
+def test_a_seeded_top_p_row_draws_again_from_its_own_seed_alone_or_in_a_crowd():
+    """A seeded row that top-p rejects draws again from uniforms of its seed (not from the
+    instance's generator): the same tokens alone and among other rows, and its generator
+    moves by one uniform per token, as ``generator_for`` replays it after a migration."""
+    logits = torch.randn(64, 2048, generator=torch.Generator().manual_seed(8)) * 2
+    crowd = metadata(64, top_p=0.5)
+    crowd.top_p[32:] = 1.0
+    rejected_once = 0
+    for seed in range(30):
+        alone = Sampler(seed=1).sample(logits[:1], metadata(1, top_p=0.5, generators=[(0, torch.Generator().manual_seed(seed))]))
+        crowd.generators = [(0, generator := torch.Generator().manual_seed(seed))]
+        together = Sampler(seed=2 + seed).sample(logits, crowd)
+        assert together.token_ids[0] == alone.token_ids[0]
+        assert torch.equal(generator.get_state(), Sampler.generator_for(seed, 1).get_state())
+        first = torch.rand(1, generator=torch.Generator().manual_seed(seed))  # the draw before any rejection
+        weights = (logits[0] - logits[0].max()).exp()
+        target = float(first) * float(weights.sum())
+        rejected_once += int(torch.searchsorted(weights.cumsum(0), torch.tensor([target]), right=True)) != alone.token_ids[0]
+    assert rejected_once > 0  # some seeds did draw again
+
+
+def test_scores_far_below_the_largest_weigh_nothing_and_the_rest_keep_their_share():
+    """Scores are clamped at -87 (less the row's largest) before ``exp`` (the CPU's slow path
+    lies below): a token 200 below the largest or masked to -inf is never drawn, and a token
+    80 below keeps its (tiny) weight while the others keep the distribution."""
+    from hydrad.engine.sampler import _draw_unsorted
+
+    logits = torch.tensor([[0.0, -0.5, -200.0, float("-inf"), -80.0, -1.0]]).repeat(4000, 1)
+    tokens = torch.cat([_draw_unsorted(logits, None, torch.rand(4000, generator=torch.Generator().manual_seed(s)))
+                        for s in range(5)])
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[2] == counts[3] == 0
+    probs = torch.softmax(logits[0].double(), dim=-1)
+    assert (counts / counts.sum() - probs).abs().max() < 0.01
+    # The weights themselves: 80 below stays above zero, 200 below is zero.
+    out = torch.empty(1, 128)
+    _draw_unsorted(logits[:1], None, torch.zeros(1), out=out)
+    assert out[0, 4] > 0 and out[0, 2] == 0 and out[0, 3] == 0
+
+
 def test_greedy_rows_take_the_argmax_after_bias_and_min_tokens():
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [3.0, 0.0, 0.0, 9.0]])
     meta = metadata(2, temperature=0.0)
