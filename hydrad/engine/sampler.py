@@ -12,7 +12,9 @@ rows, no copy to the host per row):
    then one draw per row by inverse CDF (one uniform per row: from the instance's
    generator, or from the request's own generator when it has a seed, so a seeded
    request's tokens do not depend on what shares its batch; that generator is a CPU
-   one on every device, so its state moves with the request between any instances).
+   one on every device, so its state moves with the request between any instances;
+   a top-p row that draws again takes more uniforms, a seeded one from its seed apart,
+   ``Sampler._redraws``).
 
 With top-k the candidates are the k largest, kept sorted by logit, so top-p and min-p
 cut a prefix of them and one cumulative sum serves the filters and the draw. Without
