@@ -439,19 +439,21 @@ def _draw_unsorted(logits: torch.Tensor, min_p: torch.Tensor | None, uniform: to
         floor = min_p if floor is None else torch.maximum(floor, min_p)
     if floor is not None:
         drop_below(weights, floor)
-    return _inverse_cdf(out, uniform)
+    return _inverse_cdf(out, uniform)[0]
 
 
-def _inverse_cdf(out: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+def _inverse_cdf(out: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``out`` ([rows, width], weights >= 0, width a multiple of ``_BLOCK``, a
     row's largest weight at most 1e38), the token where ``uniform`` of the row's mass falls:
-    the block from the blocks' running mass, then the token from that block's own."""
+    the block from the blocks' running mass, then the token from that block's own. Returns
+    the tokens and the blocks' masses ([rows, width / block])."""
     rows, width = out.shape
     num_blocks = width // _BLOCK
     flat_blocks = out.view(-1, _BLOCK)  # [rows * num_blocks, block]
     # Running mass of the blocks after a leading 0: [rows, 1 + num_blocks].
     block_cum = torch.zeros(rows, 1 + num_blocks, device=out.device)
-    torch.cumsum(flat_blocks.sum(-1).view(rows, num_blocks), dim=-1, out=block_cum[:, 1:])
+    sums = flat_blocks.sum(-1).view(rows, num_blocks)
+    torch.cumsum(sums, dim=-1, out=block_cum[:, 1:])
     # u < 1 puts the target below the row's mass (u * m rounds below m for every float32 u < 1),
     # so the block found holds some of it.
     target = uniform * block_cum[:, -1]
@@ -464,7 +466,7 @@ def _inverse_cdf(out: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     # the target may pass its end. Kept below it, it lands on a token of some weight.
     inner_target = torch.minimum(target - before, inner[:, -1] * _BELOW_ONE)
     pos = torch.searchsorted(inner, inner_target[:, None], right=True)[:, 0]
-    return pos.add_(block, alpha=_BLOCK)
+    return pos.add_(block, alpha=_BLOCK), sums
 
 
 # Rounds of top-p's rejection before the rows still drawing take the exact cut.
@@ -488,14 +490,11 @@ def _draw_nucleus(out: torch.Tensor, vocab: int, top_p: torch.Tensor, min_p: tor
         floor = min_p.clamp(min=_MIN_FLOOR)
         drop_below(weights, floor)
         mass = mass / floor
-    tokens = _inverse_cdf(out, uniform)
+    tokens, sums = _inverse_cdf(out, uniform)
     drawn, positions, share = tokens, None, top_p * mass
     for round in range(1, _NUCLEUS_ROUNDS + 2):
         picked = out.gather(1, drawn[:, None])[:, 0].clamp_(min=_MIN_FLOOR)
-        # The mass above the token drawn, over its weight: the heavier tokens' weights over it, past 1.
-        above = scratch(len(out), vocab, "above") if scratch else torch.empty(len(out), vocab, device=out.device)
-        torch.nn.functional.threshold_(torch.div(out[:, :vocab], picked[:, None], out=above), 1.0, 0.0)
-        rejected = above.sum(-1) * picked >= share
+        rejected = _past_top_p(out, vocab, picked, sums, share, scratch)
         if positions is not None:
             tokens[positions] = drawn
         if not rejected.any():
@@ -508,9 +507,32 @@ def _draw_nucleus(out: torch.Tensor, vocab: int, top_p: torch.Tensor, min_p: tor
         out = torch.div(out[again], picked[again, None])
         torch.nn.functional.threshold_(out, 1.0, 0.0)
         share = share[again] / picked[again]
-        drawn = _inverse_cdf(out, redraw(positions, round))
+        drawn, sums = _inverse_cdf(out, redraw(positions, round))
     tokens[positions] = exactly(positions, redraw(positions, _NUCLEUS_ROUNDS + 1))
     return tokens
+
+
+def _past_top_p(out: torch.Tensor, vocab: int, picked: torch.Tensor, sums: torch.Tensor, share: torch.Tensor,
+                scratch) -> torch.Tensor:
+    """Per row, whether the tokens heavier than the one drawn (of weight ``picked``) hold at
+    least ``share`` of the mass. First a bound from the blocks (``sums``: their masses): the
+    blocks whose largest weight is above the token's hold every heavier token, so where
+    their whole mass is below the share the token stays (most rows of peaked logits: a few
+    heavy blocks); the other rows sum their heavier tokens, or every row does where they
+    are more than half (``sums`` None: every row)."""
+    rows = len(out)
+    if sums is not None:
+        heavy = out.view(rows, -1, _BLOCK).amax(dim=-1) > picked[:, None]
+        unsure = ((sums * heavy).sum(-1) >= share).nonzero()[:, 0]
+        if 2 * len(unsure) <= rows:  # else all rows are summed: a copy of most of them costs more
+            rejected = torch.zeros(rows, dtype=torch.bool, device=out.device)
+            if len(unsure):
+                rejected[unsure] = _past_top_p(out[unsure], vocab, picked[unsure], None, share[unsure], scratch)
+            return rejected
+    # The mass above the token drawn, over its weight: the heavier tokens' weights over it, past 1.
+    above = scratch(rows, vocab, "above") if scratch else torch.empty(rows, vocab, device=out.device)
+    torch.nn.functional.threshold_(torch.div(out[:, :vocab], picked[:, None], out=above), 1.0, 0.0)
+    return above.sum(-1) * picked >= share
 
 
 # Scores (less the row's largest) are clamped to this before ``exp``; weights at or below
