@@ -480,8 +480,8 @@ def _draw_nucleus(out: torch.Tensor, vocab: int, top_p: torch.Tensor, min_p: tor
     heavier than it is below top-p of the row's mass (the test ``top_p_cut`` keeps a token
     by), else drop it and every lighter token and draw again. Every token top-p keeps
     stays in the running, so an accepted token is a draw from exactly top-p's distribution.
-    A round costs three passes over the row; at top-p 0.95 one row in twenty draws again, on
-    its own row only. The rows still drawing after ``_NUCLEUS_ROUNDS`` take the cut
+    A round reads the rows still drawing two to four times (``_past_top_p``); at top-p 0.95
+    one row in twenty draws again, on its own row only. The rows still drawing after ``_NUCLEUS_ROUNDS`` take the cut
     (``exactly(positions, uniforms)``). The sort the cut needs costs ~10x one round on flat
     rows (256 x 32k: ~40 ms)."""
     weights = out[:, :vocab]
@@ -512,8 +512,8 @@ def _draw_nucleus(out: torch.Tensor, vocab: int, top_p: torch.Tensor, min_p: tor
     return tokens
 
 
-def _past_top_p(out: torch.Tensor, vocab: int, picked: torch.Tensor, sums: torch.Tensor, share: torch.Tensor,
-                scratch) -> torch.Tensor:
+def _past_top_p(out: torch.Tensor, vocab: int, picked: torch.Tensor, sums: torch.Tensor | None,
+                share: torch.Tensor, scratch) -> torch.Tensor:
     """Per row, whether the tokens heavier than the one drawn (of weight ``picked``) hold at
     least ``share`` of the mass. First a bound from the blocks (``sums``: their masses): the
     blocks whose largest weight is above the token's hold every heavier token, so where
