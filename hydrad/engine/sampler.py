@@ -370,9 +370,10 @@ class Sampler:
             return _draw_sorted(values, ids, t_on(top_p, m, 1.0), t_on(min_p, m, 0.0), u)
 
         def draw_unsorted(x: torch.Tensor, u: torch.Tensor, m: np.ndarray) -> torch.Tensor:
+            p = t_on(top_p, m, 1.0)
             return _draw_unsorted(x, t_on(min_p, m, 0.0), u, t_on(temperature, m, 1.0),
-                                  self.scratch(x.shape[0], vocab + -vocab % _BLOCK), t_on(top_p, m, 1.0), self.scratch,
-                                  self._redraws(rows[m], u, meta))
+                                  self.scratch(x.shape[0], vocab + -vocab % _BLOCK), p, self.scratch,
+                                  None if p is None else self._redraws(rows[m], u, meta))
 
         tokens = None
         # Rows with top-p and rows without apart: a row without pays no cut.

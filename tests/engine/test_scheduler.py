@@ -255,6 +255,26 @@ def test_abort_frees_everything(when):
     assert s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("max_tokens, max_model_len, eos_at", [
+    (1, 4096, None), (4, 4096, None), (8, 4096, 0), (8, 4096, 3), (4, 4096, 3), (50, 24, None), (50, 24, 3),
+])
+def test_first_tokens_and_decodes_end_by_one_rule(max_tokens, max_model_len, eos_at):
+    """The stop test runs in two places, ``_stop_reason`` for a prompt's first token and
+    written out in the decode loop (its hot path): both end a request at its EOS ("stop",
+    before any length limit it reaches with the same token), at ``max_tokens`` or at
+    ``max_model_len`` ("length"), and not a token earlier or later."""
+    prompt = 20
+    s = make_scheduler(max_model_len=max_model_len)
+    r = make_request("r", num_prompt=prompt, max_tokens=max_tokens, ignore_eos=False)
+    s.add(r)
+    while r.finish_reason is None:
+        run_step(s, token=EOS if r.num_output_tokens == eos_at else 7)
+    limit = min(max_tokens, max_model_len - prompt)
+    stops = eos_at is not None and eos_at < limit
+    assert r.finish_reason == ("stop" if stops else "length")
+    assert r.num_output_tokens == (eos_at + 1 if stops else limit)
+
+
 def test_stop_on_eos_unless_ignored():
     s = make_scheduler()
     a = make_request("a", max_tokens=5, ignore_eos=False)
