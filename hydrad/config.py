@@ -7,6 +7,7 @@ the common ones, overridden by ``hydrad start`` flags.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydrad.dtypes import DTYPE_NAMES
 from hydrad.errors import ConfigError
@@ -29,8 +30,13 @@ class ModelConfig:
     # KV blocks of a multiple of 256 tokens), or "auto": flash-attn where it can run and is
     # installed, else SDPA.
     attention_backend: str = "auto"
+    # A Jinja chat template file used instead of the checkpoint's (the Request Processor's;
+    # one that asks for tool calls as ``<tool_call>`` blocks serves tool_choice "auto").
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"model.chat_template: no such file: {self.chat_template}")
         if self.dtype not in _DTYPES:
             raise ConfigError(f"model.dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.attention_backend not in _ATTENTION_BACKENDS:

@@ -29,12 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from PIL import Image
 
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import CheckpointError, RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
+from hydrad.tool_calls import format_of
 from hydrad.videos import EncodedVideo, VideoClip, VideoSampling, decode_video, frames_clip, read_header, \
     sample_indices, video_data_url_bytes
 
@@ -115,7 +117,9 @@ class InputProcessor:
         max_request_pixels: int | None = None,
         max_model_len: int | None = None,
         max_video_frames: int = 32,
+        chat_template: str | Path | None = None,
     ):
+        """``chat_template``: a Jinja file used instead of the checkpoint's chat template."""
         from hydrad.models.loader import load_config
         from hydrad.models.registry import get_model_class
 
@@ -127,7 +131,16 @@ class InputProcessor:
         self.max_images_per_request = max_images_per_request
         self.max_image_pixels = max_image_pixels
         self.max_request_pixels = max_request_pixels
+        self.chat_template = None
+        if chat_template is not None:
+            try:
+                self.chat_template = Path(chat_template).read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"cannot read the chat template {chat_template}: {e}") from None
         self.processor = self._load_processor()
+        # The format the chat template asks the model to write tool calls in (None: none that
+        # can be read back, so neither tool_choice "auto" nor earlier calls and their results).
+        self.tool_call_format = format_of(self.processor.chat_template)
         self.tokenizer = self.processor.tokenizer
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
         # Families that take videos: their processing, and how frames are drawn from a file.
@@ -169,6 +182,8 @@ class InputProcessor:
         from hydrad.models.hf_processor import load_hf_processor
 
         processor = load_hf_processor(self.model_path, self.hf_config.model_type)
+        if self.chat_template is not None:
+            processor.chat_template = self.chat_template
         if getattr(processor, "image_processor", None) is not None:
             processor.image_processor = exact_images(processor.image_processor)
         return processor
@@ -197,15 +212,23 @@ class InputProcessor:
             if not isinstance(message, dict):
                 raise RequestError(f"{where} must be an object", param=where)
             role = message.get("role")
-            if role in ("tool", "function"):
-                raise RequestError(f"{where}: {role} messages are not supported (tool results are not put in the "
-                                   "model's chat template)", param=f"{where}.role")
+            if role == "function" or message.get("function_call"):
+                name = "role" if role == "function" else "function_call"
+                raise RequestError(f"{where}: function messages and function_call are the deprecated form of tool "
+                                   "calls; send tool messages and tool_calls", param=f"{where}.{name}")
+            if role == "tool" or (role == "assistant" and message.get("tool_calls")):
+                if self.tool_call_format is None:
+                    what = "tool messages" if role == "tool" else "earlier tool_calls"
+                    raise RequestError(f"{where}: {what} are not supported: this model's chat template has no tool "
+                                       "calls ([model] chat_template sets one)",
+                                       param=f"{where}.role" if role == "tool" else f"{where}.tool_calls")
+                message, chars = _tool_message(message, where)
+                normalized.append(message)
+                num_chars += chars
+                continue
             if role not in _ROLES:
-                raise RequestError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
-            for name in ("tool_calls", "function_call"):
-                if message.get(name):
-                    raise RequestError(f"{where}.{name}: earlier tool and function calls are not supported (they are "
-                                       "not put in the model's chat template)", param=f"{where}.{name}")
+                raise RequestError(f"{where}.role must be one of {', '.join((*_ROLES, 'tool'))}, got {role!r}",
+                                   param=f"{where}.role")
             role = "system" if role == "developer" else role
             content = message.get("content")
             if isinstance(content, str):
@@ -358,7 +381,11 @@ class InputProcessor:
         images = [(item, data) for item, data in decoded if not isinstance(item, VideoClip)]
         clips = [(item, data) for item, data in decoded if isinstance(item, VideoClip)]
         with self._hf_processor() as processor:
-            text = processor.apply_chat_template(normalized, tools=tools, add_generation_prompt=True, tokenize=False)
+            try:
+                text = processor.apply_chat_template(normalized, tools=tools, add_generation_prompt=True,
+                                                     tokenize=False)
+            except TemplateError as e:  # the template's own refusal (a role it does not take, ...)
+                raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
             videos = None
             if clips:
                 text, videos = self._videos(text, clips)
@@ -611,3 +638,51 @@ def _keeps_text(spec: dict | None) -> bool:
     if kind in ("Split", "Punctuation"):
         return str(spec.get("behavior", "")).lower() != "removed"
     return kind in _KEEPING_PRE_TOKENIZERS
+
+
+def _tool_message(message: dict, where: str) -> tuple[dict, int]:
+    """A tool message, or an assistant message with earlier ``tool_calls``, as chat templates
+    with tools take them (their text as a string, each call's arguments as an object), and
+    its characters of text."""
+    role, content = message["role"], message.get("content")
+    if content is None and role == "assistant":
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list) and content and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        text = "".join(p["text"] for p in content)
+    else:
+        raise RequestError(f"{where}.content must be a string or a non-empty list of text parts",
+                           param=f"{where}.content")
+    if role == "tool":
+        out = {"role": "tool", "content": text}
+        for name in ("tool_call_id", "name"):
+            value = message.get(name)
+            if value is not None and not isinstance(value, str):
+                raise RequestError(f"{where}.{name} must be a string", param=f"{where}.{name}")
+            if value is not None:
+                out[name] = value
+        return out, len(text)
+    calls = message["tool_calls"]
+    if not isinstance(calls, list):
+        raise RequestError(f"{where}.tool_calls must be an array of calls", param=f"{where}.tool_calls")
+    out_calls, chars = [], len(text)
+    for k, call in enumerate(calls):
+        cwhere = f"{where}.tool_calls[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise RequestError(f'{cwhere} must be {{"type": "function", "function": {{"name": ..., "arguments": '
+                               '"<a JSON object>"}}', param=cwhere)
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):
+            raise RequestError(f"{cwhere}.function.arguments must be a JSON object (as a string)",
+                               param=f"{cwhere}.function.arguments")
+        out_calls.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": function["name"], "arguments": arguments}})
+        chars += len(function["name"]) + len(function["arguments"])
+    return {"role": "assistant", "content": text, "tool_calls": out_calls}, chars

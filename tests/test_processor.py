@@ -140,9 +140,12 @@ def test_pixels_per_request_are_checked_from_the_headers(processor):
     (user({"type": "image_url", "image_url": {}}), "messages[0].content[0].image_url.url must be a string",
      "messages[0].content[0]"),
     ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function"}]}],
-     "messages[0].tool_calls: earlier tool and function calls are not supported", "messages[0].tool_calls"),
+     "messages[0]: earlier tool_calls are not supported: this model's chat template has no tool calls",
+     "messages[0].tool_calls"),
     ([{"role": "tool", "content": "42", "tool_call_id": "1"}], "messages[0]: tool messages are not supported",
      "messages[0].role"),
+    ([{"role": "function", "content": "42", "name": "f"}], "messages[0]: function messages and function_call are "
+     "the deprecated form", "messages[0].role"),
     ([{"role": "user", "content": None}], "messages[0].content must be a string or a non-empty list of parts, got null",
      "messages[0].content"),
     (user(image("data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n\0\0").decode())),
@@ -243,3 +246,69 @@ def test_a_requests_tools_reach_a_chat_template_that_renders_them(tiny_llava_dir
     assert text(with_tools) == "TOOLS: lookup_weather\n" + text(ours.process_chat(messages).prompt_token_ids)
     plain = InputProcessor(tiny_llava_dir, max_images_per_request=1, max_image_pixels=10**6)
     assert plain.process_chat(messages, tools).prompt_token_ids == plain.process_chat(messages).prompt_token_ids
+
+
+# -- tools in the chat template ----------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "description": "The weather.", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "22 C"}]},
+]
+
+
+def test_tools_earlier_calls_and_their_results_go_in_a_template_with_tools(tiny_checkpoint):
+    processor = InputProcessor(tiny_checkpoint("qwen2-vl"))
+    assert processor.tool_call_format == "hermes"
+    text = processor.tokenizer.decode(processor.process_chat(TOOL_TURNS, [WEATHER_TOOL]).prompt_token_ids)
+    assert '<tools>\n{"type": "function", "function": {"name": "weather"' in text
+    assert "within <tool_call></tool_call> XML tags" in text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n22 C\n'
+            '</tool_response><|im_end|>\n<|im_start|>assistant\n') in text
+    # Without tools, the template writes what it always did.
+    plain = processor.tokenizer.decode(processor.process_chat(TOOL_TURNS[:1]).prompt_token_ids)
+    assert plain == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                     "Weather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("change, error, param", [
+    ({"function": {"name": "weather", "arguments": "city=Paris"}}, "must be a JSON object (as a string)",
+     "messages[1].tool_calls[0].function.arguments"),
+    ({"function": {"name": "weather", "arguments": {"city": "Paris"}}}, 'must be {"type": "function"',
+     "messages[1].tool_calls[0]"),
+])
+def test_bad_earlier_calls_are_refused_by_name(tiny_checkpoint, change, error, param):
+    processor = InputProcessor(tiny_checkpoint("qwen2-vl"))
+    turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [{**TOOL_TURNS[1]["tool_calls"][0], **change}]}]
+    with pytest.raises(RequestError) as info:
+        processor.process_chat(turns, [WEATHER_TOOL])
+    assert error in str(info.value) and info.value.param == param
+    with pytest.raises(RequestError, match="text parts") as info:
+        processor.process_chat([TOOL_TURNS[0], {"role": "tool", "content": [image(png_url(4, 4))]}])
+    assert info.value.param == "messages[1].content"
+
+
+def test_a_chat_template_of_ones_own(tiny_llava_dir, tmp_path):
+    from hydrad.config import ModelConfig
+    from hydrad.errors import ConfigError
+    from hydrad.models.chat_templates import QWEN2_VL_CHAT_TEMPLATE
+
+    assert InputProcessor(tiny_llava_dir).tool_call_format is None
+    path = tmp_path / "tools.jinja"
+    path.write_text(QWEN2_VL_CHAT_TEMPLATE)
+    processor = InputProcessor(tiny_llava_dir, chat_template=path)
+    assert processor.tool_call_format == "hermes"
+    text = processor.tokenizer.decode(processor.process_chat(TOOL_TURNS, [WEATHER_TOOL]).prompt_token_ids)
+    assert "<|im_start|>" in text and "<tool_response>" in text  # the file's template, not LLaVA's
+    assert ModelConfig(chat_template=str(path)).chat_template == str(path)
+    with pytest.raises(ConfigError, match="model.chat_template: no such file"):
+        ModelConfig(chat_template=str(tmp_path / "missing.jinja"))
+    # A template's own refusal is the request's error, in one line.
+    path.write_text("{{ raise_exception('no tool turns here') }}")
+    with pytest.raises(RequestError, match="the model's chat template refused the messages: no tool turns here"):
+        InputProcessor(tiny_llava_dir, chat_template=path).process_chat(TOOL_TURNS[:1])

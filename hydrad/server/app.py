@@ -113,6 +113,7 @@ def load_processor(config: DaemonConfig, num_threads: int):
         Path(config.engine.model.path), max_images_per_request=server.max_images_per_request,
         max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
         max_model_len=config.engine.model.max_model_len, max_video_frames=server.max_video_frames,
+        chat_template=config.engine.model.chat_template,
     )
     processor.add_instances(num_threads)
     return processor

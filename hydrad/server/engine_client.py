@@ -115,6 +115,12 @@ class EngineClient:
     async def prepare_chat(self, req_id: str, chat: ChatRequest, body: Reservation,
                            arrival: float) -> Prepared:
         """``body``: the reservation of the request's body, released once it is processed."""
+        if chat.tools is not None and chat.tools.mode == "auto" and self.processor.tool_call_format is None:
+            raise RequestError('tool_choice "auto" (the default with tools) reads the calls the model writes in '
+                               "the format its chat template asks for, and this model's template asks for none; "
+                               'set tool_choice to "required", "none" or {"type": "function", "function": '
+                               '{"name": ...}}, or [model] chat_template to a template with tool calls',
+                               "tool_choice")
         messages = chat.messages
         if self.http_session is not None:
             messages = await fetch_remote_images(

@@ -3,7 +3,7 @@
 Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``return_token_ids``, ``stream_options.continuous_usage_stats``, ``structured_outputs``); tool calls
-are structured outputs (``hydrad.server.tools``). Message contents
+are structured outputs, or read from the answer (``hydrad.server.tools``). Message contents
 (roles, content parts, images) are validated by the Request Processor; everything
 else here. Every problem raises ``RequestError`` naming the offending parameter, and
 a field that is not served is refused by name rather than ignored.
@@ -97,7 +97,8 @@ class GenerateRequest:
 @dataclass
 class ChatRequest(GenerateRequest):
     messages: list[dict]
-    # A tool choice that constrains the answer to tool calls (``tools.ToolChoice``); None: none.
+    # The answer's tool choice (``tools.ToolChoice``): constrained to calls, or read for them
+    # ("auto"); None: no tools, or "none".
     tools: ToolChoice | None = None
     # The request's tools as sent (checked), for the chat template; None: none sent.
     tool_specs: list[dict] | None = None
@@ -133,7 +134,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     tools = parse_tools(body)
     common = _common(body, max_param)
-    if tools is not None:
+    if tools is not None and tools.constrains:
         params = common["options"].params
         if "structured_outputs" in params:
             raise RequestError("a tool_choice that calls a tool constrains the answer itself: set it or "

@@ -35,6 +35,7 @@ from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
 from hydrad.cluster.requests import ServiceStopping
 from hydrad.server.sse import open_event_stream, send_done, send_event
+from hydrad.tool_calls import HermesCalls
 from hydrad.server.tools import ToolCallStream, ToolChoice
 
 logger = logging.getLogger("hydrad.server")
@@ -68,9 +69,9 @@ class ResponseFormat:
     def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None,
                  tools: ToolChoice | None = None):
         self.chat = chat
-        # A chat answer constrained to tool calls: its text goes out as their arguments.
+        # A chat answer with tools (``tools.ToolChoice``): its text goes out as calls, and content.
         self.tools = tools
-        self._tool_streams: dict[int, ToolCallStream] = {}
+        self._tool_streams: dict[int, ToolCallStream | HermesCalls] = {}
         self.req_id = req_id
         self.model = model
         self.return_token_ids = return_token_ids
@@ -106,16 +107,19 @@ class ResponseFormat:
     def chunk(self, out: Output, first: bool) -> dict:
         logprobs = self.logprobs([out.logprobs], out.text) if out.logprobs is not None else None
         if self.chat and self.tools is not None:
-            # A chunk per token still; its text goes to the calls' arguments.
+            # A chunk per token still; its text goes to the calls' arguments (constrained), or
+            # to the calls and the content (auto).
             stream = self._tool_streams.get(out.index)
             if stream is None:
                 stream = self._tool_streams[out.index] = self.tools.stream()
-            delta = {"role": "assistant", "content": None} if first else {}
-            calls = stream.feed(out.text)
+            content, calls = stream.take(out.text, out.finish_reason is not None)
+            delta = {"role": "assistant"} if first else {}
+            if first or content is not None:
+                delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": self.tools.finish_reason(out.finish_reason)}
+                      "finish_reason": stream.finish_reason(out.finish_reason)}
         elif self.chat:
             # Every token chunk carries "content", empty or not, so clients can time each token.
             delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
@@ -137,12 +141,10 @@ class ResponseFormat:
         for index, c in enumerate(choices):
             logprobs = self.logprobs(c["logprobs"], c["text"]) if c["logprobs"] is not None else None
             if self.chat and self.tools is not None:
-                calls = self.tools.calls(c["text"])
-                # An answer cut before its first call keeps its text where it can be seen.
-                message = {"role": "assistant", "content": None if calls or not c["text"] else c["text"],
-                           "tool_calls": calls}
+                content, calls = self.tools.answer(c["text"])
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
                 choice = {"index": index, "message": message, "logprobs": logprobs,
-                          "finish_reason": self.tools.finish_reason(c["finish_reason"])}
+                          "finish_reason": self.tools.finish_reason(c["finish_reason"], calls)}
             elif self.chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
                           "logprobs": logprobs, "finish_reason": c["finish_reason"]}

@@ -1,4 +1,4 @@
-"""Tool calls (the chat API's ``tools`` and ``tool_choice``), served as structured outputs.
+"""Tool calls (the chat API's ``tools`` and ``tool_choice``).
 
 * a named function (``tool_choice: {"type": "function", "function": {"name": ...}}``): the
   answer is constrained to that function's ``parameters`` (a JSON schema; none: any JSON
@@ -6,11 +6,13 @@
 * ``"required"``: the answer is constrained to a JSON array of one or more calls, each
   ``{"name": ..., "parameters": {...}}`` of one of the tools (one at most with
   ``parallel_tool_calls: false``), and ends with ``finish_reason`` ``tool_calls``;
+* ``"auto"`` (the default with tools): the model decides, and writes its calls in its own
+  format, which its chat template asks for (``hydrad.tool_calls``); the answer's
+  calls are read back from its text, the rest is its content, and an answer that calls
+  ends with ``finish_reason`` ``tool_calls``. A model whose chat template asks for no
+  format it can be read in is refused "auto" (at preparation, where the template is
+  known); ``parallel_tool_calls`` is not enforced there: the calls are the model's;
 * ``"none"``: the answer is free text, as without tools.
-
-``"auto"`` (the model decides whether to call, in its own format) needs a parser of that
-model's tool-call format; none is served, so it is refused, also where it is the default
-(tools given without a ``tool_choice``), as vLLM refuses it without its parser.
 
 A call's ``arguments`` are the text the model generated for them (whole or streamed, the
 same text), each call with an id of its own.
@@ -20,12 +22,12 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydrad.errors import RequestError
 from hydrad.sampling_params import StructuredOutputsParams
+from hydrad.tool_calls import HermesCalls, call_id, read_answer
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -34,7 +36,8 @@ _ANY_OBJECT = {"type": "object"}
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """A request's tool choice that constrains its answer: ``named`` (``name``) or ``required``."""
+    """A request's tool choice: ``named`` (``name``) or ``required``, which constrain its answer,
+    or ``auto``, read from it."""
 
     mode: str
     tools: dict[str, dict | None]  # name -> its parameters' schema (None: any object)
@@ -72,11 +75,25 @@ class ToolChoice:
             schema["$defs"] = defs
         return schema
 
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.mode == "required" and reason == "stop" else reason
+    @property
+    def constrains(self) -> bool:
+        """Whether the answer is constrained to the calls (a structured output)."""
+        return self.mode != "auto"
 
-    def stream(self) -> ToolCallStream:
-        return ToolCallStream(self)
+    def finish_reason(self, reason: str | None, calls: list[dict]) -> str | None:
+        called = self.mode == "required" or (self.mode == "auto" and calls)
+        return "tool_calls" if called and reason == "stop" else reason
+
+    def stream(self) -> ToolCallStream | HermesCalls:
+        return HermesCalls() if self.mode == "auto" else ToolCallStream(self)
+
+    def answer(self, text: str) -> tuple[str | None, list[dict]]:
+        """A whole answer's content and calls. Constrained, an answer cut before its first
+        call keeps its text as content, where it can be seen."""
+        if self.mode == "auto":
+            return read_answer(text)
+        calls = self.calls(text)
+        return (None if calls or not text else text), calls
 
     def calls(self, text: str) -> list[dict]:
         """The tool calls of a whole answer (where ``max_tokens`` cut it, the last one's
@@ -119,9 +136,7 @@ def parse_tools(body: dict) -> ToolChoice | None:
     if parallel is not None and not isinstance(parallel, bool):
         raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if choice is None or choice == "auto":
-        raise RequestError('tool_choice "auto" (the default with tools) needs a parser of the model\'s own tool-call '
-                           'format, which this server does not have; set tool_choice to "required", "none" or '
-                           '{"type": "function", "function": {"name": ...}}', "tool_choice")
+        return ToolChoice("auto", by_name, parallel=parallel is not False)
     if choice == "none":
         return None
     if choice == "required":
@@ -134,10 +149,6 @@ def parse_tools(body: dict) -> ToolChoice | None:
     if name not in by_name:
         raise RequestError(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
     return ToolChoice("named", by_name, name=name)
-
-
-def _call_id() -> str:
-    return "call_" + secrets.token_hex(12)
 
 
 @dataclass
@@ -164,12 +175,19 @@ class ToolCallStream:
     _value_depth: int | None = None  # the depth their value starts at (None: not begun)
     _scalar: bool = False  # parameters that are a number or literal, read to the next ',' or '}'
 
+    def take(self, text: str, final: bool) -> tuple[str | None, list[dict]]:
+        """No content (the answer is the calls) and the ``tool_calls`` deltas of a piece of it."""
+        return None, self.feed(text)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self.choice.finish_reason(reason, self.calls)
+
     def feed(self, text: str) -> list[dict]:
         if self.choice.mode == "named":
             if not self.calls:
                 if not text:
                     return []
-                self.calls.append({"id": _call_id(), "type": "function",
+                self.calls.append({"id": call_id(), "type": "function",
                                    "function": {"name": self.choice.name, "arguments": ""}})
                 delta = {"index": 0, **self.calls[0], "function": {"name": self.choice.name, "arguments": text}}
                 self.calls[0]["function"]["arguments"] = text
@@ -240,7 +258,7 @@ class ToolCallStream:
             if char.isspace():
                 return False  # whitespace: nothing to read
             self._value_depth = self._depth
-            self.calls.append({"id": _call_id(), "type": "function", "function": {"name": self._name, "arguments": ""}})
+            self.calls.append({"id": call_id(), "type": "function", "function": {"name": self._name, "arguments": ""}})
             if char in "[{":
                 self._depth += 1
             elif char == '"':

@@ -513,7 +513,8 @@ BAD = {
     # Compiles without a tokenizer; the worker's matcher, built with the model's, refuses it.
     "grammar_unknown_special_token": (400, "structured_outputs",
                                       {"structured_outputs": {"grammar": 'start: <|no_such_token|> "a"'}}, {}),
-    # Tools without a tool_choice: "auto", which needs a parser of the model's tool-call format.
+    # Tools without a tool_choice: "auto", which needs a model whose chat template asks for tool
+    # calls in a format they can be read back in (the default model's has none).
     "tools_auto": (400, "tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}]}, {}),
     "tool_choice_unknown_function": (400, "tool_choice", {
         "tools": [{"type": "function", "function": {"name": "f"}}],

@@ -116,6 +116,45 @@ def _check_videos(client, model: str, path, family: str) -> None:
                                           max_tokens=2).choices[0].finish_reason
 
 
+def _regex_of(text: str) -> str:
+    return "".join("\\" + c if c in ".^$|?*+()[]{}\\" else "\\n" if c == "\n" else c for c in text)
+
+
+def _check_tools(client, model: str, family: str) -> None:
+    """tool_choice "auto": the Qwen families' templates ask for Hermes' <tool_call> blocks, read
+    back from the answer (here forced by a regex) as calls, whole and streamed; the call and
+    its result go in the next turn's prompt. LLaVA-NeXT's template has no tool calls: refused."""
+    import json
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    if not family.startswith("qwen"):
+        with pytest.raises(openai.BadRequestError, match='tool_choice "auto"'):
+            client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4)
+        return
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    forced = dict(model=model, messages=messages, tools=tools, max_tokens=200, temperature=0,
+                  extra_body={"structured_outputs": {"regex": _regex_of("Sure." + call)}})
+    reply = client.chat.completions.create(**forced)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    (tool_call,) = choice.message.tool_calls
+    assert tool_call.function.name == "weather" and json.loads(tool_call.function.arguments) == {"city": "Oslo"}
+    content, calls, reasons = "", [], []
+    for chunk in client.chat.completions.create(**forced, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls += delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content == "Sure." and reasons[-1] == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("weather", tool_call.function.arguments)]
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
+                         {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model=model, messages=follow, tools=tools, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens > reply.usage.prompt_tokens and again.choices[0].finish_reason
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
     architecture, model_type, deploy, devices = FAMILIES[family]
@@ -144,6 +183,7 @@ def test_daemon_serves_the_family(tiny_checkpoint, tmp_path, family):
         for i, (reply, expected) in enumerate(zip(replies, reference)):
             assert reply.choices[0].token_ids == expected, f"{family}: conversation {i}"
         _check_videos(client, card.id, path, family)
+        _check_tools(client, card.id, family)
         # Each worker fitted its latency model at start; the encoding one on the family's images.
         instances = http("GET", daemon.url + "/admin/status").json()["instances"]
         assert all(i["latency_model"] for i in instances)

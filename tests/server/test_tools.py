@@ -58,6 +58,16 @@ def test_references_in_a_tools_parameters_are_hoisted_to_the_root():
         chat(tools=clash, tool_choice="required")
 
 
+def test_auto_is_the_default_with_tools_and_leaves_the_answer_free():
+    for fields in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
+        req = chat(**fields)
+        assert req.tools.mode == "auto" and set(req.tools.tools) == {"weather", "now"}
+        assert "structured_outputs" not in req.options.params and req.tool_specs == TOOLS
+    # The answer may still be constrained: a structured output beside "auto" (its calls read from it).
+    constrained = chat(tools=TOOLS, structured_outputs={"regex": "<tool_call>.*</tool_call>"})
+    assert constrained.tools.mode == "auto" and constrained.options.params["structured_outputs"].regex
+
+
 def test_none_and_no_tools_leave_the_answer_free():
     for fields in ({}, {"tools": TOOLS, "tool_choice": "none"}, {"tool_choice": "none"}):
         req = chat(**fields)
@@ -65,8 +75,6 @@ def test_none_and_no_tools_leave_the_answer_free():
 
 
 @pytest.mark.parametrize("fields, param, message", [
-    ({"tools": TOOLS}, "tool_choice", 'tool_choice "auto" (the default with tools) needs a parser'),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "needs a parser"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
     ({"tools": [], "tool_choice": "required"}, "tools", "tools must be an array of 1 to 128 tools"),
     ({"tools": {"type": "function"}, "tool_choice": "required"}, "tools", "tools must be an array"),
@@ -162,3 +170,30 @@ def test_the_response_carries_tool_calls_whole_and_streamed():
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
         [("now", "{}"), ("weather", '{"city": "Os')]
     assert cut["choices"][0]["message"]["content"] is None and cut["choices"][0]["finish_reason"] == "length"
+
+
+def test_auto_answers_carry_content_and_the_calls_read_from_them():
+    auto = chat(tools=TOOLS).tools
+    fmt = ResponseFormat(True, "chatcmpl-3", "m", False, tools=auto)
+    text = 'Checking.<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    body = fmt.whole([{"text": text, "token_ids": [1], "finish_reason": "stop", "logprobs": None},
+                      {"text": "No call.", "token_ids": [1], "finish_reason": "stop", "logprobs": None}], {})
+    first, second = body["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] == "Checking."
+    assert first["message"]["tool_calls"][0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    assert second["finish_reason"] == "stop" and second["message"] == {"role": "assistant", "content": "No call.",
+                                                                       "tool_calls": []}
+    # Streamed: every chunk has content (empty inside a call), the call whole when its block closes.
+    pieces = ["Checking.<tool", '_call>{"name": "weather", ', '"arguments": {"city": "Oslo"}}</tool_call>']
+    chunks = [json.loads(fmt.chunk_bytes(Output(1, piece, [i], "stop" if i == 2 else None), i == 0, None, False)[6:])
+              for i, piece in enumerate(pieces)]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": "Checking."} and deltas[1] == {"content": ""}
+    assert deltas[2]["content"] == "" and deltas[2]["tool_calls"][0]["function"]["name"] == "weather"
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, "tool_calls"]
+    # An answer cut inside a call: the block's text goes out as content at the end, no call.
+    cut = ResponseFormat(True, "chatcmpl-4", "m", False, tools=auto)
+    out = [json.loads(cut.chunk_bytes(Output(0, piece, [0], reason), first, None, False)[6:])["choices"][0]
+           for piece, reason, first in (("<tool_call>{", None, True), ('"na', "length", False))]
+    assert "".join(o["delta"]["content"] for o in out) == '<tool_call>{"na' and out[1]["finish_reason"] == "length"
+    assert "tool_calls" not in out[1]["delta"]

@@ -1,0 +1,85 @@
+"""Tool calls read back from an answer in Hermes' format (``tool_choice: "auto"``): whole, and
+streamed however the text is cut, the same calls and the same content."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from hydrad.tool_calls import HermesCalls, format_of, read_answer
+
+CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo", "days": [1, 2]}}\n</tool_call>'
+ANSWERS = [
+    "No call here, just words <tool and a < sign.",
+    CALL,
+    "Let me look.\n" + CALL + "\n" + CALL.replace("Oslo", "Bergen \\u00e6 <tool_call>"),
+    '<tool_call>{"name": "now", "parameters": {}}</tool_call> then text',
+    '<tool_call>{"name": "now", "arguments": "{\\"raw\\": 1}"}</tool_call>',
+    "Broken: <tool_call>{not json}</tool_call> and " + CALL,
+    "Cut: " + CALL + ' <tool_call>{"name": "wea',
+    "ends with a partial tag <tool_ca",
+]
+
+
+def test_a_whole_answer_splits_into_content_and_calls():
+    content, calls = read_answer(ANSWERS[2])
+    assert content == "Let me look.\n\n"
+    assert [c["function"]["name"] for c in calls] == ["weather", "weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "days": [1, 2]}
+    assert json.loads(calls[1]["function"]["arguments"])["city"] == "Bergen \u00e6 <tool_call>"
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # Only whitespace beside the calls: no content.
+    content, calls = read_answer(CALL)
+    assert content is None and len(calls) == 1
+    assert read_answer(ANSWERS[0]) == (ANSWERS[0], [])
+    # "parameters" is read as "arguments"; arguments given as a string stay that string.
+    assert read_answer(ANSWERS[3])[1][0]["function"] == {"name": "now", "arguments": "{}"}
+    assert read_answer(ANSWERS[4])[1][0]["function"]["arguments"] == '{"raw": 1}'
+
+
+def test_what_is_not_a_call_stays_content():
+    content, calls = read_answer(ANSWERS[5])
+    assert content == "Broken: <tool_call>{not json}</tool_call> and " and len(calls) == 1
+    content, calls = read_answer(ANSWERS[6])  # cut inside the second block
+    assert content == 'Cut:  <tool_call>{"name": "wea' and len(calls) == 1
+    assert read_answer('<tool_call>["weather"]</tool_call>') == ('<tool_call>["weather"]</tool_call>', [])
+    assert read_answer(ANSWERS[7]) == (ANSWERS[7], [])
+
+
+@pytest.mark.parametrize("answer", ANSWERS)
+def test_streamed_content_and_calls_are_the_whole_answers_however_the_text_is_cut(answer):
+    whole = HermesCalls()
+    whole.feed(answer)
+    whole.finish()
+    rng = random.Random(0)
+    for _ in range(200):
+        cuts = sorted(rng.sample(range(len(answer) + 1), rng.randint(0, 12)))
+        pieces = [answer[a:b] for a, b in zip([0, *cuts], [*cuts, len(answer)])]
+        stream, content, calls = HermesCalls(), "", []
+        for i, piece in enumerate(pieces):
+            sent, deltas = stream.take(piece, final=i == len(pieces) - 1)
+            content += sent
+            for delta in deltas:
+                assert delta["index"] == len(calls) and delta["type"] == "function" and "id" in delta
+                calls.append(delta["function"])
+        assert content == whole.content
+        assert calls == [c["function"] for c in whole.calls]
+
+
+def test_text_that_may_start_a_block_is_held_until_it_does_or_cannot():
+    stream = HermesCalls()
+    assert stream.feed("abc <tool") == ("abc ", [])
+    assert stream.feed("_x") == ("<tool_x", [])
+    assert stream.feed("<tool_call>{\"name\": \"f\"") == ("", [])
+    content, deltas = stream.feed(", \"arguments\": {}}</tool_call>!")
+    assert content == "!" and deltas[0]["function"] == {"name": "f", "arguments": "{}"}
+    assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
+    assert HermesCalls().finish_reason("stop") == "stop"
+
+
+def test_the_format_a_chat_template_asks_for():
+    assert format_of("... <tool_call>\\n{...}\\n</tool_call> ...") == "hermes"
+    assert format_of("{{ messages }}") is None and format_of(None) is None
