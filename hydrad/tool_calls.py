@@ -55,9 +55,9 @@ class HermesCalls:
     """One answer's content and calls as its text arrives. ``feed`` returns the content to
     send now and the ``tool_calls`` deltas (a call goes out whole, in one delta, when its
     block closes: OpenAI's streamed shape allows a call's arguments in one piece); text that
-    may begin a block is held until it does or cannot. ``finish`` returns what is held: an
-    answer cut inside a block (``max_tokens``) keeps the block's text as content, as does a
-    block that holds no call."""
+    may begin a block is held until it does or cannot. ``finish`` returns what is held: a
+    last block without its closing tag is a call where its text is one, else (cut inside
+    the call by ``max_tokens``) content, as is a block that holds no call."""
 
     calls: list[dict] = field(default_factory=list)
     content: str = ""  # every piece of content so far
@@ -97,14 +97,22 @@ class HermesCalls:
         """The content to send now and the ``tool_calls`` deltas of a piece of the answer
         (``final``: its last)."""
         content, deltas = self.feed(text)
-        return (content + self.finish() if final else content), deltas
+        if final:
+            rest, last = self.finish()
+            content, deltas = content + rest, deltas + last
+        return content, deltas
 
-    def finish(self) -> str:
-        """The content held at the answer's end."""
-        text = (OPEN if self._in_call else "") + self._held
+    def finish(self) -> tuple[str, list[dict]]:
+        """What is held at the answer's end: content, or the call of a block the answer ended
+        in without its closing tag (a model may stop right after the call's JSON)."""
+        text, in_call = self._held, self._in_call
         self._held, self._in_call = "", False
+        if in_call and (call := _call(text)) is not None:
+            self.calls.append(call)
+            return "", [{"index": len(self.calls) - 1, **call}]
+        text = (OPEN if in_call else "") + text
         self.content += text
-        return text
+        return text, []
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.calls and reason == "stop" else reason
@@ -113,7 +121,6 @@ class HermesCalls:
 def read_answer(text: str) -> tuple[str | None, list[dict]]:
     """A whole answer's content (None where it is only whitespace beside calls) and calls."""
     calls = HermesCalls()
-    calls.feed(text)
-    calls.finish()
+    calls.take(text, final=True)
     content = calls.content
     return (None if calls.calls and not content.strip() else content), calls.calls

@@ -20,6 +20,7 @@ ANSWERS = [
     "Broken: <tool_call>{not json}</tool_call> and " + CALL,
     "Cut: " + CALL + ' <tool_call>{"name": "wea',
     "ends with a partial tag <tool_ca",
+    'Stopped after the JSON: <tool_call>\n{"name": "now", "arguments": {}}\n',
 ]
 
 
@@ -47,13 +48,15 @@ def test_what_is_not_a_call_stays_content():
     assert content == 'Cut:  <tool_call>{"name": "wea' and len(calls) == 1
     assert read_answer('<tool_call>["weather"]</tool_call>') == ('<tool_call>["weather"]</tool_call>', [])
     assert read_answer(ANSWERS[7]) == (ANSWERS[7], [])
+    # A last block whose closing tag never came is a call where its text is one.
+    content, calls = read_answer(ANSWERS[8])
+    assert content == "Stopped after the JSON: " and calls[0]["function"] == {"name": "now", "arguments": "{}"}
 
 
 @pytest.mark.parametrize("answer", ANSWERS)
 def test_streamed_content_and_calls_are_the_whole_answers_however_the_text_is_cut(answer):
     whole = HermesCalls()
-    whole.feed(answer)
-    whole.finish()
+    whole.take(answer, final=True)
     rng = random.Random(0)
     for _ in range(200):
         cuts = sorted(rng.sample(range(len(answer) + 1), rng.randint(0, 12)))
