@@ -406,8 +406,13 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
         await watch(task)
         await task
 
-    print(f"soaking {args.minutes:g} min: {args.streams} streams, kinds {', '.join(KINDS)}", flush=True)
-    asyncio.run(run())
+    print(f"soaking {args.minutes:g} min: {args.streams} streams, kinds {', '.join(KINDS)} (Ctrl-C: stop and "
+          "report)", flush=True)
+    interrupted = False
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # what was measured so far is still reported
+        interrupted = True
     # Every request has ended at the client; the daemon must hold nothing for any of them.
     deadline, status = time.monotonic() + 60.0, {}
     while time.monotonic() < deadline:
@@ -428,7 +433,8 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
     print(table(growth))
     write_json(args.out, {
         "machine": machine(), "url": url, "minutes": args.minutes, "streams": args.streams, "think": args.think,
-        "max_tokens": args.max_tokens, "devices": args.devices, "deploy": args.deploy,
+        "max_tokens": args.max_tokens, "devices": args.devices, "deploy": args.deploy, "interrupted": interrupted,
+        "seconds": samples[-1]["t"],
         "requests": {k: {"served": tally.served[k], "lost": tally.lost[k]} for k in KINDS},
         "errors": [{"kind": k, "error": e, "count": n} for (k, e), n in tally.errors.most_common()],
         "restarts": restarts, "drained": is_drained, "growth": growth, "samples": samples,

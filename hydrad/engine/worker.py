@@ -26,7 +26,7 @@ from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, LendersBusy
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
 from hydrad.errors import HydradError
-from hydrad.heap import freeze_startup_heap
+from hydrad.heap import HeapTrimmer, freeze_startup_heap
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
@@ -505,6 +505,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     # New requests whose grammar (structured outputs) is being built off the step thread:
     # req_id -> (request, the message count when it came, the build); admitted when it is done.
     awaiting_grammar: dict[str, tuple[EngineRequest, int, Future]] = {}
+    heap = HeapTrimmer(logger)
 
     def admit(req_id: str, add, payload, stamp: int) -> None:
         try:
@@ -539,6 +540,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
                                   max(0.0, reconfiguring.next_try - time.monotonic()))
         if awaiting_grammar and not busy:
             timeout = GRAMMAR_POLL_SECONDS if timeout is None else min(timeout, GRAMMAR_POLL_SECONDS)
+        if not busy and (trim_in := heap.due_in(time.monotonic())) is not None:  # wake to trim the heap
+            timeout = trim_in if timeout is None else min(timeout, trim_in)
         while conn.poll(timeout):
             msg = conn.recv()
             received += 1
@@ -614,6 +617,9 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             # Moved whole, or passed on without being pulled here: nothing of them is held here.
             live.difference_update(o.req_id for o in offers if o.kind == "prompt" or o.source != engine.instance_id)
             conn.send(StepOutput(output, offers, pulled, time.monotonic(), received))
+        if busy:
+            heap.stepped()
+        heap.maybe(time.monotonic())
         if reconfiguring is not None and reconfiguring.due(engine, now := time.monotonic()):
             answer = reconfiguring.answer(engine, step_threads, now)
             if answer is not None:
