@@ -9,13 +9,23 @@ threshold: either way the next step's tensors start on fresh pages, and faulting
 ``keep_freed_memory`` serves allocations up to 32 MiB from the heap and keeps what is freed
 for the next step, as tcmalloc or jemalloc would: the process's resident memory stays at its
 high-water mark instead.
+
+That mark creeps: steps of every size leave free memory between live blocks, which no trim
+threshold returns (glibc gives back only the top of its heap). Under 256 streams of mixed
+requests an EP worker's memory grew by some 1 GiB an hour, 400 MiB of it free in its heap
+(``bench/soak.py``, ``bench/RESULTS.md``). ``HeapTrimmer`` hands all free memory back
+(``malloc_trim``) between steps, at most every ``TRIM_INTERVAL`` seconds: a few
+milliseconds each, and the next steps fault their pages in once again, where every step
+did before ``keep_freed_memory``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import platform
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +36,8 @@ _M_MMAP_THRESHOLD = -3
 # the heap kept before any is returned.
 MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 512 << 20
+# Seconds between two hand-backs of all free memory (``HeapTrimmer``).
+TRIM_INTERVAL = 30.0
 
 _done = False
 
@@ -48,3 +60,66 @@ def keep_freed_memory() -> bool:
         logger.warning("the C allocator refused its settings; CPU steps may be slower")
     _done = ok
     return ok
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None elsewhere."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return trim
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class HeapTrimmer:
+    """Hands the C heap's free memory back to the kernel, at most every ``interval`` seconds
+    and only after steps (``maybe``, between them; an idle worker wakes for it: ``due_in``).
+    Not at every pause: the pages it returns are faulted in again by the next step's
+    tensors, which a request arriving at an idle worker would wait for."""
+
+    def __init__(self, interval: float = TRIM_INTERVAL):
+        self.interval = interval
+        self._trim = _malloc_trim()
+        self._last = time.monotonic()
+        self._worked = False  # steps ran since the last trim
+        self.released = 0  # bytes handed back so far (as resident memory fell)
+
+    @property
+    def available(self) -> bool:
+        return self._trim is not None
+
+    def stepped(self) -> None:
+        self._worked = True
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the next trim is due (None: none is, no step ran since the last):
+        how long an idle worker may block before it trims."""
+        if self._trim is None or not self._worked:
+            return None
+        return max(0.0, self._last + self.interval - now)
+
+    def maybe(self, now: float) -> bool:
+        """Trim where steps ran since the last trim and ``interval`` has passed since it;
+        whether it did."""
+        if self._trim is None or not self._worked or now - self._last < self.interval:
+            return False
+        self._last, self._worked = now, False
+        before, start = resident_bytes(), time.perf_counter()
+        self._trim(0)
+        freed = max(0, before - resident_bytes())
+        self.released += freed
+        logger.debug("returned %d MiB of free heap to the kernel in %.1f ms", freed >> 20,
+                     (time.perf_counter() - start) * 1e3)
+        return True

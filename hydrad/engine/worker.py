@@ -22,11 +22,12 @@ from multiprocessing.connection import Connection
 from typing import Protocol
 
 from hydrad.config import EngineConfig
+from hydrad.engine.allocator import HeapTrimmer
 from hydrad.engine.cores import CoreBoard, CoreLending, CpuThreads, LendersBusy
 from hydrad.engine.inputs import EngineOutput, EngineRequest, EngineStats, FinishedRequest
 from hydrad.engine.migration import MigrationOffer, Pulled, export_pools, import_pools
 from hydrad.errors import HydradError
-from hydrad.heap import HeapTrimmer, freeze_startup_heap
+from hydrad.heap import freeze_startup_heap
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
@@ -505,7 +506,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     # New requests whose grammar (structured outputs) is being built off the step thread:
     # req_id -> (request, the message count when it came, the build); admitted when it is done.
     awaiting_grammar: dict[str, tuple[EngineRequest, int, Future]] = {}
-    heap = HeapTrimmer(logger)
+    heap = HeapTrimmer()  # free memory of the C heap handed back between steps (engine.allocator)
 
     def admit(req_id: str, add, payload, stamp: int) -> None:
         try:

@@ -1,21 +1,19 @@
-"""The C heap's free memory handed back between a worker's steps (``HeapTrimmer``)."""
+"""The C heap's free memory handed back between a worker's steps (``allocator.HeapTrimmer``)."""
 
 from __future__ import annotations
 
-import ctypes
-import logging
 import subprocess
 import sys
 
 import pytest
 
-from hydrad.heap import HeapTrimmer, resident_bytes
+from hydrad.engine.allocator import HeapTrimmer, resident_bytes
 
-pytestmark = pytest.mark.skipif(not HeapTrimmer(logging.getLogger()).available, reason="not glibc")
+pytestmark = pytest.mark.skipif(not HeapTrimmer().available, reason="not glibc")
 
 
 def test_it_trims_only_after_steps_and_at_most_every_interval():
-    heap = HeapTrimmer(logging.getLogger("test"), interval=10.0)
+    heap = HeapTrimmer(interval=10.0)
     assert heap.due_in(0.0) is None and not heap.maybe(1e9)  # no step ran: nothing to hand back
     heap.stepped()
     start = heap._last
@@ -26,8 +24,8 @@ def test_it_trims_only_after_steps_and_at_most_every_interval():
 
 
 _FRAGMENTED = """
-import ctypes, logging, sys
-from hydrad.heap import HeapTrimmer, resident_bytes
+import ctypes
+from hydrad.engine.allocator import HeapTrimmer, resident_bytes
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -41,7 +39,7 @@ for b in blocks:
 for i, b in enumerate(blocks):
     if i % 10:
         libc.free(b)  # freed between live blocks: the heap cannot shrink from its top
-heap = HeapTrimmer(logging.getLogger(), interval=0.0)
+heap = HeapTrimmer(interval=0.0)
 heap.stepped()
 before = resident_bytes()
 assert heap.maybe(1e9)
