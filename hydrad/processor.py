@@ -36,7 +36,7 @@ from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import CheckpointError, RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
 from hydrad.sampling_params import SamplingParams
-from hydrad.tool_calls import format_of
+from hydrad.tool_calls import TAGS, format_of
 from hydrad.videos import EncodedVideo, VideoClip, VideoSampling, decode_video, frames_clip, read_header, \
     sample_indices, video_data_url_bytes
 
@@ -138,10 +138,14 @@ class InputProcessor:
             except (OSError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"cannot read the chat template {chat_template}: {e}") from None
         self.processor = self._load_processor()
+        self.tokenizer = self.processor.tokenizer
         # The format the chat template asks the model to write tool calls in (None: none that
         # can be read back, so neither tool_choice "auto" nor earlier calls and their results).
         self.tool_call_format = format_of(self.processor.chat_template)
-        self.tokenizer = self.processor.tokenizer
+        # Whether the tags of that format are special tokens, which detokenizing drops unless
+        # told not to (then an answer's calls would not be found in its text).
+        self.tool_call_tags_special = self.tool_call_format is not None and not set(TAGS).isdisjoint(
+            self.tokenizer.all_special_tokens)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
         # Families that take videos: their processing, and how frames are drawn from a file.
         self.videos = self.video_sampling = self.video_token = self.video_token_id = None

@@ -15,6 +15,7 @@ import secrets
 from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+TAGS = (OPEN, CLOSE)
 FORMATS = ("hermes",)
 
 

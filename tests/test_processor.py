@@ -312,3 +312,38 @@ def test_a_chat_template_of_ones_own(tiny_llava_dir, tmp_path):
     path.write_text("{{ raise_exception('no tool turns here') }}")
     with pytest.raises(RequestError, match="the model's chat template refused the messages: no tool turns here"):
         InputProcessor(tiny_llava_dir, chat_template=path).process_chat(TOOL_TURNS[:1])
+
+
+def test_tool_call_tags_that_are_special_tokens_stay_in_the_answer(tiny_checkpoint, tmp_path):
+    import asyncio
+    import shutil
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from hydrad.server.engine_client import EngineClient
+    from hydrad.server.protocol import parse_chat_request
+
+    assert not InputProcessor(tiny_checkpoint("qwen2-vl")).tool_call_tags_special
+    path = shutil.copytree(tiny_checkpoint("qwen2-vl"), tmp_path / "special-tags")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    tokenizer.save_pretrained(path)
+    processor = InputProcessor(path)
+    assert processor.tool_call_tags_special
+
+    def prepared(body: dict) -> dict:
+        """The sampling fields the daemon prepares a chat with."""
+        seen = {}
+
+        async def prepare(req_id, size, reservation, arrival, process, options, param):
+            seen.update(options.params)
+
+        client = SimpleNamespace(processor=processor, http_session=None, _prepare=prepare)
+        asyncio.run(EngineClient.prepare_chat(client, "r", parse_chat_request(body), None, 0.0))
+        return seen
+
+    tools = {"messages": TOOL_TURNS[:1], "tools": [WEATHER_TOOL]}
+    assert prepared(tools)["skip_special_tokens"] is False  # "auto": the tags stay in the text
+    assert prepared({**tools, "skip_special_tokens": True})["skip_special_tokens"] is True  # as asked
+    assert "skip_special_tokens" not in prepared({**tools, "tool_choice": "none"})

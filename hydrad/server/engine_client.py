@@ -121,6 +121,8 @@ class EngineClient:
                                'set tool_choice to "required", "none" or {"type": "function", "function": '
                                '{"name": ...}}, or [model] chat_template to a template with tool calls',
                                "tool_choice")
+        if chat.tools is not None and chat.tools.mode == "auto" and self.processor.tool_call_tags_special:
+            chat.options.params.setdefault("skip_special_tokens", False)  # the calls' tags stay in the text
         messages = chat.messages
         if self.http_session is not None:
             messages = await fetch_remote_images(
