@@ -92,6 +92,7 @@ class LLM:
         router_policy: str = "round-robin",
         worker_processes: bool = True,
         seed: int = 0,
+        chat_template: str | None = None,
     ):
         import torch
 
@@ -105,7 +106,7 @@ class LLM:
         model_path = resolve_model_path(model)
         self.config = EngineConfig(
             model=ModelConfig(path=str(model_path), dtype=dtype, max_model_len=max_model_len,
-                              attention_backend=attention_backend),
+                              attention_backend=attention_backend, chat_template=chat_template),
             cache=CacheConfig(
                 kv_block_size=kv_block_size,
                 num_kv_blocks=num_kv_blocks,
@@ -139,7 +140,7 @@ class LLM:
             self.engine = LocalCluster(self.config, roles, device=device, policy=router_policy)
         self.processor = InputProcessor(
             model_path, max_images_per_request=max_images_per_request, max_model_len=self.engine.max_model_len,
-            max_video_frames=max_video_frames,
+            max_video_frames=max_video_frames, chat_template=chat_template,
         )
         self._ids = itertools.count()
 
@@ -159,11 +160,14 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
+        tools: list[dict] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run one conversation (a list of messages) or many (a list of such lists)."""
+        """Run one conversation (a list of messages) or many (a list of such lists).
+        ``tools`` (the chat API's) go to the chat template; the calls a model writes are in
+        its text (``hydrad.tool_calls.read_answer`` reads Hermes' format)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.processor.process_chat(conv) for conv in conversations]
+        prompts = [self.processor.process_chat(conv, tools) for conv in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def generate(

@@ -86,3 +86,30 @@ def test_text_that_may_start_a_block_is_held_until_it_does_or_cannot():
 def test_the_format_a_chat_template_asks_for():
     assert format_of("... <tool_call>\\n{...}\\n</tool_call> ...") == "hermes"
     assert format_of("{{ messages }}") is None and format_of(None) is None
+
+
+def test_offline_chat_puts_tools_in_the_template_and_the_calls_come_back_in_the_text(tiny_checkpoint, tmp_path):
+    from hydrad import LLM, SamplingParams
+    from hydrad.models.chat_templates import QWEN2_VL_CHAT_TEMPLATE
+
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    call = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    regex = "".join("\\" + c if c in ".^$|?*+()[]{}\\" else "\\n" if c == "\n" else c for c in call)
+    with LLM(str(tiny_checkpoint("qwen2-vl"))) as llm:
+        plain, with_tools = (llm.chat(messages, SamplingParams(max_tokens=2), tools=t, use_tqdm=False)[0]
+                             for t in (None, tools))
+        assert len(with_tools.prompt_token_ids) > len(plain.prompt_token_ids) + 50  # the tools' system turn
+        out = llm.chat(messages, SamplingParams(max_tokens=200, temperature=0.0, structured_outputs={"regex": regex}),
+                       tools=tools, use_tqdm=False)[0]
+    content, calls = read_answer(out.text)
+    assert content is None and calls[0]["function"] == {"name": "weather", "arguments": '{"city": "Oslo"}'}
+    # A template of one's own, for a checkpoint without tools (the default LLaVA's).
+    path = tmp_path / "tools.jinja"
+    path.write_text(QWEN2_VL_CHAT_TEMPLATE)
+    from hydrad.processor import InputProcessor
+
+    assert InputProcessor(tiny_checkpoint("llava")).tool_call_format is None
+    with LLM(str(tiny_checkpoint("llava")), chat_template=str(path)) as llm:
+        assert llm.processor.tool_call_format == "hermes"
+        assert llm.chat(messages, SamplingParams(max_tokens=2), tools=tools, use_tqdm=False)[0].finish_reason
