@@ -24,10 +24,18 @@ no KV block held by a request), then reports the requests by kind, the lost ones
 and per process the growth of each figure as a least-squares slope per hour over the
 samples after the first ``--settle-minutes``.
 
+While the traffic runs, ``--kill-every M`` kills a worker (SIGKILL, the instances in turn)
+every M minutes: the daemon restarts it with its role and runs its requests again, so none
+may be lost; ``--redeploy-every M --redeploy A B ...`` changes the deployment to A, B, ...
+in turn every M minutes (``/admin/redeploy``, as ``hydractl redeploy``), live.
+
     python bench/soak.py --minutes 60 --streams 256 --devices cpu:2 --out soak.json
     python bench/soak.py --url http://127.0.0.1:8000 --pid <daemon pid> --minutes 180 ...
+    python bench/soak.py --devices cpu:2 --deploy 1EP+1D --minutes 15 --kill-every 3 \
+        --redeploy-every 5 --redeploy 2EPD 1EP+1D
 
-Exit status 1 when a request was lost, a worker restarted or an instance did not drain.
+Exit status 1 when a request was lost, a worker restarted but by the kills, a redeploy
+failed or an instance did not drain.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -275,8 +284,69 @@ def get_json(url: str, timeout: float = 10.0) -> dict:
 
 
 def worker_labels(status: dict) -> dict[int, str]:
-    return {inst["pid"]: f"worker {inst['id']} ({inst['role']})" for inst in status.get("instances", [])
-            if inst.get("pid")}
+    """pid -> label of each worker (by instance id: a redeploy changes its role, not its id)."""
+    return {inst["pid"]: f"worker {inst['id']}" for inst in status.get("instances", []) if inst.get("pid")}
+
+
+class Chaos:
+    """Kills a worker every ``kill_every`` seconds and redeploys every ``redeploy_every``
+    seconds (to each of ``deploys`` in turn) while the traffic runs; ``events`` says what
+    happened when (seconds from ``began``)."""
+
+    def __init__(self, url: str, began: float, kill_every: float | None, redeploy_every: float | None,
+                 deploys: list[str]):
+        self.url, self.began = url, began
+        self.kill_every, self.redeploy_every, self.deploys = kill_every, redeploy_every, deploys
+        self.events: list[dict] = []
+        self.kills = 0
+        self.failed_redeploys = 0
+
+    async def run(self, session: aiohttp.ClientSession, until: float) -> None:
+        due = {"kill": self.kill_every, "redeploy": self.redeploy_every}
+        due = {kind: self.began + every for kind, every in due.items() if every}
+        while due:
+            kind, at = min(due.items(), key=lambda item: item[1])
+            if at >= until:
+                return
+            await asyncio.sleep(max(0.0, at - time.monotonic()))
+            await (self._kill(session) if kind == "kill" else self._redeploy(session))
+            due[kind] = max(time.monotonic(), at + (self.kill_every if kind == "kill" else self.redeploy_every))
+
+    def _event(self, **what) -> None:
+        event = {"t": time.monotonic() - self.began, **what}
+        self.events.append(event)
+        print(f"[{event['t'] / 60:6.1f} min] " + ", ".join(f"{k} {v}" for k, v in what.items()), flush=True)
+
+    async def _kill(self, session: aiohttp.ClientSession) -> None:
+        async with session.get(f"{self.url}/admin/status") as resp:
+            instances = [i for i in (await resp.json())["instances"] if i.get("pid")]
+        if not instances:
+            return
+        victim = instances[self.kills % len(instances)]
+        try:
+            os.kill(victim["pid"], signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.kills += 1
+        self._event(killed=f"worker {victim['id']} ({victim['role']}, pid {victim['pid']})")
+
+    async def _redeploy(self, session: aiohttp.ClientSession) -> None:
+        deploy = self.deploys[len([e for e in self.events if "redeploy" in e]) % len(self.deploys)]
+        result, started = None, time.monotonic()
+        try:
+            async with session.post(f"{self.url}/admin/redeploy", json={"deploy": deploy}) as resp:
+                async for raw in resp.content:
+                    if raw.strip():
+                        line = json.loads(raw)
+                        result = line if "progress" not in line else result
+        except (aiohttp.ClientError, ValueError) as e:
+            result = {"error": {"message": str(e)}}
+        if result is None or "error" in result:
+            self.failed_redeploys += 1
+            error = "no answer" if result is None else result["error"].get("message")
+            self._event(redeploy=deploy, error=error)
+        else:
+            self._event(redeploy=deploy, seconds=round(time.monotonic() - started, 1))
 
 
 def drained(status: dict) -> bool:
@@ -287,13 +357,15 @@ def drained(status: dict) -> bool:
 
 def summarize(samples: list[dict], settle: float) -> dict[str, dict]:
     """Per process label: first and last value and hourly slope of each figure, over the
-    samples at or after ``settle`` seconds."""
+    samples at or after ``settle`` seconds (of its last process, where it was restarted)."""
     out = {}
     labels = sorted({label for s in samples for label in s["processes"]})
     for label in labels:
         series = [(s["t"], s["processes"][label]) for s in samples if label in s["processes"] and s["t"] >= settle]
         if not series:
             continue
+        # A worker restarted meanwhile: its process now, not the one before.
+        series = [(t, p) for t, p in series if p["pid"] == series[-1][1]["pid"]]
         row = {"pid": series[-1][1]["pid"], "samples": len(series)}
         for figure in FIGURES:
             points = [(t, p[figure]) for t, p in series if figure in p]
@@ -336,12 +408,18 @@ def main() -> int:
     parser.add_argument("--settle-minutes", type=float, default=5.0,
                         help="samples before this are left out of the growth (warming caches, pools)")
     parser.add_argument("--timeout", type=float, default=600.0, help="longest silence on a request")
+    parser.add_argument("--kill-every", type=float, metavar="MINUTES", help="kill a worker this often (SIGKILL)")
+    parser.add_argument("--redeploy-every", type=float, metavar="MINUTES",
+                        help="redeploy this often, to each of --redeploy in turn")
+    parser.add_argument("--redeploy", nargs="+", default=[], metavar="SPEC", help="deployments to redeploy to")
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="JSON results")
     args = parser.parse_args()
     if args.streams < 1 or args.minutes <= 0:
         parser.error("--streams must be >= 1 and --minutes > 0")
+    if bool(args.redeploy_every) != bool(args.redeploy):
+        parser.error("--redeploy-every and --redeploy go together")
 
     from hydrad.bench.images import image_data_url, synth_image
 
@@ -401,10 +479,16 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
             except asyncio.TimeoutError:
                 pass
 
+    chaos = Chaos(url, began, 60.0 * args.kill_every if args.kill_every else None,
+                  60.0 * args.redeploy_every if args.redeploy_every else None, args.redeploy)
+
     async def run() -> None:
         task = asyncio.create_task(traffic.run(args.streams, seconds, args.timeout))
-        await watch(task)
-        await task
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+            chaotic = asyncio.create_task(chaos.run(session, began + seconds))
+            await watch(task)
+            await task
+            await chaotic
 
     print(f"soaking {args.minutes:g} min: {args.streams} streams, kinds {', '.join(KINDS)} (Ctrl-C: stop and "
           "report)", flush=True)
@@ -429,7 +513,10 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
           + ", ".join(f"{k} {tally.served[k]}/{tally.served[k] + tally.lost[k]}" for k in KINDS))
     for (kind, error), count in tally.errors.most_common(20):
         print(f"  lost {count} {kind}: {error}")
-    print(f"workers restarted: {sum(restarts.values())}; drained after the traffic: {is_drained}")
+    unexpected = sum(restarts.values()) - chaos.kills  # restarts beyond the workers killed here
+    print(f"workers restarted: {sum(restarts.values())} ({chaos.kills} killed here); redeploys: "
+          f"{len([e for e in chaos.events if 'redeploy' in e])} ({chaos.failed_redeploys} failed); drained after "
+          f"the traffic: {is_drained}")
     print(table(growth))
     write_json(args.out, {
         "machine": machine(), "url": url, "minutes": args.minutes, "streams": args.streams, "think": args.think,
@@ -437,9 +524,10 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
         "seconds": samples[-1]["t"],
         "requests": {k: {"served": tally.served[k], "lost": tally.lost[k]} for k in KINDS},
         "errors": [{"kind": k, "error": e, "count": n} for (k, e), n in tally.errors.most_common()],
-        "restarts": restarts, "drained": is_drained, "growth": growth, "samples": samples,
+        "restarts": restarts, "kills": chaos.kills, "events": chaos.events, "drained": is_drained,
+        "growth": growth, "samples": samples,
     })
-    return 1 if tally.lost or any(restarts.values()) or not is_drained else 0
+    return 1 if tally.lost or unexpected or chaos.failed_redeploys or not is_drained else 0
 
 
 if __name__ == "__main__":

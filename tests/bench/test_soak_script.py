@@ -127,18 +127,23 @@ def test_what_counts_as_lost(script, server_url):
     assert "got HTTP 500" in _one(script, server_url, "bad", 4, "fail=500")
 
 
-def test_a_short_soak_loses_nothing_and_drains(tiny_llava_dir, tmp_path):
+def test_a_short_soak_with_kills_and_a_redeploy_loses_nothing_and_drains(tiny_llava_dir, tmp_path):
+    """Two workers under traffic of every kind; a worker killed every 7 s (each restarted,
+    its requests run again) and a live redeploy to 2EPD at 12 s."""
     out = tmp_path / "soak.json"
     run = subprocess.run(
         [sys.executable, str(BENCH / "soak.py"), "--model", tiny_llava_dir, "--devices", "cpu:2", "--deploy",
-         "1EP+1D", "--minutes", "0.2", "--streams", "12", "--max-tokens", "12", "--images", "4",
-         "--sample-every", "3", "--settle-minutes", "0", "--out", str(out)],
+         "1EP+1D", "--minutes", "0.4", "--streams", "12", "--max-tokens", "12", "--images", "4",
+         "--sample-every", "3", "--settle-minutes", "0", "--kill-every", "0.12", "--redeploy-every", "0.2",
+         "--redeploy", "2EPD", "1EP+1D", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=BENCH)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
     assert all(k["served"] > 0 and k["lost"] == 0 for k in result["requests"].values()), result["requests"]
-    assert result["drained"] and not any(result["restarts"].values())
+    assert result["drained"] and result["kills"] >= 2 and sum(result["restarts"].values()) == result["kills"]
+    (redeploy,) = [e for e in result["events"] if "redeploy" in e]
+    assert redeploy["redeploy"] == "2EPD" and "seconds" in redeploy
     labels = set(result["growth"])
-    assert {"daemon", "worker 0 (EP)", "worker 1 (D)"} <= labels
+    assert {"daemon", "worker 0", "worker 1"} <= labels
     assert len(result["samples"]) >= 3
-    assert "| worker 1 (D) |" in run.stdout
+    assert "| worker 1 |" in run.stdout
