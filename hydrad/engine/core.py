@@ -35,7 +35,7 @@ from hydrad.engine.request import Request
 from hydrad.engine.sampler import Sampler
 from hydrad.engine.migration import MigrationOffer, PullCopier, Pulled, offer_for, quick_pull_seconds
 from hydrad.engine.scheduler import Scheduler
-from hydrad.engine.allocator import keep_freed_memory
+from hydrad.engine.allocator import bound_shape_caches, keep_freed_memory
 from hydrad.engine import memory
 from hydrad.engine.streams import StageStreams
 from hydrad.dtypes import resolve_dtype_name
@@ -122,6 +122,7 @@ class EngineCore:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             keep_freed_memory()  # the step's tensors reuse freed pages (engine.allocator)
+            bound_shape_caches()  # and its matmuls built per shape stay within a bound
         self.model_path = resolve_model_path(config.model.path)
         self.dtype = resolve_dtype(config.model.dtype, self.device, self.model_path)
         has_vision = "E" in self.role
