@@ -59,13 +59,9 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    mallopt = _glibc("mallopt", (ctypes.c_int, ctypes.c_int))
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     if not ok:
         logger.warning("the C allocator refused its settings; CPU steps may be slower")
@@ -81,16 +77,16 @@ def bound_shape_caches() -> None:
         os.environ.setdefault(name, str(SHAPE_CACHE_ENTRIES))
 
 
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None elsewhere."""
+def _glibc(name: str, argtypes: tuple):
+    """glibc's function ``name`` (returning an int), or None where the C library is another."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        trim = ctypes.CDLL(None).malloc_trim
+        function = getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
         return None
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    return trim
+    function.argtypes, function.restype = argtypes, ctypes.c_int
+    return function
 
 
 def resident_bytes() -> int:
@@ -110,7 +106,7 @@ class HeapTrimmer:
 
     def __init__(self, interval: float = TRIM_INTERVAL):
         self.interval = interval
-        self._trim = _malloc_trim()
+        self._trim = _glibc("malloc_trim", (ctypes.c_size_t,))
         self._last = time.monotonic()
         self._worked = False  # steps ran since the last trim
         self.released = 0  # bytes handed back so far (as resident memory fell)
