@@ -58,6 +58,7 @@ from pathlib import Path
 import aiohttp
 
 from common import Server, free_port, machine, model_dir, write_json
+from hydrad.bench.client import Payload, auth_headers, stream_chat
 
 KINDS = ("image-greedy", "image-sampled", "text-sampled", "cut", "bad")
 # Memory figures read from smaps_rollup (kB there, MiB here).
@@ -178,12 +179,12 @@ class Traffic:
     """The soak's clients: ``streams`` loops of requests of every kind in turn."""
 
     def __init__(self, url: str, model: str, images: list[str], max_tokens: int, think: float, seed: int,
-                 api_key: str | None = None):
+                 api_key: str | None = None, timeout: float = 600.0):
         self.url, self.model, self.images = url.rstrip("/"), model, images
         self.max_tokens, self.think = max_tokens, think
         self.rng = random.Random(seed)
-        self.headers = {"Content-Type": "application/json",
-                        **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self.headers = {"Content-Type": "application/json", **auth_headers(api_key)}
+        self.timeout = timeout  # the longest silence on an answer
         self.tally = Tally()
         self.sent = 0
 
@@ -211,10 +212,16 @@ class Traffic:
         return body, tokens
 
     async def one(self, session: aiohttp.ClientSession, kind: str, index: int) -> str | None:
-        """Send one request; its error, or None where it was served as it must be."""
+        """Send one request; its error, or None where it was served as it must be. A streamed
+        answer is read as ``hydractl bench`` reads it (``stream_chat``: HTTP 200, [DONE] and
+        exactly the tokens asked for)."""
         body, tokens = self.body(kind, index)
+        url = f"{self.url}/v1/chat/completions"
+        if kind in ("image-greedy", "image-sampled"):
+            return (await stream_chat(session, url, Payload(json.dumps(body).encode(), tokens), self.headers,
+                                      self.timeout)).error
         try:
-            async with session.post(f"{self.url}/v1/chat/completions", json=body, headers=self.headers) as resp:
+            async with session.post(url, json=body, headers=self.headers) as resp:
                 if kind == "bad":
                     text = await resp.text()
                     if not 400 <= resp.status < 500:
@@ -227,35 +234,23 @@ class Traffic:
                 if not body["stream"]:
                     got = (await resp.json())["usage"]["completion_tokens"]
                     return None if got == tokens else f"{got} tokens for max_tokens {tokens} with ignore_eos"
-                return await self._read(resp, tokens, cut_after=2 if kind == "cut" else None)
+                return await self._cut(resp)
         except asyncio.TimeoutError:
             return "no answer within the timeout"
         except (aiohttp.ClientError, ValueError, KeyError, TypeError) as e:
             return f"{type(e).__name__}: {e}"
 
     @staticmethod
-    async def _read(resp: aiohttp.ClientResponse, tokens: int, cut_after: int | None) -> str | None:
-        chunks, usage = 0, None
+    async def _cut(resp: aiohttp.ClientResponse, after: int = 2) -> str | None:
+        """Read ``after`` chunks of an answer, then go away mid-answer."""
+        chunks = 0
         async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                if usage != tokens:
-                    return f"{usage} tokens for max_tokens {tokens} with ignore_eos"
-                return None
-            event = json.loads(data)
-            if "error" in event:
-                return f"an error in the stream: {str(event['error'])[:150]}"
-            if event.get("usage"):
-                usage = event["usage"]["completion_tokens"]
-            if event.get("choices"):
+            if raw.startswith(b"data:") and b'"choices"' in raw:
                 chunks += 1
-                if cut_after is not None and chunks >= cut_after:
-                    resp.close()  # the client goes away mid-answer
+                if chunks >= after:
+                    resp.close()
                     return None
-        return "the stream ended without [DONE]"
+        return f"the stream ended after {chunks} chunk(s), before the client went away"
 
     async def run(self, streams: int, seconds: float, timeout: float) -> None:
         deadline = time.monotonic() + seconds
@@ -298,8 +293,7 @@ class Chaos:
         self.url, self.began = url, began
         self.kill_every, self.redeploy_every, self.deploys = kill_every, redeploy_every, deploys
         self.events: list[dict] = []
-        self.kills = 0
-        self.failed_redeploys = 0
+        self.kills = self.redeploys = self.failed_redeploys = 0
 
     async def run(self, session: aiohttp.ClientSession, until: float) -> None:
         due = {"kill": self.kill_every, "redeploy": self.redeploy_every}
@@ -331,7 +325,8 @@ class Chaos:
         self._event(killed=f"worker {victim['id']} ({victim['role']}, pid {victim['pid']})")
 
     async def _redeploy(self, session: aiohttp.ClientSession) -> None:
-        deploy = self.deploys[len([e for e in self.events if "redeploy" in e]) % len(self.deploys)]
+        deploy = self.deploys[self.redeploys % len(self.deploys)]
+        self.redeploys += 1
         result, started = None, time.monotonic()
         try:
             async with session.post(f"{self.url}/admin/redeploy", json={"deploy": deploy}) as resp:
@@ -449,7 +444,7 @@ def main() -> int:
 
 def soak(args, url: str, root: int | None, images: list[str]) -> int:
     model = get_json(f"{url}/v1/models")["data"][0]["id"]
-    traffic = Traffic(url, model, images, args.max_tokens, args.think, args.seed, args.api_key)
+    traffic = Traffic(url, model, images, args.max_tokens, args.think, args.seed, args.api_key, args.timeout)
     seconds = 60.0 * args.minutes
     samples: list[dict] = []
     restarts_at_start = {i["id"]: i.get("restarts", 0) for i in get_json(f"{url}/admin/status")["instances"]}
@@ -474,10 +469,7 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
     async def watch(task: asyncio.Task) -> None:
         while not task.done():
             await asyncio.get_running_loop().run_in_executor(None, sample)
-            try:
-                await asyncio.wait_for(asyncio.shield(task), args.sample_every)
-            except asyncio.TimeoutError:
-                pass
+            await asyncio.wait({task}, timeout=args.sample_every)  # the next sample, or the traffic's end
 
     chaos = Chaos(url, began, 60.0 * args.kill_every if args.kill_every else None,
                   60.0 * args.redeploy_every if args.redeploy_every else None, args.redeploy)
@@ -515,7 +507,7 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
         print(f"  lost {count} {kind}: {error}")
     unexpected = sum(restarts.values()) - chaos.kills  # restarts beyond the workers killed here
     print(f"workers restarted: {sum(restarts.values())} ({chaos.kills} killed here); redeploys: "
-          f"{len([e for e in chaos.events if 'redeploy' in e])} ({chaos.failed_redeploys} failed); drained after "
+          f"{chaos.redeploys} ({chaos.failed_redeploys} failed); drained after "
           f"the traffic: {is_drained}")
     print(table(growth))
     write_json(args.out, {

@@ -620,8 +620,9 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             conn.send(StepOutput(output, offers, pulled, time.monotonic(), received))
         if busy:
             heap.stepped()
-        heap.maybe(time.monotonic())
-        if reconfiguring is not None and reconfiguring.due(engine, now := time.monotonic()):
+        now = time.monotonic()
+        heap.maybe(now)
+        if reconfiguring is not None and reconfiguring.due(engine, now):
             answer = reconfiguring.answer(engine, step_threads, now)
             if answer is not None:
                 conn.send(answer)

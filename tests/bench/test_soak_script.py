@@ -117,7 +117,7 @@ def _one(script, url: str, kind: str, index: int, directive: str) -> str | None:
 
 def test_what_counts_as_lost(script, server_url):
     assert _one(script, server_url, "image-greedy", 0, "tbt=0.001") is None
-    assert "tokens for max_tokens" in _one(script, server_url, "image-greedy", 0, "tbt=0.001 extra=1")
+    assert "token(s) for max_tokens" in _one(script, server_url, "image-greedy", 0, "tbt=0.001 extra=1")
     assert "without [DONE]" in _one(script, server_url, "image-sampled", 1, "tbt=0.001 cut=3")
     assert "HTTP 503" in _one(script, server_url, "image-greedy", 0, "fail=503")
     assert _one(script, server_url, "cut", 3, "tbt=0.001 cut=3") is None  # the client went first
