@@ -1,4 +1,4 @@
-"""A soak: a daemon under mixed traffic for a long time, watched for lost requests and for
+r"""A soak: a daemon under mixed traffic for a long time, watched for lost requests and for
 memory, descriptors and threads that grow.
 
 ``--streams`` clients each send one request after another (after ``--think`` seconds on

@@ -21,6 +21,8 @@ ANSWERS = [
     "Cut: " + CALL + ' <tool_call>{"name": "wea',
     "ends with a partial tag <tool_ca",
     'Stopped after the JSON: <tool_call>\n{"name": "now", "arguments": {}}\n',
+    '<tool_call>{"arguments": {"x": "}"}, "name": "late"}</tool_call><tool_call>{"name": "f", "arguments": 3}',
+    'Cut in the arguments: <tool_call>{"name": "f", "arguments": {"a": [1, "x\\"}',
 ]
 
 
@@ -65,11 +67,49 @@ def test_streamed_content_and_calls_are_the_whole_answers_however_the_text_is_cu
         for i, piece in enumerate(pieces):
             sent, deltas = stream.take(piece, final=i == len(pieces) - 1)
             content += sent
-            for delta in deltas:
-                assert delta["index"] == len(calls) and delta["type"] == "function" and "id" in delta
-                calls.append(delta["function"])
+            add_deltas(calls, deltas)
         assert content == whole.content
         assert calls == [c["function"] for c in whole.calls]
+
+
+def add_deltas(calls: list[dict], deltas: list[dict]) -> None:
+    """A client's reading of one chunk's ``tool_calls`` deltas into ``calls``: a call's first
+    delta has its id, type and name; the next ones only pieces of its arguments."""
+    assert len({d["index"] for d in deltas}) == len(deltas)  # one delta per call in a chunk
+    for delta in deltas:
+        if delta["index"] == len(calls):
+            assert delta["type"] == "function" and delta["id"].startswith("call_")
+            calls.append(dict(delta["function"]))
+        else:
+            assert delta["index"] == len(calls) - 1 and set(delta) == {"index", "function"}
+            assert set(delta["function"]) == {"arguments"}
+            calls[-1]["arguments"] += delta["function"]["arguments"]
+
+
+def test_a_calls_arguments_stream_as_they_are_generated():
+    stream = HermesCalls()
+    assert stream.feed('Sure. <tool_call>\n{"name": "weather", "argu') == ("Sure. ", [])
+    _, deltas = stream.feed('ments": {"city": "Os')
+    assert deltas == [{"index": 0, "id": stream.calls[0]["id"], "type": "function",
+                       "function": {"name": "weather", "arguments": '{"city": "Os'}}]
+    assert stream.feed('lo"}}\n</tool') == ("", [{"index": 0, "function": {"arguments": 'lo"}'}}])
+    assert stream.feed('_call>') == ("", [])
+    # A second call, and its arguments cut by max_tokens: a call with what was generated.
+    _, deltas = stream.take('<tool_call>{"name": "now", "arguments": {"tz": "U', final=True)
+    assert deltas[0]["index"] == 1 and deltas[0]["function"] == {"name": "now", "arguments": '{"tz": "U'}
+    assert [c["function"]["arguments"] for c in stream.calls] == ['{"city": "Oslo"}', '{"tz": "U']
+    assert stream.content == "Sure. " and stream.finish_reason("length") == "length"
+
+
+def test_a_block_not_in_the_streamed_shape_is_read_whole_when_it_closes():
+    # The arguments before the name, or not an object: nothing goes out until the block closes.
+    for block, arguments in (('{"arguments": {"a": "}"}, "name": "f"}', '{"a": "}"}'),
+                             ('{"name": "f", "arguments": "{\\"a\\": 1}"}', '{"a": 1}'),
+                             ('{"name": "f", "arguments": 7}', "7")):
+        stream = HermesCalls()
+        assert stream.feed("<tool_call>" + block) == ("", [])
+        content, deltas = stream.feed("</tool_call>")
+        assert content == "" and deltas[0]["function"] == {"name": "f", "arguments": arguments}, block
 
 
 def test_text_that_may_start_a_block_is_held_until_it_does_or_cannot():

@@ -31,6 +31,7 @@ from hydrad.errors import RequestError
 from hydrad.logs import REQUESTS_LOGGER
 from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize, holds_videos
 from hydrad.sampling_params import split_choices
+from hydrad.tool_calls import END_OF_CALL
 from hydrad.cluster.worker_client import WorkerClient
 from hydrad.server.admission import Admission, Reservation
 from hydrad.server.images_remote import fetch_remote_images
@@ -121,8 +122,12 @@ class EngineClient:
                                'set tool_choice to "required", "none" or {"type": "function", "function": '
                                '{"name": ...}}, or [model] chat_template to a template with tool calls',
                                "tool_choice")
-        if chat.tools is not None and chat.tools.mode == "auto" and self.processor.tool_call_tags_special:
-            chat.options.params.setdefault("skip_special_tokens", False)  # the calls' tags stay in the text
+        if chat.tools is not None and chat.tools.mode == "auto":
+            params = chat.options.params
+            if self.processor.tool_call_tags_special:
+                params.setdefault("skip_special_tokens", False)  # the calls' tags stay in the text
+            if not chat.tools.parallel:  # the answer ends with its first call
+                params["stop"] = [*params["stop"], END_OF_CALL[self.processor.tool_call_format]]
         messages = chat.messages
         if self.http_session is not None:
             messages = await fetch_remote_images(

@@ -11,7 +11,8 @@
   calls are read back from its text, the rest is its content, and an answer that calls
   ends with ``finish_reason`` ``tool_calls``. A model whose chat template asks for no
   format it can be read in is refused "auto" (at preparation, where the template is
-  known); ``parallel_tool_calls`` is not enforced there: the calls are the model's;
+  known); with ``parallel_tool_calls: false`` the answer ends with its first call (the
+  format's end of a call is a stop string);
 * ``"none"``: the answer is free text, as without tools.
 
 A call's ``arguments`` are the text the model generated for them (whole or streamed, the
@@ -20,14 +21,13 @@ same text), each call with an id of its own.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydrad.errors import RequestError
 from hydrad.sampling_params import StructuredOutputsParams
-from hydrad.tool_calls import HermesCalls, call_id, read_answer
+from hydrad.tool_calls import CallScanner, HermesCalls, call_id, read_answer
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -153,27 +153,22 @@ def parse_tools(body: dict) -> ToolChoice | None:
 
 @dataclass
 class ToolCallStream:
-    """One answer's tool calls as its text arrives: ``feed`` returns the ``tool_calls`` deltas
-    of a piece of text (OpenAI's streamed shape: a call's first delta has its ``id``, ``type``
-    and ``name``; then pieces of its ``arguments``); ``calls`` are the calls so far.
+    """One constrained answer's tool calls as its text arrives: ``feed`` returns the
+    ``tool_calls`` deltas of a piece of text (OpenAI's streamed shape: a call's first delta has
+    its ``id``, ``type`` and ``name``; then pieces of its ``arguments``); ``calls`` are the calls
+    so far.
 
-    For ``required`` it follows the JSON the grammar allows (an array of objects of ``name``
-    then ``parameters``): a call starts where its parameters do, and its arguments are their
-    text as generated."""
+    For ``named`` the whole answer is the call's arguments. For ``required`` it follows the JSON
+    the grammar allows (an array of objects of ``name`` then ``parameters``): a call starts
+    where its parameters do, and its arguments are their text as generated."""
 
     choice: ToolChoice
     calls: list[dict] = field(default_factory=list)
-    # The scanner of a "required" answer's JSON.
-    _depth: int = 0  # open arrays and objects
-    _in_string: bool = False
-    _escape: bool = False
-    _token: list[str] = field(default_factory=list)  # a string being read in a call's object
-    _expect_key: bool = False  # the next string in a call's object is a key
-    _key: str | None = None  # the key whose value comes next there
-    _name: str | None = None  # the call's name, once read
-    _capturing: bool = False  # inside a call's parameters
-    _value_depth: int | None = None  # the depth their value starts at (None: not begun)
-    _scalar: bool = False  # parameters that are a number or literal, read to the next ',' or '}'
+    _scanner: CallScanner | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice.mode == "required":
+            self._scanner = CallScanner(self.calls, 2, ("parameters",))
 
     def take(self, text: str, final: bool) -> tuple[str | None, list[dict]]:
         """No content (the answer is the calls) and the ``tool_calls`` deltas of a piece of it."""
@@ -183,104 +178,15 @@ class ToolCallStream:
         return self.choice.finish_reason(reason, self.calls)
 
     def feed(self, text: str) -> list[dict]:
-        if self.choice.mode == "named":
-            if not self.calls:
-                if not text:
-                    return []
-                self.calls.append({"id": call_id(), "type": "function",
-                                   "function": {"name": self.choice.name, "arguments": ""}})
-                delta = {"index": 0, **self.calls[0], "function": {"name": self.choice.name, "arguments": text}}
-                self.calls[0]["function"]["arguments"] = text
-                return [delta]
-            self.calls[0]["function"]["arguments"] += text
-            return [{"index": 0, "function": {"arguments": text}}] if text else []
-        deltas: dict[int, dict] = {}
-        for char in text:
-            started = len(self.calls)
-            part = self._step(char)
-            if len(self.calls) > started:  # a call starts with this character
-                call = self.calls[-1]
-                deltas[started] = {"index": started, "id": call["id"], "type": "function",
-                                   "function": {"name": call["function"]["name"], "arguments": ""}}
-            if part:
-                index = len(self.calls) - 1
-                self.calls[index]["function"]["arguments"] += char
-                delta = deltas.setdefault(index, {"index": index, "function": {"arguments": ""}})
-                delta["function"]["arguments"] += char
-        return [deltas[i] for i in sorted(deltas)]
-
-    def _step(self, char: str) -> bool:
-        """Advance over ``char``; True where it is part of a call's arguments."""
-        if self._capturing and self._step_arguments(char):
-            return True
-        if self._in_string:
-            if self._string_ends(char):
-                self._end_string(json.loads('"' + "".join(self._token) + '"'))
-            else:
-                self._token.append(char)
-        elif char == '"':
-            self._in_string, self._token = True, []
-        elif char in "[{":
-            self._depth += 1
-            if self._depth == 2:  # a call's object
-                self._expect_key, self._key, self._name = True, None, None
-        elif char in "]}":
-            self._depth -= 1
-        elif char == "," and self._depth == 2:
-            self._expect_key, self._key = True, None
-        elif char == ":" and self._depth == 2 and self._key == "parameters":
-            self._capturing, self._value_depth, self._scalar = True, None, False
-        return False
-
-    def _string_ends(self, char: str) -> bool:
-        """Inside a string: whether ``char`` closes it."""
-        if self._escape:
-            self._escape = False
-        elif char == "\\":
-            self._escape = True
-        elif char == '"':
-            self._in_string = False
-            return True
-        return False
-
-    def _end_string(self, value: str) -> None:
-        if self._depth != 2:
-            return
-        if self._expect_key:
-            self._key, self._expect_key = value, False
-        elif self._key == "name":
-            self._name = value
-
-    def _step_arguments(self, char: str) -> bool:
-        """Inside a call's parameters (from the ':' before them): True where ``char`` is part of
-        them; False where a number or literal ended before it (then read as structure)."""
-        if self._value_depth is None:  # before the value
-            if char.isspace():
-                return False  # whitespace: nothing to read
-            self._value_depth = self._depth
-            self.calls.append({"id": call_id(), "type": "function", "function": {"name": self._name, "arguments": ""}})
-            if char in "[{":
-                self._depth += 1
-            elif char == '"':
-                self._in_string = True
-            else:
-                self._scalar = True
-            return True
-        if self._in_string:
-            if self._string_ends(char) and self._depth == self._value_depth:  # the parameters were a string
-                self._capturing = False
-            return True
-        if self._scalar:
-            if char in ",}" or char.isspace():
-                self._capturing = self._scalar = False
-                return False
-            return True
-        if char == '"':
-            self._in_string = True
-        elif char in "[{":
-            self._depth += 1
-        elif char in "]}":
-            self._depth -= 1
-            if self._depth == self._value_depth:
-                self._capturing = False
-        return True
+        if self._scanner is not None:
+            return self._scanner.feed(text)
+        if not self.calls:
+            if not text:
+                return []
+            self.calls.append({"id": call_id(), "type": "function",
+                               "function": {"name": self.choice.name, "arguments": ""}})
+            delta = {"index": 0, **self.calls[0], "function": {"name": self.choice.name, "arguments": text}}
+            self.calls[0]["function"]["arguments"] = text
+            return [delta]
+        self.calls[0]["function"]["arguments"] += text
+        return [{"index": 0, "function": {"arguments": text}}] if text else []

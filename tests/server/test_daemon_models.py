@@ -141,14 +141,21 @@ def _check_tools(client, model: str, family: str) -> None:
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
     (tool_call,) = choice.message.tool_calls
     assert tool_call.function.name == "weather" and json.loads(tool_call.function.arguments) == {"city": "Oslo"}
-    content, calls, reasons = "", [], []
+    content, calls, reasons = "", {}, []
     for chunk in client.chat.completions.create(**forced, stream=True):
         delta = chunk.choices[0].delta
         content += delta.content or ""
-        calls += delta.tool_calls or []
+        for part in delta.tool_calls or []:  # the arguments in pieces, as generated
+            name, arguments = calls.get(part.index, (part.function.name, ""))
+            calls[part.index] = (name, arguments + (part.function.arguments or ""))
         reasons.append(chunk.choices[0].finish_reason)
     assert content == "Sure." and reasons[-1] == "tool_calls"
-    assert [(c.function.name, c.function.arguments) for c in calls] == [("weather", tool_call.function.arguments)]
+    assert list(calls.values()) == [("weather", tool_call.function.arguments)]
+    # Without parallel calls the answer ends with its first call (the model would write two).
+    twice = {**forced, "extra_body": {"structured_outputs": {"regex": _regex_of(call + call + "Done.")}}}
+    single = client.chat.completions.create(**twice, parallel_tool_calls=False).choices[0]
+    assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
+    assert len(client.chat.completions.create(**twice).choices[0].message.tool_calls) == 2
     follow = messages + [{"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
                          {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"}]
     again = client.chat.completions.create(model=model, messages=follow, tools=tools, max_tokens=3, temperature=0)
