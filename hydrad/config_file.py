@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -268,6 +269,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return _build(raw)
     except ConfigError as e:
+        given = [key for key in overrides or {} if re.search(rf"\b{re.escape(key)}\b", str(e))]
+        if given:  # a value given on the command line, not the file's
+            raise ConfigError(f"{e} (given on the command line)") from None
         raise ConfigError(f"{where}: {e}") from None
 
 

@@ -128,13 +128,14 @@ def test_what_counts_as_lost(script, server_url):
 
 
 def test_a_short_soak_with_kills_and_a_redeploy_loses_nothing_and_drains(tiny_llava_dir, tmp_path):
-    """Two workers under traffic of every kind; a worker killed every 7 s (each restarted,
-    its requests run again) and a live redeploy to 2EPD at 12 s."""
+    """Two workers under traffic of every kind for 15 s; a worker killed every 6 s (each
+    restarted, its requests run again: EP's, then an EPD instance's) and a live redeploy to 2EPD
+    at 9 s."""
     out = tmp_path / "soak.json"
     run = subprocess.run(
         [sys.executable, str(BENCH / "soak.py"), "--model", tiny_llava_dir, "--devices", "cpu:2", "--deploy",
-         "1EP+1D", "--minutes", "0.4", "--streams", "12", "--max-tokens", "12", "--images", "4",
-         "--sample-every", "3", "--settle-minutes", "0", "--kill-every", "0.12", "--redeploy-every", "0.2",
+         "1EP+1D", "--minutes", "0.25", "--streams", "12", "--max-tokens", "12", "--images", "4",
+         "--sample-every", "3", "--settle-minutes", "0", "--kill-every", "0.1", "--redeploy-every", "0.15",
          "--redeploy", "2EPD", "1EP+1D", "--out", str(out)],
         capture_output=True, text=True, timeout=300, cwd=BENCH)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

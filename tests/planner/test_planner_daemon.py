@@ -127,22 +127,13 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     finally:
         assert daemon.stop() == 0
 
-    # A restart reuses the plan kept (the start's, or a redeploy's since): no planning.
+    # The plan kept is the start's, or a redeploy's since (a start reusing a kept plan is the
+    # second daemon's, above): the re-planner may have redeployed until the daemon stopped.
     from hydrad.planner.auto import PLAN_FILE, load_plan
 
     kept = load_plan(trace_dir / PLAN_FILE)
-    # The re-planner may have redeployed until the daemon stopped: the plan is its last pick.
     assert kept is not None and kept.reason.startswith(("the pick of hydractl profile", "auto: ")), kept
     assert len(kept.key.devices) == 2
-    config.write_text(config.read_text().replace("auto = true", "auto = false"))
-    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2", "--deploy",
-                     "auto", "--trace", str(trace_dir)], tmp_path / "log3")
-    try:
-        status = http("GET", daemon.url + "/admin/status").json()
-        assert status["deployment"]["deploy"] == kept.deploy
-        assert status["deployment"]["reason"].startswith("the plan of "), status["deployment"]
-    finally:
-        assert daemon.stop() == 0
 
     # --devices auto on this CPU machine: the plan picks the count of workers too (one on both
     # cores, or one per core), runs it, and keeps it for the next start.
@@ -150,6 +141,7 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
 
     if usable_cpus() < 2:
         return
+    config.write_text(config.read_text().replace("auto = true", "auto = false"))  # planned at the start only
     daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "auto", "--deploy",
                      "auto", "--trace", str(trace_dir)], tmp_path / "log4")
     try:

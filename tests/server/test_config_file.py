@@ -94,6 +94,18 @@ def test_errors_name_the_file_and_key(tmp_path, text, message):
     assert str(path) in str(info.value)
 
 
+def test_an_error_in_a_value_given_on_the_command_line_says_so(tmp_path):
+    path = write(tmp_path, "[server]\nport = 9000\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path, {"server.port": 70000})
+    assert str(info.value) == "server.port must be in [0, 65535], got 70000 (given on the command line)"
+    with pytest.raises(ConfigError, match="given on the command line"):
+        load_config(None, {"server.queue_timeout": -1})
+    # The file's own error still names the file, beside a valid value given on the command line.
+    with pytest.raises(ConfigError, match=f"^{path}: server.port must be in"):
+        load_config(write(tmp_path, "[server]\nport = 70000\n"), {"parallel.deploy": "2EPD"})
+
+
 def test_a_retired_key_is_ignored_with_a_warning(tmp_path, caplog):
     """A file written for an earlier version still loads; the log says what no longer applies."""
     path = write(tmp_path, "[slo]\ntbt = 0.1\ndecode_context_len = 1024\n")
