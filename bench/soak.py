@@ -34,6 +34,8 @@ in turn every M minutes (``/admin/redeploy``, as ``hydractl redeploy``), live.
     python bench/soak.py --devices cpu:2 --deploy 1EP+1D --minutes 15 --kill-every 3 \
         --redeploy-every 5 --redeploy 2EPD 1EP+1D
 
+Ctrl-C or SIGTERM stops the traffic early; the drain check and the report follow as at the end.
+
 Exit status 1 when a request was lost, a worker restarted but by the kills, a redeploy
 failed or an instance did not drain.
 """
@@ -482,9 +484,13 @@ def soak(args, url: str, root: int | None, images: list[str]) -> int:
             await task
             await chaotic
 
-    print(f"soaking {args.minutes:g} min: {args.streams} streams, kinds {', '.join(KINDS)} (Ctrl-C: stop and "
-          "report)", flush=True)
+    print(f"soaking {args.minutes:g} min: {args.streams} streams, kinds {', '.join(KINDS)} (Ctrl-C or SIGTERM: stop "
+          "and report)", flush=True)
     interrupted = False
+    # Ctrl-C or SIGTERM (what stops a soak run in the background, whose SIGINT the shell
+    # ignores, or by a service manager) stops the traffic; the report follows.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         asyncio.run(run())
     except KeyboardInterrupt:  # what was measured so far is still reported
