@@ -269,8 +269,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return _build(raw)
     except ConfigError as e:
-        given = [key for key in overrides or {} if re.search(rf"\b{re.escape(key)}\b", str(e))]
-        if given:  # a value given on the command line, not the file's
+        if any(re.search(rf"\b{re.escape(key)}\b", str(e)) for key in overrides or {}):
+            # A value given on the command line, not the file's.
             raise ConfigError(f"{e} (given on the command line)") from None
         raise ConfigError(f"{where}: {e}") from None
 

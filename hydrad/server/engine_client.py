@@ -30,7 +30,7 @@ from hydrad.engine.inputs import EngineRequest, ImageInput, TokenLogprobs
 from hydrad.errors import RequestError
 from hydrad.logs import REQUESTS_LOGGER
 from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize, holds_videos
-from hydrad.sampling_params import split_choices
+from hydrad.sampling_params import MAX_STOP_STRINGS, split_choices
 from hydrad.tool_calls import END_OF_CALL
 from hydrad.cluster.worker_client import WorkerClient
 from hydrad.server.admission import Admission, Reservation
@@ -126,7 +126,11 @@ class EngineClient:
             params = chat.options.params
             if self.processor.tool_call_tags_special:
                 params.setdefault("skip_special_tokens", False)  # the calls' tags stay in the text
-            if not chat.tools.parallel:  # the answer ends with its first call
+            if not chat.tools.parallel:  # the answer ends with its first call: a stop string of its own
+                if len(params["stop"]) >= MAX_STOP_STRINGS:
+                    raise RequestError(f'parallel_tool_calls false under tool_choice "auto" ends the answer after '
+                                       f"its first call with a stop string of its own: send at most "
+                                       f"{MAX_STOP_STRINGS - 1} stop strings", "stop")
                 params["stop"] = [*params["stop"], END_OF_CALL[self.processor.tool_call_format]]
         messages = chat.messages
         if self.http_session is not None:

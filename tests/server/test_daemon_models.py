@@ -156,6 +156,8 @@ def _check_tools(client, model: str, family: str) -> None:
     single = client.chat.completions.create(**twice, parallel_tool_calls=False).choices[0]
     assert single.finish_reason == "tool_calls" and len(single.message.tool_calls) == 1
     assert len(client.chat.completions.create(**twice).choices[0].message.tool_calls) == 2
+    with pytest.raises(openai.BadRequestError, match="at most 15 stop strings"):  # that stop string's room
+        client.chat.completions.create(**twice, parallel_tool_calls=False, stop=[str(i) for i in range(16)])
     follow = messages + [{"role": "assistant", "content": None, "tool_calls": [tool_call.model_dump()]},
                          {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"}]
     again = client.chat.completions.create(model=model, messages=follow, tools=tools, max_tokens=3, temperature=0)
