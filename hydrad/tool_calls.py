@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TAGS = (OPEN, CLOSE)
-FORMATS = ("hermes",)
 END_OF_CALL = {"hermes": CLOSE}
 
 
@@ -220,7 +219,7 @@ class HermesCalls:
         """The content to send now and the ``tool_calls`` deltas of a piece of the answer
         (``final``: its last)."""
         content, deltas = self.feed(text)
-        if final:
+        if final:  # the last call's arguments may go on in what was held back: one delta a call
             rest, last = self.finish()
             content, deltas = content + rest, _merged(deltas + last)
         return content, deltas
@@ -256,7 +255,7 @@ class HermesCalls:
         self._held = held
         content = "".join(out)
         self.content += content
-        return content, _merged(deltas)
+        return content, deltas
 
     def finish(self) -> tuple[str, list[dict]]:
         """What is held at the answer's end (its content and its last call's deltas)."""
@@ -266,9 +265,9 @@ class HermesCalls:
             self.content += held
             return held, []
         deltas = self._scan(held)
-        text, whole = self._close()
+        text, whole = self._close()  # a call read whole where none started: one or the other
         self.content += text
-        return text, _merged(deltas + whole)
+        return text, deltas + whole
 
     def _scan(self, text: str) -> list[dict]:
         self._block += text

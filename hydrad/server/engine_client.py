@@ -30,8 +30,7 @@ from hydrad.engine.inputs import EngineRequest, ImageInput, TokenLogprobs
 from hydrad.errors import RequestError
 from hydrad.logs import REQUESTS_LOGGER
 from hydrad.processor import InputProcessor, ProcessedPrompt, PromptSize, holds_videos
-from hydrad.sampling_params import MAX_STOP_STRINGS, split_choices
-from hydrad.tool_calls import END_OF_CALL
+from hydrad.sampling_params import split_choices
 from hydrad.cluster.worker_client import WorkerClient
 from hydrad.server.admission import Admission, Reservation
 from hydrad.server.images_remote import fetch_remote_images
@@ -116,22 +115,9 @@ class EngineClient:
     async def prepare_chat(self, req_id: str, chat: ChatRequest, body: Reservation,
                            arrival: float) -> Prepared:
         """``body``: the reservation of the request's body, released once it is processed."""
-        if chat.tools is not None and chat.tools.mode == "auto" and self.processor.tool_call_format is None:
-            raise RequestError('tool_choice "auto" (the default with tools) reads the calls the model writes in '
-                               "the format its chat template asks for, and this model's template asks for none; "
-                               'set tool_choice to "required", "none" or {"type": "function", "function": '
-                               '{"name": ...}}, or [model] chat_template to a template with tool calls',
-                               "tool_choice")
-        if chat.tools is not None and chat.tools.mode == "auto":
-            params = chat.options.params
-            if self.processor.tool_call_tags_special:
-                params.setdefault("skip_special_tokens", False)  # the calls' tags stay in the text
-            if not chat.tools.parallel:  # the answer ends with its first call: a stop string of its own
-                if len(params["stop"]) >= MAX_STOP_STRINGS:
-                    raise RequestError(f'parallel_tool_calls false under tool_choice "auto" ends the answer after '
-                                       f"its first call with a stop string of its own: send at most "
-                                       f"{MAX_STOP_STRINGS - 1} stop strings", "stop")
-                params["stop"] = [*params["stop"], END_OF_CALL[self.processor.tool_call_format]]
+        if chat.tools is not None:
+            chat.tools.prepare(chat.options.params, self.processor.tool_call_format,
+                               self.processor.tool_call_tags_special)
         messages = chat.messages
         if self.http_session is not None:
             messages = await fetch_remote_images(

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hydrad.errors import RequestError
-from hydrad.sampling_params import StructuredOutputsParams
-from hydrad.tool_calls import CallScanner, HermesCalls, call_id, read_answer
+from hydrad.sampling_params import MAX_STOP_STRINGS, StructuredOutputsParams
+from hydrad.tool_calls import END_OF_CALL, CallScanner, HermesCalls, call_id, read_answer
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -83,6 +83,28 @@ class ToolChoice:
     def finish_reason(self, reason: str | None, calls: list[dict]) -> str | None:
         called = self.mode == "required" or (self.mode == "auto" and calls)
         return "tool_calls" if called and reason == "stop" else reason
+
+    def prepare(self, params: dict[str, Any], call_format: str | None, tags_special: bool) -> None:
+        """Under ``"auto"``, what the model's tool-call format (its chat template's:
+        ``tool_calls.format_of``) asks of the request's sampling ``params``: its tags kept in
+        the text where they are special tokens, and without parallel calls the end of a call
+        as a stop string. A template that asks for no format it can be read in is refused."""
+        if self.mode != "auto":
+            return
+        if call_format is None:
+            raise RequestError('tool_choice "auto" (the default with tools) reads the calls the model writes in '
+                               "the format its chat template asks for, and this model's template asks for none; "
+                               'set tool_choice to "required", "none" or {"type": "function", "function": '
+                               '{"name": ...}}, or [model] chat_template to a template with tool calls',
+                               "tool_choice")
+        if tags_special:
+            params.setdefault("skip_special_tokens", False)
+        if not self.parallel:
+            if len(params["stop"]) >= MAX_STOP_STRINGS:
+                raise RequestError('parallel_tool_calls false under tool_choice "auto" ends the answer after its '
+                                   f"first call with a stop string of its own: send at most {MAX_STOP_STRINGS - 1} "
+                                   "stop strings", "stop")
+            params["stop"] = [*params["stop"], END_OF_CALL[call_format]]
 
     def stream(self) -> ToolCallStream | HermesCalls:
         return HermesCalls() if self.mode == "auto" else ToolCallStream(self)

@@ -197,3 +197,28 @@ def test_auto_answers_carry_content_and_the_calls_read_from_them():
            for piece, reason, first in (("<tool_call>{", None, True), ('"na', "length", False))]
     assert "".join(o["delta"]["content"] for o in out) == '<tool_call>{"na' and out[1]["finish_reason"] == "length"
     assert "tool_calls" not in out[1]["delta"]
+
+
+def test_auto_prepares_the_request_for_the_models_format():
+    """Under "auto": a template without a format is refused; special-token tags stay in the
+    text; without parallel calls the end of a call is a stop string, where there is room."""
+    auto = chat(tools=TOOLS)
+    assert auto.tools.mode == "auto"
+    with pytest.raises(RequestError, match="asks for none") as info:
+        auto.tools.prepare(auto.options.params, None, False)
+    assert info.value.param == "tool_choice"
+    params = {"stop": ["x"]}
+    auto.tools.prepare(params, "hermes", True)
+    assert params == {"stop": ["x"], "skip_special_tokens": False}
+    single = chat(tools=TOOLS, parallel_tool_calls=False, stop=["x"], skip_special_tokens=True)
+    params = single.options.params
+    single.tools.prepare(params, "hermes", True)
+    assert params["stop"] == ["x", "</tool_call>"] and params["skip_special_tokens"] is True  # the request's own
+    full = chat(tools=TOOLS, parallel_tool_calls=False, stop=[str(i) for i in range(16)])
+    with pytest.raises(RequestError, match="at most 15 stop strings"):
+        full.tools.prepare(full.options.params, "hermes", False)
+    # A constraining tool choice asks nothing of the format.
+    required = chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    before = dict(required.options.params)
+    required.tools.prepare(required.options.params, None, True)
+    assert required.options.params == before
