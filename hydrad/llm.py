@@ -172,14 +172,16 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str],
+        prompts: str | dict | Sequence[str | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Plain text prompts, no chat template."""
-        prompts = [prompts] if isinstance(prompts, str) else prompts
-        return self._run([self.processor.process_prompt(p) for p in prompts], sampling_params, use_tqdm)
+        """Prompts without a chat template: each a text, or as vLLM takes them, a dict with
+        ``"prompt"`` (a text) or ``"prompt_token_ids"`` (token ids, taken as they are)."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        return self._run([self.processor.process_prompt(_prompt_of(p)) for p in prompts], sampling_params,
+                         use_tqdm)
 
     # -- the loop ---------------------------------------------------------------------------------
     def _run(self, prompts, sampling_params, use_tqdm: bool) -> list[RequestOutput]:
@@ -253,6 +255,21 @@ class LLM:
         unfinished.discard(req_id)
         if progress:
             progress.advance()
+
+
+def _prompt_of(prompt: str | dict) -> str | list[int]:
+    """A prompt of ``LLM.generate`` as the Request Processor takes it."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and len(prompt) == 1:
+        if isinstance(prompt.get("prompt"), str):
+            return prompt["prompt"]
+        token_ids = prompt.get("prompt_token_ids")
+        if isinstance(token_ids, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in token_ids):
+            return list(token_ids)
+    raise ValueError(f"a prompt must be a text, {{'prompt': text}} or {{'prompt_token_ids': [ids]}}; "
+                     f"got {prompt!r:.80}")
 
 
 class _Progress:

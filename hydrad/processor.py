@@ -369,11 +369,34 @@ class InputProcessor:
         self.check_prompt_chars(num_chars, "messages")
         return PromptSize(num_chars, self._check_images(sources))
 
-    def inspect_prompt(self, prompt) -> PromptSize:
+    def inspect_prompt(self, prompt: str | list[int]) -> PromptSize:
+        """A text prompt's size, or a prompt of token ids checked whole (a size of one
+        character a token: no text to tokenize)."""
+        if isinstance(prompt, list):
+            self._check_token_ids(prompt)
+            return PromptSize(len(prompt))
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string", param="prompt")
         self.check_prompt_chars(len(prompt), "prompt")
         return PromptSize(len(prompt))
+
+    def _check_token_ids(self, token_ids: list[int]) -> None:
+        """Refuse token ids the model has no embedding for, and image or video placeholders
+        (a prompt of token ids has no images)."""
+        if not token_ids:
+            raise RequestError("a prompt of token ids must hold at least one", param="prompt")
+        vocab_size = self.hf_config.text_config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} in the prompt is outside the model's vocabulary "
+                               f"[0, {vocab_size})", param="prompt")
+        if len(token_ids) > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                               f"has {len(token_ids)}", param="prompt", code="context_length_exceeded")
+        placeholders = {self.image_token_id, self.video_token_id} - {None}
+        if not placeholders.isdisjoint(token_ids):
+            raise RequestError("the prompt contains image or video placeholder tokens, which a prompt of "
+                               "token ids has no image or video for", param="prompt")
 
     def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedPrompt:
         """``tools``: the request's (OpenAI's ``tools``), given to the chat template, which puts
@@ -396,10 +419,19 @@ class InputProcessor:
             return self._tokenize(processor, text, [image for image, _ in images], [data for _, data in images],
                                   videos=videos)
 
-    def process_prompt(self, prompt: str) -> ProcessedPrompt:
+    def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
+        """A text prompt tokenized (no chat template), or a prompt of token ids taken as it is."""
         self.inspect_prompt(prompt)
+        if isinstance(prompt, list):
+            return ProcessedPrompt(list(prompt))
         with self._hf_processor() as processor:
-            return self._tokenize(processor, prompt, [])
+            return self._tokenize(processor, prompt, [], param="prompt")
+
+    def prompt_text(self, prompt: str | list[int]) -> str:
+        """A prompt as text: a text prompt as given, token ids decoded (special tokens kept)."""
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt)
 
     def _videos(self, text: str, clips: list[tuple[VideoClip, bytes | None]]) -> tuple[str, list[PreparedVideo]]:
         """The prompt with each video's placeholder repeated once per video token, and the videos
@@ -422,15 +454,18 @@ class InputProcessor:
     # -- tokens ---------------------------------------------------------------------------------
     def _tokenize(self, processor, text: str, images: list[Image.Image],
                   files: list[bytes | None] | None = None,
-                  videos: list[PreparedVideo] | None = None) -> ProcessedPrompt:
+                  videos: list[PreparedVideo] | None = None, param: str = "messages") -> ProcessedPrompt:
         """``files``: the file each image was decoded from, where known (its digest's source);
-        ``videos``: from ``_videos``, their placeholders already repeated in ``text``."""
+        ``videos``: from ``_videos``, their placeholders already repeated in ``text``; ``param``:
+        the request field the text came from, for errors."""
         if not images:
             # Text alone: the processor would only call its tokenizer (special tokens added, no
             # padding); its own encode gives the same ids without the kwargs merging and tensors.
             token_ids = encode_text(processor.tokenizer, text)
             if self.image_token_id in token_ids:
-                raise RequestError("the prompt contains image placeholder tokens but no image", param="messages")
+                raise RequestError("the prompt contains image placeholder tokens but no image", param=param)
+            if not videos and self.video_token_id is not None and self.video_token_id in token_ids:
+                raise RequestError("the prompt contains video placeholder tokens but no video", param=param)
             return self._with_videos(ProcessedPrompt(token_ids), videos) if videos else ProcessedPrompt(token_ids)
         try:
             if videos:

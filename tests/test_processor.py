@@ -347,3 +347,26 @@ def test_tool_call_tags_that_are_special_tokens_stay_in_the_answer(tiny_checkpoi
     assert prepared(tools)["skip_special_tokens"] is False  # "auto": the tags stay in the text
     assert prepared({**tools, "skip_special_tokens": True})["skip_special_tokens"] is True  # as asked
     assert "skip_special_tokens" not in prepared({**tools, "tool_choice": "none"})
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2-vl"])
+def test_prompts_of_token_ids(tiny_checkpoint, arch):
+    """A prompt of token ids is taken as it is; ids past the vocabulary and image or video
+    placeholders (which would need an image's embeddings) are refused by name."""
+    processor = InputProcessor(tiny_checkpoint(arch))
+    ids = processor.process_prompt("a short prompt").prompt_token_ids
+    assert processor.process_prompt(ids).prompt_token_ids == ids
+    assert processor.prompt_text(ids) == processor.tokenizer.decode(ids)
+    assert processor.process_prompt(ids).mrope_positions is None  # text only: the flat positions
+    vocab_size = processor.hf_config.text_config.vocab_size
+    placeholders = [t for t in (processor.image_token_id, processor.video_token_id) if t is not None]
+    cases = [([vocab_size], "outside the model's vocabulary"), ([-1], "outside the model's vocabulary"),
+             ([], "at least one"), ([0] * (processor.max_model_len + 1), "maximum context length")]
+    for bad, error in cases + [([0, t], "placeholder tokens") for t in placeholders]:
+        with pytest.raises(RequestError, match=error) as info:
+            processor.process_prompt(bad)
+        assert info.value.param == "prompt"
+    if processor.video_token_id is not None:  # the same placeholder in a text prompt
+        with pytest.raises(RequestError, match="video placeholder tokens but no video") as info:
+            processor.process_prompt("a <|vision_start|><|video_pad|><|vision_end|> here")
+        assert info.value.param == "prompt"

@@ -284,16 +284,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if chat:
             req.messages, req.tool_specs = [], None
         else:
-            req.prompt = ""
+            req.prompts = []
         fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
-                             tools=req.tools if chat else None)
+                             tools=req.tools if chat else None, echo=prepared.echo)
         return await _respond(request, engine, req, fmt, prepared, arrival)
 
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared: Prepared,
                    arrival: float) -> web.StreamResponse:
     await engine.wait_for_entry(prepared.requests, arrival)
-    async with engine.generate(prepared.requests, arrival, req.user, prepared.processing) as outputs:
+    async with engine.generate(prepared, arrival, req.user) as outputs:
         if req.stream:
             return await respond_stream(request, fmt, req, outputs)
         return await respond_whole(fmt, outputs)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import aiohttp
@@ -62,6 +62,14 @@ class Prepared:
 
     requests: list[EngineRequest]
     processing: float
+    # Completions per prompt: ``requests`` holds a request's prompts in turn, ``n`` each.
+    n: int = 1
+    # Per completion, the text its answer begins with (``echo``); None: none.
+    echo: list[str] | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.requests[::self.n])
 
 
 class EngineClient:
@@ -130,34 +138,44 @@ class EngineClient:
         else:
             size = self.processor.inspect_chat(messages)
         return await self._prepare(req_id, size, body, arrival,
-                                   lambda: self.processor.process_chat(messages, chat.tool_specs), chat.options,
+                                   lambda: [self.processor.process_chat(messages, chat.tool_specs)], chat.options,
                                    "messages")
 
     async def prepare_completion(self, req_id: str, req: CompletionRequest, body: Reservation,
                                  arrival: float) -> Prepared:
-        size = self.processor.inspect_prompt(req.prompt)
-        return await self._prepare(req_id, size, body, arrival, lambda: self.processor.process_prompt(req.prompt),
-                                   req.options, "prompt")
+        sizes = [self.processor.inspect_prompt(prompt) for prompt in req.prompts]
+        size = PromptSize(sum(size.num_chars for size in sizes))
+        prepared = await self._prepare(req_id, size, body, arrival,
+                                       lambda: [self.processor.process_prompt(p) for p in req.prompts],
+                                       req.options, "prompt")
+        if not req.echo:
+            return prepared
+        echo = [text for prompt in req.prompts for text in [self.processor.prompt_text(prompt)] * prepared.n]
+        return replace(prepared, echo=echo)
 
     async def _prepare(
         self, req_id: str, size: PromptSize, body: Reservation, arrival: float,
-        process: Callable[[], ProcessedPrompt], options: SamplingOptions, prompt_param: str,
+        process: Callable[[], list[ProcessedPrompt]], options: SamplingOptions, prompt_param: str,
     ) -> Prepared:
-        """One engine request per completion (``n`` of them, sharing the prompt's tensors)."""
+        """One engine request per completion of each prompt (``n`` of them, sharing the
+        prompt's tensors)."""
 
         def build() -> Prepared:
             start = time.thread_time()
-            prompt = process()
-            params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
-            check_image_caches(prompt.images, self.image_caches, prompt_param)
-            choices = split_choices(params)
-            requests = [self.processor.make_engine_request(f"{req_id}-{i}" if len(choices) > 1 else req_id,
-                                                           prompt, p) for i, p in enumerate(choices)]
-            for image in requests[0].images:
-                image.pixel_values.share_memory_()
-            if requests[0].mrope_positions is not None:
-                requests[0].mrope_positions.share_memory_()
-            return Prepared(requests, time.thread_time() - start)
+            requests = []
+            for prompt in process():
+                params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
+                check_image_caches(prompt.images, self.image_caches, prompt_param)
+                requests += [(prompt, p) for p in split_choices(params)]
+            one = len(requests) == 1
+            requests = [self.processor.make_engine_request(req_id if one else f"{req_id}-{i}", prompt, p)
+                        for i, (prompt, p) in enumerate(requests)]
+            for request in requests[::options.n]:  # each prompt's, which its completions share
+                for image in request.images:
+                    image.pixel_values.share_memory_()
+                if request.mrope_positions is not None:
+                    request.mrope_positions.share_memory_()
+            return Prepared(requests, time.thread_time() - start, n=options.n)
 
         return await self.admission.process(build, size, body, arrival)
 
@@ -167,14 +185,12 @@ class EngineClient:
         stage = entry_stage(bool(requests[0].images))
         await self.table.wait_for_stage(stage, arrival + self.config.queue_timeout - time.monotonic())
 
-    def generate(self, requests: list[EngineRequest], arrival: float, user: str | None = None,
-                 processing: float | None = None) -> RequestStream:
+    def generate(self, prepared: Prepared, arrival: float, user: str | None = None) -> RequestStream:
         """Send a request's completions to instances; their outputs stream from the returned
-        object. Use it as ``async with``: leaving early aborts what has not finished.
-        ``processing``: the Request Processor's seconds on it (``Prepared``), for the trace."""
-        stream = RequestStream(self, requests[0].num_prompt_tokens, arrival, user, processing)
+        object. Use it as ``async with``: leaving early aborts what has not finished."""
+        stream = RequestStream(self, prepared.num_prompt_tokens, arrival, user, prepared.processing, prepared.n)
         try:
-            for index, request in enumerate(requests):
+            for index, request in enumerate(prepared.requests):
                 instance = self.router.select(has_images=bool(request.images), request=request)
                 request.arrival_time = time.monotonic()
                 choice = ChoiceStream(stream, index, request, instance)
@@ -209,9 +225,11 @@ class RequestStream:
     written straight from the step's delivery pass once the handler set ``direct``."""
 
     def __init__(self, client: EngineClient, num_prompt_tokens: int, arrival: float, user: str | None,
-                 processing: float | None = None):
+                 processing: float | None = None, n: int = 1):
+        """``num_prompt_tokens``: of all the request's prompts; ``n``: completions per prompt."""
         self.client = client
         self.num_prompt_tokens = num_prompt_tokens
+        self.n = n
         self.arrival = arrival
         self.user = user
         self.processing = processing
@@ -237,9 +255,10 @@ class RequestStream:
 
     @property
     def num_cached_tokens(self) -> int:
-        """Prompt tokens found in a prefix cache, as far as known (the most of its completions:
-        the prompt is counted once)."""
-        return max((c.num_cached_tokens for c in self.choices), default=0)
+        """Prompt tokens found in a prefix cache, as far as known (per prompt, the most of its
+        completions: a prompt is counted once)."""
+        cached = [c.num_cached_tokens for c in self.choices]
+        return sum(max(cached[i:i + self.n]) for i in range(0, len(cached), self.n))
 
     @property
     def finished(self) -> bool:

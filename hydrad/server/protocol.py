@@ -106,7 +106,15 @@ class ChatRequest(GenerateRequest):
 
 @dataclass
 class CompletionRequest(GenerateRequest):
-    prompt: str
+    # One text or one list of token ids per prompt (OpenAI's ``prompt``: a string, an array of
+    # strings, an array of token ids, or an array of such arrays); each has ``n`` completions.
+    prompts: list[str | list[int]]
+    # Each completion's text begins with its prompt's (OpenAI's ``echo``).
+    echo: bool = False
+
+
+# Prompts in one completions request at most (each with its ``n`` completions).
+MAX_PROMPTS = 256
 
 
 # Fields every generation endpoint takes (the OpenAI API, and vLLM's extensions).
@@ -154,13 +162,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
 def parse_completion_request(body: Any) -> CompletionRequest:
     body = _object(body)
     _refuse_unknown(body, _COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise RequestError("'prompt' must be a non-empty string", "prompt")
-    if body.get("echo"):
-        raise RequestError("echo is not supported", "echo")
+    prompts = parse_prompts(body.get("prompt"))
+    echo = _get(body, "echo", bool, False)
     if body.get("suffix"):
         raise RequestError("suffix is not supported", "suffix")
     if _get(body, "best_of", int, 1) != 1:
@@ -168,8 +171,31 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     common = _common(body, "max_tokens")
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None:
+        if echo:
+            raise RequestError("echo with logprobs asks for the prompt's log-probabilities, which are not "
+                               "computed: leave out one of them", "echo")
         common["options"].params["logprobs"] = logprobs
-    return CompletionRequest(prompt=prompt, **common)
+    return CompletionRequest(prompts=prompts, echo=echo, **common)
+
+
+def parse_prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's ``prompt`` as a list of prompts, each a non-empty text or list of token ids
+    (their range is the Request Processor's to check)."""
+    def token_ids(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+    if isinstance(prompt, str) or (token_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (token_ids(p) and p) for p in prompt):
+        prompts = prompt
+    else:
+        raise RequestError("'prompt' must be a non-empty string, an array of token ids, or a non-empty array of "
+                           "strings or of arrays of token ids", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(f"{len(prompts)} prompts in one request; the limit is {MAX_PROMPTS}", "prompt")
+    if any(p == "" for p in prompts):
+        raise RequestError("'prompt' must not hold an empty string", "prompt")
+    return prompts
 
 
 def _object(body: Any) -> dict:

@@ -67,8 +67,11 @@ class ResponseFormat:
     """The shape of one request's response: chat or text completion."""
 
     def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None,
-                 tools: ToolChoice | None = None):
+                 tools: ToolChoice | None = None, echo: list[str] | None = None):
+        """``echo``: per completion, the text its answer begins with (a text completion's
+        ``echo``: its prompt)."""
         self.chat = chat
+        self.echo = echo
         # A chat answer with tools (``tools.ToolChoice``): its text goes out as calls, and content.
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream | HermesCalls] = {}
@@ -125,7 +128,8 @@ class ResponseFormat:
             delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
             choice = {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}
         else:
-            choice = {"index": out.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+            text = self.echo[out.index] + out.text if first and self.echo is not None else out.text
+            choice = {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
         if self.return_token_ids:
             choice["token_ids"] = out.token_ids
         return self._envelope(self.object, [choice])
@@ -149,8 +153,8 @@ class ResponseFormat:
                 choice = {"index": index, "message": {"role": "assistant", "content": c["text"]},
                           "logprobs": logprobs, "finish_reason": c["finish_reason"]}
             else:
-                choice = {"index": index, "text": c["text"], "logprobs": logprobs,
-                          "finish_reason": c["finish_reason"]}
+                text = c["text"] if self.echo is None else self.echo[index] + c["text"]
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c["finish_reason"]}
             if self.return_token_ids:
                 choice["token_ids"] = c["token_ids"]
             out.append(choice)

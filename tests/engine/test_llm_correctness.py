@@ -240,3 +240,28 @@ def test_stop_strings_and_max_tokens(tiny_llava_dir, conversations, reference):
     short = llm.chat(conversations[1], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0]
     assert short.token_ids == reference[1][:3] and short.finish_reason == "length"
     assert llm.engine.kv_manager.num_used_blocks == 0
+
+
+def test_generate_takes_texts_and_token_ids_as_vllm_does(tiny_llava_dir):
+    """``LLM.generate``'s prompts: a text, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``
+    (taken as they are, no tokenizer): greedy tokens equal transformers' for each."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
+    text = "A story about a brave little robot"
+    # Not what the tokenizer gives for any text: no BOS, and the ids of the text's two halves.
+    ids = tokenizer("about a brave", add_special_tokens=False)["input_ids"] + tokenizer(" robot")["input_ids"]
+    with torch.no_grad():
+        want = [model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS)[0, len(prompt):]
+                .tolist() for prompt in (tokenizer(text)["input_ids"], ids)]
+    llm = LLM(str(tiny_llava_dir))
+    outs = llm.generate([text, {"prompt": text}, {"prompt_token_ids": ids}],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False)
+    assert [out.token_ids for out in outs] == [want[0], want[0], want[1]]
+    assert outs[2].prompt_token_ids == ids
+    for bad in ({"prompt_token_ids": ["a"]}, {"prompt": text, "prompt_token_ids": ids}, {"text": text}):
+        with pytest.raises(ValueError, match="a prompt must be"):
+            llm.generate(bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        llm.generate({"prompt_token_ids": [10**6]}, use_tqdm=False)

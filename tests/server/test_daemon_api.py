@@ -203,6 +203,44 @@ def test_completions_greedy_matches_transformers(client, model_name, reference):
     assert "".join(c.choices[0].text for c in stream) == resp.choices[0].text
 
 
+def test_completions_of_several_prompts_and_of_token_ids_match_transformers(client, model_name, reference):
+    """``prompt`` as texts and token ids together, ``n`` completions of each, ``echo``: each
+    completion's greedy tokens are transformers' for its prompt, its text begins with its
+    prompt's, and the usage counts every prompt once."""
+    import openai
+    import torch
+
+    model, processor = reference
+    texts = ["The quick brown fox", "Once upon a time there"]
+    ids = [processor.tokenizer(text)["input_ids"] for text in texts]
+    expected = []
+    for prompt_ids in ids:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=MAX_TOKENS)
+        expected.append(out[0, len(prompt_ids):].tolist())
+    prompts = [texts[0], ids[1]]  # a text and a prompt of token ids
+    echoes = [texts[0], processor.tokenizer.decode(ids[1])]
+    kwargs = dict(model=model_name, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2, echo=True)
+    resp = client.completions.create(**kwargs, extra_body={"return_token_ids": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    for c in resp.choices:
+        assert c.token_ids == expected[c.index // 2], c.index
+        assert c.text.startswith(echoes[c.index // 2]) and len(c.text) > len(echoes[c.index // 2])
+    assert resp.usage.prompt_tokens == sum(len(i) for i in ids)
+    assert resp.usage.completion_tokens == 2 * sum(len(e) for e in expected)
+    streamed = ["", "", "", ""]
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == [c.text for c in resp.choices]
+    # Without echo, the answer alone; a token id past the vocabulary is refused by name.
+    plain = client.completions.create(model=model_name, prompt=ids[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert resp.choices[2].text == echoes[1] + plain.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="outside the model's vocabulary") as info:
+        client.completions.create(model=model_name, prompt=[ids[0], [10**6]], max_tokens=2)
+    assert info.value.body["param"] == "prompt"
+
+
 def test_stop_string_truncates(client, model_name):
     base = client.completions.create(model=model_name, prompt="hello", max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -1,7 +1,7 @@
 import pytest
 
 from hydrad.errors import RequestError
-from hydrad.server.protocol import parse_chat_request, parse_completion_request
+from hydrad.server.protocol import MAX_PROMPTS, parse_chat_request, parse_completion_request
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -162,9 +162,25 @@ def test_prompt_filling_the_context_is_refused():
 
 def test_completion_request():
     req = parse_completion_request({"prompt": ["once upon"], "max_tokens": 3})
-    assert req.prompt == "once upon" and req.options.max_tokens == 3
-    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": [1, 2]}, "prompt"),
-                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 2}, "best_of")]:
+    assert req.prompts == ["once upon"] and req.options.max_tokens == 3 and not req.echo
+    for body, param in [({"prompt": ""}, "prompt"), ({"prompt": "x", "best_of": 2}, "best_of")]:
         with pytest.raises(RequestError) as info:
             parse_completion_request(body)
         assert info.value.param == param
+
+
+def test_completion_prompts_in_every_form():
+    """OpenAI's four forms of ``prompt``: a text, texts, token ids, lists of token ids."""
+    for prompt, want in [("a", ["a"]), (["a", "b c"], ["a", "b c"]), ([5, 6, 7], [[5, 6, 7]]),
+                         ([[5], [6, 7]], [[5], [6, 7]]), (["a", [5]], ["a", [5]])]:
+        assert parse_completion_request({"prompt": prompt}).prompts == want, prompt
+    assert parse_completion_request({"prompt": "a", "echo": True}).echo
+    too_many = ["x"] * (MAX_PROMPTS + 1)
+    for prompt in ["", [], [[]], ["a", ""], [1.5], [True, 2], [[1], "x", [2, None]], {"a": 1}, None, too_many]:
+        with pytest.raises(RequestError) as info:
+            parse_completion_request({"prompt": prompt})
+        assert info.value.param == "prompt", prompt
+    # The prompt's log-probabilities are not computed: echo with logprobs is refused, not half done.
+    with pytest.raises(RequestError, match="echo with logprobs") as info:
+        parse_completion_request({"prompt": "a", "echo": True, "logprobs": 1})
+    assert info.value.param == "echo"
