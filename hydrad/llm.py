@@ -31,6 +31,9 @@ class CompletionOutput:
     stage_times: dict[str, float] | None = None
     # Prompt tokens found in the prefix cache (their prefill skipped).
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs, one entry per prompt token, as vLLM gives them: None
+    # for the first (nothing predicts it), then each token's given the ones before it.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -48,6 +51,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     # Prompt tokens found in the prefix cache (the first completion's).
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs (``CompletionOutput.prompt_logprobs``).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
@@ -222,8 +227,11 @@ class LLM:
                         continue
                     completion, detok = completions[req_id]
                     completion.token_ids.append(token_id)
-                    if completion.logprobs is not None and step.logprobs is not None:
-                        completion.logprobs.append(step.logprobs[i])
+                    entry = step.logprobs[i] if step.logprobs is not None else None
+                    if entry is not None and entry.prompt is not None:
+                        completion.prompt_logprobs = [None, *entry.prompt.entries]
+                    if completion.logprobs is not None and entry is not None:
+                        completion.logprobs.append(entry)
                     detok.add_tokens([token_id])
                     if detok.stopped:
                         self.engine.abort_requests([req_id])
@@ -242,7 +250,7 @@ class LLM:
             first = out.outputs[0]
             out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
             out.logprobs, out.stage_times = first.logprobs, first.stage_times
-            out.num_cached_tokens = first.num_cached_tokens
+            out.num_cached_tokens, out.prompt_logprobs = first.num_cached_tokens, first.prompt_logprobs
         return outputs
 
     @staticmethod

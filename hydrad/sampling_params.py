@@ -136,6 +136,10 @@ class SamplingParams:
     * ``logprobs``: None, or how many most likely tokens to report with each sampled
       token (0: the sampled token's only). They are log-probabilities of the model's raw
       distribution (before penalties, temperature and filters), as vLLM reports by default.
+    * ``prompt_logprobs`` (vLLM's): None, or how many most likely tokens to report with
+      each prompt token after the first: the log-probability of each prompt token given
+      the ones before it (a request that asks for them computes its whole prompt, without
+      the prefix cache).
     * ``n``: independent completions of the same prompt.
     * ``structured_outputs``: the output constrained to a JSON schema, a regex, a choice
       of strings or a grammar (``StructuredOutputsParams``; a dict of its fields is taken).
@@ -159,6 +163,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     structured_outputs: StructuredOutputsParams | None = None
 
@@ -201,6 +206,8 @@ class SamplingParams:
         self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         self.n = _integer("n", self.n, 1, MAX_N)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)

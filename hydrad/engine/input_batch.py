@@ -84,7 +84,10 @@ class InputBatch:
         self.repetition_penalty[row] = params.repetition_penalty
         self.presence_penalty[row] = params.presence_penalty
         self.frequency_penalty[row] = params.frequency_penalty
-        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        # A request that asked for its prompt's log-probabilities gets them with its first
+        # token's (``PromptLogprobs``), so its tokens carry theirs (none beyond the token's own).
+        self.num_logprobs[row] = (params.logprobs if params.logprobs is not None else
+                                  -1 if params.prompt_logprobs is None else 0)
         self.min_tokens[row] = params.min_tokens
         self.stop_ids[row] = sorted(req.stop_ids)
         self.bias[row] = (list(params.logit_bias), list(params.logit_bias.values())) if params.logit_bias else None

@@ -51,6 +51,17 @@ class TokenLogprobs:
     rank: int  # 1 for the most likely token
     top_token_ids: list[int]
     top_logprobs: list[float]
+    # With a request's first token, where it asked for them (``SamplingParams.prompt_logprobs``).
+    prompt: PromptLogprobs | None = None
+
+
+@dataclass
+class PromptLogprobs:
+    """A prompt's log-probabilities: ``entries[i]`` is prompt token ``i + 1``'s, given the
+    tokens before it, with the most likely tokens there; nothing predicts the first token."""
+
+    first_token_id: int
+    entries: list[TokenLogprobs]
 
 
 @dataclass

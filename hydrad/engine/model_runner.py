@@ -17,8 +17,13 @@ from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.engine.grammar_mask import GrammarMasks
 from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
-from hydrad.engine.sampler import Sampler, SamplerOutput
+from hydrad.engine.inputs import PromptLogprobs, TokenLogprobs
+from hydrad.engine.sampler import Sampler, SamplerOutput, topk_rows
 from hydrad.models.qwen2_vl import mrope_positions_slice
+
+
+# Prompt positions priced at once (``ModelRunner._price_prompt``): a vocabulary's logits each.
+PROMPT_LOGPROBS_ROWS = 256
 
 
 class ModelRunner:
@@ -177,6 +182,9 @@ class ModelRunner:
         query_lens = [1] * num_decodes
         sample_rows, sample_pos, sample_reqs = list(rows), list(range(num_decodes)), list(decodes)
         mm_dst, mm_src = [], []
+        # Chunks of requests that asked for their prompt's log-probabilities: (request, its
+        # first row in the step, the prompt positions [lo, hi) whose next token they price).
+        prompt_spans, wants_prompt = [], False
         offset = num_decodes
         for req, num_new in chunks[num_decodes:]:
             (row,) = batch.rows_of([req])
@@ -191,6 +199,13 @@ class ModelRunner:
                 token_ids.extend(req.token_ids(start, end))
             if req.num_held_images:
                 self._place_images(req, start, end, offset, mm_dst, mm_src)
+            if req.prompt_logprobs is not None:
+                wants_prompt = True
+                # Those not priced yet (a recompute after preemption priced them before); a chunk
+                # past a gap (none: such a request skips the prefix cache) prices nothing.
+                lo, hi = max(start, len(req.prompt_logprobs)), min(end, req.num_prompt_tokens - 1)
+                if start <= len(req.prompt_logprobs) and lo < hi:
+                    prompt_spans.append((req, offset + lo - start, lo, hi))
             offset += num_new
             if end == req.num_tokens:
                 sample_rows.append(row)
@@ -213,6 +228,8 @@ class ModelRunner:
         if self.uses_mrope:
             positions = self._mrope_positions(chunks, starts, query_lens_np).to(device)
         hidden = self.model(embeds, positions, self.kv_cache, meta)
+        for span in prompt_spans:
+            self._price_prompt(hidden, *span)
         if not sample_reqs:
             return SamplerOutput([])
         if len(sample_pos) < hidden.shape[0]:
@@ -221,7 +238,32 @@ class ModelRunner:
         sample_rows_np = np.array(sample_rows, dtype=np.int64)
         out = self.sampler.sample(logits, batch.sampling_metadata(sample_rows_np, sample_reqs))
         batch.add_sampled(sample_rows_np, out.token_ids)
+        if wants_prompt:
+            # A request's first token carries its prompt's log-probabilities (its row has
+            # logprobs: ``InputBatch.add``).
+            for j, req in enumerate(sample_reqs):
+                entries = req.prompt_logprobs
+                if entries is not None and not req.output_token_ids and len(entries) == req.num_prompt_tokens - 1:
+                    out.logprobs[j].prompt = PromptLogprobs(req.prompt_token_ids[0], entries)
         return out
+
+    def _price_prompt(self, hidden: torch.Tensor, req: Request, row: int, lo: int, hi: int) -> None:
+        """Append to ``req.prompt_logprobs`` the log-probabilities of its prompt tokens ``lo + 1``
+        to ``hi``, from the hidden states of positions ``lo`` to ``hi - 1`` (rows ``row`` on), as
+        the sampler's logprobs are: of the raw distribution, with the rank and the most likely."""
+        k = req.sampling_params.prompt_logprobs
+        targets = req.prompt_token_ids[lo + 1:hi + 1]
+        for first in range(0, hi - lo, PROMPT_LOGPROBS_ROWS):  # a vocabulary's row each: in slices
+            n = min(PROMPT_LOGPROBS_ROWS, hi - lo - first)
+            raw = torch.log_softmax(self.model.compute_logits(hidden[row + first:row + first + n]), dim=-1)
+            target = torch.tensor(targets[first:first + n], dtype=torch.long, device=raw.device)
+            chosen = raw.gather(1, target[:, None])[:, 0]
+            ranks = ((raw > chosen[:, None]).sum(-1) + 1).tolist()
+            top_lp, top_ids = topk_rows(raw, k) if k else (None, None)
+            top_lp = top_lp.tolist() if k else [[]] * n
+            top_ids = top_ids.tolist() if k else [[]] * n
+            req.prompt_logprobs += [TokenLogprobs(t, lp, r, ids, lps) for t, lp, r, ids, lps in
+                                    zip(targets[first:first + n], chosen.tolist(), ranks, top_ids, top_lp)]
 
     @staticmethod
     def _mrope_positions(chunks: list[tuple[Request, int]], starts: list[int], query_lens: np.ndarray) -> torch.Tensor:

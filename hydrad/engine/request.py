@@ -48,6 +48,9 @@ class Request:
         # Structured outputs: its llguidance matcher on this instance, past its tokens so far
         # (``engine.grammar_mask``; None until it first samples here).
         self.matcher = None
+        # Where it asked for them (``SamplingParams.prompt_logprobs``), its prompt tokens' log-
+        # probabilities computed so far (``inputs.PromptLogprobs.entries``), else None.
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else []
 
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0

@@ -888,10 +888,11 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> list[int]:
         """The registered blocks of ``req``'s longest cached prefix (not taken), leaving at least
         its last token to compute (that one samples). An image it ends inside is encoded for
-        the rest of its tokens."""
+        the rest of its tokens. Nothing for a request that asks for its prompt's
+        log-probabilities (it computes them all)."""
         bs = self.kv.block_size
         max_blocks = (req.num_tokens - 1) // bs
-        if max_blocks < 1:
+        if max_blocks < 1 or req.prompt_logprobs is not None:  # it computes every prompt token
             return []
         return self.kv.lookup(block_digests(req, bs, max_blocks))
 

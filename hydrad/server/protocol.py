@@ -171,10 +171,10 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     common = _common(body, "max_tokens")
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None:
-        if echo:
-            raise RequestError("echo with logprobs asks for the prompt's log-probabilities, which are not "
-                               "computed: leave out one of them", "echo")
         common["options"].params["logprobs"] = logprobs
+        if echo:  # the prompt's tokens too, each given the ones before it
+            common["options"].params["prompt_logprobs"] = logprobs
+            common["options"].param_names["prompt_logprobs"] = "logprobs"
     return CompletionRequest(prompts=prompts, echo=echo, **common)
 
 

@@ -11,7 +11,9 @@ With ``n`` > 1 the completions' chunks interleave, told apart by ``index``.
 
 Log-probabilities are those of the model's raw distribution (before penalties,
 temperature and filters), as vLLM reports them by default; each token is named
-by its own decoded text, with its UTF-8 bytes.
+by its own decoded text, with its UTF-8 bytes. A text completion with ``echo`` and
+``logprobs`` has its prompt's tokens first in its ``logprobs``, each token's given the
+ones before it (``null`` for the first), as OpenAI's and vLLM's legacy completions do.
 
 A stream's first outputs are written by its handler (with the status line and
 headers); after that, everything a step produced for the request is written in one
@@ -176,13 +178,20 @@ class ResponseFormat:
                  "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
                 for e in entries
             ]}
+        prompt = entries[0].prompt if entries and self.echo is not None else None
         tokens = [name(e.token_id) for e in entries]
+        token_logprobs = [e.logprob for e in entries]
+        top_logprobs = [{name(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries]
+        if prompt is not None:  # echo: the prompt's tokens first, the first of them unpriced
+            tokens = [name(prompt.first_token_id), *(name(e.token_id) for e in prompt.entries), *tokens]
+            token_logprobs = [None, *(e.logprob for e in prompt.entries), *token_logprobs]
+            top_logprobs = [None, *({name(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)}
+                                    for e in prompt.entries), *top_logprobs]
         offsets, offset = [], 0
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{name(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries],
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
 

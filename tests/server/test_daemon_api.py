@@ -754,6 +754,41 @@ def test_chat_logprobs_whole_and_streamed(client, model_name, reference):
     assert all(e.top_logprobs == [] for e in streamed)
 
 
+def test_echo_with_logprobs_prices_the_prompt_as_transformers_does(client, model_name, reference):
+    """``echo`` and ``logprobs``: the prompt's tokens come first in the legacy ``logprobs``,
+    each with its log-probability given the ones before it (transformers' forward over the
+    prompt), the first with none; then the generated tokens'. Whole and streamed alike."""
+    import torch
+
+    model, processor = reference
+    prompt = "Once upon a time there was"
+    ids = processor.tokenizer(prompt)["input_ids"]
+    with torch.no_grad():
+        raw = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    name = processor.tokenizer.decode
+    kwargs = dict(model=model_name, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    reply = client.completions.create(**kwargs)
+    lp = reply.choices[0].logprobs
+    assert lp.tokens[:len(ids)] == [name([t]) for t in ids] and len(lp.tokens) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for position in range(1, len(ids)):
+        assert lp.token_logprobs[position] == pytest.approx(raw[position - 1, ids[position]].item(), abs=1e-4)
+        top = raw[position - 1].topk(2)
+        assert lp.top_logprobs[position] == pytest.approx({name([t]): v for t, v in
+                                                           zip(top.indices.tolist(), top.values.tolist())}, abs=1e-4)
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[len(ids):])
+    assert reply.choices[0].text.startswith(prompt)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True) if c.choices[0].logprobs]
+    assert [t for chunk in streamed for t in chunk.tokens] == lp.tokens
+    assert [v for chunk in streamed for v in chunk.token_logprobs] == lp.token_logprobs
+    # As evaluation harnesses ask for a text's log-likelihood: several prompts of token ids,
+    # one token each, the prompt's log-probabilities read back by position.
+    batch = client.completions.create(model=model_name, prompt=[ids[:4], ids], max_tokens=1, temperature=0,
+                                      echo=True, logprobs=1)
+    assert [len(c.logprobs.token_logprobs) for c in sorted(batch.choices, key=lambda c: c.index)] == [5, len(ids) + 1]
+    assert batch.choices[1].logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-5)
+
+
 def test_completion_logprobs_in_the_legacy_shape(client, model_name):
     reply = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=4, temperature=0,
                                       logprobs=2)

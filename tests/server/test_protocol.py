@@ -180,7 +180,8 @@ def test_completion_prompts_in_every_form():
         with pytest.raises(RequestError) as info:
             parse_completion_request({"prompt": prompt})
         assert info.value.param == "prompt", prompt
-    # The prompt's log-probabilities are not computed: echo with logprobs is refused, not half done.
-    with pytest.raises(RequestError, match="echo with logprobs") as info:
-        parse_completion_request({"prompt": "a", "echo": True, "logprobs": 1})
-    assert info.value.param == "echo"
+    # echo with logprobs: the prompt's log-probabilities as well, as many of the most likely.
+    params = parse_completion_request({"prompt": "a", "echo": True, "logprobs": 2}).options.to_params(1, 10, "prompt")
+    assert params.logprobs == params.prompt_logprobs == 2
+    params = parse_completion_request({"prompt": "a", "logprobs": 2}).options.to_params(1, 10, "prompt")
+    assert params.logprobs == 2 and params.prompt_logprobs is None
