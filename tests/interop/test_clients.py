@@ -1,7 +1,8 @@
 """The ecosystem's clients, unmodified, against a real daemon on the tiny model: NVIDIA's
-aiperf, guidellm and the official ``openai`` client. Each must finish without errors,
-and what it reports (requests, output tokens, mean TTFT) must agree with hydrad's own
-``/metrics`` counters for the same requests."""
+aiperf, guidellm and the official ``openai`` client, and EleutherAI's lm-evaluation-harness.
+Each must finish without errors, and what it reports (requests, output tokens, mean TTFT;
+the harness's log-likelihoods) must agree with hydrad's own ``/metrics`` counters for the
+same requests (with transformers, for the log-likelihoods)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,70 @@ def test_guidellm_poisson_text_and_images(daemon, tiny_llava_dir, hydrad_counts,
     assert output_tokens["total_sum"] == NUM_REQUESTS * OUTPUT_TOKENS == hydrad.generation_tokens
     assert metrics["time_to_first_token_ms"]["successful"]["count"] == NUM_REQUESTS
     assert_ttft_agrees(metrics["time_to_first_token_ms"]["successful"]["mean"] / 1000, hydrad)
+
+
+# -- lm-evaluation-harness ----------------------------------------------------------------------
+
+LM_EVAL_DOCS = [("The cat sat on", ["the mat", "a red ball", "the old house"]),
+                ("A small robot found", ["a blue box", "the garden", "a boat"]),
+                ("Once upon a time", ["there was", "a dog ran", "the end"]),
+                ("My friend painted", ["the house", "a picture of the sea", "it"])]
+LM_EVAL_BATCH = 4
+
+
+def test_lm_eval_harness_loglikelihoods_are_transformers(daemon, model_name, tiny_llava_dir, hydrad_counts,
+                                                         tmp_path):
+    """EleutherAI's lm-evaluation-harness, its ``local-completions`` model, on a multiple-choice
+    task and a perplexity task (a local dataset): it batches prompts of token ids and reads
+    each continuation's log-likelihood from ``echo`` with ``logprobs``. Every log-likelihood it
+    records equals transformers' forward over the same tokens."""
+    import torch
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"context": c, "choices": choices, "label": 0,
+                                        "text": f"{c} {choices[0]}. " * 3}) + "\n"
+                            for c, choices in LM_EVAL_DOCS))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (tmp_path / "mc.yaml").write_text(
+        "task: hydrad_mc\n" + common + "output_type: multiple_choice\ndoc_to_text: '{{context}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    (tmp_path / "ppl.yaml").write_text(
+        "task: hydrad_ppl\n" + common + "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+        "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
+    command = [
+        sys.executable, "-m", "lm_eval", "--model", "local-completions",
+        "--model_args", f"model={model_name},base_url={daemon.url}/v1/completions,tokenizer={tiny_llava_dir},"
+                        "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1",
+        "--batch_size", str(LM_EVAL_BATCH), "--tasks", "hydrad_mc,hydrad_ppl", "--include_path", str(tmp_path),
+        "--output_path", str(tmp_path / "out"), "--log_samples",
+    ]
+    run = subprocess.run(command, env=tool_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert hydrad_counts().failed == 0
+
+    (results,) = (tmp_path / "out").glob("*/results_*.json")
+    assert results.is_file()
+    (samples,) = (tmp_path / "out").glob("*/samples_hydrad_mc_*.jsonl")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
+    checked = 0
+    for line in samples.read_text().splitlines():
+        sample = json.loads(line)
+        for args, ((loglikelihood, greedy),) in zip(sample["arguments"].values(), sample["resps"]):
+            # The harness tokenizes a context and its continuation without special tokens.
+            whole = tokenizer(args["arg_0"] + args["arg_1"], add_special_tokens=False)["input_ids"]
+            start = len(tokenizer(args["arg_0"], add_special_tokens=False)["input_ids"])
+            with torch.no_grad():
+                raw = torch.log_softmax(model(input_ids=torch.tensor([whole])).logits[0].float(), dim=-1)
+            want = sum(raw[p - 1, whole[p]].item() for p in range(start, len(whole)))
+            assert float(loglikelihood) == pytest.approx(want, abs=1e-4), args
+            assert (greedy == "True") == all(raw[p - 1].argmax().item() == whole[p] for p in range(start, len(whole)))
+            checked += 1
+    assert checked == sum(len(choices) for _, choices in LM_EVAL_DOCS)
+    (rolling,) = (tmp_path / "out").glob("*/samples_hydrad_ppl_*.jsonl")
+    lines = rolling.read_text().splitlines()
+    assert len(lines) == len(LM_EVAL_DOCS) and all(float(json.loads(x)["resps"][0][0]) < 0 for x in lines)
 
 
 # -- the openai client -------------------------------------------------------------------------
