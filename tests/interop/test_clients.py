@@ -112,7 +112,8 @@ def test_lm_eval_harness_loglikelihoods_are_transformers(daemon, model_name, tin
     """EleutherAI's lm-evaluation-harness, its ``local-completions`` model, on a multiple-choice
     task and a perplexity task (a local dataset): it batches prompts of token ids and reads
     each continuation's log-likelihood from ``echo`` with ``logprobs``. Every log-likelihood it
-    records equals transformers' forward over the same tokens."""
+    records equals transformers' forward over the same tokens. It tokenizes through the daemon
+    (``/tokenizer_info``, ``/tokenize``), which it detects by itself."""
     import torch
     from transformers import AutoTokenizer, LlavaForConditionalGeneration
 
@@ -129,13 +130,14 @@ def test_lm_eval_harness_loglikelihoods_are_transformers(daemon, model_name, tin
         "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n")
     command = [
         sys.executable, "-m", "lm_eval", "--model", "local-completions",
-        "--model_args", f"model={model_name},base_url={daemon.url}/v1/completions,tokenizer={tiny_llava_dir},"
-                        "tokenizer_backend=huggingface,num_concurrent=2,max_retries=1",
+        # No tokenizer named: the harness finds the daemon's tokenizer routes and tokenizes there.
+        "--model_args", f"model={model_name},base_url={daemon.url}/v1/completions,num_concurrent=2,max_retries=1",
         "--batch_size", str(LM_EVAL_BATCH), "--tasks", "hydrad_mc,hydrad_ppl", "--include_path", str(tmp_path),
         "--output_path", str(tmp_path / "out"), "--log_samples",
     ]
     run = subprocess.run(command, env=tool_env(), cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "Using remote tokenizer backend" in run.stdout + run.stderr
     assert hydrad_counts().failed == 0
 
     (results,) = (tmp_path / "out").glob("*/results_*.json")

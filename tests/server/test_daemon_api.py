@@ -241,6 +241,45 @@ def test_completions_of_several_prompts_and_of_token_ids_match_transformers(clie
     assert info.value.body["param"] == "prompt"
 
 
+def test_tokenizer_routes_give_what_the_model_sees(daemon, client, model_name, reference):
+    """vLLM's ``/tokenize``, ``/detokenize`` and ``/tokenizer_info``: a prompt's ids are the
+    tokenizer's, messages' ids those a chat request is prefilled with (images as their
+    placeholder runs: the chat's usage counts the same), ids decode back; bad bodies get a
+    400 naming the field, and the API key guards them as it guards /v1."""
+    _, processor = reference
+    tokenizer = processor.tokenizer
+    auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def post(path, body, headers=auth):
+        return http("POST", daemon.url + path, json.dumps(body).encode(), headers)
+
+    text = "The quick brown fox"
+    got = post("/tokenize", {"model": model_name, "prompt": text, "return_token_strs": True}).json()
+    assert got["tokens"] == tokenizer(text)["input_ids"] and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == tokenizer.convert_ids_to_tokens(got["tokens"]) and got["max_model_len"] > 0
+    bare = post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert bare["tokens"] == tokenizer(text, add_special_tokens=False)["input_ids"] and bare["token_strs"] is None
+    api, hf, images = conversation()
+    chat_ids = post("/tokenize", {"messages": api}).json()["tokens"]
+    template = processor.apply_chat_template(hf, add_generation_prompt=True)
+    assert chat_ids == processor(text=template, images=images, return_tensors="pt")["input_ids"][0].tolist()
+    reply = client.chat.completions.create(model=model_name, messages=api, max_tokens=1)
+    assert reply.usage.prompt_tokens == len(chat_ids)
+    assert post("/detokenize", {"tokens": bare["tokens"]}).json() == {"prompt": tokenizer.decode(bare["tokens"])}
+    info = http("GET", daemon.url + "/tokenizer_info", headers=auth).json()
+    assert info["eos_token"] == tokenizer.eos_token and info["chat_template"] == processor.chat_template
+    for path, body, param in [("/tokenize", {"prompt": text, "messages": api}, "prompt"),
+                              ("/tokenize", {"prompt": text, "truncate": 3}, "truncate"),
+                              ("/tokenize", {"messages": api, "add_special_tokens": True}, "add_special_tokens"),
+                              ("/tokenize", {"prompt": text, "model": "nope"}, "model"),
+                              ("/detokenize", {"tokens": [10**6]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        resp = post(path, body)
+        assert resp.status_code in (400, 404) and resp.json()["error"]["param"] == param, (path, body, resp.json())
+    assert post("/tokenize", {"prompt": text}, {"Content-Type": "application/json"}).status_code == 401
+    assert http("GET", daemon.url + "/tokenizer_info").status_code == 401
+
+
 def test_stop_string_truncates(client, model_name):
     base = client.completions.create(model=model_name, prompt="hello", max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -173,6 +173,36 @@ def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
         assert status == 400 and "image cache holds 2" in message, (status, message)
 
 
+def test_every_process_serves_prompt_logprobs_and_the_tokenizer_routes(daemon):
+    """Whichever process takes the connection: a batch of token-id prompts with ``echo`` and
+    ``logprobs`` (the prompt's log-probabilities come from the worker with the first token,
+    through the daemon to the front end) and ``/tokenize`` give the same answers."""
+    ids = http("POST", daemon.url + "/tokenize", json.dumps({"prompt": "Once upon a time"}).encode(),
+               {"Content-Type": "application/json"}).json()["tokens"]
+    body = {"prompt": [ids, ids[:3]], "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def one():
+                async with session.post(daemon.url + "/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    choices = sorted((await response.json())["choices"], key=lambda c: c["index"])
+                async with session.post(daemon.url + "/tokenize", json={"prompt": "Once upon a time"}) as response:
+                    tokens = (await response.json())["tokens"]
+                return [c["logprobs"]["token_logprobs"] for c in choices], tokens
+            return await asyncio.gather(*(one() for _ in range(16)))
+
+    answers = asyncio.run(main())
+    logprobs, tokens = answers[0]
+    assert [len(x) for x in logprobs] == [len(ids) + 2, 3 + 2] and logprobs[0][0] is None
+    assert logprobs[1][1:3] == pytest.approx(logprobs[0][1:3], abs=1e-5)  # the same prefix, the same prices
+    for got, got_tokens in answers:  # the same in every process, up to a batch's float rounding
+        assert got_tokens == tokens == ids
+        assert [len(x) for x in got] == [len(x) for x in logprobs]
+        assert [v for x in got for v in x[1:]] == pytest.approx([v for x in logprobs for v in x[1:]], abs=1e-4)
+
+
 def test_the_choices_of_one_request_count_its_pixels_once(daemon):
     """The ``n`` choices of an image request share its pixels: the daemon keeps them (to run
     the request again should its worker die) once, whichever process took the request; a
