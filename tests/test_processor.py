@@ -340,6 +340,7 @@ def test_tool_call_tags_that_are_special_tokens_stay_in_the_answer(tiny_checkpoi
             seen.update(options.params)
 
         client = SimpleNamespace(processor=processor, http_session=None, _prepare=prepare)
+        client._inspect_chat = lambda messages: EngineClient._inspect_chat(client, messages)
         asyncio.run(EngineClient.prepare_chat(client, "r", parse_chat_request(body), None, 0.0))
         return seen
 
