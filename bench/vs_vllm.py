@@ -62,9 +62,9 @@ Scenarios (``--scenarios``, default all):
            20-token prompt, 32 output tokens) to one of the video scenario's requests, in turn:
            req/s, TTFT p50 of each kind (a text request waits behind the videos before it),
            inter-token p99, greedy and API defaults
-  scoring  closed loop at each ``--scoring-streams`` concurrency of scoring requests, as an
-           evaluation harness sends them for a text's log-likelihood: one text of 40-80 words
-           (256 texts in turn), ``echo`` and ``logprobs`` 1, one output token, greedy and at the
+  scoring  closed loop at each ``--scoring-streams`` concurrency of scoring requests (``--scoring-requests``
+           a run), as an evaluation harness sends them for a text's log-likelihood: one text of 40-80
+           words (256 texts in turn), ``echo`` and ``logprobs`` 1, one output token, greedy and at the
            API's defaults: req/s, prompt tokens scored a second, and how far each text's
            log-likelihood (its prompt tokens' log-probabilities summed) is from vLLM's
   mixrate  Poisson arrivals of the videomix scenario's requests at each ``--mix-rates`` rate
@@ -379,8 +379,7 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
             texts = scoring_texts(256)
             for streams in args.scoring_streams:
                 for mode, temperature in (("greedy", 0.0), ("defaults", None)):
-                    out[f"scoring{streams}/{mode}"] = score(url, texts, streams, args.scoring_rounds * streams,
-                                                            temperature)
+                    out[f"scoring{streams}/{mode}"] = score(url, texts, streams, args.scoring_requests, temperature)
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -565,7 +564,7 @@ def main() -> None:
                         help="requests per stream slot in a stream run and a json run")
     parser.add_argument("--json-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--scoring-streams", type=int, nargs="+", default=[16, 256])
-    parser.add_argument("--scoring-rounds", type=int, default=2, help="requests per stream slot in a scoring run")
+    parser.add_argument("--scoring-requests", type=int, default=512, help="requests per scoring run")
     parser.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB,
                         help="KV cache of every server in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; hydrad's split over "
                              "its instances)")
