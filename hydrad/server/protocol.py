@@ -2,7 +2,8 @@
 
 Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``return_token_ids``, ``stream_options.continuous_usage_stats``, ``structured_outputs``); tool calls
+``return_token_ids``, ``stream_options.continuous_usage_stats``, ``structured_outputs``,
+``prompt_logprobs``); tool calls
 are structured outputs, or read from the answer (``hydrad.server.tools``). Message contents
 (roles, content parts, images) are validated by the Request Processor; everything
 else here. Every problem raises ``RequestError`` naming the offending parameter, and
@@ -92,6 +93,8 @@ class GenerateRequest:
     return_token_ids: bool
     # The end user the client names (OpenAI's ``user``): written to the request's log line.
     user: str | None
+    # vLLM's ``prompt_logprobs`` asked for: the answer carries them in vLLM's shape.
+    prompt_logprobs: bool
 
 
 @dataclass
@@ -122,7 +125,7 @@ _COMMON_FIELDS = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stream_options", "stop",
     "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs",
     "min_tokens", "ignore_eos", "return_token_ids", "stop_token_ids", "include_stop_str_in_output",
-    "skip_special_tokens", "user", "response_format", "structured_outputs",
+    "skip_special_tokens", "user", "response_format", "structured_outputs", "prompt_logprobs",
 }
 _CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                  "functions", "function_call", "parallel_tool_calls"}
@@ -172,7 +175,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     logprobs = _get(body, "logprobs", int, None)
     if logprobs is not None:
         common["options"].params["logprobs"] = logprobs
-        if echo:  # the prompt's tokens too, each given the ones before it
+        if echo and "prompt_logprobs" not in common["options"].params:  # the prompt's tokens too
             common["options"].params["prompt_logprobs"] = logprobs
             common["options"].param_names["prompt_logprobs"] = "logprobs"
     return CompletionRequest(prompts=prompts, echo=echo, **common)
@@ -296,10 +299,12 @@ def _common(body: dict, max_param: str) -> dict:
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
                        ("repetition_penalty", float), ("presence_penalty", float), ("frequency_penalty", float),
                        ("min_tokens", int), ("n", int), ("ignore_eos", bool), ("include_stop_str_in_output", bool),
-                       ("skip_special_tokens", bool)):
+                       ("skip_special_tokens", bool), ("prompt_logprobs", int)):
         value = _get(body, name, kind, None)
         if value is not None:
             params[name] = value
+    if "prompt_logprobs" in params and stream:  # as vLLM: they come whole, with the answer
+        raise RequestError("prompt_logprobs is not available when stream is true", "prompt_logprobs")
     if logit_bias:
         params["logit_bias"] = logit_bias
     structured = _structured_outputs(body)
@@ -310,7 +315,7 @@ def _common(body: dict, max_param: str) -> dict:
         raise RequestError(f"{max_param} must be at least 1, got {options.max_tokens}", max_param)
     return dict(model=model, options=options, stream=stream, include_usage=include_usage,
                 continuous_usage=continuous_usage, return_token_ids=_get(body, "return_token_ids", bool, False),
-                user=_get(body, "user", str, None))
+                user=_get(body, "user", str, None), prompt_logprobs="prompt_logprobs" in params)
 
 
 def _structured_outputs(body: dict) -> StructuredOutputsParams | None:

@@ -69,11 +69,16 @@ class ResponseFormat:
     """The shape of one request's response: chat or text completion."""
 
     def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None,
-                 tools: ToolChoice | None = None, echo: list[str] | None = None):
+                 tools: ToolChoice | None = None, echo: list[str] | None = None, token_logprobs: bool = True,
+                 prompt_logprobs: bool = False):
         """``echo``: per completion, the text its answer begins with (a text completion's
-        ``echo``: its prompt)."""
+        ``echo``: its prompt); ``token_logprobs``: the request asked for its tokens' logprobs
+        (those that come without, with vLLM's ``prompt_logprobs`` alone, are left out);
+        ``prompt_logprobs``: the answer carries vLLM's ``prompt_logprobs``."""
         self.chat = chat
         self.echo = echo
+        self.token_logprobs = token_logprobs
+        self.prompt_logprobs = prompt_logprobs
         # A chat answer with tools (``tools.ToolChoice``): its text goes out as calls, and content.
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream | HermesCalls] = {}
@@ -145,7 +150,8 @@ class ResponseFormat:
         """``choices``: one ``{"text", "token_ids", "finish_reason", "logprobs"}`` per completion."""
         out = []
         for index, c in enumerate(choices):
-            logprobs = self.logprobs(c["logprobs"], c["text"]) if c["logprobs"] is not None else None
+            logprobs = self.logprobs(c["logprobs"], c["text"]) if c["logprobs"] is not None and self.token_logprobs \
+                else None
             if self.chat and self.tools is not None:
                 content, calls = self.tools.answer(c["text"])
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -159,10 +165,30 @@ class ResponseFormat:
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c["finish_reason"]}
             if self.return_token_ids:
                 choice["token_ids"] = c["token_ids"]
+            if self.prompt_logprobs and not self.chat:
+                choice["prompt_logprobs"] = self.vllm_prompt_logprobs(c["logprobs"])
             out.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", out)
+        if self.prompt_logprobs and self.chat:  # vLLM's: the request's, beside its choices
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0]["logprobs"] if choices else None)
         body["usage"] = usage
         return body
+
+    def vllm_prompt_logprobs(self, entries: list[TokenLogprobs] | None) -> list | None:
+        """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then a map from
+        token id (the prompt's token and the most likely there) to its ``logprob``, ``rank``
+        and ``decoded_token``. None where the answer has none (it ended before a token)."""
+        prompt = entries[0].prompt if entries else None
+        if prompt is None:
+            return None
+        name = self.token_text
+        out: list = [None]
+        for e in prompt.entries:
+            position = {str(t): {"logprob": lp, "rank": rank, "decoded_token": name(t)}
+                        for rank, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), start=1)}
+            position[str(e.token_id)] = {"logprob": e.logprob, "rank": e.rank, "decoded_token": name(e.token_id)}
+            out.append(position)
+        return out
 
     def logprobs(self, entries: list[TokenLogprobs], text: str) -> dict:
         """The ``logprobs`` of a choice: OpenAI's chat shape (``content``) or the legacy

@@ -828,6 +828,50 @@ def test_echo_with_logprobs_prices_the_prompt_as_transformers_does(client, model
     assert batch.choices[1].logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-5)
 
 
+def test_vllms_prompt_logprobs_on_both_routes(daemon, model_name, reference):
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then its id and the
+    most likely ids mapped to their log-probability, rank and text; on a text completion's
+    choices, and beside a chat answer's choices. The tokens' own logprobs only where asked;
+    refused with a stream, as vLLM refuses it."""
+    import torch
+
+    model, processor = reference
+    auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def post(path, body):
+        return http("POST", daemon.url + path, json.dumps({"model": model_name, **body}).encode(), auth)
+
+    def check(prompt_logprobs, ids):
+        with torch.no_grad():
+            raw = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+        assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+        for position, entry in enumerate(prompt_logprobs[1:], start=1):
+            row, token = raw[position - 1], ids[position]
+            assert entry[str(token)]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+            assert entry[str(token)]["rank"] == int((row > row[token]).sum()) + 1
+            assert entry[str(token)]["decoded_token"] == processor.tokenizer.decode([token])
+            top = row.topk(2)
+            for rank, (t, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), start=1):
+                assert entry[str(t)]["rank"] == rank and entry[str(t)]["logprob"] == pytest.approx(value, abs=1e-4)
+
+    prompt = "Once upon a time there was"
+    ids = processor.tokenizer(prompt)["input_ids"]
+    reply = post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2}).json()
+    choice = reply["choices"][0]
+    assert choice["logprobs"] is None  # not asked for
+    check(choice["prompt_logprobs"], ids)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    chat = post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "prompt_logprobs": 2,
+                                         "logprobs": True}).json()
+    template = processor.apply_chat_template(messages, add_generation_prompt=True)
+    check(chat["prompt_logprobs"], processor(text=template, return_tensors="pt")["input_ids"][0].tolist())
+    assert len(chat["choices"][0]["logprobs"]["content"]) == chat["usage"]["completion_tokens"]
+    streamed = post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1, "stream": True})
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "prompt_logprobs"
+    too_many = post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 21})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_completion_logprobs_in_the_legacy_shape(client, model_name):
     reply = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=4, temperature=0,
                                       logprobs=2)
