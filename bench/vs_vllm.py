@@ -86,16 +86,19 @@ on a 2-core machine:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import shutil
 import statistics
 import sys
 import tempfile
+import time
 import zlib
 from dataclasses import replace
 from pathlib import Path
 
+import aiohttp
 from common import Server, free_port, machine, vllm_copy, vllm_server, write_json
 
 from hydrad.bench import SAMPLING_PRESETS, SLO, BenchConfig, run_bench
@@ -284,12 +287,6 @@ def score(url: str, texts: list[str], concurrency: int, num_requests: int, tempe
     default), after ``concurrency`` unmeasured ones: req/s, prompt tok/s, failures, and each
     text's log-likelihood (``loglik``: text index -> the sum of its prompt tokens'
     log-probabilities, the first token's excepted)."""
-    import asyncio
-    import itertools
-    import time
-
-    import aiohttp
-
     async def main() -> dict:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:

@@ -17,8 +17,8 @@ from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.engine.grammar_mask import GrammarMasks
 from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
-from hydrad.engine.inputs import PromptLogprobs, TokenLogprobs
-from hydrad.engine.sampler import Sampler, SamplerOutput, topk_rows
+from hydrad.engine.inputs import PromptLogprobs
+from hydrad.engine.sampler import Sampler, SamplerOutput, rows_logprobs
 from hydrad.models.qwen2_vl import mrope_positions_slice
 
 
@@ -252,18 +252,12 @@ class ModelRunner:
         to ``hi``, from the hidden states of positions ``lo`` to ``hi - 1`` (rows ``row`` on), as
         the sampler's logprobs are: of the raw distribution, with the rank and the most likely."""
         k = req.sampling_params.prompt_logprobs
-        targets = req.prompt_token_ids[lo + 1:hi + 1]
-        for first in range(0, hi - lo, PROMPT_LOGPROBS_ROWS):  # a vocabulary's row each: in slices
-            n = min(PROMPT_LOGPROBS_ROWS, hi - lo - first)
-            raw = torch.log_softmax(self.model.compute_logits(hidden[row + first:row + first + n]), dim=-1)
-            target = torch.tensor(targets[first:first + n], dtype=torch.long, device=raw.device)
-            chosen = raw.gather(1, target[:, None])[:, 0]
-            ranks = ((raw > chosen[:, None]).sum(-1) + 1).tolist()
-            top_lp, top_ids = topk_rows(raw, k) if k else (None, None)
-            top_lp = top_lp.tolist() if k else [[]] * n
-            top_ids = top_ids.tolist() if k else [[]] * n
-            req.prompt_logprobs += [TokenLogprobs(t, lp, r, ids, lps) for t, lp, r, ids, lps in
-                                    zip(targets[first:first + n], chosen.tolist(), ranks, top_ids, top_lp)]
+        for first in range(lo, hi, PROMPT_LOGPROBS_ROWS):  # a vocabulary's row each: in slices
+            n = min(PROMPT_LOGPROBS_ROWS, hi - first)
+            start = row + first - lo
+            raw = torch.log_softmax(self.model.compute_logits(hidden[start:start + n]), dim=-1)
+            targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + n], dtype=torch.long, device=raw.device)
+            req.prompt_logprobs += rows_logprobs(raw, np.arange(n), np.full(n, k), targets, n)
 
     @staticmethod
     def _mrope_positions(chunks: list[tuple[Request, int]], starts: list[int], query_lens: np.ndarray) -> torch.Tensor:

@@ -285,7 +285,7 @@ class Sampler:
         token_ids = tokens.tolist()
         out = SamplerOutput(token_ids)
         if raw_logprobs is not None:
-            out.logprobs = _logprobs(raw_logprobs, logprob_rows, meta.num_logprobs, tokens, num_rows)
+            out.logprobs = rows_logprobs(raw_logprobs, logprob_rows, meta.num_logprobs, tokens, num_rows)
         return out
 
     def _process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -717,9 +717,11 @@ def _index(values, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(values, dtype=np.int64), device=device)
 
 
-def _logprobs(raw: torch.Tensor, rows: np.ndarray, num_logprobs: np.ndarray, tokens: torch.Tensor,
-              num_rows: int) -> list[TokenLogprobs | None]:
-    # raw: [len(rows), vocab] log-softmax of the raw logits of the rows that asked
+def rows_logprobs(raw: torch.Tensor, rows: np.ndarray, num_logprobs: np.ndarray, tokens: torch.Tensor,
+                  num_rows: int) -> list[TokenLogprobs | None]:
+    """Each of ``rows``' token (``tokens[row]``) with its log-probability and rank in ``raw``
+    (``[len(rows), vocab]``, the log-softmax of those rows' raw logits, in ``rows``' order) and
+    its row's ``num_logprobs[row]`` most likely tokens; None for the other of ``num_rows`` rows."""
     chosen = tokens[_index(rows, raw.device)]
     chosen_lp = raw.gather(1, chosen[:, None])[:, 0]
     ranks = (raw > chosen_lp[:, None]).sum(-1) + 1

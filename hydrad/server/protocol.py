@@ -184,12 +184,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 def parse_prompts(prompt: Any) -> list[str | list[int]]:
     """OpenAI's ``prompt`` as a list of prompts, each a non-empty text or list of token ids
     (their range is the Request Processor's to check)."""
-    def token_ids(value: Any) -> bool:
-        return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-
-    if isinstance(prompt, str) or (token_ids(prompt) and prompt):
+    if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (token_ids(p) and p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (_is_token_ids(p) and p) for p in prompt):
         prompts = prompt
     else:
         raise RequestError("'prompt' must be a non-empty string, an array of token ids, or a non-empty array of "
@@ -250,9 +247,14 @@ def parse_detokenize_request(body: Any) -> DetokenizeRequest:
     body = _object(body)
     _refuse_unknown(body, {"model", "tokens"})
     tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not _is_token_ids(tokens):
         raise RequestError("'tokens' must be an array of token ids", "tokens")
     return DetokenizeRequest(_get(body, "model", str, None), tokens)
+
+
+def _is_token_ids(value: Any) -> bool:
+    """A JSON array of integers (booleans are not)."""
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 def _object(body: Any) -> dict:
@@ -289,8 +291,7 @@ def _common(body: dict, max_param: str) -> dict:
     if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise RequestError(f"seed must be a 64-bit signed integer, got {seed}", "seed")
     stop_token_ids = body.get("stop_token_ids")
-    if stop_token_ids is not None and not (isinstance(stop_token_ids, list) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in stop_token_ids)):
+    if stop_token_ids is not None and not _is_token_ids(stop_token_ids):
         raise RequestError("stop_token_ids must be an array of integers", "stop_token_ids")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None and not isinstance(logit_bias, dict):
