@@ -89,6 +89,9 @@ class TraceRecord:
     # interpreter lock: what the planner replays as its service time. None in traces written
     # before it was recorded.
     processing: float | None = None
+    # It asked for its prompt's log-probabilities (a scoring request: ``echo`` with ``logprobs``,
+    # ``prompt_logprobs``), which its prefill computes at every prompt position.
+    prompt_logprobs: bool = False
 
     @property
     def completed(self) -> bool:
@@ -108,6 +111,7 @@ class TraceRecord:
             "stages": {k: _round(v) for k, v in sorted(self.stages.items())},
             "instances": list(self.instances), "deploy": self.deploy, "cached_tokens": self.cached_tokens,
             **({"processing": _round(self.processing)} if self.processing is not None else {}),
+            **({"prompt_logprobs": True} if self.prompt_logprobs else {}),
         }
 
     @classmethod
@@ -129,6 +133,7 @@ class TraceRecord:
             stages={str(k): float(v) for k, v in (obj.get("stages") or {}).items()},
             instances=tuple(int(i) for i in obj.get("instances", ())), deploy=str(obj.get("deploy", "")),
             cached_tokens=int(obj.get("cached_tokens", 0)), processing=_float(obj.get("processing")),
+            prompt_logprobs=bool(obj.get("prompt_logprobs", False)),
         )
         if (record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images)
                 or not 0 <= record.cached_tokens < record.prompt_tokens):
@@ -173,7 +178,8 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
                 images: list[tuple[int | None, int | None, int, int, int, int, int]], output_tokens: int,
                 max_tokens: int, finish_reason: str, preprocess: float, ttft: float | None, e2e: float,
                 gaps: list[float] | None, stages: dict[str, float] | None, instances: list[int], deploy: str,
-                cached_tokens: int = 0, processing: float | None = None) -> TraceRecord:
+                cached_tokens: int = 0, processing: float | None = None, prompt_logprobs: bool = False
+                ) -> TraceRecord:
     """A record from what the daemon knows when a completion ends; ``images`` holds
     (width, height, tokens, offset[, patches[, span[, frames]]]) per image (``TraceImage``)."""
     ordered = sorted(gaps or ())
@@ -185,7 +191,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
         max_tokens=max_tokens, finish_reason=finish_reason, preprocess=max(0.0, preprocess), ttft=ttft, e2e=e2e,
         num_gaps=len(ordered), tbt_p50=stats[0], tbt_p90=stats[1], tbt_max=stats[2], stages=dict(stages or {}),
         instances=tuple(instances), deploy=deploy, cached_tokens=cached_tokens,
-        processing=None if processing is None else max(0.0, processing),
+        processing=None if processing is None else max(0.0, processing), prompt_logprobs=prompt_logprobs,
     )
 
 

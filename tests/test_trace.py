@@ -222,6 +222,19 @@ def test_the_validation_daemons_config_reads_back_as_written(tmp_path):
     assert load_config(out) == config
 
 
+def test_a_priced_prompt_is_kept_and_replayed_as_one():
+    """A scoring request (its prompt's log-probabilities asked for) is marked, and the planner
+    replays it as one: its prefill prices every position (test_simulator.py)."""
+    record = make_record(model="m", deploy="2EPD", template_tokens=12, prompt_logprobs=True, **facts())
+    obj = json.loads(json.dumps(record.to_json()))
+    assert obj["prompt_logprobs"] is True and TraceRecord.from_json(obj).prompt_logprobs
+    plain = make_record(model="m", deploy="2EPD", template_tokens=12, **facts(1))
+    assert "prompt_logprobs" not in plain.to_json() and not TraceRecord.from_json(plain.to_json()).prompt_logprobs
+    from hydrad.planner.workload import Workload
+
+    assert [r.prompt_logprobs for r in Workload.from_records([record, plain]).requests(1.0, 3)] == [True, False, True]
+
+
 def test_the_processor_service_time_is_the_median_traced_time_per_image_count():
     from hydrad.planner.workload import Workload
 

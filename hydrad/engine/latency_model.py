@@ -8,7 +8,7 @@ with separate vision and language parts:
     vision   = v_fixed + v_image * images + v_patch * patches + v_patch2 * sum(patches_i^2) / 1e3
                + v_token * image_tokens
     language = l_fixed + l_prefill * prefill_tokens + l_attn * prefill_pairs / 1e3
-               + l_decode * decodes + l_ctx * decode_context / 1e3
+               + l_decode * decodes + l_ctx * decode_context / 1e3 + l_logit * priced_tokens
     step     = max(vision, language) + overlap * min(vision, language)
 
 An image's encode cost follows its *patches*, the positions the vision tower runs
@@ -19,7 +19,10 @@ patches: Qwen2-VL's videos, each group of frames alone); its tokens in the langu
 model (what prefill reads) add the projector's or merger's share. ``prefill_pairs``
 counts the (query, key) pairs of the prefill chunks' attention, a chunk of q tokens after
 c cached ones reading q*c + q(q+1)/2 pairs; ``decode_context`` is the total KV context
-the decodes read. The fixed parts count only when the step has work of that kind.
+the decodes read; ``priced_tokens`` the prompt positions whose log-probabilities the step
+computes (``SamplingParams.prompt_logprobs``: the language model head over the vocabulary at
+each, where a prefill otherwise computes it at its last position only). The fixed parts
+count only when the step has work of that kind.
 ``overlap`` is how much of the shorter part the longer one does not hide: 0 when vision
 and language run fully in parallel (two CUDA streams), about 1 when they share the same
 cores (two threads on a CPU).
@@ -45,8 +48,8 @@ if TYPE_CHECKING:
     from hydrad.config import SLOConfig
 
 VISION_TERMS = ("v_fixed", "v_image", "v_patch", "v_patch2", "v_token")
-LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx")
-FORMAT_VERSION = 2
+LANGUAGE_TERMS = ("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx", "l_logit")
+FORMAT_VERSION = 3
 # The kinds of work a step's time splits into (``LatencyModel.scaled_parts``): its vision
 # terms, its prefill terms, and its decode terms with the language step's fixed cost.
 KINDS = ("images", "prefills", "decodes")
@@ -125,13 +128,15 @@ class StepShape:
     prefill_pairs: int = 0
     num_decodes: int = 0
     decode_context: int = 0
+    num_priced_tokens: int = 0  # prompt positions whose log-probabilities the step computes
 
     @staticmethod
     def of(*, images: list[tuple[int, ...]] = (), prefills: list[tuple[int, int]] = (),
-           decodes: list[int] = ()) -> StepShape:
+           decodes: list[int] = (), priced: int = 0) -> StepShape:
         """``images``: (patches, tokens) or (patches, tokens, attention span) per image (a span
         of 0 or none: the whole image); ``prefills``: (context before, chunk tokens);
-        ``decodes``: context each decode reads (its tokens before the new one, plus one)."""
+        ``decodes``: context each decode reads (its tokens before the new one, plus one);
+        ``priced``: prefill tokens whose prompt log-probabilities the step computes."""
         return StepShape(
             num_images=len(images),
             num_patches=sum(image[0] for image in images),
@@ -141,6 +146,7 @@ class StepShape:
             prefill_pairs=sum(prefill_pairs(c, q) for c, q in prefills),
             num_decodes=len(decodes),
             decode_context=sum(decodes),
+            num_priced_tokens=priced,
         )
 
     def vision_features(self) -> list[float]:
@@ -151,7 +157,8 @@ class StepShape:
     def language_features(self) -> list[float]:
         if not self.num_prefill_tokens and not self.num_decodes:
             return [0.0] * len(LANGUAGE_TERMS)
-        return [1.0, self.num_prefill_tokens, self.prefill_pairs / 1e3, self.num_decodes, self.decode_context / 1e3]
+        return [1.0, self.num_prefill_tokens, self.prefill_pairs / 1e3, self.num_decodes, self.decode_context / 1e3,
+                self.num_priced_tokens]
 
 
 def prefill_pairs(context: int, num_tokens: int) -> int:
@@ -180,6 +187,7 @@ class LatencyModel:
     l_attn: float = 0.0
     l_decode: float = 0.0
     l_ctx: float = 0.0
+    l_logit: float = 0.0
     overlap: float = 1.0
     # Where and how it was measured; the cache key of the file it is stored in.
     meta: dict = field(default_factory=dict, compare=False)
@@ -217,7 +225,8 @@ class LatencyModel:
         if not shape.num_prefill_tokens and not shape.num_decodes:
             return 0.0
         return (self.l_fixed + self.l_prefill * shape.num_prefill_tokens + self.l_attn * shape.prefill_pairs / 1e3
-                + self.l_decode * shape.num_decodes + self.l_ctx * shape.decode_context / 1e3)
+                + self.l_decode * shape.num_decodes + self.l_ctx * shape.decode_context / 1e3
+                + self.l_logit * shape.num_priced_tokens)
 
     def combine(self, vision: float, language: float) -> float:
         return max(vision, language) + self.overlap * min(vision, language)
@@ -257,7 +266,7 @@ class LatencyModel:
         if any(not math.isfinite(f) or f <= 0 for f in factors):
             raise ValueError(f"latency model scales must be finite and > 0, got {factors}")
         scale = {**{name: images for name in VISION_TERMS}, "l_prefill": prefills, "l_attn": prefills,
-                 "l_decode": decodes, "l_ctx": decodes, "l_fixed": decodes}
+                 "l_logit": prefills, "l_decode": decodes, "l_ctx": decodes, "l_fixed": decodes}
         return LatencyModel(**{name: getattr(self, name) * f for name, f in scale.items()}, overlap=self.overlap,
                             meta={**self.meta, "scaled": dict(zip(KINDS, factors))},
                             error=self.error)
@@ -296,6 +305,8 @@ class LatencyModel:
         if self.l_fixed or self.l_prefill or self.l_decode:
             parts.append(f"step {1e3 * self.l_fixed:.1f} ms + {1e6 * self.l_prefill:.0f} us/prefill token"
                          f" + {1e6 * self.l_decode:.0f} us/decode + {1e6 * self.l_ctx:.1f} us/1k ctx")
+            if self.l_logit:
+                parts[-1] += f" + {1e6 * self.l_logit:.0f} us/priced prompt token"
         if self.error is not None:
             parts.append(f"error median {100 * self.error.median:.1f}%, max {100 * self.error.max:.1f}% "
                          f"on {self.error.num_probes} held-out probes")
@@ -468,17 +479,19 @@ class StepBudget:
                 self.language -= self._decode_cost + self._ctx_cost * context
         self.empty = self._num_language_units == 0 and self.vision == 0.0 and self.images_left == self._image_cap
 
-    def fit_prefill(self, context: int, num_tokens: int, min_tokens: int = 1, force: bool = False) -> int:
+    def fit_prefill(self, context: int, num_tokens: int, min_tokens: int = 1, force: bool = False,
+                    priced: bool = False) -> int:
         """The largest chunk (<= ``num_tokens``) of a prefill after ``context`` cached tokens
         that fits; at least ``min_tokens`` in an empty step, or in any with ``force`` (work
-        that must advance every step: a stage being handed over); 0 when none fits."""
+        that must advance every step: a stage being handed over); 0 when none fits.
+        ``priced``: the chunk computes its positions' log-probabilities (``l_logit`` each)."""
         n = min(num_tokens, self.tokens_left)
         if n < 1:
             return 0
         if self.model is not None:
             m = self.model
             room = self._language_room - self.language - (m.l_fixed if self.language == 0.0 else 0.0)
-            a, b = m.l_prefill, m.l_attn / 1e3
+            a, b = m.l_prefill + (m.l_logit if priced else 0.0), m.l_attn / 1e3
             # cost(q) = a*q + b*(q*c + q(q+1)/2) <= room, increasing in q
             if room <= 0:
                 fit = 0
@@ -497,11 +510,12 @@ class StepBudget:
             n = fit
         return n
 
-    def add_prefill(self, context: int, num_tokens: int) -> None:
-        """Account a chunk returned by ``fit_prefill``."""
+    def add_prefill(self, context: int, num_tokens: int, priced: bool = False) -> None:
+        """Account a chunk returned by ``fit_prefill`` (with the same ``priced``)."""
         if self.model is not None:
             m = self.model
-            cost = m.l_prefill * num_tokens + m.l_attn * prefill_pairs(context, num_tokens) / 1e3
+            cost = ((m.l_prefill + (m.l_logit if priced else 0.0)) * num_tokens
+                    + m.l_attn * prefill_pairs(context, num_tokens) / 1e3)
             self.language += (m.l_fixed if self.language == 0.0 else 0.0) + cost
             self.prefill += cost
         self.tokens_left -= num_tokens

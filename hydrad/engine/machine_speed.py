@@ -43,6 +43,8 @@ def speed_probes(model: LatencyModel, image_kinds=None) -> list[tuple[Probe, flo
     (the shortest when none is), among those whose images are of ``image_kinds`` (None: any)."""
     by_kind: dict[str, list[tuple[Probe, float]]] = {}
     for stored in model.meta.get("probes") or []:
+        if stored.get("priced"):  # a prompt priced for its log-probabilities: not the kind's own work
+            continue
         probe = Probe(images=tuple(tuple(x) for x in stored.get("images", ())),
                       prefills=tuple(tuple(x) for x in stored.get("prefills", ())),
                       decodes=tuple(stored.get("decodes", ())))

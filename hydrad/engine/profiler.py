@@ -2,7 +2,8 @@
 
 At worker start, a designed set of probe batches runs through the engine's own runner
 (vision and language work through the same dual-stream executor as real steps, sampled
-rows through the real sampler at the API's default temperature), and the model's
+rows through the real sampler at the API's default temperature, and prompts priced as
+``prompt_logprobs`` prices them), and the model's
 coefficients are fitted to their measured times by least squares on relative error. A
 second, randomized set of probes that the fit never sees measures the model's error;
 the result is cached on disk per model, dtype, device, thread count and the parts the
@@ -57,9 +58,9 @@ logger = logging.getLogger(__name__)
 # code: 5, the CLIP tower stops at its feature layer; 6, linear layers packed for oneDNN on a
 # CPU and KV blocks gathered as rows; 7, decodes gathered in groups into a kept buffer on a
 # CPU; 8, CPU engines keep freed memory, engine.allocator; 9, steps of several prompts among
-# the probes; 10, no overlap fitted where vision and language run one after the other): older
-# files then miss.
-_CACHE_VERSION = 10
+# the probes; 10, no overlap fitted where vision and language run one after the other; 11,
+# prompts priced for their log-probabilities): older files then miss.
+_CACHE_VERSION = 11
 _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05
@@ -84,15 +85,22 @@ class ProbingElsewhere(HydradError):
 @dataclass(frozen=True)
 class Probe:
     """One batch to time: (patches, tokens) per image, (context, tokens) per prefill chunk,
-    context per decode (its cached tokens)."""
+    context per decode (its cached tokens); ``priced``: its prefills compute their prompt
+    log-probabilities (each from the start of its prompt: context 0)."""
 
     images: tuple[tuple[int, int], ...] = ()
     prefills: tuple[tuple[int, int], ...] = ()
     decodes: tuple[int, ...] = ()
+    priced: bool = False
+
+    def __post_init__(self) -> None:
+        if self.priced and any(c for c, _ in self.prefills):
+            raise ValueError("a priced probe's prefills start their prompts (context 0)")
 
     def shape(self) -> StepShape:
         return StepShape.of(images=list(self.images), prefills=list(self.prefills),
-                            decodes=[c + 1 for c in self.decodes])
+                            decodes=[c + 1 for c in self.decodes],
+                            priced=sum(q - 1 for _, q in self.prefills) if self.priced else 0)
 
     @property
     def has_vision(self) -> bool:
@@ -159,9 +167,13 @@ def design_probes(limits: Limits, seed: int = 0) -> tuple[list[Probe], list[Prob
             # Several prompts in one step, as a prefill-only instance's long steps hold: per
             # token they cost more than one chunk (the activations outgrow the caches).
             Probe(prefills=((0, max(8, chunk // 2)),) * 4),
+            # Prompts priced position by position (``prompt_logprobs``: scoring requests).
+            Probe(prefills=((0, max(8, chunk // 4)),), priced=True),
+            Probe(prefills=((0, max(8, chunk // 2)),), priced=True),
         ]
         fit += [_shrink(p, limits) for p in language]
         check.append(_shrink(Probe(prefills=((0, max(8, chunk * 3 // 5)),) * 2), limits))
+        check.append(_shrink(Probe(prefills=((0, max(8, chunk // 8)),), decodes=(low,) * 8, priced=True), limits))
         for _ in range(6):
             num_decodes = rng.randint(0, 48)
             context = rng.randint(low, top)
@@ -220,8 +232,7 @@ def fit_model(fit: list[tuple[Probe, float]], check: list[tuple[Probe, float]], 
         rows = [[x if j in keep else 0.0 for j, x in enumerate(row)] for row in rows]
         coef.update(zip(VISION_TERMS, fit_least_squares(rows, [t for _, t in vision])))
     if language:
-        coef.update(zip(("l_fixed", "l_prefill", "l_attn", "l_decode", "l_ctx"),
-                        fit_least_squares([f for f, _ in language], [t for _, t in language])))
+        coef.update(zip(LANGUAGE_TERMS, fit_least_squares([f for f, _ in language], [t for _, t in language])))
     model = LatencyModel(**coef)
     both = [(p, t) for p, t in fit if p.has_vision and p.has_language]
     overlap = 1.0
@@ -251,6 +262,9 @@ def _independent_columns(rows: list[list[float]]) -> set[int]:
 
 # -- timing probes on the engine ---------------------------------------------------------------
 _SAMPLED = SamplingParams(max_tokens=1, temperature=1.0)  # the API's default: sampled rows
+# A scoring request's: its prompt priced, the most likely token beside each (as `echo` with
+# `logprobs` 1 asks).
+_PRICED = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=1)
 
 
 class EngineTimer:
@@ -291,7 +305,7 @@ class EngineTimer:
         with self._batch(probe) as (encodes, chunks):
             runner, streams = self.engine.runner, self.engine.streams
             vision = (lambda: runner.encode(encodes)) if encodes else None
-            language = (lambda: runner.execute(chunks)) if chunks else None
+            language = (lambda: self._execute(chunks, probe.priced)) if chunks else None
             try:
                 seconds = how(lambda: streams.run(vision, language))
             except torch.OutOfMemoryError:
@@ -301,6 +315,13 @@ class EngineTimer:
         if self._num_used_blocks() != used:
             raise AssertionError(f"probe {probe} did not return its blocks")
         return seconds
+
+    def _execute(self, chunks: list, priced: bool) -> None:
+        if priced:  # each run prices the prompts again, from their start
+            for req, _ in chunks:
+                if req.prompt_logprobs is not None:
+                    req.prompt_logprobs.clear()
+        self.engine.runner.execute(chunks)
 
     def _num_used_blocks(self) -> tuple[int, int]:
         pools = (self.engine.kv_manager, self.engine.image_manager)
@@ -321,9 +342,10 @@ class EngineTimer:
         sync(self.engine.device)
         return time.perf_counter() - start
 
-    def _request(self, name: str, num_prompt: int, num_output: int = 0, images=()) -> Request:
+    def _request(self, name: str, num_prompt: int, num_output: int = 0, images=(), priced: bool = False) -> Request:
         token_ids = torch.randint(self.vocab_size, (num_prompt + num_output,), generator=self.generator).tolist()
-        req = Request(EngineRequest(f"probe-{name}", token_ids[:num_prompt], _SAMPLED, images=list(images)))
+        req = Request(EngineRequest(f"probe-{name}", token_ids[:num_prompt], _PRICED if priced else _SAMPLED,
+                                    images=list(images)))
         req.set_output(token_ids[num_prompt:])
         return req
 
@@ -351,7 +373,7 @@ class EngineTimer:
                 req.kv_block_ids = kv.allocate(kv.num_blocks_for(context + 1))
                 chunks.append((req, 1))
             for i, (context, tokens) in enumerate(probe.prefills):
-                req = self._request(f"prefill-{i}", context + tokens)
+                req = self._request(f"prefill-{i}", context + tokens, priced=probe.priced)
                 reqs.append(req)
                 req.num_computed_tokens = context
                 req.kv_block_ids = kv.allocate(kv.num_blocks_for(context + tokens))
@@ -686,7 +708,8 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     meta = {"key": key, "images": [list(kind) for kind in limits.images],
             "seconds": round(time.monotonic() - start, 2), "drift": round(drift, 3), "attempts": attempt,
             "probes": [{"images": [list(x) for x in p.images], "prefills": [list(x) for x in p.prefills],
-                        "decodes": list(p.decodes), "seconds": t} for p, t in measured]}
+                        "decodes": list(p.decodes), **({"priced": True} if p.priced else {}), "seconds": t}
+                       for p, t in measured]}
     if sliced:
         meta["probe_seconds"] = round(timer.seconds, 2)
     model = fit_model(fit, check, meta)

@@ -597,12 +597,12 @@ class Scheduler:
         Its own decodes alone cannot do that: it admits none while they fill its steps."""
         return self._step - self._prompt_step > STARVED_STEPS
 
-    def _fit_prefill(self, budget: StepBudget, start: int, num_tokens: int) -> int:
+    def _fit_prefill(self, budget: StepBudget, start: int, num_tokens: int, priced: bool) -> int:
         """``budget.fit_prefill``, or, where nothing fits and the prompts are starved
         (``_force_one``), a ``min_chunk`` past the bound; a chunk given takes the step's force."""
-        want = budget.fit_prefill(start, num_tokens, self.min_chunk)
+        want = budget.fit_prefill(start, num_tokens, self.min_chunk, priced=priced)
         if want == 0 and self._force_one:
-            want = budget.fit_prefill(start, num_tokens, self.min_chunk, force=True)
+            want = budget.fit_prefill(start, num_tokens, self.min_chunk, force=True, priced=priced)
             self._forced = want > 0
         if want:
             self._force_one = False
@@ -701,13 +701,14 @@ class Scheduler:
             if not req.preemptible and not self._reserve_kv(req, self._full_len(req), out):
                 # It cannot be recomputed here, so it never waits on KV mid-way: it holds it all.
                 continue
-            want = self._fit_prefill(budget, req.num_computed_tokens, req.num_tokens - req.num_computed_tokens)
+            priced = req.prompt_logprobs is not None
+            want = self._fit_prefill(budget, req.num_computed_tokens, req.num_tokens - req.num_computed_tokens, priced)
             if want == 0:
                 return
             num_new = self._fit_chunk(req, want, out)
             if num_new == 0:
                 continue
-            budget.add_prefill(req.num_computed_tokens, num_new)
+            budget.add_prefill(req.num_computed_tokens, num_new, priced)
             out.chunks.append((req, num_new))
             req.scheduled_step = self._step
 
@@ -721,13 +722,13 @@ class Scheduler:
             # A request's images are scheduled in order: its last one here means all are.
             if index != req.num_images - 1 or req.status is not RequestStatus.ENCODING:
                 continue
-            start = req.num_computed_tokens
-            want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk)
+            start, priced = req.num_computed_tokens, req.prompt_logprobs is not None
+            want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk, priced=priced)
             num_new = self._fit_chunk(req, want, out) if want else 0
             if num_new == 0:
                 return
             self._start_prefill(req)
-            budget.add_prefill(start, num_new)
+            budget.add_prefill(start, num_new, priced)
             out.chunks.append((req, num_new))
             req.scheduled_step = self._step
 
@@ -850,14 +851,15 @@ class Scheduler:
                 self._schedule_images(req, budget, out)
             else:
                 start = (len(cached) + replayed) * bs
-                want = self._fit_prefill(budget, start, req.num_tokens - start)
+                priced = req.prompt_logprobs is not None
+                want = self._fit_prefill(budget, start, req.num_tokens - start, priced)
                 if want == 0:
                     return
                 del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
                 self._start_running(req)
                 self.kv.grow(req.kv_block_ids, start + want)
-                budget.add_prefill(start, want)
+                budget.add_prefill(start, want, priced)
                 out.chunks.append((req, want))
                 req.scheduled_step = self._step
 

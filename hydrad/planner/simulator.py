@@ -88,6 +88,8 @@ class SimRequest:
     # Prompt tokens its prefill found in a prefix cache when it was traced: the instance that
     # prefills it starts after them (``Scheduler.replay_cached``).
     cached_tokens: int = 0
+    # It asks for its prompt's log-probabilities: its prefill chunks price every position.
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
@@ -232,15 +234,17 @@ class SimSetup:
 def step_shape(out, scheduler: Scheduler) -> StepShape:
     """The latency model's features of a step ``scheduler`` scheduled (a recomputed
     request's last prompt token is a prefill, not a decode)."""
-    decodes, prefills = [], []
+    decodes, prefills, priced = [], [], 0
     decoding = scheduler.decoding
     for req, n in out.chunks:
         if req.req_id in decoding:
             decodes.append(req.num_computed_tokens + 1)
         else:
             prefills.append((req.num_computed_tokens, n))
+            if req.prompt_logprobs is not None:
+                priced += n
     images = [(req.images[i].num_patches, req.images[i].length, req.images[i].attention_span) for req, i in out.encodes]
-    return StepShape.of(images=images, prefills=prefills, decodes=decodes)
+    return StepShape.of(images=images, prefills=prefills, decodes=decodes, priced=priced)
 
 
 def role_model(model: LatencyModel, role: str) -> LatencyModel:
@@ -609,7 +613,7 @@ class Simulation:
         self._max_missed = n - math.ceil(stop_below * n - 1e-9) if stop_below is not None else n + 1
         self._missed = 0
         self._deadlines: deque[tuple[float, RequestTiming]] = deque()
-        self._params: dict[int, SamplingParams] = {}
+        self._params: dict[tuple[int, bool], SamplingParams] = {}
         self._pending = 0
         self._copy_seconds = {"kv": setup.kv_block_bytes / setup.bandwidth,
                               "image": setup.image_block_bytes / setup.bandwidth}
@@ -711,10 +715,11 @@ class Simulation:
 
     # -- requests ---------------------------------------------------------------------------------
     def _engine_request(self, i: int, spec: SimRequest) -> EngineRequest:
-        params = self._params.get(spec.num_output_tokens)
+        params = self._params.get((spec.num_output_tokens, spec.prompt_logprobs))
         if params is None:
-            params = self._params[spec.num_output_tokens] = SamplingParams(
-                max_tokens=spec.num_output_tokens, temperature=0.0, ignore_eos=True)
+            params = self._params[spec.num_output_tokens, spec.prompt_logprobs] = SamplingParams(
+                max_tokens=spec.num_output_tokens, temperature=0.0, ignore_eos=True,
+                prompt_logprobs=0 if spec.prompt_logprobs else None)
         return EngineRequest(f"r{i}", [0] * spec.num_prompt_tokens, params,
                              [ImageInput(None, offset, length, num_patches=patches,
                                          attention_span=span[0] if span else 0)

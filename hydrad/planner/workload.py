@@ -35,6 +35,7 @@ class RequestShape:
     images: tuple[tuple[int, int, int, int], ...]  # (offset, tokens, patches, attention span)
     preprocess: float
     cached_tokens: int = 0  # found in a prefix cache when it was traced
+    prompt_logprobs: bool = False  # its prefill prices every prompt position
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Workload:
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
                                     tuple((i.offset, i.tokens, i.patches, i.span) for i in r.images),
-                                    service[len(r.images)], r.cached_tokens)
+                                    service[len(r.images)], r.cached_tokens, r.prompt_logprobs)
                        for r in records)
         stamps = [r.timestamp for r in records]
         if stamps[-1] <= stamps[0]:
@@ -87,7 +88,8 @@ class Workload:
         else:
             raise ConfigError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
         shapes = self.shapes
-        return [SimRequest(t, s.num_prompt_tokens, s.num_output_tokens, s.images, s.preprocess, s.cached_tokens)
+        return [SimRequest(t, s.num_prompt_tokens, s.num_output_tokens, s.images, s.preprocess, s.cached_tokens,
+                           s.prompt_logprobs)
                 for t, s in ((t, shapes[i % len(shapes)]) for i, t in enumerate(times))]
 
     def summary(self) -> dict:

@@ -471,5 +471,5 @@ class ChoiceStream:
                 finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
                 stages=self.stage_times, instances=list(route), cached_tokens=self.num_cached_tokens,
-                processing=parent.processing,
+                processing=parent.processing, prompt_logprobs=req.sampling_params.prompt_logprobs is not None,
             )

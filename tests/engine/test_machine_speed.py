@@ -42,13 +42,14 @@ STORED = [
     _stored(decodes=[300] * 8, seconds=0.2), _stored(decodes=[300] * 32, seconds=0.4),  # none within the limit
     _stored(prefills=[(0, 16)], decodes=[300] * 8, seconds=0.03),  # mixed: never taken
     _stored(prefills=[(0, 64)], seconds=float("nan")),
+    {**_stored(prefills=[(0, 256)], seconds=0.1), "priced": True},  # a scoring prompt's: never taken
 ]
 
 
 def test_the_speed_check_times_one_probe_of_each_kind_the_model_stored():
     model = LatencyModel(l_fixed=0.01, meta={"probes": STORED})
     picked = speed_probes(model)
-    # Per kind the longest within 0.15 s, else the shortest; mixed probes never.
+    # Per kind the longest within 0.15 s, else the shortest; mixed or priced probes never.
     assert picked == [(Probe(images=((257, 256),) * 4), 0.08), (Probe(prefills=((0, 128),)), 0.06),
                       (Probe(decodes=(300,) * 8), 0.2)]
     # Only probes of the images the engine can make.

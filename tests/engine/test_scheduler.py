@@ -17,14 +17,15 @@ from hydrad.sampling_params import SamplingParams
 EOS = 0
 
 
-def make_request(req_id, num_prompt=20, images=(), max_tokens=8, ignore_eos=True) -> Request:
+def make_request(req_id, num_prompt=20, images=(), max_tokens=8, ignore_eos=True, prompt_logprobs=None) -> Request:
     """images: (offset, length) pairs inside the prompt, or (offset, length, num_patches[,
-    attention_span])."""
+    attention_span]); ``prompt_logprobs``: its prompt priced (``SamplingParams``')."""
     return Request(
         EngineRequest(
             req_id=str(req_id),
             prompt_token_ids=[5 + i % 50 for i in range(num_prompt)],
-            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos),
+            sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos,
+                                           prompt_logprobs=prompt_logprobs),
             images=[ImageInput(torch.zeros(1), *image[:2], num_patches=sum(image[2:3]), attention_span=sum(image[3:]))
                     for image in images],
             eos_token_ids=(EOS,),

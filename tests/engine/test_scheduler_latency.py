@@ -42,13 +42,14 @@ def is_decode(req, s: Scheduler) -> bool:
 
 def shape_of(out, s: Scheduler) -> StepShape:
     images = [(req.images[i].num_patches, req.images[i].length, req.images[i].attention_span) for req, i in out.encodes]
-    decodes, prefills = [], []
+    decodes, prefills, priced = [], [], 0
     for req, n in out.chunks:
         if is_decode(req, s):
             decodes.append(req.num_computed_tokens + 1)
         else:
             prefills.append((req.num_computed_tokens, n))
-    return StepShape.of(images=images, prefills=prefills, decodes=decodes)
+            priced += n if req.prompt_logprobs is not None else 0
+    return StepShape.of(images=images, prefills=prefills, decodes=decodes, priced=priced)
 
 
 def bound_of(out, s: Scheduler) -> float:
@@ -133,6 +134,32 @@ def test_a_long_prompt_is_chunked_to_the_largest_chunk_that_fits():
     assert cost(n) <= 0.05 < cost(n + 1)
     out, _ = step(s)  # the next chunk reads the first one's KV: attention makes it smaller
     assert 0 < out.chunks[0][1] < n
+
+
+def test_a_prompt_priced_for_its_log_probabilities_is_cut_to_fit_its_logits_too():
+    """A chunk that computes its prompt's log-probabilities (the language model head at every
+    position) is cut to the largest that fits with them, beside running decodes; the step as
+    the scheduler predicts it counts them."""
+    model = dataclasses.replace(MODEL, l_logit=1.5e-4)
+    chunks = {}
+    for priced in (None, 1):
+        s = scheduler_with(model=model, bound=0.05)
+        decodes = [make_request(f"d{i}", num_prompt=40, max_tokens=50) for i in range(4)]
+        for r in decodes:
+            s.add(r)
+        while not all(r.num_output_tokens for r in decodes):
+            step(s)
+        p = make_request("p", num_prompt=2000, max_tokens=2, prompt_logprobs=priced)
+        s.add(p)
+        out, predicted = step(s)
+        (n,) = [n for r, n in out.chunks if r is p]
+        chunks[priced] = n
+        decode_part = model.l_fixed + sum(model.l_decode + model.l_ctx * r.num_computed_tokens / 1e3
+                                          for r, _ in out.chunks if r is not p)  # (advanced by the step)
+        per_token = model.l_prefill + (model.l_logit if priced is not None else 0.0)
+        cost = lambda q: decode_part + per_token * q + model.l_attn * prefill_pairs(0, q) / 1e3  # noqa: E731
+        assert cost(n) == pytest.approx(predicted) and cost(n) <= 0.05 < cost(n + 1)
+    assert 0 < chunks[1] < chunks[None]
 
 
 def test_a_step_without_decodes_takes_the_idle_bound():
@@ -286,12 +313,13 @@ def test_hard_caps_still_bind_under_the_model():
 @pytest.mark.parametrize("bound, idle_bound", [(0.004, None), (0.02, None), (0.2, None), (0.004, 0.05)])
 def test_randomized_mix_under_the_model_keeps_every_guarantee(bound, idle_bound, prefill_after_encode):
     rng = random.Random(int(bound * 1000))
-    s = scheduler_with(bound=bound, idle_bound=idle_bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
+    s = scheduler_with(model=dataclasses.replace(MODEL, l_logit=5e-5), bound=bound, idle_bound=idle_bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
                        token_budget=10_000, image_budget=10, prefill_after_encode=prefill_after_encode)
     reqs = []
     for i in range(40):
         images = [(1, 8)] if rng.random() < 0.4 else []
-        reqs.append(make_request(i, num_prompt=rng.randint(12, 60), images=images, max_tokens=rng.randint(1, 16)))
+        reqs.append(make_request(i, num_prompt=rng.randint(12, 60), images=images, max_tokens=rng.randint(1, 16),
+                                 prompt_logprobs=1 if i % 4 == 3 else None))
     pending, aborted = list(reqs), set()
     for _ in range(20_000):
         if pending and rng.random() < 0.3:

@@ -135,6 +135,15 @@ def test_a_busy_target_waits_for_a_quick_pull_and_runs_it_in_the_next_step():
     assert r1.gaps == pytest.approx([0.342 - 0.31])
 
 
+def test_a_prompt_priced_for_its_log_probabilities_prefills_at_their_cost_too():
+    # 0.5 ms per priced position: the prefill of 100 tokens takes 10 + 100 + 50 ms.
+    model = LatencyModel(l_fixed=0.01, l_prefill=0.001, l_decode=0.002, l_logit=0.0005, overlap=1.0)
+    (plain,) = run(make_setup(model), ["EPD"], [SimRequest(0.0, 100, 3)]).requests
+    (priced,) = run(make_setup(model), ["EPD"], [SimRequest(0.0, 100, 3, prompt_logprobs=True)]).requests
+    assert plain.ttft == pytest.approx(0.11) and priced.ttft == pytest.approx(0.16)
+    assert priced.gaps == pytest.approx([0.012, 0.012]) and plain.gaps == pytest.approx([0.012, 0.012])
+
+
 def test_a_traced_cache_hit_is_replayed_where_the_request_prefills():
     # 64 of the 100 prompt tokens (four blocks of 16) were found cached when traced, the image
     # (tokens 0..49) among them: no encode, a prefill of the last 36 tokens (10 + 36 ms).

@@ -793,7 +793,7 @@ def test_chat_logprobs_whole_and_streamed(client, model_name, reference):
     assert all(e.top_logprobs == [] for e in streamed)
 
 
-def test_echo_with_logprobs_prices_the_prompt_as_transformers_does(client, model_name, reference):
+def test_echo_with_logprobs_prices_the_prompt_as_transformers_does(client, daemon, model_name, reference):
     """``echo`` and ``logprobs``: the prompt's tokens come first in the legacy ``logprobs``,
     each with its log-probability given the ones before it (transformers' forward over the
     prompt), the first with none; then the generated tokens'. Whole and streamed alike."""
@@ -826,6 +826,12 @@ def test_echo_with_logprobs_prices_the_prompt_as_transformers_does(client, model
                                       echo=True, logprobs=1)
     assert [len(c.logprobs.token_logprobs) for c in sorted(batch.choices, key=lambda c: c.index)] == [5, len(ids) + 1]
     assert batch.choices[1].logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-5)
+    # The trace marks them as scoring requests: the planner replays their priced prefills.
+    traced = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=3").text.splitlines()]
+    assert [r.get("prompt_logprobs", False) for r in traced] == [True] * 3, traced
+    client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0)
+    (plain,) = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=1").text.splitlines()]
+    assert "prompt_logprobs" not in plain
 
 
 def test_vllms_prompt_logprobs_on_both_routes(daemon, model_name, reference):
