@@ -11,6 +11,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from hydrad.chat_options import ChatTemplateOptions
 from hydrad.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, TokenLogprobs
@@ -167,12 +168,20 @@ class LLM:
         *,
         tools: list[dict] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Run one conversation (a list of messages) or many (a list of such lists).
         ``tools`` (the chat API's) go to the chat template; the calls a model writes are in
-        its text (``hydrad.tool_calls.read_answer`` reads Hermes' format)."""
+        its text (``hydrad.tool_calls.read_answer`` reads Hermes' format). The template's
+        options as vLLM's ``LLM.chat`` takes them (``hydrad.chat_options``): with
+        ``continue_final_message`` (and ``add_generation_prompt`` false) the model continues
+        the last message, an assistant's; ``chat_template_kwargs`` are the template's own
+        variables."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.processor.process_chat(conv, tools) for conv in conversations]
+        options = ChatTemplateOptions.of(add_generation_prompt, continue_final_message, chat_template_kwargs)
+        prompts = [self.processor.process_chat(conv, tools, options) for conv in conversations]
         return self._run(prompts, sampling_params, use_tqdm)
 
     def generate(

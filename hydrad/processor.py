@@ -32,6 +32,7 @@ import torch
 from jinja2 import TemplateError
 from PIL import Image
 
+from hydrad.chat_options import DEFAULT, ChatTemplateOptions
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import CheckpointError, RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
@@ -361,11 +362,14 @@ class InputProcessor:
                                f"{self.max_request_pixels}", param="messages")
         return tuple(sizes)
 
-    def inspect_chat(self, messages) -> PromptSize:
+    def inspect_chat(self, messages, options: ChatTemplateOptions = DEFAULT) -> PromptSize:
         """Check a chat request's size without decoding an image or running the tokenizer:
-        its text against ``max_prompt_chars``, each image's header against ``max_image_pixels``,
-        all its pixels against ``max_request_pixels``."""
+        its text (with its template variables: ``options``) against ``max_prompt_chars``,
+        each image's header against ``max_image_pixels``, all its pixels against
+        ``max_request_pixels``."""
         _, sources, num_chars = self._normalize(messages)
+        options.check_messages(messages)
+        num_chars += options.num_chars
         self.check_prompt_chars(num_chars, "messages")
         return PromptSize(num_chars, self._check_images(sources))
 
@@ -414,21 +418,30 @@ class InputProcessor:
                 "chat_template": self.processor.chat_template,
                 "model_max_length": self.max_model_len, "vocab_size": self.hf_config.text_config.vocab_size}
 
-    def process_chat(self, messages: list[dict], tools: list[dict] | None = None) -> ProcessedPrompt:
+    def process_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                     options: ChatTemplateOptions = DEFAULT) -> ProcessedPrompt:
         """``tools``: the request's (OpenAI's ``tools``), given to the chat template, which puts
-        them in the prompt where it has a place for them."""
+        them in the prompt where it has a place for them; ``options``: how the template renders
+        the conversation (``hydrad.chat_options``)."""
         normalized, sources, num_chars = self._normalize(messages)
-        self.check_prompt_chars(num_chars, "messages")
+        options.check_messages(messages)
+        self.check_prompt_chars(num_chars + options.num_chars, "messages")
         self._check_images(sources)
         decoded = [self._decode(source, where) for source, where in sources]
         images = [(item, data) for item, data in decoded if not isinstance(item, VideoClip)]
         clips = [(item, data) for item, data in decoded if isinstance(item, VideoClip)]
         with self._hf_processor() as processor:
             try:
-                text = processor.apply_chat_template(normalized, tools=tools, add_generation_prompt=True,
-                                                     tokenize=False)
+                text = processor.apply_chat_template(
+                    normalized, tools=tools, add_generation_prompt=options.add_generation_prompt,
+                    continue_final_message=options.continue_final_message, tokenize=False,
+                    **options.template_kwargs(processor.chat_template))
             except TemplateError as e:  # the template's own refusal (a role it does not take, ...)
                 raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
+            except ValueError as e:  # the final message is not in the rendered text as it was sent
+                if not options.continue_final_message:
+                    raise
+                raise RequestError(f"the final message cannot be continued: {e}", param="messages") from None
             videos = None
             if clips:
                 text, videos = self._videos(text, clips)

@@ -340,7 +340,7 @@ def test_tool_call_tags_that_are_special_tokens_stay_in_the_answer(tiny_checkpoi
             seen.update(options.params)
 
         client = SimpleNamespace(processor=processor, http_session=None, _prepare=prepare)
-        client._inspect_chat = lambda messages: EngineClient._inspect_chat(client, messages)
+        client._inspect_chat = lambda messages, template: EngineClient._inspect_chat(client, messages, template)
         asyncio.run(EngineClient.prepare_chat(client, "r", parse_chat_request(body), None, 0.0))
         return seen
 
@@ -371,3 +371,75 @@ def test_prompts_of_token_ids(tiny_checkpoint, arch):
         with pytest.raises(RequestError, match="video placeholder tokens but no video") as info:
             processor.process_prompt("a <|vision_start|><|video_pad|><|vision_end|> here")
         assert info.value.param == "prompt"
+
+
+# -- the chat template's options (vLLM's add_generation_prompt, continue_final_message,
+# chat_template_kwargs) ----------------------------------------------------------------------------
+
+BEGUN = [{"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+         {"role": "assistant", "content": [{"type": "text", "text": "The colour is"}]}]
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2-vl"])
+def test_the_template_options_give_the_ids_the_hf_processor_gives(tiny_checkpoint, arch):
+    from hydrad.chat_options import ChatTemplateOptions
+    from hydrad.models.hf_processor import load_hf_processor
+
+    model_dir = tiny_checkpoint(arch)
+    ours = InputProcessor(model_dir, max_images_per_request=4, max_image_pixels=10**8)
+    hf = load_hf_processor(model_dir, ours.hf_config.model_type)
+
+    def hf_ids(messages, **options):
+        return hf(text=hf.apply_chat_template(messages, tokenize=False, **options), return_tensors="pt")[
+            "input_ids"][0].tolist()
+
+    continued = ours.process_chat(BEGUN, options=ChatTemplateOptions.of(continue_final_message=True))
+    assert continued.prompt_token_ids == hf_ids(BEGUN, continue_final_message=True)
+    # The answer begun is the prompt's end: no end of turn after it, no new header.
+    assert ours.tokenizer.decode(continued.prompt_token_ids).rstrip().endswith("The colour is")
+    plain = ours.process_chat(BEGUN[:1], options=ChatTemplateOptions.of(add_generation_prompt=False))
+    assert plain.prompt_token_ids == hf_ids(BEGUN[:1], add_generation_prompt=False)
+    assert plain.prompt_token_ids != ours.process_chat(BEGUN[:1]).prompt_token_ids  # the default adds the header
+
+
+def test_the_templates_own_variables_reach_it_and_others_are_left_out(tiny_llava_dir, tmp_path):
+    from hydrad.chat_options import ChatTemplateOptions
+
+    path = tmp_path / "thinking.jinja"
+    path.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'][0]['text'] }}\n{% endfor %}"
+                    "{% if enable_thinking is defined and enable_thinking %}<think>{% endif %}")
+    processor = InputProcessor(tiny_llava_dir, chat_template=path)
+
+    def text(**kwargs):
+        options = ChatTemplateOptions.of(kwargs=kwargs)
+        return processor.tokenizer.decode(processor.process_chat(BEGUN[:1], options=options).prompt_token_ids)
+
+    assert "<think>" in text(enable_thinking=True) and "<think>" not in text(enable_thinking=False)
+    assert text(unknown_to_it=1) == text()  # a variable this template does not read: left out
+
+
+@pytest.mark.parametrize("options, messages, error, param", [
+    (dict(add_generation_prompt=True, continue_final_message=True), BEGUN, "cannot both be true",
+     "continue_final_message"),
+    (dict(continue_final_message=True), BEGUN[:1], "the last message to be the assistant's", "messages"),
+    (dict(kwargs={"messages": []}), BEGUN[:1], "may not set messages", "chat_template_kwargs"),
+    (dict(kwargs={"add_generation_prompt": False}), BEGUN[:1], "may not set add_generation_prompt",
+     "chat_template_kwargs"),
+])
+def test_template_options_that_cannot_hold_are_refused_by_name(processor, options, messages, error, param):
+    from hydrad.chat_options import ChatTemplateOptions
+
+    with pytest.raises(RequestError, match=error) as caught:
+        processor.process_chat(messages, options=ChatTemplateOptions.of(**options))
+    assert caught.value.param == param
+
+
+def test_template_variables_count_against_the_prompts_bound(tiny_llava_dir):
+    from hydrad.chat_options import ChatTemplateOptions
+
+    small = InputProcessor(tiny_llava_dir, max_model_len=64)
+    options = ChatTemplateOptions.of(kwargs={"notes": "x" * 5000}, num_chars=5012)
+    with pytest.raises(RequestError, match="maximum context length is 64 tokens") as caught:
+        small.inspect_chat(BEGUN[:1], options)
+    assert caught.value.param == "messages"
+    small.inspect_chat(BEGUN[:1])  # the messages alone fit

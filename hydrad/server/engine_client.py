@@ -24,6 +24,7 @@ from typing import Callable
 
 import aiohttp
 
+from hydrad.chat_options import ChatTemplateOptions
 from hydrad.config_file import ServerConfig
 from hydrad.detokenizer import IncrementalDetokenizer
 from hydrad.engine.inputs import EngineRequest, ImageInput, TokenLogprobs
@@ -126,12 +127,13 @@ class EngineClient:
         if chat.tools is not None:
             chat.tools.prepare(chat.options.params, self.processor.tool_call_format,
                                self.processor.tool_call_tags_special)
-        messages, size = await self._inspect_chat(chat.messages)
+        messages, size = await self._inspect_chat(chat.messages, chat.template)
         return await self._prepare(req_id, size, body, arrival,
-                                   lambda: [self.processor.process_chat(messages, chat.tool_specs)], chat.options,
-                                   "messages")
+                                   lambda: [self.processor.process_chat(messages, chat.tool_specs, chat.template)],
+                                   chat.options, "messages")
 
-    async def _inspect_chat(self, messages: list[dict]) -> tuple[list[dict], PromptSize]:
+    async def _inspect_chat(self, messages: list[dict], template: ChatTemplateOptions
+                            ) -> tuple[list[dict], PromptSize]:
         """The messages with their remote images fetched (where the server fetches them), and
         their size, checked."""
         if self.http_session is not None:
@@ -142,8 +144,8 @@ class EngineClient:
             # A video's header may sit at the end of its file: the whole base64 is decoded to
             # read it, off the event loop.
             return messages, await asyncio.get_running_loop().run_in_executor(None, self.processor.inspect_chat,
-                                                                               messages)
-        return messages, self.processor.inspect_chat(messages)
+                                                                               messages, template)
+        return messages, self.processor.inspect_chat(messages, template)
 
     async def tokenize(self, req: TokenizeRequest, body: Reservation, arrival: float) -> list[int]:
         """The ids ``req`` asks for (``/tokenize``), processed as a generation request would be
@@ -152,8 +154,9 @@ class EngineClient:
             size = self.processor.inspect_prompt(req.prompt)
             return await self.admission.process(lambda: self.processor.tokenize(req.prompt, req.add_special_tokens),
                                                 size, body, arrival)
-        messages, size = await self._inspect_chat(req.messages)
-        prompt = await self.admission.process(lambda: self.processor.process_chat(messages), size, body, arrival)
+        messages, size = await self._inspect_chat(req.messages, req.template)
+        prompt = await self.admission.process(lambda: self.processor.process_chat(messages, options=req.template),
+                                              size, body, arrival)
         return prompt.prompt_token_ids
 
     async def prepare_completion(self, req_id: str, req: CompletionRequest, body: Reservation,

@@ -12,9 +12,12 @@ a field that is not served is refused by name rather than ignored.
 
 from __future__ import annotations
 
+import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
+from hydrad.chat_options import DEFAULT as DEFAULT_TEMPLATE
+from hydrad.chat_options import ChatTemplateOptions
 from hydrad.errors import RequestError
 from hydrad.sampling_params import SEED_RANGE, SamplingParams, StructuredOutputsParams
 from hydrad.server.tools import ToolChoice, parse_tools
@@ -105,6 +108,7 @@ class ChatRequest(GenerateRequest):
     tools: ToolChoice | None = None
     # The request's tools as sent (checked), for the chat template; None: none sent.
     tool_specs: list[dict] | None = None
+    template: ChatTemplateOptions = DEFAULT_TEMPLATE
 
 
 @dataclass
@@ -127,8 +131,10 @@ _COMMON_FIELDS = {
     "min_tokens", "ignore_eos", "return_token_ids", "stop_token_ids", "include_stop_str_in_output",
     "skip_special_tokens", "user", "response_format", "structured_outputs", "prompt_logprobs",
 }
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                 "functions", "function_call", "parallel_tool_calls"}
+# How the chat template renders the messages (``hydrad.chat_options``), on both routes that take them.
+_TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+_CHAT_FIELDS = _COMMON_FIELDS | _TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                                    "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 
@@ -159,7 +165,17 @@ def parse_chat_request(body: Any) -> ChatRequest:
         common["options"].params["logprobs"] = 0 if top_logprobs is None else top_logprobs
         if top_logprobs is not None:
             common["options"].param_names["logprobs"] = "top_logprobs"
-    return ChatRequest(messages=messages, tools=tools, tool_specs=body.get("tools"), **common)
+    return ChatRequest(messages=messages, tools=tools, tool_specs=body.get("tools"),
+                       template=_template_options(body), **common)
+
+
+def _template_options(body: dict) -> ChatTemplateOptions:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
+    return ChatTemplateOptions.of(_get(body, "add_generation_prompt", bool, None),
+                                  _get(body, "continue_final_message", bool, False), kwargs,
+                                  len(json.dumps(kwargs)) if kwargs else 0)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -208,6 +224,7 @@ class TokenizeRequest:
     messages: list[dict] | None
     add_special_tokens: bool = True
     return_token_strs: bool = False
+    template: ChatTemplateOptions = DEFAULT_TEMPLATE  # for messages
 
 
 @dataclass
@@ -218,8 +235,7 @@ class DetokenizeRequest:
     tokens: list[int]
 
 
-_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                    "return_token_strs"}
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs"} | _TEMPLATE_FIELDS
 
 
 def parse_tokenize_request(body: Any) -> TokenizeRequest:
@@ -236,11 +252,12 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         if "add_special_tokens" in body:
             raise RequestError("add_special_tokens is for a prompt; messages are tokenized as the chat route "
                                "tokenizes them", "add_special_tokens")
-    if not _get(body, "add_generation_prompt", bool, True):
-        raise RequestError("only add_generation_prompt=true is supported: messages are tokenized as the chat "
-                           "route tokenizes them", "add_generation_prompt")
+    else:
+        for name in sorted(_TEMPLATE_FIELDS & set(body)):
+            raise RequestError(f"{name} is for messages: a prompt has no chat template applied", name)
     return TokenizeRequest(_get(body, "model", str, None), prompt, messages,
-                           _get(body, "add_special_tokens", bool, True), _get(body, "return_token_strs", bool, False))
+                           _get(body, "add_special_tokens", bool, True), _get(body, "return_token_strs", bool, False),
+                           _template_options(body))
 
 
 def parse_detokenize_request(body: Any) -> DetokenizeRequest:

@@ -265,3 +265,25 @@ def test_generate_takes_texts_and_token_ids_as_vllm_does(tiny_llava_dir):
             llm.generate(bad, use_tqdm=False)
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
         llm.generate({"prompt_token_ids": [10**6]}, use_tqdm=False)
+
+
+def test_chat_continues_a_final_message_as_vllm_does(tiny_llava_dir):
+    """``LLM.chat``'s template options (vLLM's): the model continues an answer begun for it
+    (greedy tokens as transformers' over the prompt the HF processor renders so); both options
+    at once are refused."""
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(tiny_llava_dir)
+    model = LlavaForConditionalGeneration.from_pretrained(tiny_llava_dir, dtype=torch.float32).eval()
+    begun = [{"role": "user", "content": [_text("Tell me a story.")]},
+             {"role": "assistant", "content": [_text("Once upon a time")]}]
+    ids = processor(text=processor.apply_chat_template(begun, continue_final_message=True, tokenize=False),
+                    return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = model.generate(input_ids=ids, do_sample=False, max_new_tokens=MAX_TOKENS)[0, ids.shape[1]:].tolist()
+    llm = LLM(str(tiny_llava_dir))
+    (out,) = llm.chat(begun, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), use_tqdm=False,
+                      add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt_token_ids == ids[0].tolist() and out.token_ids == want
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(begun, continue_final_message=True, use_tqdm=False)

@@ -280,6 +280,50 @@ def test_tokenizer_routes_give_what_the_model_sees(daemon, client, model_name, r
     assert http("GET", daemon.url + "/tokenizer_info").status_code == 401
 
 
+def test_a_final_message_continued_and_the_templates_options(daemon, client, model_name, reference):
+    """vLLM's chat template options on both routes that take messages: with
+    ``continue_final_message`` the model continues an answer begun for it (greedy tokens as
+    transformers' generate over the prompt the HF processor renders so), without the
+    generation prompt the template adds no header; ``chat_template_kwargs`` the template does
+    not read change nothing; options that cannot hold get a 400 naming the field."""
+    import torch
+
+    model, processor = reference
+    auth = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def post(path, body):
+        return http("POST", daemon.url + path, json.dumps({"model": model_name, **body}).encode(), auth)
+
+    begun = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "The colour is"}]
+    hf = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in begun]
+    text = processor.apply_chat_template(hf, continue_final_message=True, tokenize=False)
+    ids = processor(text=text, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, do_sample=False, max_new_tokens=6, min_new_tokens=6)[0, ids.shape[1]:]
+    options = {"add_generation_prompt": False, "continue_final_message": True,
+               "chat_template_kwargs": {"enable_thinking": False}}  # (a variable LLaVA's template does not read)
+    got = post("/tokenize", {"messages": begun, **options}).json()
+    assert got["tokens"] == ids[0].tolist()
+    reply = post("/v1/chat/completions", {"messages": begun, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                          "return_token_ids": True, **options}).json()
+    assert reply["choices"][0]["token_ids"] == expected.tolist() and reply["usage"]["prompt_tokens"] == ids.shape[1]
+    # continue_final_message alone: no generation prompt unless asked for.
+    assert post("/tokenize", {"messages": begun, "continue_final_message": True}).json()["tokens"] == got["tokens"]
+    bare = post("/tokenize", {"messages": begun[:1], "add_generation_prompt": False}).json()["tokens"]
+    assert bare == processor(text=processor.apply_chat_template(hf[:1], add_generation_prompt=False, tokenize=False),
+                             return_tensors="pt")["input_ids"][0].tolist()
+    for path, body, param in [
+            ("/v1/chat/completions", {"messages": begun, "add_generation_prompt": True, "continue_final_message": True},
+             "continue_final_message"),
+            ("/v1/chat/completions", {"messages": begun[:1], "continue_final_message": True}, "messages"),
+            ("/v1/chat/completions", {"messages": begun[:1], "chat_template_kwargs": {"tools": []}},
+             "chat_template_kwargs"),
+            ("/v1/chat/completions", {"messages": begun[:1], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
+            ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message")]:
+        resp = post(path, body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body, resp.json())
+
+
 def test_stop_string_truncates(client, model_name):
     base = client.completions.create(model=model_name, prompt="hello", max_tokens=MAX_TOKENS, temperature=0,
                                      extra_body={"ignore_eos": True})
