@@ -99,6 +99,9 @@ class Server:
     port: int
     log_path: Path
     scenarios: tuple[str, ...]
+    # The directory it runs in: ``python -m`` puts it first on sys.path, before PYTHONPATH (a
+    # checkout run from its own directory imports its own hydrad, not the one run from here).
+    cwd: str | None = None
     process: subprocess.Popen | None = None
     _log: object = field(default=None, repr=False)
 
@@ -111,7 +114,7 @@ class Server:
         self._log = open(self.log_path, "ab")
         began = time.perf_counter()
         self.process = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env={**os.environ, **self.env}, start_new_session=True)
+                                        env={**os.environ, **self.env}, start_new_session=True, cwd=self.cwd)
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}; see {self.log_path}")

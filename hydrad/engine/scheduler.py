@@ -521,7 +521,7 @@ class Scheduler:
         m = self.latency_model
         req.long_prompt = m is not None and m.prompt_seconds(
             req.images, req.num_tokens, encode="E" in self.role and not req.images_done,
-            prefill="P" in self.role) > self.latency_bound
+            prefill="P" in self.role, priced=req.prompt_logprobs is not None) > self.latency_bound
 
     def _waiting_kinds(self) -> tuple[bool, bool]:
         """Whether short prompts (one step's), and long ones, wait for this step's room; a

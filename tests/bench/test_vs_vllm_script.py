@@ -274,3 +274,99 @@ def test_scoring_runs_count_prompt_tokens_and_compare_each_texts_log_likelihood(
     assert rows["hydrad scoring16/greedy, prompt tokens scored"] == pytest.approx(1.0)
     assert "hydrad-streams scoring16/greedy: each text's log-likelihood within 0.1 of vLLM-cpu's (2 texts" \
         in script.markdown(results, "cmd")
+
+
+def test_scoring_beside_streams_counts_only_the_streams_window(script):
+    """The scoremix run: scoring loops start first, only the requests that end while the
+    streams run count, and the loops stop with them; the ratio table compares the streams'
+    output, their share within the TBT and the scoring beside them."""
+    import json
+    import time
+
+    from factories import http_get_stub
+
+    sent = []
+
+    def post(path, data):
+        body = json.loads(data)
+        sent.append(body)
+        time.sleep(0.01)
+        n = len(body["prompt"].split())
+        return json.dumps({"usage": {"prompt_tokens": n}, "choices": [
+            {"logprobs": {"token_logprobs": [None] + [-1.0] * n}}]}).encode() if path == "/v1/completions" else None
+
+    models = json.dumps({"data": [{"id": "m"}]}).encode()
+    texts = script.scoremix_texts(3)
+    assert len(texts) == 3 and all(160 <= len(t.split()) <= 320 for t in texts)
+    window = {}
+
+    def streams():
+        window["before"] = len(sent)
+        time.sleep(0.5)
+        window["after"] = len(sent)
+        return {"output_tok_per_s": 100.0, "attainment": 0.9, "tbt_p99": 0.2, "max_gap_p50": 0.15}
+
+    with http_get_stub(lambda path: models if path == "/v1/models" else None, post=post) as url:
+        doc = script.beside_scoring(url, texts, 2, streams)
+    assert window["before"] >= 2  # each loop had a request done before the streams started
+    # The requests counted are those of the window (a loop's request in flight at either edge
+    # may fall on either side of it): about the ones sent meanwhile, two loops at ~100 a second.
+    counted = doc["scoring_req_per_s"] * 0.5
+    assert abs(counted - (window["after"] - window["before"])) <= 4 and counted > 10
+    assert doc["scoring_failures"] == 0 and doc["output_tok_per_s"] == 100.0
+    stopped = len(sent)
+    time.sleep(0.1)
+    assert len(sent) == stopped  # the loops ended with the streams
+    assert all(b["echo"] and b["temperature"] == 0.0 and b["max_tokens"] == 1 for b in sent)
+    theirs = dict(doc, output_tok_per_s=50.0, attainment=0.45, scoring_req_per_s=doc["scoring_req_per_s"] / 4)
+    results = {"hydrad-1EPD": {"scoremix16/greedy": doc}, "vllm": {"scoremix16/greedy": theirs}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad-1EPD scoremix16/greedy, streams' output"] == pytest.approx(2.0)
+    assert rows["hydrad-1EPD scoremix16/greedy, streams within the TBT"] == pytest.approx(2.0)
+    assert rows["hydrad-1EPD scoremix16/greedy, scoring beside them"] == pytest.approx(4.0)
+
+
+def test_the_twin_before_a_change_serves_the_checkouts_code(script, tmp_path, monkeypatch):
+    """``--before``: the twin runs ``python -m`` in the checkout, so the checkout's package is
+    the one it imports, though the script runs from this one (``python -m`` puts the working
+    directory first on sys.path, before PYTHONPATH: started from here, the twin served this
+    checkout's code). Shown with a stand-in package that answers /health with its own name."""
+    import sys
+    from pathlib import Path
+
+    from common import Server, free_port
+
+    checkouts = {}
+    for which in ("here", "before"):
+        package = tmp_path / which / "fakepkg"
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text(f"NAME = {which!r}\n")
+        (package / "__main__.py").write_text(
+            "import sys\nfrom http.server import BaseHTTPRequestHandler, HTTPServer\nimport fakepkg\n"
+            "class H(BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        body = fakepkg.NAME.encode()\n"
+            "        self.send_response(200); self.send_header('Content-Length', str(len(body))); self.end_headers()\n"
+            "        self.wfile.write(body)\n"
+            "    def log_message(self, *args): pass\n"
+            "HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n")
+        checkouts[which] = tmp_path / which
+    (name, env, cwd), (twin, twin_env, twin_cwd) = script.twins("hydrad-1EPD", tmp_path / "c", tmp_path / "cb",
+                                                                str(checkouts["before"]))
+    assert (name, cwd, twin) == ("hydrad-1EPD", None, "hydrad-1EPD@before") and "PYTHONPATH" not in env
+    monkeypatch.chdir(checkouts["here"])  # the script runs from this checkout
+    served = {}
+    for label, environment, directory in (("main", env, cwd), ("twin", twin_env, twin_cwd)):
+        port = free_port()
+        server = Server(label, [sys.executable, "-m", "fakepkg", str(port)], environment, port,
+                        tmp_path / f"{label}.log", (), directory)
+        server.start(timeout=60)
+        try:
+            import urllib.request
+
+            with urllib.request.urlopen(server.url + "/health", timeout=5) as response:
+                served[label] = response.read().decode()
+        finally:
+            server.stop()
+    assert served == {"main": "here", "twin": "before"}
+    assert Path(twin_cwd) == checkouts["before"].resolve()

@@ -53,6 +53,14 @@ def test_a_prompt_is_long_when_its_work_alone_passes_the_bound():
     other = make_request("v2", num_prompt=60, images=[(4 * i, 4) for i in range(12)])
     p._classify(other)
     assert not other.long_prompt
+    # A prompt priced for its log-probabilities counts their cost too: 400 tokens fit alone, not priced.
+    import dataclasses
+
+    priced = scheduler_with(model=dataclasses.replace(MODEL, l_logit=5e-5), bound=0.05)
+    plain, scored = make_request("p", num_prompt=400), make_request("q", num_prompt=400, prompt_logprobs=1)
+    for r in (plain, scored):
+        priced.add(r)
+    assert not plain.long_prompt and scored.long_prompt
 
 
 @pytest.mark.parametrize("share", [0.25, 0.5, 1.0])
