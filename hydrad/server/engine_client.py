@@ -155,7 +155,8 @@ class EngineClient:
             return await self.admission.process(lambda: self.processor.tokenize(req.prompt, req.add_special_tokens),
                                                 size, body, arrival)
         messages, size = await self._inspect_chat(req.messages, req.template)
-        prompt = await self.admission.process(lambda: self.processor.process_chat(messages, options=req.template),
+        prompt = await self.admission.process(lambda: self.processor.process_chat(messages, req.tool_specs,
+                                                                                  req.template),
                                               size, body, arrival)
         return prompt.prompt_token_ids
 

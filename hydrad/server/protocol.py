@@ -225,6 +225,7 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     return_token_strs: bool = False
     template: ChatTemplateOptions = DEFAULT_TEMPLATE  # for messages
+    tool_specs: list[dict] | None = None  # the tools the chat template renders with messages (checked)
 
 
 @dataclass
@@ -235,7 +236,7 @@ class DetokenizeRequest:
     tokens: list[int]
 
 
-_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs"} | _TEMPLATE_FIELDS
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools"} | _TEMPLATE_FIELDS
 
 
 def parse_tokenize_request(body: Any) -> TokenizeRequest:
@@ -252,12 +253,13 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
         if "add_special_tokens" in body:
             raise RequestError("add_special_tokens is for a prompt; messages are tokenized as the chat route "
                                "tokenizes them", "add_special_tokens")
+        parse_tools({"tools": body.get("tools")})  # checked as the chat route checks them
     else:
-        for name in sorted(_TEMPLATE_FIELDS & set(body)):
+        for name in sorted((_TEMPLATE_FIELDS | {"tools"}) & set(body)):
             raise RequestError(f"{name} is for messages: a prompt has no chat template applied", name)
     return TokenizeRequest(_get(body, "model", str, None), prompt, messages,
                            _get(body, "add_special_tokens", bool, True), _get(body, "return_token_strs", bool, False),
-                           _template_options(body))
+                           _template_options(body), body.get("tools"))
 
 
 def parse_detokenize_request(body: Any) -> DetokenizeRequest:

@@ -319,7 +319,9 @@ def test_a_final_message_continued_and_the_templates_options(daemon, client, mod
             ("/v1/chat/completions", {"messages": begun[:1], "chat_template_kwargs": {"tools": []}},
              "chat_template_kwargs"),
             ("/v1/chat/completions", {"messages": begun[:1], "chat_template_kwargs": [1]}, "chat_template_kwargs"),
-            ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message")]:
+            ("/tokenize", {"prompt": "hi", "continue_final_message": True}, "continue_final_message"),
+            ("/tokenize", {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+            ("/tokenize", {"messages": begun, "tools": [{"type": "function"}]}, "tools[0]")]:
         resp = post(path, body)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (path, body, resp.json())
 

@@ -162,6 +162,14 @@ def _check_tools(client, model: str, family: str) -> None:
                          {"role": "tool", "tool_call_id": tool_call.id, "content": "sunny"}]
     again = client.chat.completions.create(model=model, messages=follow, tools=tools, max_tokens=3, temperature=0)
     assert again.usage.prompt_tokens > reply.usage.prompt_tokens and again.choices[0].finish_reason
+    # /tokenize renders the tools as the chat route does: the ids it prefills.
+    root = str(client.base_url).rstrip("/").removesuffix("/v1")
+    tokenized = http("POST", root + "/tokenize", json.dumps({"messages": follow, "tools": tools}).encode(),
+                     {"Content-Type": "application/json", "Authorization": f"Bearer {client.api_key}"}).json()
+    assert tokenized["count"] == again.usage.prompt_tokens
+    bare = http("POST", root + "/tokenize", json.dumps({"messages": follow}).encode(),
+                {"Content-Type": "application/json", "Authorization": f"Bearer {client.api_key}"}).json()
+    assert bare["count"] < tokenized["count"]  # the template's tool list is in the first
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
