@@ -211,7 +211,7 @@ class LLM:
         for prompt, p in zip(prompts, params):
             req_id = f"llm-{next(self._ids)}"
             out = RequestOutput(req_id, prompt.prompt_token_ids, num_images=len(prompt.images))
-            for i, child in enumerate(split_choices(p)):
+            for i, child in enumerate(split_choices(p, price_once=True)):
                 request = self.processor.make_engine_request(f"{req_id}-{i}" if p.n > 1 else req_id, prompt, child)
                 completion = CompletionOutput(i, logprobs=[] if child.logprobs is not None else None)
                 out.outputs.append(completion)
@@ -257,6 +257,9 @@ class LLM:
                 progress.close()
         for out in outputs:
             first = out.outputs[0]
+            for other in out.outputs[1:]:  # the prompt was priced once, by the first completion
+                if other.prompt_logprobs is None and first.prompt_logprobs is not None:
+                    other.prompt_logprobs = list(first.prompt_logprobs)
             out.token_ids, out.text, out.finish_reason = first.token_ids, first.text, first.finish_reason
             out.logprobs, out.stage_times = first.logprobs, first.stage_times
             out.num_cached_tokens, out.prompt_logprobs = first.num_cached_tokens, first.prompt_logprobs

@@ -221,8 +221,10 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def split_choices(params: SamplingParams) -> list[SamplingParams]:
-    """``n`` independent requests for ``n`` completions; a seeded request's i-th uses seed + i."""
+def split_choices(params: SamplingParams, price_once: bool = False) -> list[SamplingParams]:
+    """``n`` independent requests for ``n`` completions; a seeded request's i-th uses seed + i.
+    ``price_once``: only the first computes the prompt's log-probabilities (``prompt_logprobs``);
+    the caller gives the others the first's (one prompt, the same values)."""
     if params.n == 1:
         return [params]
     choices = []
@@ -230,5 +232,6 @@ def split_choices(params: SamplingParams) -> list[SamplingParams]:
         seed = params.seed
         if seed is not None:
             seed = SEED_RANGE[0] + (seed + i - SEED_RANGE[0]) % (SEED_RANGE[1] - SEED_RANGE[0] + 1)
-        choices.append(replace(params, n=1, seed=seed))
+        unpriced = {"prompt_logprobs": None} if price_once and i else {}
+        choices.append(replace(params, n=1, seed=seed, **unpriced))
     return choices

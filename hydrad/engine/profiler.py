@@ -168,8 +168,8 @@ def design_probes(limits: Limits, seed: int = 0) -> tuple[list[Probe], list[Prob
             # token they cost more than one chunk (the activations outgrow the caches).
             Probe(prefills=((0, max(8, chunk // 2)),) * 4),
             # Prompts priced position by position (``prompt_logprobs``: scoring requests).
-            Probe(prefills=((0, max(8, chunk // 4)),), priced=True),
             Probe(prefills=((0, max(8, chunk // 2)),), priced=True),
+            Probe(prefills=((0, chunk),), priced=True),
         ]
         fit += [_shrink(p, limits) for p in language]
         check.append(_shrink(Probe(prefills=((0, max(8, chunk * 3 // 5)),) * 2), limits))

@@ -295,7 +295,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             req.prompts = []
         fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
                              tools=req.tools if chat else None, echo=prepared.echo,
-                             token_logprobs="logprobs" in req.options.params, prompt_logprobs=req.prompt_logprobs)
+                             token_logprobs="logprobs" in req.options.params, prompt_logprobs=req.prompt_logprobs,
+                             n=req.options.n)
         return await _respond(request, engine, req, fmt, prepared, arrival)
 
 

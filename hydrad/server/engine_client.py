@@ -130,7 +130,7 @@ class EngineClient:
         messages, size = await self._inspect_chat(chat.messages, chat.template)
         return await self._prepare(req_id, size, body, arrival,
                                    lambda: [self.processor.process_chat(messages, chat.tool_specs, chat.template)],
-                                   chat.options, "messages")
+                                   chat.options, "messages", price_once=not chat.stream)
 
     async def _inspect_chat(self, messages: list[dict], template: ChatTemplateOptions
                             ) -> tuple[list[dict], PromptSize]:
@@ -166,7 +166,7 @@ class EngineClient:
         size = PromptSize(sum(size.num_chars for size in sizes))
         prepared = await self._prepare(req_id, size, body, arrival,
                                        lambda: [self.processor.process_prompt(p) for p in req.prompts],
-                                       req.options, "prompt")
+                                       req.options, "prompt", price_once=not req.stream)
         if not req.echo:
             return prepared
         echo = [text for prompt in req.prompts for text in [self.processor.prompt_text(prompt)] * prepared.n]
@@ -175,9 +175,12 @@ class EngineClient:
     async def _prepare(
         self, req_id: str, size: PromptSize, body: Reservation, arrival: float,
         process: Callable[[], list[ProcessedPrompt]], options: SamplingOptions, prompt_param: str,
+        price_once: bool = False,
     ) -> Prepared:
         """One engine request per completion of each prompt (``n`` of them, sharing the
-        prompt's tensors)."""
+        prompt's tensors); ``price_once``: the first of them alone computes the prompt's
+        log-probabilities, which the whole answer gives every completion (``ResponseFormat``;
+        a streamed completion carries its own)."""
 
         def build() -> Prepared:
             start = time.thread_time()
@@ -185,7 +188,7 @@ class EngineClient:
             for prompt in process():
                 params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
                 check_image_caches(prompt.images, self.image_caches, prompt_param)
-                requests += [(prompt, p) for p in split_choices(params)]
+                requests += [(prompt, p) for p in split_choices(params, price_once)]
             one = len(requests) == 1
             requests = [self.processor.make_engine_request(req_id if one else f"{req_id}-{i}", prompt, p)
                         for i, (prompt, p) in enumerate(requests)]

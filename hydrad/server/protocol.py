@@ -236,7 +236,8 @@ class DetokenizeRequest:
     tokens: list[int]
 
 
-_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools"} | _TEMPLATE_FIELDS
+_TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return_token_strs", "tools",
+                    *_TEMPLATE_FIELDS}
 
 
 def parse_tokenize_request(body: Any) -> TokenizeRequest:

@@ -31,7 +31,7 @@ import time
 
 from aiohttp import web
 
-from hydrad.engine.inputs import TokenLogprobs
+from hydrad.engine.inputs import PromptLogprobs, TokenLogprobs
 from hydrad.server.engine_client import Output, RequestStream
 from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
@@ -65,20 +65,28 @@ def json_text(text: str) -> bytes:
     return encoded
 
 
+def _prompt_of(entries: list[TokenLogprobs] | None) -> PromptLogprobs | None:
+    """The prompt's log-probabilities a completion's first token carries, if any."""
+    return entries[0].prompt if entries else None
+
+
 class ResponseFormat:
     """The shape of one request's response: chat or text completion."""
 
     def __init__(self, chat: bool, req_id: str, model: str, return_token_ids: bool, token_text=None,
                  tools: ToolChoice | None = None, echo: list[str] | None = None, token_logprobs: bool = True,
-                 prompt_logprobs: bool = False):
+                 prompt_logprobs: bool = False, n: int = 1):
         """``echo``: per completion, the text its answer begins with (a text completion's
         ``echo``: its prompt); ``token_logprobs``: the request asked for its tokens' logprobs
         (those that come without, with vLLM's ``prompt_logprobs`` alone, are left out);
-        ``prompt_logprobs``: the answer carries vLLM's ``prompt_logprobs``."""
+        ``prompt_logprobs``: the answer carries vLLM's ``prompt_logprobs``; ``n``: completions
+        per prompt (in a whole answer, the first of each prompt's carries its log-probabilities
+        for all: ``split_choices(price_once=True)``)."""
         self.chat = chat
         self.echo = echo
         self.token_logprobs = token_logprobs
         self.prompt_logprobs = prompt_logprobs
+        self.n = n
         # A chat answer with tools (``tools.ToolChoice``): its text goes out as calls, and content.
         self.tools = tools
         self._tool_streams: dict[int, ToolCallStream | HermesCalls] = {}
@@ -150,8 +158,10 @@ class ResponseFormat:
         """``choices``: one ``{"text", "token_ids", "finish_reason", "logprobs"}`` per completion."""
         out = []
         for index, c in enumerate(choices):
-            logprobs = self.logprobs(c["logprobs"], c["text"]) if c["logprobs"] is not None and self.token_logprobs \
-                else None
+            # Its prompt's log-probabilities: its own, or those of its prompt's first completion.
+            prompt = _prompt_of(c["logprobs"]) or _prompt_of(choices[index - index % self.n]["logprobs"])
+            logprobs = self.logprobs(c["logprobs"], c["text"], prompt) \
+                if c["logprobs"] is not None and self.token_logprobs else None
             if self.chat and self.tools is not None:
                 content, calls = self.tools.answer(c["text"])
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -166,19 +176,18 @@ class ResponseFormat:
             if self.return_token_ids:
                 choice["token_ids"] = c["token_ids"]
             if self.prompt_logprobs and not self.chat:
-                choice["prompt_logprobs"] = self.vllm_prompt_logprobs(c["logprobs"])
+                choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompt)
             out.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", out)
         if self.prompt_logprobs and self.chat:  # vLLM's: the request's, beside its choices
-            body["prompt_logprobs"] = self.vllm_prompt_logprobs(choices[0]["logprobs"] if choices else None)
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(_prompt_of(choices[0]["logprobs"]) if choices else None)
         body["usage"] = usage
         return body
 
-    def vllm_prompt_logprobs(self, entries: list[TokenLogprobs] | None) -> list | None:
+    def vllm_prompt_logprobs(self, prompt: PromptLogprobs | None) -> list | None:
         """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then a map from
         token id (the prompt's token and the most likely there) to its ``logprob``, ``rank``
         and ``decoded_token``. None where the answer has none (it ended before a token)."""
-        prompt = entries[0].prompt if entries else None
         if prompt is None:
             return None
         name = self.token_text
@@ -190,9 +199,10 @@ class ResponseFormat:
             out.append(position)
         return out
 
-    def logprobs(self, entries: list[TokenLogprobs], text: str) -> dict:
+    def logprobs(self, entries: list[TokenLogprobs], text: str, prompt: PromptLogprobs | None = None) -> dict:
         """The ``logprobs`` of a choice: OpenAI's chat shape (``content``) or the legacy
-        completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``)."""
+        completions shape (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``),
+        with ``echo`` its prompt's first (``prompt``, else its first token's)."""
         name = self.token_text
         if self.chat:
             def item(token_id: int, logprob: float) -> dict:
@@ -204,7 +214,10 @@ class ResponseFormat:
                  "top_logprobs": [item(t, lp) for t, lp in zip(e.top_token_ids, e.top_logprobs)]}
                 for e in entries
             ]}
-        prompt = entries[0].prompt if entries and self.echo is not None else None
+        if self.echo is None:
+            prompt = None
+        elif prompt is None:
+            prompt = _prompt_of(entries)
         tokens = [name(e.token_id) for e in entries]
         token_logprobs = [e.logprob for e in entries]
         top_logprobs = [{name(t): lp for t, lp in zip(e.top_token_ids, e.top_logprobs)} for e in entries]

@@ -50,7 +50,7 @@ def check(outputs, reference):
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=TOP)
 
 
-def test_prompt_logprobs_match_transformers(tiny_llava_dir, reference):
+def test_prompt_logprobs_match_transformers(tiny_llava_dir, reference, monkeypatch):
     llm = LLM(str(tiny_llava_dir))
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     check(outs, reference)
@@ -60,10 +60,18 @@ def test_prompt_logprobs_match_transformers(tiny_llava_dir, reference):
     check(llm.generate(PROMPTS, PARAMS, use_tqdm=False), reference)
     plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
-    # With the generated tokens' own logprobs, and n completions: each carries the prompt's.
+    # With the generated tokens' own logprobs, and n completions: each carries the prompt's,
+    # which one of them computed.
+    priced, price = set(), llm.engine.runner._price_prompt
+
+    def spy(hidden, req, *rest):
+        priced.add(req.req_id)
+        return price(hidden, req, *rest)
+
+    monkeypatch.setattr(llm.engine.runner, "_price_prompt", spy)
     both = llm.generate(PROMPTS[1:2], SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, n=2,
                                                      prompt_logprobs=0), use_tqdm=False)[0]
-    assert len(both.logprobs) == 3
+    assert len(both.logprobs) == 3 and len(priced) == 1
     for completion in both.outputs:
         assert [e.top_token_ids for e in completion.prompt_logprobs[1:]] == [[]] * (len(both.prompt_token_ids) - 1)
         assert [e.logprob for e in completion.prompt_logprobs[1:]] == [e.logprob for e in outs[1].prompt_logprobs[1:]]

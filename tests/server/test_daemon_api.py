@@ -875,6 +875,20 @@ def test_echo_with_logprobs_prices_the_prompt_as_transformers_does(client, daemo
     # The trace marks them as scoring requests: the planner replays their priced prefills.
     traced = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=3").text.splitlines()]
     assert [r.get("prompt_logprobs", False) for r in traced] == [True] * 3, traced
+    # n completions of a prompt: each begins with the prompt's log-probabilities; in a whole
+    # answer one completion computed them (the trace marks one of the two), streamed each did.
+    pair = client.completions.create(**kwargs, n=2)
+    for c in pair.choices:
+        assert c.logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-5)
+    traced = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=2").text.splitlines()]
+    assert sorted(r.get("prompt_logprobs", False) for r in traced) == [False, True], traced
+    streamed = {}
+    for chunk in client.completions.create(**kwargs, n=2, stream=True):
+        for c in chunk.choices:
+            if c.logprobs:
+                streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+    for i in (0, 1):
+        assert streamed[i][:len(ids)] == pytest.approx(lp.token_logprobs[:len(ids)], abs=1e-5)
     client.completions.create(model=model_name, prompt=prompt, max_tokens=1, temperature=0)
     (plain,) = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=1").text.splitlines()]
     assert "prompt_logprobs" not in plain
@@ -912,6 +926,11 @@ def test_vllms_prompt_logprobs_on_both_routes(daemon, model_name, reference):
     choice = reply["choices"][0]
     assert choice["logprobs"] is None  # not asked for
     check(choice["prompt_logprobs"], ids)
+    # Each of n completions carries them (one computed them for both).
+    pair = post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 2, "n": 2}).json()
+    assert len(pair["choices"]) == 2
+    for c in pair["choices"]:
+        check(c["prompt_logprobs"], ids)
     messages = [{"role": "user", "content": "Name three colours."}]
     chat = post("/v1/chat/completions", {"messages": messages, "max_tokens": 2, "prompt_logprobs": 2,
                                          "logprobs": True}).json()
