@@ -336,7 +336,7 @@ def test_tool_call_tags_that_are_special_tokens_stay_in_the_answer(tiny_checkpoi
         """The sampling fields the daemon prepares a chat with."""
         seen = {}
 
-        async def prepare(req_id, size, reservation, arrival, process, options, param):
+        async def prepare(req_id, size, reservation, arrival, process, options, param, price_once=False):
             seen.update(options.params)
 
         client = SimpleNamespace(processor=processor, http_session=None, _prepare=prepare)

@@ -180,7 +180,8 @@ class ResponseFormat:
             out.append(choice)
         body = self._envelope("chat.completion" if self.chat else "text_completion", out)
         if self.prompt_logprobs and self.chat:  # vLLM's: the request's, beside its choices
-            body["prompt_logprobs"] = self.vllm_prompt_logprobs(_prompt_of(choices[0]["logprobs"]) if choices else None)
+            first = _prompt_of(choices[0]["logprobs"]) if choices else None
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(first)
         body["usage"] = usage
         return body
 
