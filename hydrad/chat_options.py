@@ -12,6 +12,7 @@ API and ``LLM.chat`` take beside the messages.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -40,7 +41,7 @@ class ChatTemplateOptions:
 
     @classmethod
     def of(cls, add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-           kwargs: Mapping[str, Any] | None = None, num_chars: int = 0) -> ChatTemplateOptions:
+           kwargs: Mapping[str, Any] | None = None) -> ChatTemplateOptions:
         """Checked options; ``add_generation_prompt`` None: true unless the final message is
         continued. A request's errors name its fields."""
         if add_generation_prompt is None:
@@ -49,6 +50,7 @@ class ChatTemplateOptions:
             raise RequestError("continue_final_message and add_generation_prompt cannot both be true: one continues "
                                "the final message, the other starts a new one", param="continue_final_message")
         kwargs = dict(kwargs or {})
+        num_chars = len(json.dumps(kwargs, default=str)) if kwargs else 0
         clash = sorted(RESERVED & set(kwargs))
         if clash:
             raise RequestError(f"chat_template_kwargs may not set {', '.join(clash)}: the request's own fields say "

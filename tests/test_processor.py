@@ -438,7 +438,8 @@ def test_template_variables_count_against_the_prompts_bound(tiny_llava_dir):
     from hydrad.chat_options import ChatTemplateOptions
 
     small = InputProcessor(tiny_llava_dir, max_model_len=64)
-    options = ChatTemplateOptions.of(kwargs={"notes": "x" * 5000}, num_chars=5012)
+    options = ChatTemplateOptions.of(kwargs={"notes": "x" * 5000})
+    assert options.num_chars == len('{"notes": ""}') + 5000
     with pytest.raises(RequestError, match="maximum context length is 64 tokens") as caught:
         small.inspect_chat(BEGUN[:1], options)
     assert caught.value.param == "messages"

@@ -12,7 +12,6 @@ a field that is not served is refused by name rather than ignored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
@@ -174,8 +173,7 @@ def _template_options(body: dict) -> ChatTemplateOptions:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
     return ChatTemplateOptions.of(_get(body, "add_generation_prompt", bool, None),
-                                  _get(body, "continue_final_message", bool, False), kwargs,
-                                  len(json.dumps(kwargs)) if kwargs else 0)
+                                  _get(body, "continue_final_message", bool, False), kwargs)
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -255,9 +253,8 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
             raise RequestError("add_special_tokens is for a prompt; messages are tokenized as the chat route "
                                "tokenizes them", "add_special_tokens")
         parse_tools({"tools": body.get("tools")})  # checked as the chat route checks them
-    else:
-        for name in sorted((_TEMPLATE_FIELDS | {"tools"}) & set(body)):
-            raise RequestError(f"{name} is for messages: a prompt has no chat template applied", name)
+    elif misplaced := sorted((_TEMPLATE_FIELDS | {"tools"}) & set(body)):
+        raise RequestError(f"{misplaced[0]} is for messages: a prompt has no chat template applied", misplaced[0])
     return TokenizeRequest(_get(body, "model", str, None), prompt, messages,
                            _get(body, "add_special_tokens", bool, True), _get(body, "return_token_strs", bool, False),
                            _template_options(body), body.get("tools"))

@@ -9,6 +9,7 @@ share of 1, steps are built first come first served exactly as before.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -54,8 +55,6 @@ def test_a_prompt_is_long_when_its_work_alone_passes_the_bound():
     p._classify(other)
     assert not other.long_prompt
     # A prompt priced for its log-probabilities counts their cost too: 400 tokens fit alone, not priced.
-    import dataclasses
-
     priced = scheduler_with(model=dataclasses.replace(MODEL, l_logit=5e-5), bound=0.05)
     plain, scored = make_request("p", num_prompt=400), make_request("q", num_prompt=400, prompt_logprobs=1)
     for r in (plain, scored):
