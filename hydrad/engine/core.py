@@ -686,9 +686,11 @@ class EngineCore:
         """A step that carried decodes, predicted at ``predicted`` seconds, took ``seconds``: keep
         such steps within their bound as the machine runs now (``latency_model.Calibration``)."""
         if self.calibration.add(predicted, seconds):
-            self.scheduler.set_calibration(self.calibration.factor)
-            logger.debug("steps with decodes run %.2fx their prediction: filled to %.1f ms", self.calibration.factor,
-                         1e3 * self.scheduler.latency_bound / self.calibration.factor)
+            c = self.calibration
+            self.scheduler.set_calibration(c.factor, c.guard_factor)
+            logger.debug("steps with decodes run %.2fx their prediction (%.2fx at their 98th percentile): filled to "
+                         "%.1f ms (guarded: %.1f ms)", c.factor, c.guard_factor, 1e3 * self.scheduler.latency_bound / c.factor,
+                         1e3 * self.scheduler.latency_bound / c.guard_factor)
 
     def set_latency_model(self, model: LatencyModel | None, bound: float) -> None:
         """Fill steps by predicted latency up to ``bound`` seconds, and steps that carry no
@@ -713,6 +715,7 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_overrun_steps=s.num_overrun_steps,
             num_slack_steps=s.num_slack_steps,
+            num_guarded_steps=s.num_guarded_steps,
             num_held_steps=s.num_held_steps,
             prefix_cache_queries=s.prefix_queries,
             prefix_cache_hits=s.prefix_hits,

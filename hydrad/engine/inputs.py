@@ -133,6 +133,9 @@ class EngineStats:
     # Steps with decodes built past the TBT bound for long prompts on the streams' p90 slack
     # (``SchedulerConfig.tbt_slack``), since the instance started.
     num_slack_steps: int = 0
+    # Steps with decodes filled by the calibration's higher quantile while a stream had no gap
+    # past the bound left to spend (``SchedulerConfig.tbt_guard``), since the instance started.
+    num_guarded_steps: int = 0
     # Steps that admitted no new prompt while a first token handed over waited to be taken
     # (``SchedulerConfig.handoff_backpressure``), since the instance started.
     num_held_steps: int = 0

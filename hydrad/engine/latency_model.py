@@ -326,20 +326,26 @@ class Calibration:
     [``low``, ``high``]. The scheduler divides the bound of a step that carries decodes by it
     (``Scheduler.set_calibration``), so that that share of steps ends within the bound: the
     SLO holds each request's p90 inter-token gap, which one step in ten over the TBT breaks.
+    ``guard_factor`` is the same at ``guard_quantile`` (at least ``factor``): the bound of a
+    step that carries a stream with no gap past the bound left to spend (``Scheduler``'s
+    guarded steps), so that nearly every such step ends within it.
     """
 
     def __init__(self, window: int = 64, every: int = 16, quantile: float = 0.9, low: float = 0.8,
-                 high: float = 2.0, min_seconds: float = 0.002):
-        if not 0 < quantile <= 1 or not 0 < low <= 1 <= high or every < 1 or window < every:
-            raise ValueError("calibration: 0 < quantile <= 1, 0 < low <= 1 <= high, 1 <= every <= window")
+                 high: float = 2.0, min_seconds: float = 0.002, guard_quantile: float = 0.98):
+        if not 0 < quantile <= guard_quantile <= 1 or not 0 < low <= 1 <= high or every < 1 or window < every:
+            raise ValueError("calibration: 0 < quantile <= guard_quantile <= 1, 0 < low <= 1 <= high, "
+                             "1 <= every <= window")
         self.window, self.every, self.quantile, self.low, self.high = window, every, quantile, low, high
+        self.guard_quantile = guard_quantile
         self.min_seconds = min_seconds
         self.ratios: deque[float] = deque(maxlen=window)
-        self.factor = 1.0
+        self.factor = self.guard_factor = 1.0
         self._since = 0
 
     def add(self, predicted: float, measured: float) -> bool:
-        """One step's predicted and measured seconds; True when ``factor`` changed."""
+        """One step's predicted and measured seconds; True when ``factor`` or ``guard_factor``
+        changed."""
         if predicted < self.min_seconds:  # too short to tell the machine from the timer
             return False
         self.ratios.append(measured / predicted)
@@ -348,9 +354,11 @@ class Calibration:
             return False
         self._since = 0
         ordered = sorted(self.ratios)
-        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-        factor = min(self.high, max(self.low, q))
-        changed, self.factor = factor != self.factor, factor
+        last = len(ordered) - 1
+        factor = min(self.high, max(self.low, ordered[min(last, int(self.quantile * len(ordered)))]))
+        guard = min(self.high, max(self.low, ordered[min(last, int(self.guard_quantile * len(ordered)))]))
+        changed = (factor, guard) != (self.factor, self.guard_factor)
+        self.factor, self.guard_factor = factor, guard
         return changed
 
 

@@ -59,7 +59,12 @@ that many past its bound (``SchedulerOutput.overrun``; its p90 TBT holds). The S
 each stream's p90 gap, not every gap: while a long prompt waits, a step may take the TTFT
 share (the ``idle_bound``) for the long prompts when every stream decoding in it could have
 one more gap past the TBT and still meet its p90, counted over the gaps it has had, as if it
-ended after this step (``tbt_slack``, ``gaps_past_p90``, ``SchedulerOutput.slack``). A request's
+ended after this step (``tbt_slack``, ``gaps_past_p90``, ``SchedulerOutput.slack``). Steps are
+filled to the bound over the p90 of their recent measured / predicted time, so one in ten
+runs over it; a stream that has no gap past the bound left to spend within its p90, over
+the length a request finished here typically has, cannot take one more: while one decodes
+here, steps are filled to the bound over a higher quantile instead (``tbt_guard``,
+``_guarded``). A request's
 prefill starts only after all its images are encoded: in a later step, or, where the step's
 language work runs after its vision work (``prefill_after_encode``: no dual streams), in the
 step that encodes the last of them, with what is left of its bound. A stage this instance does not hold is
@@ -111,6 +116,8 @@ STARVED_STEPS = 4
 # p90 TBT holds), where such a video waited for every stream to end (``_add_image``).
 OVERRUN_STEPS = 16
 OVERRUN_FACTOR = 2.0
+# Finished requests whose gaps between tokens make a stream's expected length (``_allowance``).
+LENGTH_WINDOW = 64
 
 
 @dataclass
@@ -204,6 +211,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_overrun_steps = 0
         self.num_slack_steps = 0
+        self.num_guarded_steps = 0
         self.num_held_steps = 0
         self._dropped: list[Request] = []
         self._step = 0
@@ -230,8 +238,17 @@ class Scheduler:
         self._last_overrun = -OVERRUN_STEPS
         self._overrun = False
         self._decode_language = 0.0  # the predicted language seconds of this step's decodes
-        # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``).
-        self.calibration = 1.0
+        # Measured / predicted length of recent steps with decodes (``latency_model.Calibration``):
+        # its p90, and the higher quantile a guarded step is filled by; this step's.
+        self.calibration = self.guard_calibration = self._step_calibration = 1.0
+        # The streams decoding here with no gap past the bound left to spend within their p90
+        # over their expected length (``_guarded``), by id.
+        self._spent: dict[str, Request] = {}
+        # Gaps between tokens of the requests that finished here lately (their last
+        # ``LENGTH_WINDOW``), and their median: a stream's expected length (``_allowance``).
+        self._gaps_seen: deque[int] = deque(maxlen=LENGTH_WINDOW)
+        self._num_finished = 0
+        self._typical_gaps = 0
         # Smallest prefill chunk an empty step takes when nothing fits the bound.
         self.min_chunk = kv_manager.block_size if kv_manager is not None else 1
         self.prefix_caching = prefix_caching
@@ -357,12 +374,14 @@ class Scheduler:
         for req in self.requests.values():
             self._classify(req)
 
-    def set_calibration(self, factor: float) -> None:
-        """Steps that carry decodes run ``factor`` times their prediction now: fill them to the
-        bound divided by it."""
-        if factor <= 0:
-            raise ValueError(f"calibration factor must be > 0, got {factor}")
+    def set_calibration(self, factor: float, guard: float | None = None) -> None:
+        """Steps that carry decodes run ``factor`` times their prediction now (their p90): fill
+        them to the bound divided by it; a guarded step (``_guarded``) to the bound divided by
+        ``guard`` (a higher quantile; None: ``factor``)."""
+        if factor <= 0 or (guard is not None and guard <= 0):
+            raise ValueError(f"calibration factors must be > 0, got {factor} and {guard}")
         self.calibration = factor
+        self.guard_calibration = max(factor, guard or factor)
 
     # -- admission ---------------------------------------------------------------------
     def check_fits(self, req: Request) -> None:
@@ -435,7 +454,12 @@ class Scheduler:
         # Requests that leave the running set while this step is built (preempted) are
         # dropped before it runs too: one may be admitted again within this very step.
         out = SchedulerOutput(dropped=self._dropped)
-        bound = self.latency_bound / self.calibration if self.latency_model is not None else 0.0
+        cal = self.calibration
+        if self._spent and self._guarded():
+            cal = self.guard_calibration
+            self.num_guarded_steps += bool(self.decoding)
+        self._step_calibration = cal
+        bound = self.latency_bound / cal if self.latency_model is not None else 0.0
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
         pressed = self._schedule_decodes(out, budget)
         out.num_decodes = len(out.chunks)
@@ -552,6 +576,44 @@ class Scheduler:
                 return False
         return True
 
+    def _allowance(self, req: Request) -> int:
+        """Gaps past the bound ``req``'s p90 allows over its expected length: the gaps it has
+        had, or, if more, those of a typical request finished here (the median of the last
+        ``LENGTH_WINDOW``), at most its ``max_tokens``'."""
+        expected = min(req.sampling_params.max_tokens - 1, self._typical_gaps)
+        return gaps_past_p90(max(req.num_output_tokens - 1, expected))
+
+    def _spend(self, req: Request) -> None:
+        """``req`` just had a gap past the bound: with none left to spend, the steps it is in
+        are guarded (``_guarded``)."""
+        if self.config.tbt_guard and req.num_long_gaps >= self._allowance(req):
+            self._spent[req.req_id] = req
+
+    def _guarded(self) -> bool:
+        """Whether a stream decoding here has no gap past the bound left to spend within its
+        p90 over its expected length (``_allowance``): one more would break its SLO. This
+        step is then filled to the bound over ``guard_calibration`` (a higher quantile of the
+        steps' measured / predicted time than the p90 that fills the others), so that it
+        ends within the bound all but rarely. A stream that left the running decodes, or
+        whose expected length grew to allow one more, is no longer counted."""
+        spent, decoding = self._spent, self.decoding
+        for req_id, req in list(spent.items()):
+            if req_id not in decoding or req.num_long_gaps < self._allowance(req):
+                del spent[req_id]
+        return bool(spent)
+
+    def _count_length(self, req: Request) -> None:
+        """A request finished here: its gaps count towards a stream's expected length
+        (``_allowance``; the median is taken again every ``LENGTH_WINDOW // 4`` requests)."""
+        gaps = req.num_output_tokens - 1
+        if gaps < 1:
+            return
+        self._gaps_seen.append(gaps)
+        self._num_finished += 1
+        if self._num_finished % (LENGTH_WINDOW // 4) == 0 or self._num_finished < LENGTH_WINDOW // 4:
+            ordered = sorted(self._gaps_seen)
+            self._typical_gaps = ordered[len(ordered) // 2]
+
     def _handoffs_behind(self) -> tuple[bool, bool]:
         """Whether a first token sampled here has waited more than ``handoff_wait`` for the
         instance it was handed over to to take its decodes (``_first_tokens_offered``): that
@@ -628,7 +690,7 @@ class Scheduler:
         if not self._overrun:
             return False
         bound = budget.bound
-        budget.set_bound(OVERRUN_FACTOR * self.latency_bound / self.calibration)
+        budget.set_bound(OVERRUN_FACTOR * self.latency_bound / self._step_calibration)
         first = self._last_overrun != self._step
         added = budget.add_image(image.num_patches, image.length, force=first, span=image.attention_span)
         budget.set_bound(bound)
@@ -683,10 +745,11 @@ class Scheduler:
         deadline (its gap is lost whatever this step carries)."""
         floor = budget.predicted()  # the decodes alone
         # Latest sampling time at which a stream's deadline still leaves room for the decodes.
-        cutoff = self.clock() - self.latency_bound + floor * self.calibration
+        cal = self._step_calibration
+        cutoff = self.clock() - self.latency_bound + floor * cal
         live = [t for t in pressed if t >= cutoff]
         if live:
-            left = (min(live) - cutoff) / self.calibration + floor
+            left = (min(live) - cutoff) / cal + floor
             if left < budget.bound:
                 budget.set_bound(left)
 
@@ -1077,6 +1140,7 @@ class Scheduler:
             last = req.last_token_time
             if last is not None and now - last > tbt:
                 req.num_long_gaps += 1
+                self._spend(req)
             req.last_token_time = now
             req_ids.append(req.req_id)
             token_ids.append(token_id)
@@ -1117,6 +1181,7 @@ class Scheduler:
             req.append_token(token_id)
             if req.last_token_time is not None and now - req.last_token_time > tbt:
                 req.num_long_gaps += 1  # recomputed after a preemption
+                self._spend(req)
             req.last_token_time = now
             if "first_token" not in timeline:
                 timeline["first_token"] = now
@@ -1176,7 +1241,12 @@ class Scheduler:
     def _start_running(self, req: Request) -> None:
         req.status = _RUNNING
         self.running[req.req_id] = req
-        (self.decoding if req.is_decode else self.prefilling)[req.req_id] = req
+        if req.is_decode:
+            self.decoding[req.req_id] = req
+            if req.num_long_gaps:  # migrated in with gaps it had elsewhere
+                self._spend(req)
+        else:
+            self.prefilling[req.req_id] = req
 
     def _allocate_images(self, req: Request, first: int = 0) -> None:
         for i in range(first, req.num_images):
@@ -1220,6 +1290,8 @@ class Scheduler:
         req.num_held_images = 0
 
     def _finish(self, req: Request, reason: str) -> None:
+        if reason == "stop" or reason == "length":
+            self._count_length(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.requests.pop(req.req_id, None)

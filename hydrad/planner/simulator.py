@@ -356,7 +356,7 @@ class SimInstance:
         when it ended on the model this one starts on (a new model starts uncalibrated)."""
         if self.sim.setup.fill_by_model and other.step_threads == self.step_threads:
             self.calibration = deepcopy(other.calibration)
-            self.scheduler.set_calibration(self.calibration.factor)
+            self.scheduler.set_calibration(self.calibration.factor, self.calibration.guard_factor)
 
     def _use(self, threads: int) -> None:
         """Step on ``threads`` threads, with the model at that count (the worker's ``StepThreads``)."""
@@ -515,7 +515,7 @@ class SimInstance:
             # As EngineCore._calibrate (its time excludes building the step).
             predicted = self.model.combine(out.predicted_vision, out.predicted_language)
             if self.calibration.add(predicted, seconds - sim.setup.step_overhead):
-                s.set_calibration(self.calibration.factor)
+                s.set_calibration(self.calibration.factor, self.calibration.guard_factor)
         if out.encodes:
             s.update_after_encode(out)
         if out.chunks:

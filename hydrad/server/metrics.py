@@ -145,13 +145,14 @@ class WorkerFailures(Collector):
 
 class EngineCounters(Collector):
     """Each instance's running totals as its engine counts them (``Metrics.set_instance``):
-    prefix caching's lookups and hits, preemptions, steps built past their bound, and steps that
-    held new prompts for hand-overs."""
+    prefix caching's lookups and hits, preemptions, steps built past their bound, steps that
+    held new prompts for hand-overs, and guarded steps."""
 
     def __init__(self, model: str):
         self.model = model
-        # instance -> (queries, hits, images, preemptions, overrun steps, slack steps, held steps)
-        self.totals: dict[str, tuple[int, int, int, int, int, int, int]] = {}
+        # instance -> (queries, hits, images, preemptions, overrun steps, slack steps, held steps,
+        # guarded steps)
+        self.totals: dict[str, tuple[int, ...]] = {}
 
     def collect(self):
         families = (
@@ -172,6 +173,9 @@ class EngineCounters(Collector):
             CounterMetricFamily("hydrad_steps_holding_prompts", "Steps that admitted no new prompt while a first "
                                 "token handed over to another instance waited past the TBT to be taken.",
                                 labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_steps_guarded", "Steps with decodes filled by a higher quantile of the steps' "
+                                "measured / predicted time, a stream in them with no gap past the TBT bound left to "
+                                "spend within its p90.", labels=["model_name", "instance"]),
         )
         for instance, values in sorted(self.totals.items()):
             for family, value in zip(families, values):
@@ -374,7 +378,7 @@ class Metrics:
         self.engine_counters.totals[str(instance_id)] = (stats.prefix_cache_queries, stats.prefix_cache_hits,
                                                          stats.images_cached, stats.num_preemptions,
                                                          stats.num_overrun_steps, stats.num_slack_steps,
-                                                         stats.num_held_steps)
+                                                         stats.num_held_steps, stats.num_guarded_steps)
 
     def set_worker_usage(self, usage: dict[int, ProcessUsage]) -> None:
         """instance -> its worker process's CPU time and memory (instances without a live

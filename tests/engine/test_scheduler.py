@@ -35,12 +35,12 @@ def make_request(req_id, num_prompt=20, images=(), max_tokens=8, ignore_eos=True
 
 def make_scheduler(num_kv_blocks=64, kv_block_size=4, num_image_blocks=8, image_block_size=16,
                    token_budget=32, image_budget=2, max_num_seqs=64, max_model_len=4096, clock=None,
-                   prefill_after_encode=False, long_prompt_share=0.25, tbt_slack=True) -> Scheduler:
+                   prefill_after_encode=False, long_prompt_share=0.25, tbt_slack=True, tbt_guard=True) -> Scheduler:
     """``clock``: the scheduler's seconds; by default time stands still (steps take none), so
     no stream's token is ever late unless a test moves the clock."""
     return Scheduler(
         SchedulerConfig(token_budget=token_budget, image_budget=image_budget, max_num_seqs=max_num_seqs,
-                        long_prompt_share=long_prompt_share, tbt_slack=tbt_slack),
+                        long_prompt_share=long_prompt_share, tbt_slack=tbt_slack, tbt_guard=tbt_guard),
         BlockManager(num_kv_blocks, kv_block_size, "kv"),
         BlockManager(num_image_blocks, image_block_size, "image"),
         max_model_len,

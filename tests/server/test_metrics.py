@@ -20,7 +20,8 @@ def test_finished_request_metrics_and_stage_times():
     metrics.set_instance(0, "cpu", "EPD", True, EngineStats(2, 1, 0.5, 0.25, 8, 1, 3, live_speed={"images": 1.25},
                                                                  prefix_cache_queries=300, prefix_cache_hits=96,
                                                                  images_cached=2, num_overrun_steps=4,
-                                                                 num_slack_steps=5, num_held_steps=6))
+                                                                 num_slack_steps=5, num_held_steps=6,
+                                                                 num_guarded_steps=7))
     metrics.set_instance(1, "cpu", "EPD", False, None)
     metrics.set_instance(2, "cpu", "EPD", True, None)  # alive, but busy past the stats timeout
     text = generate_latest(metrics.registry).decode()
@@ -47,6 +48,7 @@ def test_finished_request_metrics_and_stage_times():
         'hydrad_steps_over_bound_total{instance="0",model_name="m"} 4.0',
         'hydrad_steps_on_tbt_slack_total{instance="0",model_name="m"} 5.0',
         'hydrad_steps_holding_prompts_total{instance="0",model_name="m"} 6.0',
+        'hydrad_steps_guarded_total{instance="0",model_name="m"} 7.0',
     ]:
         assert line in text, line
 
