@@ -143,7 +143,8 @@ class TraceRecord:
     def bench_entry(self) -> dict:
         """The request as a line of a ``hydractl bench`` JSONL workload: a generated prompt of
         the user's text tokens (the chat template adds its own again), the images' sizes, the
-        videos' frames and size (at ``REPLAY_VIDEO_FPS``), the output length, the arrival time."""
+        videos' frames and size (at ``REPLAY_VIDEO_FPS``), the output length, the arrival time,
+        and whether it asked for its prompt's log-probabilities (sent again as such)."""
         entry = {
             "prompt_tokens": max(1, self.text_tokens - self.template_tokens),
             "images": [{"width": i.width or 336, "height": i.height or 336} for i in self.images if not i.frames],
@@ -154,6 +155,8 @@ class TraceRecord:
                   for i in self.images if i.frames]
         if videos:
             entry["videos"] = videos
+        if self.prompt_logprobs:
+            entry["prompt_logprobs"] = True
         return entry
 
 

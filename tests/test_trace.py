@@ -230,6 +230,8 @@ def test_a_priced_prompt_is_kept_and_replayed_as_one():
     assert obj["prompt_logprobs"] is True and TraceRecord.from_json(obj).prompt_logprobs
     plain = make_record(model="m", deploy="2EPD", template_tokens=12, **facts(1))
     assert "prompt_logprobs" not in plain.to_json() and not TraceRecord.from_json(plain.to_json()).prompt_logprobs
+    # A live replay (``hydractl bench --workload <trace>``) sends it as a scoring request again.
+    assert record.bench_entry()["prompt_logprobs"] is True and "prompt_logprobs" not in plain.bench_entry()
     from hydrad.planner.workload import Workload
 
     assert [r.prompt_logprobs for r in Workload.from_records([record, plain]).requests(1.0, 3)] == [True, False, True]

@@ -44,7 +44,8 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
                  video_urls: list[str] = ()) -> Payload:
     """The request body: exactly ``spec.output_tokens`` tokens, greedy unless ``sampling``
     (body fields) says otherwise, usage and token ids in the stream. Images, then videos, then
-    the prompt's text."""
+    the prompt's text. A scoring request (``spec.prompt_logprobs``) asks for its prompt's
+    log-probabilities as vLLM names them (``prompt_logprobs``: the top one at each position)."""
     if image_urls or video_urls:
         content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
         content += [{"type": "video_url", "video_url": {"url": url}} for url in video_urls]
@@ -63,6 +64,8 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if spec.prompt_logprobs:
+        body["prompt_logprobs"] = 1
     return Payload(json.dumps(body).encode(), spec.output_tokens)
 
 

@@ -59,6 +59,8 @@ class RequestSpec:
     output_tokens: int
     images: tuple[SynthImage | str, ...] = ()
     videos: tuple[SynthVideo | str, ...] = ()
+    # Its prompt's log-probabilities asked for (a scoring request: vLLM's ``prompt_logprobs``).
+    prompt_logprobs: bool = False
 
 
 class Workload(Protocol):
@@ -208,6 +210,7 @@ class _FileEntry:
     images: tuple[tuple[int, int] | str, ...]
     output_tokens: int
     videos: tuple[tuple[int, int, int, float] | str, ...] = ()  # (frames, width, height, fps) or a path
+    prompt_logprobs: bool = False
 
 
 class FileWorkload:
@@ -226,7 +229,7 @@ class FileWorkload:
             img if isinstance(img, str) else SynthImage(img[0], img[1], rng.getrandbits(63)) for img in entry.images
         )
         videos = tuple(v if isinstance(v, str) else SynthVideo(*v, rng.getrandbits(63)) for v in entry.videos)
-        return RequestSpec(prompt, entry.output_tokens, images, videos)
+        return RequestSpec(prompt, entry.output_tokens, images, videos, entry.prompt_logprobs)
 
 
 def _positive_int(value: object, what: str, where: str) -> int:
@@ -288,7 +291,10 @@ def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float
     if timestamp is not None and (isinstance(timestamp, bool) or not isinstance(timestamp, (int, float))
                                   or timestamp < 0):
         raise ConfigError(f"{where}: 'timestamp' must be a number of seconds >= 0")
-    return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens, tuple(videos)), timestamp
+    prompt_logprobs = obj.get("prompt_logprobs", False)
+    if not isinstance(prompt_logprobs, bool):
+        raise ConfigError(f"{where}: 'prompt_logprobs' must be true or false, got {prompt_logprobs!r}")
+    return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens, tuple(videos), prompt_logprobs), timestamp
 
 
 def _read_lines(path: Path) -> list[tuple[str, str]]:

@@ -242,7 +242,7 @@ class Scheduler:
         # its p90, and the higher quantile a guarded step is filled by; this step's.
         self.calibration = self.guard_calibration = self._step_calibration = 1.0
         # The streams decoding here with no gap past the bound left to spend within their p90
-        # over their expected length (``_guarded``), by id.
+        # over their expected length (``_guarded``), by id, in the order they spent it.
         self._spent: dict[str, Request] = {}
         # Gaps between tokens of the requests that finished here lately (their last
         # ``LENGTH_WINDOW``), and their median: a stream's expected length (``_allowance``).
@@ -594,13 +594,17 @@ class Scheduler:
         p90 over its expected length (``_allowance``): one more would break its SLO. This
         step is then filled to the bound over ``guard_calibration`` (a higher quantile of the
         steps' measured / predicted time than the p90 that fills the others), so that it
-        ends within the bound all but rarely. A stream that left the running decodes, or
-        whose expected length grew to allow one more, is no longer counted."""
-        spent, decoding = self._spent, self.decoding
-        for req_id, req in list(spent.items()):
-            if req_id not in decoding or req.num_long_gaps < self._allowance(req):
-                del spent[req_id]
-        return bool(spent)
+        ends within the bound all but rarely. A stream leaves ``_spent`` when it leaves the
+        running decodes (``_leave_queue``), or here once its expected length has grown to
+        allow one more: the oldest are looked at until one is still spent, so a step costs
+        one look while the streams stay spent."""
+        spent = self._spent
+        while spent:
+            req = next(iter(spent.values()))
+            if req.num_long_gaps >= self._allowance(req):
+                return True
+            del spent[req.req_id]
+        return False
 
     def _count_length(self, req: Request) -> None:
         """A request finished here: its gaps count towards a stream's expected length
@@ -1262,6 +1266,8 @@ class Scheduler:
             del self.running[req.req_id]
             if self.decoding.pop(req.req_id, None) is None:
                 del self.prefilling[req.req_id]
+            if self._spent:
+                self._spent.pop(req.req_id, None)
             self._dropped.append(req)
         elif status is RequestStatus.ENCODING:
             del self.encoding[req.req_id]
@@ -1316,6 +1322,8 @@ class Scheduler:
             raise AssertionError("scheduler queues and the request table disagree")
         if sorted(self.running) != sorted([*self.decoding, *self.prefilling]):
             raise AssertionError("running is not exactly decoding + prefilling")
+        if any(req_id not in self.running for req_id in self._spent):
+            raise AssertionError("a stream that left the running requests still guards the steps")
         for r in self.decoding.values():
             if not r.is_decode:
                 raise AssertionError(f"{r} sits in the decoding queue")

@@ -101,6 +101,20 @@ def test_jsonl_videos(tmp_path, write_jsonl):
     assert video_file_data_url(file).startswith("data:video/mp4;base64,")
 
 
+def test_a_scoring_line_asks_for_its_prompts_log_probabilities(write_jsonl):
+    import json
+
+    from hydrad.bench.client import chat_payload
+
+    path = write_jsonl([{"prompt_tokens": 30, "output_tokens": 1, "prompt_logprobs": True},
+                        {"prompt_tokens": 30, "output_tokens": 4}])
+    workload = load_workload(str(path), seed=0)
+    scoring, plain = workload.request(0, 0), workload.request(1, 0)
+    assert scoring.prompt_logprobs and not plain.prompt_logprobs
+    assert json.loads(chat_payload("m", scoring, []))["prompt_logprobs"] == 1
+    assert "prompt_logprobs" not in json.loads(chat_payload("m", plain, []))
+
+
 @pytest.mark.parametrize(
     "row, message",
     [
@@ -113,6 +127,7 @@ def test_jsonl_videos(tmp_path, write_jsonl):
         ({"prompt": "x", "output_tokens": 1, "videos": [{"width": 8, "height": 8}]}, "video frames"),
         ({"prompt": "x", "output_tokens": 1, "videos": ["missing.mp4"]}, "video file 'missing.mp4' not found"),
         ({"prompt": "x", "output_tokens": 1, "videos": [7]}, "a video is a file path"),
+        ({"prompt": "x", "output_tokens": 1, "prompt_logprobs": 1}, "'prompt_logprobs' must be true or false"),
     ],
 )
 def test_bad_jsonl_lines_name_the_line(write_jsonl, row, message):

@@ -313,8 +313,10 @@ def test_hard_caps_still_bind_under_the_model():
 @pytest.mark.parametrize("bound, idle_bound", [(0.004, None), (0.02, None), (0.2, None), (0.004, 0.05)])
 def test_randomized_mix_under_the_model_keeps_every_guarantee(bound, idle_bound, prefill_after_encode):
     rng = random.Random(int(bound * 1000))
+    clock = Clock()  # steps take their prediction, and one in five a bound more: streams spend their gaps
     s = scheduler_with(model=dataclasses.replace(MODEL, l_logit=5e-5), bound=bound, idle_bound=idle_bound, num_kv_blocks=40, kv_block_size=4, num_image_blocks=6, image_block_size=8,
-                       token_budget=10_000, image_budget=10, prefill_after_encode=prefill_after_encode)
+                       token_budget=10_000, image_budget=10, prefill_after_encode=prefill_after_encode, clock=clock)
+    s.set_calibration(1.0, 1.3)
     reqs = []
     for i in range(40):
         images = [(1, 8)] if rng.random() < 0.4 else []
@@ -331,9 +333,11 @@ def test_randomized_mix_under_the_model_keeps_every_guarantee(bound, idle_bound,
             s.check_integrity()
         if not pending and not s.num_unfinished:
             break
-        step(s)
+        step(s, clock=clock)
+        clock.now += bound if rng.random() < 0.2 else 0.0
     assert not s.num_unfinished and s.kv.num_used_blocks == 0 and s.images.num_used_blocks == 0
     assert s.num_preemptions > 0 or bound < 0.01
+    assert s.num_guarded_steps > 0 and not s._spent
     for r in reqs:
         assert r.status is RequestStatus.FINISHED
         if r.req_id not in aborted:
