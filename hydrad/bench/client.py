@@ -45,7 +45,9 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
     """The request body: exactly ``spec.output_tokens`` tokens, greedy unless ``sampling``
     (body fields) says otherwise, usage and token ids in the stream. Images, then videos, then
     the prompt's text. A scoring request (``spec.prompt_logprobs``) asks for its prompt's
-    log-probabilities as vLLM names them (``prompt_logprobs``: the top one at each position)."""
+    log-probabilities as vLLM names them (``prompt_logprobs``: the top one at each position),
+    which come only with a whole answer (vLLM and hydrad refuse them on a stream): it is
+    sent unstreamed, and its answer's tokens all come at its end (``stream_chat``)."""
     if image_urls or video_urls:
         content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
         content += [{"type": "video_url", "video_url": {"url": url}} for url in video_urls]
@@ -65,7 +67,8 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
         "stream_options": {"include_usage": True},
     }
     if spec.prompt_logprobs:
-        body["prompt_logprobs"] = 1
+        body.update(prompt_logprobs=1, stream=False)
+        del body["stream_options"]
     return Payload(json.dumps(body).encode(), spec.output_tokens)
 
 
@@ -216,10 +219,31 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord, outpu
         record.error = f"the answer had {wrong[0]} token(s) for max_tokens {output_tokens} with ignore_eos"
 
 
+async def _read_whole(resp: aiohttp.ClientResponse, record: StreamRecord, output_tokens: int | None) -> None:
+    """An answer sent whole (a scoring request's): every token arrives with it, its TTFT is
+    its end-to-end time and it has no gaps."""
+    body = await resp.json(content_type=None)
+    now = time.perf_counter()
+    usage = body.get("usage") or {}
+    if isinstance(usage.get("prompt_tokens"), int):
+        record.prompt_tokens = usage["prompt_tokens"]
+    tokens = usage.get("completion_tokens")
+    if not isinstance(tokens, int) or tokens < 1:
+        record.error = "the answer had no usage.completion_tokens"
+        return
+    message = (body.get("choices") or [{}])[0].get("message") or {}
+    record.completion_tokens = tokens
+    record.chunk_times, record.chunk_tokens = [now], [tokens]
+    record.chunk_chars = [len(message.get("content") or "")]
+    if output_tokens is not None and tokens != output_tokens:
+        record.error = f"the answer had {tokens} token(s) for max_tokens {output_tokens} with ignore_eos"
+
+
 async def stream_chat(
     session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], timeout: float
 ) -> StreamRecord:
-    """Send one streaming request; failures are recorded in the result, never raised (an
+    """Send one streaming request (or one whose answer comes whole, where the body asks for it:
+    ``chat_payload``'s scoring requests); failures are recorded in the result, never raised (an
     answer cut short, or of another length than a ``Payload`` asks for, among them)."""
     record = StreamRecord(start=time.perf_counter())
     try:
@@ -228,6 +252,8 @@ async def stream_chat(
         ) as resp:
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {_short(await resp.text())}"
+            elif resp.content_type == "application/json":
+                await _read_whole(resp, record, getattr(body, "output_tokens", None))
             else:
                 await _read_stream(resp, record, getattr(body, "output_tokens", None))
                 if record.error is None and not record.chunk_times:

@@ -79,6 +79,31 @@ def test_bench_library_against_live_daemon(daemon):
     assert 'finish_reason="length"' in http("GET", daemon.url + "/metrics").text
 
 
+def test_bench_library_sends_a_scoring_line_whole_beside_streams(daemon, tmp_path):
+    """A workload line with ``prompt_logprobs`` (a trace's scoring request) goes out as one:
+    unstreamed (the daemon, as vLLM, refuses prompt log-probabilities on a stream), its one
+    token counted, its TTFT its end-to-end time; the streamed lines beside it keep their gaps."""
+    import json
+
+    from hydrad.bench.config import SLO, BenchConfig
+    from hydrad.bench.runner import run_bench
+
+    workload = tmp_path / "scoring.jsonl"
+    workload.write_text("\n".join(json.dumps(line) for line in [
+        {"prompt_tokens": 40, "output_tokens": 1, "prompt_logprobs": True},
+        {"prompt_tokens": 12, "images": [{"width": 64, "height": 48}], "output_tokens": 3},
+    ]) + "\n")
+    result = run_bench(BenchConfig(url=daemon.url, slo=SLO(ttft=30.0, tbt=5.0), workload=str(workload),
+                                   num_requests=6, rates=(8.0,), seed=1))
+    results = result.runs[0].results
+    assert result.summary.errors == 0, [r.error for r in results]
+    scoring = [r for r in results if r.output_tokens == 1]
+    streamed = [r for r in results if r.output_tokens == 3]
+    assert len(scoring) == len(streamed) == 3
+    assert all(r.tbts == () and r.ttft == pytest.approx(r.e2e, abs=0.01) for r in scoring)
+    assert all(len(r.tbts) == 2 for r in streamed)
+
+
 def test_disconnects_at_every_stage_free_every_instance(daemon):
     """Clients that leave before the first token (encode, E->P, prefill), right after it
     (P->D) or mid-decode: every instance ends up holding no block."""
