@@ -63,7 +63,8 @@ ended after this step (``tbt_slack``, ``gaps_past_p90``, ``SchedulerOutput.slack
 filled to the bound over the p90 of their recent measured / predicted time, so one in ten
 runs over it; a stream that has no gap past the bound left to spend within its p90, over
 the length a request finished here typically has, cannot take one more: while one decodes
-here, steps are filled to the bound over a higher quantile instead (``tbt_guard``,
+here, the prompt work of each step (not its decodes: a stream left out of a step has a long
+gap whatever) is filled to the bound over a higher quantile instead (``tbt_guard``,
 ``_guarded``). A request's
 prefill starts only after all its images are encoded: in a later step, or, where the step's
 language work runs after its vision work (``prefill_after_encode``: no dual streams), in the
@@ -454,15 +455,17 @@ class Scheduler:
         # Requests that leave the running set while this step is built (preempted) are
         # dropped before it runs too: one may be admitted again within this very step.
         out = SchedulerOutput(dropped=self._dropped)
-        cal = self.calibration
-        if self._spent and self._guarded():
-            cal = self.guard_calibration
-            self.num_guarded_steps += bool(self.decoding)
-        self._step_calibration = cal
-        bound = self.latency_bound / cal if self.latency_model is not None else 0.0
+        self._step_calibration = self.calibration
+        bound = self.latency_bound / self.calibration if self.latency_model is not None else 0.0
         budget = StepBudget(self.latency_model, bound, self.config.token_budget, self.config.image_budget)
         pressed = self._schedule_decodes(out, budget)
         out.num_decodes = len(out.chunks)
+        if self._spent and out.num_decodes and self._guarded():
+            # The decodes are in; the rest of the step (prompts) fills to the guarded bound.
+            self._step_calibration = self.guard_calibration
+            bound = self.latency_bound / self.guard_calibration
+            budget.set_bound(min(budget.bound, bound))
+            self.num_guarded_steps += 1
         # The clock is read only on instances that decodes were ever handed to.
         handoffs = (self.latency_model is not None and self._last_handoff > -math.inf
                     and self.clock() - self._last_handoff < HANDOFF_WINDOW)
@@ -646,7 +649,8 @@ class Scheduler:
         with no decode here the first one is taken whatever it costs, as a step makes
         progress even when the bound cannot be met)."""
         pulled = [r.pull[3] + 1 for r in self.pulling.values() if r.pull[0] == "kv"]
-        budget = StepBudget(self.latency_model, self.latency_bound / self.calibration, self.config.token_budget,
+        # Filled as the last step was (a guarded one while a stream here has spent its gaps).
+        budget = StepBudget(self.latency_model, self.latency_bound / self._step_calibration, self.config.token_budget,
                             self.config.image_budget)
         budget.add_decodes(len(self.decoding) + len(pulled),
                            sum(r.num_computed_tokens + 1 for r in self.decoding.values()) + sum(pulled))
