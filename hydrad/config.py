@@ -127,10 +127,10 @@ class SchedulerConfig:
     # (so however soon it ends). false: steps with decodes always keep to the TBT bound.
     tbt_slack: bool = True
     # A step that carries a stream with no gap past the TBT bound left to spend within its p90
-    # (over the length of a typical request finished on the instance) is filled to the bound
-    # over a higher quantile (0.98) of the steps' measured / predicted time than the p90 that
-    # fills the others: one more long gap would break that stream's SLO. false: every step
-    # with decodes is filled by the p90.
+    # (over the length of a typical request finished on the instance) fills its prompt work
+    # (its decodes go in as always) to the bound over a higher quantile (0.98) of the steps'
+    # measured / predicted time than the p90 that fills the others: one more long gap would
+    # break that stream's SLO. false: every step with decodes is filled by the p90.
     tbt_guard: bool = True
     # An instance that hands its streams' decodes to another after their first token (EP of
     # EP+D) admits no new prompt while a first token it handed over has waited longer than

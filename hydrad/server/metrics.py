@@ -173,9 +173,9 @@ class EngineCounters(Collector):
             CounterMetricFamily("hydrad_steps_holding_prompts", "Steps that admitted no new prompt while a first "
                                 "token handed over to another instance waited past the TBT to be taken.",
                                 labels=["model_name", "instance"]),
-            CounterMetricFamily("hydrad_steps_guarded", "Steps with decodes filled by a higher quantile of the steps' "
-                                "measured / predicted time, a stream in them with no gap past the TBT bound left to "
-                                "spend within its p90.", labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_steps_guarded", "Steps with decodes whose prompt work was filled by a higher "
+                                "quantile of the steps' measured / predicted time, a stream in them with no gap past "
+                                "the TBT bound left to spend within its p90.", labels=["model_name", "instance"]),
         )
         for instance, values in sorted(self.totals.items()):
             for family, value in zip(families, values):

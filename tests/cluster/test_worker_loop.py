@@ -103,6 +103,22 @@ def start_worker(engine):
     return daemon_end, thread
 
 
+def shut_down(conn, thread, finish_running: bool = False, timeout: float = 5.0) -> None:
+    """Shut the worker down and wait for its thread to end, reading what it sends meanwhile, as
+    the daemon's link does: a worker whose pipe is full waits in ``send`` until it is read, and
+    a request still streaming fills it within a few hundred steps."""
+    conn.send(Shutdown(finish_running=finish_running))
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        try:
+            if conn.poll(0.05):
+                conn.recv()
+        except (EOFError, OSError):
+            break
+    thread.join(max(0.0, deadline - time.monotonic()))
+    assert not thread.is_alive()
+
+
 async def connected_client(conn) -> tuple[WorkerClient, RequestTable]:
     """The daemon's client of one EPD worker on ``conn``'s other end, and its request table."""
     clients: list = []
@@ -181,9 +197,7 @@ def test_a_request_waits_for_its_grammar_while_the_others_stream():
         if any(f.req_id == "g" for f in out.finished):
             break
     assert tokens == [101, 102, 103] and "gone" not in engine.requests
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    shut_down(conn, thread)  # "a" still streams
 
 
 def test_an_idle_worker_admits_a_request_when_its_grammar_is_built():
@@ -194,9 +208,7 @@ def test_an_idle_worker_admits_a_request_when_its_grammar_is_built():
     assert not conn.poll(0.1)  # nothing to step until the grammar is there
     build.set_result(None)
     assert recv_until(conn, StepOutput).output.token_ids == [101]
-    conn.send(Shutdown(finish_running=True))
-    thread.join(5)
-    assert not thread.is_alive()
+    shut_down(conn, thread, finish_running=True)
 
 
 def test_worker_exits_when_the_daemon_end_closes():
@@ -473,9 +485,7 @@ def serving(engine, threads: StepThreads):
     thread = threading.Thread(target=run_worker, args=(engine, worker_end, threads), daemon=True)
     thread.start()
     yield conn
-    conn.send(Shutdown(finish_running=False))
-    thread.join(5)
-    assert not thread.is_alive()
+    shut_down(conn, thread)
 
 
 class ProbingThreads(StepThreads):

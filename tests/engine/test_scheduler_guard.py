@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from hydrad.engine.latency_model import Calibration
+from hydrad.engine.latency_model import Calibration, StepShape
 from test_scheduler import finish_step, make_request
 from test_scheduler_latency import Clock, _full_to, scheduler_with
 
@@ -61,6 +61,29 @@ def test_a_stream_with_no_long_gap_left_to_spend_gets_steps_filled_by_the_higher
         s.abort(r.req_id)
     out = s.schedule()  # the spent streams left: the prompt alone, to its idle bound
     assert out.num_decodes == 0 and s.num_guarded_steps == 1
+
+
+def test_a_guarded_step_keeps_every_decode_and_guards_only_its_prompt_work():
+    """With 100 streams the decodes alone take more than the guarded bound (bound / 1.5) and
+    less than the bound: a guarded step still carries every one of them, and no prompt
+    work; the step before, unguarded, carries a prompt chunk up to the bound."""
+    clock = Clock()
+    s = scheduler_with(bound=BOUND, idle_bound=0.5, kv_block_size=16, clock=clock, max_num_seqs=256)
+    s.set_calibration(1.0, 1.5)
+    streams = [make_request(f"d{i}", num_prompt=16, max_tokens=1000) for i in range(100)]
+    for r in streams:
+        s.add(r)
+    while not all(r.num_output_tokens for r in streams):
+        finish_step(s, s.schedule())
+    s.add(make_request("p", num_prompt=4000, max_tokens=2))
+    out = s.schedule()
+    decodes_alone = s.latency_model.step_seconds(StepShape.of(decodes=[r.num_computed_tokens + 1 for r in streams]))
+    assert BOUND / 1.5 < decodes_alone < BOUND
+    assert out.num_decodes == 100 and len(out.chunks) == 101 and _full_to(s, out, BOUND)
+    clock.now += 1.0
+    finish_step(s, out)  # a gap past the bound for every stream: all spent
+    out = s.schedule()
+    assert out.num_decodes == 100 and len(out.chunks) == 100 and s.num_guarded_steps == 1
 
 
 def test_a_streams_allowance_is_counted_over_a_typical_finished_requests_length():
