@@ -215,8 +215,12 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord, outpu
         got = counts[0] if counts else len(record.chunk_times)
         record.error = f"the stream ended without [DONE] after {got} token(s)"
     elif output_tokens is not None and (wrong := [n for n in counts if n != output_tokens]):
-        # Asked for exactly that many (ignore_eos): more or fewer is the server's fault.
-        record.error = f"the answer had {wrong[0]} token(s) for max_tokens {output_tokens} with ignore_eos"
+        record.error = _wrong_length(wrong[0], output_tokens)
+
+
+def _wrong_length(got: int, output_tokens: int) -> str:
+    # Asked for exactly that many (ignore_eos): more or fewer is the server's fault.
+    return f"the answer had {got} token(s) for max_tokens {output_tokens} with ignore_eos"
 
 
 async def _read_whole(resp: aiohttp.ClientResponse, record: StreamRecord, output_tokens: int | None) -> None:
@@ -236,7 +240,7 @@ async def _read_whole(resp: aiohttp.ClientResponse, record: StreamRecord, output
     record.chunk_times, record.chunk_tokens = [now], [tokens]
     record.chunk_chars = [len(message.get("content") or "")]
     if output_tokens is not None and tokens != output_tokens:
-        record.error = f"the answer had {tokens} token(s) for max_tokens {output_tokens} with ignore_eos"
+        record.error = _wrong_length(tokens, output_tokens)
 
 
 async def stream_chat(
