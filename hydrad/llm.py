@@ -300,7 +300,8 @@ class _Progress:
 
         from hydrad.console import console
 
-        self._p = Progress(console=console, transient=True)
+        # Off a terminal a transient display would leave only an empty line behind.
+        self._p = Progress(console=console, transient=True, disable=not console.is_terminal)
         self._p.start()
         self._task = self._p.add_task("requests", total=total)
 

@@ -856,6 +856,10 @@ def _progress(show: bool, total: int) -> Iterator[Callable[[], None]]:
 
     from hydrad.console import console
 
+    if not console.is_terminal:  # a pipe, a file, the journal: a log line says what runs
+        logger.info("fitting the latency model: %d probe batches", total)
+        yield lambda: None
+        return
     with Progress(TextColumn("latency model"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task("probes", total=total)

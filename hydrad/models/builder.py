@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -267,7 +268,9 @@ def _is_non_empty(path: Path) -> bool:
 
 @contextlib.contextmanager
 def _steps(title: str, num_steps: int, enabled: bool):
-    """Yield ``step(description)``; each call finishes the previous step and starts the next."""
+    """Yield ``step(description)``; each call finishes the previous step and starts the next.
+    On a terminal a progress bar shows them; off one (a pipe, a file, the journal) each step
+    is a line of its own, and the build's end one more."""
     if not enabled:
         yield lambda description: None
         return
@@ -275,6 +278,17 @@ def _steps(title: str, num_steps: int, enabled: bool):
 
     from hydrad.console import console
 
+    if not console.is_terminal:
+        start, count = time.monotonic(), 0
+
+        def log_step(description: str) -> None:
+            nonlocal count
+            count += 1
+            console.print(f"{title}: {description} ({count}/{num_steps})", highlight=False)
+
+        yield log_step
+        console.print(f"{title}: done in {time.monotonic() - start:.1f} s", highlight=False)
+        return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task(title, total=num_steps)

@@ -118,6 +118,17 @@ def test_each_role_probes_its_parts_and_fits_the_true_model(engine, role, dual, 
     assert model.error.max < 1e-6 and model.error.num_probes >= 1
 
 
+def test_off_a_terminal_the_fit_logs_a_line_instead_of_a_progress_bar(engine, caplog, capsys):
+    """A worker's stderr is a pipe (the journal under systemd): a transient bar there would
+    leave only an empty line; the fit says what it runs on a log line instead."""
+    timer = Synthetic(TRUE)
+    with caplog.at_level("INFO", logger="hydrad.engine.profiler"):
+        fit_latency_model(engine, timer=timer, force=True, show_progress=True)
+    starts = [m for m in caplog.messages if m.startswith("fitting the latency model: ")]
+    assert len(starts) == 1 and starts[0].endswith(" probe batches") and timer.probes
+    assert capsys.readouterr().err == ""
+
+
 def test_without_dual_streams_the_overlap_is_one_and_the_probes_of_both_parts_are_held_out(engine, monkeypatch):
     """One after the other on one thread, a step takes its vision part and then its language
     part: timings that say otherwise (noise in two probes) do not make the overlap, they show

@@ -121,6 +121,17 @@ def test_build_refuses_non_empty_folder_unless_overwrite(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
+def test_off_a_terminal_the_build_says_each_step_on_a_line_of_its_own(tmp_path, capsys):
+    """Under a pipe, a file or the journal (the console is not a terminal here) a progress bar
+    would leave only an empty line: each step is a line instead, and the end one more."""
+    build_model(tmp_path / "m", size="tiny", progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:4] == [f"building llava tiny (seed 0): {step} ({i}/4)" for i, step in enumerate(
+        ("training the tokenizer", "initialising weights", "writing weights",
+         "writing the tokenizer and processor"), 1)]
+    assert re.fullmatch(r"building llava tiny \(seed 0\): done in [0-9.]+ s", lines[4]) and len(lines) == 5
+
+
 @pytest.mark.parametrize(("arch", "size", "message"), [("qwen3-vl", "tiny", "architecture 'qwen3-vl'"),
                                                         ("llava", "huge", "size 'huge'")])
 def test_build_rejects_unknown_arch_and_size(tmp_path, arch, size, message):
