@@ -53,6 +53,12 @@ Scenarios (``--scenarios``, default all):
            (each its own image): req/s, TTFT p50 and the requests each server preempted (its
            /metrics), greedy and API defaults; with a KV cache smaller than the prompts in flight
            this measures admission under KV pressure (``--hydrad-kv-mb``)
+  parallel closed loop at each ``--parallel-streams`` concurrency of requests for 4 completions
+           (the API's ``n``) of the peak scenario's prompt (its own image each), 32 output tokens
+           each, sampled at the API's defaults and at top-p 0.95 (temperature 0.7), sent whole:
+           req/s (x 4 x 32 output tokens), the requests' latency p50, and the share of prompt
+           tokens each server found cached (its /metrics): a server that prefills each prompt
+           once for its completions finds three quarters of them
   video    closed loop at each ``--video-streams`` concurrency, one 4-second 320x240 MP4 at
            2 frames a second (8 frames, which both servers keep; ``--video-frames``,
            ``--video-size`` for others) and a 12-token prompt, 32
@@ -115,7 +121,7 @@ SAMPLINGS = SAMPLING_PRESETS
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
-SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "scoring", "scoremix", "chat",
+SCENARIOS = ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge", "scoring", "scoremix", "chat", "parallel",
              "crowd", "video", "videomix", "mixrate")
 # The json scenario's response_format: a small schema of the kind an extraction asks for.
 JSON_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": {
@@ -157,6 +163,7 @@ def write_workloads(tmp: Path, video_frames: int = 8, video_size: tuple[int, int
     for name, rows in {
         "image32": [{**image, "output_tokens": 32}],
         "image16": [{**image, "output_tokens": 16}],
+        "image32n4": [{**image, "output_tokens": 32, "n": 4}],
         "text32": [text32],
         "video32": [video32],
         "videomix32": [text32] * 3 + [video32],
@@ -259,14 +266,15 @@ def ttft_by_kind(results, slo: bool = False) -> dict:
 
 
 def _closed_loops(out: dict, url: str, name: str, workload: Path, concurrencies: list[int], rounds: int, *,
-                  counters: bool = False, kinds: bool = False, response_format: dict | None = None) -> None:
+                  counters: bool = False, kinds: bool = False, response_format: dict | None = None,
+                  modes: tuple[str, ...] = ("greedy", "defaults")) -> None:
     """``out[NAME{C}/{mode}]``: a closed loop of ``rounds`` requests per stream at each concurrency
-    C, greedy and at the API's defaults, under a loose SLO; with ``counters``, the server's
+    C, in each of ``modes`` (``SAMPLINGS``), under a loose SLO; with ``counters``, the server's
     counters over it (``record_counters``); with ``kinds``, each kind's TTFT (``bench``); with
     ``response_format``, every request constrained by it (the body's field)."""
     loose = SLO(ttft=60.0, tbt=5.0)
     for streams in concurrencies:
-        for mode in ("greedy", "defaults"):
+        for mode in modes:
             key = f"{name}{streams}/{mode}"
             before = server_counters(url) if counters else None
             out[key] = bench(url, workload, loose, key, kinds=kinds, concurrency=streams, warmup=streams,
@@ -425,6 +433,9 @@ def run_scenarios(server: Server, args, workloads: dict[str, Path], slo: SLO) ->
                     record_counters(out[key], before, server_counters(url))
         elif scenario == "crowd":
             _closed_loops(out, url, "crowd", workloads["image32"], args.crowd_streams, args.crowd_rounds, counters=True)
+        elif scenario == "parallel":
+            _closed_loops(out, url, "parallel", workloads["image32n4"], args.parallel_streams, args.parallel_rounds,
+                          counters=True, modes=("defaults", "top_p"))
         elif scenario == "video":
             _closed_loops(out, url, "video", workloads["video32"], args.video_streams, args.video_rounds)
         elif scenario == "videomix":
@@ -531,10 +542,13 @@ def ratios(results: dict) -> list[tuple[str, str, float | None, float | None, fl
                 add(f"{label} {key}, inter-token p99", "s", streams[key]["tbt_p99"], vllm[key]["tbt_p99"])
     for name in _with_twins(results, *DEPLOYED, "hydrad-nocache"):
         ours = results.get(name, {})
-        for key in sorted((k for k in ours if k.startswith(("chat", "crowd", "video")) and k in vllm),
+        for key in sorted((k for k in ours if k.startswith(("chat", "crowd", "video", "parallel")) and k in vllm),
                           key=_chat_order):
             add(f"{name} {key}", "req/s", ours[key]["req_per_s"], vllm[key]["req_per_s"])
             add(f"{name} {key}, TTFT p50", "s", ours[key]["ttft_p50"], vllm[key]["ttft_p50"])
+            if key.startswith("parallel"):
+                add(f"{name} {key}, prompt tokens found cached", "share", ours[key].get("prefix_hit_rate"),
+                    vllm[key].get("prefix_hit_rate"))
             _add_longest_gap(add, f"{name} {key}", ours[key], vllm[key])
             if key.startswith("video"):  # the same frames kept: the prompts count alike
                 add(f"{name} {key}, prompt tokens", "tokens", ours[key].get("prompt_tokens"),
@@ -571,7 +585,8 @@ def _with_twins(results: dict, *names: str) -> list[str]:
 
 
 def _chat_order(key: str) -> tuple[str, float, str]:
-    kind = next(k for k in ("chat", "crowd", "videomix", "video", "mixrate", "scoremix") if key.startswith(k))
+    kind = next(k for k in ("chat", "crowd", "videomix", "video", "mixrate", "scoremix", "parallel")
+                if key.startswith(k))
     streams, _, mode = key[len(kind):].partition("/")
     return kind, float(streams), mode
 
@@ -673,6 +688,9 @@ def main() -> None:
                         help="KV cache of every hydrad server in MB instead (split over its instances)")
     parser.add_argument("--crowd-streams", type=int, nargs="+", default=[256])
     parser.add_argument("--crowd-rounds", type=int, default=2, help="requests per stream slot in a crowd run")
+    parser.add_argument("--parallel-streams", type=int, nargs="+", default=[4, 64],
+                        help="requests in flight in the parallel scenario (each 4 sequences)")
+    parser.add_argument("--parallel-rounds", type=int, default=3, help="requests per slot in a parallel run")
     parser.add_argument("--before", metavar="REPO",
                         help="another hydrad checkout: each hydrad server also runs from it, as NAME@before")
     parser.add_argument("--video-streams", type=int, nargs="+", default=[16, 256])
@@ -738,7 +756,8 @@ def main() -> None:
         servers = {}
         for name, devices, deploy, config, scenarios in (
             ("hydrad-1EPD", "cpu:1", "1EPD", "slo.toml",
-             ("start", "peak", "single", "poisson", "scoremix", "chat", "crowd", "video", "videomix", "mixrate")),
+             ("start", "peak", "single", "poisson", "scoremix", "chat", "parallel", "crowd", "video", "videomix",
+              "mixrate")),
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
@@ -756,7 +775,7 @@ def main() -> None:
             vllm_model = vllm_copy(model, tmp / "vllm-model")
             servers["vllm"] = vllm_server(args.vllm_python, vllm_model, tmp / "vllm.log",
                                           ("start", "peak", "single", "poisson", "streams", "json", "jsonlarge",
-                                           "scoring", "scoremix", "chat", "crowd",
+                                           "scoring", "scoremix", "chat", "parallel", "crowd",
                                            "video",
                                            "videomix", "mixrate"),
                                           args.kv_cache_gib, args.dtype,

@@ -47,7 +47,8 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
     the prompt's text. A scoring request (``spec.prompt_logprobs``) asks for its prompt's
     log-probabilities as vLLM names them (``prompt_logprobs``: the top one at each position),
     which come only with a whole answer (vLLM and hydrad refuse them on a stream): it is
-    sent unstreamed, and its answer's tokens all come at its end (``stream_chat``)."""
+    sent unstreamed, and its answer's tokens all come at its end (``stream_chat``). So is a
+    request for ``spec.n`` > 1 completions: its answer has ``n * output_tokens`` tokens."""
     if image_urls or video_urls:
         content: str | list[dict] = [{"type": "image_url", "image_url": {"url": url}} for url in image_urls]
         content += [{"type": "video_url", "video_url": {"url": url}} for url in video_urls]
@@ -67,9 +68,13 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
         "stream_options": {"include_usage": True},
     }
     if spec.prompt_logprobs:
-        body.update(prompt_logprobs=1, stream=False)
+        body.update(prompt_logprobs=1)
+    if spec.n > 1:
+        body.update(n=spec.n)
+    if spec.prompt_logprobs or spec.n > 1:
+        body["stream"] = False
         del body["stream_options"]
-    return Payload(json.dumps(body).encode(), spec.output_tokens)
+    return Payload(json.dumps(body).encode(), spec.output_tokens * spec.n)
 
 
 def _short(text: str) -> str:
@@ -235,10 +240,10 @@ async def _read_whole(resp: aiohttp.ClientResponse, record: StreamRecord, output
     if not isinstance(tokens, int) or tokens < 1:
         record.error = "the answer had no usage.completion_tokens"
         return
-    message = (body.get("choices") or [{}])[0].get("message") or {}
-    record.completion_tokens = tokens
+    record.completion_tokens, record.whole = tokens, True
     record.chunk_times, record.chunk_tokens = [now], [tokens]
-    record.chunk_chars = [len(message.get("content") or "")]
+    record.chunk_chars = [sum(len((choice.get("message") or {}).get("content") or "")
+                              for choice in body.get("choices") or ())]
     if output_tokens is not None and tokens != output_tokens:
         record.error = _wrong_length(tokens, output_tokens)
 

@@ -59,6 +59,8 @@ class StreamRecord:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     error: str | None = None
+    # The answer came whole (not streamed): its tokens all at once, no gaps between them.
+    whole: bool = False
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,7 @@ def _apportion_by_text(total: int, chars: list[int]) -> list[int] | None:
 
 def inter_token_gaps(record: StreamRecord) -> list[float]:
     counts = chunk_token_counts(record)
-    if not counts:
+    if not counts or record.whole:
         return []
     gaps = [0.0] * max(0, counts[0] - 1)
     last = record.chunk_times[0]

@@ -61,6 +61,8 @@ class RequestSpec:
     videos: tuple[SynthVideo | str, ...] = ()
     # Its prompt's log-probabilities asked for (a scoring request: vLLM's ``prompt_logprobs``).
     prompt_logprobs: bool = False
+    # Completions of the prompt asked for (the API's ``n``); more than one come in a whole answer.
+    n: int = 1
 
 
 class Workload(Protocol):
@@ -211,6 +213,7 @@ class _FileEntry:
     output_tokens: int
     videos: tuple[tuple[int, int, int, float] | str, ...] = ()  # (frames, width, height, fps) or a path
     prompt_logprobs: bool = False
+    n: int = 1
 
 
 class FileWorkload:
@@ -229,7 +232,7 @@ class FileWorkload:
             img if isinstance(img, str) else SynthImage(img[0], img[1], rng.getrandbits(63)) for img in entry.images
         )
         videos = tuple(v if isinstance(v, str) else SynthVideo(*v, rng.getrandbits(63)) for v in entry.videos)
-        return RequestSpec(prompt, entry.output_tokens, images, videos, entry.prompt_logprobs)
+        return RequestSpec(prompt, entry.output_tokens, images, videos, entry.prompt_logprobs, entry.n)
 
 
 def _positive_int(value: object, what: str, where: str) -> int:
@@ -294,7 +297,8 @@ def _parse_entry(obj: object, where: str, base: Path) -> tuple[_FileEntry, float
     prompt_logprobs = obj.get("prompt_logprobs", False)
     if not isinstance(prompt_logprobs, bool):
         raise ConfigError(f"{where}: 'prompt_logprobs' must be true or false, got {prompt_logprobs!r}")
-    return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens, tuple(videos), prompt_logprobs), timestamp
+    n = _positive_int(obj.get("n", 1), "'n'", where)
+    return _FileEntry(prompt, prompt_tokens, tuple(images), output_tokens, tuple(videos), prompt_logprobs, n), timestamp
 
 
 def _read_lines(path: Path) -> list[tuple[str, str]]:

@@ -24,6 +24,9 @@ POLICIES = ("round-robin", "least-load", "random", "cache-aware")
 # this many more requests in flight than the least loaded one, or this share more.
 BALANCE_SLACK = 8
 BALANCE_RATIO = 1.5
+# Groups of completions (``Router.select``) whose instance the router remembers; a group's
+# completions are sent one after the other, so a few are enough.
+GROUPS = 1024
 
 
 class Instance(Protocol):
@@ -109,6 +112,9 @@ class Router:
         self._counter = itertools.count()
         self._rng = random.Random(seed)
         self.prefixes = PrefixRoutes() if policy == "cache-aware" else None
+        # The entry instance of each recent group of completions (``EngineRequest.group``), the
+        # ``GROUPS`` most recent: their first was placed by the policy, the rest follow it.
+        self._groups: OrderedDict[str, int] = OrderedDict()
 
     def instance(self, instance_id: int):
         """The instance with this id, or None."""
@@ -119,8 +125,23 @@ class Router:
         return any(i.accepting and stage in i.role for i in self.instances)
 
     def select(self, has_images: bool, request=None):
-        """The entry instance of a new request (``request``: its prompt, for ``cache-aware``)."""
-        return self.select_stage(entry_stage(has_images), request=request)
+        """The entry instance of a new request (``request``: its prompt, for ``cache-aware``).
+        The completions of one prompt (``group``) go where the first of them went, while that
+        instance takes work: it prefills their prompt once."""
+        stage = entry_stage(has_images)
+        group = getattr(request, "group", None)
+        if group is None:
+            return self.select_stage(stage, request=request)
+        placed = self._groups.get(group)
+        if placed is not None:
+            instance = self.instance(placed)
+            if instance is not None and instance.accepting and stage in instance.role:
+                return instance
+        instance = self.select_stage(stage, request=request)
+        self._groups[group] = instance.instance_id
+        if len(self._groups) > GROUPS:
+            self._groups.popitem(last=False)
+        return instance
 
     def select_stage(self, stage: str, exclude=None, request=None):
         """An instance holding ``stage`` (the entry, or the target of a migration), other than

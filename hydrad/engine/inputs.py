@@ -36,6 +36,10 @@ class EngineRequest:
     # max_tokens, min_tokens and penalties, are not output again, and a seeded request's
     # generator goes on after their draws.
     output_token_ids: list[int] = field(default_factory=list)
+    # One of the ``n`` completions of a prompt (n > 1): the id of the first of them. The
+    # router places them all on one instance, which prefills their prompt once
+    # (``Scheduler._waits_for_prefix``).
+    group: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -37,7 +37,10 @@ the tokens and images it depends on, and so is every full block a request holds 
 leaves (finished, preempted, handed on). A new request first takes the longest run of
 its blocks found registered (never its last token: that one samples) and starts its
 prefill after them; its images that lie wholly inside need no encoding (one the run ends
-inside is encoded, and prefill reads the rest of its features). A request whose images
+inside is encoded, and prefill reads the rest of its features). A new request whose next
+blocks another admitted here is computing, a run of at least half of what it would compute,
+waits for them and finds them registered (``_waits_for_prefix``): the ``n`` completions of
+one prompt prefill it once; requests behind it go first meanwhile. A request whose images
 were encoded elsewhere takes its run when they arrive. A preempted request finds its own
 blocks again unless they were needed meanwhile.
 
@@ -264,6 +267,11 @@ class Scheduler:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.images_cached = 0
+        # The full prompt blocks that requests admitted here compute and have not registered
+        # yet, by digest (``_note_computing``): a new prompt whose next uncached block is one
+        # of them waits for it (``_waits_for_prefix``). Entries of requests that left are
+        # dropped as they are met.
+        self._computing: dict[bytes, Request] = {}
 
     # -- role changes (live redeploy) ----------------------------------------------------------
     def set_role(self, role: str, kv_manager: BlockManager | None, image_manager: BlockManager | None) -> None:
@@ -338,6 +346,8 @@ class Scheduler:
 
     def _update_caching(self) -> None:
         self._caching = self.prefix_caching and self.kv is not None and self.can_prefill
+        if not self._caching:
+            self._computing = {}
 
     @staticmethod
     def _first_stage(req: Request) -> str:
@@ -898,6 +908,9 @@ class Scheduler:
                 i += 1
                 continue
             cached = self._cached_prefix(req) if self._caching else []
+            if self._computing and self._waits_for_prefix(req, len(cached)):
+                i += 1  # the next one may go first: this one waits for a prompt, not for room
+                continue
             replayed = self._replayed_blocks(req)
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
             if kv is not None and self.can_prefill:
@@ -915,6 +928,7 @@ class Scheduler:
                     return
                 del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
+                self._note_computing(req)
                 self._allocate_images(req, skipped)
                 req.status = RequestStatus.ENCODING
                 self.encoding[req.req_id] = req
@@ -928,6 +942,7 @@ class Scheduler:
                     return
                 del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
+                self._note_computing(req)
                 self._start_running(req)
                 self.kv.grow(req.kv_block_ids, start + want)
                 budget.add_prefill(start, want, priced)
@@ -969,6 +984,51 @@ class Scheduler:
             return []
         return self.kv.lookup(block_digests(req, bs, max_blocks))
 
+    def _note_computing(self, req: Request) -> None:
+        """``req`` is admitted: the full blocks of its prompt past its cached prefix are being
+        computed here (``_computing``), until ``_register`` finds them in the pool."""
+        if not self._caching or req.digests_stopped:
+            return
+        bs = self.kv.block_size
+        computing = self._computing
+        for digest in block_digests(req, bs, req.num_tokens // bs)[req.num_registered_blocks:]:
+            computing.setdefault(digest, req)
+
+    def _forget_computing(self, req: Request) -> None:
+        """``req`` leaves its prefill (preempted, aborted, handed over) with blocks it has not
+        registered: nobody waits for them any more."""
+        computing = self._computing
+        for digest in req.block_digests[req.num_registered_blocks:]:
+            if computing.get(digest) is req:
+                del computing[digest]
+
+    def _waits_for_prefix(self, req: Request, num_cached: int) -> bool:
+        """Whether ``req``'s next block past its ``num_cached`` cached ones is one that a request
+        admitted here computes now (``_computing``), in a run of at least half the tokens
+        ``req`` would compute: then ``req`` waits for that prefill and finds it cached, instead
+        of computing the same tokens beside it. The ``n`` completions of one prompt prefill it
+        once (the first; the others compute its last partial block), as do equal prompts sent
+        at once; a prompt that shares only a short beginning (a system prompt) with one being
+        computed does not wait for it. A request that asks for its prompt's log-probabilities
+        computes every token anyway, and never waits."""
+        if req.prompt_logprobs is not None:
+            return False
+        digests = req.block_digests[:(req.num_tokens - 1) // self.kv.block_size]  # as ``_cached_prefix`` looks
+        if num_cached >= len(digests):
+            return False
+        computing, prefilling, encoding = self._computing, self.prefilling, self.encoding
+        shared = 0  # blocks from its next on that requests here compute (one, or several in turn)
+        for digest in digests[num_cached:]:
+            leader = computing.get(digest)
+            if leader is None:
+                break
+            if prefilling.get(leader.req_id) is not leader and encoding.get(leader.req_id) is not leader:
+                del computing[digest]  # it left before computing that block
+                break
+            shared += 1
+        # Worth a wait where the run is at least half of what it would compute.
+        return shared > 0 and 2 * shared * self.kv.block_size >= req.num_tokens - num_cached * self.kv.block_size
+
     def _replayed_blocks(self, req: Request) -> int:
         """KV blocks of the traced hit a simulated request replays here (``replay_cached``)."""
         if not (self.replay_cached and req.num_cached_tokens and self.kv is not None and self.can_prefill):
@@ -1009,8 +1069,11 @@ class Scheduler:
             return
         digests = block_digests(req, bs, full)
         kv, block_ids = self.kv, req.kv_block_ids
+        computing = self._computing
         for j in range(req.num_registered_blocks, len(digests)):
             kv.register(block_ids[j], digests[j])
+            if computing and computing.get(digests[j]) is req:
+                del computing[digests[j]]
         req.num_registered_blocks = full
 
     def finish_pull(self, req: Request) -> None:
@@ -1272,9 +1335,13 @@ class Scheduler:
                 del self.prefilling[req.req_id]
             if self._spent:
                 self._spent.pop(req.req_id, None)
+            if self._computing and req.num_computed_tokens < req.num_tokens:
+                self._forget_computing(req)
             self._dropped.append(req)
         elif status is RequestStatus.ENCODING:
             del self.encoding[req.req_id]
+            if self._computing:
+                self._forget_computing(req)
         elif status is RequestStatus.WAITING:
             (self.incoming if req.pull is not None else self.waiting).remove(req)
         elif status is RequestStatus.OFFERED:
@@ -1328,6 +1395,9 @@ class Scheduler:
             raise AssertionError("running is not exactly decoding + prefilling")
         if any(req_id not in self.running for req_id in self._spent):
             raise AssertionError("a stream that left the running requests still guards the steps")
+        for r in self._computing.values():
+            if self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r:
+                raise AssertionError(f"{r} left its prefill but new prompts may still wait for it")
         for r in self.decoding.values():
             if not r.is_decode:
                 raise AssertionError(f"{r} sits in the decoding queue")

@@ -192,6 +192,9 @@ class EngineClient:
             one = len(requests) == 1
             requests = [self.processor.make_engine_request(req_id if one else f"{req_id}-{i}", prompt, p)
                         for i, (prompt, p) in enumerate(requests)]
+            if options.n > 1:  # each prompt's completions, placed together (``Router.select``)
+                for i, request in enumerate(requests):
+                    request.group = requests[i - i % options.n].req_id
             for request in requests[::options.n]:  # each prompt's, which its completions share
                 for image in request.images:
                     image.pixel_values.share_memory_()

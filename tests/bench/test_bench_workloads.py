@@ -115,6 +115,23 @@ def test_a_scoring_line_asks_for_its_prompts_log_probabilities(write_jsonl):
     assert "prompt_logprobs" not in json.loads(chat_payload("m", plain, []))
 
 
+def test_a_line_with_n_asks_for_that_many_completions_whole(write_jsonl):
+    import json
+
+    from hydrad.bench.client import chat_payload
+
+    path = write_jsonl([{"prompt_tokens": 30, "output_tokens": 4, "n": 3}, {"prompt_tokens": 30, "output_tokens": 4}])
+    workload = load_workload(str(path), seed=0)
+    several, one = workload.request(0, 0), workload.request(1, 0)
+    assert several.n == 3 and one.n == 1
+    payload = chat_payload("m", several, [], {"temperature": 1.0})
+    body = json.loads(payload)
+    assert body["n"] == 3 and body["stream"] is False and "stream_options" not in body
+    assert payload.output_tokens == 12  # the answer must hold every completion's tokens
+    body = json.loads(chat_payload("m", one, []))
+    assert "n" not in body and body["stream"] is True
+
+
 @pytest.mark.parametrize(
     "row, message",
     [
@@ -128,6 +145,7 @@ def test_a_scoring_line_asks_for_its_prompts_log_probabilities(write_jsonl):
         ({"prompt": "x", "output_tokens": 1, "videos": ["missing.mp4"]}, "video file 'missing.mp4' not found"),
         ({"prompt": "x", "output_tokens": 1, "videos": [7]}, "a video is a file path"),
         ({"prompt": "x", "output_tokens": 1, "prompt_logprobs": 1}, "'prompt_logprobs' must be true or false"),
+        ({"prompt": "x", "output_tokens": 1, "n": 0}, "'n' must be a positive integer"),
     ],
 )
 def test_bad_jsonl_lines_name_the_line(write_jsonl, row, message):

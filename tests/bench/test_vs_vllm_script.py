@@ -99,6 +99,20 @@ def test_video_runs_compare_their_prompt_tokens(script):
                     "hydrad-1EPD video16/greedy, prompt tokens": 0.5}
 
 
+def test_parallel_runs_compare_the_prompt_tokens_found_cached(script):
+    run = {"req_per_s": 2.0, "ttft_p50": 1.0, "prefix_hit_rate": 0.72}
+    results = {"hydrad-1EPD": {"parallel64/top_p": run, "parallel4/defaults": run},
+               "vllm": {"parallel64/top_p": {**run, "req_per_s": 1.0, "prefix_hit_rate": 0.36},
+                        "parallel4/defaults": run}}
+    rows = {label: ratio for label, _, _, _, ratio in script.ratios(results)}
+    assert rows["hydrad-1EPD parallel64/top_p"] == 2.0
+    assert rows["hydrad-1EPD parallel64/top_p, prompt tokens found cached"] == pytest.approx(2.0)
+    # Fewer requests in flight first.
+    assert [label for label in rows if label.endswith("found cached")] == [
+        "hydrad-1EPD parallel4/defaults, prompt tokens found cached",
+        "hydrad-1EPD parallel64/top_p, prompt tokens found cached"]
+
+
 def test_many_streams_compare_each_requests_longest_gap(script):
     run = {"req_per_s": 2.0, "ttft_p50": 1.0, "max_gap_p50": 0.1}
     results = {"hydrad-1EP+1D": {"crowd256/greedy": run},

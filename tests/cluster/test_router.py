@@ -147,3 +147,45 @@ def test_cache_aware_forgets_the_oldest_prefixes():
     assert len(router.prefixes) == 6
     assert router.prefixes.matches(router.prefixes.digests(_prompt(0)), [0, 1]) == {0: 0, 1: 0}
     assert max(router.prefixes.matches(router.prefixes.digests(_prompt(9)), [0, 1]).values()) == 3
+
+
+@dataclass
+class Completion:
+    """One of a prompt's ``n`` completions, as the router sees it."""
+
+    group: str | None
+    prompt_token_ids: tuple = ()
+    images: tuple = ()
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-load", "random", "cache-aware"])
+def test_the_completions_of_one_prompt_go_where_the_first_went(policy):
+    """The n completions of a prompt share its prefill only on one instance: every policy
+    places the first of them, the rest follow it while it takes work."""
+    instances = [FakeInstance("EPD", instance_id=i) for i in range(3)]
+    router = Router(instances, policy, seed=3)
+    for group in ("a", "b", "c", "d"):
+        chosen = [router.select(False, Completion(group)) for _ in range(4)]
+        assert len(set(map(id, chosen))) == 1, chosen
+        chosen[0].num_inflight += 4
+    # Groups are placed by the policy: round-robin and least-load spread four of them.
+    if policy in ("round-robin", "least-load"):
+        assert sorted(i.num_inflight for i in instances) == [4, 4, 8]
+    # The instance of a group stops taking work: the rest of the group goes elsewhere, together.
+    first = router.select(False, Completion("e"))
+    first.accepting = False
+    rest = {id(router.select(False, Completion("e"))) for _ in range(3)}
+    assert len(rest) == 1 and id(first) not in rest
+    # Requests outside a group are placed one by one.
+    first.accepting = True
+    if policy == "round-robin":
+        assert len({id(router.select(False, Completion(None))) for _ in range(3)}) == 3
+
+
+def test_the_router_remembers_a_bounded_number_of_groups():
+    from hydrad.cluster.router import GROUPS
+
+    router = Router([FakeInstance("EPD", instance_id=i) for i in range(2)], "round-robin")
+    for g in range(GROUPS + 10):
+        router.select(False, Completion(str(g)))
+    assert len(router._groups) == GROUPS and "0" not in router._groups and str(GROUPS + 9) in router._groups

@@ -145,6 +145,23 @@ def test_greedy_matches_from_cached_prefixes(tiny_llava_dir, conversations, refe
     assert s.prefix_hits - hits >= sum(prompts[:2]) - 2 * 4 - 8
 
 
+def test_greedy_n_completions_prefill_their_prompt_once_and_match(tiny_llava_dir, conversations, reference):
+    """Four greedy completions of each conversation, all sent at once: the first of each
+    prefills the prompt (and encodes its images), the other three wait and find it cached;
+    every completion is transformers' answer."""
+    llm = LLM(str(tiny_llava_dir), kv_block_size=4, token_budget=512)
+    outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=4))
+    s = llm.engine.scheduler
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert [c.token_ids for c in out.outputs] == [ref] * 4, f"conversation {i}"
+        found = (len(out.prompt_token_ids) - 1) // 4 * 4
+        # The first computed its prompt (after a beginning other conversations share, if cached).
+        first, *others = [c.num_cached_tokens for c in out.outputs]
+        assert first < found and others == [found] * 3, f"conversation {i}"
+    assert s.images_cached >= 3 * sum(out.num_images for out in outs) > 0
+    assert not s._computing and llm.engine.kv_manager.num_used_blocks == 0
+
+
 def test_dual_streams_forced_on_gives_the_same_tokens(tiny_llava_dir, conversations, reference):
     # Off by default on CPU; the two-executor path must stay exact where it is used.
     llm = LLM(str(tiny_llava_dir), dual_streams=True, token_budget=32)

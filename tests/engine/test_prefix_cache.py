@@ -241,6 +241,100 @@ def test_a_preempted_request_finds_its_own_blocks_again():
     assert sum(len(o.preempted) for o in outs) == s.num_preemptions
 
 
+def test_equal_prompts_sent_at_once_prefill_once():
+    """The n completions of a prompt (or equal prompts sent together): the first prefills it
+    and encodes its image, the others wait for that and compute only its last partial block."""
+    s = make_scheduler()
+    pool = FakePool(s)
+    reqs = [_request(name, range(100, 130), [_image(4, 16, 1)]) for name in "abcd"]
+    for r in reqs:
+        s.add(r)
+    out, _ = step(s, pool)
+    # a's image alone (the step takes two images: b's would have gone beside it), then its
+    # prefill alone (30 of the step's 32 tokens: b would have taken the last two).
+    assert out.encodes == [(reqs[0], 0)] and not out.chunks
+    out, _ = step(s, pool)
+    assert not out.encodes and out.chunks == [(reqs[0], 30)]
+    assert all(r.status is RequestStatus.WAITING for r in reqs[1:])
+    out, _ = step(s, pool)
+    # 28 tokens (7 blocks) found, the image inside them: two tokens each, nothing encoded.
+    assert not out.encodes and [(r, n) for r, n in out.chunks[out.num_decodes:]] == [(r, 2) for r in reqs[1:]]
+    assert s.prefix_hits == 3 * 28 and s.images_cached == 3 and all(r.num_cached_tokens == 28 for r in reqs[1:])
+    run_until_done(s, pool, reqs)
+    assert not s._computing
+
+
+def test_a_prompt_prefilled_in_chunks_is_waited_for_to_its_end():
+    s = make_scheduler(token_budget=16)
+    pool = FakePool(s)
+    a, b = _request("a", range(100, 160)), _request("b", range(100, 160))
+    s.add(a)
+    s.add(b)
+    for expected in (16, 16, 16, 12):
+        out, _ = step(s, pool)
+        assert out.chunks[-1] == (a, expected) and b.status is RequestStatus.WAITING
+    out, _ = step(s, pool)
+    assert out.chunks == [(a, 1), (b, 4)] and b.num_cached_tokens == 56
+    # A different prompt behind b was not held up: it went in beside a's chunks.
+    c = _request("c", range(300, 310))
+    d = _request("d", range(300, 310))
+    e = _request("e", range(500, 505))
+    for r in (c, d, e):
+        s.add(r)
+    out, _ = step(s, pool)
+    assert (c, 10) in out.chunks and e in [r for r, _ in out.chunks] and d.status is RequestStatus.WAITING
+    run_until_done(s, pool, [a, b, c, d, e])
+
+
+def test_a_prompt_whose_first_leaves_is_computed_by_the_next():
+    """The first of two equal prompts is aborted (or preempted) during its prefill: the other
+    stops waiting and computes it; nothing is left waiting for a request that is gone."""
+    s = make_scheduler(token_budget=16)
+    pool = FakePool(s)
+    a, b = _request("a", range(100, 160)), _request("b", range(100, 160))
+    s.add(a)
+    s.add(b)
+    step(s, pool)
+    assert b.status is RequestStatus.WAITING and s._computing
+    s.abort("a")
+    s.check_integrity()
+    assert not s._computing
+    out, _ = step(s, pool)
+    # b finds a's first 16 tokens (registered before the abort) and goes on from there.
+    assert out.chunks == [(b, 16)] and b.num_cached_tokens == 16
+    run_until_done(s, pool, [b])
+
+
+def test_a_prompt_that_shares_only_a_short_beginning_does_not_wait():
+    """One block (a system prompt) in common with a prompt being computed: not worth a step's
+    wait; half of what it would compute is."""
+    s = make_scheduler(token_budget=64)
+    pool = FakePool(s)
+    a = _request("a", range(100, 130))
+    b = _request("b", list(range(100, 104)) + list(range(300, 326)))  # a's first block, then its own
+    c = _request("c", list(range(100, 116)) + list(range(400, 416)))  # a's first four blocks of 32 tokens
+    for r in (a, b, c):
+        s.add(r)
+    out, _ = step(s, pool)
+    assert [r for r, _ in out.chunks] == [a, b] and c.status is RequestStatus.WAITING
+    out, _ = step(s, pool)
+    assert out.chunks[-1] == (c, 16) and c.num_cached_tokens == 16
+    run_until_done(s, pool, [a, b, c])
+
+
+def test_a_request_that_prices_its_prompt_does_not_wait():
+    s = make_scheduler(token_budget=64)
+    pool = FakePool(s)
+    a = _request("a", range(100, 130))
+    b = Request(EngineRequest("b", list(range(100, 130)), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                         prompt_logprobs=1)))
+    s.add(a)
+    s.add(b)
+    out, _ = step(s, pool)
+    assert out.chunks == [(a, 30), (b, 30)]
+    run_until_done(s, pool, [a, b])
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_shared_prefixes_under_pressure_keep_every_request_on_its_own_kv(seed):
     """Prompts from a few templates and images, a pool that evicts and preempts, aborts:

@@ -82,7 +82,8 @@ def test_bench_library_against_live_daemon(daemon):
 def test_bench_library_sends_a_scoring_line_whole_beside_streams(daemon, tmp_path):
     """A workload line with ``prompt_logprobs`` (a trace's scoring request) goes out as one:
     unstreamed (the daemon, as vLLM, refuses prompt log-probabilities on a stream), its one
-    token counted, its TTFT its end-to-end time; the streamed lines beside it keep their gaps."""
+    token counted, its TTFT its end-to-end time; the streamed lines beside it keep their gaps.
+    A line with ``n`` goes out whole too, every completion's tokens counted."""
     import json
 
     from hydrad.bench.config import SLO, BenchConfig
@@ -92,15 +93,17 @@ def test_bench_library_sends_a_scoring_line_whole_beside_streams(daemon, tmp_pat
     workload.write_text("\n".join(json.dumps(line) for line in [
         {"prompt_tokens": 40, "output_tokens": 1, "prompt_logprobs": True},
         {"prompt_tokens": 12, "images": [{"width": 64, "height": 48}], "output_tokens": 3},
+        {"prompt_tokens": 12, "images": [{"width": 64, "height": 48}], "output_tokens": 2, "n": 4},
     ]) + "\n")
     result = run_bench(BenchConfig(url=daemon.url, slo=SLO(ttft=30.0, tbt=5.0), workload=str(workload),
-                                   num_requests=6, rates=(8.0,), seed=1))
+                                   num_requests=9, rates=(8.0,), seed=1))
     results = result.runs[0].results
     assert result.summary.errors == 0, [r.error for r in results]
     scoring = [r for r in results if r.output_tokens == 1]
     streamed = [r for r in results if r.output_tokens == 3]
-    assert len(scoring) == len(streamed) == 3
-    assert all(r.tbts == () and r.ttft == pytest.approx(r.e2e, abs=0.01) for r in scoring)
+    several = [r for r in results if r.output_tokens == 8]
+    assert len(scoring) == len(streamed) == len(several) == 3
+    assert all(r.tbts == () and r.ttft == pytest.approx(r.e2e, abs=0.01) for r in scoring + several), [(r.tbts, r.ttft, r.e2e) for r in scoring + several]
     assert all(len(r.tbts) == 2 for r in streamed)
 
 
