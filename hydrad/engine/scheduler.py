@@ -269,8 +269,8 @@ class Scheduler:
         self.images_cached = 0
         # The full prompt blocks that requests admitted here compute and have not registered
         # yet, by digest (``_note_computing``): a new prompt whose next uncached block is one
-        # of them waits for it (``_waits_for_prefix``). Entries of requests that left are
-        # dropped as they are met.
+        # of them waits for it (``_waits_for_prefix``). An entry goes when its block is
+        # registered or its request leaves its prefill (``_forget_computing``).
         self._computing: dict[bytes, Request] = {}
 
     # -- role changes (live redeploy) ----------------------------------------------------------
@@ -1013,12 +1013,12 @@ class Scheduler:
         computes every token anyway, and never waits."""
         if req.prompt_logprobs is not None:
             return False
-        digests = req.block_digests[:(req.num_tokens - 1) // self.kv.block_size]  # as ``_cached_prefix`` looks
-        if num_cached >= len(digests):
-            return False
+        digests = req.block_digests
+        limit = min(len(digests), (req.num_tokens - 1) // self.kv.block_size)  # as ``_cached_prefix`` looks
         computing, prefilling, encoding = self._computing, self.prefilling, self.encoding
         shared = 0  # blocks from its next on that requests here compute (one, or several in turn)
-        for digest in digests[num_cached:]:
+        for j in range(num_cached, limit):
+            digest = digests[j]
             leader = computing.get(digest)
             if leader is None:
                 break
@@ -1333,10 +1333,10 @@ class Scheduler:
             del self.running[req.req_id]
             if self.decoding.pop(req.req_id, None) is None:
                 del self.prefilling[req.req_id]
+                if self._computing:
+                    self._forget_computing(req)
             if self._spent:
                 self._spent.pop(req.req_id, None)
-            if self._computing and req.num_computed_tokens < req.num_tokens:
-                self._forget_computing(req)
             self._dropped.append(req)
         elif status is RequestStatus.ENCODING:
             del self.encoding[req.req_id]
