@@ -112,9 +112,9 @@ class Router:
         self._counter = itertools.count()
         self._rng = random.Random(seed)
         self.prefixes = PrefixRoutes() if policy == "cache-aware" else None
-        # The entry instance of each recent group of completions (``EngineRequest.group``), the
-        # ``GROUPS`` most recent: their first was placed by the policy, the rest follow it.
-        self._groups: OrderedDict[str, int] = OrderedDict()
+        # Where each stage of each recent group of completions (``EngineRequest.group``) went,
+        # by (group, stage), the ``GROUPS`` most recent: the first was placed by the policy.
+        self._groups: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def instance(self, instance_id: int):
         """The instance with this id, or None."""
@@ -125,28 +125,32 @@ class Router:
         return any(i.accepting and stage in i.role for i in self.instances)
 
     def select(self, has_images: bool, request=None):
-        """The entry instance of a new request (``request``: its prompt, for ``cache-aware``).
-        The completions of one prompt (``group``) go where the first of them went, while that
-        instance takes work: it prefills their prompt once."""
-        stage = entry_stage(has_images)
-        group = getattr(request, "group", None)
-        if group is None:
-            return self.select_stage(stage, request=request)
-        placed = self._groups.get(group)
-        if placed is not None:
-            instance = self.instance(placed)
-            if instance is not None and instance.accepting and stage in instance.role:
-                return instance
-        instance = self.select_stage(stage, request=request)
-        self._groups[group] = instance.instance_id
-        if len(self._groups) > GROUPS:
-            self._groups.popitem(last=False)
-        return instance
+        """The entry instance of a new request (``request``: its prompt, for ``cache-aware``)."""
+        return self.select_stage(entry_stage(has_images), request=request)
 
     def select_stage(self, stage: str, exclude=None, request=None):
         """An instance holding ``stage`` (the entry, or the target of a migration), other than
         ``exclude`` when another one holds it. ``request`` (anything with ``prompt_token_ids``
-        and ``images``): what it will run there, for ``cache-aware``."""
+        and ``images``): what it will run there, for ``cache-aware``. The completions of one
+        prompt (``request.group``) go where the first of them went for that stage, while that
+        instance takes work there: it prefills their prompt once."""
+        group = getattr(request, "group", None)
+        if group is None:
+            return self._pick(stage, exclude, request)
+        key = (group, stage)
+        placed = self._groups.get(key)
+        if placed is not None:
+            instance = self.instance(placed)
+            if instance is not None and instance is not exclude and instance.accepting and stage in instance.role:
+                return instance
+        instance = self._pick(stage, exclude, request)
+        self._groups[key] = instance.instance_id
+        if len(self._groups) > GROUPS:
+            self._groups.popitem(last=False)
+        return instance
+
+    def _pick(self, stage: str, exclude, request):
+        """``select_stage`` by the policy alone."""
         candidates = [i for i in self.instances if i.accepting and stage in i.role]
         if exclude is not None and len(candidates) > 1:
             candidates = [i for i in candidates if i is not exclude] or candidates

@@ -83,6 +83,9 @@ class MigrationOffer:
     num_long_gaps: int = 0
     # Prompt tokens the request found cached where its prefill started (None: not there yet).
     num_cached_tokens: int | None = None
+    # One of a prompt's ``n`` completions (``EngineRequest.group``): the router sends each
+    # stage of them to one instance.
+    group: str | None = None
 
     @property
     def next_stage(self) -> str:
@@ -144,6 +147,7 @@ def offer_for(req: Request, kind: str, instance_id: int) -> MigrationOffer:
         last_token_time=req.last_token_time,
         num_long_gaps=req.num_long_gaps,
         num_cached_tokens=req.num_cached_tokens,
+        group=req.group,
     )
 
 

@@ -41,6 +41,8 @@ class Request:
         # migration reads its positions from these.
         self.mrope_positions = req.mrope_positions
         self.mrope_delta = req.mrope_delta
+        # One of a prompt's ``n`` completions: the first one's id (``EngineRequest.group``).
+        self.group = req.group
         self.eos_token_ids = frozenset(req.eos_token_ids)
         # Token ids that finish the request: EOS unless ignore_eos, and the stop token ids.
         params = req.sampling_params
@@ -113,6 +115,7 @@ class Request:
                 eos_token_ids=offer.eos_token_ids,
                 mrope_positions=offer.mrope_positions,
                 mrope_delta=offer.mrope_delta,
+                group=offer.group,
             )
         )
         req.set_output(offer.output_token_ids)

@@ -40,7 +40,8 @@ prefill after them; its images that lie wholly inside need no encoding (one the 
 inside is encoded, and prefill reads the rest of its features). A new request whose next
 blocks another admitted here is computing, a run of at least half of what it would compute,
 waits for them and finds them registered (``_waits_for_prefix``): the ``n`` completions of
-one prompt prefill it once; requests behind it go first meanwhile. A request whose images
+one prompt prefill it once; requests behind it go first meanwhile (an image offered by an
+E instance stays unpulled meanwhile). A request whose images
 were encoded elsewhere takes its run when they arrive. A preempted request finds its own
 blocks again unless they were needed meanwhile.
 
@@ -855,6 +856,12 @@ class Scheduler:
                     full = True  # the first tokens after it wait too, in their order
                     i += 1
                     continue
+            if kind == "image" and self._computing and self._caching:
+                # Another of its prompt's completions is computing it here: its pull waits.
+                cached = len(self._cached_prefix(req))
+                if self._waits_for_prefix(req, cached):
+                    i += 1
+                    continue
             if kind == "image":
                 need = self._image_blocks_needed(req)
                 if not self.images.can_allocate(need):
@@ -880,6 +887,8 @@ class Scheduler:
             req.status = RequestStatus.PULLING
             self.pulling[req.req_id] = req
             out.pulls.append(Pull(req, kind, source, src, dst))
+            if kind == "image":  # its prefill is here: the others of its prompt wait for it
+                self._note_computing(req)
 
     def _admit_new(self, out: SchedulerOutput, budget: StepBudget, long: bool | None = None) -> None:
         """Admit waiting requests in order while there is room: a slot (``max_num_seqs``), the
@@ -985,8 +994,10 @@ class Scheduler:
         return self.kv.lookup(block_digests(req, bs, max_blocks))
 
     def _note_computing(self, req: Request) -> None:
-        """``req`` is admitted: the full blocks of its prompt past its cached prefix are being
-        computed here (``_computing``), until ``_register`` finds them in the pool."""
+        """``req`` is admitted (or pulled in to be prefilled here): the full blocks of its prompt
+        past its cached prefix are being computed here (``_computing``), until ``_register``
+        finds them in the pool. (A pulled request takes its cached prefix when its pull ends:
+        the blocks of that prefix it was noted for are forgotten then.)"""
         if not self._caching or req.digests_stopped:
             return
         bs = self.kv.block_size
@@ -994,11 +1005,11 @@ class Scheduler:
         for digest in block_digests(req, bs, req.num_tokens // bs)[req.num_registered_blocks:]:
             computing.setdefault(digest, req)
 
-    def _forget_computing(self, req: Request) -> None:
-        """``req`` leaves its prefill (preempted, aborted, handed over) with blocks it has not
-        registered: nobody waits for them any more."""
+    def _forget_computing(self, req: Request, num_blocks: int | None = None) -> None:
+        """``req`` leaves its prefill (preempted, aborted, handed over): nobody waits for the
+        blocks it has not registered any more (``num_blocks``: its first so many only)."""
         computing = self._computing
-        for digest in req.block_digests[req.num_registered_blocks:]:
+        for digest in req.block_digests[:num_blocks]:
             if computing.get(digest) is req:
                 del computing[digest]
 
@@ -1022,7 +1033,8 @@ class Scheduler:
             leader = computing.get(digest)
             if leader is None:
                 break
-            if prefilling.get(leader.req_id) is not leader and encoding.get(leader.req_id) is not leader:
+            if (prefilling.get(leader.req_id) is not leader and encoding.get(leader.req_id) is not leader
+                    and self.pulling.get(leader.req_id) is not leader):
                 del computing[digest]  # it left before computing that block
                 break
             shared += 1
@@ -1082,6 +1094,8 @@ class Scheduler:
         kind, _, _, num_computed = req.pull
         req.pull = None
         if req.status is RequestStatus.FINISHED:  # aborted while copying
+            if self._computing:
+                self._forget_computing(req)
             self._free_blocks(req)
             return
         if kind == "image":
@@ -1093,6 +1107,8 @@ class Scheduler:
             if self._caching or (replayed and self.kv.can_allocate(replayed)):
                 self._take_prefix(req, self._cached_prefix(req) if self._caching else [], 0, replayed)
                 self._free_read_images(req)
+            if self._computing:  # what it found cached it does not compute
+                self._forget_computing(req, req.num_registered_blocks)
         else:
             req.num_computed_tokens = num_computed
             req.mark("kv_pulled")
@@ -1396,7 +1412,8 @@ class Scheduler:
         if any(req_id not in self.running for req_id in self._spent):
             raise AssertionError("a stream that left the running requests still guards the steps")
         for r in self._computing.values():
-            if self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r:
+            if (self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r
+                    and self.pulling.get(r.req_id) is not r):
                 raise AssertionError(f"{r} left its prefill but new prompts may still wait for it")
         for r in self.decoding.values():
             if not r.is_decode:

@@ -188,4 +188,19 @@ def test_the_router_remembers_a_bounded_number_of_groups():
     router = Router([FakeInstance("EPD", instance_id=i) for i in range(2)], "round-robin")
     for g in range(GROUPS + 10):
         router.select(False, Completion(str(g)))
-    assert len(router._groups) == GROUPS and "0" not in router._groups and str(GROUPS + 9) in router._groups
+    assert len(router._groups) == GROUPS
+    assert ("0", "P") not in router._groups and (str(GROUPS + 9), "P") in router._groups
+
+
+def test_the_completions_of_one_prompt_are_handed_on_to_one_instance():
+    """Encoded on one E instance, a prompt's completions are offered to a P instance each:
+    all go to the one the first went to (which prefills their prompt once), while it takes
+    work; requests of no group are spread as the policy says."""
+    e = FakeInstance("E", instance_id=0)
+    pds = [FakeInstance("PD", instance_id=i) for i in (1, 2, 3)]
+    router = Router([e, *pds], "round-robin")
+    entry = {id(router.select(True, Completion("g"))) for _ in range(4)}
+    assert entry == {id(e)}
+    targets = {id(router.select_stage("P", exclude=e, request=Completion("g"))) for _ in range(4)}
+    assert len(targets) == 1
+    assert len({id(router.select_stage("P", exclude=e, request=Completion(None))) for _ in range(3)}) == 3

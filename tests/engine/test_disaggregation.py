@@ -82,6 +82,25 @@ def test_prefill_instances_start_from_cached_prefixes(tiny_llava_dir, deploy, de
     _assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("deploy, devices", [("1E+1P+1D", "cpu:3"), ("1E+2PD", "cpu:3"), ("2EPD", "cpu:2")])
+def test_the_completions_of_one_prompt_prefill_it_once_in_every_deployment(tiny_llava_dir, deploy, devices,
+                                                                          conversations, reference):
+    """Four greedy completions of each conversation: they are placed together (on E, then on
+    P: round-robin would spread them), the first prefills the prompt and the others wait for
+    it, pulled in or not, and find it cached; each is transformers' answer."""
+    llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy=deploy, devices=devices, token_budget=512,
+              kv_block_size=4, router_policy="round-robin")
+    outs = llm.chat(conversations, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, n=4))
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert [c.token_ids for c in out.outputs] == [ref] * 4, f"{deploy}: conversation {i}"
+        found = (len(out.prompt_token_ids) - 1) // 4 * 4
+        first, *others = [c.num_cached_tokens for c in out.outputs]
+        assert first < found and others == [found] * 3, f"{deploy}: conversation {i}"
+    for engine in llm.engine.engines:
+        assert not engine.scheduler._computing
+    _assert_nothing_held(llm)
+
+
 @pytest.mark.parametrize("policy", ["cache-aware", "round-robin"])
 def test_the_cache_aware_router_sends_a_prompt_where_it_is_cached(tiny_llava_dir, conversations, reference, policy):
     llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy="2EPD", devices="cpu:2", token_budget=24,

@@ -322,6 +322,59 @@ def test_a_prompt_that_shares_only_a_short_beginning_does_not_wait():
     run_until_done(s, pool, [a, b, c])
 
 
+def _image_offer(req_id: str, tokens, image) -> Request:
+    """A request whose image an E instance encoded, offered here for its prefill."""
+    from hydrad.engine.migration import MigrationOffer
+
+    offer = MigrationOffer(
+        req_id=req_id, source=9, kind="image", block_ids=[[100 + i for i in range(image.length // 16 + 1)]],
+        prompt_token_ids=list(tokens), output_token_ids=[], num_computed_tokens=0,
+        sampling_params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        images=[dataclasses.replace(image, pixel_values=None)], eos_token_ids=(), generator_state=None,
+        timeline=dict(_request("x", [1]).timeline), group="g")
+    return Request.from_offer(offer)
+
+
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_completions_pulled_in_wait_for_the_first_ones_prefill(abort_first):
+    """On an instance that prefills what an E instance encoded, the first of a prompt's
+    completions pulled in is noted from its pull on: the others stay offered (their images
+    not pulled) until its prefill is registered, then take it cached. Aborted while its pull
+    runs, the first frees them."""
+    s = make_scheduler()
+    s.set_role("PD", s.kv, s.images)
+    pool = FakePool(s)
+    image = _image(4, 16, 1)
+    image.digest()  # as the offer carries it
+    reqs = [_image_offer(name, range(100, 130), image) for name in "abc"]
+    for r in reqs:
+        s.add(r)
+    out = s.schedule()
+    assert [p.req for p in out.pulls] == reqs[:1] and [r.req_id for r in s.incoming] == ["b", "c"]
+    s.check_integrity()
+    if abort_first:
+        s.abort("a")
+        s.finish_pull(reqs[0])  # the copy thread ends; the aborted request gives its blocks back
+        s.check_integrity()
+        assert not s._computing
+        out = s.schedule()
+        assert [p.req for p in out.pulls] == reqs[1:2]
+        return
+    s.finish_pull(reqs[0])
+    for block_id in reqs[0].image_block_ids[0]:  # what the copy wrote
+        pool.image[block_id] = image.digest()
+    s.update_after_encode(out)
+    s.update_after_language(out, [])
+    out, _ = step(s, pool)
+    assert out.chunks == [(reqs[0], 30)] and [r.req_id for r in s.incoming] == ["b", "c"]
+    out = s.schedule()  # both pulled now, their images to be read after the cached prefix
+    assert [p.req for p in out.pulls] == reqs[1:]
+    for pull in out.pulls:
+        s.finish_pull(pull.req)
+    assert [r.num_cached_tokens for r in reqs[1:]] == [28, 28] and not s._computing
+    s.check_integrity()
+
+
 def test_a_request_that_prices_its_prompt_does_not_wait():
     s = make_scheduler(token_budget=64)
     pool = FakePool(s)
