@@ -1024,22 +1024,23 @@ class Scheduler:
         computes every token anyway, and never waits."""
         if req.prompt_logprobs is not None:
             return False
-        digests = req.block_digests
-        limit = min(len(digests), (req.num_tokens - 1) // self.kv.block_size)  # as ``_cached_prefix`` looks
-        computing, prefilling, encoding = self._computing, self.prefilling, self.encoding
-        shared = 0  # blocks from its next on that requests here compute (one, or several in turn)
-        for j in range(num_cached, limit):
-            digest = digests[j]
+        digests, bs = req.block_digests, self.kv.block_size
+        limit = min(len(digests), (req.num_tokens - 1) // bs)  # as ``_cached_prefix`` looks
+        # Worth a wait where the run is at least half of what it would compute.
+        enough = -(-(req.num_tokens - num_cached * bs) // (2 * bs))
+        if num_cached + enough > limit:
+            return False
+        computing, prefilling, encoding, pulling = self._computing, self.prefilling, self.encoding, self.pulling
+        # The blocks from its next on that requests here compute (one, or several in turn).
+        for digest in digests[num_cached:num_cached + enough]:
             leader = computing.get(digest)
             if leader is None:
-                break
+                return False
             if (prefilling.get(leader.req_id) is not leader and encoding.get(leader.req_id) is not leader
-                    and self.pulling.get(leader.req_id) is not leader):
+                    and pulling.get(leader.req_id) is not leader):
                 del computing[digest]  # it left before computing that block
-                break
-            shared += 1
-        # Worth a wait where the run is at least half of what it would compute.
-        return shared > 0 and 2 * shared * self.kv.block_size >= req.num_tokens - num_cached * self.kv.block_size
+                return False
+        return True
 
     def _replayed_blocks(self, req: Request) -> int:
         """KV blocks of the traced hit a simulated request replays here (``replay_cached``)."""
