@@ -24,8 +24,8 @@ POLICIES = ("round-robin", "least-load", "random", "cache-aware")
 # this many more requests in flight than the least loaded one, or this share more.
 BALANCE_SLACK = 8
 BALANCE_RATIO = 1.5
-# Groups of completions (``Router.select``) whose instance the router remembers; a group's
-# completions are sent one after the other, so a few are enough.
+# (group, stage) pairs of completions (``Router.select_stage``) whose instance the router
+# remembers; a group's completions are placed one after the other, so a few are enough.
 GROUPS = 1024
 
 
