@@ -212,8 +212,8 @@ class LLM:
             req_id = f"llm-{next(self._ids)}"
             out = RequestOutput(req_id, prompt.prompt_token_ids, num_images=len(prompt.images))
             for i, child in enumerate(split_choices(p, price_once=True)):
-                request = self.processor.make_engine_request(f"{req_id}-{i}" if p.n > 1 else req_id, prompt, child)
-                request.group = f"{req_id}-0" if p.n > 1 else None
+                request = self.processor.make_engine_request(f"{req_id}-{i}" if p.n > 1 else req_id, prompt, child,
+                                                             f"{req_id}-0" if p.n > 1 else None)
                 completion = CompletionOutput(i, logprobs=[] if child.logprobs is not None else None)
                 out.outputs.append(completion)
                 completions[request.req_id] = (completion, IncrementalDetokenizer(self.processor.tokenizer, child))

@@ -549,7 +549,10 @@ class InputProcessor:
         )
         return prompt
 
-    def make_engine_request(self, req_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> EngineRequest:
+    def make_engine_request(self, req_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                            group: str | None = None) -> EngineRequest:
+        """``group``: the id of the first of the prompt's ``n`` completions, where it has more
+        than one (``EngineRequest.group``)."""
         num_prompt = len(prompt.prompt_token_ids)
         if num_prompt + params.max_tokens > self.max_model_len:
             raise RequestError(
@@ -566,6 +569,7 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             mrope_positions=prompt.mrope_positions,
             mrope_delta=prompt.mrope_delta,
+            group=group,
         )
 
 

@@ -856,13 +856,12 @@ class Scheduler:
                     full = True  # the first tokens after it wait too, in their order
                     i += 1
                     continue
-            if kind == "image" and self._computing and self._caching:
+            if kind == "image":
                 # Another of its prompt's completions is computing it here: its pull waits.
-                cached = len(self._cached_prefix(req))
-                if self._waits_for_prefix(req, cached):
+                # (Blocks are noted as computing only while prefix caching is on.)
+                if self._computing and self._waits_for_prefix(req, len(self._cached_prefix(req))):
                     i += 1
                     continue
-            if kind == "image":
                 need = self._image_blocks_needed(req)
                 if not self.images.can_allocate(need):
                     return
@@ -1038,7 +1037,10 @@ class Scheduler:
                 return False
             if (prefilling.get(leader.req_id) is not leader and encoding.get(leader.req_id) is not leader
                     and pulling.get(leader.req_id) is not leader):
-                del computing[digest]  # it left before computing that block
+                # Never met while every way out of a prefill forgets its blocks (``check_integrity``
+                # asserts it); kept so that a way missed costs a recomputed prefix, not a prompt
+                # waiting for ever.
+                del computing[digest]
                 return False
         return True
 

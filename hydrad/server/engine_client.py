@@ -190,11 +190,10 @@ class EngineClient:
                 check_image_caches(prompt.images, self.image_caches, prompt_param)
                 requests += [(prompt, p) for p in split_choices(params, price_once)]
             one = len(requests) == 1
-            requests = [self.processor.make_engine_request(req_id if one else f"{req_id}-{i}", prompt, p)
+            # Each prompt's completions are one group, placed together (``Router.select_stage``).
+            requests = [self.processor.make_engine_request(req_id if one else f"{req_id}-{i}", prompt, p,
+                                                           f"{req_id}-{i - i % options.n}" if options.n > 1 else None)
                         for i, (prompt, p) in enumerate(requests)]
-            if options.n > 1:  # each prompt's completions, placed together (``Router.select``)
-                for i, request in enumerate(requests):
-                    request.group = requests[i - i % options.n].req_id
             for request in requests[::options.n]:  # each prompt's, which its completions share
                 for image in request.images:
                     image.pixel_values.share_memory_()
