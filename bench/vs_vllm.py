@@ -761,7 +761,7 @@ def main() -> None:
             ("hydrad-nocache", "cpu:1", "1EPD", "nocache.toml", ("chat",)),
             ("hydrad-1EP+1D", "cpu:2", "1EP+1D", "slo2.toml", ("start", "peak", "single", "poisson", "crowd", "video")),
             ("hydrad-1E+1PD", "cpu:2", "1E+1PD", "slo2.toml",
-             ("start", "peak", "single", "poisson", "parallel", "crowd", "video", "videomix")),
+             ("start", "peak", "single", "poisson", "chat", "parallel", "crowd", "video", "videomix")),
             ("hydrad-streams", "cpu:1", "1EPD", "loose.toml", ("streams", "json", "jsonlarge", "scoring")),
             ("hydrad-2EP+1D", "cpu:3", "2EP+1D", "slo3.toml", ("start", "peak", "single", "poisson", "crowd")),
             *((name, "cpu:2", "2EPD", f"{policy}.toml", ("peak", "chat", "crowd")) for name, policy in ROUTED.items()),

@@ -10,6 +10,10 @@ pixels here) ends the chain: no block from its first placeholder on gets a diges
 
 BLAKE2b over the bytes, not Python's ``hash``: a block found by a colliding digest would
 hand one request another's KV, and a collision must not be something a client can craft.
+The image cache (on the image pool of an instance that encodes) is found the same way:
+block j of an image's features is registered under a digest of the image's content and j
+(``image_block_digests``): the features depend on the image alone, not on where it sits.
+
 The scheduler imports this module: it imports no torch.
 """
 
@@ -21,6 +25,7 @@ from array import array
 from hydrad.engine.request import Request
 
 SEED = b"hydrad-kv-v1"
+IMAGE_PERSON = b"hydrad-image-v1"
 
 
 def chunk_digest(previous: bytes, token_ids: list[int], start: int, images) -> bytes | None:
@@ -53,3 +58,13 @@ def block_digests(req: Request, block_size: int, num_blocks: int) -> list[bytes]
         else:
             digests.append(digest)
     return digests[:num_blocks]
+
+
+def image_block_digests(image, num_blocks: int) -> list[bytes] | None:
+    """The digests of the ``num_blocks`` image-cache blocks that hold ``image``'s encoded features
+    (``ImageInput.digest``: its content and layout); None where its content is unknown."""
+    content = image.digest()
+    if content is None:
+        return None
+    return [hashlib.blake2b(content + j.to_bytes(4, "little"), digest_size=16, person=IMAGE_PERSON).digest()
+            for j in range(num_blocks)]

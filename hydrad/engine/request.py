@@ -62,6 +62,10 @@ class Request:
         self.image_block_ids: list[list[int]] = [[] for _ in self.images]
         # Images whose blocks are still held (prefill has not read past them).
         self.num_held_images = 0
+        # Images whose features were found in the image cache when their blocks were taken
+        # (encoded before, here): they are not encoded. Set with the blocks, read past
+        # ``num_encoded_images`` only.
+        self.found_images: list[bool] = [False] * len(self.images)
         # Prefix caching (``prefix_cache``): the digests of its full blocks computed so far (they
         # stop, ``digests_stopped``, at an image of unknown content), and how many of the blocks
         # it holds were registered in its instance's pool (or found there).

@@ -43,7 +43,12 @@ waits for them and finds them registered (``_waits_for_prefix``): the ``n`` comp
 one prompt prefill it once; requests behind it go first meanwhile (an image offered by an
 E instance stays unpulled meanwhile). A request whose images
 were encoded elsewhere takes its run when they arrive. A preempted request finds its own
-blocks again unless they were needed meanwhile.
+blocks again unless they were needed meanwhile. The image pool of an instance that encodes
+is a cache the same way (``_found_images``): an image encoded here is registered under its
+content and found by any later request with it, wherever in the prompt; found images are
+not encoded (a request whose every image is found, on an instance that only encodes, is
+offered at once), and a request whose next image is being encoded here waits for it
+(``_waits_for_image``).
 
 A step that carries decodes is also kept within each stream's deadline: the next token
 of a stream that was not in the step before (migrated in after its first token, or
@@ -99,7 +104,7 @@ from hydrad.config import SchedulerConfig
 from hydrad.engine.block_manager import BlockManager
 from hydrad.engine.latency_model import LatencyModel, StepBudget
 from hydrad.engine.migration import Pull
-from hydrad.engine.prefix_cache import block_digests
+from hydrad.engine.prefix_cache import block_digests, image_block_digests
 from hydrad.engine.request import Request, RequestStatus
 
 _RUNNING = RequestStatus.RUNNING
@@ -273,6 +278,10 @@ class Scheduler:
         # of them waits for it (``_waits_for_prefix``). An entry goes when its block is
         # registered or its request leaves its prefill (``_forget_computing``).
         self._computing: dict[bytes, Request] = {}
+        # The same for images (the image cache, ``_found_images``): by content digest, the
+        # images that requests admitted here encode and have not registered yet; a new request
+        # whose first image to encode is one of them waits for it (``_waits_for_image``).
+        self._encoding_images: dict[bytes, Request] = {}
 
     # -- role changes (live redeploy) ----------------------------------------------------------
     def set_role(self, role: str, kv_manager: BlockManager | None, image_manager: BlockManager | None) -> None:
@@ -349,6 +358,11 @@ class Scheduler:
         self._caching = self.prefix_caching and self.kv is not None and self.can_prefill
         if not self._caching:
             self._computing = {}
+        # The image cache: on the image pool of an instance that encodes.
+        self._image_caching = (self.prefix_caching and self.images is not None and "E" in self.role
+                               and "E" not in self.retiring)
+        if not self._image_caching:
+            self._encoding_images = {}
 
     @staticmethod
     def _first_stage(req: Request) -> str:
@@ -801,8 +815,8 @@ class Scheduler:
         them and the decodes: on a CPU at peak, one step in four or five left a third of its
         bound unused, and those prompts started a step later."""
         for req, index in out.encodes:
-            # A request's images are scheduled in order: its last one here means all are.
-            if index != req.num_images - 1 or req.status is not RequestStatus.ENCODING:
+            # A request's images are scheduled in order: its last one to encode here means all are.
+            if _next_to_encode(req, index) != req.num_images or req.status is not RequestStatus.ENCODING:
                 continue
             start, priced = req.num_computed_tokens, req.prompt_logprobs is not None
             want = budget.fit_prefill(start, req.num_tokens - start, self.min_chunk, priced=priced)
@@ -815,7 +829,12 @@ class Scheduler:
             req.scheduled_step = self._step
 
     def _schedule_images(self, req: Request, budget: StepBudget, out: SchedulerOutput) -> None:
-        for index in range(req.num_encoded_images + _num_scheduled(out, req), req.num_images):
+        """``req``'s next images to encode, in order, while the step has room (those found in
+        the image cache are not encoded)."""
+        found = req.found_images
+        for index in range(_next_image(out, req), req.num_images):
+            if found[index]:
+                continue
             if not self._add_image(budget, req.images[index]):
                 return
             out.encodes.append((req, index))
@@ -921,6 +940,14 @@ class Scheduler:
                 continue
             replayed = self._replayed_blocks(req)
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
+            # Its images from ``skipped`` on found encoded (the image cache), and the first it
+            # encodes here (``num_images``: none).
+            found = self._found_images(req, skipped) if self._image_caching and skipped < req.num_images else None
+            first = skipped if found is None else next(
+                (skipped + j for j, blocks in enumerate(found) if not blocks), req.num_images)
+            if self._encoding_images and first < req.num_images and self._waits_for_image(req, first):
+                i += 1  # as for a prefix: it waits for that image, not for room
+                continue
             if kv is not None and self.can_prefill:
                 if free_for_prompts is None:
                     free_for_prompts = kv.num_free_blocks - self._kv_promised()
@@ -929,19 +956,27 @@ class Scheduler:
                 if prompt_need + held_kv > free_for_prompts:
                     return
                 free_for_prompts -= prompt_need
-            if skipped < req.num_images:
-                if not self.images.can_allocate(self._image_blocks_needed(req, skipped) + held_images):
-                    return
-                if not self._add_image(budget, req.images[skipped]):
+            if skipped < req.num_images and not self.images.can_allocate(
+                    self._image_blocks_to_take(req, skipped, found) + held_images):
+                return
+            if first < req.num_images:
+                if not self._add_image(budget, req.images[first]):
                     return
                 del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
                 self._note_computing(req)
-                self._allocate_images(req, skipped)
+                self._allocate_images(req, skipped, found)
+                req.num_encoded_images = first
                 req.status = RequestStatus.ENCODING
                 self.encoding[req.req_id] = req
-                out.encodes.append((req, skipped))
+                out.encodes.append((req, first))
                 self._schedule_images(req, budget, out)
+            elif not self.can_prefill:
+                # Every image found encoded, on an instance that encodes only: on to its prefill.
+                self._allocate_images(req, skipped, found)
+                req.num_encoded_images = req.num_held_images = req.num_images
+                req.mark("encode_done", self.clock())
+                self._offer(req, "image")  # out of the waiting queue: the next is at ``i``
             else:
                 start = (len(cached) + replayed) * bs
                 priced = req.prompt_logprobs is not None
@@ -951,6 +986,10 @@ class Scheduler:
                 del self.waiting[i]
                 self._take_prefix(req, cached, skipped, replayed)
                 self._note_computing(req)
+                if skipped < req.num_images:  # the rest of its images found encoded
+                    self._allocate_images(req, skipped, found)
+                    req.num_encoded_images = req.num_images
+                    req.num_held_images = self._num_held_images(req)
                 self._start_running(req)
                 self.kv.grow(req.kv_block_ids, start + want)
                 budget.add_prefill(start, want, priced)
@@ -1043,6 +1082,53 @@ class Scheduler:
                 del computing[digest]
                 return False
         return True
+
+    # -- the image cache -------------------------------------------------------------------------
+    def _found_images(self, req: Request, first: int) -> list[list[int]]:
+        """For each of ``req``'s images from ``first`` on, the image-cache blocks registered with
+        its features (encoded here before: ``_register_image``), or [] where they are not all
+        there (an image of unknown content is never found)."""
+        images = self.images
+        found = []
+        for image in req.images[first:]:
+            num_blocks = images.num_blocks_for(image.length)
+            digests = image_block_digests(image, num_blocks)
+            blocks = images.lookup(digests) if digests is not None else []
+            found.append(blocks if len(blocks) == num_blocks else [])
+        return found
+
+    def _waits_for_image(self, req: Request, index: int) -> bool:
+        """Whether ``req``'s image ``index`` is one that another request admitted here encodes
+        now (``_encoding_images``): then ``req`` waits for that encode and finds it in the
+        image cache, instead of encoding the same image beside it (the ``n`` completions of a
+        prompt on an instance that encodes for others' prefill; requests that ask about one
+        image in different words)."""
+        content = req.images[index].digest()
+        leader = self._encoding_images.get(content) if content is not None else None
+        return leader is not None and leader is not req
+
+    def _register_image(self, req: Request, index: int) -> None:
+        """``req``'s image ``index`` is encoded: its blocks are findable by its content from now
+        on (``image_cache``), as long as they are not needed for other images."""
+        blocks = req.image_block_ids[index]
+        if not blocks:  # aborted while the step ran: its blocks are back
+            return
+        image = req.images[index]
+        digests = image_block_digests(image, len(blocks))
+        if digests is None:
+            return
+        for block_id, digest in zip(blocks, digests):
+            self.images.register(block_id, digest)
+        content = image.digest()
+        if self._encoding_images.get(content) is req:
+            del self._encoding_images[content]
+
+    def _forget_images(self, req: Request) -> None:
+        """``req`` gives its image blocks back: nobody waits for the images it was encoding."""
+        encoding = self._encoding_images
+        for image in req.images:
+            if image.content_hash is not None and encoding.get(image.content_hash) is req:
+                del encoding[image.content_hash]
 
     def _replayed_blocks(self, req: Request) -> int:
         """KV blocks of the traced hit a simulated request replays here (``replay_cached``)."""
@@ -1183,8 +1269,10 @@ class Scheduler:
         work, which ran after it where a request's prefill started in the step that encoded
         its images (``prefill_after_encode``: its encoding ended that long before now)."""
         now = self.clock()
-        for req, _ in out.encodes:
-            req.num_encoded_images += 1
+        for req, index in out.encodes:
+            req.num_encoded_images = _next_to_encode(req, index)
+            if self._image_caching:
+                self._register_image(req, index)
         for req in {id(r): r for r, _ in out.encodes}.values():
             req.timeline["encode_exec"] += exec_time
             if req.images_done and req.status is _RUNNING:  # its prefill started in this step
@@ -1338,12 +1426,40 @@ class Scheduler:
         else:
             self.prefilling[req.req_id] = req
 
-    def _allocate_images(self, req: Request, first: int = 0) -> None:
+    def _allocate_images(self, req: Request, first: int = 0, found: list[list[int]] | None = None) -> None:
+        """Blocks for ``req``'s images from ``first`` on: those ``found`` in the image cache
+        (``_found_images``) held as they are, fresh ones for the rest, noted as being encoded
+        here where the image cache is on (``_waits_for_image``)."""
+        images = self.images
+        if found is not None:  # held first, so that the fresh blocks taken next cannot evict them
+            for i, blocks in enumerate(found, first):
+                if blocks:
+                    images.acquire(blocks)
+                    req.image_block_ids[i] = list(blocks)
+                req.found_images[i] = bool(blocks)
+            self.images_cached += sum(1 for blocks in found if blocks)
+        noting = self._image_caching
         for i in range(first, req.num_images):
-            req.image_block_ids[i] = self.images.allocate(self.images.num_blocks_for(req.image_tokens(i)))
+            if found is not None and found[i - first]:
+                continue
+            req.found_images[i] = False
+            req.image_block_ids[i] = images.allocate(images.num_blocks_for(req.image_tokens(i)))
+            if noting:
+                content = req.images[i].digest()
+                if content is not None:
+                    self._encoding_images.setdefault(content, req)
 
     def _image_blocks_needed(self, req: Request, first: int = 0) -> int:
         return sum(self.images.num_blocks_for(req.image_tokens(i)) for i in range(first, req.num_images))
+
+    def _image_blocks_to_take(self, req: Request, first: int, found: list[list[int]] | None) -> int:
+        """Free image blocks ``_allocate_images`` takes: fresh ones for the images not ``found``,
+        and the found blocks nobody holds (they leave the free count as they are held)."""
+        if found is None:
+            return self._image_blocks_needed(req, first)
+        images = self.images
+        return sum(images.num_unheld(blocks) if blocks else images.num_blocks_for(req.image_tokens(i))
+                   for i, blocks in enumerate(found, first))
 
     def _leave_queue(self, req: Request) -> None:
         """Take req out of the queue of its status (it keeps its blocks)."""
@@ -1384,6 +1500,8 @@ class Scheduler:
                 self.images.free(block_ids)
                 req.image_block_ids[i] = []
         req.num_held_images = 0
+        if self._encoding_images:
+            self._forget_images(req)
 
     def _finish(self, req: Request, reason: str) -> None:
         if reason == "stop" or reason == "length":
@@ -1418,6 +1536,9 @@ class Scheduler:
             if (self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r
                     and self.pulling.get(r.req_id) is not r):
                 raise AssertionError(f"{r} left its prefill but new prompts may still wait for it")
+        for r in self._encoding_images.values():
+            if self.encoding.get(r.req_id) is not r:
+                raise AssertionError(f"{r} is not encoding but new requests may still wait for its image")
         for r in self.decoding.values():
             if not r.is_decode:
                 raise AssertionError(f"{r} sits in the decoding queue")
@@ -1441,12 +1562,22 @@ def gaps_past_p90(num_gaps: int) -> int:
     return num_gaps - 1 - (9 * (num_gaps - 1) + 9) // 10  # ceil(0.9 * (num_gaps - 1)), exactly
 
 
-def _num_scheduled(out: SchedulerOutput, req: Request) -> int:
-    """Images of ``req`` already in this step's encodes (only the admission path adds some
-    before ``_schedule_images`` runs for it)."""
+def _next_image(out: SchedulerOutput, req: Request) -> int:
+    """The first of ``req``'s images past those encoded and those already in this step's encodes
+    (only the admission path adds some before ``_schedule_images`` runs for it)."""
     if not out.encodes or out.encodes[-1][0] is not req:
-        return 0
-    return sum(1 for r, _ in out.encodes if r is req)
+        return req.num_encoded_images
+    return out.encodes[-1][1] + 1
+
+
+def _next_to_encode(req: Request, index: int) -> int:
+    """The first of ``req``'s images after ``index`` not found in the image cache (``num_images``:
+    none)."""
+    found = req.found_images
+    index += 1
+    while index < len(found) and found[index]:
+        index += 1
+    return index
 
 
 def _num_images_before(req: Request, num_tokens: int) -> int:

@@ -97,7 +97,13 @@ def test_the_completions_of_one_prompt_prefill_it_once_in_every_deployment(tiny_
         first, *others = [c.num_cached_tokens for c in out.outputs]
         assert first < found and others == [found] * 3, f"{deploy}: conversation {i}"
     for engine in llm.engine.engines:
-        assert not engine.scheduler._computing
+        assert not engine.scheduler._computing and not engine.scheduler._encoding_images
+    if deploy.startswith("1E+"):
+        # The E instance encoded each image once (the astronaut and the cat are in two
+        # conversations each): every other completion and conversation found it.
+        images = [image.digest() for conv in conversations for image in llm.processor.process_chat(conv).images]
+        (encoder,) = [e for e in llm.engine.engines if e.role == "E"]
+        assert encoder.scheduler.images_cached == 4 * len(images) - len(set(images)) > 0
     _assert_nothing_held(llm)
 
 
@@ -223,8 +229,8 @@ def test_an_instance_waiting_for_a_release_does_not_spin(tiny_llava_dir, convers
     llm = LLM(str(tiny_llava_dir), worker_processes=False, deploy="1E+1P+1D", devices="cpu:3", num_image_blocks=1)
     e, p, _ = llm.engine.engines
     params = SamplingParams(max_tokens=4, temperature=0.0)
-    for req_id in ("a", "b"):
-        prompt = llm.processor.process_chat(conversations[0])
+    for req_id, conversation in (("a", conversations[0]), ("b", conversations[2])):  # two images
+        prompt = llm.processor.process_chat(conversation)
         llm.engine.add_request(llm.processor.make_engine_request(req_id, prompt, params))
     e.step()  # encodes "a" and offers it; "b" waits for the image block
     offers = e.take_offers()

@@ -213,20 +213,30 @@ def test_images_inside_a_cached_prefix_are_not_encoded():
     assert outs[0].chunks[0] == (c, 16)
 
 
-def test_a_prefix_that_ends_inside_an_image_encodes_it_for_the_rest():
-    s = make_scheduler()
+def test_a_prefix_that_ends_inside_an_image_reads_it_from_the_image_cache_or_encodes_it():
+    s = make_scheduler(num_image_blocks=1)
     pool = FakePool(s)
     a = _request("a", range(100, 160), [_image(30, 12, 1)])
     s.add(a)
     run_until_done(s, pool, [a])
     # b ends two tokens after the image: its last full block before its last token ends at 40,
-    # inside the image (30..41); the image is encoded and prefill reads its last two features.
+    # inside the image (30..41); prefill reads the image's last two features, found in the image
+    # cache (a encoded it): nothing is encoded.
     b = _request("b", range(100, 143), [_image(30, 12, 1)])
     s.add(b)
     out, _ = step(s, pool)
-    assert out.encodes == [(b, 0)] and b.num_computed_tokens == 40 and s.images_cached == 0
-    outs = run_until_done(s, pool, [b])
-    assert outs[0].chunks == [(b, 3)]
+    assert not out.encodes and out.chunks == [(b, 3)] and s.images_cached == 1
+    assert b.found_images == [True]
+    run_until_done(s, pool, [b])
+    # Another image takes the pool's one block: a third such request encodes the image again.
+    s.add(other := _request("other", range(300, 330), [_image(4, 12, 2)]))
+    run_until_done(s, pool, [other])
+    c = _request("c", range(100, 143), [_image(30, 12, 1)])
+    s.add(c)
+    out, _ = step(s, pool)
+    assert out.encodes == [(c, 0)] and c.num_computed_tokens == 40 and s.images_cached == 1
+    outs = run_until_done(s, pool, [c])
+    assert outs[0].chunks == [(c, 3)]
 
 
 def test_a_preempted_request_finds_its_own_blocks_again():
@@ -386,6 +396,123 @@ def test_a_request_that_prices_its_prompt_does_not_wait():
     out, _ = step(s, pool)
     assert out.chunks == [(a, 30), (b, 30)]
     run_until_done(s, pool, [a, b])
+
+
+# -- the image cache ---------------------------------------------------------------------------------
+def _encoder(**kwargs) -> Scheduler:
+    """An instance that only encodes (its requests' prefill is another instance's)."""
+    s = make_scheduler(**kwargs)
+    s.set_role("E", None, s.images)
+    return s
+
+
+def _encode_step(s: Scheduler):
+    out = s.schedule()
+    s.check_integrity()
+    s.update_after_encode(out)
+    s.update_after_language(out, [])
+    s.check_integrity()
+    return out
+
+
+def _offered(s: Scheduler) -> list[str]:
+    offers, s.new_offers = s.new_offers, []
+    assert all(kind == "image" for _, kind in offers)
+    return [r.req_id for r, _ in offers]
+
+
+def test_an_image_encoded_for_another_instance_is_found_by_the_next_request_with_it():
+    s = _encoder()
+    a = _request("a", range(100, 130), [_image(4, 16, 1)])
+    s.add(a)
+    assert _encode_step(s).encodes == [(a, 0)] and _offered(s) == ["a"]
+    # Another question about the same image: offered at once, on a's blocks, nothing encoded.
+    b = _request("b", range(200, 240), [_image(4, 16, 1)])
+    s.add(b)
+    out = _encode_step(s)
+    assert not out.encodes and _offered(s) == ["b"] and s.images_cached == 1
+    assert b.image_block_ids == a.image_block_ids and b.found_images == [True] and b.images_done
+    assert "encode_done" in b.timeline and b.timeline["encode_exec"] == 0
+    s.release("a")  # a's target copied its image
+    s.check_integrity()
+    assert s.images.num_used_blocks == 1, "b still holds the block"
+    s.release("b")
+    assert s.images.num_used_blocks == 0 and s.images.num_cached_blocks == 1
+    # After both are gone it is still found; another image is encoded.
+    c, d = _request("c", range(300, 330), [_image(4, 16, 1)]), _request("d", range(300, 330), [_image(4, 16, 2)])
+    s.add(c)
+    s.add(d)
+    assert _encode_step(s).encodes == [(d, 0)] and _offered(s) == ["c", "d"]
+
+
+def test_completions_sent_at_once_to_an_encoder_encode_their_image_once():
+    """The step takes two images: without waiting, b's would be encoded beside a's."""
+    s = _encoder()
+    reqs = [_request(name, range(100, 130), [_image(4, 16, 1)]) for name in "abcd"]
+    for r in reqs:
+        s.add(r)
+    out = _encode_step(s)
+    assert out.encodes == [(reqs[0], 0)] and _offered(s) == ["a"]
+    assert all(r.status is RequestStatus.WAITING for r in reqs[1:])
+    out = _encode_step(s)
+    assert not out.encodes and _offered(s) == ["b", "c", "d"] and s.images_cached == 3
+    assert all(r.image_block_ids == reqs[0].image_block_ids for r in reqs[1:]) and not s._encoding_images
+
+
+def test_a_request_waiting_for_an_image_encodes_it_when_the_first_is_aborted():
+    s = _encoder()
+    a, b = (_request(name, range(100, 130), [_image(4, 16, 1)]) for name in "ab")
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert out.encodes == [(a, 0)]
+    s.abort("a")  # while its encode runs: its blocks are back, nobody waits for it
+    s.update_after_encode(out)
+    s.update_after_language(out, [])
+    s.check_integrity()
+    assert not s._encoding_images and s.images.num_cached_blocks == 0
+    assert _encode_step(s).encodes == [(b, 0)] and _offered(s) == ["b"]
+
+
+@pytest.mark.parametrize("case", ["unknown content", "prefix caching off"])
+def test_images_are_not_cached_without_their_content_or_prefix_caching(case):
+    if case == "unknown content":
+        s = _encoder()
+        images = [ImageInput(None, 4, 16), ImageInput(None, 4, 16)]
+    else:
+        s = _encoder(prefix_caching=False)
+        images = [_image(4, 16, 1), _image(4, 16, 1)]
+    a, b = _request("a", range(100, 130), images[:1]), _request("b", range(100, 130), images[1:])
+    s.add(a)
+    s.add(b)
+    assert _encode_step(s).encodes == [(a, 0), (b, 0)]
+    s.add(c := _request("c", range(100, 130), images[1:]))
+    assert _encode_step(s).encodes == [(c, 0)] and s.images_cached == 0
+
+
+def test_found_images_are_skipped_in_a_requests_encodes_and_read_by_its_prefill():
+    """One instance that encodes and prefills: images found anywhere in a prompt are not
+    encoded; its prefill reads them from the blocks found (``FakePool`` checks each)."""
+    s = make_scheduler()
+    pool = FakePool(s)
+    x = lambda offset: _image(offset, 16, 1)  # noqa: E731
+    a = _request("a", range(100, 130), [x(4)])
+    s.add(a)
+    run_until_done(s, pool, [a])
+    # b's first 24 tokens are a's (x inside them: found in the KV cache); y is new; x again.
+    b = _request("b", range(100, 160), [x(4), _image(24, 16, 2), x(44)])
+    s.add(b)
+    out, _ = step(s, pool)
+    assert out.encodes == [(b, 1)] and b.found_images[1:] == [False, True] and b.num_computed_tokens == 24
+    assert s.images_cached == 2  # x inside the prefix, x found
+    run_until_done(s, pool, [b])
+    # x found first, z encoded after it (no prefix: another first token).
+    c = _request("c", [999] + list(range(101, 160)), [x(4), _image(24, 16, 3)])
+    s.add(c)
+    out, _ = step(s, pool)
+    assert out.encodes == [(c, 1)] and c.found_images == [True, False] and c.images_done
+    run_until_done(s, pool, [c])
+    assert s.images_cached == 3 and not s._encoding_images
 
 
 @pytest.mark.parametrize("seed", range(6))
