@@ -10,6 +10,7 @@ pixels here) ends the chain: no block from its first placeholder on gets a diges
 
 BLAKE2b over the bytes, not Python's ``hash``: a block found by a colliding digest would
 hand one request another's KV, and a collision must not be something a client can craft.
+
 The image cache (on the image pool of an instance that encodes) is found the same way:
 block j of an image's features is registered under a digest of the image's content and j
 (``image_block_digests``): the features depend on the image alone, not on where it sits.

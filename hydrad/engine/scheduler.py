@@ -1109,7 +1109,7 @@ class Scheduler:
 
     def _register_image(self, req: Request, index: int) -> None:
         """``req``'s image ``index`` is encoded: its blocks are findable by its content from now
-        on (``image_cache``), as long as they are not needed for other images."""
+        on (the image cache), as long as they are not needed for other images."""
         blocks = req.image_block_ids[index]
         if not blocks:  # aborted while the step ran: its blocks are back
             return
@@ -1429,7 +1429,7 @@ class Scheduler:
     def _allocate_images(self, req: Request, first: int = 0, found: list[list[int]] | None = None) -> None:
         """Blocks for ``req``'s images from ``first`` on: those ``found`` in the image cache
         (``_found_images``) held as they are, fresh ones for the rest, noted as being encoded
-        here where the image cache is on (``_waits_for_image``)."""
+        here where they were looked for (``_waits_for_image``; not for an image pulled in)."""
         images = self.images
         if found is not None:  # held first, so that the fresh blocks taken next cannot evict them
             for i, blocks in enumerate(found, first):
@@ -1438,7 +1438,7 @@ class Scheduler:
                     req.image_block_ids[i] = list(blocks)
                 req.found_images[i] = bool(blocks)
             self.images_cached += sum(1 for blocks in found if blocks)
-        noting = self._image_caching
+        noting = found is not None
         for i in range(first, req.num_images):
             if found is not None and found[i - first]:
                 continue

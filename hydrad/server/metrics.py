@@ -160,8 +160,8 @@ class EngineCounters(Collector):
                                 "prefix on the instance.", labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_prefix_cache_hits", "Tokens found cached: their prefill was skipped.",
                                 labels=["model_name", "instance"]),
-            CounterMetricFamily("hydrad_prefix_cache_images", "Images not encoded again: inside a cached prefix, or found in the image cache.",
-                                labels=["model_name", "instance"]),
+            CounterMetricFamily("hydrad_prefix_cache_images", "Images not encoded again: inside a cached prefix, "
+                                "or found in the image cache.", labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_preemptions", "Requests preempted on the instance for KV room (their KV "
                                 "freed, recomputed when they run again).", labels=["model_name", "instance"]),
             CounterMetricFamily("hydrad_steps_over_bound", "Steps built past their latency bound for images too long "

@@ -490,6 +490,20 @@ def test_images_are_not_cached_without_their_content_or_prefix_caching(case):
     assert _encode_step(s).encodes == [(c, 0)] and s.images_cached == 0
 
 
+def test_an_image_pulled_in_by_an_instance_that_encodes_is_not_waited_for():
+    """An EPD instance that prefills what an E instance encoded: the image it pulls in is not
+    one it encodes, and nobody waits for it as if it were."""
+    s = make_scheduler()
+    assert s.role == "EPD"
+    image = _image(4, 16, 1)
+    image.digest()  # as the offer carries it
+    a = _image_offer("a", range(100, 130), image)
+    s.add(a)
+    out = s.schedule()
+    assert [p.req for p in out.pulls] == [a] and not s._encoding_images
+    s.check_integrity()
+
+
 def test_found_images_are_skipped_in_a_requests_encodes_and_read_by_its_prefill():
     """One instance that encodes and prefills: images found anywhere in a prompt are not
     encoded; its prefill reads them from the blocks found (``FakePool`` checks each)."""
