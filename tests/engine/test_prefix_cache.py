@@ -530,6 +530,75 @@ def test_found_images_are_skipped_in_a_requests_encodes_and_read_by_its_prefill(
 
 
 @pytest.mark.parametrize("seed", range(6))
+def test_an_encoder_under_pressure_hands_on_every_image_from_blocks_that_hold_it(seed):
+    """An instance that only encodes, a small image pool, requests of one to three images
+    drawn from a few pictures, their targets copying them some steps later, aborts: after
+    every step the pool and the queues agree, and every request offered holds, for each of
+    its images, blocks that were written with that image (encoded here for it or for another
+    request before)."""
+    rng = random.Random(seed)
+    s = _encoder(num_image_blocks=rng.choice([3, 4, 6]), max_num_seqs=rng.choice([2, 8]))
+    written: dict[int, bytes] = {}  # image block -> the image an encode wrote into it
+    offered: list[Request] = []
+    live: list[Request] = []
+    encodes = 0
+    for i in range(80):
+        n = rng.randrange(1, 4)
+        images = [_image(4 + 20 * k, 16, rng.randrange(4)) for k in range(n)]
+        r = _request(i, range(100, 100 + 20 * n + 8), images)
+        s.add(r)
+        live.append(r)
+        for _ in range(rng.randrange(0, 3)):
+            out = s.schedule()
+            s.check_integrity()
+            for req, index in out.encodes:
+                assert not req.found_images[index]
+                for block_id in req.image_block_ids[index]:
+                    written[block_id] = req.images[index].digest()
+            encodes += len(out.encodes)
+            s.update_after_encode(out)
+            s.update_after_language(out, [])
+            s.check_integrity()
+            for req, kind in s.new_offers:
+                assert kind == "image" and req.images_done
+                for image, blocks in zip(req.images, req.image_block_ids):
+                    assert blocks and all(written.get(b) == image.digest() for b in blocks), f"{req}"
+                offered.append(req)
+            s.new_offers = []
+        while offered and rng.random() < 0.6:  # a target copied one: its blocks go
+            s.release(offered.pop(rng.randrange(len(offered))).req_id)
+            s.check_integrity()
+        if rng.random() < 0.1 and live:
+            victim = rng.choice(live)
+            if victim.status is not RequestStatus.FINISHED:
+                s.abort(victim.req_id)
+                offered = [r for r in offered if r is not victim]
+                s.check_integrity()
+        live = [r for r in live if r.status is not RequestStatus.FINISHED]
+    for _ in range(500):  # the rest: encoded and copied
+        if not s.num_unfinished:
+            break
+        out = s.schedule()
+        for req, index in out.encodes:
+            for block_id in req.image_block_ids[index]:
+                written[block_id] = req.images[index].digest()
+        encodes += len(out.encodes)
+        s.update_after_encode(out)
+        s.update_after_language(out, [])
+        s.check_integrity()
+        for req, _ in s.new_offers:
+            for image, blocks in zip(req.images, req.image_block_ids):
+                assert all(written.get(b) == image.digest() for b in blocks)
+            s.release(req.req_id)
+        s.new_offers = []
+        for req in offered:
+            s.release(req.req_id)
+        offered = []
+    assert not s.num_unfinished and s.images.num_used_blocks == 0 and not s._encoding_images
+    assert s.images_cached > 0 and encodes > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
 def test_shared_prefixes_under_pressure_keep_every_request_on_its_own_kv(seed):
     """Prompts from a few templates and images, a pool that evicts and preempts, aborts:
     every step reads only KV computed from the reader's own tokens and images."""
