@@ -13,6 +13,7 @@ This module imports nothing heavy: the daemon, the bench client and the planner 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -92,6 +93,9 @@ class TraceRecord:
     # It asked for its prompt's log-probabilities (a scoring request: ``echo`` with ``logprobs``,
     # ``prompt_logprobs``), which its prefill computes at every prompt position.
     prompt_logprobs: bool = False
+    # One of the ``n`` completions of a prompt: a digest of the prompt's group
+    # (``EngineRequest.group``), the same on each of them; None for a prompt's only completion.
+    group: str | None = None
 
     @property
     def completed(self) -> bool:
@@ -112,6 +116,7 @@ class TraceRecord:
             "instances": list(self.instances), "deploy": self.deploy, "cached_tokens": self.cached_tokens,
             **({"processing": _round(self.processing)} if self.processing is not None else {}),
             **({"prompt_logprobs": True} if self.prompt_logprobs else {}),
+            **({"group": self.group} if self.group is not None else {}),
         }
 
     @classmethod
@@ -134,6 +139,7 @@ class TraceRecord:
             instances=tuple(int(i) for i in obj.get("instances", ())), deploy=str(obj.get("deploy", "")),
             cached_tokens=int(obj.get("cached_tokens", 0)), processing=_float(obj.get("processing")),
             prompt_logprobs=bool(obj.get("prompt_logprobs", False)),
+            group=None if obj.get("group") is None else str(obj["group"]),
         )
         if (record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images)
                 or not 0 <= record.cached_tokens < record.prompt_tokens):
@@ -181,10 +187,11 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
                 images: list[tuple[int | None, int | None, int, int, int, int, int]], output_tokens: int,
                 max_tokens: int, finish_reason: str, preprocess: float, ttft: float | None, e2e: float,
                 gaps: list[float] | None, stages: dict[str, float] | None, instances: list[int], deploy: str,
-                cached_tokens: int = 0, processing: float | None = None, prompt_logprobs: bool = False
-                ) -> TraceRecord:
+                cached_tokens: int = 0, processing: float | None = None, prompt_logprobs: bool = False,
+                group: str | None = None) -> TraceRecord:
     """A record from what the daemon knows when a completion ends; ``images`` holds
-    (width, height, tokens, offset[, patches[, span[, frames]]]) per image (``TraceImage``)."""
+    (width, height, tokens, offset[, patches[, span[, frames]]]) per image (``TraceImage``);
+    ``group``: the completion's ``EngineRequest.group`` (recorded as a digest of it)."""
     ordered = sorted(gaps or ())
     stats = (_percentile(ordered, 50), _percentile(ordered, 90), ordered[-1]) if ordered else (None, None, None)
     image_tokens = sum(image[2] for image in images)
@@ -195,6 +202,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
         num_gaps=len(ordered), tbt_p50=stats[0], tbt_p90=stats[1], tbt_max=stats[2], stages=dict(stages or {}),
         instances=tuple(instances), deploy=deploy, cached_tokens=cached_tokens,
         processing=None if processing is None else max(0.0, processing), prompt_logprobs=prompt_logprobs,
+        group=None if group is None else hashlib.blake2b(group.encode(), digest_size=8).hexdigest(),
     )
 
 

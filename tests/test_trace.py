@@ -76,6 +76,29 @@ def test_the_prompt_tokens_found_cached_are_kept_and_read_where_older_lines_lack
     assert [r.cached_tokens for r in workload.requests(1.0, 3)] == [288, 0, 288]
 
 
+def test_a_prompts_completions_are_one_group_replayed_together():
+    """Each of a request's ``n`` completions is a line; they carry one digest of their group,
+    and the planner's replay sends them together, the one that computed the prompt first."""
+    from hydrad.planner.workload import Workload
+
+    first, other = (make_record(model="m", deploy="1EPD", template_tokens=12, group="chatcmpl-7-0",
+                                cached_tokens=cached, **facts(0)) for cached in (0, 288))
+    obj = json.loads(json.dumps(other.to_json()))
+    assert obj["group"] == first.group and "chatcmpl" not in obj["group"]
+    assert TraceRecord.from_json(obj).group == first.group
+    alone = make_record(model="m", deploy="1EPD", template_tokens=12, **facts(1))
+    assert "group" not in alone.to_json() and TraceRecord.from_json(alone.to_json()).group is None
+    twin = make_record(model="m", deploy="1EPD", template_tokens=12, group="chatcmpl-9-0", **facts(2))
+    # Written as they finished (the cached one first), read in arrival order, the group's
+    # computing completion first.
+    workload = Workload.from_records([other, first, alone, twin])
+    assert [s.cached_tokens for s in workload.shapes] == [0, 288, 0, 0]
+    assert [s.group for s in workload.shapes] == [0, 0, None, 3]
+    # Cycled, each cycle's groups are their own; Poisson arrivals part them.
+    assert [r.group for r in workload.requests(1.0, 6)] == [0, 0, None, 3, 4, 4]
+    assert [r.group for r in workload.requests(1.0, 6, arrivals="poisson")] == [None] * 6
+
+
 def test_the_writer_rotates_and_keeps_max_files(tmp_path):
     w = writer(tmp_path, max_bytes=2000)
     for i in range(40):

@@ -282,6 +282,11 @@ class Scheduler:
         # images that requests admitted here encode and have not registered yet; a new request
         # whose first image to encode is one of them waits for it (``_waits_for_image``).
         self._encoding_images: dict[bytes, Request] = {}
+        # The simulator's (``replay_cached``: requests carry shapes, not content, to wait on):
+        # by group, the one of a prompt's completions that computes it here, from its admission
+        # (or pull) to the end of its prefill; the others, which found the prompt cached when
+        # traced, wait for it (``_waits_for_group``), as they wait on its blocks live.
+        self._group_leaders: dict[str, Request] = {}
 
     # -- role changes (live redeploy) ----------------------------------------------------------
     def set_role(self, role: str, kv_manager: BlockManager | None, image_manager: BlockManager | None) -> None:
@@ -878,7 +883,8 @@ class Scheduler:
             if kind == "image":
                 # Another of its prompt's completions is computing it here: its pull waits.
                 # (Blocks are noted as computing only while prefix caching is on.)
-                if self._computing and self._waits_for_prefix(req, len(self._cached_prefix(req))):
+                if ((self._computing and self._waits_for_prefix(req, len(self._cached_prefix(req))))
+                        or (self._group_leaders and req.group is not None and self._waits_for_group(req))):
                     i += 1
                     continue
                 need = self._image_blocks_needed(req)
@@ -937,6 +943,9 @@ class Scheduler:
             cached = self._cached_prefix(req) if self._caching else []
             if self._computing and self._waits_for_prefix(req, len(cached)):
                 i += 1  # the next one may go first: this one waits for a prompt, not for room
+                continue
+            if self._group_leaders and req.group is not None and self._waits_for_group(req):
+                i += 1  # the same, in the simulator
                 continue
             replayed = self._replayed_blocks(req)
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
@@ -1036,6 +1045,8 @@ class Scheduler:
         past its cached prefix are being computed here (``_computing``), until ``_register``
         finds them in the pool. (A pulled request takes its cached prefix when its pull ends:
         the blocks of that prefix it was noted for are forgotten then.)"""
+        if self.replay_cached and req.group is not None and not self._replays_group_prompt(req):
+            self._group_leaders.setdefault(req.group, req)
         if not self._caching or req.digests_stopped:
             return
         bs = self.kv.block_size
@@ -1050,6 +1061,23 @@ class Scheduler:
         for digest in req.block_digests[:num_blocks]:
             if computing.get(digest) is req:
                 del computing[digest]
+
+    def _forget_leader(self, req: Request) -> None:
+        """``req``'s prefill is over (its first token, or it left): its group waits no more."""
+        if req.group is not None and self._group_leaders.get(req.group) is req:
+            del self._group_leaders[req.group]
+
+    @staticmethod
+    def _replays_group_prompt(req: Request) -> bool:
+        """Whether a simulated completion found at least half its prompt cached when traced: it
+        waited for another of its group to compute it (``_group_leaders``)."""
+        return req.num_cached_tokens is not None and 2 * req.num_cached_tokens >= req.num_prompt_tokens
+
+    def _waits_for_group(self, req: Request) -> bool:
+        """Whether ``req`` (simulated) is one of a prompt's completions that found it cached when
+        traced while another of them computes it here: it waits for that one's prefill."""
+        leader = self._group_leaders.get(req.group)
+        return leader is not None and leader is not req and self._replays_group_prompt(req)
 
     def _waits_for_prefix(self, req: Request, num_cached: int) -> bool:
         """Whether ``req``'s next block past its ``num_cached`` cached ones is one that a request
@@ -1185,6 +1213,8 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:  # aborted while copying
             if self._computing:
                 self._forget_computing(req)
+            if self._group_leaders:
+                self._forget_leader(req)
             self._free_blocks(req)
             return
         if kind == "image":
@@ -1373,6 +1403,8 @@ class Scheduler:
                 elif req.req_id in prefilling:
                     del prefilling[req.req_id]
                     decoding[req.req_id] = req
+                    if self._group_leaders:
+                        self._forget_leader(req)
                 continue
             self._remove(req)
             self._finish(req, reason)
@@ -1470,6 +1502,8 @@ class Scheduler:
                 del self.prefilling[req.req_id]
                 if self._computing:
                     self._forget_computing(req)
+                if self._group_leaders:
+                    self._forget_leader(req)
             if self._spent:
                 self._spent.pop(req.req_id, None)
             self._dropped.append(req)
@@ -1477,6 +1511,8 @@ class Scheduler:
             del self.encoding[req.req_id]
             if self._computing:
                 self._forget_computing(req)
+            if self._group_leaders:
+                self._forget_leader(req)
         elif status is RequestStatus.WAITING:
             (self.incoming if req.pull is not None else self.waiting).remove(req)
         elif status is RequestStatus.OFFERED:
@@ -1536,6 +1572,10 @@ class Scheduler:
             if (self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r
                     and self.pulling.get(r.req_id) is not r):
                 raise AssertionError(f"{r} left its prefill but new prompts may still wait for it")
+        for r in self._group_leaders.values():
+            if (self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r
+                    and self.pulling.get(r.req_id) is not r):
+                raise AssertionError(f"{r} left its prefill but its group may still wait for it")
         for r in self._encoding_images.values():
             if self.encoding.get(r.req_id) is not r:
                 raise AssertionError(f"{r} is not encoding but new requests may still wait for its image")

@@ -90,6 +90,11 @@ class SimRequest:
     cached_tokens: int = 0
     # It asks for its prompt's log-probabilities: its prefill chunks price every position.
     prompt_logprobs: bool = False
+    # One of a prompt's ``n`` completions: the index of the group's first request (its
+    # ``EngineRequest.group`` is that one's id), None for a prompt's only completion. The
+    # router places a group together, and the completions that found the prompt cached when
+    # traced wait for the one computing it (``Scheduler.replay_cached``).
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -723,7 +728,8 @@ class Simulation:
         return EngineRequest(f"r{i}", [0] * spec.num_prompt_tokens, params,
                              [ImageInput(None, offset, length, num_patches=patches,
                                          attention_span=span[0] if span else 0)
-                              for offset, length, patches, *span in spec.images])
+                              for offset, length, patches, *span in spec.images],
+                             group=None if spec.group is None else f"r{spec.group}")
 
     def _arrive(self, i: int) -> None:
         spec = self.requests[i]
@@ -731,7 +737,7 @@ class Simulation:
         timing = RequestTiming(spec.arrival, spec.num_output_tokens)
         self.timings[req.req_id] = timing
         self._deadlines.append((spec.arrival + self.slo_ttft, timing))
-        entry = self.router.select(has_images=bool(req.images))
+        entry = self.router.select(has_images=bool(req.images), request=req)
         self.relay.open(req.req_id, entry)
         request = Request(req)
         if spec.cached_tokens:

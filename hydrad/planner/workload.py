@@ -36,6 +36,9 @@ class RequestShape:
     preprocess: float
     cached_tokens: int = 0  # found in a prefix cache when it was traced
     prompt_logprobs: bool = False  # its prefill prices every prompt position
+    # One of a prompt's ``n`` completions: the index of the group's first shape (the one that
+    # computed the prompt when traced), None for a prompt's only completion.
+    group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,9 @@ class Workload:
     def from_records(cls, records: list[TraceRecord]) -> Workload:
         if len(records) < 2:
             raise ConfigError(f"the trace holds {len(records)} finished request(s); planning needs at least 2")
-        records = sorted(records, key=lambda r: r.timestamp)
+        # A prompt's completions arrived at one instant: the one that computed the prompt (the
+        # fewest tokens found cached) goes first, the group's first shape.
+        records = sorted(records, key=lambda r: (r.timestamp, r.cached_tokens))
         # The simulator queues requests for the Request Processor itself, so it replays each
         # one's service time: the median (SERVICE_QUANTILE) over the requests with as many
         # images of the processor's CPU time on each (``processing``). A trace written
@@ -62,10 +67,12 @@ class Workload:
             by_images.setdefault(len(r.images), []).append(
                 r.preprocess if r.processing is None else min(r.processing, r.preprocess))
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
+        firsts: dict[tuple, int] = {}  # (timestamp, group) -> its first shape
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
                                     tuple((i.offset, i.tokens, i.patches, i.span) for i in r.images),
-                                    service[len(r.images)], r.cached_tokens, r.prompt_logprobs)
-                       for r in records)
+                                    service[len(r.images)], r.cached_tokens, r.prompt_logprobs,
+                                    None if r.group is None else firsts.setdefault((r.timestamp, r.group), k))
+                       for k, r in enumerate(records))
         stamps = [r.timestamp for r in records]
         if stamps[-1] <= stamps[0]:
             raise ConfigError("the trace's requests all arrived at the same instant: it has no rate to scale")
@@ -88,9 +95,11 @@ class Workload:
         else:
             raise ConfigError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {arrivals!r}")
         shapes = self.shapes
+        grouped = arrivals == "trace"  # Poisson arrivals part a prompt's completions
         return [SimRequest(t, s.num_prompt_tokens, s.num_output_tokens, s.images, s.preprocess, s.cached_tokens,
-                           s.prompt_logprobs)
-                for t, s in ((t, shapes[i % len(shapes)]) for i, t in enumerate(times))]
+                           s.prompt_logprobs,
+                           i - i % len(shapes) + s.group if grouped and s.group is not None else None)
+                for i, t, s in ((i, t, shapes[i % len(shapes)]) for i, t in enumerate(times))]
 
     def summary(self) -> dict:
         """Means of what a request holds (for reports)."""

@@ -481,4 +481,5 @@ class ChoiceStream:
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
                 stages=self.stage_times, instances=list(route), cached_tokens=self.num_cached_tokens,
                 processing=parent.processing, prompt_logprobs=req.sampling_params.prompt_logprobs is not None,
+                group=req.group,
             )

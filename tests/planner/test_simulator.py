@@ -160,6 +160,23 @@ def test_a_traced_cache_hit_is_replayed_where_the_request_prefills():
     assert r.ttft == pytest.approx(0.1 + 0.046, abs=1e-3)
 
 
+@pytest.mark.parametrize("grouped", [True, False])
+def test_a_prompts_completions_that_found_it_cached_wait_for_the_one_computing_it(grouped):
+    # Four completions of a 100-token prompt at t=0; the first computed it when traced, the
+    # others found 96 tokens cached. Grouped: the first prefills alone (10 + 100 ms), then its
+    # decode and the others' last 4 tokens each share a step (10 + 2 + 12 ms), as live, where
+    # they wait for its blocks. Without the group each replays its hit at once, a step early.
+    group = 0 if grouped else None
+    requests = [SimRequest(0.0, 100, 2, cached_tokens=cached, group=group) for cached in (0, 96, 96, 96)]
+    first, *others = run(make_setup(), ["EPD"], requests).requests
+    assert first.ttft == pytest.approx(0.11 if grouped else 0.122)
+    assert [r.ttft for r in others] == pytest.approx([0.134 if grouped else 0.122] * 3)
+    # On two instances the router keeps the group on the first one's (round-robin would not).
+    first, *others = run(make_setup(), ["EPD", "EPD"], requests).requests
+    if grouped:
+        assert first.ttft == pytest.approx(0.11) and [r.ttft for r in others] == pytest.approx([0.134] * 3)
+
+
 def test_image_migration_from_e_to_pd():
     m, bandwidth = 0.001, 2e6
     setup = make_setup(message_seconds=m, bandwidth=bandwidth)

@@ -162,6 +162,12 @@ def test_a_repeated_chat_starts_from_its_cached_prefix(daemon, client, model_nam
     # and the Request Processor's own time on each (its images decoded and processed), apart
     # from the waits before it: what the planner replays as its service time
     assert all(0 < r["processing"] <= r["preprocess"] for r in traced), traced
+    # A request's completions are one group there (the planner replays them together); a
+    # prompt's only completion has none.
+    client.chat.completions.create(model=model_name, messages=api, max_tokens=2, n=3, temperature=1.0)
+    traced = [json.loads(line) for line in http("GET", daemon.url + "/admin/trace?limit=4").text.splitlines()]
+    groups = sorted((r.get("group") or "" for r in traced))
+    assert groups[0] == "" and groups[1] and len(set(groups[1:])) == 1, traced
 
 
 def test_chat_stream_matches_transformers(client, model_name, reference):
