@@ -542,6 +542,27 @@ def test_an_encoder_under_pressure_hands_on_every_image_from_blocks_that_hold_it
     offered: list[Request] = []
     live: list[Request] = []
     encodes = 0
+
+    def encode_step() -> None:
+        """One step, its encodes written; each request it offers holds its images."""
+        nonlocal encodes
+        out = s.schedule()
+        s.check_integrity()
+        for req, index in out.encodes:
+            assert not req.found_images[index]
+            for block_id in req.image_block_ids[index]:
+                written[block_id] = req.images[index].digest()
+        encodes += len(out.encodes)
+        s.update_after_encode(out)
+        s.update_after_language(out, [])
+        s.check_integrity()
+        for req, kind in s.new_offers:
+            assert kind == "image" and req.images_done
+            for image, blocks in zip(req.images, req.image_block_ids):
+                assert blocks and all(written.get(b) == image.digest() for b in blocks), f"{req}"
+            offered.append(req)
+        s.new_offers = []
+
     for i in range(80):
         n = rng.randrange(1, 4)
         images = [_image(4 + 20 * k, 16, rng.randrange(4)) for k in range(n)]
@@ -549,22 +570,7 @@ def test_an_encoder_under_pressure_hands_on_every_image_from_blocks_that_hold_it
         s.add(r)
         live.append(r)
         for _ in range(rng.randrange(0, 3)):
-            out = s.schedule()
-            s.check_integrity()
-            for req, index in out.encodes:
-                assert not req.found_images[index]
-                for block_id in req.image_block_ids[index]:
-                    written[block_id] = req.images[index].digest()
-            encodes += len(out.encodes)
-            s.update_after_encode(out)
-            s.update_after_language(out, [])
-            s.check_integrity()
-            for req, kind in s.new_offers:
-                assert kind == "image" and req.images_done
-                for image, blocks in zip(req.images, req.image_block_ids):
-                    assert blocks and all(written.get(b) == image.digest() for b in blocks), f"{req}"
-                offered.append(req)
-            s.new_offers = []
+            encode_step()
         while offered and rng.random() < 0.6:  # a target copied one: its blocks go
             s.release(offered.pop(rng.randrange(len(offered))).req_id)
             s.check_integrity()
@@ -578,19 +584,7 @@ def test_an_encoder_under_pressure_hands_on_every_image_from_blocks_that_hold_it
     for _ in range(500):  # the rest: encoded and copied
         if not s.num_unfinished:
             break
-        out = s.schedule()
-        for req, index in out.encodes:
-            for block_id in req.image_block_ids[index]:
-                written[block_id] = req.images[index].digest()
-        encodes += len(out.encodes)
-        s.update_after_encode(out)
-        s.update_after_language(out, [])
-        s.check_integrity()
-        for req, _ in s.new_offers:
-            for image, blocks in zip(req.images, req.image_block_ids):
-                assert all(written.get(b) == image.digest() for b in blocks)
-            s.release(req.req_id)
-        s.new_offers = []
+        encode_step()
         for req in offered:
             s.release(req.req_id)
         offered = []
