@@ -22,6 +22,8 @@ SLOW_STAGES = """
 derive_budgets = false
 token_budget = 32
 image_budget = 1
+[cache]
+prefix_caching = false
 """
 
 
