@@ -128,6 +128,9 @@ OVERRUN_STEPS = 16
 OVERRUN_FACTOR = 2.0
 # Finished requests whose gaps between tokens make a stream's expected length (``_allowance``).
 LENGTH_WINDOW = 64
+# An image the simulator replays as found in an image cache (``Scheduler._replayed_images``):
+# its blocks are taken fresh.
+REPLAYED: list[int] = [-1]
 
 
 @dataclass
@@ -951,7 +954,12 @@ class Scheduler:
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
             # Its images from ``skipped`` on found encoded (the image cache), and the first it
             # encodes here (``num_images``: none).
-            found = self._found_images(req, skipped) if self._image_caching and skipped < req.num_images else None
+            found = None
+            if skipped < req.num_images:
+                if self._image_caching:
+                    found = self._found_images(req, skipped)
+                elif self.replay_cached and not self.can_prefill and req.num_cached_tokens:
+                    found = self._replayed_images(req, skipped)
             first = skipped if found is None else next(
                 (skipped + j for j, blocks in enumerate(found) if not blocks), req.num_images)
             if self._encoding_images and first < req.num_images and self._waits_for_image(req, first):
@@ -1124,6 +1132,16 @@ class Scheduler:
             blocks = images.lookup(digests) if digests is not None else []
             found.append(blocks if len(blocks) == num_blocks else [])
         return found
+
+    def _replayed_images(self, req: Request, first: int) -> list[list[int]] | None:
+        """The simulator's (``replay_cached``) image cache on an instance that only encodes: the
+        images of ``req`` from ``first`` on that lie in the prompt tokens it found cached when
+        traced were sent before, and are found (``REPLAYED``: in blocks taken fresh, its
+        requests carry no content to look up); the rest are encoded."""
+        inside = _num_images_before(req, req.num_cached_tokens)
+        if inside <= first:
+            return None
+        return [REPLAYED if i < inside else [] for i in range(first, req.num_images)]
 
     def _waits_for_image(self, req: Request, index: int) -> bool:
         """Whether ``req``'s image ``index`` is one that another request admitted here encodes
@@ -1465,9 +1483,13 @@ class Scheduler:
         images = self.images
         if found is not None:  # held first, so that the fresh blocks taken next cannot evict them
             for i, blocks in enumerate(found, first):
-                if blocks:
+                if blocks is REPLAYED:
+                    blocks = images.allocate(images.num_blocks_for(req.image_tokens(i)))
+                elif blocks:
                     images.acquire(blocks)
-                    req.image_block_ids[i] = list(blocks)
+                    blocks = list(blocks)
+                if blocks:
+                    req.image_block_ids[i] = blocks
                 req.found_images[i] = bool(blocks)
             self.images_cached += sum(1 for blocks in found if blocks)
         noting = found is not None
@@ -1490,8 +1512,8 @@ class Scheduler:
         if found is None:
             return self._image_blocks_needed(req, first)
         images = self.images
-        return sum(images.num_unheld(blocks) if blocks else images.num_blocks_for(req.image_tokens(i))
-                   for i, blocks in enumerate(found, first))
+        return sum(images.num_unheld(blocks) if blocks and blocks is not REPLAYED
+                   else images.num_blocks_for(req.image_tokens(i)) for i, blocks in enumerate(found, first))
 
     def _leave_queue(self, req: Request) -> None:
         """Take req out of the queue of its status (it keeps its blocks)."""
