@@ -279,17 +279,15 @@ class Scheduler:
         # The full prompt blocks that requests admitted here compute and have not registered
         # yet, by digest (``_note_computing``): a new prompt whose next uncached block is one
         # of them waits for it (``_waits_for_prefix``). An entry goes when its block is
-        # registered or its request leaves its prefill (``_forget_computing``).
-        self._computing: dict[bytes, Request] = {}
+        # registered or its request leaves its prefill (``_forget_computing``). In the planner's
+        # simulator (``replay_cached``), whose requests carry shapes, not content, the entries
+        # are groups instead: the one of a prompt's completions that computes it, until its
+        # prefill ends; the others wait for it (``_waits_for_group``).
+        self._computing: dict[bytes | str, Request] = {}
         # The same for images (the image cache, ``_found_images``): by content digest, the
         # images that requests admitted here encode and have not registered yet; a new request
         # whose first image to encode is one of them waits for it (``_waits_for_image``).
         self._encoding_images: dict[bytes, Request] = {}
-        # The simulator's (``replay_cached``: requests carry shapes, not content, to wait on):
-        # by group, the one of a prompt's completions that computes it here, from its admission
-        # (or pull) to the end of its prefill; the others, which found the prompt cached when
-        # traced, wait for it (``_waits_for_group``), as they wait on its blocks live.
-        self._group_leaders: dict[str, Request] = {}
 
     # -- role changes (live redeploy) ----------------------------------------------------------
     def set_role(self, role: str, kv_manager: BlockManager | None, image_manager: BlockManager | None) -> None:
@@ -364,7 +362,7 @@ class Scheduler:
 
     def _update_caching(self) -> None:
         self._caching = self.prefix_caching and self.kv is not None and self.can_prefill
-        if not self._caching:
+        if not self._caching and not self.replay_cached:
             self._computing = {}
         # The image cache: on the image pool of an instance that encodes.
         self._image_caching = (self.prefix_caching and self.images is not None and "E" in self.role
@@ -886,8 +884,8 @@ class Scheduler:
             if kind == "image":
                 # Another of its prompt's completions is computing it here: its pull waits.
                 # (Blocks are noted as computing only while prefix caching is on.)
-                if ((self._computing and self._waits_for_prefix(req, len(self._cached_prefix(req))))
-                        or (self._group_leaders and req.group is not None and self._waits_for_group(req))):
+                if self._computing and (self._waits_for_group(req) if self.replay_cached
+                                        else self._waits_for_prefix(req, len(self._cached_prefix(req)))):
                     i += 1
                     continue
                 need = self._image_blocks_needed(req)
@@ -944,11 +942,9 @@ class Scheduler:
                 i += 1
                 continue
             cached = self._cached_prefix(req) if self._caching else []
-            if self._computing and self._waits_for_prefix(req, len(cached)):
+            if self._computing and (self._waits_for_group(req) if self.replay_cached
+                                    else self._waits_for_prefix(req, len(cached))):
                 i += 1  # the next one may go first: this one waits for a prompt, not for room
-                continue
-            if self._group_leaders and req.group is not None and self._waits_for_group(req):
-                i += 1  # the same, in the simulator
                 continue
             replayed = self._replayed_blocks(req)
             skipped = _num_images_before(req, (len(cached) + replayed) * bs)
@@ -1052,9 +1048,12 @@ class Scheduler:
         """``req`` is admitted (or pulled in to be prefilled here): the full blocks of its prompt
         past its cached prefix are being computed here (``_computing``), until ``_register``
         finds them in the pool. (A pulled request takes its cached prefix when its pull ends:
-        the blocks of that prefix it was noted for are forgotten then.)"""
-        if self.replay_cached and req.group is not None and not self._replays_group_prompt(req):
-            self._group_leaders.setdefault(req.group, req)
+        the blocks of that prefix it was noted for are forgotten then.) In the simulator, the
+        completion of a group that computes its prompt is noted by its group."""
+        if self.replay_cached:
+            if req.group is not None and not self._replays_group_prompt(req):
+                self._computing.setdefault(req.group, req)
+            return
         if not self._caching or req.digests_stopped:
             return
         bs = self.kv.block_size
@@ -1069,22 +1068,25 @@ class Scheduler:
         for digest in req.block_digests[:num_blocks]:
             if computing.get(digest) is req:
                 del computing[digest]
+        if num_blocks is None:
+            self._forget_group(req)
 
-    def _forget_leader(self, req: Request) -> None:
-        """``req``'s prefill is over (its first token, or it left): its group waits no more."""
-        if req.group is not None and self._group_leaders.get(req.group) is req:
-            del self._group_leaders[req.group]
+    def _forget_group(self, req: Request) -> None:
+        """``req``'s prefill is over (its first token, or it left): its group (simulated) waits
+        for it no more."""
+        if req.group is not None and self._computing.get(req.group) is req:
+            del self._computing[req.group]
 
     @staticmethod
     def _replays_group_prompt(req: Request) -> bool:
         """Whether a simulated completion found at least half its prompt cached when traced: it
-        waited for another of its group to compute it (``_group_leaders``)."""
+        waited for another of its group to compute it (``_computing``)."""
         return req.num_cached_tokens is not None and 2 * req.num_cached_tokens >= req.num_prompt_tokens
 
     def _waits_for_group(self, req: Request) -> bool:
         """Whether ``req`` (simulated) is one of a prompt's completions that found it cached when
         traced while another of them computes it here: it waits for that one's prefill."""
-        leader = self._group_leaders.get(req.group)
+        leader = self._computing.get(req.group) if req.group is not None else None
         return leader is not None and leader is not req and self._replays_group_prompt(req)
 
     def _waits_for_prefix(self, req: Request, num_cached: int) -> bool:
@@ -1231,8 +1233,6 @@ class Scheduler:
         if req.status is RequestStatus.FINISHED:  # aborted while copying
             if self._computing:
                 self._forget_computing(req)
-            if self._group_leaders:
-                self._forget_leader(req)
             self._free_blocks(req)
             return
         if kind == "image":
@@ -1421,8 +1421,8 @@ class Scheduler:
                 elif req.req_id in prefilling:
                     del prefilling[req.req_id]
                     decoding[req.req_id] = req
-                    if self._group_leaders:
-                        self._forget_leader(req)
+                    if self._computing:  # its blocks are registered; in the simulator, its group
+                        self._forget_group(req)
                 continue
             self._remove(req)
             self._finish(req, reason)
@@ -1492,16 +1492,13 @@ class Scheduler:
                     req.image_block_ids[i] = blocks
                 req.found_images[i] = bool(blocks)
             self.images_cached += sum(1 for blocks in found if blocks)
-        noting = found is not None
         for i in range(first, req.num_images):
             if found is not None and found[i - first]:
                 continue
             req.found_images[i] = False
             req.image_block_ids[i] = images.allocate(images.num_blocks_for(req.image_tokens(i)))
-            if noting:
-                content = req.images[i].digest()
-                if content is not None:
-                    self._encoding_images.setdefault(content, req)
+            if found is not None and (content := req.images[i].digest()) is not None:
+                self._encoding_images.setdefault(content, req)
 
     def _image_blocks_needed(self, req: Request, first: int = 0) -> int:
         return sum(self.images.num_blocks_for(req.image_tokens(i)) for i in range(first, req.num_images))
@@ -1524,8 +1521,6 @@ class Scheduler:
                 del self.prefilling[req.req_id]
                 if self._computing:
                     self._forget_computing(req)
-                if self._group_leaders:
-                    self._forget_leader(req)
             if self._spent:
                 self._spent.pop(req.req_id, None)
             self._dropped.append(req)
@@ -1533,8 +1528,6 @@ class Scheduler:
             del self.encoding[req.req_id]
             if self._computing:
                 self._forget_computing(req)
-            if self._group_leaders:
-                self._forget_leader(req)
         elif status is RequestStatus.WAITING:
             (self.incoming if req.pull is not None else self.waiting).remove(req)
         elif status is RequestStatus.OFFERED:
@@ -1594,10 +1587,6 @@ class Scheduler:
             if (self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r
                     and self.pulling.get(r.req_id) is not r):
                 raise AssertionError(f"{r} left its prefill but new prompts may still wait for it")
-        for r in self._group_leaders.values():
-            if (self.prefilling.get(r.req_id) is not r and self.encoding.get(r.req_id) is not r
-                    and self.pulling.get(r.req_id) is not r):
-                raise AssertionError(f"{r} left its prefill but its group may still wait for it")
         for r in self._encoding_images.values():
             if self.encoding.get(r.req_id) is not r:
                 raise AssertionError(f"{r} is not encoding but new requests may still wait for its image")

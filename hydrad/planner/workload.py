@@ -67,11 +67,11 @@ class Workload:
             by_images.setdefault(len(r.images), []).append(
                 r.preprocess if r.processing is None else min(r.processing, r.preprocess))
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
-        firsts: dict[tuple, int] = {}  # (timestamp, group) -> its first shape
+        firsts: dict[str, int] = {}  # group -> its first shape
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
                                     tuple((i.offset, i.tokens, i.patches, i.span) for i in r.images),
                                     service[len(r.images)], r.cached_tokens, r.prompt_logprobs,
-                                    None if r.group is None else firsts.setdefault((r.timestamp, r.group), k))
+                                    None if r.group is None else firsts.setdefault(r.group, k))
                        for k, r in enumerate(records))
         stamps = [r.timestamp for r in records]
         if stamps[-1] <= stamps[0]:
