@@ -98,6 +98,10 @@ class ServerConfig:
     # Requests the Request Processor (chat template, tokenizer, images) works on at
     # once; one more thread takes small requests only, so they never wait behind large ones.
     processor_threads: int = 2
+    # Pixels of recently sent images the Request Processor keeps preprocessed, by their
+    # file, in MiB: an image sent again (a chat's next turn, another question about it)
+    # is neither decoded nor processed again. 0: none kept.
+    processed_image_cache_mb: int = 512
     router_policy: str = "round-robin"
     # HTTP processes serving the port (SO_REUSEPORT): the daemon and frontend_processes - 1
     # more, each parsing, preparing and streaming its own requests (the daemon alone holds
@@ -148,6 +152,8 @@ class ServerConfig:
         if self.max_inflight_image_mb < largest:
             raise ConfigError(f"server.max_inflight_image_mb ({self.max_inflight_image_mb}) cannot hold one request "
                               f"of server.max_request_pixels: it needs {largest} MiB")
+        if self.processed_image_cache_mb < 0:
+            raise ConfigError(f"server.processed_image_cache_mb must be >= 0, got {self.processed_image_cache_mb}")
         if self.queue_timeout < 0:
             raise ConfigError(f"server.queue_timeout must be >= 0, got {self.queue_timeout}")
         if self.router_policy not in ROUTER_POLICIES:

@@ -36,6 +36,7 @@ from hydrad.chat_options import DEFAULT, ChatTemplateOptions
 from hydrad.engine.inputs import EngineRequest, ImageInput
 from hydrad.errors import CheckpointError, RequestError
 from hydrad.images import EncodedImage, check_image_size, data_url_bytes, open_image_bytes, peek_data_url
+from hydrad.processed_images import ProcessedImages, file_key
 from hydrad.sampling_params import SamplingParams
 from hydrad.tool_calls import TAGS, format_of
 from hydrad.videos import EncodedVideo, VideoClip, VideoSampling, decode_video, frames_clip, read_header, \
@@ -119,8 +120,11 @@ class InputProcessor:
         max_model_len: int | None = None,
         max_video_frames: int = 32,
         chat_template: str | Path | None = None,
+        processed_image_cache_bytes: int = 0,
     ):
-        """``chat_template``: a Jinja file used instead of the checkpoint's chat template."""
+        """``chat_template``: a Jinja file used instead of the checkpoint's chat template;
+        ``processed_image_cache_bytes``: pixels of recent images kept preprocessed, by their
+        file (``hydrad.processed_images``; 0: none)."""
         from hydrad.models.loader import load_config
         from hydrad.models.registry import get_model_class
 
@@ -132,6 +136,7 @@ class InputProcessor:
         self.max_images_per_request = max_images_per_request
         self.max_image_pixels = max_image_pixels
         self.max_request_pixels = max_request_pixels
+        self.processed_images = ProcessedImages(processed_image_cache_bytes)
         self.chat_template = None
         if chat_template is not None:
             try:
@@ -324,9 +329,10 @@ class InputProcessor:
             check_image_size(source, max_pixels=self.max_image_pixels, param=where)
         return source.size  # EncodedImage: checked when it was fetched
 
-    def _decode(self, source: object, where: str) -> tuple[Image.Image | VideoClip, bytes | None]:
-        """The RGB image (or the video's frames), and the file it was decoded from (None for an
-        object)."""
+    def _decode(self, source: object, where: str) -> tuple[Image.Image | ImageInput | VideoClip, bytes | None]:
+        """The RGB image, or its preprocessed input found in the cache (``processed_images``),
+        with its file's key (None for an object); a video's frames with the file they were
+        decoded from (None for frames sent as such)."""
         if isinstance(source, VideoSource):
             if source.clip is not None:
                 return source.clip, None
@@ -334,7 +340,12 @@ class InputProcessor:
                                 param=where), source.data
         if isinstance(source, (str, EncodedImage)):
             data = source.data if isinstance(source, EncodedImage) else data_url_bytes(source, where)
-            return open_image_bytes(data, max_pixels=self.max_image_pixels, param=where), data
+            key = file_key(data)
+            if self.processed_images.capacity_bytes:
+                found = self.processed_images.get(key)
+                if found is not None:
+                    return found[0], key
+            return open_image_bytes(data, max_pixels=self.max_image_pixels, param=where), key
         return (source if source.mode == "RGB" else source.convert("RGB")), None
 
     def check_prompt_chars(self, num_chars: int, param: str) -> None:
@@ -445,7 +456,7 @@ class InputProcessor:
             videos = None
             if clips:
                 text, videos = self._videos(text, clips)
-            return self._tokenize(processor, text, [image for image, _ in images], [data for _, data in images],
+            return self._tokenize(processor, text, [image for image, _ in images], [key for _, key in images],
                                   videos=videos)
 
     def process_prompt(self, prompt: str | list[int]) -> ProcessedPrompt:
@@ -481,12 +492,13 @@ class InputProcessor:
         return repeat_placeholders(text, self.video_token, [v.input.length for v in videos], "video"), videos
 
     # -- tokens ---------------------------------------------------------------------------------
-    def _tokenize(self, processor, text: str, images: list[Image.Image],
-                  files: list[bytes | None] | None = None,
+    def _tokenize(self, processor, text: str, images: list[Image.Image | ImageInput],
+                  keys: list[bytes | None] | None = None,
                   videos: list[PreparedVideo] | None = None, param: str = "messages") -> ProcessedPrompt:
-        """``files``: the file each image was decoded from, where known (its digest's source);
-        ``videos``: from ``_videos``, their placeholders already repeated in ``text``; ``param``:
-        the request field the text came from, for errors."""
+        """``images``: decoded, or found preprocessed (``_decode``); ``keys``: each image's
+        file key, where it came from a file (its digest's source, and where the cache keeps
+        it); ``videos``: from ``_videos``, their placeholders already repeated in ``text``;
+        ``param``: the request field the text came from, for errors."""
         if not images:
             # Text alone: the processor would only call its tokenizer (special tokens added, no
             # padding); its own encode gives the same ids without the kwargs merging and tensors.
@@ -496,28 +508,15 @@ class InputProcessor:
             if not videos and self.video_token_id is not None and self.video_token_id in token_ids:
                 raise RequestError("the prompt contains video placeholder tokens but no video", param=param)
             return self._with_videos(ProcessedPrompt(token_ids), videos) if videos else ProcessedPrompt(token_ids)
-        try:
-            if videos:
-                # transformers' processor refuses video placeholders without its video processor:
-                # its image processor, then the image placeholders repeated as the processor repeats them.
-                out = processor.image_processor(images=images, return_tensors="pt")
-            else:
-                out = processor(text=text, images=images, return_tensors="pt")
-        except ValueError as e:
-            # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
-            raise RequestError(f"could not process the images: {e}", param="messages") from None
-        inputs = self.model_cls.image_inputs(self.hf_config, out)
-        if videos:
-            token_ids = encode_text(processor.tokenizer, repeat_placeholders(
-                text, processor.image_token, [image.length for image in inputs], "image"))
-        else:
-            token_ids = out["input_ids"][0].tolist()
+        keys = keys or [None] * len(images)
+        inputs = self._process_images(processor, images, keys)
+        # The placeholders repeated as transformers' processors repeat them, then the tokenizer
+        # (the processor's own call does the same, with the image processor run inside it).
+        token_ids = encode_text(processor.tokenizer, repeat_placeholders(
+            text, processor.image_token, [image.length for image in inputs], "image"))
         offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
-        for image, offset, pil, data in zip(inputs, offsets, images, files or [None] * len(images)):
+        for image, offset in zip(inputs, offsets):
             image.offset = offset
-            if image.image_size is None:  # the size as sent, for the request trace
-                image.image_size = (pil.height, pil.width)
-            image.digest(data)  # here, once: the engine matches cached prefixes by it
         prompt = ProcessedPrompt(token_ids, inputs)
         if videos:
             return self._with_videos(prompt, videos)
@@ -529,6 +528,30 @@ class InputProcessor:
                 self.hf_config.vision_config.spatial_merge_size,
             )
         return prompt
+
+    def _process_images(self, processor, images: list[Image.Image | ImageInput],
+                        keys: list[bytes | None]) -> list[ImageInput]:
+        """Each image's input: those found in the cache as they are, the others through the
+        image processor (together), digested, and kept in the cache where they have a key."""
+        inputs = list(images)
+        missing = [k for k, image in enumerate(images) if not isinstance(image, ImageInput)]
+        if not missing:
+            return inputs
+        try:
+            out = processor.image_processor(images=[images[k] for k in missing], return_tensors="pt")
+        except ValueError as e:
+            # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
+            raise RequestError(f"could not process the images: {e}", param="messages") from None
+        cache = self.processed_images
+        for k, image in zip(missing, self.model_cls.image_inputs(self.hf_config, out)):
+            pil = images[k]
+            if image.image_size is None:  # the size as sent, for the request trace
+                image.image_size = (pil.height, pil.width)
+            image.digest(keys[k])  # here, once: the engine matches cached prefixes by it
+            if keys[k] is not None and cache.capacity_bytes:
+                image = cache.put(keys[k], image, pil.size)
+            inputs[k] = image
+        return inputs
 
     def _with_videos(self, prompt: ProcessedPrompt, videos: list[PreparedVideo]) -> ProcessedPrompt:
         """The prompt's videos placed beside its images (in prompt order), and its M-RoPE

@@ -122,6 +122,7 @@ def load_processor(config: DaemonConfig, num_threads: int):
         max_image_pixels=server.max_image_pixels, max_request_pixels=server.max_request_pixels,
         max_model_len=config.engine.model.max_model_len, max_video_frames=server.max_video_frames,
         chat_template=config.engine.model.chat_template,
+        processed_image_cache_bytes=server.processed_image_cache_mb << 20,
     )
     processor.add_instances(num_threads)
     return processor
@@ -158,7 +159,7 @@ async def engine_ctx(app: web.Application):
         executor.shutdown(wait=False, cancel_futures=True)
         raise
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
-    app[METRICS] = Metrics(processor.model_name)
+    app[METRICS] = Metrics(processor.model_name, processor.processed_images)
     app[MONITOR] = FrontendMonitor(app[METRICS], worker_pids=lambda: worker_pids(supervisor.clients))
     app[MONITOR].start()
     app[SUPERVISOR] = supervisor

@@ -282,7 +282,7 @@ async def _frontend_ctx(app: web.Application):
     executor = ThreadPoolExecutor(num_threads, thread_name_prefix="hydrad-processor")
     processor = await asyncio.get_running_loop().run_in_executor(executor, api.load_processor, config, num_threads)
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
-    app[api.METRICS] = Metrics(processor.model_name)
+    app[api.METRICS] = Metrics(processor.model_name, processor.processed_images)
     app[api.MONITOR] = FrontendMonitor(app[api.METRICS])
     app[api.MONITOR].start()
     app[api.ADMISSION] = Admission(server, executor)

@@ -207,13 +207,36 @@ class WorkerUsage(Collector):
         yield from (cpu, rss, shared)
 
 
+class ProcessedImageMetrics(Collector):
+    """The Request Processor's cache of preprocessed images (``hydrad.processed_images``),
+    read at scrape time."""
+
+    def __init__(self, model: str, cache):
+        self.model, self.cache = model, cache
+
+    def collect(self):
+        cache = self.cache
+        looked = CounterMetricFamily("hydrad_processed_image_lookups", "Images sent as files, looked up in the "
+                                     "Request Processor's cache of preprocessed images: found (not decoded nor "
+                                     "processed again) or not.", labels=["model_name", "found"])
+        looked.add_metric([self.model, "true"], cache.num_found)
+        looked.add_metric([self.model, "false"], cache.num_missed)
+        kept = GaugeMetricFamily("hydrad_processed_image_cache_bytes", "Pixels the Request Processor keeps "
+                                 "preprocessed (server.processed_image_cache_mb).", labels=["model_name"])
+        kept.add_metric([self.model], cache.num_bytes)
+        yield from (looked, kept)
+
+
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, processed_images=None):
+        """``processed_images``: the Request Processor's cache (``ProcessedImages``), exported."""
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self._model = model_name
         self.tokens = TokenMetrics(model_name)
         r.register(self.tokens)
+        if processed_images is not None:
+            r.register(ProcessedImageMetrics(model_name, processed_images))
         self.deployment = DeploymentMetrics(model_name)
         self.failures = WorkerFailures(model_name)
         r.register(self.deployment)

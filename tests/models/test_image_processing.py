@@ -3,6 +3,8 @@ positions on the request, and its errors."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import shutil
 
@@ -10,7 +12,10 @@ import pytest
 import torch
 from factories import hf_inputs, image, noise, text
 
+import hydrad.processor
 from hydrad.errors import RequestError
+from hydrad.models.inputs import ImageInput
+from hydrad.processed_images import ProcessedImages
 from hydrad.processor import InputProcessor, find_image_runs
 from hydrad.sampling_params import SamplingParams
 
@@ -120,3 +125,78 @@ def test_eos_ids_include_the_generation_config(tmp_path, tiny_checkpoint):
     generation["eos_token_id"] = [im_end, endoftext]
     (path / "generation_config.json").write_text(json.dumps(generation))
     assert InputProcessor(path).eos_token_ids == tuple(sorted((im_end, endoftext)))
+
+
+def _as_file(part: dict) -> dict:
+    """An image part of ``factories.image`` sent as a PNG data URL (lossless: the same pixels)."""
+    buffer = io.BytesIO()
+    part["image"].save(buffer, "PNG")
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+        buffer.getvalue()).decode()}}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_image_file_sent_again_is_neither_decoded_nor_processed_again(tiny_checkpoint, monkeypatch, arch):
+    """The next turn of a conversation resends its images: they are found preprocessed, and the
+    prompt is the one transformers' processor makes of the whole conversation (its ids, the
+    images' pixels and placement, their digests as without the cache)."""
+    path = tiny_checkpoint(arch)
+    processor = InputProcessor(path, max_images_per_request=3, processed_image_cache_bytes=64 << 20)
+    uncached = InputProcessor(path, max_images_per_request=3)
+    first = [{"role": "user", "content": [image(100, 60, 1), text("and"), image(60, 150, 2)]}]
+    second = [*first, {"role": "assistant", "content": "Two."},
+              {"role": "user", "content": [image(300, 90, 3), text("A third?")]}]
+    as_files = [{**m, "content": [_as_file(p) if p["type"] == "image" else p for p in m["content"]]}
+                if isinstance(m["content"], list) else m for m in second]
+    processor.process_chat(as_files[:1])
+    assert (processor.processed_images.num_found, processor.processed_images.num_missed) == (0, 2)
+    kept = len(processor.processed_images)
+    decoded = []
+    real_open = hydrad.processor.open_image_bytes
+    monkeypatch.setattr(hydrad.processor, "open_image_bytes", lambda *a, **k: decoded.append(1) or real_open(*a, **k))
+    prompt = processor.process_chat(as_files)
+    assert len(decoded) == 1 and processor.processed_images.num_found == 2  # only the new image decoded
+    assert len(processor.processed_images) == kept + 1
+    reference = hf_inputs(processor.processor, second)
+    assert prompt.prompt_token_ids == reference["input_ids"][0].tolist()
+    alone = uncached.process_chat(as_files)
+    assert len(uncached.processed_images) == 0
+    assert prompt.prompt_token_ids == alone.prompt_token_ids
+    for found, computed in zip(prompt.images, alone.images):
+        assert (found.offset, found.length, found.image_size, found.grid_thw, found.num_patches) == \
+            (computed.offset, computed.length, computed.image_size, computed.grid_thw, computed.num_patches)
+        assert torch.equal(found.pixel_values, computed.pixel_values)
+        assert found.content_hash == computed.content_hash is not None
+    if arch.startswith("qwen"):
+        assert torch.equal(prompt.mrope_positions, alone.mrope_positions)
+    # Found again by a third request: the same pixels, not a copy; its own placement.
+    again = processor.process_chat(as_files[:1])
+    assert again.images[0].pixel_values.data_ptr() == prompt.images[0].pixel_values.data_ptr()
+    assert again.images[0] is not prompt.images[0]
+    # An image sent as an object has no file: nothing is looked up or kept.
+    processor.process_chat(second)
+    assert processor.processed_images.num_found + processor.processed_images.num_missed == 7
+
+
+def test_processed_images_keep_the_most_recent_within_their_bytes():
+    def entry(rows: int) -> ImageInput:
+        return ImageInput(pixel_values=torch.zeros(rows, 256), offset=5, length=rows)  # 1 KiB a row
+
+    cache = ProcessedImages(3 << 10)
+    for k in range(3):
+        kept = cache.put(bytes([k]), entry(1), (1, 1))
+        assert kept.offset == 5  # the request's own input keeps its placement; the entry none
+    assert cache.get(bytes([0]))[0].offset == -1  # found: 0 is the most recent now
+    cache.put(bytes([3]), entry(1), (1, 1))
+    assert cache.get(bytes([1])) is None and cache.get(bytes([0])) is not None  # 1 was the least recent
+    assert cache.num_bytes == 3 << 10 and len(cache) == 3
+    cache.put(bytes([4]), entry(2), (1, 1))  # takes the room of two
+    assert len(cache) == 2 and cache.num_bytes == 3 << 10
+    assert cache.put(bytes([5]), entry(4), (1, 1)) is not None and cache.get(bytes([5])) is None  # larger than all
+    # A row of a batch tensor is kept as its own bytes, not as a view holding the whole batch.
+    batch = torch.ones(3, 256)
+    kept = cache.put(bytes([6]), ImageInput(pixel_values=batch[1], offset=0, length=1), (1, 1))
+    assert kept.pixel_values.untyped_storage().nbytes() == 1 << 10 and torch.equal(kept.pixel_values, batch[1])
+    found, size = cache.get(bytes([6]))
+    assert found.pixel_values.data_ptr() == kept.pixel_values.data_ptr() and size == (1, 1)
+    assert ProcessedImages(0).put(b"k", entry(1), (1, 1)).offset == 5 and cache.num_found == 3

@@ -135,12 +135,22 @@ def test_chat_greedy_matches_transformers(client, model_name, reference):
     assert resp.usage.total_tokens == num_prompt + len(expected)
 
 
+def processed_image_lookups(daemon) -> dict[str, float]:
+    """The daemon's ``hydrad_processed_image_lookups_total`` by ``found``."""
+    counts = {"true": 0.0, "false": 0.0}
+    for line in http("GET", daemon.url + "/metrics").text.splitlines():
+        if line.startswith("hydrad_processed_image_lookups_total{"):
+            counts[line.split('found="')[1].split('"')[0]] += float(line.split()[-1])
+    return counts
+
+
 def test_a_repeated_chat_starts_from_its_cached_prefix(daemon, client, model_name, reference):
     """Asked again on the same instance, a conversation prefills only its last tokens and encodes
     none of its images, and still gives transformers' tokens; status and metrics count it."""
     api, hf, images = conversation()
     _, expected = reference_tokens(reference, hf, images, MAX_TOKENS)
     before = {i["id"]: (i["prefix_cache_hits"], i["prefix_cache_images"]) for i in status(daemon)["instances"]}
+    found_before = processed_image_lookups(daemon)
     cached = []
     for _ in range(4):  # every instance serves it twice, whatever the router picks
         resp = client.chat.completions.create(model=model_name, messages=api, max_tokens=MAX_TOKENS, temperature=0,
@@ -153,6 +163,8 @@ def test_a_repeated_chat_starts_from_its_cached_prefix(daemon, client, model_nam
     assert sum(i["prefix_cache_hits"] - before[i["id"]][0] for i in instances) >= resp.usage.prompt_tokens - 16
     assert sum(i["prefix_cache_images"] - before[i["id"]][1] for i in instances) >= 2
     assert all(i["num_kv_blocks_cached"] > 0 for i in instances if i["prefix_cache_hits"] > before[i["id"]][0])
+    # The Request Processor found both images preprocessed in every send after the first.
+    assert processed_image_lookups(daemon)["true"] - found_before["true"] >= 3 * len(images)
     text = http("GET", daemon.url + "/metrics").text
     hits = [float(line.split()[-1]) for line in text.splitlines() if line.startswith("hydrad_prefix_cache_hits_total{")]
     assert len(hits) == 2 and sum(hits) > 0

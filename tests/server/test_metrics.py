@@ -126,7 +126,10 @@ def test_every_metric_is_documented_with_its_unit():
         name = re.match(r"`(hydrad_\w+)", cells[0]) if cells else None
         if name:
             units[name.group(1)] = cells[2]
-    exposed = {f.name + "_total" if f.type == "counter" else f.name for f in Metrics("m").registry.collect()
+    from hydrad.processed_images import ProcessedImages
+
+    registry = Metrics("m", ProcessedImages(0)).registry
+    exposed = {f.name + "_total" if f.type == "counter" else f.name for f in registry.collect()
                if f.name.startswith("hydrad_")}  # and Prometheus' standard process_* metrics
     assert set(units) == exposed
     assert all(units.values()), units
