@@ -778,14 +778,21 @@ class Simulation:
         requests = self.requests
         threads = self.setup.processor_threads
         free = [0.0] * threads if threads else None  # when each processor thread is next free
+        processed: dict[int, float] = {}  # a group's first request -> when it was processed
         for i, spec in enumerate(requests):
-            if free is None:
+            if spec.group is not None and spec.group in processed:
+                # A prompt's completions are one HTTP request, processed once: live, they are
+                # sent together once the prompt is ready.
+                ready = max(spec.arrival, processed[spec.group])
+            elif free is None:
                 ready = spec.arrival + spec.preprocess
             else:
                 ready = max(spec.arrival, heapq.heappop(free)) + spec.preprocess
                 heapq.heappush(free, ready)
                 if spec.preprocess > 0:
                     self._processor_busy.append((ready - spec.preprocess, ready))
+            if spec.group == i:
+                processed[i] = ready
             self.at(ready, _ARRIVE, None, i)
         self._processor_busy.sort()
         if len(requests) > 1 and self.setup.client_seconds:

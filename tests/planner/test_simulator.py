@@ -530,6 +530,20 @@ def test_the_request_processor_preprocesses_two_at_a_time():
     assert r2.ttft == pytest.approx(0.1 + 0.02)
 
 
+def test_a_prompts_completions_are_processed_once():
+    # Four completions of one prompt at t=0 (one HTTP request, 50 ms of processing), then a
+    # text request of another client at 10 ms; two processor threads. Live, the completions
+    # are processed once and sent together: they reach the instance at 50 ms and share a step
+    # (10 + 4 x 10 ms, their prompts not cached); the other request is processed on the second
+    # thread meanwhile (10 + 50 ms) and joins the next step.
+    setup = make_setup(processor_threads=2)
+    reqs = [SimRequest(0.0, 10, 1, preprocess=0.05, group=0) for _ in range(4)]
+    reqs.append(SimRequest(0.01, 10, 1, preprocess=0.05))
+    *completions, other = run(setup, ["EPD"], reqs).requests
+    assert [r.ttft for r in completions] == pytest.approx([0.05 + 0.05] * 4)
+    assert other.ttft == pytest.approx(0.1 + 0.02 - 0.01)
+
+
 def test_guarded_steps_keep_more_streams_within_their_p90_on_a_noisy_machine():
     """The replay of one EPD instance at 4 req/s of image requests (32 output tokens each),
     its steps 0.25 log-spread around their prediction in slow and fast stretches (AR(1),
