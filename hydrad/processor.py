@@ -549,7 +549,7 @@ class InputProcessor:
                 image.image_size = (pil.height, pil.width)
             image.digest(keys[k])  # here, once: the engine matches cached prefixes by it
             if keys[k] is not None and cache.capacity_bytes:
-                image = cache.put(keys[k], image, pil.size)
+                cache.put(keys[k], image, pil.size)
             inputs[k] = image
         return inputs
 
