@@ -625,3 +625,48 @@ def test_shared_prefixes_under_pressure_keep_every_request_on_its_own_kv(seed):
         live = [r for r in live if r.status is not RequestStatus.FINISHED]
     run_until_done(s, pool, live)
     assert s.prefix_hits > 0 and s.images_cached > 0
+
+
+# -- long and short prompts ---------------------------------------------------------------------------
+def test_a_prompt_is_long_or_short_by_the_work_left_past_what_is_cached():
+    """A chat's next turn resends a long conversation, which its cached prefix holds: its work
+    is its new tokens, a short prompt (the same conversation new is long). Images inside the
+    prefix, or found in an encoder's image cache, are not priced."""
+    from test_scheduler_latency import MODEL
+
+    s = make_scheduler(num_kv_blocks=2000, num_image_blocks=64, token_budget=100_000)
+    s.set_latency_model(MODEL, 0.05)
+    pool = FakePool(s)
+    turn = list(range(100, 600))  # 500 tokens: longer than one step alone (400 fit)
+    first = _request("first", turn)
+    s.add(first)
+    assert first.long_prompt
+    run_until_done(s, pool, [first])
+    nxt, new = _request("next", turn + [1] * 40), _request("new", list(range(700, 1240)))
+    for r in (nxt, new):
+        s.add(r)
+    assert not nxt.long_prompt and new.long_prompt
+    run_until_done(s, pool, [nxt, new])
+    # Twelve images (5 ms each to encode) make a 60-token prompt long; inside a cached prefix, not.
+    images = [_image(4 * i, 4, seed=i) for i in range(12)]
+    video = _request("video", range(100, 160), images)
+    s.add(video)
+    assert video.long_prompt
+    run_until_done(s, pool, [video])
+    again = _request("again", list(range(100, 160)) + [1] * 8, [dataclasses.replace(i) for i in images])
+    s.add(again)
+    assert not again.long_prompt
+    run_until_done(s, pool, [again])
+    # An encoder prices only the images it will encode (16, 5 ms each, and 1 ms a step): found
+    # in its image cache, none.
+    e = _encoder(num_image_blocks=64)
+    e.set_latency_model(MODEL, 0.05)
+    images = [_image(4 * i, 4, seed=i) for i in range(16)]
+    a = _request("a", range(100, 180), images)
+    e.add(a)
+    assert a.long_prompt
+    while not _offered(e):
+        _encode_step(e)
+    b = _request("b", range(300, 380), [dataclasses.replace(i) for i in images])
+    e.add(b)
+    assert not b.long_prompt
