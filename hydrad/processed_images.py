@@ -41,7 +41,7 @@ class ProcessedImages:
 
     def __init__(self, capacity_bytes: int):
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[bytes, tuple[ImageInput, tuple[int, int]]] = OrderedDict()
+        self._entries: OrderedDict[bytes, ImageInput] = OrderedDict()
         self._lock = threading.Lock()
         self.num_bytes = 0
         # Images looked up: found (not decoded nor processed again), and not found.
@@ -51,23 +51,21 @@ class ProcessedImages:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> tuple[ImageInput, tuple[int, int]] | None:
-        """A copy of the image kept under ``key`` (its pixels copied, no placement) and the
-        (width, height) it was sent at, or None."""
+    def get(self, key: bytes) -> ImageInput | None:
+        """A copy of the image kept under ``key`` (its pixels copied, no placement), or None."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
+            image = self._entries.get(key)
+            if image is None:
                 self.num_missed += 1
                 return None
             self._entries.move_to_end(key)
             self.num_found += 1
-        image, size = entry
-        return dataclasses.replace(image, pixel_values=image.pixel_values.clone()), size
+        return dataclasses.replace(image, pixel_values=image.pixel_values.clone())
 
-    def put(self, key: bytes, image: ImageInput, size: tuple[int, int]) -> None:
-        """Keep a copy of ``image`` (just processed; ``size``: its (width, height)) under
-        ``key``, evicting the least recently used past the budget. The copy holds the image's
-        own bytes only (a row of the processor's batch tensor would hold the whole batch)."""
+    def put(self, key: bytes, image: ImageInput) -> None:
+        """Keep a copy of ``image`` (just processed) under ``key``, evicting the least recently
+        used past the budget. The copy holds the image's own bytes only (a row of the
+        processor's batch tensor would hold the whole batch)."""
         pixels = image.pixel_values
         nbytes = pixels.numel() * pixels.element_size()
         if nbytes > self.capacity_bytes:
@@ -76,11 +74,11 @@ class ProcessedImages:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self.num_bytes -= _nbytes(old[0])
-            self._entries[key] = (kept, size)
+                self.num_bytes -= _nbytes(old)
+            self._entries[key] = kept
             self.num_bytes += nbytes
             while self.num_bytes > self.capacity_bytes:
-                _, (evicted, _) = self._entries.popitem(last=False)
+                _, evicted = self._entries.popitem(last=False)
                 self.num_bytes -= _nbytes(evicted)
 
 

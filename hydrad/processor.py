@@ -8,7 +8,9 @@ tokens sit in the prompt; images of one prompt may have different numbers of tok
 sampled and decoded (``hydrad.videos``) and processed (``hydrad.models.qwen2_vl_videos``),
 its placeholder repeated once per video token, and then carry it as one more image with its
 grid. For M-RoPE models (Qwen2-VL) it also computes the prompt's 3-D positions, once. It
-holds no model weights; the daemon runs it in a thread pool, off the event loop, several
+holds no model weights. An image file sent before is found preprocessed
+(``hydrad.processed_images``: a chat resends its image every turn) instead of being decoded
+and processed again. The daemon runs it in a thread pool, off the event loop, several
 requests at once: transformers does not promise that a processor is
 safe to call from several threads at once (its tokenizer's settings are changed in
 place), so each call borrows an instance of its own from a small pool.
@@ -344,7 +346,7 @@ class InputProcessor:
             if self.processed_images.capacity_bytes:
                 found = self.processed_images.get(key)
                 if found is not None:
-                    return found[0], key
+                    return found, key
             return open_image_bytes(data, max_pixels=self.max_image_pixels, param=where), key
         return (source if source.mode == "RGB" else source.convert("RGB")), None
 
@@ -549,7 +551,7 @@ class InputProcessor:
                 image.image_size = (pil.height, pil.width)
             image.digest(keys[k])  # here, once: the engine matches cached prefixes by it
             if keys[k] is not None and cache.capacity_bytes:
-                cache.put(keys[k], image, pil.size)
+                cache.put(keys[k], image)
             inputs[k] = image
         return inputs
 

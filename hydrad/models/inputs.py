@@ -83,8 +83,9 @@ class ImageInput:
 
     def digest(self, source: bytes | None = None) -> bytes | None:
         """``content_hash``, computed where it is not yet: from ``source``, the bytes of the image
-        file the pixels were decoded from (decoding is deterministic, and a file is a fraction of
-        its float pixels: a 640x480 JPEG about 1/30), else from the pixels when there are some.
+        file the pixels were decoded from or a digest of them (``processed_images.file_key``:
+        decoding is deterministic, and a file is a fraction of its float pixels: a 640x480 JPEG
+        about 1/30), else from the pixels when there are some.
         The same picture sent as another file, or as an image object, is another image here."""
         if self.content_hash is not None:
             return self.content_hash

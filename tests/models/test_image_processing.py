@@ -174,7 +174,7 @@ def test_an_image_file_sent_again_is_neither_decoded_nor_processed_again(tiny_ch
     again = processor.process_chat(as_files[:1])
     assert again.images[0].pixel_values.data_ptr() != prompt.images[0].pixel_values.data_ptr()
     again.images[0].pixel_values.share_memory_()
-    assert not any(kept.pixel_values.is_shared() for kept, _ in processor.processed_images._entries.values())
+    assert not any(kept.pixel_values.is_shared() for kept in processor.processed_images._entries.values())
     # An image sent as an object has no file: nothing is looked up or kept.
     processor.process_chat(second)
     assert processor.processed_images.num_found + processor.processed_images.num_missed == 7
@@ -186,24 +186,24 @@ def test_processed_images_keep_the_most_recent_within_their_bytes():
 
     cache = ProcessedImages(3 << 10)
     for k in range(3):
-        cache.put(bytes([k]), entry(1), (1, 1))
-    assert cache.get(bytes([0]))[0].offset == -1  # found, with no placement: 0 is the most recent now
-    cache.put(bytes([3]), entry(1), (1, 1))
+        cache.put(bytes([k]), entry(1))
+    assert cache.get(bytes([0])).offset == -1  # found, with no placement: 0 is the most recent now
+    cache.put(bytes([3]), entry(1))
     assert cache.get(bytes([1])) is None and cache.get(bytes([0])) is not None  # 1 was the least recent
     assert cache.num_bytes == 3 << 10 and len(cache) == 3
-    cache.put(bytes([4]), entry(2), (1, 1))  # takes the room of two
+    cache.put(bytes([4]), entry(2))  # takes the room of two
     assert len(cache) == 2 and cache.num_bytes == 3 << 10
-    cache.put(bytes([5]), entry(4), (1, 1))  # larger than the whole cache: not kept
+    cache.put(bytes([5]), entry(4))  # larger than the whole cache: not kept
     assert cache.get(bytes([5])) is None and len(cache) == 2
     # A row of a batch tensor is kept as its own bytes, not as a view holding the whole batch,
     # and each lookup gets a copy: changing it changes neither the batch nor the entry.
     batch = torch.ones(3, 256)
-    cache.put(bytes([6]), ImageInput(pixel_values=batch[1], offset=0, length=1), (2, 3))
-    found, size = cache.get(bytes([6]))
-    assert found.pixel_values.untyped_storage().nbytes() == 1 << 10 and size == (2, 3)
+    cache.put(bytes([6]), ImageInput(pixel_values=batch[1], offset=0, length=1, image_size=(2, 3)))
+    found = cache.get(bytes([6]))
+    assert found.pixel_values.untyped_storage().nbytes() == 1 << 10 and found.image_size == (2, 3)
     found.pixel_values.zero_()
-    assert torch.equal(cache.get(bytes([6]))[0].pixel_values, batch[1]) and bool(batch.all())
+    assert torch.equal(cache.get(bytes([6])).pixel_values, batch[1]) and bool(batch.all())
     assert (cache.num_found, cache.num_missed) == (4, 2)
     empty = ProcessedImages(0)
-    empty.put(b"k", entry(1), (1, 1))
+    empty.put(b"k", entry(1))
     assert len(empty) == 0 and empty.get(b"k") is None
