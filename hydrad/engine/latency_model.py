@@ -215,12 +215,11 @@ class LatencyModel:
                 + self.v_token * num_tokens)
 
     def prompt_seconds(self, images, num_tokens: int, encode: bool = True, prefill: bool = True,
-                       priced: bool = False, start: int = 0) -> float:
+                       priced: bool = False) -> float:
         """A whole prompt's work alone in one step: its ``images`` (``ImageInput``s) encoded
-        where ``encode``, and its ``num_tokens`` prefilled where ``prefill``, after ``start``
-        tokens already computed (each position priced for its log-probabilities where
-        ``priced``)."""
-        prefills = [(start, num_tokens)] if prefill and num_tokens else []
+        where ``encode``, and its ``num_tokens`` prefilled where ``prefill`` (each position
+        priced for its log-probabilities where ``priced``)."""
+        prefills = [(0, num_tokens)] if prefill and num_tokens else []
         return self.step_seconds(StepShape.of(
             images=[(i.num_patches, i.length, i.attention_span) for i in images] if encode else [],
             prefills=prefills, priced=num_tokens if prefills and priced else 0))

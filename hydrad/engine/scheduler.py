@@ -17,9 +17,9 @@ top):
    encoding (image blocks for all their images are taken at once, so two requests
    can never each hold half of what they need), text-only ones straight to prefill.
 
-Prompts are of two kinds (``Request.long_prompt``): long where the prompt's work left
-here when it arrives (past its cached prefix and the images found cached), predicted alone,
-passes the step bound (a long text, a video), short where one step could carry it. While both kinds wait, steps 2, 3 and 5 run for the short prompts first,
+Prompts are of two kinds (``Request.long_prompt``): long where the whole prompt's work
+here, predicted alone, passes the step bound (a long text, a video), short where one step
+could carry it. While both kinds wait, steps 2, 3 and 5 run for the short prompts first,
 within ``1 - long_prompt_share`` of the room the decodes left, then for the long ones up to
 the bound: a text prompt arriving behind a video is prefilled in the next step instead of
 after the video's encode and prefill, and a long prompt keeps at least its share of every
@@ -574,27 +574,12 @@ class Scheduler:
             self._prefill_encoded(out, budget)
 
     def _classify(self, req: Request) -> None:
-        """Whether ``req``'s prompt is long: its whole work here, predicted alone, passes the
-        step bound (``long_prompt_share``). Its work is what it would do if admitted now: the
-        prefill past its cached prefix (a chat's next turn: its new tokens), and the encodes
-        of the images neither inside that prefix nor found in the image cache."""
+        """Whether ``req``'s prompt is long: its whole work here (the images it still needs
+        encoded, its prefill), predicted alone, passes the step bound (``long_prompt_share``)."""
         m = self.latency_model
-        if m is None:
-            req.long_prompt = False
-            return
-        encode, prefill = "E" in self.role and not req.images_done, "P" in self.role
-        images, start = req.images, 0
-        if prefill and (req.pull is None or req.pull[0] == "image"):
-            blocks = len(self._cached_prefix(req)) if self._caching else self._replayed_blocks(req)
-            if blocks:
-                start = blocks * self.kv.block_size
-                images = images[_num_images_before(req, start):]
-        if encode and images and self._image_caching:
-            found = self._found_images(req, req.num_images - len(images))
-            images = [image for image, blocks in zip(images, found) if not blocks]
-        req.long_prompt = m.prompt_seconds(
-            images, req.num_tokens - start, encode=encode, prefill=prefill, priced=req.prompt_logprobs is not None,
-            start=start) > self.latency_bound
+        req.long_prompt = m is not None and m.prompt_seconds(
+            req.images, req.num_tokens, encode="E" in self.role and not req.images_done,
+            prefill="P" in self.role, priced=req.prompt_logprobs is not None) > self.latency_bound
 
     def _waiting_kinds(self) -> tuple[bool, bool]:
         """Whether short prompts (one step's), and long ones, wait for this step's room; a
