@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import base64
 import io
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, model_dir, photo_like, write_json  # noqa: E402
+from common import machine, median_seconds, model_dir, photo_like, write_json  # noqa: E402
 
 console = Console(width=120)
 
@@ -41,18 +40,6 @@ def turn(url: str) -> list[dict]:
         {"role": "assistant", "content": "It is green."},
         {"role": "user", "content": "Is anyone sitting on it?"},
     ]
-
-
-def per_turn(processor, messages: list[dict], turns: int) -> float:
-    """Median CPU seconds of one ``process_chat`` of ``messages`` in this thread."""
-    for _ in range(3):
-        processor.process_chat(messages)
-    times = []
-    for _ in range(turns):
-        start = time.thread_time()
-        processor.process_chat(messages)
-        times.append(time.thread_time() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -75,11 +62,14 @@ def main() -> None:
                       "with the cache": InputProcessor(path, processed_image_cache_bytes=512 << 20)}
     for name, processor in processors.items():
         with console.status(f"{name}: {args.turns} turns"):
-            results[name] = per_turn(processor, messages, args.turns)
+            results[name] = median_seconds(lambda: processor.process_chat(messages), args.turns, warmup=3,
+                                           clock=time.thread_time)
     text_only = [{**m, "content": [p for p in m["content"] if p["type"] == "text"]} if isinstance(m["content"], list)
                  else m for m in messages]
     with console.status("the turn without its image"):
-        results["the same turn without its image"] = per_turn(processors["without the cache"], text_only, args.turns)
+        results["the same turn without its image"] = median_seconds(
+            lambda: processors["without the cache"].process_chat(text_only), args.turns, warmup=3,
+            clock=time.thread_time)
 
     table = Table(title=f"one chat turn's processing, {Path(path).name}, {len(buffer.getvalue()) // 1024} KiB JPEG")
     table.add_column("setting")

@@ -52,7 +52,10 @@ class ProcessedImages:
         return len(self._entries)
 
     def get(self, key: bytes) -> ImageInput | None:
-        """A copy of the image kept under ``key`` (its pixels copied, no placement), or None."""
+        """A copy of the image kept under ``key`` (its pixels copied, no placement), or None
+        (and nothing counted while the cache keeps nothing)."""
+        if not self.capacity_bytes:
+            return None
         with self._lock:
             image = self._entries.get(key)
             if image is None:

@@ -343,10 +343,9 @@ class InputProcessor:
         if isinstance(source, (str, EncodedImage)):
             data = source.data if isinstance(source, EncodedImage) else data_url_bytes(source, where)
             key = file_key(data)
-            if self.processed_images.capacity_bytes:
-                found = self.processed_images.get(key)
-                if found is not None:
-                    return found, key
+            found = self.processed_images.get(key)
+            if found is not None:
+                return found, key
             return open_image_bytes(data, max_pixels=self.max_image_pixels, param=where), key
         return (source if source.mode == "RGB" else source.convert("RGB")), None
 
@@ -544,14 +543,13 @@ class InputProcessor:
         except ValueError as e:
             # The image processor refuses what it cannot resize (e.g. Qwen2-VL: aspect ratio over 200).
             raise RequestError(f"could not process the images: {e}", param="messages") from None
-        cache = self.processed_images
         for k, image in zip(missing, self.model_cls.image_inputs(self.hf_config, out)):
             pil = images[k]
             if image.image_size is None:  # the size as sent, for the request trace
                 image.image_size = (pil.height, pil.width)
             image.digest(keys[k])  # here, once: the engine matches cached prefixes by it
-            if keys[k] is not None and cache.capacity_bytes:
-                cache.put(keys[k], image)
+            if keys[k] is not None:
+                self.processed_images.put(keys[k], image)
             inputs[k] = image
         return inputs
 

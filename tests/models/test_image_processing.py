@@ -160,7 +160,7 @@ def test_an_image_file_sent_again_is_neither_decoded_nor_processed_again(tiny_ch
     reference = hf_inputs(processor.processor, second)
     assert prompt.prompt_token_ids == reference["input_ids"][0].tolist()
     alone = uncached.process_chat(as_files)
-    assert len(uncached.processed_images) == 0
+    assert len(uncached.processed_images) == 0 and uncached.processed_images.num_missed == 0  # nothing looked up
     assert prompt.prompt_token_ids == alone.prompt_token_ids
     for found, computed in zip(prompt.images, alone.images):
         assert (found.offset, found.length, found.image_size, found.grid_thw, found.num_patches) == \
