@@ -106,10 +106,11 @@ def render(status: dict):
     # The dtype the instances' models run in (one, unless CPU and CUDA instances differ).
     shown = "/".join(dict.fromkeys(i["dtype"] for i in status["instances"] if i.get("dtype")))
     dtypes = f", {shown}" if shown else ""
+    # A line of its own: as the table's title it would wrap to the table's width.
+    head = (f"hydrad: {status['model']}{deploy}{dtypes} (max_model_len {status['max_model_len']}, "
+            f"up {_duration(status['uptime_seconds'])})")
     # Borderless columns (as ``kubectl get``): the table fits an 80-column terminal.
-    instances = Table(title=f"hydrad: {status['model']}{deploy}{dtypes} (max_model_len {status['max_model_len']}, "
-                            f"up {_duration(status['uptime_seconds'])})", box=None, pad_edge=False,
-                      header_style="bold")
+    instances = Table(box=None, pad_edge=False, header_style="bold")
     for name in ("#", "device", "role", "state", "running", "waiting", "KV", "image", "cached", "tok/s"):
         instances.add_column(name, justify="left" if name in ("device", "role", "state") else "right", no_wrap=True,
                              min_width=len(name) if name in ("#", "role") else None)
@@ -127,7 +128,7 @@ def render(status: dict):
         requests.add_column(name, justify="right", no_wrap=True)
     requests.add_row(str(r["num_inflight"]), f"{r['request_rate']:.2f}", _ms(r["ttft_p50"]), _ms(r["ttft_p90"]),
                      _ms(r["tbt_p50"]), _ms(r["tbt_p90"]))
-    parts = [instances]
+    parts = [head, instances]
     if deployment.get("reason"):
         parts.append(f"deployment {deployment['deploy']}: {deployment['reason']}")
     if instance_lines:

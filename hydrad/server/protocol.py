@@ -7,7 +7,9 @@ Follows the OpenAI API, and vLLM where OpenAI is silent (``top_k``, ``min_p``,
 are structured outputs, or read from the answer (``hydrad.server.tools``). Message contents
 (roles, content parts, images) are validated by the Request Processor; everything
 else here. Every problem raises ``RequestError`` naming the offending parameter, and
-a field that is not served is refused by name rather than ignored.
+a field that is not served is refused by name rather than ignored. OpenAI's fields for
+its own bookkeeping, which clients send whatever the server, are taken for what they ask
+of a server that stores nothing and serves one tier (``_bookkeeping``).
 """
 
 from __future__ import annotations
@@ -132,8 +134,13 @@ _COMMON_FIELDS = {
 }
 # How the chat template renders the messages (``hydrad.chat_options``), on both routes that take them.
 _TEMPLATE_FIELDS = {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-_CHAT_FIELDS = _COMMON_FIELDS | _TEMPLATE_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                                                    "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+# OpenAI's bookkeeping on a chat request (``_bookkeeping``).
+_BOOKKEEPING_FIELDS = {"store", "metadata", "service_tier", "safety_identifier", "prompt_cache_key", "modalities"}
+_CHAT_FIELDS = _COMMON_FIELDS | _TEMPLATE_FIELDS | _BOOKKEEPING_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+    "parallel_tool_calls"}
+# OpenAI's limits on ``metadata``: pairs, and characters of a key and of a value.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 
@@ -150,6 +157,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     max_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     tools = parse_tools(body)
     common = _common(body, max_param)
+    safety_identifier = _bookkeeping(body)
+    if common["user"] is None:
+        common["user"] = safety_identifier
     if tools is not None and tools.constrains:
         params = common["options"].params
         if "structured_outputs" in params:
@@ -166,6 +176,46 @@ def parse_chat_request(body: Any) -> ChatRequest:
             common["options"].param_names["logprobs"] = "top_logprobs"
     return ChatRequest(messages=messages, tools=tools, tool_specs=body.get("tools"),
                        template=_template_options(body), **common)
+
+
+def _bookkeeping(body: dict) -> str | None:
+    """Check OpenAI's bookkeeping fields of a chat request; returns its ``safety_identifier``.
+
+    Clients send these whatever the server (some on every request), and vLLM takes them; each
+    is taken here for what it asks of a server that keeps no completions and serves one
+    tier: ``store`` false (true, keeping the completion to fetch later, is refused),
+    ``metadata`` (OpenAI's tags of a stored completion: checked against OpenAI's limits, and
+    kept nowhere, as nothing is stored), ``service_tier`` ``auto`` or ``default``,
+    ``modalities`` text alone, ``prompt_cache_key`` (a hint for cache hits: the cache-aware
+    router finds the instance that holds a prompt's beginning from the prompt itself), and
+    ``safety_identifier`` (OpenAI's successor to ``user``: written to the log line as
+    ``user`` where that is not set)."""
+    if _get(body, "store", bool, False):
+        raise RequestError("store: hydrad keeps no completions to fetch later; send store false or leave it out",
+                           "store")
+    metadata = body.get("metadata")
+    if metadata is not None:
+        if not isinstance(metadata, dict):
+            raise RequestError("metadata must be an object of string keys and values", "metadata")
+        if len(metadata) > METADATA_PAIRS:
+            raise RequestError(f"metadata holds {len(metadata)} pairs; the limit is {METADATA_PAIRS}", "metadata")
+        for key, value in metadata.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise RequestError(f"metadata key {key[:16]!r}... is longer than {METADATA_KEY_CHARS} characters",
+                                   "metadata")
+            if not isinstance(value, str) or len(value) > METADATA_VALUE_CHARS:
+                raise RequestError(f"metadata[{key!r}] must be a string of at most {METADATA_VALUE_CHARS} "
+                                   "characters", "metadata")
+    tier = _get(body, "service_tier", str, "auto")
+    if tier not in ("auto", "default"):
+        raise RequestError(f"service_tier {tier!r} is not served: hydrad has one tier ('auto' or 'default')",
+                           "service_tier")
+    modalities = body.get("modalities")
+    if modalities is not None and not (isinstance(modalities, list) and modalities
+                                       and all(m == "text" for m in modalities)):
+        raise RequestError(f"modalities {modalities!r}: hydrad answers in text alone ([\"text\"])", "modalities")
+    _get(body, "prompt_cache_key", str, None)
+    return _get(body, "safety_identifier", str, None)
 
 
 def _template_options(body: dict) -> ChatTemplateOptions:

@@ -214,8 +214,11 @@ def test_streamed_chat_with_images(client, model_name, hydrad_counts):
 def test_whole_chat_with_images(client, model_name, hydrad_counts):
     completion_tokens = 0
     for i in range(NUM_OPENAI_REQUESTS):
+        # OpenAI's bookkeeping fields, which clients send to any server, are taken.
+        bookkeeping = {"store": False, "metadata": {"run": "interop"}, "service_tier": "auto",
+                       "modalities": ["text"], "prompt_cache_key": f"k{i}", "safety_identifier": "tester"}
         resp = client.chat.completions.create(model=model_name, messages=messages(i), max_tokens=MAX_TOKENS,
-                                              temperature=0, extra_body={"ignore_eos": True})
+                                              temperature=0, extra_body={"ignore_eos": True, **bookkeeping})
         assert resp.choices[0].message.role == "assistant" and resp.choices[0].finish_reason == "length"
         assert isinstance(resp.choices[0].message.content, str)
         assert resp.usage.completion_tokens == MAX_TOKENS and resp.usage.prompt_tokens > 0

@@ -71,11 +71,41 @@ def test_default_max_tokens_fills_the_context():
     ({"messages": MESSAGES, "frobnicate": True}, "frobnicate"),
     ({"messages": MESSAGES, "seed": 2**64}, "seed"),
     ({"messages": MESSAGES, "seed": -(2**63) - 1}, "seed"),
+    ({"messages": MESSAGES, "store": True}, "store"),
+    ({"messages": MESSAGES, "store": "no"}, "store"),
+    ({"messages": MESSAGES, "metadata": ["a"]}, "metadata"),
+    ({"messages": MESSAGES, "metadata": {"a": 1}}, "metadata"),
+    ({"messages": MESSAGES, "metadata": {"a": "x" * 513}}, "metadata"),
+    ({"messages": MESSAGES, "metadata": {"k" * 65: "x"}}, "metadata"),
+    ({"messages": MESSAGES, "metadata": {str(i): "x" for i in range(17)}}, "metadata"),
+    ({"messages": MESSAGES, "service_tier": "priority"}, "service_tier"),
+    ({"messages": MESSAGES, "modalities": ["text", "audio"]}, "modalities"),
+    ({"messages": MESSAGES, "modalities": []}, "modalities"),
+    ({"messages": MESSAGES, "prompt_cache_key": 7}, "prompt_cache_key"),
+    ({"messages": MESSAGES, "safety_identifier": 7}, "safety_identifier"),
+    ({"messages": MESSAGES, "reasoning_effort": "low"}, "reasoning_effort"),
 ])
 def test_chat_request_errors(body, param):
     with pytest.raises(RequestError) as info:
         parse_chat_request(body)
     assert info.value.param == param
+
+
+def test_openai_bookkeeping_fields_are_taken_for_what_they_ask():
+    """Fields OpenAI clients send whatever the server: a server that stores nothing and serves
+    one tier takes them as they come, and the answer is the same as without them."""
+    plain = parse_chat_request({"messages": MESSAGES, "temperature": 0.5})
+    sent = parse_chat_request({
+        "messages": MESSAGES, "temperature": 0.5, "store": False, "metadata": {"task": "caption", "k" * 64: "x" * 512},
+        "service_tier": "auto", "modalities": ["text"], "prompt_cache_key": "user-42", "safety_identifier": "hash-1"})
+    assert sent.options.params == plain.options.params
+    assert sent.options.max_tokens == plain.options.max_tokens
+    assert sent.user == "hash-1"  # OpenAI's successor to ``user`` names the caller in the log line
+    assert parse_chat_request({"messages": MESSAGES, "user": "u", "safety_identifier": "s"}).user == "u"
+    assert parse_chat_request({"messages": MESSAGES, "service_tier": "default"}).user is None
+    with pytest.raises(RequestError) as info:  # the completions route takes none of them, as OpenAI's
+        parse_completion_request({"prompt": "a", "store": False})
+    assert info.value.param == "store"
 
 
 @pytest.mark.parametrize("fields, param", [

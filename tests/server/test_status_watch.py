@@ -209,6 +209,8 @@ def test_the_instances_fit_an_80_column_terminal():
                     ["2", "cpu", "D", "unresponsive", "1", "0", "10.0%", "0.0%", "-", "12.5"]], buf.getvalue()
     out = buf.getvalue()
     assert "#0 E on 1+1 threads: steps up to 100.0 ms" in out and "#2 D on 1 thread: steps up to" in out
+    # The heading on one line (as the table's title it wrapped at the table's width).
+    assert lines[0].startswith("hydrad: ") and lines[0].endswith(")"), lines[0]
 
 
 def test_status_says_what_each_worker_process_takes():
