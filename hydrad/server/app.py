@@ -38,6 +38,8 @@ from hydrad.server.monitor import FrontendMonitor, combined_cpu_per_token, front
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import (DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_chat_request,
                                     parse_completion_request, parse_detokenize_request, parse_tokenize_request)
+from hydrad.server.responses import ResponsesFormat, parse_responses_request
+from hydrad.server.responses import rename as rename_input_error
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
 from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.launch import InstanceSpec, Launched
@@ -49,7 +51,7 @@ logger = logging.getLogger("hydrad.server")
 _ID_PREFIX = uuid.uuid4().hex[:16]
 _ID_COUNTER = itertools.count()
 # Fields whose language (structured outputs, tool calls) is compiled while the request is parsed.
-_STRUCTURED = frozenset({"response_format", "structured_outputs", "tools"})
+_STRUCTURED = frozenset({"response_format", "structured_outputs", "tools", "text"})
 
 CONFIG = web.AppKey("config", DaemonConfig)
 SPECS = web.AppKey("specs", list)
@@ -104,6 +106,7 @@ def add_api_routes(app: web.Application) -> None:
     """The OpenAI-compatible API (served by every front-end process)."""
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     # vLLM's tokenizer routes (remote tokenizers: lm-evaluation-harness finds them by itself).
     app.router.add_post("/tokenize", tokenize)
@@ -259,23 +262,32 @@ async def api_key_middleware(request: web.Request, handler):
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=True)
+    return await _generate(request, "chat")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, chat=False)
+    return await _generate(request, "completion")
 
 
-async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "responses")
+
+
+# Per route: how its body is parsed, the prefix of its ids, and whether it is a chat.
+_ROUTES = {"chat": (parse_chat_request, "chatcmpl-", True), "completion": (parse_completion_request, "cmpl-", False),
+           "responses": (parse_responses_request, "resp_", True)}
+
+
+async def _generate(request: web.Request, route: str) -> web.StreamResponse:
     """Read the body within its budget, check and prepare the request within the processing
     budgets, generate. The request is in flight (for the drain) until its response ends."""
     arrival = time.monotonic()
     admission = request.app[ADMISSION]
+    parse, id_prefix, chat = _ROUTES[route]
     with admission.track() as inflight:
         body, reservation = await admission.read_body(request, arrival)
         try:
             parsed = _json(body)
-            parse = parse_chat_request if chat else parse_completion_request
             if isinstance(parsed, dict) and not _STRUCTURED.isdisjoint(parsed):
                 # Compiling a language takes up to a few hundred milliseconds for the largest
                 # (llguidance releases the GIL meanwhile): never on the event loop.
@@ -284,9 +296,16 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
                 req = parse(parsed)
             del body  # the parsed request holds what is needed until it is processed
             engine = _engine_for(request, req)
-            req_id = inflight.req_id = f"{'chatcmpl' if chat else 'cmpl'}-{_ID_PREFIX}{next(_ID_COUNTER):08x}"
-            prepare = engine.prepare_chat if chat else engine.prepare_completion
-            prepared = await prepare(req_id, req, reservation, arrival)
+            req_id = inflight.req_id = f"{id_prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+            if not chat:
+                prepared = await engine.prepare_completion(req_id, req, reservation, arrival)
+            elif route == "responses":
+                try:
+                    prepared = await engine.prepare_chat(req_id, req, reservation, arrival)
+                except RequestError as e:  # named in the request's own words
+                    raise rename_input_error(e, req.num_leading) from None
+            else:
+                prepared = await engine.prepare_chat(req_id, req, reservation, arrival)
         finally:
             reservation.release()  # a request refused before processing took the reservation over
         # The input's memory goes with its reservation: only the prepared prompt stays.
@@ -294,10 +313,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             req.messages, req.tool_specs = [], None
         else:
             req.prompts = []
-        fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
-                             tools=req.tools if chat else None, echo=prepared.echo,
-                             token_logprobs="logprobs" in req.options.params, prompt_logprobs=req.prompt_logprobs,
-                             n=req.options.n)
+        if route == "responses":
+            fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings)
+        else:
+            fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
+                                 tools=req.tools if chat else None, echo=prepared.echo,
+                                 token_logprobs="logprobs" in req.options.params,
+                                 prompt_logprobs=req.prompt_logprobs, n=req.options.n)
         return await _respond(request, engine, req, fmt, prepared, arrival)
 
 

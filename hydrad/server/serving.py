@@ -36,7 +36,7 @@ from hydrad.server.engine_client import Output, RequestStream
 from hydrad.server.errors import error_body, exception_status
 from hydrad.server.protocol import GenerateRequest
 from hydrad.cluster.requests import ServiceStopping
-from hydrad.server.sse import open_event_stream, send_done, send_event
+from hydrad.server.sse import open_event_stream
 from hydrad.tool_calls import HermesCalls
 from hydrad.server.tools import ToolCallStream, ToolChoice
 
@@ -48,7 +48,7 @@ DIRECT_WRITE_LIMIT = 64 << 10
 
 # Non-ASCII is escaped: a raw U+2028, U+0085 or the like inside a JSON line is a line
 # break to clients that split SSE streams with str.splitlines.
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 # A token's text as a JSON string, by text: most chunks carry a text seen before.
 _JSON_TEXT: dict[str, bytes] = {}
@@ -56,12 +56,12 @@ _JSON_TEXT_MAX = 1 << 16
 
 
 def json_text(text: str) -> bytes:
-    """``text`` as the bytes of a JSON string (escaped as ``_dumps`` escapes it)."""
+    """``text`` as the bytes of a JSON string (escaped as ``dumps`` escapes it)."""
     encoded = _JSON_TEXT.get(text)
     if encoded is None:
         if len(_JSON_TEXT) >= _JSON_TEXT_MAX:
             _JSON_TEXT.clear()
-        encoded = _JSON_TEXT[text] = _dumps(text).encode()
+        encoded = _JSON_TEXT[text] = dumps(text).encode()
     return encoded
 
 
@@ -97,7 +97,7 @@ class ResponseFormat:
         self.token_text = token_text or (lambda token_id: str(token_id))
         self.created = int(time.time())
         self.object = "chat.completion.chunk" if chat else "text_completion"
-        envelope = _dumps({"id": req_id, "object": self.object, "created": self.created, "model": model})
+        envelope = dumps({"id": req_id, "object": self.object, "created": self.created, "model": model})
         # b'data: {"id":...,"model":"...","choices":[{"index":' — then the index and the rest.
         self._prefix = ("data: " + envelope[:-1] + ',"choices":[{"index":').encode()
         self._text_key = (',"delta":{"content":' if chat else ',"text":').encode()
@@ -120,7 +120,7 @@ class ResponseFormat:
         chunk = self.chunk(out, first)
         if include_usage:
             chunk["usage"] = usage
-        return b"data: " + _dumps(chunk).encode() + b"\n\n"
+        return b"data: " + dumps(chunk).encode() + b"\n\n"
 
     def chunk(self, out: Output, first: bool) -> dict:
         logprobs = self.logprobs([out.logprobs], out.text) if out.logprobs is not None else None
@@ -149,10 +149,29 @@ class ResponseFormat:
             choice["token_ids"] = out.token_ids
         return self._envelope(self.object, [choice])
 
-    def usage_chunk(self, usage: dict) -> dict:
-        body = self._envelope(self.object, [])
-        body["usage"] = usage
-        return body
+    def stream_start(self) -> bytes:
+        """What a stream opens with, before its first token: nothing here."""
+        return b""
+
+    def stream_error(self, status: int, e: BaseException, unended: list[int], started: list[bool],
+                     usage: dict | None, include_usage: bool) -> bytes:
+        """A stream that failed after its status line: every completion still open (``unended``)
+        ends with a finish_reason, as vLLM ends them ("abort" when the daemon stopped it,
+        "error" when it failed), then the error as an event."""
+        finish_reason = "abort" if isinstance(e, ServiceStopping) else "error"
+        return b"".join(self.chunk_bytes(Output(index, "", [], finish_reason), not started[index], usage,
+                                         include_usage) for index in unended) \
+            + b"data: " + dumps(error_body(status, e)).encode() + b"\n\n"
+
+    def stream_end(self, usage: dict, include_usage: bool, failed: bool) -> bytes:
+        """What a stream ends with: the usage chunk (``stream_options.include_usage``), then
+        ``[DONE]`` (after a failure too, as vLLM ends it)."""
+        end = b"data: [DONE]\n\n"
+        if include_usage:
+            body = self._envelope(self.object, [])
+            body["usage"] = usage
+            end = b"data: " + dumps(body).encode() + b"\n\n" + end
+        return end
 
     def whole(self, choices: list[dict], usage: dict) -> dict:
         """``choices``: one ``{"text", "token_ids", "finish_reason", "logprobs"}`` per completion."""
@@ -258,7 +277,7 @@ async def respond_whole(fmt: ResponseFormat, stream: RequestStream) -> web.Respo
                 c["finish_reason"] = out.finish_reason
     for c in choices:
         c["text"] = "".join(c["text"])
-    return web.json_response(fmt.whole(choices, usage_of(stream)), dumps=_dumps)
+    return web.json_response(fmt.whole(choices, usage_of(stream)), dumps=dumps)
 
 
 async def respond_stream(
@@ -302,6 +321,10 @@ async def respond_stream(
         return True
 
     try:
+        start = fmt.stream_start()
+        if start:
+            await response.write(start)
+        failed = False
         try:
             async for batch in stream:
                 await response.write(events(batch))
@@ -316,19 +339,15 @@ async def respond_stream(
             status = exception_status(e)
             if status >= 500 and not isinstance(e, ServiceStopping):  # the daemon logged why it stops
                 logger.error("request %s failed mid-stream: %s", fmt.req_id, e)
-            # Every completion still open ends with a finish_reason, as vLLM ends them:
-            # "abort" when the daemon stopped it, "error" when it failed.
-            finish_reason = "abort" if isinstance(e, ServiceStopping) else "error"
             usage = usage_of(stream) if req.continuous_usage else None
-            await response.write(b"".join(
-                fmt.chunk_bytes(Output(index, "", [], finish_reason), not started[index], usage, req.include_usage)
-                for index in range(len(ended)) if not ended[index]))
-            await send_event(response, error_body(status, e))
+            await response.write(fmt.stream_error(status, e, [i for i, done in enumerate(ended) if not done],
+                                                  started, usage, req.include_usage))
+            failed = True
         finally:
             stream.direct = None  # what follows is written by this task
-        if req.include_usage:
-            await send_event(response, fmt.usage_chunk(usage_of(stream)))
-        await send_done(response)
+        end = fmt.stream_end(usage_of(stream), req.include_usage, failed)
+        if end:
+            await response.write(end)
     except ConnectionError:
         # The client went away between two chunks. Raising would make aiohttp log a
         # traceback and try to send a 500 on a dead connection; the caller's

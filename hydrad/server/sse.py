@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from aiohttp import web
 
 
@@ -18,11 +16,3 @@ async def open_event_stream(request: web.Request) -> web.StreamResponse:
     )
     await response.prepare(request)
     return response
-
-
-async def send_event(response: web.StreamResponse, payload: dict) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def send_done(response: web.StreamResponse) -> None:
-    await response.write(b"data: [DONE]\n\n")

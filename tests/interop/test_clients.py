@@ -226,3 +226,47 @@ def test_whole_chat_with_images(client, model_name, hydrad_counts):
     hydrad = hydrad_counts()
     assert hydrad.requests == NUM_OPENAI_REQUESTS and hydrad.failed == 0
     assert hydrad.generation_tokens == completion_tokens
+
+
+def test_responses_api_whole_and_streamed(client, model_name, hydrad_counts):
+    """OpenAI's Responses API through the official client: the same greedy answer as the chat
+    route's for the same messages (instructions as its system message), whole and streamed,
+    the stream's events in OpenAI's order and numbered, the usage as hydrad counts it."""
+    chat = client.chat.completions.create(
+        model=model_name, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+        messages=[{"role": "system", "content": "Answer briefly."}, *messages(5)])
+    url = image_url(5)
+    request = dict(model=model_name, instructions="Answer briefly.", max_output_tokens=MAX_TOKENS, temperature=0,
+                   input=[{"role": "user", "content": [{"type": "input_image", "image_url": url},
+                                                       {"type": "input_text", "text": "What is in picture 5?"}]}],
+                   extra_body={"ignore_eos": True})
+    whole = client.responses.create(**request)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.usage.output_tokens == MAX_TOKENS
+
+    events = list(client.responses.create(**request, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * MAX_TOKENS,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"], kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage.output_tokens == MAX_TOKENS
+    hydrad = hydrad_counts()
+    assert hydrad.requests == 3 and hydrad.failed == 0 and hydrad.generation_tokens == 3 * MAX_TOKENS
+
+
+def test_responses_api_refuses_what_it_does_not_serve(client, model_name):
+    """Stored responses, tools and unknown fields: a 400 naming the field, and the daemon serves on."""
+    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                         ({"store": True}, "store"),
+                         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+                         ({"frobnicate": 1}, "frobnicate")):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(model=model_name, input="hi", max_output_tokens=2, extra_body=extra)
+        assert info.value.body["param"] == param, info.value.body
+    assert client.responses.create(model=model_name, input="hi", max_output_tokens=2).status == "incomplete"
