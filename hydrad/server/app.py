@@ -303,7 +303,7 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
                 try:
                     prepared = await engine.prepare_chat(req_id, req, reservation, arrival)
                 except RequestError as e:  # named in the request's own words
-                    raise rename_input_error(e, req.num_leading) from None
+                    raise rename_input_error(e, req.sources, req.call_sources) from None
             else:
                 prepared = await engine.prepare_chat(req_id, req, reservation, arrival)
         finally:
@@ -314,7 +314,7 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
         else:
             req.prompts = []
         if route == "responses":
-            fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings)
+            fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
         else:
             fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
                                  tools=req.tools if chat else None, echo=prepared.echo,

@@ -1,21 +1,24 @@
 """OpenAI's Responses API (``POST /v1/responses``) on the chat path.
 
 A Responses request is a chat request said another way: its ``input`` (a text, or a list
-of messages whose parts are ``input_text``, ``input_image`` and, in earlier assistant
-turns, ``output_text``) and its ``instructions`` (a system message before them) become the
-chat route's messages, ``max_output_tokens`` its ``max_tokens``, ``text.format`` its
-``response_format``; it is then checked, processed and generated as a chat request is. The
-answer is a ``response`` object with one ``message`` output item, whole or streamed as
-OpenAI streams it: ``response.created``, ``response.in_progress``, the output item and its
-text part added, one ``response.output_text.delta`` per token, the text, part and item
-done, then ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut
-the answer) with the usage; each event is named on an ``event:`` line and numbered
+of items: messages whose parts are ``input_text``, ``input_image`` and, in earlier
+assistant turns, ``output_text``; the ``function_call`` items of an earlier answer and
+the ``function_call_output`` items that answer them) and its ``instructions`` (a system
+message before them) become the chat route's messages, ``max_output_tokens`` its
+``max_tokens``, ``text.format`` its ``response_format``, its function ``tools`` and
+``tool_choice`` the chat route's; it is then checked, processed and generated as a chat
+request is. The answer is a ``response`` object whose output items are the answer's
+``message`` (its text) and its ``function_call`` items, whole or streamed as OpenAI
+streams them: ``response.created``, ``response.in_progress``, each item added, its text
+(``response.output_text.delta``, one per token) or its arguments
+(``response.function_call_arguments.delta``) as generated, each item done, then
+``response.completed`` (``response.incomplete`` when ``max_output_tokens`` cut the
+answer) with the usage; each event is named on an ``event:`` line and numbered
 (``sequence_number``), and no ``[DONE]`` follows, as in OpenAI's streams.
 
 What needs state kept between requests (``store``, ``previous_response_id``,
-``conversation``, ``background``) is refused: hydrad keeps no responses; so are tools,
-reasoning and log-probabilities, which this route does not serve (the chat route serves
-tools and log-probabilities).
+``conversation``, ``background``) is refused: hydrad keeps no responses; so are tools
+other than functions, reasoning and log-probabilities (the chat route serves those).
 """
 
 from __future__ import annotations
@@ -29,29 +32,35 @@ from hydrad.server.engine_client import Output
 from hydrad.server.errors import error_body
 from hydrad.server.protocol import ChatRequest, parse_chat_request
 from hydrad.server.serving import dumps, json_text
+from hydrad.server.tools import ToolCallStream, ToolChoice
+from hydrad.tool_calls import HermesCalls
 
 # Responses fields and the chat fields they become (where the names differ).
 _CHAT_NAMES = {"max_output_tokens": "max_tokens"}
 _RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
                     "stream_options": "stream_options"}
-# The chat route's sampling extensions (vLLM's and OpenAI's), taken here as there.
+# The chat route's sampling fields and extensions (vLLM's and OpenAI's), and vLLM's
+# structured outputs, taken here as there.
 _SAMPLING = {"top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "logit_bias", "include_stop_str_in_output",
-             "skip_special_tokens"}
+             "skip_special_tokens", "structured_outputs"}
 _FIELDS = _SAMPLING | {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
            "text", "metadata", "store", "user", "safety_identifier", "prompt_cache_key", "service_tier",
            "parallel_tool_calls", "tool_choice", "tools", "truncation", "background", "previous_response_id",
            "include", "reasoning", "top_logprobs", "conversation"}
 _ROLES = ("user", "assistant", "system", "developer")
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
+_CALL_PARAM = re.compile(r"\.tool_calls\[(\d+)\]")
 
 
 @dataclass
 class ResponsesRequest(ChatRequest):
     # The request's fields the response object says back (OpenAI's echo of its settings).
     settings: dict[str, Any] = field(default_factory=dict)
-    # Messages before ``input``'s first (its ``instructions``): for naming ``input`` in errors.
-    num_leading: int = 0
+    # What each chat message came from ("instructions", "input[i]"), and each earlier tool
+    # call ((message, call) -> "input[i]"): for naming the request's own fields in errors.
+    sources: list[str] = field(default_factory=list)
+    call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -64,13 +73,19 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("instructions must be a string", "instructions")
-    messages = _messages(body.get("input"))
-    leading = [{"role": "system", "content": instructions}] if instructions else []
-    chat = {"messages": leading + messages}
+    messages, sources, call_sources = _messages(body.get("input"), 1 if instructions else 0)
+    if instructions:
+        messages.insert(0, {"role": "system", "content": instructions})
+        sources.insert(0, "instructions")
+    chat = {"messages": messages}
     for name in ("model", "max_output_tokens", "temperature", "top_p", "stream", "metadata", "user",
-                 "safety_identifier", "prompt_cache_key", "service_tier", *_SAMPLING):
+                 "safety_identifier", "prompt_cache_key", "service_tier", "parallel_tool_calls", *_SAMPLING):
         if name in body:
             chat[_CHAT_NAMES.get(name, name)] = body[name]
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
     stream_options = body.get("stream_options")
     if stream_options is not None:
         # OpenAI's only option here pads events against size side channels: none are padded.
@@ -84,7 +99,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     try:
         req = parse_chat_request(chat)
     except RequestError as e:
-        raise rename(e, len(leading)) from None
+        raise rename(e, sources, call_sources) from None
     settings = {
         "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
         "temperature": 1.0 if body.get("temperature") is None else float(body["temperature"]),
@@ -92,11 +107,11 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "text": text if text is not None else {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
-        "tools": [], "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
+        "tools": body.get("tools") or [], "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
         "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
     }
     fields = {name: getattr(req, name) for name in ChatRequest.__dataclass_fields__}
-    return ResponsesRequest(**fields, settings=settings, num_leading=len(leading))
+    return ResponsesRequest(**fields, settings=settings, sources=sources, call_sources=call_sources)
 
 
 def _refuse_state(body: dict) -> None:
@@ -109,12 +124,6 @@ def _refuse_state(body: dict) -> None:
                                name)
     if body.get("background"):
         raise RequestError("background responses are not served: hydrad keeps no responses to poll", "background")
-    if body.get("tools"):
-        raise RequestError("tools are not served on /v1/responses; /v1/chat/completions serves them", "tools")
-    if body.get("tool_choice") not in (None, "auto", "none"):
-        raise RequestError("tool_choice needs tools, which /v1/responses does not serve", "tool_choice")
-    if body.get("parallel_tool_calls") is not None and not isinstance(body["parallel_tool_calls"], bool):
-        raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError("truncation: only 'disabled' is served (an input too long for the context is refused)",
                            "truncation")
@@ -128,22 +137,50 @@ def _refuse_state(body: dict) -> None:
                            "log-probabilities", "top_logprobs")
 
 
-def _messages(items: Any) -> list[dict]:
-    """``input`` as chat messages."""
+def _messages(items: Any, first: int) -> tuple[list[dict], list[str], dict[tuple[int, int], str]]:
+    """``input`` as chat messages, what each came from, and where each earlier call came from
+    (``first``: the index the first message will have). An earlier answer's
+    ``function_call`` items join its assistant message as its ``tool_calls``, and each
+    ``function_call_output`` is a ``tool`` message."""
     if isinstance(items, str):
         if not items:
             raise RequestError("input must not be empty", "input")
-        return [{"role": "user", "content": items}]
+        return [{"role": "user", "content": items}], ["input"], {}
     if not isinstance(items, list) or not items:
-        raise RequestError("input must be a string or a non-empty array of messages", "input")
-    messages = []
+        raise RequestError("input must be a string or a non-empty array of items", "input")
+    messages: list[dict] = []
+    sources: list[str] = []
+    call_sources: dict[tuple[int, int], str] = {}
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise RequestError(f"{where} must be a message object", where)
+            raise RequestError(f"{where} must be an object", where)
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call = _call_of(item, where)
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant":  # else the calls of that answer
+                last = {"role": "assistant", "content": None, "tool_calls": []}
+                messages.append(last)
+                sources.append(where)
+            last.setdefault("tool_calls", []).append(call)
+            call_sources[(first + len(messages) - 1, len(last["tool_calls"]) - 1)] = where
+            continue
+        if kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise RequestError(f"{where}.call_id must be a string", f"{where}.call_id")
+            if isinstance(output, list):
+                output = [_part(part, f"{where}.output[{j}]", "tool") for j, part in enumerate(output)]
+            elif not isinstance(output, str):
+                raise RequestError(f"{where}.output must be a string or an array of input_text parts",
+                                   f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+            sources.append(where)
+            continue
         if kind != "message":
-            raise RequestError(f"{where}: input items of type {kind!r} are not served (messages only)", where)
+            raise RequestError(f"{where}: input items of type {kind!r} are not served (messages, function_call "
+                               "and function_call_output)", where)
         role = item.get("role")
         if role not in _ROLES:
             raise RequestError(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
@@ -153,7 +190,40 @@ def _messages(items: Any) -> list[dict]:
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string or an array of parts", f"{where}.content")
         messages.append({"role": role, "content": content})
-    return messages
+        sources.append(where)
+    return messages, sources, call_sources
+
+
+def _call_of(item: dict, where: str) -> dict:
+    """An earlier ``function_call`` item as a chat message's tool call."""
+    for name in ("call_id", "name", "arguments"):
+        if not isinstance(item.get(name), str):
+            raise RequestError(f"{where}.{name} must be a string", f"{where}.{name}")
+    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+
+
+def _tools(tools: Any) -> Any:
+    """Function tools (``{"type": "function", "name", "description", "parameters", "strict"}``)
+    as the chat route's; other kinds of tool are refused."""
+    if not isinstance(tools, list):
+        return tools  # the chat route names the problem
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(f"tools[{i}]: tools of type {kind!r} are not served (functions only)", f"tools[{i}]")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    """``{"type": "function", "name": ...}`` as the chat route's; the rest as it is."""
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise RequestError(f"tool_choice of type {choice.get('type')!r} is not served (\"none\", \"auto\", "
+                               '"required" or {"type": "function", "name": ...})', "tool_choice")
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
 def _part(part: Any, where: str, role: str) -> dict:
@@ -163,7 +233,7 @@ def _part(part: Any, where: str, role: str) -> dict:
         if kind == "output_text" and role != "assistant":
             raise RequestError(f"{where}: output_text parts belong to assistant messages", where)
         return {"type": "text", "text": part.get("text")}
-    if kind == "input_image":
+    if kind == "input_image" and role != "tool":
         if part.get("file_id") is not None:
             raise RequestError(f"{where}.file_id: hydrad keeps no files; send the image as image_url", where)
         url = part.get("image_url")
@@ -189,57 +259,73 @@ def _text_format(text: Any) -> dict:
     return fmt
 
 
-def rename(e: RequestError, num_leading: int) -> RequestError:
-    """A chat route's error in the Responses request's own words: ``messages[i]`` is
-    ``input[i - num_leading]`` (or ``instructions``), ``max_tokens`` is ``max_output_tokens``."""
+def rename(e: RequestError, sources: list[str], call_sources: dict[tuple[int, int], str]) -> RequestError:
+    """A chat route's error in the Responses request's own words: ``messages[i]`` is what
+    message ``i`` came from (``sources``: ``input[j]``, or ``instructions``), its
+    ``tool_calls[k]`` the ``function_call`` item it came from, ``max_tokens`` is
+    ``max_output_tokens``, ``response_format`` is ``text.format``."""
     param, message = e.param, str(e)
-    if param is not None:
-        match = _MESSAGE_PARAM.match(param)
-        if match:
-            index = int(match.group(1)) - num_leading
-            name = "instructions" if index < 0 else f"input[{index}]"
-            new = name + param[match.end():] if index >= 0 else name
-            message = message.replace(match.group(0), name)
-            param = new
-        elif param == "messages":
-            param = "input"
-            message = message.replace("messages", "input")
+    if param is None:
+        return e
+    match = _MESSAGE_PARAM.match(param)
+    if match:
+        index = int(match.group(1))
+        call = _CALL_PARAM.match(param, match.end())
+        if call and (index, int(call.group(1))) in call_sources:
+            # A call's ``function.name`` / ``function.arguments`` are the item's ``name`` / ``arguments``.
+            old = param
+            new = renamed = call_sources[(index, int(call.group(1)))] + param[call.end():].replace(".function.", ".")
         else:
-            head = param.split(".", 1)[0]
-            if head in _RESPONSES_NAMES:
-                renamed = _RESPONSES_NAMES[head] + param[len(head):]
-                message = message.replace(param, renamed)
-                param = renamed
-    out = RequestError(message, param, e.code)
-    return out
+            old = match.group(0)
+            new = sources[index] if index < len(sources) else "input"
+            renamed = new + param[match.end():] if new.startswith("input[") else new
+        return RequestError(message.replace(old, new), renamed, e.code)
+    if param == "messages":
+        return RequestError(message.replace("messages", "input"), "input", e.code)
+    head = re.split(r"[.\[]", param, maxsplit=1)[0]
+    if head in _RESPONSES_NAMES:
+        renamed = _RESPONSES_NAMES[head] + param[len(head):]
+        return RequestError(message.replace(param, renamed), renamed, e.code)
+    return e
 
 
 class ResponsesFormat:
     """The shape of one Responses request's answer: the ``response`` object, whole or as its
-    stream of events (the interface of ``serving.ResponseFormat``)."""
+    stream of events (the interface of ``serving.ResponseFormat``). With tools, the answer's
+    text goes through the chat route's reading of tool calls (``tools.ToolChoice``): its
+    content is the ``message`` item, each call a ``function_call`` item."""
 
-    def __init__(self, req_id: str, model: str, created: int, settings: dict):
+    def __init__(self, req_id: str, model: str, created: int, settings: dict, tools: ToolChoice | None = None):
         self.req_id = req_id
         self.model = model
         self.created = created
         self.settings = settings
-        self.item_id = "msg_" + req_id.removeprefix("resp_")
+        self.tools = tools
+        self._suffix = req_id.removeprefix("resp_")
         self._sequence = 0
+        # The streamed answer's output items so far (the last one open while ``_open``), its
+        # message's text pieces, and how it finished.
+        self._items: list[dict] = []
+        self._open = False
         self._text: list[str] = []
+        self._calls: ToolCallStream | HermesCalls | None = None
         self._finish: str | None = None
-        item = dumps(self.item_id)
-        self._delta_head = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",' \
-                           b'"item_id":' + item.encode() + b',"output_index":0,"content_index":0,"delta":'
         self._delta_tail = b',"logprobs":[],"sequence_number":'
 
     # -- whole ------------------------------------------------------------------------------
     def whole(self, choices: list[dict], usage: dict) -> dict:
         choice = choices[0]
-        return self.response(_status(choice["finish_reason"]), choice["text"], usage)
+        status = _status(choice["finish_reason"])
+        text, calls = (choice["text"], []) if self.tools is None else self.tools.answer(choice["text"])
+        items = []
+        if text or not calls:
+            items.append(self._message(len(items), text or "", status))
+        for call in calls:
+            items.append(self._call(len(items), call, status))
+        return self.response(status, items, usage)
 
-    def response(self, status: str, text: str | None, usage: dict | None) -> dict:
-        output = [] if text is None else [self._item(text, status)]
-        body = {
+    def response(self, status: str, output: list[dict], usage: dict | None) -> dict:
+        return {
             "id": self.req_id, "object": "response", "created_at": self.created, "status": status,
             "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -250,12 +336,15 @@ class ResponsesFormat:
                 "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": usage["total_tokens"]},
         }
-        return body
 
-    def _item(self, text: str | None, status: str) -> dict:
+    def _message(self, index: int, text: str | None, status: str) -> dict:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-        return {"type": "message", "id": self.item_id, "status": "completed" if status == "completed" else
-                status, "role": "assistant", "content": content}
+        return {"type": "message", "id": f"msg_{self._suffix}_{index}", "status": status, "role": "assistant",
+                "content": content}
+
+    def _call(self, index: int, call: dict, status: str) -> dict:
+        return {"type": "function_call", "id": f"fc_{self._suffix}_{index}", "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
 
     # -- streamed ---------------------------------------------------------------------------
     def _event(self, kind: str, payload: dict) -> bytes:
@@ -264,52 +353,111 @@ class ResponsesFormat:
         return b"event: " + kind.encode() + b"\ndata: " + dumps(payload).encode() + b"\n\n"
 
     def stream_start(self) -> bytes:
-        started = self.response("in_progress", None, None)
+        started = self.response("in_progress", [], None)
         return self._event("response.created", {"response": started}) + \
             self._event("response.in_progress", {"response": started})
 
     def chunk_bytes(self, out: Output, first: bool, usage: dict | None, include_usage: bool) -> bytes:
+        final = out.finish_reason is not None
+        if self.tools is None:
+            content, deltas = out.text, []  # one text delta per token, empty or not, as the chat route's chunks
+        else:
+            if self._calls is None:
+                self._calls = self.tools.stream()
+            content, deltas = self._calls.take(out.text, final)
         events = []
-        if first:
-            events.append(self._event("response.output_item.added",
-                                      {"output_index": 0, "item": self._item(None, "in_progress")}))
-            events.append(self._event("response.content_part.added", {
-                "item_id": self.item_id, "output_index": 0, "content_index": 0,
-                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
-        self._text.append(out.text)
-        events.append(self._delta_head + json_text(out.text) + self._delta_tail
-                      + str(self._sequence).encode() + b"}\n\n")
-        self._sequence += 1
-        if out.finish_reason is not None:
+        if content is not None and (content or self.tools is None):
+            events += self._text_delta(content)
+        for delta in deltas:
+            events += self._arguments_delta(delta)
+        if final:
             self._finish = out.finish_reason
-            text = "".join(self._text)
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            events.append(self._event("response.output_text.done", {
-                "item_id": self.item_id, "output_index": 0, "content_index": 0, "text": text, "logprobs": []}))
-            events.append(self._event("response.content_part.done", {
-                "item_id": self.item_id, "output_index": 0, "content_index": 0, "part": part}))
-            events.append(self._event("response.output_item.done",
-                                      {"output_index": 0, "item": self._item(text, _status(out.finish_reason))}))
+            if not self._items:  # an answer without text: its message, empty
+                events += self._text_delta("")
+            events += self._close(_status(out.finish_reason))
         return b"".join(events)
+
+    def _text_delta(self, text: str) -> list[bytes]:
+        events = []
+        if not (self._open and self._items[-1]["type"] == "message"):
+            events += self._close("completed")
+            item = self._message(len(self._items), None, "in_progress")
+            self._items.append(item)
+            self._open = True
+            self._text = []
+            events.append(self._event("response.output_item.added", {"output_index": len(self._items) - 1,
+                                                                     "item": item}))
+            events.append(self._event("response.content_part.added", {
+                "item_id": item["id"], "output_index": len(self._items) - 1, "content_index": 0,
+                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+            self._delta_head = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+                                b'"item_id":' + dumps(item["id"]).encode() + b',"output_index":'
+                                + str(len(self._items) - 1).encode() + b',"content_index":0,"delta":')
+        self._text.append(text)
+        events.append(self._delta_head + json_text(text) + self._delta_tail + str(self._sequence).encode() + b"}\n\n")
+        self._sequence += 1
+        return events
+
+    def _arguments_delta(self, delta: dict) -> list[bytes]:
+        events = []
+        function = delta.get("function") or {}
+        if "id" in delta:  # a new call
+            events += self._close("completed")
+            item = self._call(len(self._items), {"id": delta["id"], "function": {"name": function.get("name"),
+                                                                                  "arguments": ""}}, "in_progress")
+            self._items.append(item)
+            self._open = True
+            events.append(self._event("response.output_item.added", {"output_index": len(self._items) - 1,
+                                                                     "item": dict(item)}))
+        text = function.get("arguments")
+        if text:
+            item = self._items[-1]
+            item["arguments"] += text
+            events.append(self._event("response.function_call_arguments.delta", {
+                "item_id": item["id"], "output_index": len(self._items) - 1, "delta": text}))
+        return events
+
+    def _close(self, status: str) -> list[bytes]:
+        """The open item's done events (none open: none)."""
+        if not self._open:
+            return []
+        self._open = False
+        index, item = len(self._items) - 1, self._items[-1]
+        item["status"] = status
+        if item["type"] == "function_call":
+            return [self._event("response.function_call_arguments.done", {
+                        "item_id": item["id"], "output_index": index, "arguments": item["arguments"]}),
+                    self._event("response.output_item.done", {"output_index": index, "item": item})]
+        text = "".join(self._text)
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        item["content"] = [part]
+        return [self._event("response.output_text.done", {"item_id": item["id"], "output_index": index,
+                                                          "content_index": 0, "text": text, "logprobs": []}),
+                self._event("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                           "content_index": 0, "part": part}),
+                self._event("response.output_item.done", {"output_index": index, "item": item})]
 
     def stream_error(self, status: int, e: BaseException, unended: list[int], started: list[bool],
                      usage: dict | None, include_usage: bool) -> bytes:
         error = error_body(status, e)["error"]
-        failed = self.response("failed", "".join(self._text) if any(started) else None, None)
+        events = self._close("incomplete")
+        failed = self.response("failed", self._items, None)
         failed["error"] = {"code": error["code"] or error["type"], "message": error["message"]}
-        return self._event("error", {"code": error["code"], "message": error["message"], "param": error["param"]}) \
-            + self._event("response.failed", {"response": failed})
+        events.append(self._event("error", {"code": error["code"], "message": error["message"],
+                                            "param": error["param"]}))
+        events.append(self._event("response.failed", {"response": failed}))
+        return b"".join(events)
 
     def stream_end(self, usage: dict, include_usage: bool, failed: bool) -> bytes:
         if failed:
             return b""
         status = _status(self._finish)
         kind = "response.completed" if status == "completed" else f"response.{status}"
-        return self._event(kind, {"response": self.response(status, "".join(self._text), usage)})
+        return self._event(kind, {"response": self.response(status, self._items, usage)})
 
 
 def _status(finish_reason: str | None) -> str:
     """A response's status for its answer's finish reason."""
     if finish_reason == "length":
         return "incomplete"
-    return "completed" if finish_reason == "stop" else "failed"
+    return "completed" if finish_reason in ("stop", "tool_calls") else "failed"

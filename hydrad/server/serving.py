@@ -317,7 +317,8 @@ async def respond_stream(
         if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT:
             return False
         data = events(batch)
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+        if data:  # an empty HTTP/1.1 chunk would end the body
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
         return True
 
     try:
@@ -327,7 +328,9 @@ async def respond_stream(
         failed = False
         try:
             async for batch in stream:
-                await response.write(events(batch))
+                data = events(batch)
+                if data:
+                    await response.write(data)
                 if can_write_direct:
                     # The status line and headers have gone out with the first write: from now
                     # on the steps' outputs are written as they are delivered, without this task.

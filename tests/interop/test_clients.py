@@ -261,12 +261,41 @@ def test_responses_api_whole_and_streamed(client, model_name, hydrad_counts):
 
 
 def test_responses_api_refuses_what_it_does_not_serve(client, model_name):
-    """Stored responses, tools and unknown fields: a 400 naming the field, and the daemon serves on."""
+    """Stored responses, tools other than functions and unknown fields: a 400 naming the field,
+    and the daemon serves on."""
     for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"store": True}, "store"),
-                         ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+                         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
                          ({"frobnicate": 1}, "frobnicate")):
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=model_name, input="hi", max_output_tokens=2, extra_body=extra)
         assert info.value.body["param"] == param, info.value.body
     assert client.responses.create(model=model_name, input="hi", max_output_tokens=2).status == "incomplete"
+
+
+def test_responses_api_function_calls(client, model_name):
+    """A named function's call through the Responses API: the same greedy call as the chat
+    route's, whole and streamed, as a function_call item with its arguments. (No whitespace in
+    the arguments: a random model, free to put it between JSON tokens, may put nothing else.)"""
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                  "required": ["city"], "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    chat = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Weather in Paris?"}], temperature=0, max_tokens=40,
+        tools=[{"type": "function", "function": {"name": "weather", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "weather"}})
+    [chat_call] = chat.choices[0].message.tool_calls
+    assert json.loads(chat_call.function.arguments).keys() == {"city"}
+    request = dict(model=model_name, input="Weather in Paris?", temperature=0, max_output_tokens=40,
+                   tools=[{"type": "function", "name": "weather", "parameters": parameters, "strict": True}],
+                   tool_choice={"type": "function", "name": "weather"})
+    whole = client.responses.create(**request)
+    assert whole.status == "completed", whole
+    [call] = whole.output
+    assert (call.type, call.name, call.arguments) == ("function_call", "weather", chat_call.function.arguments)
+    events = list(client.responses.create(**request, stream=True))
+    done = events[-1]
+    assert done.type == "response.completed" and [o.type for o in done.response.output] == ["function_call"]
+    streamed = done.response.output[0]
+    assert streamed.arguments == call.arguments == "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -170,6 +170,24 @@ def _check_tools(client, model: str, family: str) -> None:
     bare = http("POST", root + "/tokenize", json.dumps({"messages": follow}).encode(),
                 {"Content-Type": "application/json", "Authorization": f"Bearer {client.api_key}"}).json()
     assert bare["count"] < tokenized["count"]  # the template's tool list is in the first
+    # The Responses API: the same answer as items (its text a message, its call a function_call,
+    # whole and streamed), and the call and its output as input items, the chat route's prompt.
+    responses_tools = [{"type": "function", **tools[0]["function"]}]
+    asked = dict(model=model, input="Weather in Oslo?", tools=responses_tools, max_output_tokens=200, temperature=0,
+                 extra_body=forced["extra_body"])
+    whole = client.responses.create(**asked)
+    assert [item.type for item in whole.output] == ["message", "function_call"] and whole.status == "completed"
+    assert whole.output[0].content[0].text == "Sure." and whole.output[1].name == "weather"
+    assert whole.output[1].arguments == tool_call.function.arguments
+    events = list(client.responses.create(**asked, stream=True))
+    assert [(i.type, getattr(i, "arguments", None)) for i in events[-1].response.output] == \
+        [("message", None), ("function_call", tool_call.function.arguments)]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure."
+    next_turn = client.responses.create(model=model, tools=responses_tools, max_output_tokens=3, temperature=0, input=[
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"type": "function_call", "call_id": tool_call.id, "name": "weather", "arguments": tool_call.function.arguments},
+        {"type": "function_call_output", "call_id": tool_call.id, "output": "sunny"}])
+    assert next_turn.usage.input_tokens == again.usage.prompt_tokens
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -34,7 +34,7 @@ def test_input_becomes_the_chat_routes_messages_and_fields():
     chat = parse_chat_request({"model": "m", "messages": req.messages, "max_tokens": 7, "temperature": 0.5,
                                "top_p": 0.9, "top_k": 4, "seed": 3})
     assert req.options.params == chat.options.params and req.options.max_tokens == 7
-    assert req.num_leading == 1
+    assert req.sources == ["instructions", "input[0]", "input[1]", "input[2]", "input[3]"]
     assert req.settings["instructions"] == "Be brief." and req.settings["metadata"] == {"run": "a"}
     assert parse_responses_request({"input": "hi"}).messages == [{"role": "user", "content": "hi"}]
 
@@ -53,7 +53,9 @@ def test_text_format_is_the_chat_routes_response_format():
 @pytest.mark.parametrize("body, param", [
     ({}, "input"),
     ({"input": ""}, "input"),
-    ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input[0].output"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0]"),
@@ -67,8 +69,13 @@ def test_text_format_is_the_chat_routes_response_format():
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "conversation": "c"}, "conversation"),
     ({"input": "hi", "background": True}, "background"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "a b"}]}, "tools[0]"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "tool_choice"),
+    ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}},
+     "tool_choice"),
     ({"input": "hi", "truncation": "auto"}, "truncation"),
     ({"input": "hi", "include": ["message.output_text.logprobs"]}, "include"),
     ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
@@ -87,16 +94,50 @@ def test_what_is_not_served_is_refused_by_name(body, param):
 
 
 def test_the_chat_routes_errors_name_the_requests_own_fields():
-    """Errors the Request Processor raises about ``messages[i]`` name ``input[i]`` (or the
-    instructions, messages[0] when they are sent)."""
-    error = rename(RequestError("messages[2].content[0]: images are accepted in user messages only",
-                                "messages[2].content[0]"), 1)
-    assert (error.param, str(error)) == ("input[1].content[0]",
-                                         "input[1].content[0]: images are accepted in user messages only")
-    assert rename(RequestError("bad", "messages[0].content"), 1).param == "instructions"
-    assert rename(RequestError("messages[0].content bad", "messages[0].content"), 0).param == "input[0].content"
-    assert rename(RequestError("the template refused the messages", "messages"), 0).param == "input"
-    assert rename(RequestError("x", "temperature"), 0).param == "temperature"
+    """Errors the Request Processor raises about ``messages[i]`` name the input item it came
+    from (or the instructions), an earlier call's the ``function_call`` item."""
+    req = parse_responses_request({"instructions": "x", "input": [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "1"}, {"role": "user", "content": "d"}]})
+    sources, calls = req.sources, req.call_sources
+
+    def renamed(message: str, param: str) -> tuple[str, str]:
+        error = rename(RequestError(message, param), sources, calls)
+        return error.param, str(error)
+
+    assert renamed("messages[1].content[0]: images are accepted in user messages only", "messages[1].content[0]") \
+        == ("input[0].content[0]", "input[0].content[0]: images are accepted in user messages only")
+    assert renamed("bad", "messages[0].content") == ("instructions", "bad")
+    assert renamed("messages[2].tool_calls[1].function.arguments must be a JSON object",
+                   "messages[2].tool_calls[1].function.arguments") == ("input[3].arguments",
+                                                                       "input[3].arguments must be a JSON object")
+    assert renamed("x", "messages[2].tool_calls[0]")[0] == "input[2]"
+    assert renamed("x", "messages[3].role")[0] == "input[4].role"
+    assert renamed("x", "messages[4]")[0] == "input[5]"
+    assert renamed("the template refused the messages", "messages") == ("input", "the template refused the input")
+    assert renamed("max_tokens must be at least 1", "max_tokens")[0] == "max_output_tokens"
+    assert renamed("x", "temperature")[0] == "temperature"
+
+
+def test_calls_and_their_outputs_become_the_chat_routes_tool_calls_and_tool_messages():
+    tools = [{"type": "function", "name": "weather", "description": "d", "strict": True,
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    req = parse_responses_request({"tools": tools, "tool_choice": {"type": "function", "name": "weather"}, "input": [
+        {"role": "user", "content": "Paris?"},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "weather", "arguments": '{"city": "P"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]})
+    assert req.messages == [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "P"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert req.tools.mode == "named" and req.tools.name == "weather"
+    assert req.tool_specs == [{"type": "function", "function": {k: v for k, v in tools[0].items() if k != "type"}}]
+    assert req.settings["tools"] == tools
+    auto = parse_responses_request({"tools": tools, "input": "hi", "parallel_tool_calls": False})
+    assert auto.tools.mode == "auto" and not auto.tools.parallel
 
 
 def _events(data: bytes) -> list[dict]:
@@ -138,3 +179,127 @@ def test_a_stream_that_fails_ends_with_the_error_and_a_failed_response():
     assert [e["type"] for e in events][-2:] == ["error", "response.failed"]
     assert events[-1]["response"]["status"] == "failed"
     assert events[-1]["response"]["error"]["message"] == "internal server error"
+
+
+def test_calls_streamed_and_whole_are_function_call_items():
+    """A required call's answer: one function_call item, its arguments as generated, streamed
+    piece by piece and whole, the same item either way."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    req = parse_responses_request({"tools": tools, "tool_choice": "required", "input": "hi"})
+    pieces = ['[{"name": "f", ', '"parameters": {"a"', ': 1}}]']
+    fmt = ResponsesFormat("resp_1", "m", 5, {}, req.tools)
+    data = fmt.stream_start() + b"".join(
+        fmt.chunk_bytes(Output(0, text, [k], "stop" if k == len(pieces) - 1 else None), k == 0, None, False)
+        for k, text in enumerate(pieces))
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}
+    events = _events(data + fmt.stream_end(usage, False, failed=False))
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert set(kinds[3:-3]) == {"response.function_call_arguments.delta"}
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    streamed = events[-1]["response"]["output"]
+    assert len(streamed) == 1 and streamed[0]["type"] == "function_call" and streamed[0]["name"] == "f"
+    assert streamed[0]["arguments"] == '{"a": 1}' == "".join(
+        e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    whole = ResponsesFormat("resp_1", "m", 5, {}, req.tools).whole(
+        [{"text": "".join(pieces), "finish_reason": "stop"}], usage)
+    assert whole["status"] == "completed"
+    assert [(i["type"], i["name"], i["arguments"]) for i in whole["output"]] == [("function_call", "f", '{"a": 1}')]
+
+
+class _Transport:
+    """A connection's transport that keeps what the delivery pass writes to it."""
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return False
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+
+class _Response:
+    headers = {"Transfer-Encoding": "chunked"}
+
+    def __init__(self):
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        assert data, "an empty write"
+        self.writes.append(data)
+
+
+class _DirectOutputs:
+    """A stand-in for ``RequestStream``: its first output goes to the handler, the rest
+    through ``direct`` as a step's delivery pass writes them."""
+
+    def __init__(self, outs):
+        self.outs, self.direct, self.choices = list(outs), None, [None]
+        self.num_prompt_tokens, self.num_cached_tokens, self.num_output_tokens = 3, 0, len(outs)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.direct is None and self.outs:
+            return [self.outs.pop(0)]
+        while self.outs:
+            assert self.direct([self.outs.pop(0)])
+        raise StopAsyncIteration
+
+
+def test_a_token_without_events_writes_nothing(monkeypatch):
+    """A token that adds nothing to a call's arguments yet (part of a character) has no event:
+    nothing is written for it, where an empty HTTP/1.1 chunk would end the response's body."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hydrad.server import serving
+
+    response, transport = _Response(), _Transport()
+
+    async def open_event_stream(request):
+        return response
+
+    monkeypatch.setattr(serving, "open_event_stream", open_event_stream)
+    req = parse_responses_request({"tools": [{"type": "function", "name": "f"}], "input": "hi", "stream": True,
+                                   "tool_choice": {"type": "function", "name": "f"}})
+    fmt = ResponsesFormat("resp_1", "m", 5, {}, req.tools)
+    outs = [Output(0, '{"a":"', [1], None), Output(0, "", [2], None), Output(0, '\u00e9"}', [3], "stop")]
+    asyncio.run(serving.respond_stream(SimpleNamespace(transport=transport), fmt, req, _DirectOutputs(outs)))
+    assert transport.writes and all(not w.startswith(b"0\r\n") for w in transport.writes), transport.writes
+    first, *end = response.writes  # the handler's: before and after the delivery pass's
+    events = _events(first + b"".join(w.split(b"\r\n", 1)[1][:-2] for w in transport.writes) + b"".join(end))
+    assert events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["arguments"] == '{"a":"\u00e9"}'
+
+
+def test_an_answer_with_text_and_a_call_is_a_message_then_a_function_call():
+    """Under tool_choice "auto" the calls the model writes (Hermes' blocks) are read out of its
+    text: the text before them is the message item, closed when the first call starts."""
+    from hydrad.server.tools import ToolChoice
+
+    pieces = ["Sure", ". <tool", '_call>\n{"name": "f", "arg', 'uments": {"a": 1}}\n</tool_call>']
+    usage = {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+    fmt = ResponsesFormat("resp_1", "m", 5, {}, ToolChoice("auto", {"f": None}))
+    data = fmt.stream_start() + b"".join(
+        fmt.chunk_bytes(Output(0, text, [k], "stop" if k == len(pieces) - 1 else None), k == 0, None, False)
+        for k, text in enumerate(pieces)) + fmt.stream_end(usage, False, failed=False)
+    events = _events(data)
+    added = [(e["output_index"], e["item"]["type"]) for e in events if e["type"] == "response.output_item.added"]
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [(0, "message"), (1, "function_call")] and done == [0, 1]
+    # The message is done before the call is added.
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")
+    whole = ResponsesFormat("resp_1", "m", 5, {}, ToolChoice("auto", {"f": None})).whole(
+        [{"text": "".join(pieces), "finish_reason": "stop"}], usage)
+    strip = [{k: v for k, v in item.items() if k != "call_id"} for item in whole["output"]]
+    assert strip == [{k: v for k, v in item.items() if k != "call_id"} for item in events[-1]["response"]["output"]]
+    assert whole["output"][0]["content"][0]["text"] == "Sure. " and whole["output"][1]["arguments"] == '{"a": 1}'
