@@ -146,7 +146,7 @@ _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 
 def parse_chat_request(body: Any) -> ChatRequest:
     body = _object(body)
-    _refuse_unknown(body, _CHAT_FIELDS)
+    refuse_unknown(body, _CHAT_FIELDS)
     messages = body.get("messages")
     if messages is None:
         raise RequestError("'messages' is a required property", "messages")
@@ -228,7 +228,7 @@ def _template_options(body: dict) -> ChatTemplateOptions:
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     body = _object(body)
-    _refuse_unknown(body, _COMPLETION_FIELDS)
+    refuse_unknown(body, _COMPLETION_FIELDS)
     prompts = parse_prompts(body.get("prompt"))
     echo = _get(body, "echo", bool, False)
     if body.get("suffix"):
@@ -290,7 +290,7 @@ _TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "return
 
 def parse_tokenize_request(body: Any) -> TokenizeRequest:
     body = _object(body)
-    _refuse_unknown(body, _TOKENIZE_FIELDS)
+    refuse_unknown(body, _TOKENIZE_FIELDS)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise RequestError("give one of 'prompt' (a text) and 'messages'", "prompt")
@@ -312,7 +312,7 @@ def parse_tokenize_request(body: Any) -> TokenizeRequest:
 
 def parse_detokenize_request(body: Any) -> DetokenizeRequest:
     body = _object(body)
-    _refuse_unknown(body, {"model", "tokens"})
+    refuse_unknown(body, {"model", "tokens"})
     tokens = body.get("tokens")
     if not _is_token_ids(tokens):
         raise RequestError("'tokens' must be an array of token ids", "tokens")
@@ -330,7 +330,7 @@ def _object(body: Any) -> dict:
     return body
 
 
-def _refuse_unknown(body: dict, known: set[str]) -> None:
+def refuse_unknown(body: dict, known: set[str]) -> None:
     """Every field either works or is refused by name: none is silently ignored."""
     unknown = sorted(set(body) - known)
     if unknown:

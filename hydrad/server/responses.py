@@ -30,24 +30,24 @@ from typing import Any
 from hydrad.errors import RequestError
 from hydrad.server.engine_client import Output
 from hydrad.server.errors import error_body
-from hydrad.server.protocol import ChatRequest, parse_chat_request
+from hydrad.server.protocol import ChatRequest, parse_chat_request, refuse_unknown
 from hydrad.server.serving import dumps, json_text
 from hydrad.server.tools import ToolCallStream, ToolChoice
 from hydrad.tool_calls import HermesCalls
 
 # Responses fields and the chat fields they become (where the names differ).
 _CHAT_NAMES = {"max_output_tokens": "max_tokens"}
-_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format",
-                    "stream_options": "stream_options"}
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
 # The chat route's sampling fields and extensions (vLLM's and OpenAI's), and vLLM's
 # structured outputs, taken here as there.
 _SAMPLING = {"top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
              "presence_penalty", "frequency_penalty", "logit_bias", "include_stop_str_in_output",
              "skip_special_tokens", "structured_outputs"}
-_FIELDS = _SAMPLING | {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options",
-           "text", "metadata", "store", "user", "safety_identifier", "prompt_cache_key", "service_tier",
-           "parallel_tool_calls", "tool_choice", "tools", "truncation", "background", "previous_response_id",
-           "include", "reasoning", "top_logprobs", "conversation"}
+_FIELDS = _SAMPLING | {
+    "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream", "stream_options", "text",
+    "metadata", "store", "user", "safety_identifier", "prompt_cache_key", "service_tier", "parallel_tool_calls",
+    "tool_choice", "tools", "truncation", "background", "previous_response_id", "include", "reasoning",
+    "top_logprobs", "conversation"}
 _ROLES = ("user", "assistant", "system", "developer")
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
 _CALL_PARAM = re.compile(r"\.tool_calls\[(\d+)\]")
@@ -66,9 +66,7 @@ class ResponsesRequest(ChatRequest):
 def parse_responses_request(body: Any) -> ResponsesRequest:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    unknown = sorted(set(body) - _FIELDS)
-    if unknown:
-        raise RequestError(f"unknown or unsupported parameter {unknown[0]!r}", unknown[0])
+    refuse_unknown(body, _FIELDS)
     _refuse_state(body)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -107,8 +105,8 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "text": text if text is not None else {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [], "truncation": "disabled", "store": False, "background": False, "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+        "tools": body.get("tools") or [], "truncation": "disabled", "store": False, "background": False,
+        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
     }
     fields = {name: getattr(req, name) for name in ChatRequest.__dataclass_fields__}
     return ResponsesRequest(**fields, settings=settings, sources=sources, call_sources=call_sources)
@@ -199,7 +197,8 @@ def _call_of(item: dict, where: str) -> dict:
     for name in ("call_id", "name", "arguments"):
         if not isinstance(item.get(name), str):
             raise RequestError(f"{where}.{name} must be a string", f"{where}.{name}")
-    return {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    return {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
 
 
 def _tools(tools: Any) -> Any:

@@ -185,7 +185,8 @@ def _check_tools(client, model: str, family: str) -> None:
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sure."
     next_turn = client.responses.create(model=model, tools=responses_tools, max_output_tokens=3, temperature=0, input=[
         {"role": "user", "content": "Weather in Oslo?"},
-        {"type": "function_call", "call_id": tool_call.id, "name": "weather", "arguments": tool_call.function.arguments},
+        {"type": "function_call", "call_id": tool_call.id, "name": "weather",
+         "arguments": tool_call.function.arguments},
         {"type": "function_call_output", "call_id": tool_call.id, "output": "sunny"}])
     assert next_turn.usage.input_tokens == again.usage.prompt_tokens
 

@@ -155,7 +155,8 @@ def test_a_streamed_answer_is_openais_events_numbered():
     fmt = ResponsesFormat("resp_1", "m", 5, {"instructions": None})
     data = fmt.stream_start() + fmt.chunk_bytes(Output(0, "Hel", [1], None), True, None, False) \
         + fmt.chunk_bytes(Output(0, "lo \u2028", [2], "stop"), False, None, False)
-    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 1}}
+    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+             "prompt_tokens_details": {"cached_tokens": 1}}
     events = _events(data + fmt.stream_end(usage, False, failed=False))
     assert [e["type"] for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added", "response.content_part.added",
@@ -191,7 +192,8 @@ def test_calls_streamed_and_whole_are_function_call_items():
     data = fmt.stream_start() + b"".join(
         fmt.chunk_bytes(Output(0, text, [k], "stop" if k == len(pieces) - 1 else None), k == 0, None, False)
         for k, text in enumerate(pieces))
-    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7, "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+             "prompt_tokens_details": {"cached_tokens": 0}}
     events = _events(data + fmt.stream_end(usage, False, failed=False))
     kinds = [e["type"] for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
@@ -286,7 +288,8 @@ def test_an_answer_with_text_and_a_call_is_a_message_then_a_function_call():
     from hydrad.server.tools import ToolChoice
 
     pieces = ["Sure", ". <tool", '_call>\n{"name": "f", "arg', 'uments": {"a": 1}}\n</tool_call>']
-    usage = {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+    usage = {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+             "prompt_tokens_details": {"cached_tokens": 0}}
     fmt = ResponsesFormat("resp_1", "m", 5, {}, ToolChoice("auto", {"f": None}))
     data = fmt.stream_start() + b"".join(
         fmt.chunk_bytes(Output(0, text, [k], "stop" if k == len(pieces) - 1 else None), k == 0, None, False)
