@@ -108,6 +108,7 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
     # vLLM's tokenizer routes (remote tokenizers: lm-evaluation-harness finds them by itself).
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -365,15 +366,26 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 
 async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{model}`` (OpenAI's retrieve): the served model's card, else a 404."""
+    card = _model_card(request)
+    if request.match_info["model"] != card["id"]:
+        raise APIError(404, f"The model `{request.match_info['model']}` does not exist.", "model", "model_not_found")
+    return web.json_response(card)
+
+
+def _model_card(request: web.Request) -> dict:
     engine = request.app[ENGINE]
     hf_config = engine.processor.hf_config
-    card = {
+    return {
         "id": engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "hydrad",
         "root": str(request.app[CONFIG].engine.model.path), "parent": None, "max_model_len": engine.max_model_len,
         # The family served (config.json's architecture and model type), e.g. Qwen2VLForConditionalGeneration.
         "architecture": (getattr(hf_config, "architectures", None) or [None])[0], "model_type": hf_config.model_type,
     }
-    return web.json_response({"object": "list", "data": [card]})
 
 
 async def health(request: web.Request) -> web.Response:

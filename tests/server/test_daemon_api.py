@@ -119,6 +119,12 @@ def test_models(client, model_name, tiny_llava_dir):
     assert card.root == str(tiny_llava_dir)
     assert card.max_model_len > MAX_TOKENS
     assert (card.architecture, card.model_type) == ("LlavaForConditionalGeneration", "llava")
+    # OpenAI's retrieve: the same card by its id, a 404 for another.
+    one = client.models.retrieve(model_name)
+    assert (one.id, one.root, one.max_model_len) == (card.id, card.root, card.max_model_len)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("nope")
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_chat_greedy_matches_transformers(client, model_name, reference):

@@ -114,7 +114,29 @@ def _valid(rng: random.Random) -> tuple[str, dict]:
         messages += [{"role": "user", "content": _text(rng)}, {"role": "assistant", "content": _text(rng)}]
     body = {"messages": messages + [{"role": "user", "content": content}], "max_tokens": rng.randint(1, 40)}
     _sampling(rng, body, chat=True)
+    if rng.random() < 0.2:
+        return "/v1/responses", _as_responses(body)
     return "/v1/chat/completions", body
+
+
+def _as_responses(chat: dict) -> dict:
+    """A chat request as the Responses API says it (one completion, no log-probabilities)."""
+    messages = chat["messages"]
+    body = {k: v for k, v in chat.items() if k not in ("messages", "max_tokens", "n", "logprobs", "top_logprobs",
+                                                        "return_token_ids", "stream_options")}
+    if messages[0]["role"] == "system":
+        body["instructions"] = messages[0]["content"]
+        messages = messages[1:]
+
+    def part(p: dict) -> dict:
+        if p["type"] == "text":
+            return {"type": "input_text", "text": p["text"]}
+        return {"type": "input_image", "image_url": p["image_url"]["url"]}
+
+    body["input"] = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
+                      else [part(p) for p in m["content"]]} for m in messages]
+    body["max_output_tokens"] = chat["max_tokens"]
+    return body
 
 
 def _invalid(rng: random.Random) -> tuple[str, dict | bytes]:
@@ -137,6 +159,10 @@ def _invalid(rng: random.Random) -> tuple[str, dict | bytes]:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": garbage}}] * 40}], "max_tokens": 2}),
         ("/v1/chat/completions", {**base, "stop": ["x"] * 100}),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": garbage}]}]}),
+        ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}),
+        ("/v1/responses", {"input": [{"type": "function_call"}]}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 0}),
     ])
 
 
@@ -207,6 +233,8 @@ async def _answer(session: aiohttp.ClientSession, url: str, body: dict, timeout,
                 return count("too long")  # prompt + max_tokens over the caches' 240 tokens
             problems.append(f"valid request got {response.status}: {text[:200]} {json.dumps(body)[:200]}")
             return
+        if "input" in body:
+            return await _responses_answer(response, body, leave, chunks_before_leaving, problems, count)
         n = body.get("n", 1)
         if not body.get("stream"):
             data = await response.json()
@@ -239,6 +267,36 @@ async def _answer(session: aiohttp.ClientSession, url: str, body: dict, timeout,
         for index, reason in finish.items():
             _check_choice(body, reason, ids.get(index) if body.get("return_token_ids") else None, problems)
         count("streamed")
+
+
+async def _responses_answer(response, body: dict, leave: bool, chunks_before_leaving: int, problems: list[str],
+                            count) -> None:
+    """A Responses API answer: a response that completed, or stopped at ``max_output_tokens``,
+    with at most that many tokens; streamed, its events numbered from 0 and ending with it."""
+    limit = body["max_output_tokens"]
+    if not body.get("stream"):
+        data = await response.json()
+        final = data
+    else:
+        events = []
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if leave and len(events) >= chunks_before_leaving:
+                    return count("left")
+        if [e.get("sequence_number") for e in events] != list(range(len(events))):
+            problems.append(f"responses events out of order: {[e.get('type') for e in events][:20]}")
+        if not events or events[-1]["type"] not in ("response.completed", "response.incomplete"):
+            problems.append(f"responses stream ended with {events[-1] if events else None}")
+            return
+        final = events[-1]["response"]
+    usage = final.get("usage") or {}
+    if final.get("status") not in ("completed", "incomplete") or not 0 < usage.get("output_tokens", 0) <= limit:
+        problems.append(f"response {final.get('status')} with usage {usage}, max_output_tokens {limit}")
+    elif final["status"] == "incomplete" and usage["output_tokens"] != limit:
+        problems.append(f"incomplete after {usage['output_tokens']} of {limit} tokens")
+    count("responses")
 
 
 async def _client(url: str, seed: int, problems: list[str], counts: dict[str, int]) -> None:
@@ -287,7 +345,7 @@ def test_random_traffic_through_a_redeploy_and_a_killed_worker_gets_well_formed_
     assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M), metrics
     assert sum(counts.values()) == CLIENTS * REQUESTS_PER_CLIENT
     # Each kind of outcome came up (the generator is seeded: these are not left to chance).
-    assert all(counts.get(kind, 0) >= 5 for kind in ("invalid", "left", "whole", "streamed")), counts
+    assert all(counts.get(kind, 0) >= 5 for kind in ("invalid", "left", "whole", "streamed", "responses")), counts
     assert blocks_held_once_freed(daemon, 10) == [(0, 0)] * 2
     status = http("GET", daemon.url + "/admin/status").json()
     assert all(i["num_running"] == 0 and i["num_waiting"] == 0 for i in status["instances"])
