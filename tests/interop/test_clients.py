@@ -299,3 +299,9 @@ def test_responses_api_function_calls(client, model_name):
     assert streamed.arguments == call.arguments == "".join(
         e.delta for e in events if e.type == "response.function_call_arguments.delta")
     assert [e.sequence_number for e in events] == list(range(len(events)))
+    # The client's stream helper, which builds the response from the events and checks them.
+    with client.responses.stream(**request) as helper:
+        for _ in helper:
+            pass
+        final = helper.get_final_response()
+    assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "weather", call.arguments)]
