@@ -12,6 +12,9 @@ bottleneck.
 
     python bench/streams.py --concurrency 64 256 1024 --frontend-processes 1 2 --out streams.json
 
+``--api chat responses`` measures the chat route and OpenAI's Responses API
+(``/v1/responses``: the same requests as ``input``, a token per
+``response.output_text.delta`` event) in turn on each daemon;
 ``--repo DIR`` measures another checkout's daemon (the same client and model);
 ``--profile FILE`` samples the daemon with py-spy while measuring.
 """
@@ -44,10 +47,21 @@ def cpu_seconds(pid: int) -> float:
     return sum(cpu_times(pid))
 
 
-async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, duration: float) -> dict:
+# Per API: its route, its request body, and the start of a line that carries one token.
+APIS = {
+    "chat": ("/v1/chat/completions", lambda text, max_tokens: {
+        "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}, b"data: {"),
+    "responses": ("/v1/responses", lambda text, max_tokens: {"input": text, "max_output_tokens": max_tokens},
+                  b'data: {"type":"response.output_text.delta"'),
+}
+
+
+async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, duration: float,
+                    api: str = "chat") -> dict:
     import aiohttp
 
     tokens_measured, gaps, requests_done, errors = 0, [], 0, 0
+    route, make_body, token_line = APIS[api]
     measuring = asyncio.Event()
     stop = asyncio.Event()
 
@@ -56,14 +70,13 @@ async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, 
         i = k
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             while not stop.is_set():
-                body = {"messages": [{"role": "user", "content": f"Request {i}: tell me about the number {i}."}],
-                        "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-                        **({"temperature": 0} if i % 2 else {})}
+                body = {**make_body(f"Request {i}: tell me about the number {i}.", max_tokens), "ignore_eos": True,
+                        "stream": True, **({"temperature": 0} if i % 2 else {})}
                 last = None
                 try:
-                    async with session.post(url + "/v1/chat/completions", json=body) as response:
+                    async with session.post(url + route, json=body) as response:
                         async for line in response.content:
-                            if not line.startswith(b"data: {"):
+                            if not line.startswith(token_line):
                                 continue
                             now = time.perf_counter()
                             if measuring.is_set() and not stop.is_set():
@@ -126,13 +139,14 @@ def profile_summary(path: Path, top: int = 25) -> list[tuple[str, float]]:
     return [(name, n / total) for name, n in ranked[:top]] if total else []
 
 
-def measure(daemon: Daemon, concurrency: int, frontends: int, args) -> dict:
+def measure(daemon: Daemon, concurrency: int, frontends: int, args, api: str = "chat") -> dict:
     pids = frontend_pids(daemon, frontends)
     me = os.getpid()
 
     async def main():
         # CPU is read at the start and end of the measured window only.
-        task = asyncio.ensure_future(run_level(daemon.url, concurrency, args.max_tokens, args.warmup, args.duration))
+        task = asyncio.ensure_future(run_level(daemon.url, concurrency, args.max_tokens, args.warmup, args.duration,
+                                               api))
         await asyncio.sleep(args.warmup)
         spy = None
         if args.profile:
@@ -170,6 +184,8 @@ def main() -> None:
     parser.add_argument("--model", help="model folder (default: a tiny checkpoint built here)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--api", nargs="+", choices=list(APIS), default=["chat"],
+                        help="the routes to drive, each in turn on every daemon")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[1]),
@@ -192,11 +208,12 @@ def main() -> None:
             daemon = Daemon(["--model", model, "--config", str(config), "--devices", "cpu:1"],
                             Path(tmp) / "hydrad.log", repo=Path(args.repo))
             try:
-                for concurrency in args.concurrency:
-                    row = {"frontend_processes": frontends, "concurrency": concurrency,
-                           **measure(daemon, concurrency, frontends, args)}
+                for concurrency, api in ((c, a) for c in args.concurrency for a in args.api):
+                    row = {"frontend_processes": frontends, "concurrency": concurrency, "api": api,
+                           **measure(daemon, concurrency, frontends, args, api)}
                     results.append(row)
-                    print(f"front ends {frontends} streams {concurrency:5d}: {row['output_tokens_per_s']:8.0f} tok/s  "
+                    print(f"front ends {frontends} {api:9s} streams {concurrency:5d}: "
+                          f"{row['output_tokens_per_s']:8.0f} tok/s  "
                           f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token "
                           f"(system {row['daemon_sys_us_per_token']:.1f})  "
                           f"({' + '.join(map(str, row['process_cpu_us_per_token']))})  "
