@@ -107,6 +107,10 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
+    # What OpenAI serves on a kept response: hydrad keeps none (``store`` is refused).
+    for method, path in (("GET", "/v1/responses/{id}"), ("DELETE", "/v1/responses/{id}"),
+                         ("POST", "/v1/responses/{id}/cancel"), ("GET", "/v1/responses/{id}/input_items")):
+        app.router.add_route(method, path, kept_response)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     # vLLM's tokenizer routes (remote tokenizers: lm-evaluation-harness finds them by itself).
@@ -272,6 +276,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def responses(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "responses")
+
+
+async def kept_response(request: web.Request) -> web.Response:
+    raise APIError(404, f"no response {request.match_info['id']!r} is kept: hydrad keeps no responses (it refuses "
+                   "store true and answers each request whole or streamed)", "id", "response_not_found")
 
 
 # Per route: how its body is parsed, the prefix of its ids, and whether it is a chat.

@@ -271,6 +271,11 @@ def test_responses_api_refuses_what_it_does_not_serve(client, model_name):
             client.responses.create(model=model_name, input="hi", max_output_tokens=2, extra_body=extra)
         assert info.value.body["param"] == param, info.value.body
     assert client.responses.create(model=model_name, input="hi", max_output_tokens=2).status == "incomplete"
+    # Nothing is kept to fetch, delete or cancel later: a 404 that says so.
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+        with pytest.raises(openai.NotFoundError) as info:
+            call("resp_1")
+        assert info.value.body["code"] == "response_not_found", info.value.body
 
 
 def test_responses_api_function_calls(client, model_name):
