@@ -105,6 +105,9 @@ class ProcessedPrompt:
     # (None for a text-only prompt: the flat arange).
     mrope_positions: torch.Tensor | None = None
     mrope_delta: int = 0
+    # Of its images, those found preprocessed (``processed_images``): neither decoded nor
+    # processed again (the request trace keeps the count for the planner's replay).
+    num_images_found: int = 0
 
     @property
     def num_image_tokens(self) -> int:
@@ -510,6 +513,7 @@ class InputProcessor:
                 raise RequestError("the prompt contains video placeholder tokens but no video", param=param)
             return self._with_videos(ProcessedPrompt(token_ids), videos) if videos else ProcessedPrompt(token_ids)
         keys = keys or [None] * len(images)
+        num_found = sum(1 for image in images if isinstance(image, ImageInput))
         inputs = self._process_images(processor, images, keys)
         # The placeholders repeated as transformers' processors repeat them, then the tokenizer
         # (the processor's own call does the same, with the image processor run inside it).
@@ -518,7 +522,7 @@ class InputProcessor:
         offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
         for image, offset in zip(inputs, offsets):
             image.offset = offset
-        prompt = ProcessedPrompt(token_ids, inputs)
+        prompt = ProcessedPrompt(token_ids, inputs, num_images_found=num_found)
         if videos:
             return self._with_videos(prompt, videos)
         if self.model_cls.uses_mrope:

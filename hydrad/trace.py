@@ -96,6 +96,9 @@ class TraceRecord:
     # One of the ``n`` completions of a prompt: a digest of the prompt's group
     # (``EngineRequest.group``), the same on each of them; None for a prompt's only completion.
     group: str | None = None
+    # Of its images, those the Request Processor found preprocessed (a file sent before):
+    # their ``processing`` had neither decoding nor the image processor.
+    images_found: int = 0
 
     @property
     def completed(self) -> bool:
@@ -117,6 +120,7 @@ class TraceRecord:
             **({"processing": _round(self.processing)} if self.processing is not None else {}),
             **({"prompt_logprobs": True} if self.prompt_logprobs else {}),
             **({"group": self.group} if self.group is not None else {}),
+            **({"images_found": self.images_found} if self.images_found else {}),
         }
 
     @classmethod
@@ -140,9 +144,11 @@ class TraceRecord:
             cached_tokens=int(obj.get("cached_tokens", 0)), processing=_float(obj.get("processing")),
             prompt_logprobs=bool(obj.get("prompt_logprobs", False)),
             group=None if obj.get("group") is None else str(obj["group"]),
+            images_found=int(obj.get("images_found", 0)),
         )
         if (record.prompt_tokens < 1 or record.output_tokens < 0 or any(i.tokens < 1 for i in images)
-                or not 0 <= record.cached_tokens < record.prompt_tokens):
+                or not 0 <= record.cached_tokens < record.prompt_tokens
+                or not 0 <= record.images_found <= len(images)):
             raise ValueError("token counts out of range")
         return record
 
@@ -188,7 +194,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
                 max_tokens: int, finish_reason: str, preprocess: float, ttft: float | None, e2e: float,
                 gaps: list[float] | None, stages: dict[str, float] | None, instances: list[int], deploy: str,
                 cached_tokens: int = 0, processing: float | None = None, prompt_logprobs: bool = False,
-                group: str | None = None) -> TraceRecord:
+                group: str | None = None, images_found: int = 0) -> TraceRecord:
     """A record from what the daemon knows when a completion ends; ``images`` holds
     (width, height, tokens, offset[, patches[, span[, frames]]]) per image (``TraceImage``);
     ``group``: the completion's ``EngineRequest.group`` (recorded as a digest of it)."""
@@ -203,6 +209,7 @@ def make_record(*, timestamp: float, model: str, prompt_tokens: int, template_to
         instances=tuple(instances), deploy=deploy, cached_tokens=cached_tokens,
         processing=None if processing is None else max(0.0, processing), prompt_logprobs=prompt_logprobs,
         group=None if group is None else hashlib.blake2b(group.encode(), digest_size=8).hexdigest(),
+        images_found=images_found,
     )
 
 

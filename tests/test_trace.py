@@ -275,6 +275,28 @@ def test_the_processor_service_time_is_the_median_traced_time_per_image_count():
     assert by_images == {0: 0.006, 1: 0.030}
 
 
+def test_a_found_images_turn_replays_the_found_turns_time():
+    """A chat's turns resend its image: the first is processed (8-9 ms), the later ones find it
+    preprocessed (1.5-2 ms). Each replays the median of its own kind, not of the more numerous
+    later turns; the count of found images is kept in the trace and read back (0 where older
+    lines lack it), and a count over the images is a malformed line."""
+    from hydrad.planner.workload import Workload
+
+    image = [(640, 480, 256, 5)]
+    records = [make_record(model="m", deploy="1EPD", template_tokens=12, processing=t, images_found=found,
+                           **facts(i, images=image, prompt_tokens=300))
+               for i, (t, found) in enumerate([(0.008, 0), (0.0015, 1), (0.0018, 1), (0.009, 0), (0.0020, 1),
+                                               (0.0016, 1), (0.0085, 0)])]
+    shapes = Workload.from_records(records).shapes
+    assert [s.preprocess for s in shapes] == [0.0085, 0.0018, 0.0018, 0.0085, 0.0018, 0.0018, 0.0085]
+    obj = json.loads(json.dumps(records[1].to_json()))
+    assert obj["images_found"] == 1 and TraceRecord.from_json(obj).images_found == 1
+    assert "images_found" not in records[0].to_json()
+    assert TraceRecord.from_json({k: v for k, v in obj.items() if k != "images_found"}).images_found == 0
+    with pytest.raises(ValueError):
+        TraceRecord.from_json({**obj, "images_found": 2})
+
+
 def test_the_processing_time_is_kept_and_read_where_older_lines_lack_it():
     record = make_record(model="m", deploy="2EPD", template_tokens=12, processing=0.012, **facts(preprocess=0.9))
     obj = json.loads(json.dumps(record.to_json()))

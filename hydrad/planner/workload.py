@@ -57,20 +57,22 @@ class Workload:
         records = sorted(records, key=lambda r: (r.timestamp, r.cached_tokens))
         # The simulator queues requests for the Request Processor itself, so it replays each
         # one's service time: the median (SERVICE_QUANTILE) over the requests with as many
-        # images of the processor's CPU time on each (``processing``). A trace written
-        # before that was recorded has only ``preprocess``, which includes the waits for a
-        # thread: its median moves only once most requests waited, as they all do in a trace
-        # recorded at overload, whose replay would then be bound by a processor many times
-        # slower than the daemon's.
-        by_images: dict[int, list[float]] = {}
+        # images, and as many of them found preprocessed (a file sent before: neither decoded
+        # nor processed again, 4-5x cheaper; a chat's later turns against its first), of the
+        # processor's CPU time on each (``processing``). A trace written before that was
+        # recorded has only ``preprocess``, which includes the waits for a thread: its median
+        # moves only once most requests waited, as they all do in a trace recorded at
+        # overload, whose replay would then be bound by a processor many times slower than
+        # the daemon's.
+        by_images: dict[tuple[int, int], list[float]] = {}
         for r in records:
-            by_images.setdefault(len(r.images), []).append(
+            by_images.setdefault((len(r.images), r.images_found), []).append(
                 r.preprocess if r.processing is None else min(r.processing, r.preprocess))
         service = {k: _quantile(v, SERVICE_QUANTILE) for k, v in by_images.items()}
         firsts: dict[str, int] = {}  # group -> its first shape
         shapes = tuple(RequestShape(r.prompt_tokens, max(1, r.output_tokens),
                                     tuple((i.offset, i.tokens, i.patches, i.span) for i in r.images),
-                                    service[len(r.images)], r.cached_tokens, r.prompt_logprobs,
+                                    service[len(r.images), r.images_found], r.cached_tokens, r.prompt_logprobs,
                                     None if r.group is None else firsts.setdefault(r.group, k))
                        for k, r in enumerate(records))
         stamps = [r.timestamp for r in records]

@@ -67,6 +67,8 @@ class Prepared:
     n: int = 1
     # Per completion, the text its answer begins with (``echo``); None: none.
     echo: list[str] | None = None
+    # Of its prompts' images, those found preprocessed (``ProcessedPrompt.num_images_found``).
+    images_found: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -184,8 +186,9 @@ class EngineClient:
 
         def build() -> Prepared:
             start = time.thread_time()
-            requests = []
+            requests, found = [], 0
             for prompt in process():
+                found += prompt.num_images_found
                 params = options.to_params(len(prompt.prompt_token_ids), self.max_model_len, prompt_param)
                 check_image_caches(prompt.images, self.image_caches, prompt_param)
                 requests += [(prompt, p) for p in split_choices(params, price_once)]
@@ -199,7 +202,7 @@ class EngineClient:
                     image.pixel_values.share_memory_()
                 if request.mrope_positions is not None:
                     request.mrope_positions.share_memory_()
-            return Prepared(requests, time.thread_time() - start, n=options.n)
+            return Prepared(requests, time.thread_time() - start, n=options.n, images_found=found)
 
         return await self.admission.process(build, size, body, arrival)
 
@@ -212,7 +215,8 @@ class EngineClient:
     def generate(self, prepared: Prepared, arrival: float, user: str | None = None) -> RequestStream:
         """Send a request's completions to instances; their outputs stream from the returned
         object. Use it as ``async with``: leaving early aborts what has not finished."""
-        stream = RequestStream(self, prepared.num_prompt_tokens, arrival, user, prepared.processing, prepared.n)
+        stream = RequestStream(self, prepared.num_prompt_tokens, arrival, user, prepared.processing, prepared.n,
+                               prepared.images_found)
         try:
             for index, request in enumerate(prepared.requests):
                 instance = self.router.select(has_images=bool(request.images), request=request)
@@ -249,14 +253,16 @@ class RequestStream:
     written straight from the step's delivery pass once the handler set ``direct``."""
 
     def __init__(self, client: EngineClient, num_prompt_tokens: int, arrival: float, user: str | None,
-                 processing: float | None = None, n: int = 1):
-        """``num_prompt_tokens``: of all the request's prompts; ``n``: completions per prompt."""
+                 processing: float | None = None, n: int = 1, images_found: int = 0):
+        """``num_prompt_tokens``: of all the request's prompts; ``n``: completions per prompt;
+        ``images_found``: of its images, those found preprocessed."""
         self.client = client
         self.num_prompt_tokens = num_prompt_tokens
         self.n = n
         self.arrival = arrival
         self.user = user
         self.processing = processing
+        self.images_found = images_found
         self.choices: list[ChoiceStream] = []
         self._ready: list[Output] = []
         self._error: Exception | None = None
@@ -480,6 +486,7 @@ class ChoiceStream:
                 finish_reason=finish_reason, preprocess=req.arrival_time - parent.arrival,
                 ttft=first - parent.arrival if first is not None else None, e2e=e2e, gaps=self.gaps,
                 stages=self.stage_times, instances=list(route), cached_tokens=self.num_cached_tokens,
-                processing=parent.processing, prompt_logprobs=req.sampling_params.prompt_logprobs is not None,
+                processing=parent.processing, images_found=parent.images_found,
+                prompt_logprobs=req.sampling_params.prompt_logprobs is not None,
                 group=req.group,
             )

@@ -148,7 +148,7 @@ def test_an_image_file_sent_again_is_neither_decoded_nor_processed_again(tiny_ch
               {"role": "user", "content": [image(300, 90, 3), text("A third?")]}]
     as_files = [{**m, "content": [_as_file(p) if p["type"] == "image" else p for p in m["content"]]}
                 if isinstance(m["content"], list) else m for m in second]
-    processor.process_chat(as_files[:1])
+    assert processor.process_chat(as_files[:1]).num_images_found == 0
     assert (processor.processed_images.num_found, processor.processed_images.num_missed) == (0, 2)
     kept = len(processor.processed_images)
     decoded = []
@@ -156,6 +156,7 @@ def test_an_image_file_sent_again_is_neither_decoded_nor_processed_again(tiny_ch
     monkeypatch.setattr(hydrad.processor, "open_image_bytes", lambda *a, **k: decoded.append(1) or real_open(*a, **k))
     prompt = processor.process_chat(as_files)
     assert len(decoded) == 1 and processor.processed_images.num_found == 2  # only the new image decoded
+    assert prompt.num_images_found == 2
     assert len(processor.processed_images) == kept + 1
     reference = hf_inputs(processor.processor, second)
     assert prompt.prompt_token_ids == reference["input_ids"][0].tolist()

@@ -180,6 +180,9 @@ def test_a_repeated_chat_starts_from_its_cached_prefix(daemon, client, model_nam
     # and the Request Processor's own time on each (its images decoded and processed), apart
     # from the waits before it: what the planner replays as its service time
     assert all(0 < r["processing"] <= r["preprocess"] for r in traced), traced
+    # and how many of its images the Request Processor found preprocessed (the planner replays
+    # those turns at their own, cheaper, service time)
+    assert sum(r.get("images_found", 0) for r in traced) >= 3 * len(images), traced
     # A request's completions are one group there (the planner replays them together); a
     # prompt's only completion has none.
     client.chat.completions.create(model=model_name, messages=api, max_tokens=2, n=3, temperature=1.0)
