@@ -158,6 +158,12 @@ class InputProcessor:
         self.tool_call_tags_special = self.tool_call_format is not None and not set(TAGS).isdisjoint(
             self.tokenizer.all_special_tokens)
         self.image_token_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        # Where the tokenizer keeps the image placeholder whole whatever surrounds it (an added
+        # token, as every served family's), a prompt is tokenized with one placeholder per
+        # image and the ids repeated after: the same ids as tokenizing the repeated text
+        # (hundreds of placeholders: most of a found image's turn), checked here once.
+        self.expands_image_ids = _placeholder_is_atomic(self.tokenizer, self.processor.image_token,
+                                                        self.image_token_id)
         # Families that take videos: their processing, and how frames are drawn from a file.
         self.videos = self.video_sampling = self.video_token = self.video_token_id = None
         self.max_video_frames = max_video_frames
@@ -516,10 +522,16 @@ class InputProcessor:
         num_found = sum(1 for image in images if isinstance(image, ImageInput))
         inputs = self._process_images(processor, images, keys)
         # The placeholders repeated as transformers' processors repeat them, then the tokenizer
-        # (the processor's own call does the same, with the image processor run inside it).
-        token_ids = encode_text(processor.tokenizer, repeat_placeholders(
-            text, processor.image_token, [image.length for image in inputs], "image"))
-        offsets = find_image_runs(token_ids, self.image_token_id, [image.length for image in inputs])
+        # (the processor's own call does the same, with the image processor run inside it);
+        # or, the same ids, the tokenizer first and each placeholder's id repeated after.
+        lengths = [image.length for image in inputs]
+        if self.expands_image_ids:
+            token_ids, offsets = expand_placeholder_ids(encode_text(processor.tokenizer, text), self.image_token_id,
+                                                        lengths, "image")
+        else:
+            token_ids = encode_text(processor.tokenizer, repeat_placeholders(text, processor.image_token, lengths,
+                                                                             "image"))
+            offsets = find_image_runs(token_ids, self.image_token_id, lengths)
         for image, offset in zip(inputs, offsets):
             image.offset = offset
         prompt = ProcessedPrompt(token_ids, inputs, num_images_found=num_found)
@@ -612,6 +624,43 @@ def repeat_placeholders(text: str, placeholder: str, lengths: Sequence[int], kin
     for length, piece in zip(lengths, pieces[1:]):
         out += [placeholder * length, piece]
     return "".join(out)
+
+
+def expand_placeholder_ids(token_ids: list[int], token_id: int, lengths: Sequence[int],
+                           kind: str) -> tuple[list[int], list[int]]:
+    """``token_ids`` with their k-th ``token_id`` repeated ``lengths[k]`` times, and each run's
+    offset. RequestError, as ``repeat_placeholders``, when they hold another number of them."""
+    positions = [i for i, t in enumerate(token_ids) if t == token_id]
+    if len(positions) != len(lengths):
+        if len(positions) < len(lengths):
+            raise RequestError(f"this checkpoint's chat template does not place {kind}s", param="messages")
+        raise RequestError(f"the prompt contains {kind} placeholder tokens beyond its {kind}s", param="messages")
+    out: list[int] = []
+    offsets = []
+    start = 0
+    for position, length in zip(positions, lengths):
+        out += token_ids[start:position]
+        offsets.append(len(out))
+        out += [token_id] * length
+        start = position + 1
+    out += token_ids[start:]
+    return out, offsets
+
+
+def _placeholder_is_atomic(tokenizer, placeholder: str, token_id: int) -> bool:
+    """Whether tokenizing a text with each ``placeholder`` repeated gives the ids of the text
+    with one, each repeated (``expand_placeholder_ids``): the tokenizer keeps it whole beside
+    any text (an added token), not merged into or split by what surrounds it."""
+    for text in (placeholder, f"a{placeholder}b", f"a {placeholder} b", f"\n{placeholder}\n",
+                 f"{placeholder}{placeholder}x", f"USER: {placeholder}\nWhat is this?"):
+        count = text.count(placeholder)
+        once = encode_text(tokenizer, text)
+        if once.count(token_id) != count:
+            return False
+        expanded, _ = expand_placeholder_ids(once, token_id, [3] * count, "image")
+        if encode_text(tokenizer, text.replace(placeholder, placeholder * 3)) != expanded:
+            return False
+    return True
 
 
 def find_image_runs(token_ids: Sequence[int], image_token_id: int, lengths: Sequence[int],

@@ -444,3 +444,43 @@ def test_template_variables_count_against_the_prompts_bound(tiny_llava_dir):
         small.inspect_chat(BEGUN[:1], options)
     assert caught.value.param == "messages"
     small.inspect_chat(BEGUN[:1])  # the messages alone fit
+
+
+def test_a_placeholder_is_repeated_after_tokenizing_only_where_the_tokenizer_keeps_it_whole():
+    """An added token stays whole beside any text: its ids are repeated after tokenizing. A
+    placeholder the tokenizer merges with its repeats ("ab" + "ab" is one piece) is repeated
+    in the text first, as transformers' processors do."""
+    from tokenizers import AddedToken
+
+    from hydrad.processor import _placeholder_is_atomic
+
+    added = tokenizer_with()
+    added.add_special_tokens([AddedToken("<image>", special=True)])
+    assert _placeholder_is_atomic(Backend(added), "<image>", added.token_to_id("<image>"))
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    vocab.update({"ab": len(vocab), "abab": len(vocab) + 1})
+    merging = Tokenizer(models.BPE(vocab, [("a", "b"), ("ab", "ab")]))
+    merging.pre_tokenizer = pre_tokenizers.ByteLevel()
+    assert not _placeholder_is_atomic(Backend(merging), "ab", vocab["ab"])
+
+
+def test_both_ways_of_placing_image_tokens_give_one_prompt(processor):
+    """Tokenized with one placeholder per image and repeated after, or repeated first: the same
+    ids and image offsets (the first is every served family's: test_image_processing checks
+    it against transformers' processors)."""
+    messages = user(image(png_url(40, 30, 1)), {"type": "text", "text": "and"}, image(png_url(30, 40, 2)),
+                    {"type": "text", "text": "x <image"})
+    beyond = user(image(png_url(40, 30, 1)), {"type": "text", "text": "x <image>"})  # a placeholder too many
+    assert processor.expands_image_ids
+    expanded = processor.process_chat(messages)
+    with pytest.raises(RequestError, match="placeholder tokens beyond its images"):
+        processor.process_chat(beyond)
+    processor.expands_image_ids = False
+    try:
+        repeated = processor.process_chat(messages)
+        with pytest.raises(RequestError, match="placeholder tokens beyond its images"):
+            processor.process_chat(beyond)
+    finally:
+        processor.expands_image_ids = True
+    assert expanded.prompt_token_ids == repeated.prompt_token_ids
+    assert [i.offset for i in expanded.images] == [i.offset for i in repeated.images]
