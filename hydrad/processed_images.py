@@ -69,11 +69,10 @@ class ProcessedImages:
         """Keep a copy of ``image`` (just processed) under ``key``, evicting the least recently
         used past the budget. The copy holds the image's own bytes only (a row of the
         processor's batch tensor would hold the whole batch)."""
-        pixels = image.pixel_values
-        nbytes = pixels.numel() * pixels.element_size()
+        nbytes = _nbytes(image)
         if nbytes > self.capacity_bytes:
             return
-        kept = dataclasses.replace(image, offset=-1, pixel_values=pixels.clone())
+        kept = dataclasses.replace(image, offset=-1, pixel_values=image.pixel_values.clone())
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:

@@ -616,14 +616,19 @@ def repeat_placeholders(text: str, placeholder: str, lengths: Sequence[int], kin
     """``text`` with its k-th ``placeholder`` repeated ``lengths[k]`` times, as transformers'
     processors expand them. RequestError when the text holds another number of them."""
     pieces = text.split(placeholder)
-    if len(pieces) - 1 != len(lengths):
-        if len(pieces) - 1 < len(lengths):
-            raise RequestError(f"this checkpoint's chat template does not place {kind}s", param="messages")
-        raise RequestError(f"the prompt contains {kind} placeholder tokens beyond its {kind}s", param="messages")
+    _check_placeholders(len(pieces) - 1, len(lengths), kind)
     out = [pieces[0]]
     for length, piece in zip(lengths, pieces[1:]):
         out += [placeholder * length, piece]
     return "".join(out)
+
+
+def _check_placeholders(found: int, wanted: int, kind: str) -> None:
+    """RequestError unless the prompt holds one placeholder per image (or video)."""
+    if found < wanted:
+        raise RequestError(f"this checkpoint's chat template does not place {kind}s", param="messages")
+    if found > wanted:
+        raise RequestError(f"the prompt contains {kind} placeholder tokens beyond its {kind}s", param="messages")
 
 
 def expand_placeholder_ids(token_ids: list[int], token_id: int, lengths: Sequence[int],
@@ -631,10 +636,7 @@ def expand_placeholder_ids(token_ids: list[int], token_id: int, lengths: Sequenc
     """``token_ids`` with their k-th ``token_id`` repeated ``lengths[k]`` times, and each run's
     offset. RequestError, as ``repeat_placeholders``, when they hold another number of them."""
     positions = [i for i, t in enumerate(token_ids) if t == token_id]
-    if len(positions) != len(lengths):
-        if len(positions) < len(lengths):
-            raise RequestError(f"this checkpoint's chat template does not place {kind}s", param="messages")
-        raise RequestError(f"the prompt contains {kind} placeholder tokens beyond its {kind}s", param="messages")
+    _check_placeholders(len(positions), len(lengths), kind)
     out: list[int] = []
     offsets = []
     start = 0

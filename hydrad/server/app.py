@@ -39,7 +39,6 @@ from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import (DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_chat_request,
                                     parse_completion_request, parse_detokenize_request, parse_tokenize_request)
 from hydrad.server.responses import ResponsesFormat, parse_responses_request
-from hydrad.server.responses import rename as rename_input_error
 from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
 from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.launch import InstanceSpec, Launched
@@ -307,15 +306,14 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
             del body  # the parsed request holds what is needed until it is processed
             engine = _engine_for(request, req)
             req_id = inflight.req_id = f"{id_prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
-            if not chat:
-                prepared = await engine.prepare_completion(req_id, req, reservation, arrival)
-            elif route == "responses":
-                try:
-                    prepared = await engine.prepare_chat(req_id, req, reservation, arrival)
-                except RequestError as e:  # named in the request's own words
-                    raise rename_input_error(e, req.sources, req.call_sources) from None
-            else:
-                prepared = await engine.prepare_chat(req_id, req, reservation, arrival)
+            prepare = engine.prepare_chat if chat else engine.prepare_completion
+            try:
+                prepared = await prepare(req_id, req, reservation, arrival)
+            except RequestError as e:
+                renamed = req.in_own_words(e)  # the fields as the request named them
+                if renamed is e:
+                    raise
+                raise renamed from None
         finally:
             reservation.release()  # a request refused before processing took the reservation over
         # The input's memory goes with its reservation: only the prepared prompt stays.

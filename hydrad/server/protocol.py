@@ -100,6 +100,11 @@ class GenerateRequest:
     # vLLM's ``prompt_logprobs`` asked for: the answer carries them in vLLM's shape.
     prompt_logprobs: bool
 
+    def in_own_words(self, e: RequestError) -> RequestError:
+        """An error raised while the request is prepared, naming the request's fields as it
+        named them (a route that takes its fields under other names renames them)."""
+        return e
+
 
 @dataclass
 class ChatRequest(GenerateRequest):

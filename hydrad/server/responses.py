@@ -62,6 +62,9 @@ class ResponsesRequest(ChatRequest):
     sources: list[str] = field(default_factory=list)
     call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
 
+    def in_own_words(self, e: RequestError) -> RequestError:
+        return rename(e, self.sources, self.call_sources)
+
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     if not isinstance(body, dict):

@@ -270,6 +270,12 @@ def test_responses_api_refuses_what_it_does_not_serve(client, model_name):
         with pytest.raises(openai.BadRequestError) as info:
             client.responses.create(model=model_name, input="hi", max_output_tokens=2, extra_body=extra)
         assert info.value.body["param"] == param, info.value.body
+    # An image the Request Processor cannot decode is named as the input item it came in.
+    garbage = "data:image/png;base64," + base64.b64encode(b"garbage" * 10).decode()
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model_name, max_output_tokens=2, instructions="Be brief.", input=[
+            {"role": "user", "content": [{"type": "input_image", "image_url": garbage}]}])
+    assert info.value.body["param"] == "input[0].content[0]", info.value.body
     assert client.responses.create(model=model_name, input="hi", max_output_tokens=2).status == "incomplete"
     # Nothing is kept to fetch, delete or cancel later: a 404 that says so.
     for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
@@ -306,7 +312,5 @@ def test_responses_api_function_calls(client, model_name):
     assert [e.sequence_number for e in events] == list(range(len(events)))
     # The client's stream helper, which builds the response from the events and checks them.
     with client.responses.stream(**request) as helper:
-        for _ in helper:
-            pass
-        final = helper.get_final_response()
+        final = helper.until_done().get_final_response()
     assert [(o.type, o.name, o.arguments) for o in final.output] == [("function_call", "weather", call.arguments)]
