@@ -230,9 +230,9 @@ def _wrong_length(got: int, output_tokens: int) -> str:
 
 async def _read_whole(resp: aiohttp.ClientResponse, record: StreamRecord, output_tokens: int | None) -> None:
     """An answer sent whole (a scoring request's): every token arrives with it, its TTFT is
-    its end-to-end time and it has no gaps."""
+    its end-to-end time (both the moment the body was read) and it has no gaps."""
     body = await resp.json(content_type=None)
-    now = time.perf_counter()
+    now = record.end = time.perf_counter()
     usage = body.get("usage") or {}
     if isinstance(usage.get("prompt_tokens"), int):
         record.prompt_tokens = usage["prompt_tokens"]
@@ -274,5 +274,5 @@ async def stream_chat(
     except (ValueError, TypeError, AttributeError) as e:
         record.error = _short(f"malformed stream: {e}")
     finally:
-        record.end = time.perf_counter()
+        record.end = record.end or time.perf_counter()
     return record

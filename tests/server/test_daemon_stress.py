@@ -103,7 +103,7 @@ def test_bench_library_sends_a_scoring_line_whole_beside_streams(daemon, tmp_pat
     streamed = [r for r in results if r.output_tokens == 3]
     several = [r for r in results if r.output_tokens == 8]
     assert len(scoring) == len(streamed) == len(several) == 3
-    assert all(r.tbts == () and r.ttft == pytest.approx(r.e2e, abs=0.01) for r in scoring + several), [(r.tbts, r.ttft, r.e2e) for r in scoring + several]
+    assert all(r.tbts == () and r.ttft == r.e2e for r in scoring + several), [(r.tbts, r.ttft, r.e2e) for r in scoring + several]
     assert all(len(r.tbts) == 2 for r in streamed)
 
 
