@@ -14,7 +14,10 @@ bottleneck.
 
 ``--api chat responses`` measures the chat route and OpenAI's Responses API
 (``/v1/responses``: the same requests as ``input``, a token per
-``response.output_text.delta`` event) in turn on each daemon;
+``response.output_text.delta`` event; each response kept, as OpenAI's default ``store``)
+in turn on each daemon; ``responses-unkept`` sends ``store`` false, and
+``responses-chained`` continues each client's previous response
+(``previous_response_id``) for ``CHAIN_TURNS`` turns, then starts a new conversation;
 ``--repo DIR`` measures another checkout's daemon (the same client and model);
 ``--profile FILE`` samples the daemon with py-spy while measuring.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -48,12 +52,20 @@ def cpu_seconds(pid: int) -> float:
 
 
 # Per API: its route, its request body, and the start of a line that carries one token.
+_RESPONSE_TOKEN = b'data: {"type":"response.output_text.delta"'
 APIS = {
     "chat": ("/v1/chat/completions", lambda text, max_tokens: {
         "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}, b"data: {"),
     "responses": ("/v1/responses", lambda text, max_tokens: {"input": text, "max_output_tokens": max_tokens},
-                  b'data: {"type":"response.output_text.delta"'),
+                  _RESPONSE_TOKEN),
+    "responses-unkept": ("/v1/responses", lambda text, max_tokens: {
+        "input": text, "max_output_tokens": max_tokens, "store": False}, _RESPONSE_TOKEN),
+    "responses-chained": ("/v1/responses", lambda text, max_tokens: {
+        "input": text, "max_output_tokens": max_tokens}, _RESPONSE_TOKEN),
 }
+# ``responses-chained``: turns of one conversation before a client starts another.
+CHAIN_TURNS = 4
+_CREATED = b'data: {"type":"response.created"'
 
 
 async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, duration: float,
@@ -67,16 +79,27 @@ async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, 
 
     async def client(k: int) -> None:
         nonlocal tokens_measured, requests_done, errors
-        i = k
+        i, previous, turns = k, None, 0
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             while not stop.is_set():
                 body = {**make_body(f"Request {i}: tell me about the number {i}.", max_tokens), "ignore_eos": True,
                         "stream": True, **({"temperature": 0} if i % 2 else {})}
+                if previous is not None:
+                    body["previous_response_id"] = previous
                 last = None
                 try:
                     async with session.post(url + route, json=body) as response:
+                        if response.status != 200:
+                            errors += 1
+                            previous = None
+                            i += concurrency
+                            continue
                         async for line in response.content:
                             if not line.startswith(token_line):
+                                if api == "responses-chained" and line.startswith(_CREATED):
+                                    turns += 1
+                                    previous = json.loads(line[6:])["response"]["id"] if turns < CHAIN_TURNS else None
+                                    turns %= CHAIN_TURNS
                                 continue
                             now = time.perf_counter()
                             if measuring.is_set() and not stop.is_set():
@@ -107,7 +130,6 @@ async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, 
 def frontend_pids(daemon: Daemon, count: int) -> list[int]:
     """The daemon process and its ``count - 1`` front-end processes (not the workers), as
     ``/admin/status`` lists them (a daemon without front-end processes lists none)."""
-    import json
     import urllib.request
 
     deadline = time.monotonic() + 30

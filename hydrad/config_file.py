@@ -102,6 +102,10 @@ class ServerConfig:
     # file, in MiB: an image sent again (a chat's next turn, another question about it)
     # is neither decoded nor processed again. 0: none kept.
     processed_image_cache_mb: int = 512
+    # Responses of /v1/responses kept for previous_response_id and GET /v1/responses/{id},
+    # in MiB of the daemon's memory (least recently used out first; a restart keeps none).
+    # 0: none kept (store true and previous_response_id are refused).
+    responses_store_mb: int = 64
     router_policy: str = "round-robin"
     # HTTP processes serving the port (SO_REUSEPORT): the daemon and frontend_processes - 1
     # more, each parsing, preparing and streaming its own requests (the daemon alone holds
@@ -152,8 +156,9 @@ class ServerConfig:
         if self.max_inflight_image_mb < largest:
             raise ConfigError(f"server.max_inflight_image_mb ({self.max_inflight_image_mb}) cannot hold one request "
                               f"of server.max_request_pixels: it needs {largest} MiB")
-        if self.processed_image_cache_mb < 0:
-            raise ConfigError(f"server.processed_image_cache_mb must be >= 0, got {self.processed_image_cache_mb}")
+        for name in ("processed_image_cache_mb", "responses_store_mb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"server.{name} must be >= 0, got {getattr(self, name)}")
         if self.queue_timeout < 0:
             raise ConfigError(f"server.queue_timeout must be >= 0, got {self.queue_timeout}")
         if self.router_policy not in ROUTER_POLICIES:

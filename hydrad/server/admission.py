@@ -92,17 +92,29 @@ class Reservation:
     def __init__(self, budget: Budget, amount: int):
         self.budget = budget
         self.amount = amount
+        self._frees = True  # False once ``keep`` moved its units elsewhere
 
     def release(self) -> None:
         if self.amount:
             amount, self.amount = self.amount, 0
-            self.budget._release(amount)
+            if self._frees:
+                self.budget._release(amount)
 
     def take(self) -> Reservation:
         """The same units in a new reservation, for whoever ends up releasing them; this one
         holds nothing from now on."""
         taken, self.amount = Reservation(self.budget, self.amount), 0
+        taken._frees = self._frees
         return taken
+
+    def keep(self) -> Reservation:
+        """The units, moved to a new reservation that the caller releases once it no longer
+        keeps what they account for (a kept response's input, until its answer ends). This
+        one still says its amount (the Request Processor sizes the request by it) and frees
+        nothing when released."""
+        kept = Reservation(self.budget, self.amount)
+        self._frees = False
+        return kept
 
     def shrink(self, amount: int) -> None:
         """Keep only ``amount`` of it (a body smaller than reserved)."""

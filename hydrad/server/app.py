@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import itertools
 import json
@@ -38,8 +39,9 @@ from hydrad.server.monitor import FrontendMonitor, combined_cpu_per_token, front
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import (DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_chat_request,
                                     parse_completion_request, parse_detokenize_request, parse_tokenize_request)
-from hydrad.server.responses import ResponsesFormat, parse_responses_request
-from hydrad.server.serving import ResponseFormat, respond_stream, respond_whole
+from hydrad.server.response_store import LocalStore, ResponseGone, ResponseStore
+from hydrad.server.responses import ResponsesFormat, keep_response, parse_responses_request, prior_items
+from hydrad.server.serving import ResponseFormat, dumps, respond_stream, respond_whole
 from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.launch import InstanceSpec, Launched
 from hydrad.cluster.supervisor import RedeployError, RestartPolicy, Supervisor
@@ -71,6 +73,9 @@ REPLANNER = web.AppKey("replanner", object)
 DEPLOYMENT = web.AppKey("deployment", dict)
 # The other front-end processes ([server] frontend_processes), started by ``serve``.
 FRONTENDS = web.AppKey("frontends", Frontends)
+# The kept responses of /v1/responses (``response_store``: the daemon's ``LocalStore``, a
+# front end's ``RemoteStore``), or None where server.responses_store_mb is 0.
+KEPT = web.AppKey("kept", object)
 
 # Routes outside /v1 that the API key guards too (``add_api_routes``).
 TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
@@ -90,7 +95,9 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app[LAUNCHED] = launched if launched is not None else {}
     app[DEPLOYMENT] = deployment or {"spec": format_deploy([s.role for s in specs]), "reason": "start"}
     app[CONSOLE] = console or default_console
-    app[FRONTENDS] = Frontends(config)
+    store = ResponseStore(config.server.responses_store_mb << 20) if config.server.responses_store_mb else None
+    app[KEPT] = LocalStore(store) if store is not None else None
+    app[FRONTENDS] = Frontends(config, store)
     app.cleanup_ctx.append(engine_ctx)
     add_api_routes(app)
     app.router.add_get("/health", health)
@@ -106,10 +113,10 @@ def add_api_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/responses", responses)
-    # What OpenAI serves on a kept response: hydrad keeps none (``store`` is refused).
-    for method, path in (("GET", "/v1/responses/{id}"), ("DELETE", "/v1/responses/{id}"),
-                         ("POST", "/v1/responses/{id}/cancel"), ("GET", "/v1/responses/{id}/input_items")):
-        app.router.add_route(method, path, kept_response)
+    app.router.add_get("/v1/responses/{id}", kept_response)
+    app.router.add_delete("/v1/responses/{id}", delete_response)
+    app.router.add_post("/v1/responses/{id}/cancel", cancel_response)
+    app.router.add_get("/v1/responses/{id}/input_items", response_input_items)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     # vLLM's tokenizer routes (remote tokenizers: lm-evaluation-harness finds them by itself).
@@ -166,12 +173,14 @@ async def engine_ctx(app: web.Application):
         executor.shutdown(wait=False, cancel_futures=True)
         raise
     session = aiohttp.ClientSession() if server.remote_images.enabled else None
-    app[METRICS] = Metrics(processor.model_name, processor.processed_images)
+    app[METRICS] = Metrics(processor.model_name, processor.processed_images,
+                           app[KEPT].store if app[KEPT] is not None else None)
     app[MONITOR] = FrontendMonitor(app[METRICS], worker_pids=lambda: worker_pids(supervisor.clients))
     app[MONITOR].start()
     app[SUPERVISOR] = supervisor
     app[STARTED] = time.monotonic()
     app[ADMISSION] = Admission(server, executor)
+    app[METRICS].watch_admission(app[ADMISSION])
     app[ENGINE] = EngineClient(
         processor, supervisor.router, supervisor.table, app[METRICS],
         app[ADMISSION], server, min([processor.max_model_len] + [r.max_model_len for r in readies]), session,
@@ -277,9 +286,77 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "responses")
 
 
+def _kept(request: web.Request):
+    kept = request.app[KEPT]
+    if kept is None:
+        raise APIError(404, f"no response {request.match_info['id']!r} is kept: this server keeps no responses "
+                       "(server.responses_store_mb is 0)", "id", "response_not_found")
+    return kept
+
+
+def _not_kept(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found: it is not kept (never was, was deleted, or "
+                    "went to make room)", "id", "response_not_found")
+
+
 async def kept_response(request: web.Request) -> web.Response:
-    raise APIError(404, f"no response {request.match_info['id']!r} is kept: hydrad keeps no responses (it refuses "
-                   "store true and answers each request whole or streamed)", "id", "response_not_found")
+    """``GET /v1/responses/{id}``: a kept response, as it was answered."""
+    response_id = request.match_info["id"]
+    response = await _kept(request).call("get", response_id)
+    if response is None:
+        raise _not_kept(response_id)
+    return web.json_response(response, dumps=dumps)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    if not await _kept(request).call("delete", response_id):
+        raise _not_kept(response_id)
+    return web.json_response({"id": response_id, "object": "response", "deleted": True})
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    response_id = request.match_info["id"]
+    if await _kept(request).call("get", response_id) is None:
+        raise _not_kept(response_id)
+    raise APIError(400, f"Response '{response_id}' cannot be cancelled: only background responses can be, and this "
+                   "server answers each request as it runs", "id")
+
+
+async def response_input_items(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}/input_items``: the items a kept response was generated from
+    (its conversation's earlier items, then its own input), OpenAI's page of them (``limit``,
+    ``order``, ``after``)."""
+    response_id = request.match_info["id"]
+    query = request.query
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit must be an integer from 1 to 100, got {query.get('limit')!r}", "limit")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", "order")
+    try:
+        items = await _kept(request).call("inputs", response_id)
+    except ResponseGone as e:
+        if e.response_id == response_id:
+            raise _not_kept(response_id) from None
+        raise APIError(404, f"the conversation of response '{response_id}' is no longer whole: its earlier "
+                       f"response '{e.response_id}' is not kept", "id", "response_not_found") from None
+    if order == "desc":
+        items = items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise APIError(400, f"after: no input item {after!r} in response '{response_id}'", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return web.json_response({"object": "list", "data": page, "first_id": page[0].get("id") if page else None,
+                              "last_id": page[-1].get("id") if page else None, "has_more": len(items) > limit},
+                             dumps=dumps)
 
 
 # Per route: how its body is parsed, the prefix of its ids, and whether it is a chat.
@@ -293,42 +370,55 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
     arrival = time.monotonic()
     admission = request.app[ADMISSION]
     parse, id_prefix, chat = _ROUTES[route]
+    kept_input = None  # a kept response's input: its body's units, held until its answer ends
     with admission.track() as inflight:
         body, reservation = await admission.read_body(request, arrival)
         try:
-            parsed = _json(body)
-            if isinstance(parsed, dict) and not _STRUCTURED.isdisjoint(parsed):
-                # Compiling a language takes up to a few hundred milliseconds for the largest
-                # (llguidance releases the GIL meanwhile): never on the event loop.
-                req = await asyncio.get_running_loop().run_in_executor(None, parse, parsed)
-            else:
-                req = parse(parsed)
-            del body  # the parsed request holds what is needed until it is processed
-            engine = _engine_for(request, req)
-            req_id = inflight.req_id = f"{id_prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
-            prepare = engine.prepare_chat if chat else engine.prepare_completion
             try:
-                prepared = await prepare(req_id, req, reservation, arrival)
-            except RequestError as e:
-                renamed = req.in_own_words(e)  # the fields as the request named them
-                if renamed is e:
-                    raise
-                raise renamed from None
+                parsed = _json(body)
+                if route == "responses":  # the conversation it continues first, where one is kept
+                    kept = request.app[KEPT]
+                    parse = functools.partial(parse, keeping=kept is not None, prior=await prior_items(kept, parsed))
+                if isinstance(parsed, dict) and not _STRUCTURED.isdisjoint(parsed):
+                    # Compiling a language takes up to a few hundred milliseconds for the largest
+                    # (llguidance releases the GIL meanwhile): never on the event loop.
+                    req = await asyncio.get_running_loop().run_in_executor(None, parse, parsed)
+                else:
+                    req = parse(parsed)
+                del body  # the parsed request holds what is needed until it is processed
+                if route == "responses" and req.store:
+                    kept_input = reservation.keep()
+                engine = _engine_for(request, req)
+                req_id = inflight.req_id = f"{id_prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+                prepare = engine.prepare_chat if chat else engine.prepare_completion
+                try:
+                    prepared = await prepare(req_id, req, reservation, arrival)
+                except RequestError as e:
+                    renamed = req.in_own_words(e)  # the fields as the request named them
+                    if renamed is e:
+                        raise
+                    raise renamed from None
+            finally:
+                reservation.release()  # a request refused before processing took the reservation over
+            # The input's memory goes with its reservation: only the prepared prompt stays (and
+            # a kept response's input items, under ``kept_input``).
+            if chat:
+                req.messages, req.tool_specs = [], None
+            else:
+                req.prompts = []
+            if route == "responses":
+                fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
+                if req.store:
+                    fmt.keep = functools.partial(keep_response, request.app[KEPT], req)
+            else:
+                fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
+                                     tools=req.tools if chat else None, echo=prepared.echo,
+                                     token_logprobs="logprobs" in req.options.params,
+                                     prompt_logprobs=req.prompt_logprobs, n=req.options.n)
+            return await _respond(request, engine, req, fmt, prepared, arrival)
         finally:
-            reservation.release()  # a request refused before processing took the reservation over
-        # The input's memory goes with its reservation: only the prepared prompt stays.
-        if chat:
-            req.messages, req.tool_specs = [], None
-        else:
-            req.prompts = []
-        if route == "responses":
-            fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
-        else:
-            fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
-                                 tools=req.tools if chat else None, echo=prepared.echo,
-                                 token_logprobs="logprobs" in req.options.params,
-                                 prompt_logprobs=req.prompt_logprobs, n=req.options.n)
-        return await _respond(request, engine, req, fmt, prepared, arrival)
+            if kept_input is not None:
+                kept_input.release()
 
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared: Prepared,

@@ -36,6 +36,7 @@ from hydrad.server.engine_client import EngineClient
 from hydrad.server.errors import APIError
 from hydrad.server.metrics import Metrics
 from hydrad.server.monitor import FrontendMonitor
+from hydrad.server.response_store import RemoteStore
 from hydrad.transport.link import LinkClosed, WorkerLink
 from hydrad.transport.messages import (
     Abort,
@@ -44,6 +45,7 @@ from hydrad.transport.messages import (
     Drain,
     FrontendReady,
     GetSnapshot,
+    KeptAnswer,
     Listen,
     Shutdown,
     Snapshot,
@@ -121,6 +123,9 @@ class CoreClient:
             self.send(Abort((req_id,)))
 
     def fail_all(self, error: Exception) -> None:
+        kept = self.app.get(api.KEPT) if self.app is not None else None
+        if kept is not None:
+            kept.fail_all(error)
         for req_id, key in list(self.keys.items()):
             sink = self.sinks.get(key)
             self.abort(req_id)
@@ -153,6 +158,8 @@ class CoreClient:
                 self.listen.set_result(msg)
         elif isinstance(msg, GetSnapshot):
             self.send(self._snapshot(msg.seq))
+        elif isinstance(msg, KeptAnswer):
+            self.app[api.KEPT].answered(msg.seq, msg.result)
         elif isinstance(msg, Drain):
             asyncio.ensure_future(self._drain(msg))
         elif isinstance(msg, Shutdown):
@@ -266,6 +273,8 @@ def make_frontend_app(config: DaemonConfig, core: CoreClient) -> web.Application
     app[api.CONFIG] = config
     app[api.REJECTIONS_LOGGED] = RepeatedLines()
     app[CORE] = core
+    # The daemon keeps the responses; this process asks it.
+    app[api.KEPT] = RemoteStore(core.send) if config.server.responses_store_mb else None
     core.app = app
     app.cleanup_ctx.append(_frontend_ctx)
     api.add_api_routes(app)
@@ -286,6 +295,7 @@ async def _frontend_ctx(app: web.Application):
     app[api.MONITOR] = FrontendMonitor(app[api.METRICS])
     app[api.MONITOR].start()
     app[api.ADMISSION] = Admission(server, executor)
+    app[api.METRICS].watch_admission(app[api.ADMISSION])
     core = app[CORE]
     # max_model_len and the image caches: the daemon's (its workers'), set when it says Listen.
     app[api.ENGINE] = EngineClient(processor, core, core, app[api.METRICS], app[api.ADMISSION], server,

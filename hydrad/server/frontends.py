@@ -37,6 +37,7 @@ from hydrad.cluster.requests import RequestTable
 from hydrad.cluster.router import Router, entry_stage
 from hydrad.config_file import DaemonConfig
 from hydrad.errors import HydradError
+from hydrad.server.response_store import ResponseStore
 from hydrad.transport.link import WorkerLink
 from hydrad.transport.messages import (
     Abort,
@@ -45,6 +46,8 @@ from hydrad.transport.messages import (
     Drain,
     FrontendReady,
     GetSnapshot,
+    KeptAnswer,
+    KeptQuery,
     Listen,
     Shutdown,
     Snapshot,
@@ -106,12 +109,14 @@ class FrontendPeer:
     """The daemon's end of one front-end process."""
 
     def __init__(self, index: int, process, table: RequestTable, router: Router, trace=None,
-                 queue_timeout: float = 30.0):
+                 queue_timeout: float = 30.0, store: ResponseStore | None = None):
         self.index = index
         self.process = process
         self.table = table
         self.router = router
         self.trace = trace
+        # The daemon's kept responses, which the front end's API reaches (``KeptQuery``).
+        self.store = store
         # How long a submitted request waits for a restarting instance of its first stage.
         self.queue_timeout = queue_timeout
         # Requests waiting so (an abort meanwhile drops them), and their tasks.
@@ -175,6 +180,12 @@ class FrontendPeer:
         elif isinstance(msg, TraceFacts):
             if self.trace is not None:
                 self.trace.record(**msg.facts)
+        elif isinstance(msg, KeptQuery):
+            try:
+                result = self.store.answer(msg.op, msg.arg)
+            except Exception as e:  # the front end's request fails with it, not the daemon
+                result = RuntimeError(f"the response store failed: {e}")
+            self.send(KeptAnswer(msg.seq, result))
         elif isinstance(msg, Snapshot):
             waiter = self._snapshots.pop(msg.seq, None)
             if waiter is not None and not waiter.done():
@@ -249,8 +260,9 @@ class FrontendPeer:
 class Frontends:
     """The front-end processes of one daemon (none when ``frontend_processes`` is 1)."""
 
-    def __init__(self, config: DaemonConfig):
+    def __init__(self, config: DaemonConfig, store: ResponseStore | None = None):
         self.config = config
+        self.store = store
         self.count = config.server.frontend_processes
         self.peers: list[FrontendPeer] = []
         self._dir: str | None = None
@@ -289,7 +301,7 @@ class Frontends:
         process.start()
         child.close()
         peer = FrontendPeer(index, process, self._table, self._router, self._trace,
-                            self.config.server.queue_timeout)
+                            self.config.server.queue_timeout, self.store)
         peer.on_gone = self._on_gone
         peer.link = await WorkerLink.open(parent, peer.dispatch, peer.on_closed, peer=f"front end {index}")
         return peer

@@ -227,9 +227,45 @@ class ProcessedImageMetrics(Collector):
         yield from (looked, kept)
 
 
+class AdmissionMetrics(Collector):
+    """What the request path's memory budgets hold now (``server.admission``), read at scrape time."""
+
+    def __init__(self, model: str, admission):
+        self.model, self.admission = model, admission
+
+    def collect(self):
+        bodies = GaugeMetricFamily("hydrad_request_body_bytes_in_use", "Bytes of request bodies held, from before "
+                                   "a body is read until its request is processed (a kept response's input until "
+                                   "its answer ends); at most server.max_inflight_body_mb per process.",
+                                   labels=["model_name"])
+        bodies.add_metric([self.model], self.admission.bodies.in_use)
+        images = GaugeMetricFamily("hydrad_decoded_image_bytes_in_use", "Decoded images' bytes held while their "
+                                   "requests are processed (estimated from their headers); at most "
+                                   "server.max_inflight_image_mb per process.", labels=["model_name"])
+        images.add_metric([self.model], self.admission.images.in_use)
+        yield from (bodies, images)
+
+
+class KeptResponseMetrics(Collector):
+    """The daemon's kept responses of /v1/responses (``server.response_store``), read at scrape time."""
+
+    def __init__(self, model: str, store):
+        self.model, self.store = model, store
+
+    def collect(self):
+        count = GaugeMetricFamily("hydrad_responses_kept", "Responses of /v1/responses kept for "
+                                  "previous_response_id and retrieval.", labels=["model_name"])
+        count.add_metric([self.model], len(self.store))
+        size = GaugeMetricFamily("hydrad_responses_kept_bytes", "Their size as JSON, which "
+                                 "server.responses_store_mb bounds.", labels=["model_name"])
+        size.add_metric([self.model], self.store.nbytes)
+        yield from (count, size)
+
+
 class Metrics:
-    def __init__(self, model_name: str, processed_images=None):
-        """``processed_images``: the Request Processor's cache (``ProcessedImages``), exported."""
+    def __init__(self, model_name: str, processed_images=None, kept_responses=None):
+        """``processed_images``: the Request Processor's cache (``ProcessedImages``), and
+        ``kept_responses`` the daemon's ``ResponseStore``, exported."""
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model_name"]
         self._model = model_name
@@ -237,6 +273,8 @@ class Metrics:
         r.register(self.tokens)
         if processed_images is not None:
             r.register(ProcessedImageMetrics(model_name, processed_images))
+        if kept_responses is not None:
+            r.register(KeptResponseMetrics(model_name, kept_responses))
         self.deployment = DeploymentMetrics(model_name)
         self.failures = WorkerFailures(model_name)
         r.register(self.deployment)
@@ -302,6 +340,10 @@ class Metrics:
         self.link_unread = Gauge("hydrad_worker_link_unread_bytes", "Bytes a worker sent that the daemon has not "
                                  "read yet.", m + ["instance"], registry=r)
         self.window = RollingWindow()
+
+    def watch_admission(self, admission) -> None:
+        """Export what ``admission``'s memory budgets hold."""
+        self.registry.register(AdmissionMetrics(self._model, admission))
 
     def observe_rejected(self, status: int, code: str | None) -> None:
         self.rejected.labels(self._model, str(status), code or "").inc()

@@ -16,13 +16,16 @@ streams them: ``response.created``, ``response.in_progress``, each item added, i
 answer) with the usage; each event is named on an ``event:`` line and numbered
 (``sequence_number``), and no ``[DONE]`` follows, as in OpenAI's streams.
 
-What needs state kept between requests (``store``, ``previous_response_id``,
-``conversation``, ``background``) is refused: hydrad keeps no responses; so are tools
-other than functions, reasoning and log-probabilities (the chat route serves those).
+Where the daemon keeps responses (``[server] responses_store_mb``, ``response_store``), a
+response is kept unless its request sends ``store`` false, and ``previous_response_id``
+continues a kept one: the conversation's earlier items come before the request's
+``input``. ``conversation`` objects and ``background`` responses are refused, as are
+tools other than functions, reasoning and log-probabilities (the chat route serves those).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,7 @@ from hydrad.errors import RequestError
 from hydrad.server.engine_client import Output
 from hydrad.server.errors import error_body
 from hydrad.server.protocol import ChatRequest, parse_chat_request, refuse_unknown
+from hydrad.server.response_store import KeptResponse, ResponseGone
 from hydrad.server.serving import dumps, json_text
 from hydrad.server.tools import ToolCallStream, ToolChoice
 from hydrad.tool_calls import HermesCalls
@@ -52,6 +56,8 @@ _ROLES = ("user", "assistant", "system", "developer")
 _MESSAGE_PARAM = re.compile(r"^messages\[(\d+)\]")
 _CALL_PARAM = re.compile(r"\.tool_calls\[(\d+)\]")
 
+logger = logging.getLogger("hydrad.server")
+
 
 @dataclass
 class ResponsesRequest(ChatRequest):
@@ -61,20 +67,36 @@ class ResponsesRequest(ChatRequest):
     # call ((message, call) -> "input[i]"): for naming the request's own fields in errors.
     sources: list[str] = field(default_factory=list)
     call_sources: dict[tuple[int, int], str] = field(default_factory=dict)
+    # Kept once answered (``store``), with its own input items, after ``previous_id``.
+    store: bool = False
+    input_items: list = field(default_factory=list)
+    previous_id: str | None = None
 
     def in_own_words(self, e: RequestError) -> RequestError:
         return rename(e, self.sources, self.call_sources)
 
 
-def parse_responses_request(body: Any) -> ResponsesRequest:
+def parse_responses_request(body: Any, *, keeping: bool = False, prior: list | None = None) -> ResponsesRequest:
+    """``keeping``: the daemon keeps responses (``store`` and ``previous_response_id`` are
+    served); ``prior``: the items of the conversation ``previous_response_id`` names."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     refuse_unknown(body, _FIELDS)
-    _refuse_state(body)
+    _refuse_state(body, keeping)
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError("instructions must be a string", "instructions")
-    messages, sources, call_sources = _messages(body.get("input"), 1 if instructions else 0)
+    first = 1 if instructions else 0
+    messages, sources, call_sources = [], [], {}
+    if prior:
+        # Taken before, so valid then: any error in them is the previous response's.
+        messages, _, earlier = _messages(prior, first)
+        sources = ["previous_response_id"] * len(messages)
+        call_sources = dict.fromkeys(earlier, "previous_response_id")
+    own, own_sources, own_calls = _messages(body.get("input"), first + len(messages))
+    messages += own
+    sources += own_sources
+    call_sources.update(own_calls)
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
         sources.insert(0, "instructions")
@@ -101,6 +123,9 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         req = parse_chat_request(chat)
     except RequestError as e:
         raise rename(e, sources, call_sources) from None
+    # OpenAI's default: kept unless sent false (where the daemon keeps responses).
+    store = keeping and body.get("store") is not False
+    previous_id = body.get("previous_response_id")
     settings = {
         "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
         "temperature": 1.0 if body.get("temperature") is None else float(body["temperature"]),
@@ -108,21 +133,80 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "text": text if text is not None else {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [], "truncation": "disabled", "store": False, "background": False,
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "service_tier": "default",
+        "tools": body.get("tools") or [], "truncation": "disabled", "store": store, "background": False,
+        "previous_response_id": previous_id, "reasoning": {"effort": None, "summary": None},
+        "service_tier": "default",
     }
     fields = {name: getattr(req, name) for name in ChatRequest.__dataclass_fields__}
-    return ResponsesRequest(**fields, settings=settings, sources=sources, call_sources=call_sources)
+    return ResponsesRequest(**fields, settings=settings, sources=sources, call_sources=call_sources, store=store,
+                            input_items=_input_items(body["input"]) if store else [], previous_id=previous_id)
 
 
-def _refuse_state(body: dict) -> None:
+async def prior_items(kept, body: Any) -> list[dict] | None:
+    """The items of the conversation a request's ``previous_response_id`` continues (None:
+    it names none, or the daemon keeps no responses: the parser then says why)."""
+    previous_id = body.get("previous_response_id") if isinstance(body, dict) else None
+    if kept is None or not isinstance(previous_id, str) or not previous_id:
+        return None
+    try:
+        return await kept.call("items", previous_id)
+    except ResponseGone as e:
+        if e.response_id == previous_id:
+            message = f"Previous response with id '{previous_id}' not found: it is not kept (never was, was deleted, " \
+                      "or went to make room)"
+        else:
+            message = f"previous_response_id '{previous_id}': an earlier response of its conversation, " \
+                      f"'{e.response_id}', is no longer kept"
+        raise RequestError(message, "previous_response_id", "previous_response_not_found") from None
+
+
+# The ids of kept input items, by item type (a message's differs from its output's ``msg_``
+# by the ``in`` before its index).
+_ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+async def keep_response(kept, req: ResponsesRequest, response: dict) -> None:
+    """Keep ``response``, the answer to ``req``, with ``req``'s input items (ids given to
+    those sent without)."""
+    suffix = response["id"].removeprefix("resp_")
+    items = [item if "id" in item else {"id": f"{_ITEM_IDS.get(item.get('type', 'message'), 'item')}_{suffix}_in{k}",
+                                        **item}
+             for k, item in enumerate(req.input_items)]
+    await kept.call("keep", KeptResponse.of(response, items, req.previous_id))
+
+
+def _input_items(given: str | list) -> list[dict]:
+    """A request's ``input`` as the items a kept response lists, as OpenAI lists them: every
+    message typed, its text as a part (a text alone: one user message)."""
+    if isinstance(given, str):
+        given = [{"role": "user", "content": given}]
+    items = []
+    for item in given:
+        item = dict(item)
+        if item.setdefault("type", "message") == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+def _refuse_state(body: dict, keeping: bool) -> None:
     """Refuse what this route does not serve, each by name and why."""
-    if body.get("store"):
-        raise RequestError("store: hydrad keeps no responses to fetch later; send store false", "store")
-    for name in ("previous_response_id", "conversation"):
-        if body.get(name) is not None:
-            raise RequestError(f"{name}: hydrad keeps no responses; send the conversation's messages as input",
-                               name)
+    store, previous_id = body.get("store"), body.get("previous_response_id")
+    if not keeping:
+        if store:
+            raise RequestError("store: this server keeps no responses to fetch later (server.responses_store_mb "
+                               "is 0); send store false", "store")
+        if previous_id is not None:
+            raise RequestError("previous_response_id: this server keeps no responses (server.responses_store_mb "
+                               "is 0); send the conversation's messages as input", "previous_response_id")
+    if store is not None and not isinstance(store, bool):
+        raise RequestError("store must be a boolean", "store")
+    if previous_id is not None and not (isinstance(previous_id, str) and previous_id):
+        raise RequestError("previous_response_id must be a response's id", "previous_response_id")
+    if body.get("conversation") is not None:
+        raise RequestError("conversation: conversation objects are not kept; continue a kept response with "
+                           "previous_response_id, or send the conversation's messages as input", "conversation")
     if body.get("background"):
         raise RequestError("background responses are not served: hydrad keeps no responses to poll", "background")
     if body.get("truncation") not in (None, "disabled"):
@@ -313,6 +397,10 @@ class ResponsesFormat:
         self._calls: ToolCallStream | HermesCalls | None = None
         self._finish: str | None = None
         self._delta_tail = b',"logprobs":[],"sequence_number":'
+        # The response as it ended (set by ``whole`` and ``stream_end``), and where it is kept
+        # (an async callable taking it; None: not kept).
+        self.final: dict | None = None
+        self.keep = None
 
     # -- whole ------------------------------------------------------------------------------
     def whole(self, choices: list[dict], usage: dict) -> dict:
@@ -324,7 +412,18 @@ class ResponsesFormat:
             items.append(self._message(len(items), text or "", status))
         for call in calls:
             items.append(self._call(len(items), call, status))
-        return self.response(status, items, usage)
+        self.final = self.response(status, items, usage)
+        return self.final
+
+    async def ended(self, failed: bool) -> None:
+        """Keep the answered response, before its last bytes go out: the client's next
+        request may name it as soon as it has them."""
+        if self.keep is None or failed or self.final is None or self.final["status"] == "failed":
+            return
+        try:
+            await self.keep(self.final)
+        except Exception as e:  # the answer goes out all the same
+            logger.warning("response %s was not kept: %s", self.req_id, e)
 
     def response(self, status: str, output: list[dict], usage: dict | None) -> dict:
         return {
@@ -455,7 +554,8 @@ class ResponsesFormat:
             return b""
         status = _status(self._finish)
         kind = "response.completed" if status == "completed" else f"response.{status}"
-        return self._event(kind, {"response": self.response(status, self._items, usage)})
+        self.final = self.response(status, self._items, usage)
+        return self._event(kind, {"response": self.final})
 
 
 def _status(finish_reason: str | None) -> str:

@@ -173,6 +173,10 @@ class ResponseFormat:
             end = b"data: " + dumps(body).encode() + b"\n\n" + end
         return end
 
+    async def ended(self, failed: bool) -> None:
+        """Called once the answer is complete, before its last bytes are written (a
+        Responses answer is kept then); nothing for a chat or text completion."""
+
     def whole(self, choices: list[dict], usage: dict) -> dict:
         """``choices``: one ``{"text", "token_ids", "finish_reason", "logprobs"}`` per completion."""
         out = []
@@ -277,7 +281,9 @@ async def respond_whole(fmt: ResponseFormat, stream: RequestStream) -> web.Respo
                 c["finish_reason"] = out.finish_reason
     for c in choices:
         c["text"] = "".join(c["text"])
-    return web.json_response(fmt.whole(choices, usage_of(stream)), dumps=dumps)
+    body = fmt.whole(choices, usage_of(stream))
+    await fmt.ended(False)
+    return web.json_response(body, dumps=dumps)
 
 
 async def respond_stream(
@@ -349,6 +355,7 @@ async def respond_stream(
         finally:
             stream.direct = None  # what follows is written by this task
         end = fmt.stream_end(usage_of(stream), req.include_usage, failed)
+        await fmt.ended(failed)
         if end:
             await response.write(end)
     except ConnectionError:

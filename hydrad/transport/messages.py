@@ -301,6 +301,23 @@ class TraceFacts:
 
 
 @dataclass(frozen=True)
+class KeptQuery:
+    """A front end's call on the daemon's response store (``server.response_store``): ``op``
+    "keep" (``arg`` a ``KeptResponse``), or "get", "delete", "items", "inputs" (``arg`` a
+    response id); answered by ``KeptAnswer`` with the same ``seq``."""
+
+    seq: int
+    op: str
+    arg: object
+
+
+@dataclass(frozen=True)
+class KeptAnswer:
+    seq: int
+    result: object  # what ``ResponseStore.answer`` returned
+
+
+@dataclass(frozen=True)
 class GetSnapshot:
     seq: int
 

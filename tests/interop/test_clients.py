@@ -261,10 +261,10 @@ def test_responses_api_whole_and_streamed(client, model_name, hydrad_counts):
 
 
 def test_responses_api_refuses_what_it_does_not_serve(client, model_name):
-    """Stored responses, tools other than functions and unknown fields: a 400 naming the field,
-    and the daemon serves on."""
-    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"),
-                         ({"store": True}, "store"),
+    """Conversation objects, tools other than functions and unknown fields: a 400 naming the
+    field, and the daemon serves on."""
+    for extra, param in (({"conversation": "conv_1"}, "conversation"),
+                         ({"previous_response_id": "resp_1"}, "previous_response_id"),  # not kept
                          ({"tools": [{"type": "web_search"}]}, "tools[0]"),
                          ({"frobnicate": 1}, "frobnicate")):
         with pytest.raises(openai.BadRequestError) as info:
@@ -277,11 +277,54 @@ def test_responses_api_refuses_what_it_does_not_serve(client, model_name):
             {"role": "user", "content": [{"type": "input_image", "image_url": garbage}]}])
     assert info.value.body["param"] == "input[0].content[0]", info.value.body
     assert client.responses.create(model=model_name, input="hi", max_output_tokens=2).status == "incomplete"
-    # Nothing is kept to fetch, delete or cancel later: a 404 that says so.
-    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel):
+    # A response never kept: a 404 that says so.
+    for call in (client.responses.retrieve, client.responses.delete, client.responses.cancel,
+                 client.responses.input_items.list):
         with pytest.raises(openai.NotFoundError) as info:
             call("resp_1")
         assert info.value.body["code"] == "response_not_found", info.value.body
+
+
+def test_responses_api_continues_a_kept_response(client, model_name):
+    """A response is kept (OpenAI's default ``store``): ``previous_response_id`` continues it
+    with the greedy answer the whole conversation sent as input gets, streamed or not; the
+    kept responses are retrieved as answered, list their input items, and once one is deleted
+    the conversations through it are refused by name."""
+    question = {"role": "user", "content": [{"type": "input_image", "image_url": image_url(7)},
+                                            {"type": "input_text", "text": "What is in picture 7?"}]}
+    settings = dict(model=model_name, max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    first = client.responses.create(**settings, input=[question])
+    assert first.store is True
+    second = client.responses.create(**settings, previous_response_id=first.id, input="And its colors?")
+    assert second.previous_response_id == first.id
+    conversation = [question, {"role": "assistant", "content": [{"type": "output_text", "text": first.output_text}]},
+                    {"role": "user", "content": "And its colors?"}]
+    explicit = client.responses.create(**settings, input=conversation, store=False)
+    assert second.output_text == explicit.output_text
+    assert second.usage.input_tokens == explicit.usage.input_tokens > first.usage.input_tokens
+    assert client.responses.retrieve(second.id).model_dump() == second.model_dump()
+    items = client.responses.input_items.list(second.id, order="asc").data
+    assert [(item.type, item.role) for item in items] == [("message", "user"), ("message", "assistant"),
+                                                          ("message", "user")]
+    assert items[1].id == first.output[0].id and items[1].content[0].text == first.output_text
+    page = client.responses.input_items.list(second.id, limit=2)  # newest first
+    assert [item.id for item in page.data] == [items[2].id, items[1].id] and page.has_more
+
+    events = list(client.responses.create(**settings, previous_response_id=second.id, input="Thanks.", stream=True))
+    third = events[-1].response
+    conversation += [{"role": "assistant", "content": [{"type": "output_text", "text": second.output_text}]},
+                     {"role": "user", "content": "Thanks."}]
+    assert third.output_text == client.responses.create(**settings, input=conversation, store=False).output_text
+    assert client.responses.retrieve(third.id).output_text == third.output_text
+
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**settings, previous_response_id=third.id, input="More?")
+    assert info.value.body["code"] == "previous_response_not_found" and first.id in info.value.body["message"]
+    with pytest.raises(openai.NotFoundError):  # with a turn gone, its list of items is not whole
+        client.responses.input_items.list(third.id)
 
 
 def test_responses_api_function_calls(client, model_name):

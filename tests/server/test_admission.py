@@ -67,6 +67,26 @@ def test_a_wait_that_times_out_or_is_cancelled_lets_the_next_one_in():
     run(main())
 
 
+def test_a_kept_body_is_held_past_its_processing_until_its_keeper_releases_it():
+    """``Reservation.keep`` (a kept response's input): the reservation the Request Processor
+    gets still says its amount, and neither taking nor releasing it frees the units; the
+    kept one does."""
+    async def main():
+        budget = Budget(10)
+        body = await budget.reserve(6, time.monotonic() + 10)
+        kept = body.keep()
+        assert body.amount == 6 and budget.in_use == 6
+        taken = body.take()  # as Admission.process does
+        taken.release()
+        body.release()
+        assert budget.in_use == 6
+        kept.release()
+        kept.release()
+        assert budget.in_use == 0
+
+    run(main())
+
+
 # -- Admission.process ----------------------------------------------------------------------------------
 
 

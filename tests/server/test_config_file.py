@@ -85,6 +85,7 @@ devices = "cpu:2"
     ("[server]\nmax_inflight_body_mb = 32\n", r"max_inflight_body_mb \(32\) must be at least server.max_body_mb"),
     ("[server]\nmax_inflight_image_mb = 1000\n", "cannot hold one request of server.max_request_pixels: it needs 1068 MiB"),
     ("[server]\nqueue_timeout = -1\n", "queue_timeout must be >= 0"),
+    ("[server]\nresponses_store_mb = -1\n", "responses_store_mb must be >= 0"),
     ("[server]\nfrontend_processes = 0\n", "server.frontend_processes must be >= 1"),
 ])
 def test_errors_name_the_file_and_key(tmp_path, text, message):

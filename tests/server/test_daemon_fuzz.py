@@ -343,6 +343,10 @@ def test_random_traffic_through_a_redeploy_and_a_killed_worker_gets_well_formed_
     assert wait_for(lambda: http("GET", daemon.url + "/health").status_code == 200, 30), daemon.log()
     metrics = http("GET", daemon.url + "/metrics").text
     assert re.search(r'^hydrad_requests_lost_total\{model_name="[^"]+"\} 0\.0$', metrics, re.M), metrics
+    # Every request has ended: the request path's memory budgets hold nothing (kept responses,
+    # refused and abandoned requests included).
+    for budget in ("hydrad_request_body_bytes_in_use", "hydrad_decoded_image_bytes_in_use"):
+        assert re.search(rf'^{budget}\{{model_name="[^"]+"\}} 0\.0$', metrics, re.M), budget
     assert sum(counts.values()) == CLIENTS * REQUESTS_PER_CLIENT
     # Each kind of outcome came up (the generator is seeded: these are not left to chance).
     assert all(counts.get(kind, 0) >= 5 for kind in ("invalid", "left", "whole", "streamed", "responses")), counts

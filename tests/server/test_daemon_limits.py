@@ -1,6 +1,7 @@
 """Large inputs against a real daemon (cpu:1, tiny LLaVA): a small request sent meanwhile
 completes within 2 s, and the daemon's memory stays within its budgets. The daemon runs
-with ``log_requests = false``: no line per finished request.
+with ``log_requests = false``: no line per finished request; and ``responses_store_mb =
+0``: no response of /v1/responses kept.
 
 The bound asserted on the daemon's resident memory (its own process; the worker's is
 not counted) is its peak over the test minus its size before: at most
@@ -35,6 +36,7 @@ max_request_pixels = 288000000
 max_inflight_image_mb = {IMAGE_MB}
 queue_timeout = 2
 log_requests = false
+responses_store_mb = 0
 """
 SMALL_SECONDS = 2.0
 SLACK_MB = 300
@@ -131,3 +133,18 @@ def test_without_log_requests_no_line_per_request(daemon):
     log = daemon.log()
     assert "hydrad.daemon: serving" in log, log[-2000:]
     assert "hydrad.requests" not in log, log[-2000:]
+
+
+def test_without_a_response_store_no_response_is_kept(daemon):
+    """``store`` true and ``previous_response_id`` are refused by name, a response is answered
+    without being kept (OpenAI's default ``store`` is not one a server without a store can
+    take), and asking for a kept one says that none are."""
+    body = {"input": "hi", "max_output_tokens": 2}
+    for extra, param in (({"store": True}, "store"), ({"previous_response_id": "resp_1"}, "previous_response_id")):
+        reply = http("POST", daemon.url + "/v1/responses", json.dumps({**body, **extra}).encode(), JSON)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+        assert "responses_store_mb" in reply.json()["error"]["message"]
+    reply = http("POST", daemon.url + "/v1/responses", json.dumps(body).encode(), JSON)
+    assert reply.status_code == 200 and reply.json()["store"] is False, reply.text
+    reply = http("GET", daemon.url + "/v1/responses/" + reply.json()["id"])
+    assert reply.status_code == 404 and "keeps no responses" in reply.json()["error"]["message"], reply.text

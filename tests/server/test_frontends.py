@@ -153,6 +153,47 @@ def test_both_processes_serve_and_report_one_whole_view(daemon):
     assert all(0 < json.loads(line)["processing"] <= json.loads(line)["preprocess"] for line in trace)
 
 
+def test_a_conversation_of_kept_responses_goes_on_in_any_process(daemon):
+    """16 conversations of 3 turns on /v1/responses, each turn on a connection of its own
+    (either process takes it) continuing the turn before by ``previous_response_id``: the
+    daemon keeps what every process answers, so each turn finds the one before, and the last
+    lists the whole conversation from any process."""
+
+    async def turn(session: aiohttp.ClientSession, body: dict) -> str:
+        async with session.post(daemon.url + "/v1/responses", json=body) as response:
+            assert response.status == 200, await response.text()
+            if not body["stream"]:
+                return (await response.json())["id"]
+            data = [line[6:] async for line in response.content if line.startswith(b"data: ")]
+            return json.loads(data[-1])["response"]["id"]  # response.incomplete: cut at 3 tokens
+
+    async def conversation(session: aiohttp.ClientSession, i: int) -> list[dict]:
+        previous = None
+        for k in range(3):
+            body = {"input": f"conversation {i} turn {k}", "max_output_tokens": 3, "temperature": 0,
+                    "stream": k == 1, "previous_response_id": previous}
+            previous = await turn(session, body)
+        async with session.get(f"{daemon.url}/v1/responses/{previous}/input_items?order=asc&limit=100") as response:
+            assert response.status == 200, await response.text()
+            return (await response.json())["data"]
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return await asyncio.gather(*(conversation(session, i) for i in range(16)))
+
+    for i, items in enumerate(asyncio.run(main())):
+        assert [item["role"] for item in items] == ["user", "assistant", "user", "assistant", "user"], items
+        assert [items[k]["content"][0]["text"] for k in (0, 2, 4)] == [f"conversation {i} turn {k}" for k in range(3)]
+    log = daemon.log()
+    assert re.search(r"^\S+ \S+ INFO frontend1 hydrad.requests: finished resp_", log, re.M), "front end 1 served none"
+    assert re.search(r"^\S+ \S+ INFO hydrad.requests: finished resp_", log, re.M), "the daemon served none"
+    # Kept once, in the daemon, whichever process answered; what held their bodies is free.
+    text = http("GET", daemon.url + "/metrics").text
+    assert _metric(text, "hydrad_responses_kept") == 48
+    assert _metric(text, "hydrad_request_body_bytes_in_use") == 0
+
+
 def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
     """Two image blocks, one tiny LLaVA image each: three images are refused by whichever
     process takes the connection (the daemon tells the others its caches), before a stream."""

@@ -127,8 +127,14 @@ def test_every_metric_is_documented_with_its_unit():
         if name:
             units[name.group(1)] = cells[2]
     from hydrad.processed_images import ProcessedImages
+    from hydrad.server.response_store import ResponseStore
 
-    registry = Metrics("m", ProcessedImages(0)).registry
+    from hydrad.config_file import ServerConfig
+    from hydrad.server.admission import Admission
+
+    metrics = Metrics("m", ProcessedImages(0), ResponseStore(1))
+    metrics.watch_admission(Admission(ServerConfig(), None))
+    registry = metrics.registry
     exposed = {f.name + "_total" if f.type == "counter" else f.name for f in registry.collect()
                if f.name.startswith("hydrad_")}  # and Prometheus' standard process_* metrics
     assert set(units) == exposed

@@ -306,3 +306,82 @@ def test_an_answer_with_text_and_a_call_is_a_message_then_a_function_call():
     strip = [{k: v for k, v in item.items() if k != "call_id"} for item in whole["output"]]
     assert strip == [{k: v for k, v in item.items() if k != "call_id"} for item in events[-1]["response"]["output"]]
     assert whole["output"][0]["content"][0]["text"] == "Sure. " and whole["output"][1]["arguments"] == '{"a": 1}'
+
+
+# -- kept responses ------------------------------------------------------------------------------
+
+def test_a_kept_conversation_comes_before_the_input():
+    """``previous_response_id``'s items (as ``ResponseStore.items`` gives them: inputs, and the
+    answer's message and call items) become the chat messages before the request's own input;
+    errors in the own input keep their names, the earlier items are named by the id."""
+    prior = [{"type": "message", "id": "msg_1_in0", "role": "user",
+              "content": [{"type": "input_text", "text": "Weather?"}]},
+             {"type": "message", "id": "msg_1_0", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "Calling.", "annotations": [], "logprobs": []}]},
+             {"type": "function_call", "id": "fc_1_1", "call_id": "c1", "name": "weather", "arguments": "{}",
+              "status": "completed"}]
+    body = {"instructions": "Be brief.", "previous_response_id": "resp_1",
+            "input": [{"type": "function_call_output", "call_id": "c1", "output": "sunny"}]}
+    req = parse_responses_request(body, keeping=True, prior=prior)
+    assert req.messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Calling."}],
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    assert req.sources == ["instructions", "previous_response_id", "previous_response_id", "input[0]"]
+    assert req.call_sources == {(2, 0): "previous_response_id"}
+    assert req.store and req.previous_id == "resp_1" and req.input_items == body["input"]
+    assert req.settings["store"] is True and req.settings["previous_response_id"] == "resp_1"
+    with pytest.raises(RequestError) as info:
+        parse_responses_request({**body, "input": [{"role": "user", "content": 5}]}, keeping=True, prior=prior)
+    assert info.value.param == "input[0].content"
+
+
+def test_where_responses_are_kept_store_is_on_unless_sent_false():
+    req = parse_responses_request({"input": "hi"}, keeping=True)
+    assert req.store and req.settings["store"] is True
+    assert req.input_items == [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}]
+    req = parse_responses_request({"input": "hi", "store": False}, keeping=True)
+    assert not req.store and req.settings["store"] is False and req.input_items == []
+    assert not parse_responses_request({"input": "hi"}).store  # a server that keeps none
+    for body, param in (({"store": "yes"}, "store"), ({"previous_response_id": 5}, "previous_response_id"),
+                        ({"previous_response_id": ""}, "previous_response_id"), ({"conversation": "c"}, "conversation"),
+                        ({"background": True}, "background")):
+        with pytest.raises(RequestError) as info:
+            parse_responses_request({"input": "hi", **body}, keeping=True)
+        assert info.value.param == param, body
+
+
+def test_an_answer_is_kept_before_its_last_bytes_once_it_has_ended():
+    from hydrad.server.response_store import LocalStore, ResponseStore
+    from hydrad.server.responses import keep_response
+
+    usage = {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
+    store = ResponseStore(1 << 20)
+    req = parse_responses_request({"input": [{"role": "user", "content": "hi"},
+                                            {"id": "mine", "role": "user", "content": "again"}]},
+                                  keeping=True)
+
+    async def run(fmt, stream: bool, finish: str | None, failed: bool = False):
+        fmt.keep = lambda response: keep_response(LocalStore(store), req, response)
+        if stream:
+            fmt.stream_start()
+            fmt.chunk_bytes(Output(0, "Hi", [1], finish), True, None, False)
+            fmt.stream_end(usage, False, failed)
+        else:
+            fmt.whole([{"text": "Hi", "finish_reason": finish}], usage)
+        await fmt.ended(failed)
+
+    import asyncio
+
+    asyncio.run(run(ResponsesFormat("resp_1", "m", 5, {}), stream=False, finish="length"))
+    asyncio.run(run(ResponsesFormat("resp_2", "m", 5, {}), stream=True, finish="stop"))
+    asyncio.run(run(ResponsesFormat("resp_3", "m", 5, {}), stream=True, finish=None, failed=True))
+    asyncio.run(run(ResponsesFormat("resp_4", "m", 5, {}), stream=False, finish="abort"))
+    assert store.get("resp_1").response["status"] == "incomplete"
+    kept = store.get("resp_2")
+    assert kept.response["status"] == "completed" and kept.response["output"][0]["content"][0]["text"] == "Hi"
+    # Input items get ids where they came without (told apart from the output's by "in").
+    assert [item["id"] for item in kept.input_items] == ["msg_2_in0", "mine"]
+    assert store.get("resp_3") is None and store.get("resp_4") is None  # failed: not kept
