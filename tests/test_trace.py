@@ -216,6 +216,24 @@ def test_hydractl_bench_replays_a_trace(tmp_path):
     assert (second.images[0].width, second.images[0].height, second.output_tokens) == (640, 480, 16)
 
 
+def test_hydractl_bench_replays_a_group_of_completions_as_one_request_with_n(tmp_path):
+    """A prompt's three completions (one group, written as they finished, one of them
+    aborted) are one request of ``n`` 2, of their mean length, sent at the group's first
+    arrival; a request of its own and another group stay apart."""
+    w = writer(tmp_path)
+    w.record(**facts(0, group="chatcmpl-1-0", output_tokens=10))
+    w.record(**facts(1, images=[], prompt_tokens=40))
+    w.record(**facts(0, group="chatcmpl-1-0", output_tokens=13))
+    w.record(**facts(0, group="chatcmpl-1-0", finish_reason="abort"))
+    w.record(**facts(2, group="chatcmpl-2-0", output_tokens=5))
+    w.close()
+    workload = load_workload(str(tmp_path / "trace"), seed=0)
+    assert workload.timestamps == (1000.0, 1001.0, 1002.0)
+    group, alone, other = (workload.request(i, 0) for i in range(3))
+    assert (group.n, group.output_tokens, len(group.images)) == (2, 12, 1)  # round(11.5): to the even
+    assert (alone.n, other.n, other.output_tokens) == (1, 1, 5)
+
+
 def test_the_trace_section_of_the_config_file(tmp_path):
     path = tmp_path / "hydrad.toml"
     path.write_text('[trace]\nenabled = false\ndir = "/srv/trace"\nmax_file_mb = 8\nmax_files = 2\n')

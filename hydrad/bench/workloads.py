@@ -332,11 +332,14 @@ def _trace_entry(obj: dict, where: str) -> dict | None:
 
 def load_file_workload(path: str | Path, seed: int) -> FileWorkload:
     """A JSONL workload file, or a hydrad request trace (a file, or the daemon's trace
-    directory): each traced request that ran to its end becomes one request."""
+    directory): each traced request that ran to its end becomes one request, the ``n``
+    completions of one (traced as one ``group``) one request with that ``n``, of their mean
+    output length, sent when the first arrived."""
     from hydrad.trace import FORMAT
 
     path = Path(path)
-    entries, timestamps = [], []
+    lines: list[tuple[str, dict]] = []
+    groups: dict[str, tuple[dict, list[int]]] = {}  # a group's line, and its completions' lengths
     for where, line in _read_lines(path):
         if not line.strip():
             continue
@@ -345,9 +348,23 @@ def load_file_workload(path: str | Path, seed: int) -> FileWorkload:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: invalid JSON ({e.msg})") from None
         if isinstance(obj, dict) and obj.get("format") == FORMAT:
+            group = obj.get("group")
             obj = _trace_entry(obj, where)
             if obj is None:
                 continue
+            if group is not None:
+                if group in groups:
+                    first, lengths = groups[group]
+                    first["n"] = first.get("n", 1) + 1
+                    first["timestamp"] = min(first["timestamp"], obj["timestamp"])
+                    lengths.append(obj["output_tokens"])
+                    continue
+                groups[group] = (obj, [obj["output_tokens"]])
+        lines.append((where, obj))
+    for first, lengths in groups.values():
+        first["output_tokens"] = max(1, round(sum(lengths) / len(lengths)))
+    entries, timestamps = [], []
+    for where, obj in lines:
         entry, timestamp = _parse_entry(obj, where, path.parent)
         entries.append(entry)
         timestamps.append(timestamp)
