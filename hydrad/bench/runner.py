@@ -26,8 +26,9 @@ from typing import Protocol
 import aiohttp
 
 from hydrad.bench.arrivals import Trace, load_mooncake_trace, poisson_arrivals, trace_arrivals
-from hydrad.bench.client import auth_headers, chat_payload, resolve_model, stream_chat
-from hydrad.bench.config import DEFAULT_NUM_REQUESTS, BenchConfig, GoodputSearch
+from hydrad.bench.client import (auth_headers, chat_payload, check_responses_workload, resolve_model,
+                                 responses_payload, stream_chat)
+from hydrad.bench.config import APIS, DEFAULT_NUM_REQUESTS, BenchConfig, GoodputSearch
 from hydrad.bench.images import file_data_url, image_data_url, synth_image
 from hydrad.bench.metrics import GOODPUT_ATTAINMENT, RequestResult, Summary, evaluate, goodput, summarize
 from hydrad.bench.workloads import RequestSpec, SynthImage, SynthVideo, load_workload
@@ -185,7 +186,7 @@ class Bench:
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             base = self.config.base_url
             self.model = await resolve_model(session, base, self.config.api_key, self.config.model)
-            url = f"{base}/v1/chat/completions"
+            url = base + APIS[self.config.api]
             if self.config.warmup and self.config.concurrency is None:
                 first = self.config.search.start_rate if self.config.search is not None else self.config.rates[0]
                 await self._warm_up(first, session, url, headers)
@@ -250,8 +251,12 @@ class Bench:
         return video_data_url(video)
 
     def _payload(self, spec: RequestSpec) -> bytes:
-        return chat_payload(self.model, spec, [self._image_url(img) for img in spec.images],
-                            self.config.sampling.fields(), [self._video_url(v) for v in spec.videos])
+        images = [self._image_url(img) for img in spec.images]
+        if self.config.api == "responses":
+            check_responses_workload(spec)
+            return responses_payload(self.model, spec, images, self.config.sampling.fields())
+        return chat_payload(self.model, spec, images, self.config.sampling.fields(),
+                            [self._video_url(v) for v in spec.videos])
 
     async def _payloads(self, specs: list[RequestSpec]) -> list[bytes]:
         bodies = []

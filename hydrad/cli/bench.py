@@ -144,13 +144,15 @@ def _report(result) -> None:
               help="Structured outputs of every request: json_object, or json_schema:FILE (a JSON schema).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--image-format", type=click.Choice(["jpeg", "png"]), default="jpeg", show_default=True)
+@click.option("--api", type=click.Choice(["chat", "responses"]), default="chat", show_default=True,
+              help="Send the requests to /v1/chat/completions, or to OpenAI's Responses API (/v1/responses).")
 @click.option("--timeout", type=float, default=600.0, show_default=True,
               help="Seconds of silence after which a request counts as failed.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write the results as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write SLO attainment against rate as a PNG.")
 def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, goodput, concurrency, warmup,
           search_start, search_tol, arrivals, trace, slo_ttft, slo_tbt, instances, temperature, top_p, top_k,
-          response_format, seed, image_format, timeout, out, plot) -> None:
+          response_format, seed, image_format, api, timeout, out, plot) -> None:
     """Measure TTFT, TBT, SLO attainment and goodput of an OpenAI-compatible server."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -180,6 +182,7 @@ def bench(url, model, api_key, workload, num_requests, duration, rate, sweep, go
         seed=seed,
         image_format=image_format,
         request_timeout=timeout,
+        api=api,
     )
     progress = Progress(
         TextColumn("{task.description}"),

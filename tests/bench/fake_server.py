@@ -25,6 +25,12 @@ timers. Each request's behaviour is read from ``key=value`` words in its prompt:
 By default (vLLM's and SGLang's shape) a role chunk with empty content is sent as
 soon as the request arrives, before any token, and an empty delta with the finish
 reason closes the stream.
+
+``POST /v1/responses`` (OpenAI's Responses API) reads the same words from its input's
+``input_text`` parts (ttft, tbt, gapK, chunk, fail, extra, cut, and ``failmid=K``: an
+``error`` and a ``response.failed`` event after K tokens) and streams that API's events:
+``response.created`` at once, a ``response.output_text.delta`` per chunk, then
+``response.incomplete`` with the usage.
 ``GET /fake/requests`` returns what the requests since the last call asked for
 (each image as its data-URL header and length) and when they arrived (``arrived``,
 ``time.perf_counter()`` of the server process).
@@ -44,7 +50,7 @@ ARRIVALS = web.AppKey("arrivals", list)
 
 
 def _directives(body: dict) -> dict[str, str]:
-    content = body["messages"][-1]["content"]
+    content = body["messages"][-1]["content"] if "messages" in body else body["input"][-1]["content"]
     if isinstance(content, list):
         content = " ".join(part.get("text", "") for part in content)
     return dict(word.split("=", 1) for word in content.split() if "=" in word)
@@ -154,12 +160,52 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def _event(kind: str, **payload) -> bytes:
+    return f"event: {kind}\ndata: ".encode() + json.dumps({"type": kind, **payload}).encode() + b"\n\n"
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    arrived = time.perf_counter()
+    body = await request.json()
+    parts = body["input"][-1]["content"]
+    request.app[REQUESTS].append({**{k: v for k, v in body.items() if k != "input"}, "arrived": arrived,
+                                  "kinds": [p.get("type") for p in parts],
+                                  "image_headers": [p["image_url"].split(",", 1)[0] for p in parts
+                                                    if p.get("type") == "input_image"]})
+    d = _directives(body)
+    if "fail" in d:
+        return web.json_response({"error": {"message": "injected failure"}}, status=int(d["fail"]))
+    num_tokens = body["max_output_tokens"] + int(d.get("extra", 0))
+    tbt, per_chunk = float(d.get("tbt", 0.01)), int(d.get("chunk", 1))
+    due = [arrived + float(d.get("ttft", 0.05))]
+    for k in range(1, num_tokens):
+        due.append(due[-1] + float(d.get(f"gap{k}", tbt)))
+    groups = [[0]] + [list(range(i, min(i + per_chunk, num_tokens))) for i in range(1, num_tokens, per_chunk)]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(_event("response.created", response={"id": "resp_fake", "status": "in_progress"}))
+    for group in groups:
+        if "cut" in d and group[-1] >= int(d["cut"]):
+            return resp
+        if "failmid" in d and group[-1] >= int(d["failmid"]):
+            await resp.write(_event("error", code="injected", message="injected failure mid-stream", param=None))
+            await resp.write(_event("response.failed", response={"status": "failed", "error": {
+                "code": "injected", "message": "injected failure mid-stream"}}))
+            return resp
+        await asyncio.sleep(max(0.0, due[group[-1]] - time.perf_counter()))
+        await resp.write(_event("response.output_text.delta", delta=" tok" * len(group)))
+    usage = {"input_tokens": 1, "output_tokens": num_tokens, "total_tokens": num_tokens + 1}
+    await resp.write(_event("response.incomplete", response={"status": "incomplete", "usage": usage}))
+    return resp
+
+
 def make_app() -> web.Application:
     app = web.Application()
     app[REQUESTS] = []
     app[ARRIVALS] = []
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/fake/requests", requests)
     return app
 

@@ -56,6 +56,20 @@ def test_a_response_format_from_the_command_line(server_url, write_jsonl, tmp_pa
     assert proc.returncode != 0 and "json_object or json_schema:FILE" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_the_responses_api_from_the_command_line(server_url, write_jsonl, fake_requests, tmp_path):
+    workload = write_jsonl([{"prompt": "ttft=0.01 tbt=0.01", "output_tokens": 3}])
+    out = tmp_path / "results.json"
+    result = CliRunner().invoke(cli, ["bench", "--url", server_url, "--workload", str(workload), "--concurrency", "2",
+                                      "--num-requests", "4", "--api", "responses", *SLO_FLAGS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["config"]["api"] == "responses" and doc["summary"]["errors"] == 0
+    assert {r["max_output_tokens"] for r in fake_requests()} == {3}  # all went to /v1/responses
+    proc = hydractl("bench", "--url", server_url, *SLO_FLAGS, "--workload", "text", "--concurrency", "2",
+                    "--api", "completions")
+    assert proc.returncode != 0 and "'completions' is not one of 'chat', 'responses'" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [(["--workload", "text", "--concurrency", "2", "--top-p", "0"], "Invalid value for '--top-p'")],

@@ -295,3 +295,43 @@ def test_sampling_goes_into_every_request(make_config, fake_requests):
     assert all((r["temperature"], r["top_p"], r["top_k"]) == (0.8, 0.9, 50) for r in seen)
     run_bench(make_config(num_requests=2))
     assert all(r["temperature"] == 0.0 and "top_p" not in r and "top_k" not in r for r in fake_requests())
+
+
+# -- the Responses API ---------------------------------------------------------------------------------
+def test_the_responses_api_is_timed_by_its_text_events(make_config, write_jsonl, fake_requests):
+    """``api="responses"``: the requests go to /v1/responses as input items (images first,
+    then the text), streamed and not kept; each text event is timed, and a chunk of three
+    tokens has its gap spread over them (counted from the final usage)."""
+    path = write_jsonl([{"prompt": "ttft=0.3 tbt=0.1", "output_tokens": 4, "images": [{"width": 32, "height": 24}]},
+                        {"prompt": "ttft=0.05 tbt=0.1 chunk=3", "output_tokens": 7}])
+    result = run_bench(make_config(workload=str(path), num_requests=2, api="responses"))
+    timed, chunked = sorted(result.headline.results, key=lambda r: r.output_tokens)
+    assert timed.error is None and timed.output_tokens == 4 and timed.ttft == pytest.approx(0.3, abs=0.05)
+    assert len(timed.tbts) == 3
+    assert_gaps_near(timed.tbts, 0.1)
+    assert chunked.error is None and chunked.output_tokens == 7 and chunked.token_counts == "estimated"
+    assert chunked.tbts[0:3] == (chunked.tbts[0],) * 3 and chunked.tbts[3:6] == (chunked.tbts[3],) * 3
+    sent = sorted(fake_requests(), key=lambda r: r["max_output_tokens"])
+    assert [r["kinds"] for r in sent] == [["input_image", "input_text"], ["input_text"]]
+    assert all(r["stream"] and r["store"] is False and r["ignore_eos"] for r in sent)
+    assert sent[0]["image_headers"] == ["data:image/jpeg;base64"]
+
+
+@pytest.mark.parametrize("prompt, error", [
+    ("failmid=2", "injected failure mid-stream"),
+    ("cut=2", "the stream ended without response.completed"),
+    ("extra=1", "the answer had 4 token(s) for max_tokens 3"),
+    ("fail=400", "HTTP 400"),
+])
+def test_a_responses_stream_that_fails_or_is_cut_is_an_error(make_config, write_jsonl, prompt, error):
+    path = write_jsonl([{"prompt": prompt, "output_tokens": 3}])
+    (r,) = run_bench(make_config(workload=str(path), num_requests=1, api="responses")).headline.results
+    assert r.error is not None and error in r.error, r.error
+
+
+def test_the_responses_api_refuses_a_workload_it_cannot_send(make_config, write_jsonl):
+    path = write_jsonl([{"prompt": "hi", "output_tokens": 3, "n": 2}])
+    with pytest.raises(ConfigError, match="n > 1, which the Responses API"):
+        run_bench(make_config(workload=str(path), num_requests=1, api="responses"))
+    with pytest.raises(ConfigError, match="api must be one of chat, responses"):
+        make_config(api="completions")
