@@ -84,3 +84,23 @@ def test_an_answer_of_another_length_than_asked_or_cut_short_is_an_error(server_
     assert more.error == "the answer had 6 token(s) for max_tokens 5 with ignore_eos"
     assert fewer.error == "the answer had 3 token(s) for max_tokens 5 with ignore_eos"
     assert cut.error == "the stream ended without [DONE] after 3 token(s)"
+
+
+def test_a_responses_payload_is_the_chat_payloads_request_as_input_items():
+    import json
+
+    from hydrad.bench.client import responses_payload
+    from hydrad.bench.workloads import RequestSpec
+
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    payload = responses_payload("m", RequestSpec("Describe it.", 7), ["data:image/png;base64,AA"],
+                                {"temperature": 0.7, "top_k": 5, "response_format": schema})
+    body = json.loads(payload)
+    assert payload.responses and payload.output_tokens == 7
+    assert body["input"] == [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"},
+                                                           {"type": "input_text", "text": "Describe it."}]}]
+    assert (body["max_output_tokens"], body["temperature"], body["top_k"]) == (7, 0.7, 5)
+    assert body["ignore_eos"] and body["stream"] and body["store"] is False and "response_format" not in body
+    assert body["text"] == {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}
+    body = json.loads(responses_payload("m", RequestSpec("hi", 2), [], {"response_format": {"type": "json_object"}}))
+    assert body["text"] == {"format": {"type": "json_object"}}
