@@ -152,6 +152,10 @@ def render(status: dict):
                      + f"{failures['requests_lost']}"
                      + (f"; quarantined: {failures['quarantined']} (refused since: "
                         f"{failures.get('requests_refused_quarantined', 0)})" if failures.get("quarantined") else ""))
+    kept = status.get("responses")
+    if kept and kept.get("kept"):
+        parts.append(f"kept responses (/v1/responses): {kept['kept']}, {kept['bytes'] / (1 << 20):.1f} of "
+                     f"{kept['max_bytes'] / (1 << 20):.0f} MiB")
     frontend = status.get("frontend")
     if frontend and frontend.get("cpu_share") is not None:
         per_token = frontend.get("cpu_per_token")

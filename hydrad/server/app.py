@@ -542,6 +542,9 @@ async def admin_status(request: web.Request) -> web.Response:
     replanner = request.app[REPLANNER]
     body["planner"] = replanner.status() if replanner is not None else {"auto": False, "decisions": []}
     body["frontend"] = frontend_status(request.app[MONITOR].status(), [s.monitor for s in snapshots])
+    kept = request.app[KEPT]
+    body["responses"] = None if kept is None else {
+        "kept": len(kept.store), "bytes": kept.store.nbytes, "max_bytes": kept.store.max_bytes}
     return web.json_response(body)
 
 

@@ -191,6 +191,7 @@ def test_a_conversation_of_kept_responses_goes_on_in_any_process(daemon):
     # Kept once, in the daemon, whichever process answered; what held their bodies is free
     # once each handler has ended (a stream's just after its last bytes).
     assert _metric(http("GET", daemon.url + "/metrics").text, "hydrad_responses_kept") == 48
+    assert http("GET", daemon.url + "/admin/status").json()["responses"]["kept"] == 48
     assert wait_for(lambda: _metric(http("GET", daemon.url + "/metrics").text,
                                     "hydrad_request_body_bytes_in_use") == 0, 10)
 

@@ -133,6 +133,11 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
     rows = [line for line in buf.getvalue().splitlines() if "EPD" in line]
     assert rows[0].rstrip(" │").endswith("-") and rows[1].rstrip(" │").endswith("37.5"), rows
     assert "worker restarts" not in buf.getvalue()  # none yet: no line
+    assert "kept responses" not in buf.getvalue()
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(render({**body, "responses": {"kept": 12, "bytes": 3 << 19,
+                                                                     "max_bytes": 64 << 20}}))
+    assert "kept responses (/v1/responses): 12, 1.5 of 64 MiB" in buf.getvalue()
 
 
 def test_status_counts_worker_restarts_and_what_became_of_their_requests():
