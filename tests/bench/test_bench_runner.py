@@ -10,7 +10,7 @@ from hydrad.bench import SLO, Bench, GoodputSearch, run_bench
 from hydrad.bench.client import ServerError
 from hydrad.errors import ConfigError
 
-# Delays long enough that scheduling jitter on a busy machine stays well inside 5%.
+# Delays long enough that scheduling jitter on a busy machine stays within 5% at the median.
 TTFT, TBT, NUM_TOKENS = 0.5, 0.5, 5
 
 
@@ -31,7 +31,10 @@ def test_latency_percentiles_match_the_servers_delays(make_config, write_jsonl):
     s = result.summary
     for name, truth in (("ttft", TTFT), ("tbt", TBT), ("e2e", TTFT + (NUM_TOKENS - 1) * TBT)):
         for q in (50, 90, 99):
-            assert getattr(s, f"{name}_p{q}") == pytest.approx(truth, rel=0.05), f"{name}_p{q}"
+            # The p99 of 32 gaps is about their longest: one chunk a busy machine delays by
+            # tens of ms (as a CI run saw) moves it by as much, the median not.
+            rel = 0.05 if q == 50 else 0.15
+            assert getattr(s, f"{name}_p{q}") == pytest.approx(truth, rel=rel), f"{name}_p{q}"
     assert s.errors == 0 and s.num_requests == 8
     assert all(len(r.tbts) == NUM_TOKENS - 1 and r.output_tokens == NUM_TOKENS for r in result.headline.results)
 
@@ -87,7 +90,9 @@ def test_hydrad_role_chunk_carries_the_first_token(make_config, write_jsonl):
     path = write_jsonl([{"prompt": "style=hydrad token_ids=1 ttft=0.3 tbt=0.1 empty=0", "output_tokens": 4}])
     (r,) = run_bench(make_config(workload=str(path), num_requests=1)).headline.results
     assert r.error is None and r.output_tokens == 4
-    assert r.ttft == pytest.approx(0.3, abs=0.05)
+    # Within a busy machine's jitter of 0.3 s (a role chunk taken for a bare announcement
+    # would time it at the next token, and leave two gaps: the count below says so).
+    assert 0.25 < r.ttft < 0.6
     assert len(r.tbts) == 3
     assert_gaps_near(r.tbts, 0.1)
 
@@ -105,7 +110,8 @@ def test_role_chunk_before_any_token_is_not_the_first_token(make_config, write_j
     # vLLM's shape: a role chunk with empty content at once, then one chunk per token.
     path = write_jsonl([{"prompt": f"ttft=0.3 tbt=0.1 empty=1 {counts}", "output_tokens": 3}])
     (r,) = run_bench(make_config(workload=str(path), num_requests=1)).headline.results
-    assert r.error is None and r.ttft == pytest.approx(0.3, abs=0.05) and r.output_tokens == 3
+    # Not the role chunk's ~0 s (bounds that hold a busy machine's jitter of 0.3 s).
+    assert r.error is None and 0.15 < r.ttft < 0.6 and r.output_tokens == 3
     assert len(r.tbts) == 2
     assert_gaps_near(r.tbts, 0.1)
 
@@ -306,7 +312,8 @@ def test_the_responses_api_is_timed_by_its_text_events(make_config, write_jsonl,
                         {"prompt": "ttft=0.05 tbt=0.1 chunk=3", "output_tokens": 7}])
     result = run_bench(make_config(workload=str(path), num_requests=2, api="responses"))
     timed, chunked = sorted(result.headline.results, key=lambda r: r.output_tokens)
-    assert timed.error is None and timed.output_tokens == 4 and timed.ttft == pytest.approx(0.3, abs=0.05)
+    # Timed at its first text event, not at response.created (~0 s).
+    assert timed.error is None and timed.output_tokens == 4 and 0.15 < timed.ttft < 0.6
     assert len(timed.tbts) == 3
     assert_gaps_near(timed.tbts, 0.1)
     assert chunked.error is None and chunked.output_tokens == 7 and chunked.token_counts == "estimated"
