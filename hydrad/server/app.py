@@ -9,6 +9,7 @@ in, and the drain, are ``Admission``'s (``server/admission.py``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -370,55 +371,52 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
     arrival = time.monotonic()
     admission = request.app[ADMISSION]
     parse, id_prefix, chat = _ROUTES[route]
-    kept_input = None  # a kept response's input: its body's units, held until its answer ends
-    with admission.track() as inflight:
+    # ``held``: what the request holds until its response ends (a kept response's input).
+    with admission.track() as inflight, contextlib.ExitStack() as held:
         body, reservation = await admission.read_body(request, arrival)
         try:
+            parsed = _json(body)
+            if route == "responses":  # the conversation it continues first, where one is kept
+                kept = request.app[KEPT]
+                parse = functools.partial(parse, keeping=kept is not None, prior=await prior_items(kept, parsed))
+            if isinstance(parsed, dict) and not _STRUCTURED.isdisjoint(parsed):
+                # Compiling a language takes up to a few hundred milliseconds for the largest
+                # (llguidance releases the GIL meanwhile): never on the event loop.
+                req = await asyncio.get_running_loop().run_in_executor(None, parse, parsed)
+            else:
+                req = parse(parsed)
+            del body  # the parsed request holds what is needed until it is processed
+            if route == "responses" and req.store:
+                # Its input items are kept with its answer: its body's units stay reserved until then.
+                held.callback(reservation.keep().release)
+            engine = _engine_for(request, req)
+            req_id = inflight.req_id = f"{id_prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
+            prepare = engine.prepare_chat if chat else engine.prepare_completion
             try:
-                parsed = _json(body)
-                if route == "responses":  # the conversation it continues first, where one is kept
-                    kept = request.app[KEPT]
-                    parse = functools.partial(parse, keeping=kept is not None, prior=await prior_items(kept, parsed))
-                if isinstance(parsed, dict) and not _STRUCTURED.isdisjoint(parsed):
-                    # Compiling a language takes up to a few hundred milliseconds for the largest
-                    # (llguidance releases the GIL meanwhile): never on the event loop.
-                    req = await asyncio.get_running_loop().run_in_executor(None, parse, parsed)
-                else:
-                    req = parse(parsed)
-                del body  # the parsed request holds what is needed until it is processed
-                if route == "responses" and req.store:
-                    kept_input = reservation.keep()
-                engine = _engine_for(request, req)
-                req_id = inflight.req_id = f"{id_prefix}{_ID_PREFIX}{next(_ID_COUNTER):08x}"
-                prepare = engine.prepare_chat if chat else engine.prepare_completion
-                try:
-                    prepared = await prepare(req_id, req, reservation, arrival)
-                except RequestError as e:
-                    renamed = req.in_own_words(e)  # the fields as the request named them
-                    if renamed is e:
-                        raise
-                    raise renamed from None
-            finally:
-                reservation.release()  # a request refused before processing took the reservation over
-            # The input's memory goes with its reservation: only the prepared prompt stays (and
-            # a kept response's input items, under ``kept_input``).
-            if chat:
-                req.messages, req.tool_specs = [], None
-            else:
-                req.prompts = []
-            if route == "responses":
-                fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
-                if req.store:
-                    fmt.keep = functools.partial(keep_response, request.app[KEPT], req)
-            else:
-                fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
-                                     tools=req.tools if chat else None, echo=prepared.echo,
-                                     token_logprobs="logprobs" in req.options.params,
-                                     prompt_logprobs=req.prompt_logprobs, n=req.options.n)
-            return await _respond(request, engine, req, fmt, prepared, arrival)
+                prepared = await prepare(req_id, req, reservation, arrival)
+            except RequestError as e:
+                renamed = req.in_own_words(e)  # the fields as the request named them
+                if renamed is e:
+                    raise
+                raise renamed from None
         finally:
-            if kept_input is not None:
-                kept_input.release()
+            reservation.release()  # a request refused before processing took the reservation over
+        # The input's memory goes with its reservation: only the prepared prompt stays (and a
+        # kept response's input items, under ``held``).
+        if chat:
+            req.messages, req.tool_specs = [], None
+        else:
+            req.prompts = []
+        if route == "responses":
+            fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
+            if req.store:
+                fmt.keep = functools.partial(keep_response, request.app[KEPT], req)
+        else:
+            fmt = ResponseFormat(chat, req_id, engine.model_name, req.return_token_ids, engine.token_text,
+                                 tools=req.tools if chat else None, echo=prepared.echo,
+                                 token_logprobs="logprobs" in req.options.params,
+                                 prompt_logprobs=req.prompt_logprobs, n=req.options.n)
+        return await _respond(request, engine, req, fmt, prepared, arrival)
 
 
 async def _respond(request, engine: EngineClient, req: GenerateRequest, fmt: ResponseFormat, prepared: Prepared,

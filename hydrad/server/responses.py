@@ -208,7 +208,8 @@ def _refuse_state(body: dict, keeping: bool) -> None:
         raise RequestError("conversation: conversation objects are not kept; continue a kept response with "
                            "previous_response_id, or send the conversation's messages as input", "conversation")
     if body.get("background"):
-        raise RequestError("background responses are not served: hydrad keeps no responses to poll", "background")
+        raise RequestError("background responses are not served: each response is generated while its request "
+                           "waits (or streams)", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError("truncation: only 'disabled' is served (an input too long for the context is refused)",
                            "truncation")

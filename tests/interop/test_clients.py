@@ -327,6 +327,34 @@ def test_responses_api_continues_a_kept_response(client, model_name):
         client.responses.input_items.list(third.id)
 
 
+def test_a_kept_responses_input_is_held_in_the_body_budget_until_its_answer_ends(daemon, client, model_name):
+    """While a kept response streams, its input (an image here) stays counted in the request
+    bodies' budget (it is kept with the answer); one sent with ``store`` false leaves it once
+    processed; both leave nothing once their answers end."""
+    import re
+
+    from daemon_process import http, wait_for
+
+    def in_use() -> float:
+        text = http("GET", daemon.url + "/metrics").text
+        return float(re.search(r"^hydrad_request_body_bytes_in_use\{[^}]*\} (\S+)$", text, re.M).group(1))
+
+    question = [{"role": "user", "content": [{"type": "input_image", "image_url": image_url(11)},
+                                             {"type": "input_text", "text": "What is in picture 11?"}]}]
+    held = {}
+    for store in (True, False):
+        stream = client.responses.create(model=model_name, input=question, max_output_tokens=160, temperature=0,
+                                         stream=True, store=store, extra_body={"ignore_eos": True})
+        for event in stream:
+            if event.type == "response.output_text.delta":  # generating: its processing is over
+                held[store] = in_use()
+                break
+        for _ in stream:
+            pass
+        assert wait_for(lambda: in_use() == 0, 10)
+    assert held[True] > len(image_url(11)) and held[False] == 0, held
+
+
 def test_responses_api_function_calls(client, model_name):
     """A named function's call through the Responses API: the same greedy call as the chat
     route's, whole and streamed, as a function_call item with its arguments. (No whitespace in
