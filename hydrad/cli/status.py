@@ -154,8 +154,9 @@ def render(status: dict):
                         f"{failures.get('requests_refused_quarantined', 0)})" if failures.get("quarantined") else ""))
     kept = status.get("responses")
     if kept and kept.get("kept"):
+        running = kept.get("background_running")
         parts.append(f"kept responses (/v1/responses): {kept['kept']}, {kept['bytes'] / (1 << 20):.1f} of "
-                     f"{kept['max_bytes'] / (1 << 20):.0f} MiB")
+                     f"{kept['max_bytes'] / (1 << 20):.0f} MiB" + (f"; background running: {running}" if running else ""))
     frontend = status.get("frontend")
     if frontend and frontend.get("cpu_share") is not None:
         per_token = frontend.get("cpu_per_token")

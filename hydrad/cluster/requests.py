@@ -48,6 +48,11 @@ class ServiceStopping(RuntimeError):
     """The daemon is stopping at once: the request failed or was refused."""
 
 
+class RequestCancelled(Exception):
+    """The client cancelled the request (a background response's ``cancel``): it ends as an
+    abort, not as a failure."""
+
+
 class RequestQuarantined(RequestError):
     """The request's content was in flight when two workers died: refused for a while (400)."""
 

@@ -32,6 +32,7 @@ from hydrad.errors import ConfigError, RequestError
 from hydrad.logs import RepeatedLines
 from hydrad.server.admin import check_admin_access, instance_stats, status_body, worker_pids, worker_usage
 from hydrad.server.admission import Admission
+from hydrad.server.background import BackgroundResponses
 from hydrad.server.engine_client import EngineClient, Prepared
 from hydrad.server.frontends import Frontends
 from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_response
@@ -40,11 +41,12 @@ from hydrad.server.monitor import FrontendMonitor, combined_cpu_per_token, front
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import (DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_chat_request,
                                     parse_completion_request, parse_detokenize_request, parse_tokenize_request)
-from hydrad.server.response_store import LocalStore, ResponseGone, ResponseStore
+from hydrad.server.response_store import CannotCancel, LocalStore, ResponseGone, ResponseStore
 from hydrad.server.responses import ResponsesFormat, keep_response, parse_responses_request, prior_items
 from hydrad.server.serving import ResponseFormat, dumps, respond_stream, respond_whole
 from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.launch import InstanceSpec, Launched
+from hydrad.cluster.requests import RequestCancelled
 from hydrad.cluster.supervisor import RedeployError, RestartPolicy, Supervisor
 
 logger = logging.getLogger("hydrad.server")
@@ -77,6 +79,9 @@ FRONTENDS = web.AppKey("frontends", Frontends)
 # The kept responses of /v1/responses (``response_store``: the daemon's ``LocalStore``, a
 # front end's ``RemoteStore``), or None where server.responses_store_mb is 0.
 KEPT = web.AppKey("kept", object)
+# The background responses this process runs (``background.BackgroundResponses``), or None
+# where no responses are kept.
+BACKGROUND = web.AppKey("background", object)
 
 # Routes outside /v1 that the API key guards too (``add_api_routes``).
 TOKENIZER_ROUTES = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
@@ -98,6 +103,7 @@ def make_app(config: DaemonConfig, specs: list[InstanceSpec], *, console: Consol
     app[CONSOLE] = console or default_console
     store = ResponseStore(config.server.responses_store_mb << 20) if config.server.responses_store_mb else None
     app[KEPT] = LocalStore(store) if store is not None else None
+    app[BACKGROUND] = BackgroundResponses(app[KEPT]) if store is not None else None
     app[FRONTENDS] = Frontends(config, store)
     app.cleanup_ctx.append(engine_ctx)
     add_api_routes(app)
@@ -209,7 +215,11 @@ async def engine_ctx(app: web.Application):
         logger.info("re-planning every %g s on the last %g s of the trace (planner.auto)", config.planner.interval,
                     config.planner.window)
     app[REPLANNER] = replanner
+    if app[KEPT] is not None:  # a background response's cancel ends its requests, wherever they run
+        app[KEPT].store.abort = functools.partial(cancel_requests, supervisor.table)
     yield
+    if app[BACKGROUND] is not None:
+        await app[BACKGROUND].stop()  # drained by now, unless the daemon stops at once
     await app[FRONTENDS].stop()  # they have drained by now, unless the daemon stops at once
     await app[MONITOR].stop()
     if replanner is not None:
@@ -317,11 +327,22 @@ async def delete_response(request: web.Request) -> web.Response:
 
 
 async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{id}/cancel``: end a background response still running; it is
+    answered ``cancelled``."""
     response_id = request.match_info["id"]
-    if await _kept(request).call("get", response_id) is None:
+    try:
+        response = await _kept(request).call("cancel", response_id)
+    except CannotCancel as e:
+        raise APIError(400, str(e), "response_id") from None
+    if response is None:
         raise _not_kept(response_id)
-    raise APIError(400, f"Response '{response_id}' cannot be cancelled: only background responses can be, and this "
-                   "server answers each request as it runs", "id")
+    return web.json_response(response, dumps=dumps)
+
+
+def cancel_requests(table, req_ids: tuple[str, ...]) -> None:
+    """End a cancelled background response's engine requests (an abort, for their sinks)."""
+    for req_id in req_ids:
+        table.fail(req_id, RequestCancelled("the response was cancelled"))
 
 
 async def response_input_items(request: web.Request) -> web.Response:
@@ -371,7 +392,9 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
     arrival = time.monotonic()
     admission = request.app[ADMISSION]
     parse, id_prefix, chat = _ROUTES[route]
-    # ``held``: what the request holds until its response ends (a kept response's input).
+    # ``held``: what the request holds until its response ends (a kept response's input); a
+    # background response's task takes it over (a drain does not wait for that task: what it
+    # answers is kept in memory, which the stop loses).
     with admission.track() as inflight, contextlib.ExitStack() as held:
         body, reservation = await admission.read_body(request, arrival)
         try:
@@ -409,6 +432,9 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
             req.prompts = []
         if route == "responses":
             fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
+            if req.background:
+                created = await request.app[BACKGROUND].start(engine, req, fmt, prepared, arrival, held)
+                return web.json_response(created, dumps=dumps)
             if req.store:
                 fmt.keep = functools.partial(keep_response, request.app[KEPT], req)
         else:
@@ -542,7 +568,8 @@ async def admin_status(request: web.Request) -> web.Response:
     body["frontend"] = frontend_status(request.app[MONITOR].status(), [s.monitor for s in snapshots])
     kept = request.app[KEPT]
     body["responses"] = None if kept is None else {
-        "kept": len(kept.store), "bytes": kept.store.nbytes, "max_bytes": kept.store.max_bytes}
+        "kept": len(kept.store), "bytes": kept.store.nbytes, "max_bytes": kept.store.max_bytes,
+        "background_running": kept.store.num_running}
     return web.json_response(body)
 
 

@@ -37,7 +37,7 @@ from hydrad.server.admission import Admission, Reservation
 from hydrad.server.images_remote import fetch_remote_images
 from hydrad.server.metrics import Metrics
 from hydrad.server.protocol import ChatRequest, CompletionRequest, SamplingOptions, TokenizeRequest
-from hydrad.cluster.requests import RequestTable
+from hydrad.cluster.requests import RequestCancelled, RequestTable
 from hydrad.cluster.router import Router, entry_stage
 
 logger = logging.getLogger(REQUESTS_LOGGER)
@@ -437,7 +437,7 @@ class ChoiceStream:
 
     def on_error(self, error: Exception) -> None:
         if self.finish_reason is None:
-            self._finish("error")
+            self._finish("abort" if isinstance(error, RequestCancelled) else "error")
             self.parent._fail(error)
 
     # -- ending ----------------------------------------------------------------------------------

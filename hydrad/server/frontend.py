@@ -32,6 +32,7 @@ from hydrad.heap import freeze_startup_heap
 from hydrad.server import app as api
 from hydrad.server.admin import check_admin_access
 from hydrad.server.admission import Admission
+from hydrad.server.background import BackgroundResponses
 from hydrad.server.engine_client import EngineClient
 from hydrad.server.errors import APIError
 from hydrad.server.metrics import Metrics
@@ -275,6 +276,7 @@ def make_frontend_app(config: DaemonConfig, core: CoreClient) -> web.Application
     app[CORE] = core
     # The daemon keeps the responses; this process asks it.
     app[api.KEPT] = RemoteStore(core.send) if config.server.responses_store_mb else None
+    app[api.BACKGROUND] = BackgroundResponses(app[api.KEPT]) if app[api.KEPT] is not None else None
     core.app = app
     app.cleanup_ctx.append(_frontend_ctx)
     api.add_api_routes(app)
@@ -303,6 +305,8 @@ async def _frontend_ctx(app: web.Application):
     if config.trace.enabled:
         app[api.ENGINE].trace = core
     yield
+    if app[api.BACKGROUND] is not None:
+        await app[api.BACKGROUND].stop()
     await app[api.MONITOR].stop()
     if session is not None:
         await session.close()

@@ -182,7 +182,7 @@ class FrontendPeer:
                 self.trace.record(**msg.facts)
         elif isinstance(msg, KeptQuery):
             try:
-                result = self.store.answer(msg.op, msg.arg)
+                result = self.store.answer(msg.op, msg.arg, self.index)
             except Exception as e:  # the front end's request fails with it, not the daemon
                 result = RuntimeError(f"the response store failed: {e}")
             self.send(KeptAnswer(msg.seq, result))
@@ -237,6 +237,8 @@ class FrontendPeer:
             for req_id in list(self.open):
                 self.table.abort(req_id)
             self.open.clear()
+        if self.store is not None and (failed := self.store.orphaned(self.index, reason)):
+            logger.error("front end %d: its %d background response(s) failed with it", self.index, failed)
         for waiter in self._snapshots.values():
             if not waiter.done():
                 waiter.set_result(None)

@@ -259,7 +259,10 @@ class KeptResponseMetrics(Collector):
         size = GaugeMetricFamily("hydrad_responses_kept_bytes", "Their size as JSON, which "
                                  "server.responses_store_mb bounds.", labels=["model_name"])
         size.add_metric([self.model], self.store.nbytes)
-        yield from (count, size)
+        running = GaugeMetricFamily("hydrad_responses_background_running", "Background responses of "
+                                    "/v1/responses queued or generating.", labels=["model_name"])
+        running.add_metric([self.model], self.store.num_running)
+        yield from (count, size, running)
 
 
 class Metrics:

@@ -9,6 +9,12 @@ the chain, oldest first (its input items, then its output items), come before it
 input. ``GET /v1/responses/{id}`` answers the object, ``.../input_items`` the items it
 was generated from, and ``DELETE`` forgets it.
 
+A ``background`` response is kept from the moment it is created (``start``: status
+``queued``, then ``in_progress`` once it runs) and answered in place when it ends
+(``finish``). While it runs it is never evicted, and ``cancel`` (or ``DELETE``) ends it:
+the store marks it ``cancelled`` at once and calls ``abort`` with its engine requests'
+ids (the daemon fails them in its request table, wherever the process that runs it is).
+
 What is kept lives in the daemon's memory, bounded by ``[server] responses_store_mb``
 (``ResponseStore``): past it the least recently used responses go first (a chain in use
 is read whole at each turn, so its turns stay). A restart keeps none. The daemon holds
@@ -48,26 +54,50 @@ class ResponseGone(LookupError):
         self.response_id = response_id
 
 
-class ResponseStore:
-    """Kept responses by id, least recently used first out past ``max_bytes``."""
+class ResponseRunning(LookupError):
+    """A response asked for as a finished one is a background response still running."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, response_id: str):
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
+class CannotCancel(ValueError):
+    """``cancel`` of a response that is not a running background response (the message says why)."""
+
+
+class ResponseStore:
+    """Kept responses by id, least recently used first out past ``max_bytes`` (background
+    responses still running excepted). ``abort(req_ids)`` ends a running background
+    response's engine requests (set by the daemon once its request table exists)."""
+
+    def __init__(self, max_bytes: int, abort=None):
         self.max_bytes = max_bytes
         self.nbytes = 0
+        self.abort = abort
         self._kept: OrderedDict[str, KeptResponse] = OrderedDict()
+        # Background responses running: id -> (their engine requests' ids, the front-end
+        # process that runs them: None for the daemon's own); and their bytes.
+        self._running: dict[str, tuple[tuple[str, ...], int | None]] = {}
+        self._running_bytes = 0
 
     def __len__(self) -> int:
         return len(self._kept)
 
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
     def keep(self, kept: KeptResponse) -> bool:
-        """Keep ``kept`` (false: larger than the whole bound, not kept)."""
+        """Keep ``kept`` (false: it does not fit, even once every response that may go has
+        gone; nothing is evicted then)."""
         response_id = kept.response["id"]
-        self.delete(response_id)
-        if kept.nbytes > self.max_bytes:
+        self._forget(response_id)
+        if self._running_bytes + kept.nbytes > self.max_bytes:
             return False
         while self.nbytes + kept.nbytes > self.max_bytes:
-            _, old = self._kept.popitem(last=False)
-            self.nbytes -= old.nbytes
+            old_id = next(i for i in self._kept if i not in self._running)  # exists: checked above
+            self.nbytes -= self._kept.pop(old_id).nbytes
         self._kept[response_id] = kept
         self.nbytes += kept.nbytes
         return True
@@ -79,16 +109,98 @@ class ResponseStore:
         return kept
 
     def delete(self, response_id: str) -> bool:
+        """Forget a response (a background one still running is ended first)."""
+        self._end_running(response_id)
+        return self._forget(response_id)
+
+    def _forget(self, response_id: str) -> bool:
         kept = self._kept.pop(response_id, None)
         if kept is None:
             return False
         self.nbytes -= kept.nbytes
+        if response_id in self._running:
+            del self._running[response_id]
+            self._running_bytes -= kept.nbytes
         return True
+
+    # -- background responses -----------------------------------------------------------------
+    def start(self, kept: KeptResponse, req_ids: tuple[str, ...], owner: int | None = None) -> bool:
+        """Keep a background response as created (``queued``) and running, its engine requests
+        ``req_ids``, run by front end ``owner`` (false: it does not fit beside those running)."""
+        if not self.keep(kept):
+            return False
+        self._running[kept.response["id"]] = (tuple(req_ids), owner)
+        self._running_bytes += kept.nbytes
+        return True
+
+    def progress(self, response_id: str) -> bool:
+        """A running background response has started generating: ``in_progress``. False: it
+        no longer runs (cancelled or deleted meanwhile), and its generation should stop."""
+        if response_id not in self._running:
+            return False
+        kept = self._kept[response_id]
+        self._replace(kept, {**kept.response, "status": "in_progress"})
+        return True
+
+    def finish(self, kept: KeptResponse) -> bool:
+        """A running background response ended: ``kept`` is its answer. False (dropped): it had
+        been cancelled or deleted."""
+        response_id = kept.response["id"]
+        if response_id not in self._running:
+            return False
+        self._forget(response_id)
+        return self.keep(kept)
+
+    def cancel(self, response_id: str) -> dict | None:
+        """End a running background response: it is kept ``cancelled`` (returned), and its
+        engine requests are aborted. None: no such response; CannotCancel: not one that runs."""
+        kept = self.get(response_id)
+        if kept is None:
+            return None
+        if response_id not in self._running:
+            status = kept.response.get("status")
+            if not kept.response.get("background"):
+                raise CannotCancel("Cannot cancel a synchronous response: only background responses can be "
+                                   "cancelled")
+            if status == "cancelled":
+                return kept.response  # cancelled twice: the same answer
+            raise CannotCancel(f"Cannot cancel a response that is already {status}")
+        self._end_running(response_id)
+        self._replace(kept, {**kept.response, "status": "cancelled"})
+        return self._kept[response_id].response
+
+    def orphaned(self, owner: int, reason: str) -> int:
+        """Front end ``owner`` is gone, and the background responses it ran with it: each is
+        kept ``failed``, saying why. Returns how many."""
+        gone = [response_id for response_id, (_, runner) in self._running.items() if runner == owner]
+        for response_id in gone:
+            kept = self._kept[response_id]
+            self._running_bytes -= kept.nbytes
+            del self._running[response_id]
+            error = {"code": "server_error", "message": f"the process that ran it exited ({reason})"}
+            self._replace(kept, {**kept.response, "status": "failed", "error": error})
+        return len(gone)
+
+    def _end_running(self, response_id: str) -> None:
+        running = self._running.pop(response_id, None)
+        if running is None:
+            return
+        self._running_bytes -= self._kept[response_id].nbytes
+        if self.abort is not None:
+            self.abort(running[0])
+
+    def _replace(self, kept: KeptResponse, response: dict) -> None:
+        """The same entry with another response object (its status changed: same size bar a
+        few bytes, so counted as before)."""
+        self._kept[response["id"]] = KeptResponse(response, kept.input_items, kept.previous_id, kept.nbytes)
 
     def items(self, response_id: str, with_output: bool) -> list[dict]:
         """The items of the conversation up to ``response_id``: every earlier response's input
         and output items, oldest first, then its own input items, and its output items where
-        ``with_output``. ResponseGone names the first response of the chain not kept."""
+        ``with_output``. ResponseGone names the first response of the chain not kept;
+        ResponseRunning says ``response_id`` (with its output asked for) has not ended."""
+        if with_output and response_id in self._running:
+            raise ResponseRunning(response_id)
         chain = []
         current: str | None = response_id
         while current is not None:
@@ -104,8 +216,8 @@ class ResponseStore:
                 items += output_as_input(kept.response)
         return items
 
-    # One entry point for the calls of front-end processes (``KeptQuery``).
-    def answer(self, op: str, arg):
+    # One entry point for the calls of front-end processes (``KeptQuery``; ``owner``: which).
+    def answer(self, op: str, arg, owner: int | None = None):
         if op == "keep":
             return self.keep(arg)
         if op == "get":
@@ -113,11 +225,19 @@ class ResponseStore:
             return None if kept is None else kept.response
         if op == "delete":
             return self.delete(arg)
-        if op in ("items", "inputs"):
-            try:
+        if op == "start":
+            return self.start(*arg, owner=owner)
+        if op == "progress":
+            return self.progress(arg)
+        if op == "finish":
+            return self.finish(arg)
+        try:
+            if op in ("items", "inputs"):
                 return self.items(arg, with_output=op == "items")
-            except ResponseGone as e:
-                return e
+            if op == "cancel":
+                return self.cancel(arg)
+        except (ResponseGone, ResponseRunning, CannotCancel) as e:
+            return e  # raised again by the caller's face (it crosses a front end's pipe)
         raise ValueError(f"unknown query {op!r}")
 
 
@@ -135,7 +255,7 @@ class LocalStore:
 
     async def call(self, op: str, arg):
         result = self.store.answer(op, arg)
-        if isinstance(result, ResponseGone):
+        if isinstance(result, Exception):
             raise result
         return result
 

@@ -19,8 +19,9 @@ answer) with the usage; each event is named on an ``event:`` line and numbered
 Where the daemon keeps responses (``[server] responses_store_mb``, ``response_store``), a
 response is kept unless its request sends ``store`` false, and ``previous_response_id``
 continues a kept one: the conversation's earlier items come before the request's
-``input``. ``conversation`` objects and ``background`` responses are refused, as are
-tools other than functions, reasoning and log-probabilities (the chat route serves those).
+``input``; ``background`` responses are answered at once and polled
+(``hydrad.server.background``). ``conversation`` objects are refused, as are tools other
+than functions, reasoning and log-probabilities (the chat route serves those).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from hydrad.errors import RequestError
 from hydrad.server.engine_client import Output
 from hydrad.server.errors import error_body
 from hydrad.server.protocol import ChatRequest, parse_chat_request, refuse_unknown
-from hydrad.server.response_store import KeptResponse, ResponseGone
+from hydrad.server.response_store import KeptResponse, ResponseGone, ResponseRunning
 from hydrad.server.serving import dumps, json_text
 from hydrad.server.tools import ToolCallStream, ToolChoice
 from hydrad.tool_calls import HermesCalls
@@ -71,6 +72,8 @@ class ResponsesRequest(ChatRequest):
     store: bool = False
     input_items: list = field(default_factory=list)
     previous_id: str | None = None
+    # Answered at once as ``queued``, generated on, and polled (``hydrad.server.background``).
+    background: bool = False
 
     def in_own_words(self, e: RequestError) -> RequestError:
         return rename(e, self.sources, self.call_sources)
@@ -125,6 +128,7 @@ def parse_responses_request(body: Any, *, keeping: bool = False, prior: list | N
         raise rename(e, sources, call_sources) from None
     # OpenAI's default: kept unless sent false (where the daemon keeps responses).
     store = keeping and body.get("store") is not False
+    background = bool(body.get("background"))
     previous_id = body.get("previous_response_id")
     settings = {
         "instructions": instructions, "max_output_tokens": body.get("max_output_tokens"),
@@ -133,13 +137,14 @@ def parse_responses_request(body: Any, *, keeping: bool = False, prior: list | N
         "text": text if text is not None else {"format": {"type": "text"}},
         "metadata": body.get("metadata") or {}, "user": body.get("user"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice", "auto"),
-        "tools": body.get("tools") or [], "truncation": "disabled", "store": store, "background": False,
+        "tools": body.get("tools") or [], "truncation": "disabled", "store": store, "background": background,
         "previous_response_id": previous_id, "reasoning": {"effort": None, "summary": None},
         "service_tier": "default",
     }
     fields = {name: getattr(req, name) for name in ChatRequest.__dataclass_fields__}
     return ResponsesRequest(**fields, settings=settings, sources=sources, call_sources=call_sources, store=store,
-                            input_items=_input_items(body["input"]) if store else [], previous_id=previous_id)
+                            input_items=_input_items(body["input"]) if store else [], previous_id=previous_id,
+                            background=background)
 
 
 async def prior_items(kept, body: Any) -> list[dict] | None:
@@ -150,6 +155,10 @@ async def prior_items(kept, body: Any) -> list[dict] | None:
         return None
     try:
         return await kept.call("items", previous_id)
+    except ResponseRunning:
+        raise RequestError(f"Previous response with id '{previous_id}' has not ended: it is a background response "
+                           "still running; continue it once it has completed", "previous_response_id",
+                           "previous_response_in_progress") from None
     except ResponseGone as e:
         if e.response_id == previous_id:
             message = f"Previous response with id '{previous_id}' not found: it is not kept (never was, was deleted, " \
@@ -165,14 +174,19 @@ async def prior_items(kept, body: Any) -> list[dict] | None:
 _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
-async def keep_response(kept, req: ResponsesRequest, response: dict) -> None:
-    """Keep ``response``, the answer to ``req``, with ``req``'s input items (ids given to
-    those sent without)."""
+async def keep_response(kept, req: ResponsesRequest, response: dict, op: str = "keep") -> None:
+    """Keep ``response``, the answer to ``req``, with ``req``'s input items (``op``
+    "finish": the answer of a background response kept since it started)."""
+    await kept.call(op, kept_response_of(req, response))
+
+
+def kept_response_of(req: ResponsesRequest, response: dict) -> KeptResponse:
+    """``response`` with ``req``'s input items (ids given to those sent without), as kept."""
     suffix = response["id"].removeprefix("resp_")
     items = [item if "id" in item else {"id": f"{_ITEM_IDS.get(item.get('type', 'message'), 'item')}_{suffix}_in{k}",
                                         **item}
              for k, item in enumerate(req.input_items)]
-    await kept.call("keep", KeptResponse.of(response, items, req.previous_id))
+    return KeptResponse.of(response, items, req.previous_id)
 
 
 def _input_items(given: str | list) -> list[dict]:
@@ -207,9 +221,19 @@ def _refuse_state(body: dict, keeping: bool) -> None:
     if body.get("conversation") is not None:
         raise RequestError("conversation: conversation objects are not kept; continue a kept response with "
                            "previous_response_id, or send the conversation's messages as input", "conversation")
-    if body.get("background"):
-        raise RequestError("background responses are not served: each response is generated while its request "
-                           "waits (or streams)", "background")
+    background = body.get("background")
+    if background is not None and not isinstance(background, bool):
+        raise RequestError("background must be a boolean", "background")
+    if background:
+        if not keeping:
+            raise RequestError("background: this server keeps no responses to poll (server.responses_store_mb is "
+                               "0); send background false", "background")
+        if store is False:
+            raise RequestError("background responses must be kept (they are polled by id): send store true or "
+                               "leave it out", "background")
+        if body.get("stream"):
+            raise RequestError("background with stream true is not served: create it without stream, then poll "
+                               "GET /v1/responses/{id}", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError("truncation: only 'disabled' is served (an input too long for the context is refused)",
                            "truncation")
@@ -439,6 +463,13 @@ class ResponsesFormat:
                 "total_tokens": usage["total_tokens"]},
         }
 
+    def failed(self, status: int, e: BaseException, output: list[dict]) -> dict:
+        """The response as failed by ``e`` (its HTTP status ``status``), with ``output``."""
+        error = error_body(status, e)["error"]
+        failed = self.response("failed", output, None)
+        failed["error"] = {"code": error["code"] or error["type"], "message": error["message"]}
+        return failed
+
     def _message(self, index: int, text: str | None, status: str) -> dict:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         return {"type": "message", "id": f"msg_{self._suffix}_{index}", "status": status, "role": "assistant",
@@ -543,8 +574,7 @@ class ResponsesFormat:
                      usage: dict | None, include_usage: bool) -> bytes:
         error = error_body(status, e)["error"]
         events = self._close("incomplete")
-        failed = self.response("failed", self._items, None)
-        failed["error"] = {"code": error["code"] or error["type"], "message": error["message"]}
+        failed = self.failed(status, e, self._items)
         events.append(self._event("error", {"code": error["code"], "message": error["message"],
                                             "param": error["param"]}))
         events.append(self._event("response.failed", {"response": failed}))

@@ -269,6 +269,11 @@ def usage_of(stream: RequestStream, completion: int | None = None) -> dict:
 
 
 async def respond_whole(fmt: ResponseFormat, stream: RequestStream) -> web.Response:
+    return web.json_response(await whole_body(fmt, stream), dumps=dumps)
+
+
+async def whole_body(fmt: ResponseFormat, stream: RequestStream) -> dict:
+    """The answer of every completion of ``stream``, taken to its end, as one object."""
     choices = [{"text": [], "token_ids": [], "finish_reason": None, "logprobs": None} for _ in stream.choices]
     async for batch in stream:
         for out in batch:
@@ -283,7 +288,7 @@ async def respond_whole(fmt: ResponseFormat, stream: RequestStream) -> web.Respo
         c["text"] = "".join(c["text"])
     body = fmt.whole(choices, usage_of(stream))
     await fmt.ended(False)
-    return web.json_response(body, dumps=dumps)
+    return body
 
 
 async def respond_stream(

@@ -327,6 +327,64 @@ def test_responses_api_continues_a_kept_response(client, model_name):
         client.responses.input_items.list(third.id)
 
 
+def test_responses_api_background_responses(daemon, client, model_name):
+    """``background``: answered at once (queued), polled to the greedy answer the request
+    gets synchronously; continued once it has ended, refused while it runs; cancelled while it
+    runs (its request aborted on the worker: no token after, the metric counts an abort), and
+    cancel refused for what is not a running background response."""
+    import re
+
+    from daemon_process import http, wait_for
+
+    def aborted() -> float:
+        text = http("GET", daemon.url + "/metrics").text
+        found = re.search(r'^hydrad_requests_finished_total\{finish_reason="abort"[^}]*\} (\S+)$', text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def poll(response_id: str):
+        response = client.responses.retrieve(response_id)
+        deadline = time.monotonic() + 30
+        while response.status in ("queued", "in_progress") and time.monotonic() < deadline:
+            time.sleep(0.05)
+            response = client.responses.retrieve(response_id)
+        return response
+
+    settings = dict(model=model_name, max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    question = [{"role": "user", "content": [{"type": "input_image", "image_url": image_url(13)},
+                                             {"type": "input_text", "text": "What is in picture 13?"}]}]
+    created = client.responses.create(**settings, input=question, background=True)
+    assert created.status == "queued" and created.background is True and created.output == []
+    done = poll(created.id)
+    synchronous = client.responses.create(**settings, input=question, store=False)
+    assert done.status == "incomplete" and done.output_text == synchronous.output_text
+    assert done.usage.output_tokens == MAX_TOKENS and done.background is True
+    follow = client.responses.create(**settings, previous_response_id=done.id, input="And its colors?")
+    conversation = [*question, {"role": "assistant", "content": [{"type": "output_text", "text": done.output_text}]},
+                    {"role": "user", "content": "And its colors?"}]
+    assert follow.output_text == client.responses.create(**settings, input=conversation, store=False).output_text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.cancel(done.id)
+    assert "already incomplete" in info.value.body["message"], info.value.body
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.cancel(follow.id)
+    assert "synchronous" in info.value.body["message"], info.value.body
+
+    aborts = aborted()
+    long = client.responses.create(model=model_name, input="Tell me everything.", max_output_tokens=1500,
+                                   background=True, extra_body={"ignore_eos": True})
+    assert wait_for(lambda: client.responses.retrieve(long.id).status == "in_progress", 10)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**settings, previous_response_id=long.id, input="More?")
+    assert info.value.body["code"] == "previous_response_in_progress", info.value.body
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.cancel(long.id).status == "cancelled"
+    assert wait_for(lambda: aborted() == aborts + 1, 10)  # ended on the worker, as an abort
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**settings, input="hi", background=True, stream=True)
+    assert info.value.body["param"] == "background"
+
+
 def test_a_kept_responses_input_is_held_in_the_body_budget_until_its_answer_ends(daemon, client, model_name):
     """While a kept response streams, its input (an image here) stays counted in the request
     bodies' budget (it is kept with the answer); one sent with ``store`` false leaves it once

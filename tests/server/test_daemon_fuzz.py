@@ -115,7 +115,10 @@ def _valid(rng: random.Random) -> tuple[str, dict]:
     body = {"messages": messages + [{"role": "user", "content": content}], "max_tokens": rng.randint(1, 40)}
     _sampling(rng, body, chat=True)
     if rng.random() < 0.2:
-        return "/v1/responses", _as_responses(body)
+        body = _as_responses(body)
+        if not body.get("stream") and rng.random() < 0.4:
+            body["background"] = True  # answered queued, then polled (or cancelled: ``leave``)
+        return "/v1/responses", body
     return "/v1/chat/completions", body
 
 
@@ -212,8 +215,10 @@ async def _one(session: aiohttp.ClientSession, url: str, rng: random.Random, pro
     path, body = _valid(rng)
     leave = rng.random() < 0.15
     # A client that leaves a whole answer gives up after a short timeout; one that leaves a
-    # stream, after a few chunks. An answer that comes first is checked as any other.
-    timeout = aiohttp.ClientTimeout(total=rng.uniform(0.01, 0.3)) if leave and not body.get("stream") else None
+    # stream, after a few chunks; one that leaves a background response cancels it. An
+    # answer that comes first is checked as any other.
+    timeout = aiohttp.ClientTimeout(total=rng.uniform(0.01, 0.3)) \
+        if leave and not body.get("stream") and not body.get("background") else None
     chunks_before_leaving = rng.randint(1, 4)
     try:
         await _answer(session, url + path, body, timeout, leave, chunks_before_leaving, problems, count)
@@ -234,7 +239,8 @@ async def _answer(session: aiohttp.ClientSession, url: str, body: dict, timeout,
             problems.append(f"valid request got {response.status}: {text[:200]} {json.dumps(body)[:200]}")
             return
         if "input" in body:
-            return await _responses_answer(response, body, leave, chunks_before_leaving, problems, count)
+            return await _responses_answer(session, url, response, body, leave, chunks_before_leaving, problems,
+                                           count)
         n = body.get("n", 1)
         if not body.get("stream"):
             data = await response.json()
@@ -269,12 +275,34 @@ async def _answer(session: aiohttp.ClientSession, url: str, body: dict, timeout,
         count("streamed")
 
 
-async def _responses_answer(response, body: dict, leave: bool, chunks_before_leaving: int, problems: list[str],
-                            count) -> None:
+async def _responses_answer(session, url: str, response, body: dict, leave: bool, chunks_before_leaving: int,
+                            problems: list[str], count) -> None:
     """A Responses API answer: a response that completed, or stopped at ``max_output_tokens``,
-    with at most that many tokens; streamed, its events numbered from 0 and ending with it."""
+    with at most that many tokens; streamed, its events numbered from 0 and ending with it. A
+    background one: queued, then polled until it ends so, or (``leave``) cancelled: answered
+    cancelled, or refused as already ended."""
     limit = body["max_output_tokens"]
-    if not body.get("stream"):
+    if body.get("background"):
+        created = await response.json()
+        if created.get("status") != "queued":
+            problems.append(f"background response created {created.get('status')}")
+            return
+        where = f"{url}/{created['id']}"
+        if leave:
+            await asyncio.sleep(0.01 * chunks_before_leaving)
+            async with session.post(where + "/cancel") as cancelled:
+                answer = await cancelled.json()
+                if not (cancelled.status == 200 and answer["status"] == "cancelled"
+                        or cancelled.status == 400 and "already" in answer["error"]["message"]):
+                    problems.append(f"cancel answered {cancelled.status}: {answer}")
+            return count("cancelled")
+        for _ in range(600):
+            async with session.get(where) as polled:
+                final = await polled.json()
+            if final.get("status") not in ("queued", "in_progress"):
+                break
+            await asyncio.sleep(0.05)
+    elif not body.get("stream"):
         data = await response.json()
         final = data
     else:
@@ -346,6 +374,7 @@ def test_random_traffic_through_a_redeploy_and_a_killed_worker_gets_well_formed_
     assert sum(counts.values()) == CLIENTS * REQUESTS_PER_CLIENT
     # Each kind of outcome came up (the generator is seeded: these are not left to chance).
     assert all(counts.get(kind, 0) >= 5 for kind in ("invalid", "left", "whole", "streamed", "responses")), counts
+    assert counts.get("cancelled", 0) >= 1, counts
     assert blocks_held_once_freed(daemon, 10) == [(0, 0)] * 2
     status = http("GET", daemon.url + "/admin/status").json()
     assert all(i["num_running"] == 0 and i["num_waiting"] == 0 for i in status["instances"])
@@ -358,6 +387,7 @@ def test_random_traffic_through_a_redeploy_and_a_killed_worker_gets_well_formed_
         return all(re.search(rf'^{budget}\{{model_name="[^"]+"\}} 0\.0$', text, re.M)
                    for budget in ("hydrad_request_body_bytes_in_use", "hydrad_decoded_image_bytes_in_use"))
 
+    assert status["responses"]["background_running"] == 0  # each ended: answered, failed or cancelled
     assert wait_for(budgets_free, 10), [line for line in http("GET", daemon.url + "/metrics").text.splitlines()
                                         if "_in_use" in line]
     assert "Traceback" not in daemon.log()

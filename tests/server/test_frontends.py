@@ -196,6 +196,55 @@ def test_a_conversation_of_kept_responses_goes_on_in_any_process(daemon):
                                     "hydrad_request_body_bytes_in_use") == 0, 10)
 
 
+def test_background_responses_are_polled_and_cancelled_from_any_process(daemon):
+    """32 background responses made on connections of their own (either process takes each),
+    polled from any: the short ones reach their answer; the long ones, cancelled from any
+    process once they run, end as aborts in the process that runs them (the daemon fails
+    their requests), and none runs on."""
+
+    async def call(session: aiohttp.ClientSession, method: str, path: str, body: dict | None = None) -> dict:
+        async with session.request(method, daemon.url + path, json=body) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    async def background(session: aiohttp.ClientSession, i: int) -> tuple[str, dict]:
+        long = i % 2 == 0
+        created = await call(session, "POST", "/v1/responses", {
+            "input": f"background {i}", "max_output_tokens": 1500 if long else 4, "ignore_eos": True,
+            "background": True})
+        assert created["status"] == "queued"
+        response_id = created["id"]
+        deadline = time.monotonic() + 60
+        while True:
+            polled = await call(session, "GET", f"/v1/responses/{response_id}")
+            if polled["status"] not in ("queued", "in_progress") or (long and polled["status"] == "in_progress"):
+                break
+            assert time.monotonic() < deadline, polled
+            await asyncio.sleep(0.05)
+        if long:
+            assert (await call(session, "POST", f"/v1/responses/{response_id}/cancel"))["status"] == "cancelled"
+        return response_id, polled
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return await asyncio.gather(*(background(session, i) for i in range(32)))
+
+    results = asyncio.run(main())
+    log = daemon.log()
+    for i, (response_id, polled) in enumerate(results):
+        if i % 2:
+            assert polled["status"] == "incomplete" and polled["usage"]["output_tokens"] == 4, polled
+        else:
+            assert re.search(rf"finished {response_id} .* finish=abort", log), f"{response_id} ran on"
+            assert http("GET", f"{daemon.url}/v1/responses/{response_id}").json()["status"] == "cancelled"
+    served = {m.group(1) for m in re.finditer(r"^\S+ \S+ INFO (frontend1 )?hydrad.requests: finished resp_.* "
+                                               r"finish=abort", log, re.M)}
+    assert served == {None, "frontend1 "}, "cancelled in one process only"
+    assert http("GET", daemon.url + "/admin/status").json()["responses"]["background_running"] == 0
+    assert _metric(http("GET", daemon.url + "/metrics").text, "hydrad_responses_background_running") == 0
+
+
 def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
     """Two image blocks, one tiny LLaVA image each: three images are refused by whichever
     process takes the connection (the daemon tells the others its caches), before a stream."""

@@ -6,13 +6,14 @@ import pickle
 
 import pytest
 
-from hydrad.server.response_store import (KeptResponse, LocalStore, RemoteStore, ResponseGone, ResponseStore,
-                                          output_as_input)
+from hydrad.server.response_store import (CannotCancel, KeptResponse, LocalStore, RemoteStore, ResponseGone,
+                                          ResponseRunning, ResponseStore, output_as_input)
 from hydrad.transport.messages import KeptQuery
 
 
-def kept(n: int, previous: str | None = None, text: str = "x") -> KeptResponse:
-    response = {"id": f"resp_{n}", "object": "response", "status": "completed", "output": [
+def kept(n: int, previous: str | None = None, text: str = "x", status: str = "completed",
+         background: bool = False) -> KeptResponse:
+    response = {"id": f"resp_{n}", "object": "response", "status": status, "background": background, "output": [
         {"type": "message", "id": f"msg_{n}_0", "role": "assistant",
          "content": [{"type": "output_text", "text": text}]},
         {"type": "function_call", "id": f"fc_{n}_1", "call_id": f"call_{n}", "name": "f", "arguments": "{}"}]}
@@ -110,5 +111,99 @@ def test_a_front_end_calls_the_daemons_store_over_its_link():
         silent.fail_all(ConnectionError("the daemon is gone"))
         with pytest.raises(ConnectionError):
             await call
+
+    asyncio.run(main())
+
+
+def test_a_background_response_runs_kept_and_is_answered_in_place():
+    """Kept as created (queued), in progress once it runs, then its answer in its place;
+    while it runs it is never evicted, and its chain cannot be continued."""
+    aborted = []
+    size = kept(1).nbytes
+    store = ResponseStore(3 * size + size // 2, abort=aborted.extend)  # room for three
+    assert store.start(kept(1, status="queued", background=True), ("resp_1",))
+    assert store.num_running == 1 and store.get("resp_1").response["status"] == "queued"
+    assert store.progress("resp_1") and store.get("resp_1").response["status"] == "in_progress"
+    with pytest.raises(ResponseRunning):
+        store.items("resp_1", with_output=True)
+    assert len(store.items("resp_1", with_output=False)) == 1  # its input items are there already
+    # Four more kept past the bound: the oldest that does not run goes each time, never resp_1.
+    for n in (2, 3, 4, 5):
+        assert store.keep(kept(n))
+    assert store.get("resp_1") is not None and [store.get(f"resp_{n}") is None for n in (2, 3)] == [True, True]
+    # Three running fill the bound: a fourth finds no room, and nothing is evicted for it.
+    for n in (6, 7):
+        assert store.start(kept(n, status="queued", background=True), (f"resp_{n}",))
+    assert not store.start(kept(8, status="queued", background=True), ("resp_8",))
+    assert store.num_running == 3 and len(store) == 3 and store.get("resp_8") is None
+    # Answered: kept as answered, no longer running, and the store's size follows.
+    assert store.finish(kept(1, background=True, text="the answer"))
+    assert store.get("resp_1").response["status"] == "completed" and store.num_running == 2
+    assert store.get("resp_1").response["output"][0]["content"][0]["text"] == "the answer"
+    assert store.nbytes == sum(store.get(i).nbytes for i in ("resp_1", "resp_6", "resp_7"))
+    assert not store.finish(kept(1, background=True))  # it no longer runs: a second answer is dropped
+    assert aborted == []
+
+
+def test_cancel_ends_a_running_background_response_and_nothing_else():
+    aborted = []
+    store = ResponseStore(1 << 20, abort=aborted.extend)
+    store.start(kept(1, status="queued", background=True), ("resp_1",))
+    store.progress("resp_1")
+    cancelled = store.cancel("resp_1")
+    assert cancelled["status"] == "cancelled" and aborted == ["resp_1"] and store.num_running == 0
+    assert store.cancel("resp_1") == cancelled and aborted == ["resp_1"]  # again: the same, nothing aborted
+    # Its task's answer, coming after, is dropped; so is the move to in progress (it should stop).
+    assert not store.finish(kept(1, background=True)) and not store.progress("resp_1")
+    assert store.get("resp_1").response["status"] == "cancelled"
+    # Not a running background response: why not, as OpenAI says it.
+    store.keep(kept(2))
+    with pytest.raises(CannotCancel, match="synchronous"):
+        store.cancel("resp_2")
+    store.start(kept(3, status="queued", background=True), ("resp_3-0", "resp_3-1"))
+    store.finish(kept(3, background=True))
+    with pytest.raises(CannotCancel, match="already completed"):
+        store.cancel("resp_3")
+    assert store.cancel("resp_9") is None
+    # Deleting one that runs ends it too, and its answer does not bring it back.
+    store.start(kept(4, status="queued", background=True), ("resp_4",))
+    assert store.delete("resp_4") and aborted == ["resp_1", "resp_4"]
+    assert not store.finish(kept(4, background=True)) and store.get("resp_4") is None and store.num_running == 0
+
+
+def test_the_background_responses_of_a_front_end_that_died_fail_with_it():
+    store = ResponseStore(1 << 20)
+    store.answer("start", (kept(1, status="queued", background=True), ("resp_1",)), owner=0)
+    store.answer("start", (kept(2, status="queued", background=True), ("resp_2",)), owner=1)
+    store.answer("start", (kept(3, status="queued", background=True), ("resp_3",)))  # the daemon's own
+    assert store.orphaned(1, "exit code -9") == 1
+    failed = store.get("resp_2").response
+    assert failed["status"] == "failed" and "exit code -9" in failed["error"]["message"]
+    assert [store.get(f"resp_{n}").response["status"] for n in (1, 3)] == ["queued", "queued"]
+    assert store.num_running == 2 and store.orphaned(1, "again") == 0
+
+
+def test_cancel_and_its_refusals_cross_a_front_ends_link():
+    daemon_store = ResponseStore(1 << 20)
+
+    async def main():
+        remote = None
+
+        def send(msg: KeptQuery) -> None:
+            msg = pickle.loads(pickle.dumps(msg))
+            result = pickle.loads(pickle.dumps(daemon_store.answer(msg.op, msg.arg, owner=0)))
+            asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
+
+        remote = RemoteStore(send)
+        assert await remote.call("start", (kept(1, status="queued", background=True), ("resp_1",))) is True
+        assert await remote.call("progress", "resp_1") is True
+        with pytest.raises(ResponseRunning):
+            await remote.call("items", "resp_1")
+        assert (await remote.call("cancel", "resp_1"))["status"] == "cancelled"
+        await remote.call("keep", kept(2))
+        with pytest.raises(CannotCancel, match="synchronous"):
+            await remote.call("cancel", "resp_2")
+        with pytest.raises(CannotCancel):
+            await LocalStore(daemon_store).call("cancel", "resp_2")
 
     asyncio.run(main())

@@ -347,10 +347,18 @@ def test_where_responses_are_kept_store_is_on_unless_sent_false():
     assert not parse_responses_request({"input": "hi"}).store  # a server that keeps none
     for body, param in (({"store": "yes"}, "store"), ({"previous_response_id": 5}, "previous_response_id"),
                         ({"previous_response_id": ""}, "previous_response_id"), ({"conversation": "c"}, "conversation"),
-                        ({"background": True}, "background")):
+                        ({"background": "yes"}, "background"), ({"background": True, "store": False}, "background"),
+                        ({"background": True, "stream": True}, "background")):
         with pytest.raises(RequestError) as info:
             parse_responses_request({"input": "hi", **body}, keeping=True)
         assert info.value.param == param, body
+
+
+def test_a_background_request_is_kept_and_says_so():
+    req = parse_responses_request({"input": "hi", "background": True}, keeping=True)
+    assert req.background and req.store and req.settings["background"] is True and req.input_items
+    req = parse_responses_request({"input": "hi", "background": False}, keeping=True)
+    assert not req.background and req.settings["background"] is False
 
 
 def test_an_answer_is_kept_before_its_last_bytes_once_it_has_ended():
