@@ -60,7 +60,7 @@ def start(model_path, config_file, devices, deploy, host, port, api_key, admin_t
 
         choice = choose_deployment(config, trace_path)
         deployment = {"spec": choice.deploy, "reason": choice.reason, "auto": True,
-                      "planned_devices": config.engine.parallel.devices}
+                      "planned_devices": config.engine.parallel.devices, "refresh_since": choice.refresh_since}
         parallel = dataclasses.replace(config.engine.parallel, deploy=choice.deploy, devices=choice.devices)
         config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, parallel=parallel))
     parallel = config.engine.parallel

@@ -137,10 +137,10 @@ def render(status: dict):
     if len(history) > 1:
         parts.append("deployments:\n  " + "\n  ".join(_deployment_line(d) for d in history[-5:]))
     planner = status.get("planner") or {}
-    if planner.get("auto"):
+    if planner.get("auto") or planner.get("decisions"):
         decisions = planner.get("decisions") or []
         head = (f"re-planning every {planner['interval']:g} s (window {planner['window']:g} s, margin "
-                f"{planner['margin']:.0%})")
+                f"{planner['margin']:.0%})") if planner.get("auto") else "planned at start"
         parts.append(head + (":\n  " + "\n  ".join(_decision_line(d) for d in decisions[-5:])
                              if decisions else ": no decision yet"))
     parts.append(requests)

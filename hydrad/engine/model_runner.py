@@ -15,6 +15,7 @@ import torch
 
 from hydrad.models.attention.metadata import AttentionMetadata
 from hydrad.engine.grammar_mask import GrammarMasks
+from hydrad.engine.pages import PoolBacking
 from hydrad.engine.input_batch import InputBatch
 from hydrad.engine.request import Request
 from hydrad.engine.inputs import PromptLogprobs
@@ -52,6 +53,7 @@ class ModelRunner:
         # Qwen2-VL's decoder rotates by 3-D positions that the requests carry (M-RoPE).
         self.uses_mrope = model.uses_mrope
         self.shared = shared
+        self.backing = PoolBacking()  # the shared pools' pages, backed on threads
         self.max_blocks_per_seq = max_blocks_per_seq
         self.vocab_size = vocab_size
         # Structured outputs' matchers and masks (the tokenizer, from ``tokenizer_path``, on first use).
@@ -113,12 +115,13 @@ class ModelRunner:
         # Other instances copy straight out of this pool (pull-based migration): on CPU it must
         # live in shared memory; CUDA memory is exported through IPC handles by torch itself.
         if shared and self.device.type == "cpu":
-            # Made in shared memory at once (not zeroed privately, then copied there), and
-            # zeroed in place: every page is backed now, so a /dev/shm too small for the
-            # pool fails the start, not a step.
+            # Made in shared memory at once (not zeroed privately, then copied there); its
+            # pages are backed on a thread of their own (``pages``): new shared memory reads
+            # as zeros either way.
             nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
             storage = torch.UntypedStorage._new_shared(nbytes)
-            return torch.empty(0, dtype=self.dtype).set_(storage, 0, shape).zero_()
+            self.backing.back(storage, "KV cache pool" if len(shape) > 3 else "image cache pool")
+            return torch.empty(0, dtype=self.dtype).set_(storage, 0, shape)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # -- migration ------------------------------------------------------------------------------

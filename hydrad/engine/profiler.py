@@ -516,6 +516,7 @@ def measure_bandwidth(engine, *, repeats: int = 5) -> float:
             return float(cached["bytes_per_second"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass
+    engine.runner.backing.wait()  # nothing backing pages beside the copies timed
     num_blocks = pool.shape[2]
     count = max(1, min(64, num_blocks // 2))
     src, dst = list(range(count)), list(range(num_blocks - count, num_blocks))
@@ -663,6 +664,7 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     ``sliced``: a run at a time, each once the pools hold it and no other worker probes
     (yielding as ``measuring_latency_model`` says); else all at once (never yielding; the
     caller holds the probe lock)."""
+    engine.runner.backing.wait()  # nothing backing pages beside the probes timed
     images = probe_images(engine) if "E" in engine.role else []
     while True:
         try:

@@ -67,6 +67,9 @@ class Choice(NamedTuple):
     # The --devices it runs on: as configured, or ``cpu:N`` where ``auto`` left the count of
     # CPU workers to the plan.
     devices: str
+    # Where a kept plan runs while a new one is made (``refresh``): the arrival (UNIX time) of
+    # the oldest of the trace's newest requests, which the daemon plans from once it serves.
+    refresh_since: float | None = None
 
 
 @dataclass(frozen=True)
@@ -263,8 +266,11 @@ def keep_redeploy(trace_dir: Path, model: str, engine, router_policy: str, reque
                                               f"cpu:{len(devices)}" if cores else ""))
 
 
-def choose_deployment(config, trace_path: str | None = None) -> Choice:
-    """What to run for ``config`` (a ``DaemonConfig`` with its model path resolved)."""
+def choose_deployment(config, trace_path: str | None = None, *, refresh: bool = True) -> Choice:
+    """What to run for ``config`` (a ``DaemonConfig`` with its model path resolved).
+    ``refresh``: a kept plan for the same inputs that is no longer reused (too old, or the
+    trace outgrew it) runs while the daemon plans again (``Choice.refresh_since``), rather
+    than the start planning before it serves."""
     from hydrad.cluster.deploy import parse_devices
     from hydrad.cluster.launch import cuda_device_count
     from hydrad.cluster.preflight import memory_shortfall, shared_memory_error
@@ -309,14 +315,21 @@ def choose_deployment(config, trace_path: str | None = None) -> Choice:
         kept = load_plan(plan_path)
         now = time.time()
         why_not = reusable(kept, key, records, reuse_hours=config.planner.reuse_hours, now=now)
-        if why_not is None and kept.devices:
-            count = len(parse_devices(kept.devices, num_cuda))
-            if count not in counts:
-                why_not = f"the kept plan's {count} CPU workers would not fit in memory now"
+        fits = kept is None or not kept.devices or len(parse_devices(kept.devices, num_cuda)) in counts
+        if why_not is None and not fits:
+            why_not = f"the kept plan's {kept.devices} CPU workers would not fit in memory now"
         if why_not is None:
             reason = f"the plan of {(now - kept.made_at) / 60:.0f} min ago, kept in {plan_path}: {kept.reason}"
             logger.info("deploy auto: %s (%s)", kept.deploy, reason)
             return Choice(kept.deploy, reason, kept.devices or requested)
+        if refresh and kept is not None and kept.key == key and fits and not trace_path \
+                and config.planner.reuse_hours > 0:
+            # Made for these inputs, since outgrown (older, or the trace grew): it serves at once
+            # while the daemon makes the new plan (``Replanner.refresh``).
+            reason = f"the plan of {(now - kept.made_at) / 60:.0f} min ago, kept in {plan_path}, while a new one " \
+                     f"is made ({why_not}): {kept.reason}"
+            logger.info("deploy auto: %s (%s)", kept.deploy, reason)
+            return Choice(kept.deploy, reason, kept.devices or requested, min(r.timestamp for r in records))
         logger.info("deploy auto: planning (%s)", why_not)
         # Planning reads the latency models (torch): only once there is a trace to plan from.
         from hydrad.planner.profile import Devices, MachineOptions, MachineProbe, plan_deployment

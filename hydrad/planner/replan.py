@@ -257,19 +257,36 @@ class Replanner:
         self.num_decisions: dict[str, int] = {}  # by action, since start (for the metrics)
         self.last_redeploy: float | None = None
         self._task: asyncio.Task | None = None
+        self._refresh_task: asyncio.Task | None = None
 
     # -- life -------------------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._run())
 
+    def start_refresh(self, since: float) -> None:
+        """Plan once now, on the trace's requests since ``since`` (UNIX time), as a start would
+        have (the kept plan the daemon started on was outgrown): redeploy to the best where it
+        is ahead at all, and keep the plan for the next start (``refresh``)."""
+        self._refresh_task = asyncio.ensure_future(self.refresh(since))
+
+    async def refresh(self, since: float) -> Decision | None:
+        try:
+            return await self.replan(since=since)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the daemon serves on the plan it started with
+            logger.exception("planning at start failed")
+            return None
+
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        for task in (self._task, self._refresh_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._task = self._refresh_task = None
         if self._own_executor and self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -290,16 +307,24 @@ class Replanner:
                 "min_interval": c.min_interval, "decisions": [dataclasses.asdict(d) for d in self.decisions]}
 
     # -- one re-planning --------------------------------------------------------------------------------
-    async def replan(self) -> Decision:
-        decision = await self._decide()
+    async def replan(self, since: float | None = None) -> Decision:
+        """One decision on the last ``planner.window`` seconds of the trace, or (``since``:
+        planning at start) on its requests since then."""
+        decision = await self._decide(since)
         self.decisions.append(decision)
         self.num_decisions[decision.action] = self.num_decisions.get(decision.action, 0) + 1
         log = logger.warning if decision.action == "failed" else logger.info
-        log("re-planning: %s", decision.line())
+        log("%s: %s", "re-planning" if since is None else "planning at start", decision.line())
         return decision
 
-    async def _decide(self) -> Decision:
+    async def _decide(self, since: float | None = None) -> Decision:
+        """``since`` (planning at start): the trace's requests since then, as ``--deploy auto``
+        plans from them (``auto.MIN_REQUESTS`` at least); the best is taken where it is ahead at
+        all (no ``margin``, no ``min_interval``), and the plan kept either way."""
+        from hydrad.planner.auto import MIN_REQUESTS
+
         now = self.clock()
+        at_start = since is not None
         supervisor = self.supervisor
         current_roles = [c.role for c in supervisor.clients]
         current = format_deploy(current_roles)
@@ -316,7 +341,9 @@ class Replanner:
             no_room = shared_memory_error(self.engine_config.cache, [spec.device for spec in supervisor.specs])
             if no_room is not None:  # every other deployment keeps its CPU pools in /dev/shm
                 return decision("skip", f"no deployment but {current} can run here: {no_room}")
-        window = f"the last {self.config.window:g} s"
+        window = "the trace's newest" if at_start else f"the last {self.config.window:g} s"
+        min_requests = MIN_REQUESTS if at_start else self.config.min_requests
+        margin = 0.0 if at_start else self.config.margin
         stats = await asyncio.gather(*(_stats(c) for c in supervisor.clients))
         facts = [InstanceFacts(c.role, c.ready.latency_model, getattr(c.ready, "geometry", None),
                                getattr(c.ready, "copy_bandwidth", None), c.ready.max_model_len,
@@ -330,8 +357,8 @@ class Replanner:
             setup = live_setup(self.engine_config, facts, is_cpu=supervisor.is_cpu, cores=usable_cpus(),
                                router_policy=self.router_policy)
             ranking = await asyncio.get_running_loop().run_in_executor(self._pool(), functools.partial(
-                self.rank, str(self.trace_dir), self.model_name, now - self.config.window, setup, current_roles,
-                min_requests=self.config.min_requests, slo_ttft=slo.ttft, slo_tbt=slo.tbt,
+                self.rank, str(self.trace_dir), self.model_name, since if at_start else now - self.config.window,
+                setup, current_roles, min_requests=min_requests, slo_ttft=slo.ttft, slo_tbt=slo.tbt,
                 num_requests=self.config.num_requests, seed=self.engine_config.seed))
         except asyncio.CancelledError:
             raise
@@ -339,7 +366,7 @@ class Replanner:
             return decision("failed", f"planning failed: {type(e).__name__}: {e}")
         if ranking.best is None:
             return decision("skip", f"{ranking.num_requests} finished request(s) in {window}, fewer than "
-                                    f"planner.min_requests ({self.config.min_requests})",
+                                    f"{'' if at_start else 'planner.min_requests '}({min_requests})",
                             num_requests=ranking.num_requests)
         best = format_deploy(list(ranking.best))
         numbers = dict(best=best, current_goodput=ranking.current_goodput, best_goodput=ranking.best_goodput,
@@ -350,12 +377,17 @@ class Replanner:
 
         summary = (f"{ranking.num_requests} requests in {window} ({ranking.rate:.3g} req/s); simulated goodput "
                    f"{current} {rate(ranking.current_goodput)}")
+        def keep(why: str) -> Decision:
+            if at_start and self.keep_plans:  # the next start reuses it
+                self._keep(current, f"planned at start: {summary}: {why}", now, ranking.num_requests)
+            return decision("keep", f"{summary}: {why}", **numbers)
+
         if ranking.best == canonical(current_roles):
-            return decision("keep", f"{summary}: the running deployment is the best", **numbers)
+            return keep("the running deployment is the best")
         summary += f", {best} {rate(ranking.best_goodput)}"
-        if ranking.best_goodput <= ranking.current_goodput * (1 + self.config.margin):
-            return decision("keep", f"{summary}: not better by planner.margin ({self.config.margin:.0%})", **numbers)
-        if self.last_redeploy is not None and now - self.last_redeploy < self.config.min_interval:
+        if ranking.best_goodput <= ranking.current_goodput * (1 + margin):
+            return keep(f"not better by planner.margin ({margin:.0%})" if margin else "not better")
+        if not at_start and self.last_redeploy is not None and now - self.last_redeploy < self.config.min_interval:
             wait = self.config.min_interval - (now - self.last_redeploy)
             return decision("keep", f"{summary}: the last redeploy was {now - self.last_redeploy:.0f} s ago "
                                     f"(planner.min_interval {self.config.min_interval:g} s; {wait:.0f} s to go)",
@@ -364,7 +396,8 @@ class Replanner:
 
         self.last_redeploy = now
         try:
-            changed = await supervisor.redeploy(list(ranking.best), reason=f"auto: {summary}", trigger="auto")
+            changed = await supervisor.redeploy(list(ranking.best), reason=f"auto: {'at start: ' if at_start else ''}"
+                                                f"{summary}", trigger="auto")
         except RedeployError as e:
             return decision("failed", f"{summary}: the redeploy to {best} failed: {e}", **numbers)
         if self.keep_plans:

@@ -205,15 +205,20 @@ async def engine_ctx(app: web.Application):
             template_tokens=count_template_tokens(processor))
         logger.info("recording finished requests in %s", app[ENGINE].trace.path)
     replanner = None
-    if config.planner.auto:
+    # --deploy auto started on a kept plan the trace has outgrown: the new plan is made now.
+    refresh_since = app[DEPLOYMENT].get("refresh_since")
+    if config.planner.auto or refresh_since is not None:
         from hydrad.planner.replan import Replanner
 
         replanner = Replanner(config, supervisor, processor.model_name,
                               keep_plans=bool(app[DEPLOYMENT].get("auto")),
                               planned_devices=app[DEPLOYMENT].get("planned_devices"))
-        replanner.start()
-        logger.info("re-planning every %g s on the last %g s of the trace (planner.auto)", config.planner.interval,
-                    config.planner.window)
+        if config.planner.auto:
+            replanner.start()
+            logger.info("re-planning every %g s on the last %g s of the trace (planner.auto)",
+                        config.planner.interval, config.planner.window)
+        if refresh_since is not None:
+            replanner.start_refresh(refresh_since)
     app[REPLANNER] = replanner
     if app[KEPT] is not None:  # a background response's cancel ends its requests, wherever they run
         app[KEPT].store.abort = functools.partial(cancel_requests, supervisor.table)

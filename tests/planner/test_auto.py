@@ -65,25 +65,31 @@ def config_for(tmp_path, **overrides):
 def test_a_plan_is_kept_and_reused_at_the_next_start(tmp_path, planning, caplog):
     write_trace(tmp_path / "trace", 40)
     config = config_for(tmp_path)
-    assert auto.choose_deployment(config) == ("1EP+1D", "planner's pick from 40 traced requests", "cpu:2")
+    assert auto.choose_deployment(config) == ("1EP+1D", "planner's pick from 40 traced requests", "cpu:2", None)
     assert planning.calls == [40]
     kept = auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE)
     assert kept.deploy == "1EP+1D" and kept.num_requests == 40 and kept.newest == 1039.0
     assert kept.key.devices == ("cpu", "cpu") and kept.key.model == "m"
     # The next start: the kept plan, without planning.
     with caplog.at_level(logging.INFO, logger="hydrad.planner"):
-        spec, reason, _ = auto.choose_deployment(config)
+        spec, reason, _, _ = auto.choose_deployment(config)
     assert spec == "1EP+1D" and planning.calls == [40]
     assert reason.startswith("the plan of 0 min ago, kept in ") and reason.endswith("from 40 traced requests")
     assert "deploy auto: 1EP+1D (the plan of" in caplog.text
     # Fewer new requests than it was planned from: still reused.
     write_trace(tmp_path / "trace", 39, start=2000.0)
     assert auto.choose_deployment(config)[0] == "1EP+1D" and planning.calls == [40]
-    # As many new ones as it was planned from: planned again, on the newest.
+    # As many new ones as it was planned from: it serves at once while the daemon plans again
+    # from the trace's newest requests (all 80 here, the oldest at 1000) ...
     write_trace(tmp_path / "trace", 1, start=3000.0)
     planning.answer = "1ED+1P"
+    choice = auto.choose_deployment(config)
+    assert (choice.deploy, choice.refresh_since, planning.calls) == ("1EP+1D", 1000.0, [40])
+    assert "while a new one is made (40 requests traced since the kept plan, which was made from 40)" in choice.reason
+    # ... or, where the start must not serve first, the start plans again, on the newest.
     with caplog.at_level(logging.INFO, logger="hydrad.planner"):
-        assert auto.choose_deployment(config)[0] == "1ED+1P"
+        choice = auto.choose_deployment(config, refresh=False)
+    assert (choice.deploy, choice.refresh_since) == ("1ED+1P", None)
     assert planning.calls == [40, 80]
     assert "40 requests traced since the kept plan, which was made from 40" in caplog.text
     assert auto.load_plan(tmp_path / "trace" / auto.PLAN_FILE).deploy == "1ED+1P"
@@ -116,9 +122,19 @@ def test_a_plan_for_other_inputs_or_too_old_is_made_again(tmp_path, planning, ca
     old = json.loads(path.read_text())
     old["made_at"] -= 25 * 3600
     path.write_text(json.dumps(old))
+    assert auto.choose_deployment(config_for(tmp_path)).refresh_since == 1000.0 and len(planning.calls) == 8
     with caplog.at_level(logging.INFO, logger="hydrad.planner"):
-        auto.choose_deployment(config_for(tmp_path))
+        auto.choose_deployment(config_for(tmp_path), refresh=False)
     assert len(planning.calls) == 9 and "h old (reuse_hours = 24)" in caplog.text
+    # A trace given by --trace (the same folder here), or a plan made for other inputs: planned
+    # before serving.
+    for start in ({"trace_path": str(tmp_path / "trace")}, {"config": config_for(tmp_path, **{"slo.ttft": 2.5})}):
+        old = json.loads(path.read_text())
+        old["made_at"] -= 25 * 3600
+        path.write_text(json.dumps(old))
+        choice = auto.choose_deployment(start.get("config", config_for(tmp_path)), start.get("trace_path"))
+        assert choice.refresh_since is None and not choice.reason.startswith("the plan of ")
+    assert len(planning.calls) == 11
 
 
 def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, planning, caplog):
@@ -130,7 +146,7 @@ def test_an_unreadable_plan_is_replaced_and_a_failed_plan_is_not_kept(tmp_path, 
     assert "ignoring the kept plan" in caplog.text and auto.load_plan(path).deploy == "1EP+1D"
     path.unlink()
     planning.answer = RuntimeError("no machine")
-    spec, reason, devices = auto.choose_deployment(config_for(tmp_path))
+    spec, reason, devices, _ = auto.choose_deployment(config_for(tmp_path))
     assert spec == "2EPD" and "RuntimeError: no machine" in reason and not path.exists() and devices == "cpu:2"
 
 
@@ -147,7 +163,7 @@ def test_without_room_in_shared_memory_the_pick_is_the_deployment_whose_pools_st
     monkeypatch.setattr(preflight, "SHM", str(tmp_path))  # a 64 MiB /dev/shm
     monkeypatch.setattr(preflight.os, "statvfs", lambda path: SimpleNamespace(f_bavail=64 * 256, f_frsize=4096))
     with caplog.at_level(logging.WARNING, logger="hydrad.planner"):
-        spec, reason, _ = auto.choose_deployment(config_for(tmp_path))
+        spec, reason, _, _ = auto.choose_deployment(config_for(tmp_path))
     assert spec == "2EPD" and planning.calls == []
     assert reason.startswith("one EPD instance per device, the one deployment whose pools stay private: "
                              f"{tmp_path} has 64 MiB free, and the cache pools of 2 CPU instance(s) take 1536 MiB")
@@ -171,7 +187,7 @@ def test_a_profile_kept_is_the_plan_of_the_start_with_its_inputs(tmp_path, plann
     path = auto.keep_profile(config, "cpu:2", tmp_path / "trace", records, "1E+1PD", "the pick of hydractl profile",
                              now=time.time() - 120)
     assert path == tmp_path / "trace" / auto.PLAN_FILE
-    spec, reason, devices = auto.choose_deployment(config)
+    spec, reason, devices, _ = auto.choose_deployment(config)
     assert (spec, devices) == ("1E+1PD", "cpu:2") and planning.calls == []
     assert reason.startswith("the plan of 2 min ago, kept in ") and reason.endswith(": the pick of hydractl profile")
     # Given the trace folder by --trace, as the profile read it: the same plan.
@@ -271,7 +287,7 @@ def test_devices_auto_without_a_gpu_plans_the_count_of_cpu_workers_too(tmp_path,
         patch.setattr(preflight, "memory_shortfall",
                       lambda engine, n, path: None if n == 1 else f"the {n} CPU worker(s) need about 9 MiB")
         choice = auto.choose_deployment(config)
-    assert choice == ("1EPD", "one EPD instance: the 2 CPU worker(s) need about 9 MiB", "auto")
+    assert choice == ("1EPD", "one EPD instance: the 2 CPU worker(s) need about 9 MiB", "auto", None)
     assert len(planning.calls) == 2
     # One worker ahead, or as good: one worker.
     (tmp_path / "trace" / auto.PLAN_FILE).unlink()

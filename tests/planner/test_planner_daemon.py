@@ -135,13 +135,37 @@ def test_record_profile_and_deploy_auto(tiny_llava_dir, tmp_path):
     assert kept is not None and kept.reason.startswith(("the pick of hydractl profile", "auto: ")), kept
     assert len(kept.key.devices) == 2
 
+    # A kept plan outgrown (a day old here): the start serves on it at once and plans as it
+    # serves, from the workers' own models, then keeps the new plan.
+    config.write_text(config.read_text().replace("auto = true", "auto = false"))  # planned at the start only
+    plan = json.loads((trace_dir / PLAN_FILE).read_text())
+    plan["made_at"] -= 25 * 3600
+    (trace_dir / PLAN_FILE).write_text(json.dumps(plan))
+    daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "cpu:2", "--deploy",
+                     "auto"], tmp_path / "log3")
+    try:
+        status = http("GET", daemon.url + "/admin/status").json()
+        assert status["deployment"]["history"][0]["deploy"] == kept.deploy
+        assert "while a new one is made (the kept plan is 25.0 h old" in status["deployment"]["history"][0]["reason"]
+        deadline = time.monotonic() + 90
+        while not status["planner"]["decisions"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+            status = http("GET", daemon.url + "/admin/status").json()
+        decision = status["planner"]["decisions"][0]
+        assert decision["action"] in ("keep", "redeploy") and decision["num_requests"] >= 16, decision
+        run = CliRunner().invoke(cli, ["status", "--url", daemon.url])
+        assert run.exit_code == 0 and "planned at start:" in run.output, run.output
+    finally:
+        assert daemon.stop() == 0
+    replanned = load_plan(trace_dir / PLAN_FILE)
+    assert replanned.made_at > plan["made_at"] + 24 * 3600 and replanned.deploy == decision["best"]
+
     # --devices auto on this CPU machine: the plan picks the count of workers too (one on both
     # cores, or one per core), runs it, and keeps it for the next start.
     from hydrad.engine.cores import usable_cpus
 
     if usable_cpus() < 2:
         return
-    config.write_text(config.read_text().replace("auto = true", "auto = false"))  # planned at the start only
     daemon = Daemon(["--model", str(tiny_llava_dir), "--config", str(config), "--devices", "auto", "--deploy",
                      "auto", "--trace", str(trace_dir)], tmp_path / "log4")
     try:

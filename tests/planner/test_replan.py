@@ -260,6 +260,30 @@ def test_a_daemon_started_with_deploy_auto_keeps_each_redeploy_as_the_plan_a_res
         assert kept.devices == ""  # those of the key
 
 
+def test_planning_at_start_ranks_the_start_s_requests_takes_any_gain_and_keeps_the_plan(tmp_path):
+    """A daemon started on an outgrown kept plan plans once as it serves (``refresh``): on the
+    trace's requests since the start's ``since`` (at least ``auto.MIN_REQUESTS``), redeploying
+    to the best where it is ahead at all (no margin, even right after another redeploy), and
+    keeping the plan either way, so the next start reuses it."""
+    from hydrad.planner.auto import PLAN_FILE, load_plan
+
+    supervisor = FakeSupervisor(["EPD", "EPD"])
+    r, calls, clock = replanner(supervisor, [ranking(("EP", "D"), 1.1), ranking(("EP", "D"), 1.0, ("EP", "D"), 1.0),
+                                             RuntimeError("no trace")], tmp_path, keep_plans=True)
+    r.last_redeploy = clock.now  # min_interval does not hold it back
+    redeploy = asyncio.run(r.refresh(since=5_000.0))
+    assert redeploy.action == "redeploy" and supervisor.redeploys[0][0] == ["EP", "D"]  # 10% ahead: taken
+    assert supervisor.redeploys[0][1].startswith("auto: at start: 200 requests in the trace's newest")
+    (_, _, since, _, _), kwargs = calls[0]
+    assert since == 5_000.0 and kwargs["min_requests"] == 10
+    assert load_plan(tmp_path / PLAN_FILE).deploy == "1EP+1D"
+    (tmp_path / PLAN_FILE).unlink()
+    keep = asyncio.run(r.refresh(since=5_000.0))  # the running one is the best: kept as the plan
+    assert keep.action == "keep" and load_plan(tmp_path / PLAN_FILE).reason.startswith("planned at start: ")
+    assert asyncio.run(r.refresh(since=5_000.0)).action == "failed"  # the daemon serves on
+    assert [d["action"] for d in r.status()["decisions"]] == ["redeploy", "keep", "failed"]
+
+
 def test_a_redeploy_of_workers_whose_count_the_start_planned_is_kept_with_their_count(tmp_path, monkeypatch):
     """Started with ``--devices auto`` on a CPU machine, where the plan picked two workers:
     a redeploy is kept under the key of ``--devices auto`` with ``cpu:2``, and the next start
