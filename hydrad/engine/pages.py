@@ -11,9 +11,9 @@ the daemon's preflight has checked that ``/dev/shm`` holds every pool) and the r
 thread of its own at idle priority (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14 and
 later: the kernel backs the pages without touching their contents, so steps may write the
 pool meanwhile, and what the start waits for runs first). Where the kernel lacks it the
-pool is zeroed in place before it is used, as it always was. ``wait`` joins the threads:
-what times the instance's steps (its latency-model probes, the copy bandwidth) waits for
-them, so that no probe runs beside them.
+pool is zeroed in place before it is used, as it always was. ``wait`` joins the threads
+(raised to normal priority): what times the instance's steps (its latency-model probes,
+the copy bandwidth) waits for them, so that no probe runs beside them.
 """
 
 from __future__ import annotations
@@ -92,7 +92,14 @@ class PoolBacking:
             logger.error("%s", message)
 
     def wait(self) -> None:
+        """Until every pool is backed; the threads still at it run at normal priority from now
+        (at idle priority they would wait for idle cores, which a busy instance has none of)."""
         for thread in self._threads:
+            if thread.is_alive() and thread.native_id is not None:
+                try:
+                    os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+                except (AttributeError, OSError):
+                    pass
             thread.join()
         self._threads = [t for t in self._threads if t.is_alive()]
 
