@@ -365,8 +365,8 @@ class Replanner:
         except Exception as e:
             return decision("failed", f"planning failed: {type(e).__name__}: {e}")
         if ranking.best is None:
-            return decision("skip", f"{ranking.num_requests} finished request(s) in {window}, fewer than "
-                                    f"{'' if at_start else 'planner.min_requests '}({min_requests})",
+            least = f"{min_requests}" if at_start else f"planner.min_requests ({min_requests})"
+            return decision("skip", f"{ranking.num_requests} finished request(s) in {window}, fewer than {least}",
                             num_requests=ranking.num_requests)
         best = format_deploy(list(ranking.best))
         numbers = dict(best=best, current_goodput=ranking.current_goodput, best_goodput=ranking.best_goodput,
@@ -377,6 +377,7 @@ class Replanner:
 
         summary = (f"{ranking.num_requests} requests in {window} ({ranking.rate:.3g} req/s); simulated goodput "
                    f"{current} {rate(ranking.current_goodput)}")
+
         def keep(why: str) -> Decision:
             if at_start and self.keep_plans:  # the next start reuses it
                 self._keep(current, f"planned at start: {summary}: {why}", now, ranking.num_requests)
