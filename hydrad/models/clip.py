@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from hydrad.models.activations import activation
+from transformers.activations import ACT2FN
 
 
 def feature_layer_indices(vision_config, layers: int | list[int]) -> list[int]:
@@ -75,7 +74,7 @@ class CLIPAttention(nn.Module):
 class CLIPMLP(nn.Module):
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
-        self.activation_fn = activation(config.hidden_act)
+        self.activation_fn = ACT2FN[config.hidden_act]
         self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, dtype=dtype)
         self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, dtype=dtype)
 

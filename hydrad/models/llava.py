@@ -10,9 +10,9 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from transformers.activations import ACT2FN
 
 from hydrad.errors import CheckpointError
-from hydrad.models.activations import activation
 from hydrad.models.clip import CLIPVisionTower
 from hydrad.models.inputs import ImageInput
 from hydrad.models.interface import VisionLanguageModel
@@ -27,7 +27,7 @@ class LlavaMultiModalProjector(nn.Module):
         text_hidden = hf_config.text_config.hidden_size
         bias = hf_config.multimodal_projector_bias
         self.linear_1 = nn.Linear(vision_hidden, text_hidden, bias=bias, dtype=dtype)
-        self.act = activation(hf_config.projector_hidden_act)
+        self.act = ACT2FN[hf_config.projector_hidden_act]
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias, dtype=dtype)
 
     def forward(self, image_features: torch.Tensor) -> torch.Tensor:

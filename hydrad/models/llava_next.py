@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from transformers.image_processing_utils import select_best_resolution
 
 from hydrad.models.inputs import ImageInput
 from hydrad.errors import CheckpointError
@@ -47,24 +48,6 @@ def _check_config(hf_config) -> None:
                 f"llava_next: image_grid_pinpoints entry {list(pinpoint)} is not a (height, width) multiple of the "
                 f"tower's image_size {side}"
             )
-
-
-def select_best_resolution(original_size: tuple[int, int], possible_resolutions) -> tuple[int, int]:
-    """The (height, width) of ``possible_resolutions`` that LLaVA-NeXT's processor resizes an
-    image of ``original_size`` (height, width) to: the one that keeps the most of its pixels
-    once it is scaled to fit, then the one that wastes the fewest (the first of equals), the
-    rule of ``transformers.image_processing_utils.select_best_resolution``, which
-    ``tests/models/test_activations.py`` checks this against (imported here, it costs every
-    worker start a second: ``hydrad.models.activations``)."""
-    original_height, original_width = original_size
-    best, best_kept, best_wasted = None, 0, float("inf")
-    for height, width in possible_resolutions:
-        scale = min(width / original_width, height / original_height)
-        kept = min(int(original_width * scale) * int(original_height * scale), original_width * original_height)
-        wasted = width * height - kept
-        if kept > best_kept or (kept == best_kept and wasted < best_wasted):
-            best, best_kept, best_wasted = (height, width), kept, wasted
-    return best
 
 
 def anyres_grid(hf_config, image_size: tuple[int, int]) -> tuple[int, int]:
