@@ -18,6 +18,9 @@ bottleneck.
 in turn on each daemon; ``responses-unkept`` sends ``store`` false, and
 ``responses-chained`` continues each client's previous response
 (``previous_response_id``) for ``CHAIN_TURNS`` turns, then starts a new conversation;
+``responses-background`` creates each response in the background (``background`` true, not
+streamed) and polls it every ``POLL_SECONDS`` until it ends, its tokens counted from its
+usage once it has (no inter-token gaps: what it costs the daemon is the polls);
 ``--repo DIR`` measures another checkout's daemon (the same client and model);
 ``--profile FILE`` samples the daemon with py-spy while measuring.
 """
@@ -62,7 +65,11 @@ APIS = {
         "input": text, "max_output_tokens": max_tokens, "store": False}, _RESPONSE_TOKEN),
     "responses-chained": ("/v1/responses", lambda text, max_tokens: {
         "input": text, "max_output_tokens": max_tokens}, _RESPONSE_TOKEN),
+    "responses-background": ("/v1/responses", lambda text, max_tokens: {
+        "input": text, "max_output_tokens": max_tokens, "background": True}, None),
 }
+# ``responses-background``: how often each client asks whether its response has ended.
+POLL_SECONDS = 0.1
 # ``responses-chained``: turns of one conversation before a client starts another.
 CHAIN_TURNS = 4
 _CREATED = b'data: {"type":"response.created"'
@@ -77,17 +84,39 @@ async def run_level(url: str, concurrency: int, max_tokens: int, warmup: float, 
     measuring = asyncio.Event()
     stop = asyncio.Event()
 
+    async def background(session, body: dict) -> dict | None:
+        """Create a background response and poll it until it ends (or the run does); None: refused."""
+        async with session.post(url + route, json=body) as response:
+            if response.status != 200:
+                return None
+            polled = await response.json()
+        while polled["status"] in ("queued", "in_progress") and not stop.is_set():
+            await asyncio.sleep(POLL_SECONDS)
+            async with session.get(f"{url}{route}/{polled['id']}") as response:
+                polled = await response.json()
+        return polled
+
     async def client(k: int) -> None:
         nonlocal tokens_measured, requests_done, errors
         i, previous, turns = k, None, 0
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             while not stop.is_set():
                 body = {**make_body(f"Request {i}: tell me about the number {i}.", max_tokens), "ignore_eos": True,
-                        "stream": True, **({"temperature": 0} if i % 2 else {})}
+                        "stream": token_line is not None, **({"temperature": 0} if i % 2 else {})}
                 if previous is not None:
                     body["previous_response_id"] = previous
                 last = None
                 try:
+                    if token_line is None:  # a background response, polled until it ends
+                        polled = await background(session, body)
+                        if polled is None or polled["status"] not in ("incomplete", "completed", "queued",
+                                                                        "in_progress"):
+                            errors += 1
+                        elif measuring.is_set() and not stop.is_set() and polled.get("usage"):
+                            tokens_measured += polled["usage"]["output_tokens"]
+                            requests_done += 1
+                        i += concurrency
+                        continue
                     async with session.post(url + route, json=body) as response:
                         if response.status != 200:
                             errors += 1
@@ -239,8 +268,9 @@ def main() -> None:
                           f"daemon {row['daemon_cpu_us_per_token']:6.1f} us/token "
                           f"(system {row['daemon_sys_us_per_token']:.1f})  "
                           f"({' + '.join(map(str, row['process_cpu_us_per_token']))})  "
-                          f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
-                          f"errors {row['errors']}", flush=True)
+                          + (f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms  "
+                             if row["itl_p50_ms"] is not None else "")
+                          + f"errors {row['errors']}", flush=True)
                     for name, share in row.get("profile", [])[:12]:
                         print(f"    {100 * share:5.1f}%  {name}")
             finally:
