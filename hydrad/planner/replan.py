@@ -48,6 +48,9 @@ logger = logging.getLogger("hydrad.planner")
 MAX_DECISIONS = 50
 # How much lower the search's own process runs (nice increment).
 NICENESS = 10
+# Planning at start on a busy cluster (a worker restarting): tries, and the wait between them.
+REFRESH_TRIES = 12
+REFRESH_RETRY_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -270,8 +273,16 @@ class Replanner:
         self._refresh_task = asyncio.ensure_future(self.refresh(since))
 
     async def refresh(self, since: float) -> Decision | None:
+        """``start_refresh``'s planning; while the cluster is busy (a worker restarting, a
+        redeploy under way) it tries again every ``REFRESH_RETRY_SECONDS``, up to
+        ``REFRESH_TRIES`` times."""
         try:
-            return await self.replan(since=since)
+            for _ in range(REFRESH_TRIES):
+                decision = await self.replan(since=since)
+                if decision.action != "skip" or not self.supervisor.busy:
+                    return decision
+                await asyncio.sleep(REFRESH_RETRY_SECONDS)
+            return decision
         except asyncio.CancelledError:
             raise
         except Exception:  # the daemon serves on the plan it started with

@@ -284,6 +284,27 @@ def test_planning_at_start_ranks_the_start_s_requests_takes_any_gain_and_keeps_t
     assert [d["action"] for d in r.status()["decisions"]] == ["redeploy", "keep", "failed"]
 
 
+def test_planning_at_start_waits_out_a_busy_cluster(tmp_path, monkeypatch):
+    """A worker restarting when the start's planning comes: it tries again once the cluster is
+    no longer busy, rather than leaving the outgrown plan for another start."""
+    from hydrad.planner import replan
+
+    monkeypatch.setattr(replan, "REFRESH_RETRY_SECONDS", 0.01)
+    supervisor = FakeSupervisor(["EPD", "EPD"], busy="instance 1 is restarting")
+    r, calls, _ = replanner(supervisor, [ranking(("EP", "D"), 2.0)], tmp_path, keep_plans=True)
+
+    async def run():
+        refresh = asyncio.ensure_future(r.refresh(since=5_000.0))
+        await asyncio.sleep(0.05)
+        supervisor.busy = None
+        return await refresh
+
+    decision = asyncio.run(run())
+    actions = [d["action"] for d in r.status()["decisions"]]
+    assert decision.action == "redeploy" and actions[-1] == "redeploy" and set(actions[:-1]) == {"skip"}
+    assert len(actions) >= 2 and len(calls) == 1  # ranked once, when it could act
+
+
 def test_a_redeploy_of_workers_whose_count_the_start_planned_is_kept_with_their_count(tmp_path, monkeypatch):
     """Started with ``--devices auto`` on a CPU machine, where the plan picked two workers:
     a redeploy is kept under the key of ``--devices auto`` with ``cpu:2``, and the next start
