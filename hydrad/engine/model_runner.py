@@ -120,7 +120,7 @@ class ModelRunner:
             # as zeros either way.
             nbytes = math.prod(shape) * torch.empty((), dtype=self.dtype).element_size()
             storage = torch.UntypedStorage._new_shared(nbytes)
-            self.backing.back(storage, "KV cache pool" if len(shape) > 3 else "image cache pool")
+            self.backing.back(storage, "cache pool")
             return torch.empty(0, dtype=self.dtype).set_(storage, 0, shape)
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 

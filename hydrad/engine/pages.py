@@ -58,7 +58,6 @@ class PoolBacking:
 
     def __init__(self):
         self._threads: list[threading.Thread] = []
-        self.errors: list[str] = []
 
     def back(self, storage, what: str) -> None:
         """Back ``storage`` (a new ``UntypedStorage`` in shared memory): its first page now,
@@ -83,13 +82,11 @@ class PoolBacking:
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
-            pass
+            pass  # not on this platform: backed at the thread's normal priority instead
         error = populate(storage.data_ptr(), nbytes)
         if error:
-            message = f"shared memory ran out while backing the {what} ({nbytes >> 20} MiB): {os.strerror(error)}; " \
-                      "a step that reaches a page not backed will fail"
-            self.errors.append(message)
-            logger.error("%s", message)
+            logger.error("shared memory ran out while backing the %s (%d MiB): %s; a step that reaches a page not "
+                         "backed will fail", what, nbytes >> 20, os.strerror(error))
 
     def wait(self) -> None:
         """Until every pool is backed; the threads still at it run at normal priority from now
@@ -99,9 +96,9 @@ class PoolBacking:
                 try:
                     os.sched_setscheduler(thread.native_id, os.SCHED_OTHER, os.sched_param(0))
                 except (AttributeError, OSError):
-                    pass
+                    pass  # not allowed here: waited for at the priority it has
             thread.join()
-        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.clear()
 
     @property
     def pending(self) -> int:

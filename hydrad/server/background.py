@@ -26,7 +26,7 @@ import logging
 
 from hydrad.cluster.requests import RequestCancelled
 from hydrad.server.errors import APIError, exception_status
-from hydrad.server.responses import ResponsesFormat, ResponsesRequest, keep_response, kept_response_of
+from hydrad.server.responses import ResponsesFormat, ResponsesRequest, kept_response_of
 from hydrad.server.serving import whole_body
 
 logger = logging.getLogger("hydrad.server")
@@ -78,12 +78,12 @@ class BackgroundResponses:
                     logger.warning("background response %s failed: %s", fmt.req_id, e)
                 final = fmt.failed(status, e, [])
             try:
-                await keep_response(self.kept, req, final, op="finish")
+                await self.kept.call("finish", kept_response_of(req, final))
             except Exception as e:
                 logger.warning("background response %s: its answer was not kept: %s", fmt.req_id, e)
 
     async def stop(self) -> None:
-        """End every task still running (the daemon stops; a drain has waited for them)."""
+        """End every task still running (the process stops; a drain does not wait for them)."""
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()

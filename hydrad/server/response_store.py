@@ -114,13 +114,11 @@ class ResponseStore:
         return self._forget(response_id)
 
     def _forget(self, response_id: str) -> bool:
+        self._stop_running(response_id)
         kept = self._kept.pop(response_id, None)
         if kept is None:
             return False
         self.nbytes -= kept.nbytes
-        if response_id in self._running:
-            del self._running[response_id]
-            self._running_bytes -= kept.nbytes
         return True
 
     # -- background responses -----------------------------------------------------------------
@@ -145,10 +143,8 @@ class ResponseStore:
     def finish(self, kept: KeptResponse) -> bool:
         """A running background response ended: ``kept`` is its answer. False (dropped): it had
         been cancelled or deleted."""
-        response_id = kept.response["id"]
-        if response_id not in self._running:
+        if self._stop_running(kept.response["id"]) is None:
             return False
-        self._forget(response_id)
         return self.keep(kept)
 
     def cancel(self, response_id: str) -> dict | None:
@@ -173,21 +169,26 @@ class ResponseStore:
         """Front end ``owner`` is gone, and the background responses it ran with it: each is
         kept ``failed``, saying why. Returns how many."""
         gone = [response_id for response_id, (_, runner) in self._running.items() if runner == owner]
+        error = {"code": "server_error", "message": f"the process that ran it exited ({reason})"}
         for response_id in gone:
+            self._stop_running(response_id)
             kept = self._kept[response_id]
-            self._running_bytes -= kept.nbytes
-            del self._running[response_id]
-            error = {"code": "server_error", "message": f"the process that ran it exited ({reason})"}
             self._replace(kept, {**kept.response, "status": "failed", "error": error})
         return len(gone)
 
     def _end_running(self, response_id: str) -> None:
+        """Stop running ``response_id`` and abort its engine requests."""
+        req_ids = self._stop_running(response_id)
+        if req_ids is not None and self.abort is not None:
+            self.abort(req_ids)
+
+    def _stop_running(self, response_id: str) -> tuple[str, ...] | None:
+        """No longer count ``response_id`` as running; its engine requests' ids (None: it was not)."""
         running = self._running.pop(response_id, None)
         if running is None:
-            return
+            return None
         self._running_bytes -= self._kept[response_id].nbytes
-        if self.abort is not None:
-            self.abort(running[0])
+        return running[0]
 
     def _replace(self, kept: KeptResponse, response: dict) -> None:
         """The same entry with another response object (its status changed: same size bar a

@@ -174,10 +174,9 @@ async def prior_items(kept, body: Any) -> list[dict] | None:
 _ITEM_IDS = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
 
 
-async def keep_response(kept, req: ResponsesRequest, response: dict, op: str = "keep") -> None:
-    """Keep ``response``, the answer to ``req``, with ``req``'s input items (``op``
-    "finish": the answer of a background response kept since it started)."""
-    await kept.call(op, kept_response_of(req, response))
+async def keep_response(kept, req: ResponsesRequest, response: dict) -> None:
+    """Keep ``response``, the answer to ``req``, with ``req``'s input items."""
+    await kept.call("keep", kept_response_of(req, response))
 
 
 def kept_response_of(req: ResponsesRequest, response: dict) -> KeptResponse:

