@@ -65,6 +65,14 @@ _REPEATS = 2
 # Fast probes are repeated until this many seconds were timed, at most _MAX_REPEATS times.
 _MIN_TIMED = 0.05
 _MAX_REPEATS = 9
+# The first probe's timings that tell whether the machine changed speed (``_time_probes``)
+# are each the fastest of at least _MARK_RUNS runs and _MARK_TIMED seconds (at most
+# _MAX_MARK_RUNS): a median of a few runs of a 14 ms probe moved by 20-90% here on a quiet
+# machine and set off measuring again; the fastest of ten moved by 10-30% over a minute, and
+# doubled while another process spun on one of the two cores.
+_MARK_RUNS = 5
+_MARK_TIMED = 0.1
+_MAX_MARK_RUNS = 30
 # (width, height) in pixels of the probe pictures: from a thumbnail to a large photo. The image
 # processor resizes them as it resizes requests' images (LLaVA-1.5: all to one crop; LLaVA-NeXT:
 # to its tile grids; Qwen2-VL: within [min_pixels, max_pixels]).
@@ -293,11 +301,19 @@ class EngineTimer:
         of a probe apart, between a busy instance's steps)."""
         return self._time(probe, self._seconds)
 
-    def more(self, times: list[float]) -> bool:
+    def fastest(self, probe: Probe) -> float:
+        """The probe's fastest time over a warm-up run and several timed ones (``more``'s
+        ``mark``): how fast the machine runs it now, which a slow run or two do not move."""
+        return self._time(probe, self._least_seconds)
+
+    def more(self, times: list[float], mark: bool = False) -> bool:
         """Whether a probe timed ``times`` (after its warm-up) wants another run: at least
         ``repeats``, and a fast one more often (up to ``_MAX_REPEATS``, until ``_MIN_TIMED``
         seconds were timed), so that one run slowed by the machine cannot move a millisecond
-        probe's median."""
+        probe's median. ``mark``: timed for its fastest run (``fastest``), at least
+        ``_MARK_RUNS`` and ``_MARK_TIMED`` seconds (at most ``_MAX_MARK_RUNS`` runs)."""
+        if mark:
+            return len(times) < _MARK_RUNS or (sum(times) < _MARK_TIMED and len(times) < _MAX_MARK_RUNS)
         return len(times) < self.repeats or (sum(times) < _MIN_TIMED and len(times) < _MAX_REPEATS)
 
     def _time(self, probe: Probe, how: Callable[[Callable[[], object]], float]) -> float:
@@ -333,6 +349,13 @@ class EngineTimer:
         while self.more(times):
             times.append(self._seconds(run))
         return statistics.median(times)
+
+    def _least_seconds(self, run: Callable[[], object]) -> float:
+        run()
+        times: list[float] = []
+        while self.more(times, mark=True):
+            times.append(self._seconds(run))
+        return min(times)
 
     def _seconds(self, run: Callable[[], object]) -> float:
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda device: None)
@@ -743,16 +766,17 @@ class _ProbeTurns:
         self.seconds = 0.0  # spent timing probes
         self.waited = False  # for another worker's probes since the last look in the cache
 
-    def turn(self, probe: Probe) -> Generator[Wait, None, float]:
+    def turn(self, probe: Probe, mark: bool = False) -> Generator[Wait, None, float]:
+        """The probe's median time; ``mark``: its fastest (``EngineTimer.fastest``)."""
         if not isinstance(self.timer, EngineTimer):
             return (yield from self._run(probe, lambda: self.timer(probe)))
         # Each run apart (its warm-up too), on blocks borrowed for it alone: the longest probes
         # (several prompts a step) pause the streams for one run, not three.
         yield from self._run(probe, lambda: self.timer.once(probe))
         times: list[float] = []
-        while self.timer.more(times):
+        while self.timer.more(times, mark):
             times.append((yield from self._run(probe, lambda: self.timer.once(probe))))
-        return statistics.median(times)
+        return min(times) if mark else statistics.median(times)
 
     def _run(self, probe: Probe, run: Callable[[], float]) -> Generator[Wait, None, float]:
         """``run()``'s time, once the pools hold ``probe`` and the probe lock is free."""
@@ -799,23 +823,27 @@ _MAX_ATTEMPTS = 3
 def _time_probes(probes: list[Probe], timer: Callable[[Probe], float] | _ProbeTurns,
                  show_progress: bool) -> Generator[Wait, None, tuple[list[tuple[Probe, float]], float]]:
     """Each probe's time, and how far the machine's speed moved meanwhile: the largest ratio
-    between three timings of the first probe (before, halfway, after). A ``_ProbeTurns``
-    timer yields between probes."""
-    def timed(probe: Probe) -> Generator[Wait, None, float]:
+    between three timings of the first probe (before, halfway, after; each its fastest run,
+    where the timer is the engine's). A ``_ProbeTurns`` timer yields between probes."""
+    def timed(probe: Probe, mark: bool = False) -> Generator[Wait, None, float]:
         if isinstance(timer, _ProbeTurns):
-            return (yield from timer.turn(probe))
+            return (yield from timer.turn(probe, mark))
+        if mark and isinstance(timer, EngineTimer):
+            return timer.fastest(probe)
         return timer(probe)
 
     sentinel, half = probes[0], len(probes) // 2
-    marks = [(yield from timed(sentinel))]
+    marks = [(yield from timed(sentinel, mark=True))]
     measured = []
     with _progress(show_progress, len(probes)) as advance:
         for i, probe in enumerate(probes):
             if i == half:
-                marks.append((yield from timed(sentinel)))
+                marks.append((yield from timed(sentinel, mark=True)))
             measured.append((probe, (yield from timed(probe))))
             advance()
-    marks.append((yield from timed(sentinel)))
+    marks.append((yield from timed(sentinel, mark=True)))
+    logger.debug("the first probe's fastest runs before, halfway and after: %s ms",
+                 ", ".join(f"{m * 1000:.2f}" for m in marks))
     finite = [m for m in marks if 0 < m < math.inf]
     drift = max(finite) / min(finite) if len(finite) == len(marks) else 1.0
     return measured, drift

@@ -25,7 +25,9 @@ from hydrad.engine.latency_model import (
     idle_bound,
     latency_bound,
 )
+from hydrad.engine import profiler as profiler_module
 from hydrad.engine.profiler import (
+    EngineTimer,
     NoProbeRoom,
     Probe,
     cache_key,
@@ -192,6 +194,50 @@ def test_probes_timed_while_the_machine_changed_speed_are_measured_again(engine,
     if attempts == 3:  # each run drifted, the last least (its calls grew by less, relatively)
         first_run = (1 + per_run / 20)
         assert "keeping the steadiest of 3 runs" in warnings[-1] and 1.3 < model.meta["drift"] < first_run
+
+
+class Hiccups(EngineTimer):
+    """The engine's timer, each run answering the known model's time, every ``period``-th run
+    ``factor`` times slower (the machine's short stalls), or every run after ``slow_from``
+    runs (the machine slowed down for good)."""
+
+    def __init__(self, engine, period: int = 3, factor: float = 3.0, slow_from: int | None = None):
+        super().__init__(engine, images=[])
+        self.period, self.factor, self.slow_from = period, factor, slow_from
+        self.runs, self.probe = 0, None
+
+    def _time(self, probe: Probe, how) -> float:
+        self.probe = probe
+        return how(lambda: None)
+
+    def _seconds(self, run) -> float:
+        run()
+        self.runs += 1
+        slow = self.runs % self.period == 0 or (self.slow_from is not None and self.runs > self.slow_from)
+        return TRUE.step_seconds(self.probe.shape()) * (self.factor if slow else 1.0)
+
+
+def test_the_speed_checks_take_the_first_probes_fastest_run(engine, caplog):
+    """Whether the machine changed speed is told by the first probe's fastest of several runs
+    (before, halfway, after): a stall in a run or two is not a change of speed (the median of
+    a few runs of a millisecond probe moved by up to 90% on a quiet machine), a machine slowed
+    down for good still is."""
+    timer = Hiccups(engine)
+    sentinel = Probe(decodes=(8,))
+    assert timer.fastest(sentinel) == TRUE.step_seconds(sentinel.shape())
+    assert timer.runs >= 1 + profiler_module._MARK_RUNS
+    with caplog.at_level("WARNING", logger="hydrad.engine.profiler"):
+        steady = fit_latency_model(engine, timer=Hiccups(engine), force=True, show_progress=False)
+    assert steady.meta["attempts"] == 1 and steady.meta["drift"] == 1.0
+    assert not [r for r in caplog.records if "speed changed" in r.message]
+    with caplog.at_level("WARNING", logger="hydrad.engine.profiler"):
+        slowed = fit_latency_model(engine, timer=Hiccups(engine, period=10**9, slow_from=60), force=True,
+                                   show_progress=False)
+    # Slowed down within the first run's probes, then slow all along the second.
+    assert slowed.meta["attempts"] == 2 and slowed.meta["drift"] == 1.0
+    assert [r.message for r in caplog.records if "speed changed" in r.message] == [
+        "the machine's speed changed by 200% while the latency model's probes ran (another process on these "
+        "cores?): measuring again"]
 
 
 def test_probes_fit_the_pools(tiny_llava_dir):
