@@ -717,13 +717,15 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     # second run would not hold stiller, and each one pauses the streams again.
     attempts = 1 if sliced else _MAX_ATTEMPTS
     for attempt in range(1, attempts + 1):
-        measured, drift = yield from _time_probes(fit_probes + check_probes, timer, show_progress)
+        measured, marks = yield from _time_probes(fit_probes + check_probes, timer, show_progress)
+        drift = _drift(marks)
         if best is None or drift < best[0]:
             best = (drift, measured)
         if drift <= _MAX_DRIFT:
             break
-        logger.warning("the machine's speed changed by %.0f%% while the latency model's probes ran (another "
-                       "process on these cores?): %s", (drift - 1) * 100,
+        logger.warning("the machine's speed changed by %.0f%% while the latency model's probes ran (the first "
+                       "probe took %s ms before, halfway and after; another process on these cores?): %s",
+                       (drift - 1) * 100, ", ".join(f"{m * 1000:.3g}" for m in marks),
                        "measuring again" if attempt < attempts else
                        f"keeping the steadiest of {attempt} runs ({(best[0] - 1) * 100:.0f}%)" if attempt > 1 else
                        "keeping it")
@@ -821,10 +823,10 @@ _MAX_ATTEMPTS = 3
 
 
 def _time_probes(probes: list[Probe], timer: Callable[[Probe], float] | _ProbeTurns,
-                 show_progress: bool) -> Generator[Wait, None, tuple[list[tuple[Probe, float]], float]]:
-    """Each probe's time, and how far the machine's speed moved meanwhile: the largest ratio
-    between three timings of the first probe (before, halfway, after; each its fastest run,
-    where the timer is the engine's). A ``_ProbeTurns`` timer yields between probes."""
+                 show_progress: bool) -> Generator[Wait, None, tuple[list[tuple[Probe, float]], list[float]]]:
+    """Each probe's time, and three timings of the first probe (before, halfway, after; each
+    its fastest run, where the timer is the engine's) that tell how far the machine's speed
+    moved meanwhile (``_drift``). A ``_ProbeTurns`` timer yields between probes."""
     def timed(probe: Probe, mark: bool = False) -> Generator[Wait, None, float]:
         if isinstance(timer, _ProbeTurns):
             return (yield from timer.turn(probe, mark))
@@ -842,11 +844,13 @@ def _time_probes(probes: list[Probe], timer: Callable[[Probe], float] | _ProbeTu
             measured.append((probe, (yield from timed(probe))))
             advance()
     marks.append((yield from timed(sentinel, mark=True)))
-    logger.debug("the first probe's fastest runs before, halfway and after: %s ms",
-                 ", ".join(f"{m * 1000:.2f}" for m in marks))
+    return measured, marks
+
+
+def _drift(marks: list[float]) -> float:
+    """How far the machine's speed moved: the largest ratio between the timings."""
     finite = [m for m in marks if 0 < m < math.inf]
-    drift = max(finite) / min(finite) if len(finite) == len(marks) else 1.0
-    return measured, drift
+    return max(finite) / min(finite) if len(finite) == len(marks) else 1.0
 
 
 def derive(model: LatencyModel, key: dict) -> LatencyModel:

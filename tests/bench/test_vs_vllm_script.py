@@ -384,3 +384,36 @@ def test_the_twin_before_a_change_serves_the_checkouts_code(script, tmp_path, mo
             server.stop()
     assert served == {"main": "here", "twin": "before"}
     assert Path(twin_cwd) == checkouts["before"].resolve()
+
+
+def test_each_rounds_first_start_measures_its_latency_models(script, tmp_path):
+    """The start scenario's first start is a first start in every round: the cache an earlier
+    round (or another server of the checkout) filled is emptied before it, and the restart
+    after it reads what it stored."""
+    import argparse
+    import types
+
+    cache = tmp_path / "cache"
+    seen = []
+
+    class FakeServer:
+        name, scenarios, env = "hydrad-1EPD", ("start",), {"HYDRAD_CACHE_DIR": str(cache)}
+        url = "http://127.0.0.1:9"
+
+        def start(self):
+            seen.append(sorted(p.name for p in cache.glob("*")) if cache.exists() else None)
+            cache.mkdir(exist_ok=True)
+            (cache / "model.json").write_text("{}")
+            return 1.5
+
+        def stop(self):
+            pass
+
+    args = argparse.Namespace(scenarios=["start"])
+    for _ in range(2):
+        doc = script.measure(FakeServer(), args, {}, types.SimpleNamespace())
+        assert doc["start"] == {"first": 1.5, "restart": 1.5}
+    assert seen == [None, ["model.json"], None, ["model.json"]]
+    args.scenarios = ["peak"]  # no start measured: the cache is kept for the scenarios
+    script.measure(FakeServer(), args, {}, types.SimpleNamespace())
+    assert seen[-1] == ["model.json"]

@@ -235,9 +235,11 @@ def test_the_speed_checks_take_the_first_probes_fastest_run(engine, caplog):
                                    show_progress=False)
     # Slowed down within the first run's probes, then slow all along the second.
     assert slowed.meta["attempts"] == 2 and slowed.meta["drift"] == 1.0
+    sentinel_ms = TRUE.step_seconds(design_probes(engine_limits(engine, probe_images(engine)))[0][0].shape()) * 1000
     assert [r.message for r in caplog.records if "speed changed" in r.message] == [
-        "the machine's speed changed by 200% while the latency model's probes ran (another process on these "
-        "cores?): measuring again"]
+        "the machine's speed changed by 200% while the latency model's probes ran (the first probe took "
+        f"{sentinel_ms:.3g}, {3 * sentinel_ms:.3g}, {3 * sentinel_ms:.3g} ms before, halfway and after; another "
+        "process on these cores?): measuring again"]
 
 
 def test_probes_fit_the_pools(tiny_llava_dir):
