@@ -21,6 +21,9 @@ in turn on each daemon; ``responses-unkept`` sends ``store`` false, and
 ``responses-background`` creates each response in the background (``background`` true, not
 streamed) and polls it every ``POLL_SECONDS`` until it ends, its tokens counted from its
 usage once it has (no inter-token gaps: what it costs the daemon is the polls);
+``responses-background-stream`` creates each one in the background with ``stream`` true
+and reads its events as ``responses`` does (what it costs the daemon: the events kept in
+the process that runs it and handed to the store);
 ``--repo DIR`` measures another checkout's daemon (the same client and model);
 ``--profile FILE`` samples the daemon with py-spy while measuring.
 """
@@ -67,6 +70,8 @@ APIS = {
         "input": text, "max_output_tokens": max_tokens}, _RESPONSE_TOKEN),
     "responses-background": ("/v1/responses", lambda text, max_tokens: {
         "input": text, "max_output_tokens": max_tokens, "background": True}, None),
+    "responses-background-stream": ("/v1/responses", lambda text, max_tokens: {
+        "input": text, "max_output_tokens": max_tokens, "background": True}, _RESPONSE_TOKEN),
 }
 # ``responses-background``: how often each client asks whether its response has ended.
 POLL_SECONDS = 0.1

@@ -32,7 +32,7 @@ from hydrad.errors import ConfigError, RequestError
 from hydrad.logs import RepeatedLines
 from hydrad.server.admin import check_admin_access, instance_stats, status_body, worker_pids, worker_usage
 from hydrad.server.admission import Admission
-from hydrad.server.background import BackgroundResponses
+from hydrad.server.background import BackgroundResponses, follow_kept
 from hydrad.server.engine_client import EngineClient, Prepared
 from hydrad.server.frontends import Frontends
 from hydrad.server.errors import UNAVAILABLE, APIError, error_body, error_response
@@ -41,9 +41,10 @@ from hydrad.server.monitor import FrontendMonitor, combined_cpu_per_token, front
 from hydrad.server.notify import sd_notify
 from hydrad.server.protocol import (DetokenizeRequest, GenerateRequest, TokenizeRequest, parse_chat_request,
                                     parse_completion_request, parse_detokenize_request, parse_tokenize_request)
-from hydrad.server.response_store import CannotCancel, LocalStore, ResponseGone, ResponseStore
+from hydrad.server.response_store import CannotCancel, LocalStore, NotStreamed, ResponseGone, ResponseStore
 from hydrad.server.responses import ResponsesFormat, keep_response, parse_responses_request, prior_items
-from hydrad.server.serving import ResponseFormat, dumps, respond_stream, respond_whole
+from hydrad.server.serving import DirectWriter, ResponseFormat, dumps, respond_stream, respond_whole
+from hydrad.server.sse import open_event_stream
 from hydrad.cluster.deploy import format_deploy, parse_deploy
 from hydrad.cluster.launch import InstanceSpec, Launched
 from hydrad.cluster.requests import RequestCancelled
@@ -315,13 +316,71 @@ def _not_kept(response_id: str) -> APIError:
                     "went to make room)", "id", "response_not_found")
 
 
-async def kept_response(request: web.Request) -> web.Response:
-    """``GET /v1/responses/{id}``: a kept response, as it was answered."""
+async def kept_response(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/responses/{id}``: a kept response, as it was answered; with ``stream=true``
+    the events of a background response created with ``stream`` (after ``starting_after``),
+    followed until it ends."""
     response_id = request.match_info["id"]
+    query = request.query
+    stream = query.get("stream", "false")
+    if stream not in ("true", "false"):
+        raise APIError(400, f"stream must be true or false, got {stream!r}", "stream")
+    if stream == "true":
+        try:
+            after = int(query.get("starting_after", "-1"))
+        except ValueError:
+            raise APIError(400, f"starting_after must be an event's sequence number, got "
+                           f"{query.get('starting_after')!r}", "starting_after") from None
+        return await _follow(request, response_id, after)
+    if "starting_after" in query:
+        raise APIError(400, "starting_after is for stream=true", "starting_after")
     response = await _kept(request).call("get", response_id)
     if response is None:
         raise _not_kept(response_id)
     return web.json_response(response, dumps=dumps)
+
+
+async def _follow(request: web.Request, response_id: str, after: int) -> web.StreamResponse:
+    kept = _kept(request)
+    log = request.app[BACKGROUND].logs.get(response_id)  # running in this process: its own log
+    if log is not None:
+        return await _write_log(request, log, after)
+    try:
+        first = await kept.call("events", (response_id, after))
+    except NotStreamed:
+        raise APIError(400, f"Response '{response_id}' was not created with background and stream true: it has "
+                       "no events to stream; get it without stream", "stream") from None
+    if first is None:
+        raise _not_kept(response_id)
+    return await _write_events(request, follow_kept(kept, response_id, after, first))
+
+
+async def _write_events(request: web.Request, events, response: web.StreamResponse | None = None
+                        ) -> web.StreamResponse:
+    """A background response's events as they come; a client that leaves ends only its own
+    stream (the response goes on)."""
+    response = response or await open_event_stream(request)
+    try:
+        async for data in events:
+            await response.write(data)
+    except ConnectionError:
+        logger.debug("a follower of a background response disconnected")
+    return response
+
+
+async def _write_log(request: web.Request, log, after: int) -> web.StreamResponse:
+    """The events of a background response this process runs, from its log: written from
+    the step's delivery pass once the first are out, as a streamed route's."""
+    response = await open_event_stream(request)
+    writer = DirectWriter(request, response)
+
+    def direct(data: bytes) -> bool:
+        if not writer.ready():
+            return False
+        writer.write(data)
+        return True
+
+    return await _write_events(request, log.follow(after, direct if writer.possible else None), response)
 
 
 async def delete_response(request: web.Request) -> web.Response:
@@ -438,8 +497,10 @@ async def _generate(request: web.Request, route: str) -> web.StreamResponse:
         if route == "responses":
             fmt = ResponsesFormat(req_id, engine.model_name, int(time.time()), req.settings, req.tools)
             if req.background:
-                created = await request.app[BACKGROUND].start(engine, req, fmt, prepared, arrival, held)
-                return web.json_response(created, dumps=dumps)
+                created, log = await request.app[BACKGROUND].start(engine, req, fmt, prepared, arrival, held)
+                if log is None:
+                    return web.json_response(created, dumps=dumps)
+                return await _write_log(request, log, -1)
             if req.store:
                 fmt.keep = functools.partial(keep_response, request.app[KEPT], req)
         else:

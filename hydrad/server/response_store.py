@@ -14,6 +14,9 @@ A ``background`` response is kept from the moment it is created (``start``: stat
 (``finish``). While it runs it is never evicted, and ``cancel`` (or ``DELETE``) ends it:
 the store marks it ``cancelled`` at once and calls ``abort`` with its engine requests'
 ids (the daemon fails them in its request table, wherever the process that runs it is).
+One created with ``stream`` keeps its stream's events as well (``add_events``, one entry
+per event, its index the event's ``sequence_number``), counted in its size, for
+``GET /v1/responses/{id}?stream=true`` from any process (``events``).
 
 What is kept lives in the daemon's memory, bounded by ``[server] responses_store_mb``
 (``ResponseStore``): past it the least recently used responses go first (a chain in use
@@ -66,6 +69,14 @@ class CannotCancel(ValueError):
     """``cancel`` of a response that is not a running background response (the message says why)."""
 
 
+class NotStreamed(LookupError):
+    """The events of a response asked for that was not created ``background`` with ``stream``."""
+
+    def __init__(self, response_id: str):
+        super().__init__(response_id)
+        self.response_id = response_id
+
+
 class ResponseStore:
     """Kept responses by id, least recently used first out past ``max_bytes`` (background
     responses still running excepted). ``abort(req_ids)`` ends a running background
@@ -80,6 +91,11 @@ class ResponseStore:
         # process that runs them: None for the daemon's own); and their bytes.
         self._running: dict[str, tuple[tuple[str, ...], int | None]] = {}
         self._running_bytes = 0
+        # The stream events of background responses created with ``stream``, and their bytes
+        # (in ``nbytes``, and in ``_running_bytes`` while they run).
+        self._events: dict[str, list[bytes]] = {}
+        self._events_bytes: dict[str, int] = {}
+        self._followed: set[str] = set()  # running ones whose events a process read here
 
     def __len__(self) -> int:
         return len(self._kept)
@@ -92,14 +108,19 @@ class ResponseStore:
         """Keep ``kept`` (false: it does not fit, even once every response that may go has
         gone; nothing is evicted then)."""
         response_id = kept.response["id"]
+        self._stop_running(response_id)
+        events = self._events.pop(response_id, None)  # a streamed one's answer keeps its events
+        events_bytes = self._events_bytes.pop(response_id, 0)
+        self.nbytes -= events_bytes
         self._forget(response_id)
-        if self._running_bytes + kept.nbytes > self.max_bytes:
+        if self._running_bytes + kept.nbytes + events_bytes > self.max_bytes:
             return False
-        while self.nbytes + kept.nbytes > self.max_bytes:
-            old_id = next(i for i in self._kept if i not in self._running)  # exists: checked above
-            self.nbytes -= self._kept.pop(old_id).nbytes
+        self._evict(kept.nbytes + events_bytes)
         self._kept[response_id] = kept
         self.nbytes += kept.nbytes
+        if events is not None:
+            self._events[response_id], self._events_bytes[response_id] = events, events_bytes
+            self.nbytes += events_bytes
         return True
 
     def get(self, response_id: str) -> KeptResponse | None:
@@ -115,21 +136,68 @@ class ResponseStore:
 
     def _forget(self, response_id: str) -> bool:
         self._stop_running(response_id)
+        self._events.pop(response_id, None)
+        self.nbytes -= self._events_bytes.pop(response_id, 0)
         kept = self._kept.pop(response_id, None)
         if kept is None:
             return False
         self.nbytes -= kept.nbytes
         return True
 
+    def _evict(self, room: int) -> None:
+        """Forget the least recently used responses that may go until ``room`` more bytes fit
+        (as many as there are, where the running ones leave too little)."""
+        while self.nbytes + room > self.max_bytes:
+            old_id = next((i for i in self._kept if i not in self._running), None)
+            if old_id is None:
+                return
+            self._forget(old_id)
+
     # -- background responses -----------------------------------------------------------------
-    def start(self, kept: KeptResponse, req_ids: tuple[str, ...], owner: int | None = None) -> bool:
+    def start(self, kept: KeptResponse, req_ids: tuple[str, ...], owner: int | None = None,
+              streamed: bool = False) -> bool:
         """Keep a background response as created (``queued``) and running, its engine requests
-        ``req_ids``, run by front end ``owner`` (false: it does not fit beside those running)."""
+        ``req_ids``, run by front end ``owner`` (false: it does not fit beside those running).
+        ``streamed``: it keeps its stream's events (``add_events``)."""
         if not self.keep(kept):
             return False
-        self._running[kept.response["id"]] = (tuple(req_ids), owner)
+        response_id = kept.response["id"]
+        self._running[response_id] = (tuple(req_ids), owner)
         self._running_bytes += kept.nbytes
+        if streamed:
+            self._events[response_id], self._events_bytes[response_id] = [], 0
         return True
+
+    def add_events(self, response_id: str, events: list[bytes]) -> bool | None:
+        """Append a running streamed response's next events; whether a process has read its
+        events here while it runs (the one that runs it serves its own followers from its
+        own log: these readers are the others). None: it no longer runs (cancelled or
+        deleted meanwhile), and nothing is taken. Finished responses make room for them;
+        running ones are never evicted, so a store full of running ones holds their events
+        past its bound."""
+        log = self._events.get(response_id)
+        if log is None or response_id not in self._running:
+            return None
+        size = sum(map(len, events))
+        self._evict(size)
+        log += events
+        self._events_bytes[response_id] += size
+        self.nbytes += size
+        self._running_bytes += size
+        return response_id in self._followed
+
+    def events(self, response_id: str, after: int) -> tuple[list[bytes], bool] | None:
+        """A streamed response's events after sequence number ``after``, and whether it has
+        ended (no event follows). None: not kept; NotStreamed: not created with ``stream``."""
+        if self.get(response_id) is None:
+            return None
+        log = self._events.get(response_id)
+        if log is None:
+            raise NotStreamed(response_id)
+        running = response_id in self._running
+        if running:
+            self._followed.add(response_id)
+        return log[max(after + 1, 0):], not running
 
     def progress(self, response_id: str) -> bool:
         """A running background response has started generating: ``in_progress``. False: it
@@ -187,7 +255,8 @@ class ResponseStore:
         running = self._running.pop(response_id, None)
         if running is None:
             return None
-        self._running_bytes -= self._kept[response_id].nbytes
+        self._followed.discard(response_id)
+        self._running_bytes -= self._kept[response_id].nbytes + self._events_bytes.get(response_id, 0)
         return running[0]
 
     def _replace(self, kept: KeptResponse, response: dict) -> None:
@@ -227,7 +296,10 @@ class ResponseStore:
         if op == "delete":
             return self.delete(arg)
         if op == "start":
-            return self.start(*arg, owner=owner)
+            kept, req_ids, streamed = arg
+            return self.start(kept, req_ids, owner=owner, streamed=streamed)
+        if op == "add_events":
+            return self.add_events(*arg)
         if op == "progress":
             return self.progress(arg)
         if op == "finish":
@@ -237,7 +309,9 @@ class ResponseStore:
                 return self.items(arg, with_output=op == "items")
             if op == "cancel":
                 return self.cancel(arg)
-        except (ResponseGone, ResponseRunning, CannotCancel) as e:
+            if op == "events":
+                return self.events(*arg)
+        except (ResponseGone, ResponseRunning, CannotCancel, NotStreamed) as e:
             return e  # raised again by the caller's face (it crosses a front end's pipe)
         raise ValueError(f"unknown query {op!r}")
 

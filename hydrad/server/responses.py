@@ -19,8 +19,8 @@ answer) with the usage; each event is named on an ``event:`` line and numbered
 Where the daemon keeps responses (``[server] responses_store_mb``, ``response_store``), a
 response is kept unless its request sends ``store`` false, and ``previous_response_id``
 continues a kept one: the conversation's earlier items come before the request's
-``input``; ``background`` responses are answered at once and polled
-(``hydrad.server.background``). ``conversation`` objects are refused, as are tools other
+``input``; ``background`` responses are answered at once and polled, or streamed and
+followed again by id (``hydrad.server.background``). ``conversation`` objects are refused, as are tools other
 than functions, reasoning and log-probabilities (the chat route serves those).
 """
 
@@ -72,7 +72,8 @@ class ResponsesRequest(ChatRequest):
     store: bool = False
     input_items: list = field(default_factory=list)
     previous_id: str | None = None
-    # Answered at once as ``queued``, generated on, and polled (``hydrad.server.background``).
+    # Answered at once as ``queued`` (or its stream's first event), generated on, polled or
+    # followed (``hydrad.server.background``).
     background: bool = False
 
     def in_own_words(self, e: RequestError) -> RequestError:
@@ -230,9 +231,6 @@ def _refuse_state(body: dict, keeping: bool) -> None:
         if store is False:
             raise RequestError("background responses must be kept (they are polled by id): send store true or "
                                "leave it out", "background")
-        if body.get("stream"):
-            raise RequestError("background with stream true is not served: create it without stream, then poll "
-                               "GET /v1/responses/{id}", "background")
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError("truncation: only 'disabled' is served (an input too long for the context is refused)",
                            "truncation")
@@ -488,6 +486,14 @@ class ResponsesFormat:
         started = self.response("in_progress", [], None)
         return self._event("response.created", {"response": started}) + \
             self._event("response.in_progress", {"response": started})
+
+    def stream_queued(self) -> bytes:
+        """A background response's first event: created, ``queued`` (``stream_running`` follows
+        once it runs)."""
+        return self._event("response.created", {"response": self.response("queued", [], None)})
+
+    def stream_running(self) -> bytes:
+        return self._event("response.in_progress", {"response": self.response("in_progress", [], None)})
 
     def chunk_bytes(self, out: Output, first: bool, usage: dict | None, include_usage: bool) -> bytes:
         final = out.finish_reason is not None

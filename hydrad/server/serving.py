@@ -291,6 +291,28 @@ async def whole_body(fmt: ResponseFormat, stream: RequestStream) -> dict:
     return body
 
 
+class DirectWriter:
+    """Writes a streamed response's next bytes to the connection itself, as aiohttp frames
+    its body (HTTP/1.1 chunks; else, HTTP/1.0, raw until close), from outside the handler
+    (a step's delivery pass). Only once the handler has written the response's first bytes
+    (the status line and headers go out with them), where ``possible``, and while
+    ``ready``: the connection open and its buffer under ``DIRECT_WRITE_LIMIT``."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse):
+        self.transport = request.transport
+        self.chunked = response.headers.get("Transfer-Encoding") == "chunked"
+        self.possible = self.transport is not None and "Content-Encoding" not in response.headers
+
+    def ready(self) -> bool:
+        transport = self.transport
+        return not (transport is None or transport.is_closing()
+                    or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT)
+
+    def write(self, data: bytes) -> None:
+        if data:  # an empty HTTP/1.1 chunk would end the body
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+
 async def respond_stream(
     request: web.Request, fmt: ResponseFormat, req: GenerateRequest, stream: RequestStream
 ) -> web.StreamResponse:
@@ -317,19 +339,14 @@ async def respond_stream(
             ended[index] = out.finish_reason is not None
         return out_events[0] if len(out_events) == 1 else b"".join(out_events)
 
-    transport = request.transport
-    # As aiohttp frames this response's body: HTTP/1.1 chunks (else, HTTP/1.0, raw until close).
-    chunked = response.headers.get("Transfer-Encoding") == "chunked"
-    can_write_direct = transport is not None and "Content-Encoding" not in response.headers
+    writer = DirectWriter(request, response)
 
     def direct(batch: list[Output]) -> bool:
-        """Write a step's outputs from the delivery pass: to the connection itself, framed as
-        the response's body is (HTTP/1.1 chunks), unless its buffer is full or it is closing."""
-        if transport is None or transport.is_closing() or transport.get_write_buffer_size() > DIRECT_WRITE_LIMIT:
+        """Write a step's outputs from the delivery pass, unless the connection cannot take
+        them now (``DirectWriter``)."""
+        if not writer.ready():
             return False
-        data = events(batch)
-        if data:  # an empty HTTP/1.1 chunk would end the body
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if chunked else data)
+        writer.write(events(batch))
         return True
 
     try:
@@ -342,7 +359,7 @@ async def respond_stream(
                 data = events(batch)
                 if data:
                     await response.write(data)
-                if can_write_direct:
+                if writer.possible:
                     # The status line and headers have gone out with the first write: from now
                     # on the steps' outputs are written as they are delivered, without this task.
                     stream.direct = direct

@@ -380,9 +380,54 @@ def test_responses_api_background_responses(daemon, client, model_name):
     assert cancelled.status == "cancelled" and client.responses.cancel(long.id).status == "cancelled"
     assert wait_for(lambda: aborted() == aborts + 1, 10)  # ended on the worker, as an abort
     assert client.responses.retrieve(long.id).status == "cancelled"
-    with pytest.raises(openai.BadRequestError) as info:
-        client.responses.create(**settings, input="hi", background=True, stream=True)
-    assert info.value.body["param"] == "background"
+    with pytest.raises(openai.BadRequestError) as info:  # not streamed: no events to follow
+        client.responses.retrieve(done.id, stream=True)
+    assert info.value.body["param"] == "stream", info.value.body
+
+
+def test_responses_api_background_streams_followed_again(daemon, client, model_name):
+    """``background`` with ``stream``: the events as they come, from ``response.created``
+    (queued); a client that leaves mid-stream ends nothing, and follows the response again
+    from the last event it had (``starting_after``) to the greedy answer the request gets
+    synchronously; the events kept are replayed whole once it has ended, and a cancel ends
+    a follower's stream."""
+    from daemon_process import wait_for
+
+    settings = dict(model=model_name, max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    question = [{"role": "user", "content": [{"type": "input_image", "image_url": image_url(14)},
+                                             {"type": "input_text", "text": "What is in picture 14?"}]}]
+    first = []
+    with client.responses.create(**settings, input=question, background=True, stream=True) as stream:
+        for event in stream:
+            first.append(event)
+            if event.type == "response.output_text.delta":
+                break  # the client leaves
+    assert first[0].type == "response.created" and first[0].response.status == "queued"
+    assert first[0].response.background is True and first[1].type == "response.in_progress"
+    response_id = first[0].response.id
+    rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
+    events = first + rest
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    synchronous = client.responses.create(**settings, input=question, store=False)
+    assert events[-1].type == "response.incomplete" and events[-1].response.output_text == synchronous.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == synchronous.output_text
+    assert client.responses.retrieve(response_id).output_text == synchronous.output_text
+    replayed = list(client.responses.retrieve(response_id, stream=True))
+    assert [e.model_dump() for e in replayed] == [e.model_dump() for e in events]
+
+    long = client.responses.create(model=model_name, input="Tell me everything.", max_output_tokens=1500,
+                                   background=True, stream=True, extra_body={"ignore_eos": True})
+    created = next(iter(long))
+    long.close()
+    follower = client.responses.retrieve(created.response.id, stream=True)
+    followed = []
+    for event in follower:
+        followed.append(event)
+        if event.type == "response.output_text.delta" and followed[-2].type != event.type:
+            assert client.responses.cancel(created.response.id).status == "cancelled"
+    deltas = [e for e in followed if e.type == "response.output_text.delta"]
+    assert followed[0].model_dump() == created.model_dump() and 0 < len(deltas) < 1500  # ended by the cancel
+    assert wait_for(lambda: client.responses.retrieve(created.response.id).status == "cancelled", 10)
 
 
 def test_a_kept_responses_input_is_held_in_the_body_budget_until_its_answer_ends(daemon, client, model_name):

@@ -116,8 +116,9 @@ def _valid(rng: random.Random) -> tuple[str, dict]:
     _sampling(rng, body, chat=True)
     if rng.random() < 0.2:
         body = _as_responses(body)
-        if not body.get("stream") and rng.random() < 0.4:
-            body["background"] = True  # answered queued, then polled (or cancelled: ``leave``)
+        if rng.random() < 0.4:
+            # Answered queued, then polled; streamed, its events (or cancelled: ``leave``).
+            body["background"] = True
         return "/v1/responses", body
     return "/v1/chat/completions", body
 
@@ -282,8 +283,19 @@ async def _responses_answer(session, url: str, response, body: dict, leave: bool
     background one: queued, then polled until it ends so, or (``leave``) cancelled: answered
     cancelled, or refused as already ended."""
     limit = body["max_output_tokens"]
+    streamed = body.get("stream")
     if body.get("background"):
-        created = await response.json()
+        events = []
+        if streamed:
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if leave and len(events) >= chunks_before_leaving:
+                        break
+            created = events[0]["response"] if events else {}
+        else:
+            created = await response.json()
         if created.get("status") != "queued":
             problems.append(f"background response created {created.get('status')}")
             return
@@ -296,13 +308,13 @@ async def _responses_answer(session, url: str, response, body: dict, leave: bool
                         or cancelled.status == 400 and "already" in answer["error"]["message"]):
                     problems.append(f"cancel answered {cancelled.status}: {answer}")
             return count("cancelled")
-        for _ in range(600):
+        for _ in range(0 if streamed else 600):
             async with session.get(where) as polled:
                 final = await polled.json()
             if final.get("status") not in ("queued", "in_progress"):
                 break
             await asyncio.sleep(0.05)
-    elif not body.get("stream"):
+    elif not streamed:
         data = await response.json()
         final = data
     else:
@@ -313,6 +325,7 @@ async def _responses_answer(session, url: str, response, body: dict, leave: bool
                 events.append(json.loads(line[6:]))
                 if leave and len(events) >= chunks_before_leaving:
                     return count("left")
+    if streamed:
         if [e.get("sequence_number") for e in events] != list(range(len(events))):
             problems.append(f"responses events out of order: {[e.get('type') for e in events][:20]}")
         if not events or events[-1]["type"] not in ("response.completed", "response.incomplete"):

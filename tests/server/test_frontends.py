@@ -245,6 +245,47 @@ def test_background_responses_are_polled_and_cancelled_from_any_process(daemon):
     assert _metric(http("GET", daemon.url + "/metrics").text, "hydrad_responses_background_running") == 0
 
 
+def test_streamed_background_responses_are_followed_again_from_any_process(daemon):
+    """16 streamed background responses, each left by its client at its first text delta and
+    followed again on a connection of its own (either process takes it: the one that runs it
+    reads its own log, the other the daemon's store): every event once, in order, to the
+    answer whose text the deltas make."""
+
+    async def events_of(response: aiohttp.ClientResponse, stop_at_delta: bool) -> list[dict]:
+        assert response.status == 200, await response.text()
+        events = []
+        async for line in response.content:
+            if line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+                if stop_at_delta and events[-1]["type"] == "response.output_text.delta":
+                    break
+        return events
+
+    async def streamed(session: aiohttp.ClientSession, i: int) -> list[dict]:
+        async with session.post(daemon.url + "/v1/responses", json={
+                "input": f"streamed {i}", "max_output_tokens": 24, "ignore_eos": True, "background": True,
+                "stream": True}) as response:
+            first = await events_of(response, stop_at_delta=True)
+        response_id = first[0]["response"]["id"]
+        async with session.get(f"{daemon.url}/v1/responses/{response_id}",
+                               params={"stream": "true", "starting_after": str(first[-1]["sequence_number"])}) as r:
+            return first + await events_of(r, stop_at_delta=False)
+
+    async def main():
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a connection each: spread by the kernel
+        async with aiohttp.ClientSession(connector=connector) as session:
+            return await asyncio.gather(*(streamed(session, i) for i in range(16)))
+
+    for events in asyncio.run(main()):
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        final = events[-1]["response"]
+        assert events[-1]["type"] == "response.incomplete" and final["usage"]["output_tokens"] == 24
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        assert text == final["output"][0]["content"][0]["text"]
+        assert http("GET", f"{daemon.url}/v1/responses/{final['id']}").json() == final
+    assert http("GET", daemon.url + "/admin/status").json()["responses"]["background_running"] == 0
+
+
 def test_every_process_refuses_images_the_image_cache_could_never_hold(daemon):
     """Two image blocks, one tiny LLaVA image each: three images are refused by whichever
     process takes the connection (the daemon tells the others its caches), before a stream."""

@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from hydrad.server.response_store import (CannotCancel, KeptResponse, LocalStore, RemoteStore, ResponseGone,
-                                          ResponseRunning, ResponseStore, output_as_input)
+from hydrad.server.response_store import (CannotCancel, KeptResponse, LocalStore, NotStreamed, RemoteStore,
+                                          ResponseGone, ResponseRunning, ResponseStore, output_as_input)
 from hydrad.transport.messages import KeptQuery
 
 
@@ -173,9 +173,9 @@ def test_cancel_ends_a_running_background_response_and_nothing_else():
 
 def test_the_background_responses_of_a_front_end_that_died_fail_with_it():
     store = ResponseStore(1 << 20)
-    store.answer("start", (kept(1, status="queued", background=True), ("resp_1",)), owner=0)
-    store.answer("start", (kept(2, status="queued", background=True), ("resp_2",)), owner=1)
-    store.answer("start", (kept(3, status="queued", background=True), ("resp_3",)))  # the daemon's own
+    store.answer("start", (kept(1, status="queued", background=True), ("resp_1",), False), owner=0)
+    store.answer("start", (kept(2, status="queued", background=True), ("resp_2",), False), owner=1)
+    store.answer("start", (kept(3, status="queued", background=True), ("resp_3",), False))  # the daemon's own
     assert store.orphaned(1, "exit code -9") == 1
     failed = store.get("resp_2").response
     assert failed["status"] == "failed" and "exit code -9" in failed["error"]["message"]
@@ -195,7 +195,7 @@ def test_cancel_and_its_refusals_cross_a_front_ends_link():
             asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
 
         remote = RemoteStore(send)
-        assert await remote.call("start", (kept(1, status="queued", background=True), ("resp_1",))) is True
+        assert await remote.call("start", (kept(1, status="queued", background=True), ("resp_1",), False)) is True
         assert await remote.call("progress", "resp_1") is True
         with pytest.raises(ResponseRunning):
             await remote.call("items", "resp_1")
@@ -205,5 +205,72 @@ def test_cancel_and_its_refusals_cross_a_front_ends_link():
             await remote.call("cancel", "resp_2")
         with pytest.raises(CannotCancel):
             await LocalStore(daemon_store).call("cancel", "resp_2")
+
+    asyncio.run(main())
+
+
+def test_a_streamed_background_responses_events_are_kept_counted_and_read_after_a_number():
+    """Created with ``stream``: its events are kept in order (read after a sequence number),
+    counted in its size while it runs and once answered, and make finished responses go;
+    they end with it (cancelled: no more are taken), and go with it."""
+    aborted = []
+    size = kept(1).nbytes
+    store = ResponseStore(4 * size, abort=aborted.extend)
+    assert store.start(kept(1, status="queued", background=True), ("resp_1",), streamed=True)
+    events = [b"event: e%d\ndata: {}\n\n" % i for i in range(6)]
+    assert store.add_events("resp_1", events[:4]) is False  # no process has read them here yet
+    assert store.events("resp_1", -1) == (events[:4], False)  # one that does not run it follows it
+    assert store.add_events("resp_1", events[4:]) is True  # whose runner hands them on sooner
+    assert store.events("resp_1", -1) == (events, False) and store.events("resp_1", 3) == (events[4:], False)
+    assert store.events("resp_1", 5) == ([], False)
+    queued = store.get("resp_1").nbytes
+    assert store.nbytes == queued + sum(map(len, events))
+    # Finished responses make room for more events; the running one stays.
+    assert store.keep(kept(2)) and store.keep(kept(3))
+    big = [b"x" * size]
+    assert store.add_events("resp_1", big) is True
+    assert store.get("resp_2") is None and store.get("resp_3") is not None
+    assert store.nbytes == queued + store.get("resp_3").nbytes + sum(map(len, events + big))
+    # Answered: its events stay with its answer, and it has ended.
+    assert store.finish(kept(1, background=True, text="the answer"))
+    assert store.events("resp_1", 5) == (big, True) and store.num_running == 0
+    assert store.nbytes == store.get("resp_1").nbytes + store.get("resp_3").nbytes + sum(map(len, events + big))
+    assert store.add_events("resp_1", events) is None  # it no longer runs: dropped
+    # A response kept without them, and one not kept at all.
+    with pytest.raises(NotStreamed):
+        store.events("resp_3", -1)
+    assert store.events("resp_9", -1) is None
+    # Cancelled: ended for its followers, no event taken after; evicted or deleted: its events
+    # go with it.
+    assert store.start(kept(4, status="queued", background=True), ("resp_4",), streamed=True)
+    assert store.get("resp_1") is None  # the least recently used made room for it
+    assert store.add_events("resp_4", events[:2]) is False
+    store.cancel("resp_4")
+    assert store.events("resp_4", -1) == (events[:2], True) and store.add_events("resp_4", events[2:]) is None
+    assert aborted == ["resp_4"]
+    for response_id in ("resp_3", "resp_4"):
+        assert store.delete(response_id)
+    assert store.nbytes == 0 and len(store) == 0
+
+
+def test_a_front_end_reads_a_streamed_responses_events_over_its_link():
+    daemon_store = ResponseStore(1 << 20)
+
+    async def main():
+        remote = None
+
+        def send(msg: KeptQuery) -> None:
+            msg = pickle.loads(pickle.dumps(msg))
+            result = pickle.loads(pickle.dumps(daemon_store.answer(msg.op, msg.arg, owner=0)))
+            asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
+
+        remote = RemoteStore(send)
+        assert await remote.call("start", (kept(1, status="queued", background=True), ("resp_1",), True))
+        assert await remote.call("add_events", ("resp_1", [b"a\n\n", b"b\n\n"])) is False
+        assert await remote.call("events", ("resp_1", 0)) == ([b"b\n\n"], False)
+        assert await remote.call("add_events", ("resp_1", [b"c\n\n"])) is True
+        await remote.call("keep", kept(2))
+        with pytest.raises(NotStreamed):
+            await remote.call("events", ("resp_2", -1))
 
     asyncio.run(main())

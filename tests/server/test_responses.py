@@ -2,6 +2,7 @@
 answers' shape, whole and streamed (the route end to end, with the official client:
 tests/interop/test_clients.py)."""
 
+import asyncio
 import json
 
 import pytest
@@ -348,7 +349,7 @@ def test_where_responses_are_kept_store_is_on_unless_sent_false():
     for body, param in (({"store": "yes"}, "store"), ({"previous_response_id": 5}, "previous_response_id"),
                         ({"previous_response_id": ""}, "previous_response_id"), ({"conversation": "c"}, "conversation"),
                         ({"background": "yes"}, "background"), ({"background": True, "store": False}, "background"),
-                        ({"background": True, "stream": True}, "background")):
+                        ({"background": True, "stream": True, "store": False}, "background")):
         with pytest.raises(RequestError) as info:
             parse_responses_request({"input": "hi", **body}, keeping=True)
         assert info.value.param == param, body
@@ -359,6 +360,124 @@ def test_a_background_request_is_kept_and_says_so():
     assert req.background and req.store and req.settings["background"] is True and req.input_items
     req = parse_responses_request({"input": "hi", "background": False}, keeping=True)
     assert not req.background and req.settings["background"] is False
+    req = parse_responses_request({"input": "hi", "background": True, "stream": True}, keeping=True)
+    assert req.background and req.stream and req.store
+
+
+def test_a_streamed_background_responses_log_splits_its_events_and_is_followed_by_many():
+    """The log of a streamed background response: one entry per event (its sequence
+    number), each follower from where it asked, until the log ends."""
+    from hydrad.server.background import EventLog, follow_kept
+    from hydrad.server.response_store import KeptResponse, LocalStore, ResponseStore
+
+    def event(n: int) -> bytes:
+        return b'event: e\ndata: {"n":"a\\n\\nb","sequence_number":%d}\n\n' % n
+
+    async def main():
+        log = EventLog()
+        log.add(event(0) + event(1))
+        assert log.events == [event(0), event(1)]
+
+        async def read(after: int) -> bytes:
+            return b"".join([data async for data in log.follow(after)])
+
+        readers = [asyncio.create_task(read(after)) for after in (-1, 0, 1, 5)]
+        for n in range(2, 7):
+            await asyncio.sleep(0)
+            log.add(event(n))
+        log.end()
+        assert await asyncio.gather(*readers) == [b"".join(map(event, range(first, 7))) for first in (0, 1, 2, 6)]
+        assert [data async for data in log.follow(6)] == []  # ended: nothing follows
+
+        # Readers written to by the log itself once their first events are out, while their
+        # connections take them; one whose connection is full goes on from where it was.
+        log = EventLog()
+        log.add(event(0))
+        taken = {"fast": [], "full": []}
+
+        def writer(name: str, takes: int):
+            def write(data: bytes) -> bool:
+                if len(taken[name]) >= takes:
+                    return False
+                taken[name].append(data)
+                return True
+            return write
+
+        async def read_direct(name: str, takes: int) -> list[bytes]:
+            return [data async for data in log.follow(-1, writer(name, takes))]
+
+        readers = [asyncio.create_task(read_direct("fast", 100)), asyncio.create_task(read_direct("full", 2))]
+        await asyncio.sleep(0)
+        for n in range(1, 6):
+            log.add(event(n))
+            await asyncio.sleep(0)
+        log.end()
+        fast, full = await asyncio.gather(*readers)
+        assert fast == [event(0)] and taken["fast"] == [event(n) for n in range(1, 6)]
+        assert full[0] == event(0) and taken["full"] == [event(1), event(2)]
+        assert b"".join(full[1:]) == b"".join(map(event, range(3, 6)))  # its handler wrote the rest
+        assert log._direct == []
+
+        # From the store, as a process that does not run it reads it.
+        store = ResponseStore(1 << 20)
+        response = {"id": "resp_1", "status": "queued", "background": True, "output": []}
+        store.start(KeptResponse.of(response, [], None), ("resp_1",), streamed=True)
+        store.add_events("resp_1", [event(0), event(1)])
+        kept = LocalStore(store)
+        first = await kept.call("events", ("resp_1", 0))
+
+        async def more_later():
+            await asyncio.sleep(0.12)
+            store.add_events("resp_1", [event(2)])
+            store.finish(KeptResponse.of({**response, "status": "completed"}, [], None))
+
+        later = asyncio.create_task(more_later())
+        read = [data async for data in follow_kept(kept, "resp_1", 0, first)]
+        await later
+        assert read == [event(1), event(2)]
+
+    asyncio.run(main())
+
+
+def test_a_streamed_background_responses_events_reach_the_store_sooner_once_followed_there():
+    """The process that runs it hands its events to the store every second while no other
+    process follows it there, every 50 ms once one does (the store says so), and all of them
+    before its answer."""
+    from hydrad.server import background
+    from hydrad.server.background import BackgroundResponses, EventLog
+
+    async def main():
+        calls = []
+
+        class Kept:
+            followed = False
+
+            async def call(self, op, arg):
+                calls.append((op, arg))
+                return self.followed
+
+        kept = Kept()
+        runner, log = BackgroundResponses(kept), EventLog()
+        now = asyncio.get_running_loop().time()
+        log.add(b"event: a\ndata: {}\n\n")
+        log.flushed_at = now - 2 * background.FLUSH_SECONDS
+        await runner._flush("resp_1", log)
+        assert calls == []  # 0.1 s after the last: not yet, while nobody follows it elsewhere
+        log.flushed_at = now - background.UNFOLLOWED_FLUSH_SECONDS
+        kept.followed = True
+        await runner._flush("resp_1", log)
+        assert calls == [("add_events", ("resp_1", [b"event: a\ndata: {}\n\n"]))] and log.followed
+        log.add(b"event: b\ndata: {}\n\n")
+        log.flushed_at = asyncio.get_running_loop().time() - 2 * background.FLUSH_SECONDS
+        await runner._flush("resp_1", log)
+        assert calls[-1] == ("add_events", ("resp_1", [b"event: b\ndata: {}\n\n"]))
+        log.add(b"event: c\ndata: {}\n\n")
+        await runner._flush("resp_1", log)  # just handed on: waits
+        assert len(calls) == 2
+        await runner._flush("resp_1", log, force=True)  # the answer's: at once
+        assert len(calls) == 3 and log.flushed == 3
+
+    asyncio.run(main())
 
 
 def test_an_answer_is_kept_before_its_last_bytes_once_it_has_ended():
