@@ -21,6 +21,21 @@ def kept(n: int, previous: str | None = None, text: str = "x", status: str = "co
     return KeptResponse.of(response, items, previous)
 
 
+def linked(daemon_store: ResponseStore, owner: int | None = None) -> RemoteStore:
+    """A front end's face of ``daemon_store`` (front end ``owner``): its messages answered as
+    the daemon's end of the link answers them (``ResponseStore.answer``), pickled both ways.
+    Made within the running loop."""
+    remote = None
+
+    def send(msg: KeptQuery) -> None:
+        msg = pickle.loads(pickle.dumps(msg))
+        result = pickle.loads(pickle.dumps(daemon_store.answer(msg.op, msg.arg, owner=owner)))
+        asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
+
+    remote = RemoteStore(send)
+    return remote
+
+
 def test_a_chain_is_its_turns_inputs_and_outputs_oldest_first():
     store = ResponseStore(1 << 20)
     for n, previous in ((1, None), (2, "resp_1"), (3, "resp_2")):
@@ -81,14 +96,7 @@ def test_a_front_end_calls_the_daemons_store_over_its_link():
     daemon_store = ResponseStore(1 << 20)
 
     async def main():
-        remote = None
-
-        def send(msg: KeptQuery) -> None:
-            msg = pickle.loads(pickle.dumps(msg))
-            result = pickle.loads(pickle.dumps(daemon_store.answer(msg.op, msg.arg)))
-            asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
-
-        remote = RemoteStore(send)
+        remote = linked(daemon_store)
         local = LocalStore(daemon_store)
         assert await remote.call("keep", kept(1)) is True
         await local.call("keep", kept(2, "resp_1"))
@@ -187,14 +195,7 @@ def test_cancel_and_its_refusals_cross_a_front_ends_link():
     daemon_store = ResponseStore(1 << 20)
 
     async def main():
-        remote = None
-
-        def send(msg: KeptQuery) -> None:
-            msg = pickle.loads(pickle.dumps(msg))
-            result = pickle.loads(pickle.dumps(daemon_store.answer(msg.op, msg.arg, owner=0)))
-            asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
-
-        remote = RemoteStore(send)
+        remote = linked(daemon_store, owner=0)
         assert await remote.call("start", (kept(1, status="queued", background=True), ("resp_1",), False)) is True
         assert await remote.call("progress", "resp_1") is True
         with pytest.raises(ResponseRunning):
@@ -257,14 +258,7 @@ def test_a_front_end_reads_a_streamed_responses_events_over_its_link():
     daemon_store = ResponseStore(1 << 20)
 
     async def main():
-        remote = None
-
-        def send(msg: KeptQuery) -> None:
-            msg = pickle.loads(pickle.dumps(msg))
-            result = pickle.loads(pickle.dumps(daemon_store.answer(msg.op, msg.arg, owner=0)))
-            asyncio.get_running_loop().call_soon(remote.answered, msg.seq, result)
-
-        remote = RemoteStore(send)
+        remote = linked(daemon_store, owner=0)
         assert await remote.call("start", (kept(1, status="queued", background=True), ("resp_1",), True))
         assert await remote.call("add_events", ("resp_1", [b"a\n\n", b"b\n\n"])) is False
         assert await remote.call("events", ("resp_1", 0)) == ([b"b\n\n"], False)
