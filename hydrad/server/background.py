@@ -16,9 +16,9 @@ With ``stream`` true as well, the answer is the response's stream of events as t
 then a streamed response's events); the client that leaves it ends nothing.
 ``GET /v1/responses/{id}?stream=true&starting_after=N`` follows such a response again from
 any process, from the event after sequence number N: the process that runs it keeps its
-events (``EventLog``) for its own followers, and hands them to the store at most every
-``FLUSH_SECONDS`` (and all of them before its answer), where followers in other processes
-(and every follower once it has ended) read them every ``FOLLOW_POLL_SECONDS``.
+events (``EventLog``) and writes them to its own followers as they come, and hands them to
+the store (see ``FLUSH_SECONDS``; all of them before its answer), where followers in other
+processes (and every follower once it has ended) read them every ``FOLLOW_POLL_SECONDS``.
 
 The task runs in the process that took the request and holds what the request held (a
 kept input's share of the body budget) until it ends. A drain does not wait for it: what
