@@ -47,6 +47,7 @@ from hydrad.engine.latency_model import (
     fit_least_squares,
     role_parts,
 )
+from hydrad.engine.probe_lock import ProbingElsewhere, cpu_probes
 from hydrad.engine.request import Request
 from hydrad.errors import ConfigError, HydradError
 from hydrad.models.linear import packing_supported
@@ -84,10 +85,6 @@ _MAX_PROBE_IMAGES = 8
 class NoProbeRoom(ConfigError):
     """The pools hold no room for the probes. On an idle engine the pools are too small; on a
     busy one (a live redeploy) the requests in them hold it, and it comes back as they finish."""
-
-
-class ProbingElsewhere(HydradError):
-    """Another worker is timing its probes on these cores (``probing``, not blocking)."""
 
 
 @dataclass(frozen=True)
@@ -647,33 +644,14 @@ def _known(engine, key: dict, path: Path) -> LatencyModel | None:
 
 @contextmanager
 def probing(device: torch.device | None, block: bool = True) -> Iterator[None]:
-    """Probes on a CPU run one worker at a time (a file lock in the cache): workers that share
-    the cores would otherwise time each other's probes, not their own. ``block``: wait for
-    the lock, else raise ``ProbingElsewhere`` where another worker holds it."""
+    """Probes on a CPU run one worker at a time (``probe_lock``): workers that share the
+    cores would otherwise time each other's probes, not their own. ``block``: wait for the
+    lock, else raise ``ProbingElsewhere`` where another process holds it."""
     if device is None or device.type != "cpu":
         yield
         return
-    import fcntl
-
-    from hydrad.paths import cache_dir
-
-    lock_path = cache_dir() / "latency" / ".cpu-probes.lock"
-    try:
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(lock_path, "a")
-    except OSError as e:  # an unwritable cache: nothing is cached either
-        logger.warning("cannot lock %s (probes may overlap another worker's): %s", lock_path, e)
+    with cpu_probes(block):
         yield
-        return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB))
-        except BlockingIOError:
-            raise ProbingElsewhere("another worker is measuring its latency model on these cores") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | None, show_progress: bool,

@@ -29,6 +29,7 @@ from rich.console import Console
 from hydrad.config_file import DaemonConfig
 from hydrad.console import console as default_console
 from hydrad.errors import ConfigError, RequestError
+from hydrad.engine.probe_lock import StartupHold
 from hydrad.logs import RepeatedLines
 from hydrad.server.admin import check_admin_access, instance_stats, status_body, worker_pids, worker_usage
 from hydrad.server.admission import Admission
@@ -158,8 +159,12 @@ async def engine_ctx(app: web.Application):
     # One thread more than large requests may take: see Admission.
     num_threads = server.processor_threads + 1
     executor = ThreadPoolExecutor(num_threads, thread_name_prefix="hydrad-processor")
-    # Loaded while the workers load.
+    # Loaded while the workers load; CPU workers' latency-model probes wait for it (a first
+    # start's probes beside it measured again).
+    hold = StartupHold() if any(spec.device == "cpu" for spec in app[SPECS]) else None
     processor_future = loop.run_in_executor(executor, load_processor, config, num_threads)
+    if hold is not None:
+        processor_future.add_done_callback(lambda _: hold.release())
     supervisor = Supervisor(config.engine, app[SPECS], start_timeout=server.worker_start_timeout,
                             router_policy=server.router_policy,
                             restart=RestartPolicy(server.worker_restart_limit, server.worker_restart_window),

@@ -733,3 +733,35 @@ def test_a_model_scaled_per_part_scales_vision_prefill_and_decode_work_apart():
     assert same.step_seconds(shape) == pytest.approx(TRUE.scaled(1.25).step_seconds(shape))
     with pytest.raises(ValueError):
         TRUE.scaled_parts(1.0, 0.0, 1.0)
+
+
+def test_a_starting_daemon_holds_the_cpu_probes_until_it_has_loaded(cache_dir):
+    """While a starting daemon loads its processor beside its workers it holds the lock CPU
+    probes take (``StartupHold``): a worker's probes wait for it; once released (from any
+    thread, twice harmlessly) they run. A hold is not taken where probes already run."""
+    import threading
+
+    from hydrad.engine import profiler
+    from hydrad.engine.probe_lock import StartupHold
+
+    cpu = torch.device("cpu")
+    hold = StartupHold()
+    assert hold.held
+    with pytest.raises(profiler.ProbingElsewhere):
+        with profiler.probing(cpu, block=False):
+            pass
+    ran = threading.Event()
+
+    def probe():
+        with profiler.probing(cpu):  # waits for the hold
+            ran.set()
+
+    waiter = threading.Thread(target=probe)
+    waiter.start()
+    assert not ran.wait(0.2)
+    threading.Thread(target=hold.release).start()
+    assert ran.wait(10)
+    waiter.join()
+    hold.release()
+    with profiler.probing(cpu):
+        assert not StartupHold().held  # probes run: nothing to hold back
