@@ -168,16 +168,17 @@ class Slowed(Synthetic):
 
 
 class Drifting(Synthetic):
-    """The known model on a machine that slows down all the time: 5% more per call."""
+    """The known model on a machine that slows down all the time, by the square of the calls
+    made (each run of the probes drifts by less than the one before, all by more than 50%)."""
 
     def __call__(self, probe: Probe) -> float:
-        return super().__call__(probe) * (1 + len(self.probes) / 20)
+        return super().__call__(probe) * (1 + (len(self.probes) / 20) ** 2)
 
 
 @pytest.mark.parametrize("calls, attempts", [(range(0, 0), 1), (range(5, 20), 2), (range(0, 10_000), 1), (None, 3)])
 def test_probes_timed_while_the_machine_changed_speed_are_measured_again(engine, caplog, calls, attempts):
     """The first probe is timed again halfway and at the end; where its times differ by more
-    than 30% the probes run again (at most three times in all): a fit made while the machine
+    than 50% the probes run again (at most three times in all): a fit made while the machine
     ran at half speed for a while would be cached for every later start. A machine slower
     all along is not a change of speed; one that stays unsteady keeps the steadiest run."""
     timer = Slowed(calls) if calls is not None else Drifting()
@@ -192,8 +193,8 @@ def test_probes_timed_while_the_machine_changed_speed_are_measured_again(engine,
         assert model.meta["drift"] == 1.0 and model.error.median < 1e-6
         assert model.l_decode == pytest.approx(TRUE.l_decode, rel=1e-6)
     if attempts == 3:  # each run drifted, the last least (its calls grew by less, relatively)
-        first_run = (1 + per_run / 20)
-        assert "keeping the steadiest of 3 runs" in warnings[-1] and 1.3 < model.meta["drift"] < first_run
+        first_run = 1 + (per_run / 20) ** 2
+        assert "keeping the steadiest of 3 runs" in warnings[-1] and 1.5 < model.meta["drift"] < first_run
 
 
 class Hiccups(EngineTimer):
@@ -329,9 +330,9 @@ def test_a_busy_instance_measures_a_probe_at_a_time_when_the_pools_and_the_cores
         # Each run apart, a warm-up and two or more timed: the first probe thrice, one attempt.
         assert model.meta["attempts"] == 1 and runs >= 3 * (len(fit) + len(check) + 3)
         assert model.meta["probe_seconds"] <= model.meta["seconds"]
-        # Cached where the machine held still (the first probe's three timings within 30%): the
+        # Cached where the machine held still (the first probe's three timings within 50%): the
         # tiny model's millisecond probes on a shared machine do not always.
-        steady = model.meta["drift"] <= 1.3
+        steady = model.meta["drift"] <= 1.5
         assert model.error.num_probes >= len(check) and bool(list(cache_dir.glob("*.json"))) == steady
         if steady:
             assert fit_latency_model(small, show_progress=False) == model  # from the cache
@@ -373,7 +374,7 @@ def test_a_model_measured_between_steps_is_cached_only_when_asked_and_steady(eng
 
     model = drain(measuring_latency_model(engine, timer=Synthetic() if timer == "steady" else Drifting(),
                                           cache=cache))
-    assert model.l_fixed > 0 and (model.meta["drift"] > 1.3) == (timer == "drifting")
+    assert model.l_fixed > 0 and (model.meta["drift"] > 1.5) == (timer == "drifting")
     assert bool(list(cache_dir.glob("*.json"))) == cached
 
 
