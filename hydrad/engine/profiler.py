@@ -341,18 +341,18 @@ class EngineTimer:
         return tuple(pool.num_used_blocks if pool is not None else 0 for pool in pools)
 
     def _median_seconds(self, run: Callable[[], object]) -> float:
-        run()
-        times: list[float] = []
-        while self.more(times):
-            times.append(self._seconds(run))
-        return statistics.median(times)
+        return statistics.median(self._timed_runs(run))
 
     def _least_seconds(self, run: Callable[[], object]) -> float:
+        return min(self._timed_runs(run, mark=True))
+
+    def _timed_runs(self, run: Callable[[], object], mark: bool = False) -> list[float]:
+        """The times of ``run`` after a warm-up run, as many as ``more`` wants."""
         run()
         times: list[float] = []
-        while self.more(times, mark=True):
+        while self.more(times, mark):
             times.append(self._seconds(run))
-        return min(times)
+        return times
 
     def _seconds(self, run: Callable[[], object]) -> float:
         sync = torch.cuda.synchronize if self.engine.device.type == "cuda" else (lambda device: None)
