@@ -12,8 +12,9 @@ and the abort reaches it as any request's end does. A cancel that comes before t
 request is admitted is seen when the task asks to go ``in_progress``.
 
 With ``stream`` true as well, the answer is the response's stream of events as they come
-(``response.created`` with the response ``queued``, ``response.in_progress`` once it runs,
-then a streamed response's events); the client that leaves it ends nothing.
+(``response.created`` and ``response.queued`` with the response ``queued``,
+``response.in_progress`` once it runs, then a streamed response's events); the client that
+leaves it ends nothing.
 ``GET /v1/responses/{id}?stream=true&starting_after=N`` follows such a response again from
 any process, from the event after sequence number N: the process that runs it keeps its
 events (``EventLog``) and writes them to its own followers as they come, and hands them to

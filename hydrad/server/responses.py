@@ -488,9 +488,11 @@ class ResponsesFormat:
             self._event("response.in_progress", {"response": started})
 
     def stream_queued(self) -> bytes:
-        """A background response's first event: created, ``queued`` (``stream_running`` follows
-        once it runs)."""
-        return self._event("response.created", {"response": self.response("queued", [], None)})
+        """A background response's first events: created, and queued (``stream_running``
+        follows once it runs)."""
+        queued = self.response("queued", [], None)
+        return self._event("response.created", {"response": queued}) + \
+            self._event("response.queued", {"response": queued})
 
     def stream_running(self) -> bytes:
         return self._event("response.in_progress", {"response": self.response("in_progress", [], None)})

@@ -402,8 +402,8 @@ def test_responses_api_background_streams_followed_again(daemon, client, model_n
             first.append(event)
             if event.type == "response.output_text.delta":
                 break  # the client leaves
-    assert first[0].type == "response.created" and first[0].response.status == "queued"
-    assert first[0].response.background is True and first[1].type == "response.in_progress"
+    assert [e.type for e in first[:3]] == ["response.created", "response.queued", "response.in_progress"]
+    assert first[0].response.status == first[1].response.status == "queued" and first[0].response.background
     response_id = first[0].response.id
     rest = list(client.responses.retrieve(response_id, stream=True, starting_after=first[-1].sequence_number))
     events = first + rest
