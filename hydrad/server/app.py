@@ -357,14 +357,12 @@ async def _follow(request: web.Request, response_id: str, after: int) -> web.Str
                        "no events to stream; get it without stream", "stream") from None
     if first is None:
         raise _not_kept(response_id)
-    return await _write_events(request, follow_kept(kept, response_id, after, first))
+    return await _write_events(await open_event_stream(request), follow_kept(kept, response_id, after, first))
 
 
-async def _write_events(request: web.Request, events, response: web.StreamResponse | None = None
-                        ) -> web.StreamResponse:
-    """A background response's events as they come; a client that leaves ends only its own
-    stream (the response goes on)."""
-    response = response or await open_event_stream(request)
+async def _write_events(response: web.StreamResponse, events) -> web.StreamResponse:
+    """A background response's events as they come, on its opened event stream; a client
+    that leaves ends only its own stream (the response goes on)."""
     try:
         async for data in events:
             await response.write(data)
@@ -378,14 +376,7 @@ async def _write_log(request: web.Request, log, after: int) -> web.StreamRespons
     the step's delivery pass once the first are out, as a streamed route's."""
     response = await open_event_stream(request)
     writer = DirectWriter(request, response)
-
-    def direct(data: bytes) -> bool:
-        if not writer.ready():
-            return False
-        writer.write(data)
-        return True
-
-    return await _write_events(request, log.follow(after, direct if writer.possible else None), response)
+    return await _write_events(response, log.follow(after, writer.offer if writer.possible else None))
 
 
 async def delete_response(request: web.Request) -> web.Response:

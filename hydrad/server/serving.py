@@ -312,6 +312,13 @@ class DirectWriter:
         if data:  # an empty HTTP/1.1 chunk would end the body
             self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
+    def offer(self, data: bytes) -> bool:
+        """Write ``data`` if the connection can take it now; whether it did."""
+        if not self.ready():
+            return False
+        self.write(data)
+        return True
+
 
 async def respond_stream(
     request: web.Request, fmt: ResponseFormat, req: GenerateRequest, stream: RequestStream

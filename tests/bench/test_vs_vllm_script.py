@@ -407,13 +407,14 @@ def test_each_rounds_first_start_measures_its_latency_models(script, tmp_path):
             return 1.5
 
         def stop(self):
-            pass
+            seen.append("stopped")
 
     args = argparse.Namespace(scenarios=["start"])
     for _ in range(2):
         doc = script.measure(FakeServer(), args, {}, types.SimpleNamespace())
         assert doc["start"] == {"first": 1.5, "restart": 1.5}
-    assert seen == [None, ["model.json"], None, ["model.json"]]
+    # Emptied before each first start, kept for its restart, the server stopped between.
+    assert seen == [None, "stopped", ["model.json"], "stopped"] * 2
     args.scenarios = ["peak"]  # no start measured: the cache is kept for the scenarios
     script.measure(FakeServer(), args, {}, types.SimpleNamespace())
-    assert seen[-1] == ["model.json"]
+    assert seen[-2:] == [["model.json"], "stopped"]

@@ -198,13 +198,15 @@ def test_probes_timed_while_the_machine_changed_speed_are_measured_again(engine,
 
 
 class Hiccups(EngineTimer):
-    """The engine's timer, each run answering the known model's time, every ``period``-th run
-    ``factor`` times slower (the machine's short stalls), or every run after ``slow_from``
-    runs (the machine slowed down for good)."""
+    """The engine's timer, each run answering the known model's time, ``factor`` times slower
+    in stalls of ``burst`` runs out of every ``period`` (the machine's short stalls: most of
+    a few runs in a row may fall in one), or every run after ``slow_from`` runs (the machine
+    slowed down for good)."""
 
-    def __init__(self, engine, period: int = 3, factor: float = 3.0, slow_from: int | None = None):
+    def __init__(self, engine, period: int = 7, burst: int = 4, factor: float = 3.0,
+                 slow_from: int | None = None):
         super().__init__(engine, images=[])
-        self.period, self.factor, self.slow_from = period, factor, slow_from
+        self.period, self.burst, self.factor, self.slow_from = period, burst, factor, slow_from
         self.runs, self.probe = 0, None
 
     def _time(self, probe: Probe, how) -> float:
@@ -214,7 +216,7 @@ class Hiccups(EngineTimer):
     def _seconds(self, run) -> float:
         run()
         self.runs += 1
-        slow = self.runs % self.period == 0 or (self.slow_from is not None and self.runs > self.slow_from)
+        slow = self.runs % self.period < self.burst or (self.slow_from is not None and self.runs > self.slow_from)
         return TRUE.step_seconds(self.probe.shape()) * (self.factor if slow else 1.0)
 
 
@@ -232,7 +234,7 @@ def test_the_speed_checks_take_the_first_probes_fastest_run(engine, caplog):
     assert steady.meta["attempts"] == 1 and steady.meta["drift"] == 1.0
     assert not [r for r in caplog.records if "speed changed" in r.message]
     with caplog.at_level("WARNING", logger="hydrad.engine.profiler"):
-        slowed = fit_latency_model(engine, timer=Hiccups(engine, period=10**9, slow_from=60), force=True,
+        slowed = fit_latency_model(engine, timer=Hiccups(engine, burst=0, slow_from=60), force=True,
                                    show_progress=False)
     # Slowed down within the first run's probes, then slow all along the second.
     assert slowed.meta["attempts"] == 2 and slowed.meta["drift"] == 1.0
@@ -750,7 +752,7 @@ def test_a_starting_daemon_holds_the_cpu_probes_until_it_has_loaded(cache_dir):
     assert hold.held
     with pytest.raises(profiler.ProbingElsewhere):
         with profiler.probing(cpu, block=False):
-            pass
+            pass  # taking the lock raises: the body never runs
     ran = threading.Event()
 
     def probe():
