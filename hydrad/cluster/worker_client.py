@@ -32,6 +32,7 @@ from hydrad.transport.messages import (
     Abort,
     AddRequest,
     AttachPeers,
+    BorrowModelMeasured,
     DetachPeer,
     ExportPools,
     GetStats,
@@ -258,6 +259,11 @@ class WorkerClient:
         elif isinstance(msg, RequestRejected):
             if self._fences.get(msg.req_id, 0) <= msg.received:  # else it refused a run since aborted
                 self.table.fail(msg.req_id, RequestError(msg.message, msg.param))
+        elif isinstance(msg, BorrowModelMeasured):
+            if self.ready is not None:
+                self.ready = dataclasses.replace(self.ready, borrow_model=msg.model)
+            logger.info("worker %d measured its latency model on %d threads (borrowing idle cores)",
+                        self.instance_id, msg.threads)
         elif isinstance(msg, WorkerReady):
             self.ready = msg
             self._ready_future.set_result(msg)

@@ -576,16 +576,16 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
 Wait = HydradError | None
 
 
-def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = None, cache: bool = True
-                            ) -> Generator[Wait, None, LatencyModel]:
+def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = None,
+                            cache: bool | Callable[[], bool] = True) -> Generator[Wait, None, LatencyModel]:
     """``fit_latency_model`` a run of a probe at a time, for a busy instance that serves
     between them (a live redeploy): its streams then wait for the runs between two steps, not
     for the whole measurement. Yields after each run (None) or with what the next one waits
     for: room in the pools that its requests hold (``NoProbeRoom``; the pools may also lack
     room for the design itself), or the end of another worker's probes
-    (``ProbingElsewhere``); returns the model (stored in the cache where ``cache``, the probes
-    were not cut down and the machine held still; where another worker stored it meanwhile,
-    that one). Each run takes the cores' probe lock for itself alone, so no call blocks. The
+    (``ProbingElsewhere``); returns the model (stored in the cache where ``cache`` (or what
+    it returns at the end, where a function), the probes were not cut down and the machine
+    held still; where another worker stored it meanwhile, that one). Each run takes the cores' probe lock for itself alone, so no call blocks. The
     caller sets the thread count the model is for before each step."""
     key = cache_key(engine)
     path = cache_path(key)
@@ -594,8 +594,9 @@ def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = 
     if timer is None and (known := _known(engine, key, path)) is not None:
         return known
     try:
-        return (yield from _measuring(engine, key, path if cache else None, timer, show_progress=False,
-                                      allow_busy=True, sliced=True))
+        return (yield from _measuring(engine, key, path if cache is not False else None, timer,
+                                      show_progress=False, allow_busy=True, sliced=True,
+                                      keep=cache if callable(cache) else None))
     except _MeasuredElsewhere as e:
         logger.info("latency model from %s, measured meanwhile by another worker: %s", path, e.model.summary())
         return e.model
@@ -644,13 +645,13 @@ def _known(engine, key: dict, path: Path) -> LatencyModel | None:
 
 @contextmanager
 def probing(device: torch.device | None, block: bool = True) -> Iterator[None]:
-    """Probes on a CPU run one worker at a time (``probe_lock``): workers that share the
-    cores would otherwise time each other's probes, not their own. ``block``: wait for the
-    lock, else raise ``ProbingElsewhere`` where another process holds it."""
+    """Probes on a CPU hold a core for each of torch's threads (``probe_lock``): probes on
+    the same cores would otherwise time each other, not themselves. ``block``: wait for the
+    cores, else raise ``ProbingElsewhere`` where too few are free."""
     if device is None or device.type != "cpu":
         yield
         return
-    with cpu_probes(block):
+    with cpu_probes(block, torch.get_num_threads()):
         yield
 
 
@@ -660,8 +661,10 @@ def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | No
 
 
 def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], float] | None, show_progress: bool,
-               allow_busy: bool, sliced: bool) -> Generator[Wait, None, LatencyModel]:
-    """Design the probes, time them, fit and cache the model (at ``path``, where given).
+               allow_busy: bool, sliced: bool, keep: Callable[[], bool] | None = None
+               ) -> Generator[Wait, None, LatencyModel]:
+    """Design the probes, time them, fit and cache the model (at ``path``, where given and
+    ``keep()``, where given, says so at the end).
     ``sliced``: a run at a time, each once the pools hold it and no other worker probes
     (yielding as ``measuring_latency_model`` says); else all at once (never yielding; the
     caller holds the probe lock)."""
@@ -695,7 +698,10 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     # second run would not hold stiller, and each one pauses the streams again.
     attempts = 1 if sliced else _MAX_ATTEMPTS
     for attempt in range(1, attempts + 1):
-        measured, marks = yield from _time_probes(fit_probes + check_probes, timer, show_progress)
+        order = _interleaved(len(fit_probes), len(check_probes))
+        timed, marks = yield from _time_probes([(fit_probes + check_probes)[i] for i in order], timer,
+                                               show_progress)
+        measured = [timed[order.index(i)] for i in range(len(order))]
         drift = _drift(marks)
         if best is None or drift < best[0]:
             best = (drift, measured)
@@ -722,9 +728,11 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     # Between a busy instance's steps, a machine that never held still: the next start's
     # probes on idle cores are a better model to keep.
     unsteady = sliced and drift > _MAX_DRIFT
-    if cut or unsteady or path is None:
+    kept = path is not None and (keep is None or keep())
+    if cut or unsteady or not kept:
         why = (" on probes cut down to the room the requests in flight leave" if cut else
-               " on a machine whose speed kept changing" if unsteady else "")
+               " on a machine whose speed kept changing" if unsteady else
+               " while other instances had work on its cores" if path is not None else "")
         logger.info("latency model fitted in %.1f s%s%s (not cached): %s", time.monotonic() - start, how, why,
                     model.summary())
         return model
@@ -826,6 +834,17 @@ def _time_probes(probes: list[Probe], timer: Callable[[Probe], float] | _ProbeTu
             advance()
     marks.append((yield from timed(sentinel, mark=True)))
     return measured, marks
+
+
+def _interleaved(num_fit: int, num_check: int) -> list[int]:
+    """The order the probes run in (indices into the fit probes, then the held-out ones):
+    the held-out ones spread evenly among the others, so both see the same stretch of the
+    machine (its speed moves within a fit; beside another worker's probes on the other
+    cores, which may end before these do). The first fit probe runs first: it is the one
+    timed again to tell how far the speed moved."""
+    position = {i: i / num_fit for i in range(num_fit)}
+    position.update({num_fit + j: (j + 0.5) / num_check for j in range(num_check)})
+    return sorted(position, key=lambda i: (position[i], i))
 
 
 def _drift(marks: list[float]) -> float:

@@ -10,6 +10,7 @@ and exits with status 1.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import sys
@@ -32,6 +33,7 @@ from hydrad.transport.messages import (
     Abort,
     AddRequest,
     AttachPeers,
+    BorrowModelMeasured,
     DetachPeer,
     ExportPools,
     GetStats,
@@ -108,7 +110,10 @@ def worker_main(
                             shared_pools=shared_pools or bool(peer_ids))
         board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
         step_threads = StepThreads(engine, CoreLending(board, instance_id, threads))
-        model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False)
+        # The model at the count it borrows up to is measured once it serves, between its
+        # steps (``_BorrowedLater``), unless the cache has it: a first start's probes on
+        # every core waited for the other workers' probes and came after them.
+        model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False, borrowed=False)
         exported: dict[int, HandleLedger] = {}  # by peer: the pools' descriptors handed to it
         pools = export_pools(engine.pools(), peer_ids, exported) if peer_ids else {}
         from hydrad.engine.profiler import measure_bandwidth
@@ -166,16 +171,22 @@ class StepThreads:
         # Borrowed counts whose lenders had work past ``LENDERS_PATIENCE`` the last time a
         # model was measured at them: the next measurement does not wait for them again.
         self._lenders_stayed_busy: set[int] = set()
+        # The borrowed count whose model the last fit left to later (``measuring_borrowed``).
+        self.unmeasured: int | None = None
 
-    def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True, block: bool = True):
+    def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True, block: bool = True,
+            borrowed: bool = True):
         """Measure (or load) the latency models of ``role`` at every count it steps on (from
         now on on ``threads``, when given), and fill steps by them. Returns the model at its
-        own share, the bound, and the model while borrowing (None: it never borrows). On an
-        error nothing changed. ``block``: wait for another worker's probes on these cores to
-        end (else ``profiler.ProbingElsewhere``)."""
+        own share, the bound, and the model while borrowing (None: it never borrows, or
+        ``unmeasured`` says it is left to later). On an error nothing changed. ``block``: wait
+        for another worker's probes on these cores to end (else
+        ``profiler.ProbingElsewhere``). Without ``borrowed`` the model at the borrowed count
+        is only taken from the cache."""
         from hydrad.engine.profiler import drain
 
-        return drain(self._fitting(role, threads, sliced=False, allow_busy=allow_busy, block=block))
+        return drain(self._fitting(role, threads, sliced=False, allow_busy=allow_busy, block=block,
+                                   borrowed=borrowed))
 
     def fitting(self, role: str, threads: CpuThreads | None = None, hurry: Callable[[], bool] = lambda: False,
                 borrowed: bool = True):
@@ -186,13 +197,14 @@ class StepThreads:
 
         On borrowed cores a probe beside a lender's step times both: a count that borrows is
         measured in runs while its lenders are idle (``LendersBusy`` while they are not), and
-        not cached; where they have had work for ``LENDERS_PATIENCE`` seconds on end, or
-        ``hurry()`` says there is no time to wait, it is left to the next start (its steps
-        on the borrowed cores are filled by the model at its own share meanwhile). Once its
-        lenders have stayed busy that long, the next measurement at that count waits for them
-        no more (under load, each redeploy waited the whole patience, every time), until one
-        finds them idle and is measured. Without ``borrowed`` it is only taken from the cache
-        (its threads change right after)."""
+        cached only where they were idle before every run; where they have had work for
+        ``LENDERS_PATIENCE`` seconds on end, or ``hurry()`` says there is no time to wait, it
+        is left to later (``unmeasured``; its steps on the borrowed cores are filled by the
+        model at its own share meanwhile). Once its lenders have stayed busy that long, the
+        next measurement at that count waits for them no more (under load, each redeploy
+        waited the whole patience, every time), until one finds them idle and is measured.
+        Without ``borrowed`` it is only taken from the cache (its threads change right
+        after)."""
         return self._fitting(role, threads, sliced=True, hurry=hurry, borrowed=borrowed)
 
     def _fitting(self, role: str, threads: CpuThreads | None, *, sliced: bool, allow_busy: bool = True,
@@ -211,13 +223,13 @@ class StepThreads:
                 # that take every core.
                 for n in sorted({own, most}):
                     self._set_torch_threads(n)
-                    if not sliced:
-                        models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
-                    elif n != own and not borrowed:
+                    if n != own and not borrowed:
                         from hydrad.engine.profiler import known_latency_model
 
                         if (model := known_latency_model(self.engine)) is not None:
                             models[n] = model
+                    elif not sliced:
+                        models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
                     elif (model := (yield from self._between_steps(n, threads, hurry))) is not None:
                         models[n] = model
                 bound = latency_bound(self.engine.config.slo, role)
@@ -226,29 +238,54 @@ class StepThreads:
             self._set_torch_threads(self.current)
         self.lending.set(threads)
         self.models, self.bound = models, bound
+        self.unmeasured = most if models and most not in models else None
         self._use(own, force=True)
         self._hook_layers()  # its parts may have changed with its role: placed anew
         return models.get(own), bound, models.get(most) if most != own else None
 
-    def _between_steps(self, n: int, threads: CpuThreads, hurry: Callable[[], bool]):
+    def measuring_borrowed(self):
+        """The model at the ``unmeasured`` count, measured a run at a time between steps
+        (``fitting``) whenever its lenders are idle, for as long as that takes; once measured
+        the steps on the borrowed cores are filled by it. Returns the model (None where there
+        was nothing to measure)."""
+        n = self.unmeasured
+        if n is None:
+            return None
+        self._probing = True
+        try:
+            self._set_torch_threads(n)
+            model = yield from self._between_steps(n, self.lending.threads, lambda: False, patient=True)
+        finally:
+            self._probing = False
+            self._set_torch_threads(self.current)
+        self.models[n] = model
+        self.unmeasured = None
+        if self.current == n:
+            self.engine.set_latency_model(model, self.bound)
+        return model
+
+    def _between_steps(self, n: int, threads: CpuThreads, hurry: Callable[[], bool], patient: bool = False):
         """The model at ``n`` threads, measured a run at a time (``fitting``); None where a
-        borrowed count is left to the next start."""
+        borrowed count is left to later. ``patient``: its lenders are waited for as long as
+        they have work."""
         from hydrad.engine.profiler import measuring_latency_model
 
         own = threads.own
-        steps = measuring_latency_model(self.engine, cache=n == own)
+        lenders_were_idle = True  # before every run so far
+        steps = measuring_latency_model(self.engine, cache=True if n == own else lambda: lenders_were_idle)
         busy_since = None  # since when its lenders have had work
-        patience = 0.0 if n in self._lenders_stayed_busy else LENDERS_PATIENCE
+        patience = math.inf if patient else 0.0 if n in self._lenders_stayed_busy else LENDERS_PATIENCE
         while True:
             waits = None
             if n != own and not self.lending.lenders_idle(threads):
+                lenders_were_idle = False
                 busy_since = busy_since or time.monotonic()
                 if hurry() or time.monotonic() - busy_since >= patience:
                     steps.close()
                     self._lenders_stayed_busy.add(n)
-                    logger.info("the latency model at %d threads is left to a start: its lenders have work (a "
+                    logger.info("the latency model at %d threads is left to later: its lenders have work (a "
                                 "probe on their cores would time their steps too)%s; its steps there are filled "
-                                "by the model at %d", n, "" if patience else ", as the last time", own)
+                                "by the model at %d meanwhile", n, "" if patience else ", as the last time", own)
                     return None
                 waits = LendersBusy(f"the lenders of the cores its model at {n} threads is measured on have work")
             else:
@@ -429,6 +466,52 @@ class _PendingReconfigure:
         return None
 
 
+class _BorrowedLater:
+    """A borrower's latency model at the count it borrows up to, left out of its start (or
+    of a redeploy, its lenders busy: ``StepThreads.unmeasured``), measured between its steps
+    a probe run at a time (``StepThreads.measuring_borrowed``) while its lenders are idle and
+    no other worker probes on their cores. At a first start of ``1EP+1D`` on two cores the
+    EP instance serves on its own core's model from when that one is measured, beside the D
+    instance's probes, instead of waiting for them to end to probe on both cores (39-61 s
+    to healthy, against 17-24 s). Its steps on the borrowed cores are filled by the model at
+    its own share until then."""
+
+    def __init__(self, step_threads: StepThreads, now: float):
+        self.threads = step_threads.unmeasured
+        self.steps = step_threads.measuring_borrowed()
+        self.next_try = now
+
+    def due(self, now: float) -> bool:
+        return now >= self.next_try
+
+    def close(self) -> None:
+        self.steps.close()
+
+    def advance(self, engine, step_threads: StepThreads, now: float) -> tuple[bool, object | None]:
+        """The next probe run, or a look whether one may run: (done, the model). Done
+        without a model where it cannot be measured (it keeps the model at its own share)."""
+        from hydrad.engine.profiler import NoProbeRoom
+
+        # Probing is work: lenders are told so, as during a redeploy's probes.
+        step_threads.lending.publish(True)
+        try:
+            waits = next(self.steps)
+        except StopIteration as stop:
+            return True, stop.value
+        except Exception as e:  # noqa: BLE001 (it serves on on the model at its own share)
+            logger.warning("measuring the latency model at %s threads failed (its steps there are filled by the "
+                           "model at its own share): %s: %s", self.threads, type(e).__name__, e)
+            return True, None
+        if isinstance(waits, NoProbeRoom) and not engine.has_unfinished_requests():
+            self.steps.close()
+            logger.warning("the latency model at %s threads cannot be measured (its steps there are filled by the "
+                           "model at its own share): %s", self.threads, waits)
+            return True, None
+        # One run at a time: the messages that came meanwhile are taken before the next.
+        self.next_try = now if waits is None else now + RECONFIGURE_RETRY_SECONDS
+        return False, None
+
+
 class _PoolsAhead:
     """The pools a ``Reconfigure``'s new stages need (``EngineCore.pools_to_add``), made on a
     thread while the instance goes on stepping; ``expand`` then takes them as they are. Made
@@ -481,8 +564,16 @@ RECONFIGURE_RETRY_SECONDS = 0.2
 # How often an idle worker looks whether a grammar it builds for a waiting request is done.
 GRAMMAR_POLL_SECONDS = 0.002
 # How long a borrower's model at its borrowed count waits, on end, for its lenders to be idle
-# before it is left to the next start.
+# before it is left to later (``_BorrowedLater``).
 LENDERS_PATIENCE = 2.0
+
+
+def _later(step_threads: StepThreads) -> _BorrowedLater | None:
+    """What a redeploy left to later (or what it broke off, where it failed: nothing of
+    the worker's threads and models changed then), once it is answered."""
+    if step_threads.unmeasured is None:
+        return None
+    return _BorrowedLater(step_threads, time.monotonic())
 
 
 def _not_reconfigured(engine, role: str, start: float, error: HydradError) -> Reconfigured:
@@ -503,6 +594,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     retiring_since: float | None = None  # a Retire is under way
     received = 0  # messages taken from the daemon (stamped on what is sent about requests)
     reconfiguring: _PendingReconfigure | None = None
+    later = _BorrowedLater(step_threads, time.monotonic()) if step_threads.unmeasured is not None else None
     # New requests whose grammar (structured outputs) is being built off the step thread:
     # req_id -> (request, the message count when it came, the build); admitted when it is done.
     awaiting_grammar: dict[str, tuple[EngineRequest, int, Future]] = {}
@@ -537,8 +629,8 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
         step_threads.lending.publish(busy)  # before blocking: an idle worker lends its cores
         # Block for messages only when there is nothing to step (and no probe to run or try
         # again, no grammar being built).
-        timeout = 0 if busy else (None if reconfiguring is None else
-                                  max(0.0, reconfiguring.next_try - time.monotonic()))
+        timeout = 0 if busy else min((max(0.0, pending.next_try - time.monotonic())
+                                      for pending in (reconfiguring, later) if pending is not None), default=None)
         if awaiting_grammar and not busy:
             timeout = GRAMMAR_POLL_SECONDS if timeout is None else min(timeout, GRAMMAR_POLL_SECONDS)
         if not busy and (trim_in := heap.due_in(time.monotonic())) is not None:  # wake to trim the heap
@@ -589,11 +681,15 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             elif isinstance(msg, Reconfigure):
                 if reconfiguring is not None:  # superseded (the daemon stopped waiting for it)
                     reconfiguring.close()
+                if later is not None:  # measured anew for the new role and threads
+                    later.close()
+                    later = None
                 reconfiguring = _PendingReconfigure(msg, time.monotonic())
                 answer = reconfiguring.answer(engine, step_threads, reconfiguring.start)
                 if answer is not None:
                     conn.send(answer)
                     reconfiguring = None
+                    later = _later(step_threads)
             elif isinstance(msg, Retire):
                 engine.retire(msg.stages)
                 retiring_since = time.monotonic()
@@ -627,3 +723,10 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             if answer is not None:
                 conn.send(answer)
                 reconfiguring = None
+                later = _later(step_threads)
+        elif later is not None and reconfiguring is None and later.due(now):
+            done, model = later.advance(engine, step_threads, now)
+            if done:
+                if model is not None:
+                    conn.send(BorrowModelMeasured(engine.instance_id, later.threads, model))
+                later = None

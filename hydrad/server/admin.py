@@ -96,8 +96,9 @@ def _latency(ready) -> dict:
         "latency_model": model.summary(),
         "latency_bound": ready.latency_bound,
         "latency_error": {"median": error.median, "max": error.max, "num_probes": error.num_probes} if error else None,
-        # On borrowed cores too (engine.cores); None when it never borrows, or when a live
-        # redeploy left it to the next start (its lenders had work): its own model stands in.
+        # On borrowed cores too (engine.cores); None when it never borrows, or until it is
+        # measured between its steps (after the start, or after a redeploy that found its
+        # lenders busy: worker._BorrowedLater): its own model stands in meanwhile.
         "borrow_latency_model": borrow.summary() if borrow is not None else None,
     }
 

@@ -193,6 +193,17 @@ class Reconfigured:
 
 
 @dataclass(frozen=True)
+class BorrowModelMeasured:
+    """A CPU instance that borrows idle cores measured its latency model at the count it
+    borrows up to after it got ready (or after a redeploy left it to later), between its
+    steps while its lenders were idle: ``WorkerReady.borrow_model`` from now on."""
+
+    instance_id: int
+    threads: int
+    model: object
+
+
+@dataclass(frozen=True)
 class Retired:
     """The answer to ``Retire``: the retired stages are dropped; the instance's role now."""
 

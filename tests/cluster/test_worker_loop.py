@@ -25,6 +25,7 @@ from hydrad.cluster.router import Router
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
+    BorrowModelMeasured,
     GetStats,
     Migrate,
     Reconfigure,
@@ -32,6 +33,7 @@ from hydrad.transport.messages import (
     Shutdown,
     StatsReply,
     StepOutput,
+    WorkerReady,
 )
 
 
@@ -648,3 +650,98 @@ def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it(
         threads.released.set()
         answer = recv_until(conn, Reconfigured)
         assert answer.error is None and answer.latency_model == "model" and len(threads.fits) == 3
+
+
+class BorrowingLater(ProbingThreads):
+    """A borrower whose start took its model at the borrowed count (2 threads) from nowhere:
+    it is measured between steps in ``runs`` probe runs (``log`` records them as "borrowed
+    probe"), each yielding what it waits for while ``lenders_busy`` is set."""
+
+    def __init__(self, engine, runs: int = 6):
+        super().__init__(engine)
+        self.unmeasured, self.runs, self.ran = 2, runs, 0
+        self.lenders_busy = threading.Event()
+        self.closed = 0
+
+    def measuring_borrowed(self):
+        from hydrad.engine.cores import LendersBusy
+
+        try:
+            while self.ran < self.runs:
+                if self.lenders_busy.is_set():
+                    yield LendersBusy("the lenders have work")
+                    continue
+                self.ran += 1
+                self.log.append("borrowed probe")
+                time.sleep(0.005)
+                yield None
+        except GeneratorExit:
+            self.closed += 1
+            raise
+        self.unmeasured = None
+        return "model at 2 threads"
+
+
+def test_a_borrower_measures_its_borrowed_count_between_steps_after_it_is_ready():
+    """What a start left to later is measured a probe run at a time between the steps of the
+    requests it serves meanwhile, and reported once (``BorrowModelMeasured``); while the
+    lenders have work it waits (and serves), however long."""
+    engine = FullPoolEngine()
+    engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks
+    threads = BorrowingLater(engine, runs=6)
+    threads.lenders_busy.set()
+    with serving(engine, threads) as conn:
+        conn.send(AddRequest(request("a", 1000)))
+        for _ in range(30):  # 10 ms a step: its lenders busy for 0.3 s
+            recv_until(conn, StepOutput)
+        assert threads.ran == 0
+        threads.lenders_busy.clear()
+        measured = recv_until(conn, BorrowModelMeasured)
+        assert (measured.instance_id, measured.threads, measured.model) == (0, 2, "model at 2 threads")
+        log = [what for what in threads.log if what != "probe"]
+        first = log.index("borrowed probe")
+        # One run at a time between two steps of the request in flight.
+        assert log[first:first + 12:2] == ["borrowed probe"] * 6 and "step" in log[first + 1:first + 11:2]
+        assert all(a != b for a, b in zip(log[first:first + 11], log[first + 1:first + 12]))
+        later = []
+        while conn.poll(0.2):  # the request goes on: nothing more is measured or reported
+            later.append(conn.recv())
+            if len(later) > 20:
+                break
+        assert later and not any(isinstance(m, BorrowModelMeasured) for m in later) and threads.ran == 6
+
+
+def test_an_idle_borrower_measures_its_borrowed_count_at_once_and_a_reconfigure_starts_it_anew():
+    engine = FullPoolEngine()
+    threads = BorrowingLater(engine, runs=40)
+    with serving(engine, threads) as conn:
+        while threads.ran < 3:  # idle: no message needed to wake it
+            time.sleep(0.005)
+        # A redeploy measures anew for its role and threads (this fake's own model at its share
+        # only): the measurement under way is dropped, and what is still left afterwards is
+        # measured from the start.
+        conn.send(Reconfigure("EPD", CpuThreads(1, 1, (1,)), wait=30.0))
+        answer = recv_until(conn, Reconfigured)
+        assert answer.error is None and threads.closed == 1 and 0 < threads.ran < 40
+        threads.ran = 0
+        measured = recv_until(conn, BorrowModelMeasured)
+        assert measured.model == "model at 2 threads" and threads.ran == 40
+
+
+def test_the_daemon_takes_a_borrow_model_measured_after_the_start():
+    async def main():
+        conn, worker_end = mp.Pipe()
+        client, _ = await connected_client(conn)
+        worker_end.send(WorkerReady(0, 1, 64, 1.0, "model at 1 thread", 0.1))
+        ready = await client.wait_ready()
+        assert ready.borrow_model is None
+        worker_end.send(BorrowModelMeasured(0, 2, "model at 2 threads"))
+        for _ in range(200):
+            if client.ready.borrow_model is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert client.ready.borrow_model == "model at 2 threads"
+        assert client.ready.latency_model == "model at 1 thread"
+        worker_end.close()
+
+    asyncio.run(main())

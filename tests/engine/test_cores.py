@@ -198,14 +198,16 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
     worker's steps between two probes run on its own threads with the hooks; the models,
     the new threads and the hooks take effect once the last probe has run, and a measurement
     closed before its end changes nothing. A borrowed count is measured only while its
-    lenders are idle, and not cached; while they have work it waits, and past its patience
-    it is left to a start."""
+    lenders are idle, and cached only where they were idle before every run; while they
+    have work it waits, and past its patience it is left to later (``unmeasured``), which
+    ``measuring_borrowed`` then measures, waiting for the lenders as long as they work."""
     from types import SimpleNamespace
 
     import torch
     from torch import nn
 
     import hydrad.engine.profiler as profiler
+    import hydrad.engine.worker as worker
     from hydrad.config import SLOConfig
     from hydrad.engine.worker import StepThreads
 
@@ -231,7 +233,7 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
             seen.clear()
             engine.model(torch.zeros(1))  # a probe: whatever the lender does, one count
             lender.publish(False)
-            probes.append((torch.get_num_threads(), list(seen), cache))
+            probes.append((torch.get_num_threads(), list(seen), cache() if callable(cache) else cache))
             yield None
         return f"model at {torch.get_num_threads()} threads"
 
@@ -258,8 +260,8 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         # A live redeploy: the new role's models.
         count, result = run_through(threads.fitting("EPD"), step_between_runs)
         assert count == 6  # three probes at each count, a step after each
-        # On borrowed cores: measured while the lender is idle, not cached.
-        assert probes == [(1, [1, 1, 1], True)] * 3 + [(2, [2, 2, 2], False)] * 3
+        # On borrowed cores: measured while the lender is idle, cached (it was idle throughout).
+        assert probes == [(1, [1, 1, 1], True)] * 3 + [(2, [2, 2, 2], True)] * 3
         assert result == ("model at 1 threads", pytest.approx(0.09), "model at 2 threads")  # D's bound
 
         probes.clear()
@@ -273,15 +275,16 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         assert next(steps) is None and len(probes) == 5  # measured on while the lender is idle
         lender.publish(True)
         assert isinstance(next(steps), LendersBusy)
-        hurried = True  # no time left to wait: left to a start
+        hurried = True  # no time left to wait: left to later
         with pytest.raises(StopIteration) as stop:
             next(steps)
-        assert len(probes) == 5 and stop.value.value[2] is None
+        assert len(probes) == 5 and stop.value.value[2] is None and threads.unmeasured == 2
         threads.before_step()  # borrowing again, the steps are filled by the share's model
         assert used[-1] == "model at 1 threads"
         lender.publish(False)
         threads.before_step()
         assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 2
+
 
         def borrowed_count_with_busy_lenders():
             """A measurement whose own count's probes run, and whose lender then has work: what
@@ -297,7 +300,7 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
                 return stop.value, None
 
         # Its lenders stayed busy past its patience: the next measurement does not wait for
-        # them again, the borrowed count is left to a start at once...
+        # them again, the borrowed count is left to later at once...
         result, _ = borrowed_count_with_busy_lenders()
         assert result[2] is None and len(probes) == 3
         # ... until one finds them idle and is measured: then it waits for them again.
@@ -316,6 +319,28 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
             monkeypatch.setattr(profiler, "known_latency_model", lambda engine: cached)
             runs, result = run_through(threads.fitting("EPD", borrowed=False))
             assert runs == 3 and [p[0] for p in probes] == [1, 1, 1] and result[2] == cached
+
+        # Left to later (a start takes it from the cache only, and the cache lacks it):
+        # measured between steps, its lenders waited for as long as they work (no patience,
+        # no hurry), and not cached (they had work between two of its runs).
+        monkeypatch.setattr(profiler, "known_latency_model", lambda engine: None)
+        run_through(threads.fitting("EP", borrowed=False))
+        assert threads.unmeasured == 2
+        lender.publish(False)
+        threads.before_step()
+        assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 2  # borrowing, by its share's
+        monkeypatch.setattr(worker, "LENDERS_PATIENCE", 0.0)
+        probes.clear()
+        later = threads.measuring_borrowed()
+        assert next(later) is None and probes[-1][0] == 2
+        lender.publish(True)
+        assert all(isinstance(next(later), LendersBusy) for _ in range(3))
+        lender.publish(False)
+        runs, measured = run_through(later)
+        assert runs == 2 and measured == "model at 2 threads" and threads.unmeasured is None
+        assert [p[2] for p in probes] == [True, False, False]  # the lender had work between runs
+        assert used[-1] == "model at 2 threads"  # it steps on both cores now: by that model
+        assert list(threads.measuring_borrowed()) == []  # nothing left to measure
 
         probes.clear()
         threads._unhook()  # another worker's step threads on the model now

@@ -768,3 +768,86 @@ def test_a_starting_daemon_holds_the_cpu_probes_until_it_has_loaded(cache_dir):
     hold.release()
     with profiler.probing(cpu):
         assert not StartupHold().held  # probes run: nothing to hold back
+
+
+def test_probes_hold_a_core_per_thread_and_run_side_by_side_on_cores_apart(cache_dir, monkeypatch):
+    """On two cores two workers' probes on one thread each run at once (``1EP+1D``'s first
+    start measured one after the other: 39-61 s); probes on every core wait for both, and
+    while they run a probe on one core waits; a starting daemon holds every core."""
+    import threading
+
+    from hydrad.engine import probe_lock
+    from hydrad.engine.probe_lock import ProbingElsewhere, StartupHold, cpu_probes
+
+    monkeypatch.setattr(probe_lock, "usable_cpus", lambda: 2)
+
+    def free(threads: int | None) -> bool:
+        try:
+            with cpu_probes(block=False, threads=threads):
+                return True
+        except ProbingElsewhere:
+            return False
+
+    def probes_in_a_thread(threads: int | None):
+        """Probes on ``threads`` threads, waiting for their cores, held until ``end`` is set."""
+        running, end = threading.Event(), threading.Event()
+
+        def run():
+            with cpu_probes(threads=threads):
+                running.set()
+                end.wait(30)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return running, end, thread
+
+    with cpu_probes(threads=1):  # one worker's probes on its core
+        assert free(1) and not free(2) and not free(None)
+        with cpu_probes(threads=1):  # the other worker's, beside them
+            assert not free(1)
+            every, end_every, thread = probes_in_a_thread(8)  # more threads than cores: every core
+            assert not every.wait(0.2)
+        assert not every.wait(0.2)  # one core is still held
+    assert every.wait(10) and not free(1)
+    one, end_one, waiter = probes_in_a_thread(1)
+    assert not one.wait(0.2)  # waits while probes on every core run
+    end_every.set()
+    assert one.wait(10)
+    end_one.set()
+    thread.join(), waiter.join()
+    assert free(2)
+
+    hold = StartupHold()
+    assert hold.held and not free(1)
+    one, end_one, waiter = probes_in_a_thread(1)
+    assert not one.wait(0.2)  # a probe on one core waits for the daemon too
+    hold.release()
+    assert one.wait(10)
+    assert not StartupHold().held  # probes run: nothing held back
+    end_one.set()
+    waiter.join()
+
+
+def test_held_out_probes_run_among_the_others_and_each_keeps_its_time(engine):
+    """The held-out probes are timed spread among the fitted ones (a speed that moves within
+    the fit, or another worker's probes beside them that end first, reaches both alike), the
+    first fitted probe first; each probe's time is its own in the model's record."""
+    order = []
+
+    class Ordered(Synthetic):
+        def __call__(self, probe):
+            order.append(probe)
+            return super().__call__(probe)
+
+    model = fit_latency_model(engine, timer=Ordered(), show_progress=False, force=True)
+    fit, check = design_probes(engine_limits(engine, probe_images(engine)))
+    timed = order[1:-1]  # the first probe's timings before and after
+    del timed[(len(fit) + len(check)) // 2]  # ... and halfway
+    assert sorted(map(repr, timed)) == sorted(map(repr, fit + check)) and timed[0] == fit[0]
+    where = [i for i, p in enumerate(timed) if p in check and p not in fit]
+    assert where[0] < len(timed) // 3 and where[-1] > 2 * len(timed) // 3  # spread, not all at the end
+    recorded = model.meta["probes"]
+    assert len(recorded) == len(fit) + len(check)
+    for probe, entry in zip(fit + check, recorded):
+        assert entry["seconds"] == pytest.approx(TRUE.step_seconds(probe.shape()))
+        assert entry["decodes"] == list(probe.decodes)

@@ -74,3 +74,53 @@ def test_deployment_over_http_matches_transformers(tiny_llava_dir, tmp_path, ref
             assert "hydrad_migration_time_seconds_count" in metrics
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+def test_a_borrower_serves_on_its_own_core_before_its_model_on_borrowed_cores_is_measured(
+        tiny_llava_dir, tmp_path, reference, monkeypatch):
+    """A first start of ``1EP+1D``: each instance measures its model on its own core, side by
+    side, and serves; EP measures its model on both cores (D's idle one borrowed) between
+    its steps afterwards, reports it, and caches it (its lender stayed idle; unless the
+    machine's speed moved meanwhile, which the tiny model's millisecond probes on a shared
+    machine do now and then); a restart takes every model from the cache, the borrowed one
+    in EP's ready message."""
+    from daemon_process import wait_for
+
+    from hydrad.engine.cores import usable_cpus
+
+    if usable_cpus() < 2:
+        pytest.skip("needs two cores to borrow one")
+    monkeypatch.setenv("HYDRAD_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["--model", str(tiny_llava_dir), "--devices", "cpu:2", "--deploy", "1EP+1D"]
+
+    def borrow_models(daemon):
+        return [i["borrow_latency_model"] for i in http("GET", daemon.url + "/admin/status").json()["instances"]]
+
+    daemon = Daemon(args, tmp_path / "first.log")
+    try:
+        assert wait_for(lambda: borrow_models(daemon)[0] is not None, 120, interval=0.2), daemon.log()
+        assert borrow_models(daemon)[1] is None  # D lends its core, borrows none
+        log = daemon.log()
+        ready, measured = log.index("2 worker(s) ready"), log.index("fitted in")
+        later = log.index("between steps")
+        assert measured < ready < later and "worker 0 measured its latency model on 2 threads" in log[later:]
+        cached = "(not cached)" not in log[later:].splitlines()[0]
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="none", max_retries=0)
+        api, _, _ = _requests()[0]
+        resp = client.chat.completions.create(model=client.models.list().data[0].id, messages=api,
+                                              max_tokens=MAX_TOKENS, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        assert resp.choices[0].token_ids == reference[0]
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+    assert len(list((tmp_path / "cache" / "latency").glob("*.json"))) == 2 + cached  # EP's own, D's, EP's borrowed
+    daemon = Daemon(args, tmp_path / "restart.log")
+    try:
+        if cached:
+            assert borrow_models(daemon)[0] is not None and "fitted in" not in daemon.log()
+        else:  # measured again, after it is ready
+            assert wait_for(lambda: borrow_models(daemon)[0] is not None, 120, interval=0.2), daemon.log()
+            assert daemon.log().count("fitted in") == 1
+        assert borrow_models(daemon)[1] is None
+    finally:
+        assert daemon.stop() == 0, daemon.log()
