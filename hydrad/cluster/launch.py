@@ -142,6 +142,10 @@ def _launch(workers: list[tuple[EngineConfig, InstanceSpec, tuple[int, ...], boo
     ctx = _context()
     items, children = [], []
     for config, spec, peers, shared in workers:
+        if board is not None and spec.device == "cpu" and spec.instance_id < CoreBoard.SIZE:
+            # Starting (a restart too): it lends its cores once its loop runs, not while it
+            # loads and measures (a borrower's probes beside a lender's start slowed it).
+            board.flags[spec.instance_id] = 1
         parent, child = ctx.Pipe()
         process = ctx.Process(
             target=_worker_entry,

@@ -173,13 +173,15 @@ class CoreLending:
     """A worker's part in lending cores: it publishes whether it has work, and a borrower
     asks how many threads it may run its next step on."""
 
-    def __init__(self, board: CoreBoard | None, instance_id: int, threads: CpuThreads):
+    def __init__(self, board: CoreBoard | None, instance_id: int, threads: CpuThreads, busy: bool = False):
+        """``busy``: what it publishes until it says otherwise (a starting worker lends
+        nothing: a borrower's probes beside its start slowed it)."""
         self.board = board if board is not None and instance_id < CoreBoard.SIZE else None
         self.instance_id = instance_id
         self.threads = self.usable(threads)
-        self._busy = False
+        self._busy = busy
         if self.board is not None:
-            self.board.flags[instance_id] = 0  # a restarted worker starts idle
+            self.board.flags[instance_id] = int(busy)
 
     def usable(self, threads: CpuThreads) -> CpuThreads:
         """``threads`` as this worker can run them: without a board, nothing is borrowed."""

@@ -109,7 +109,8 @@ def worker_main(
         engine = EngineCore(config, role=role, device=device, instance_id=instance_id,
                             shared_pools=shared_pools or bool(peer_ids))
         board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
-        step_threads = StepThreads(engine, CoreLending(board, instance_id, threads))
+        # It lends its cores once its loop runs (``publish``), not while it starts.
+        step_threads = StepThreads(engine, CoreLending(board, instance_id, threads, busy=True))
         # The model at the count it borrows up to is measured once it serves, between its
         # steps (``_BorrowedLater``), unless the cache has it: a first start's probes on
         # every core waited for the other workers' probes and came after them.
@@ -498,7 +499,7 @@ class _BorrowedLater:
             waits = next(self.steps)
         except StopIteration as stop:
             return True, stop.value
-        except Exception as e:  # noqa: BLE001 (it serves on on the model at its own share)
+        except Exception as e:  # noqa: BLE001 (it serves on, by the model at its own share)
             logger.warning("measuring the latency model at %s threads failed (its steps there are filled by the "
                            "model at its own share): %s: %s", self.threads, type(e).__name__, e)
             return True, None
@@ -569,8 +570,8 @@ LENDERS_PATIENCE = 2.0
 
 
 def _later(step_threads: StepThreads) -> _BorrowedLater | None:
-    """What a redeploy left to later (or what it broke off, where it failed: nothing of
-    the worker's threads and models changed then), once it is answered."""
+    """What a start or a redeploy left to later (or what a redeploy broke off, where it
+    failed: nothing of the worker's threads and models changed then)."""
     if step_threads.unmeasured is None:
         return None
     return _BorrowedLater(step_threads, time.monotonic())
@@ -594,7 +595,7 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
     retiring_since: float | None = None  # a Retire is under way
     received = 0  # messages taken from the daemon (stamped on what is sent about requests)
     reconfiguring: _PendingReconfigure | None = None
-    later = _BorrowedLater(step_threads, time.monotonic()) if step_threads.unmeasured is not None else None
+    later = _later(step_threads)  # what its start left to later
     # New requests whose grammar (structured outputs) is being built off the step thread:
     # req_id -> (request, the message count when it came, the build); admitted when it is done.
     awaiting_grammar: dict[str, tuple[EngineRequest, int, Future]] = {}

@@ -225,3 +225,51 @@ def test_plan_specs_names_the_lenders_by_instance_id(monkeypatch):
     monkeypatch.setattr(launch, "usable_cpus", lambda: 4)
     specs = plan_specs([("D", "cpu"), ("EPD", "cuda:0"), ("EP", "cpu"), ("D", "cpu")])
     assert [s.threads for s in specs] == [CpuThreads(1), CpuThreads(1), CpuThreads(1, 2, (0, 3)), CpuThreads(1)]
+
+
+def test_a_starting_cpu_worker_lends_no_core_until_its_loop_runs(monkeypatch):
+    """A lender's byte on the board reads busy from before its process starts (a restart
+    too) until its worker loop says it is idle: a borrower's probes on its core beside its
+    start (loading, measuring its own model) slowed that start."""
+    import multiprocessing
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hydrad.config import EngineConfig
+    from hydrad.engine.cores import CoreBoard, CoreLending
+    from hydrad.engine.worker import StepThreads, run_worker
+    from hydrad.transport.messages import Shutdown
+
+    board = CoreBoard.new()
+    seen = {}
+
+    class Process:  # records the board as the process starts
+        def __init__(self, target, args, name):
+            self.instance_id = args[0]
+
+        def start(self):
+            seen[self.instance_id] = board.flags[self.instance_id]
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(launch, "_context", lambda: SimpleNamespace(Process=Process, Pipe=multiprocessing.Pipe))
+    specs = plan_specs([("EP", "cpu"), ("D", "cpu")])
+    board.flags[1] = 0  # idle when it died: started again
+    for item in launch._launch([(EngineConfig(), spec, (), False) for spec in specs], board):
+        assert item.started.wait(10)
+    assert seen == {0: 1, 1: 1}
+
+    idle = SimpleNamespace(instance_id=1, has_work=lambda: False, has_unfinished_requests=lambda: False,
+                           take_offers=list, take_pulled=list)
+    lending = CoreLending(board, 1, CpuThreads(1), busy=True)  # as worker_main makes it
+    assert board.flags[1] == 1
+    daemon_end, worker_end = multiprocessing.Pipe()
+    loop = threading.Thread(target=run_worker, args=(idle, worker_end, StepThreads(idle, lending)))
+    loop.start()
+    deadline = time.monotonic() + 10
+    while board.flags[1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert board.flags[1] == 0  # its loop runs, idle: it lends
+    daemon_end.send(Shutdown(finish_running=False))
+    loop.join(10)
+    assert not loop.is_alive()
