@@ -32,11 +32,11 @@ from hydrad.transport.messages import (
     Abort,
     AddRequest,
     AttachPeers,
-    BorrowModelMeasured,
     DetachPeer,
     ExportPools,
     GetStats,
     Migrate,
+    ModelMeasured,
     PoolsExported,
     Reconfigure,
     Reconfigured,
@@ -259,11 +259,12 @@ class WorkerClient:
         elif isinstance(msg, RequestRejected):
             if self._fences.get(msg.req_id, 0) <= msg.received:  # else it refused a run since aborted
                 self.table.fail(msg.req_id, RequestError(msg.message, msg.param))
-        elif isinstance(msg, BorrowModelMeasured):
+        elif isinstance(msg, ModelMeasured):
             if self.ready is not None:
-                self.ready = dataclasses.replace(self.ready, borrow_model=msg.model)
-            logger.info("worker %d measured its latency model on %d threads (borrowing idle cores)",
-                        self.instance_id, msg.threads)
+                self.ready = dataclasses.replace(self.ready, **{
+                    "borrow_model" if msg.borrowed else "latency_model": msg.model})
+            logger.info("worker %d measured its latency model on %d threads%s", self.instance_id, msg.threads,
+                        " (borrowing idle cores)" if msg.borrowed else " again")
         elif isinstance(msg, WorkerReady):
             self.ready = msg
             self._ready_future.set_result(msg)

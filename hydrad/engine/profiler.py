@@ -556,10 +556,14 @@ def measure_bandwidth(engine, *, repeats: int = 5) -> float:
 
 # -- fit ---------------------------------------------------------------------------------------
 def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], float] | None = None,
-                      show_progress: bool = True, allow_busy: bool = False, block: bool = True) -> LatencyModel:
+                      show_progress: bool = True, allow_busy: bool = False, block: bool = True,
+                      once: bool = False) -> LatencyModel:
     """The latency model of ``engine``'s instance, from the disk cache unless ``force`` or
     absent. ``timer(probe) -> seconds`` replaces measuring on the engine. ``block``: wait
-    while another worker probes on these cores (else ``ProbingElsewhere``)."""
+    while another worker probes on these cores (else ``ProbingElsewhere``). ``once``: the
+    probes run once; where the machine's speed moved meanwhile the model is returned
+    uncached (``unsteady``) for the caller to measure again (a starting worker: between its
+    steps, once it serves), instead of running them again at once."""
     key = cache_key(engine)
     path = cache_path(key)
     if not force and timer is None and (known := _known(engine, key, path)) is not None:
@@ -568,7 +572,7 @@ def fit_latency_model(engine, *, force: bool = False, timer: Callable[[Probe], f
         # Another worker may have measured it while this one waited.
         if not force and timer is None and (known := _known(engine, key, path)) is not None:
             return known
-        return _measure(engine, key, path, timer, show_progress, allow_busy)
+        return _measure(engine, key, path, timer, show_progress, allow_busy, once)
 
 
 # What a probe of a measurement in steps waits for: room in the pools (``NoProbeRoom``), or
@@ -656,12 +660,18 @@ def probing(device: torch.device | None, block: bool = True) -> Iterator[None]:
 
 
 def _measure(engine, key: dict, path: Path, timer: Callable[[Probe], float] | None, show_progress: bool,
-             allow_busy: bool) -> LatencyModel:
-    return drain(_measuring(engine, key, path, timer, show_progress, allow_busy, sliced=False))
+             allow_busy: bool, once: bool = False) -> LatencyModel:
+    return drain(_measuring(engine, key, path, timer, show_progress, allow_busy, sliced=False, once=once))
+
+
+def unsteady(model: LatencyModel) -> bool:
+    """Whether ``model`` was fitted, and not cached, while the machine's speed moved by more
+    than the probes allow (``fit_latency_model(once=True)``, measurements between steps)."""
+    return bool(model.meta.get("unsteady"))
 
 
 def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], float] | None, show_progress: bool,
-               allow_busy: bool, sliced: bool, keep: Callable[[], bool] | None = None
+               allow_busy: bool, sliced: bool, keep: Callable[[], bool] | None = None, once: bool = False
                ) -> Generator[Wait, None, LatencyModel]:
     """Design the probes, time them, fit and cache the model (at ``path``, where given and
     ``keep()``, where given, says so at the end).
@@ -696,7 +706,8 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     best: tuple[float, list] | None = None
     # Between a busy machine's steps the speed moves with what the other workers run: a
     # second run would not hold stiller, and each one pauses the streams again.
-    attempts = 1 if sliced else _MAX_ATTEMPTS
+    # A starting worker measures again between its steps (``once``): it serves meanwhile.
+    attempts = 1 if sliced or once else _MAX_ATTEMPTS
     for attempt in range(1, attempts + 1):
         order = _interleaved(len(fit_probes), len(check_probes))
         timed, marks = yield from _time_probes([(fit_probes + check_probes)[i] for i in order], timer,
@@ -712,7 +723,7 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
                        (drift - 1) * 100, ", ".join(f"{m * 1000:.3g}" for m in marks),
                        "measuring again" if attempt < attempts else
                        f"keeping the steadiest of {attempt} runs ({(best[0] - 1) * 100:.0f}%)" if attempt > 1 else
-                       "keeping it")
+                       "keeping it until it is measured again between steps" if once else "keeping it")
     drift, measured = best
     fit = measured[: len(fit_probes)]
     check = measured[len(fit_probes):]
@@ -723,15 +734,18 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
                        for p, t in measured]}
     if sliced:
         meta["probe_seconds"] = round(timer.seconds, 2)
+    # Between a busy instance's steps, a machine that never held still: the next start's
+    # probes on idle cores are a better model to keep (a starting worker's: its next
+    # measurement, between its steps).
+    moved = (sliced or once) and drift > _MAX_DRIFT
+    if moved:
+        meta["unsteady"] = True
     model = fit_model(fit, check, meta)
     how = f" between steps ({timer.seconds:.1f} s of probes)" if sliced else ""
-    # Between a busy instance's steps, a machine that never held still: the next start's
-    # probes on idle cores are a better model to keep.
-    unsteady = sliced and drift > _MAX_DRIFT
     kept = path is not None and (keep is None or keep())
-    if cut or unsteady or not kept:
+    if cut or moved or not kept:
         why = (" on probes cut down to the room the requests in flight leave" if cut else
-               " on a machine whose speed kept changing" if unsteady else
+               " on a machine whose speed kept changing" if moved else
                " while other instances had work on its cores" if path is not None else "")
         logger.info("latency model fitted in %.1f s%s%s (not cached): %s", time.monotonic() - start, how, why,
                     model.summary())

@@ -33,11 +33,11 @@ from hydrad.transport.messages import (
     Abort,
     AddRequest,
     AttachPeers,
-    BorrowModelMeasured,
     DetachPeer,
     ExportPools,
     GetStats,
     Migrate,
+    ModelMeasured,
     PoolsExported,
     Reconfigure,
     Reconfigured,
@@ -111,10 +111,11 @@ def worker_main(
         board = CoreBoard(board_flags) if board_flags is not None and engine.device.type == "cpu" else None
         # It lends its cores once its loop runs (``publish``), not while it starts.
         step_threads = StepThreads(engine, CoreLending(board, instance_id, threads, busy=True))
-        # The model at the count it borrows up to is measured once it serves, between its
-        # steps (``_BorrowedLater``), unless the cache has it: a first start's probes on
-        # every core waited for the other workers' probes and came after them.
-        model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False, borrowed=False)
+        # What its start leaves out is measured once it serves, between its steps
+        # (``_MeasuredLater``): the model at the count it borrows up to, unless the cache has
+        # it (a first start's probes on every core waited for the other workers' probes and
+        # came after them), and its own, where the machine's speed moved while it ran.
+        model, bound, borrow_model = step_threads.fit(engine.role, allow_busy=False, start=True)
         exported: dict[int, HandleLedger] = {}  # by peer: the pools' descriptors handed to it
         pools = export_pools(engine.pools(), peer_ids, exported) if peer_ids else {}
         from hydrad.engine.profiler import measure_bandwidth
@@ -172,22 +173,23 @@ class StepThreads:
         # Borrowed counts whose lenders had work past ``LENDERS_PATIENCE`` the last time a
         # model was measured at them: the next measurement does not wait for them again.
         self._lenders_stayed_busy: set[int] = set()
-        # The borrowed count whose model the last fit left to later (``measuring_borrowed``).
-        self.unmeasured: int | None = None
+        # The counts whose models the last fit left to later, in order (``measuring_later``).
+        self.later: list[int] = []
 
     def fit(self, role: str, threads: CpuThreads | None = None, *, allow_busy: bool = True, block: bool = True,
-            borrowed: bool = True):
+            start: bool = False):
         """Measure (or load) the latency models of ``role`` at every count it steps on (from
         now on on ``threads``, when given), and fill steps by them. Returns the model at its
-        own share, the bound, and the model while borrowing (None: it never borrows, or
-        ``unmeasured`` says it is left to later). On an error nothing changed. ``block``: wait
-        for another worker's probes on these cores to end (else
-        ``profiler.ProbingElsewhere``). Without ``borrowed`` the model at the borrowed count
-        is only taken from the cache."""
+        own share, the bound, and the model while borrowing (None: it never borrows, or it is
+        left to ``later``). On an error nothing changed. ``block``: wait for another worker's
+        probes on these cores to end (else ``profiler.ProbingElsewhere``). ``start``: a
+        starting worker's fit, which leaves to ``later`` the model at the borrowed count
+        where the cache lacks it, and measures its own share's once (where the machine's
+        speed moved meanwhile, it serves on that model and measures it again later)."""
         from hydrad.engine.profiler import drain
 
         return drain(self._fitting(role, threads, sliced=False, allow_busy=allow_busy, block=block,
-                                   borrowed=borrowed))
+                                   borrowed=not start, once=start))
 
     def fitting(self, role: str, threads: CpuThreads | None = None, hurry: Callable[[], bool] = lambda: False,
                 borrowed: bool = True):
@@ -200,7 +202,7 @@ class StepThreads:
         measured in runs while its lenders are idle (``LendersBusy`` while they are not), and
         cached only where they were idle before every run; where they have had work for
         ``LENDERS_PATIENCE`` seconds on end, or ``hurry()`` says there is no time to wait, it
-        is left to later (``unmeasured``; its steps on the borrowed cores are filled by the
+        is left to ``later`` (its steps on the borrowed cores are filled by the
         model at its own share meanwhile). Once its lenders have stayed busy that long, the
         next measurement at that count waits for them no more (under load, each redeploy
         waited the whole patience, every time), until one finds them idle and is measured.
@@ -209,7 +211,8 @@ class StepThreads:
         return self._fitting(role, threads, sliced=True, hurry=hurry, borrowed=borrowed)
 
     def _fitting(self, role: str, threads: CpuThreads | None, *, sliced: bool, allow_busy: bool = True,
-                 block: bool = True, hurry: Callable[[], bool] = lambda: False, borrowed: bool = True):
+                 block: bool = True, hurry: Callable[[], bool] = lambda: False, borrowed: bool = True,
+                 once: bool = False):
         threads = self.lending.usable(threads or self.lending.threads)
         own, most = threads.own, threads.most
         models, bound = {}, None
@@ -230,7 +233,7 @@ class StepThreads:
                         if (model := known_latency_model(self.engine)) is not None:
                             models[n] = model
                     elif not sliced:
-                        models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block)
+                        models[n] = fit_latency_model(self.engine, allow_busy=allow_busy, block=block, once=once)
                     elif (model := (yield from self._between_steps(n, threads, hurry))) is not None:
                         models[n] = model
                 bound = latency_bound(self.engine.config.slo, role)
@@ -239,19 +242,21 @@ class StepThreads:
             self._set_torch_threads(self.current)
         self.lending.set(threads)
         self.models, self.bound = models, bound
-        self.unmeasured = most if models and most not in models else None
+        from hydrad.engine.profiler import unsteady
+
+        self.later = sorted(n for n in {own, most} if models and (n not in models or once and unsteady(models[n])))
         self._use(own, force=True)
         self._hook_layers()  # its parts may have changed with its role: placed anew
         return models.get(own), bound, models.get(most) if most != own else None
 
-    def measuring_borrowed(self):
-        """The model at the ``unmeasured`` count, measured a run at a time between steps
-        (``fitting``) whenever its lenders are idle, for as long as that takes; once measured
-        the steps on the borrowed cores are filled by it. Returns the model (None where there
-        was nothing to measure)."""
-        n = self.unmeasured
-        if n is None:
+    def measuring_later(self):
+        """The model at the first count ``later`` holds, measured a run at a time between
+        steps (``fitting``): at a borrowed count whenever its lenders are idle, for as long as
+        that takes. Once measured the steps on that count are filled by it. Returns the count
+        and the model (None where nothing is left to measure)."""
+        if not self.later:
             return None
+        n = self.later[0]
         self._probing = True
         try:
             self._set_torch_threads(n)
@@ -260,10 +265,10 @@ class StepThreads:
             self._probing = False
             self._set_torch_threads(self.current)
         self.models[n] = model
-        self.unmeasured = None
+        self.later.remove(n)
         if self.current == n:
             self.engine.set_latency_model(model, self.bound)
-        return model
+        return n, model
 
     def _between_steps(self, n: int, threads: CpuThreads, hurry: Callable[[], bool], patient: bool = False):
         """The model at ``n`` threads, measured a run at a time (``fitting``); None where a
@@ -467,19 +472,21 @@ class _PendingReconfigure:
         return None
 
 
-class _BorrowedLater:
-    """A borrower's latency model at the count it borrows up to, left out of its start (or
-    of a redeploy, its lenders busy: ``StepThreads.unmeasured``), measured between its steps
-    a probe run at a time (``StepThreads.measuring_borrowed``) while its lenders are idle and
-    no other worker probes on their cores. At a first start of ``1EP+1D`` on two cores the
-    EP instance serves on its own core's model from when that one is measured, beside the D
-    instance's probes, instead of waiting for them to end to probe on both cores (39-61 s
-    to healthy, against 17-24 s). Its steps on the borrowed cores are filled by the model at
-    its own share until then."""
+class _MeasuredLater:
+    """A latency model left out of the worker's start (or of a redeploy:
+    ``StepThreads.later``), measured between its steps a probe run at a time
+    (``StepThreads.measuring_later``), once no other worker probes on its cores and, for a
+    count that borrows cores, while their lenders are idle. At a first start of ``1EP+1D``
+    on two cores the EP instance serves on its own core's model from when that one is
+    measured, beside the D instance's probes, instead of waiting for them to end to probe on
+    both cores (43.7-49.7 s to healthy, against 22.1-24.9 s); its steps on the borrowed
+    cores are filled by the model at its own share until then. A start whose probes saw the
+    machine's speed move serves on that model and measures it again here, instead of
+    running every probe again before it is ready."""
 
     def __init__(self, step_threads: StepThreads, now: float):
-        self.threads = step_threads.unmeasured
-        self.steps = step_threads.measuring_borrowed()
+        self.threads = step_threads.later[0]
+        self.steps = step_threads.measuring_later()
         self.next_try = now
 
     def due(self, now: float) -> bool:
@@ -490,7 +497,7 @@ class _BorrowedLater:
 
     def advance(self, engine, step_threads: StepThreads, now: float) -> tuple[bool, object | None]:
         """The next probe run, or a look whether one may run: (done, the model). Done
-        without a model where it cannot be measured (it keeps the model at its own share)."""
+        without a model where it cannot be measured (it keeps the model it has)."""
         from hydrad.engine.profiler import NoProbeRoom
 
         # Probing is work: lenders are told so, as during a redeploy's probes.
@@ -498,15 +505,17 @@ class _BorrowedLater:
         try:
             waits = next(self.steps)
         except StopIteration as stop:
-            return True, stop.value
-        except Exception as e:  # noqa: BLE001 (it serves on, by the model at its own share)
-            logger.warning("measuring the latency model at %s threads failed (its steps there are filled by the "
-                           "model at its own share): %s: %s", self.threads, type(e).__name__, e)
+            return True, stop.value[1]
+        except Exception as e:  # noqa: BLE001 (it serves on, by the model it has)
+            logger.warning("measuring the latency model at %s threads failed (it keeps the model it has): %s: %s",
+                           self.threads, type(e).__name__, e)
+            step_threads.later.remove(self.threads)
             return True, None
         if isinstance(waits, NoProbeRoom) and not engine.has_unfinished_requests():
             self.steps.close()
-            logger.warning("the latency model at %s threads cannot be measured (its steps there are filled by the "
-                           "model at its own share): %s", self.threads, waits)
+            logger.warning("the latency model at %s threads cannot be measured (it keeps the model it has): %s",
+                           self.threads, waits)
+            step_threads.later.remove(self.threads)
             return True, None
         # One run at a time: the messages that came meanwhile are taken before the next.
         self.next_try = now if waits is None else now + RECONFIGURE_RETRY_SECONDS
@@ -565,16 +574,16 @@ RECONFIGURE_RETRY_SECONDS = 0.2
 # How often an idle worker looks whether a grammar it builds for a waiting request is done.
 GRAMMAR_POLL_SECONDS = 0.002
 # How long a borrower's model at its borrowed count waits, on end, for its lenders to be idle
-# before it is left to later (``_BorrowedLater``).
+# before it is left to later (``_MeasuredLater``).
 LENDERS_PATIENCE = 2.0
 
 
-def _later(step_threads: StepThreads) -> _BorrowedLater | None:
-    """What a start or a redeploy left to later (or what a redeploy broke off, where it
-    failed: nothing of the worker's threads and models changed then)."""
-    if step_threads.unmeasured is None:
+def _later(step_threads: StepThreads) -> _MeasuredLater | None:
+    """The next model a start or a redeploy left to later (or that a redeploy broke off,
+    where it failed: nothing of the worker's threads and models changed then)."""
+    if not step_threads.later:
         return None
-    return _BorrowedLater(step_threads, time.monotonic())
+    return _MeasuredLater(step_threads, time.monotonic())
 
 
 def _not_reconfigured(engine, role: str, start: float, error: HydradError) -> Reconfigured:
@@ -729,5 +738,6 @@ def run_worker(engine: Engine, conn: Connection, step_threads: StepThreads | Non
             done, model = later.advance(engine, step_threads, now)
             if done:
                 if model is not None:
-                    conn.send(BorrowModelMeasured(engine.instance_id, later.threads, model))
-                later = None
+                    conn.send(ModelMeasured(engine.instance_id, later.threads, model,
+                                            borrowed=later.threads != step_threads.lending.threads.own))
+                later = _later(step_threads)

@@ -98,7 +98,7 @@ def _latency(ready) -> dict:
         "latency_error": {"median": error.median, "max": error.max, "num_probes": error.num_probes} if error else None,
         # On borrowed cores too (engine.cores); None when it never borrows, or until it is
         # measured between its steps (after the start, or after a redeploy that found its
-        # lenders busy: worker._BorrowedLater): its own model stands in meanwhile.
+        # lenders busy: worker._MeasuredLater): its own model stands in meanwhile.
         "borrow_latency_model": borrow.summary() if borrow is not None else None,
     }
 

@@ -193,14 +193,16 @@ class Reconfigured:
 
 
 @dataclass(frozen=True)
-class BorrowModelMeasured:
-    """A CPU instance that borrows idle cores measured its latency model at the count it
-    borrows up to after it got ready (or after a redeploy left it to later), between its
-    steps while its lenders were idle: ``WorkerReady.borrow_model`` from now on."""
+class ModelMeasured:
+    """A latency model the worker's start (or a redeploy) left to later, measured between
+    its steps: at the count a CPU instance borrows idle cores up to (``borrowed``:
+    ``WorkerReady.borrow_model`` from now on), or at its own share, where the machine's
+    speed moved while its start measured it (``WorkerReady.latency_model``)."""
 
     instance_id: int
     threads: int
     model: object
+    borrowed: bool
 
 
 @dataclass(frozen=True)

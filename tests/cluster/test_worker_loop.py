@@ -25,9 +25,9 @@ from hydrad.cluster.router import Router
 from hydrad.transport.messages import (
     Abort,
     AddRequest,
-    BorrowModelMeasured,
     GetStats,
     Migrate,
+    ModelMeasured,
     Reconfigure,
     Reconfigured,
     Shutdown,
@@ -653,19 +653,21 @@ def test_a_busy_worker_serves_while_another_worker_probes_and_measures_after_it(
 
 
 class BorrowingLater(ProbingThreads):
-    """A borrower whose start took its model at the borrowed count (2 threads) from nowhere:
-    it is measured between steps in ``runs`` probe runs (``log`` records them as "borrowed
-    probe"), each yielding what it waits for while ``lenders_busy`` is set."""
+    """A borrower (one thread of its own) whose start left ``later`` counts to measure (by
+    default the borrowed count, 2 threads, which the cache lacked): each is measured between
+    steps in ``runs`` probe runs (``log`` records them as "borrowed probe"), each yielding
+    what it waits for while ``lenders_busy`` is set."""
 
-    def __init__(self, engine, runs: int = 6):
+    def __init__(self, engine, runs: int = 6, later=(2,)):
         super().__init__(engine)
-        self.unmeasured, self.runs, self.ran = 2, runs, 0
+        self.later, self.runs, self.ran = list(later), runs, 0
         self.lenders_busy = threading.Event()
         self.closed = 0
 
-    def measuring_borrowed(self):
+    def measuring_later(self):
         from hydrad.engine.cores import LendersBusy
 
+        n, self.ran = self.later[0], 0
         try:
             while self.ran < self.runs:
                 if self.lenders_busy.is_set():
@@ -677,14 +679,15 @@ class BorrowingLater(ProbingThreads):
                 yield None
         except GeneratorExit:
             self.closed += 1
+            self.ran_when_closed = self.ran
             raise
-        self.unmeasured = None
-        return "model at 2 threads"
+        self.later.remove(n)
+        return n, f"model at {n} threads"
 
 
 def test_a_borrower_measures_its_borrowed_count_between_steps_after_it_is_ready():
     """What a start left to later is measured a probe run at a time between the steps of the
-    requests it serves meanwhile, and reported once (``BorrowModelMeasured``); while the
+    requests it serves meanwhile, and reported once (``ModelMeasured``); while the
     lenders have work it waits (and serves), however long."""
     engine = FullPoolEngine()
     engine.add_request = FakeEngine.add_request.__get__(engine)  # holds no image blocks
@@ -696,8 +699,9 @@ def test_a_borrower_measures_its_borrowed_count_between_steps_after_it_is_ready(
             recv_until(conn, StepOutput)
         assert threads.ran == 0
         threads.lenders_busy.clear()
-        measured = recv_until(conn, BorrowModelMeasured)
-        assert (measured.instance_id, measured.threads, measured.model) == (0, 2, "model at 2 threads")
+        measured = recv_until(conn, ModelMeasured)
+        assert (measured.instance_id, measured.threads, measured.model, measured.borrowed) == (
+            0, 2, "model at 2 threads", True)
         log = [what for what in threads.log if what != "probe"]
         first = log.index("borrowed probe")
         # One run at a time between two steps of the request in flight.
@@ -708,7 +712,7 @@ def test_a_borrower_measures_its_borrowed_count_between_steps_after_it_is_ready(
             later.append(conn.recv())
             if len(later) > 20:
                 break
-        assert later and not any(isinstance(m, BorrowModelMeasured) for m in later) and threads.ran == 6
+        assert later and not any(isinstance(m, ModelMeasured) for m in later) and threads.ran == 6
 
 
 def test_an_idle_borrower_measures_its_borrowed_count_at_once_and_a_reconfigure_starts_it_anew():
@@ -722,26 +726,43 @@ def test_an_idle_borrower_measures_its_borrowed_count_at_once_and_a_reconfigure_
         # measured from the start.
         conn.send(Reconfigure("EPD", CpuThreads(1, 1, (1,)), wait=30.0))
         answer = recv_until(conn, Reconfigured)
-        assert answer.error is None and threads.closed == 1 and 0 < threads.ran < 40
-        threads.ran = 0
-        measured = recv_until(conn, BorrowModelMeasured)
+        assert answer.error is None and threads.closed == 1 and 0 < threads.ran_when_closed < 40
+        measured = recv_until(conn, ModelMeasured)
         assert measured.model == "model at 2 threads" and threads.ran == 40
 
 
-def test_the_daemon_takes_a_borrow_model_measured_after_the_start():
+def test_a_start_s_unsteady_model_is_measured_again_first_then_the_borrowed_one():
+    engine = FullPoolEngine()
+    threads = BorrowingLater(engine, runs=3, later=(1, 2))
+    with serving(engine, threads) as conn:
+        first, second = recv_until(conn, ModelMeasured), recv_until(conn, ModelMeasured)
+        assert (first.threads, first.model, first.borrowed) == (1, "model at 1 threads", False)
+        assert (second.threads, second.model, second.borrowed) == (2, "model at 2 threads", True)
+        assert threads.later == [] and threads.log.count("borrowed probe") == 6
+
+
+def test_the_daemon_takes_the_models_measured_after_the_start():
     async def main():
         conn, worker_end = mp.Pipe()
         client, _ = await connected_client(conn)
         worker_end.send(WorkerReady(0, 1, 64, 1.0, "model at 1 thread", 0.1))
         ready = await client.wait_ready()
         assert ready.borrow_model is None
-        worker_end.send(BorrowModelMeasured(0, 2, "model at 2 threads"))
+        worker_end.send(ModelMeasured(0, 2, "model at 2 threads", borrowed=True))
         for _ in range(200):
             if client.ready.borrow_model is not None:
                 break
             await asyncio.sleep(0.01)
         assert client.ready.borrow_model == "model at 2 threads"
         assert client.ready.latency_model == "model at 1 thread"
+        # Its own share's, measured again (its start's probes saw the machine's speed move).
+        worker_end.send(ModelMeasured(0, 1, "model at 1 thread, again", borrowed=False))
+        for _ in range(200):
+            if client.ready.latency_model != "model at 1 thread":
+                break
+            await asyncio.sleep(0.01)
+        assert client.ready.latency_model == "model at 1 thread, again"
+        assert client.ready.borrow_model == "model at 2 threads"
         worker_end.close()
 
     asyncio.run(main())

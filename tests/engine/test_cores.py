@@ -94,7 +94,7 @@ def test_a_borrowing_worker_steps_on_the_threads_and_model_of_the_moment(monkeyp
     from hydrad.engine.worker import StepThreads
 
     monkeypatch.setattr(profiler, "fit_latency_model",
-                        lambda engine, allow_busy, block: f"model at {torch.get_num_threads()} threads")
+                        lambda engine, **kw: f"model at {torch.get_num_threads()} threads")
     used = []
     engine = SimpleNamespace(
         device=torch.device("cpu"), role="EP",
@@ -135,7 +135,7 @@ def test_a_borrowing_step_follows_its_lenders_within_the_step(monkeypatch):
     from hydrad.engine.worker import StepThreads
 
     monkeypatch.setattr(profiler, "fit_latency_model",
-                        lambda engine, allow_busy, block: f"model at {torch.get_num_threads()} threads")
+                        lambda engine, **kw: f"model at {torch.get_num_threads()} threads")
     board = CoreBoard.new()
     lender = CoreLending(board, 1, T(1))
     seen = []
@@ -199,8 +199,8 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
     the new threads and the hooks take effect once the last probe has run, and a measurement
     closed before its end changes nothing. A borrowed count is measured only while its
     lenders are idle, and cached only where they were idle before every run; while they
-    have work it waits, and past its patience it is left to later (``unmeasured``), which
-    ``measuring_borrowed`` then measures, waiting for the lenders as long as they work."""
+    have work it waits, and past its patience it is left to ``later``, which
+    ``measuring_later`` then measures, waiting for the lenders as long as they work."""
     from types import SimpleNamespace
 
     import torch
@@ -239,7 +239,7 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
 
     monkeypatch.setattr(profiler, "measuring_latency_model", measuring)
     monkeypatch.setattr(profiler, "fit_latency_model",
-                        lambda engine, allow_busy, block: f"model at {torch.get_num_threads()} threads")
+                        lambda engine, **kw: f"model at {torch.get_num_threads()} threads")
     used = []
     engine = SimpleNamespace(
         device=torch.device("cpu"), role="EP", model=model,
@@ -278,7 +278,7 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         hurried = True  # no time left to wait: left to later
         with pytest.raises(StopIteration) as stop:
             next(steps)
-        assert len(probes) == 5 and stop.value.value[2] is None and threads.unmeasured == 2
+        assert len(probes) == 5 and stop.value.value[2] is None and threads.later == [2]
         threads.before_step()  # borrowing again, the steps are filled by the share's model
         assert used[-1] == "model at 1 threads"
         lender.publish(False)
@@ -325,22 +325,22 @@ def test_a_busy_borrower_measures_its_new_models_between_steps_on_the_threads_it
         # no hurry), and not cached (they had work between two of its runs).
         monkeypatch.setattr(profiler, "known_latency_model", lambda engine: None)
         run_through(threads.fitting("EP", borrowed=False))
-        assert threads.unmeasured == 2
+        assert threads.later == [2]
         lender.publish(False)
         threads.before_step()
         assert used[-1] == "model at 1 threads" and torch.get_num_threads() == 2  # borrowing, by its share's
         monkeypatch.setattr(worker, "LENDERS_PATIENCE", 0.0)
         probes.clear()
-        later = threads.measuring_borrowed()
+        later = threads.measuring_later()
         assert next(later) is None and probes[-1][0] == 2
         lender.publish(True)
         assert all(isinstance(next(later), LendersBusy) for _ in range(3))
         lender.publish(False)
         runs, measured = run_through(later)
-        assert runs == 2 and measured == "model at 2 threads" and threads.unmeasured is None
+        assert runs == 2 and measured == (2, "model at 2 threads") and threads.later == []
         assert [p[2] for p in probes] == [True, False, False]  # the lender had work between runs
         assert used[-1] == "model at 2 threads"  # it steps on both cores now: by that model
-        assert list(threads.measuring_borrowed()) == []  # nothing left to measure
+        assert list(threads.measuring_later()) == []  # nothing left to measure
 
         probes.clear()
         threads._unhook()  # another worker's step threads on the model now
@@ -404,3 +404,61 @@ def test_usable_cpus_are_the_affinity_within_the_quota(monkeypatch):
     assert cores.usable_cpus() == 64
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7}, raising=False)  # taskset, AllowedCPUs=
     assert cores.usable_cpus() == 3
+
+
+def test_a_starting_worker_leaves_to_later_what_it_cannot_measure_well_before_it_serves(monkeypatch):
+    """``StepThreads.fit(start=True)``: the model at its own share is measured once; where the
+    machine's speed moved meanwhile (``unsteady``) the worker serves on it and measures it
+    again between its steps (``later``, first), as the model at the count it borrows up to
+    when the cache lacks it; a steady start leaves nothing but that one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import hydrad.engine.profiler as profiler
+    from hydrad.config import SLOConfig
+    from hydrad.engine.worker import StepThreads
+
+    def model(name: str, moved: bool = False):
+        return SimpleNamespace(name=name, meta={"unsteady": True} if moved else {})
+
+    fits = []
+
+    def fit(engine, **kw):
+        fits.append((torch.get_num_threads(), kw.get("once")))
+        return model(f"fit at {torch.get_num_threads()}", moved=speed_moved)
+
+    def measuring(engine, cache):
+        yield None
+        return model(f"measured at {torch.get_num_threads()}")
+
+    monkeypatch.setattr(profiler, "fit_latency_model", fit)
+    monkeypatch.setattr(profiler, "measuring_latency_model", measuring)
+    monkeypatch.setattr(profiler, "known_latency_model", lambda engine: None)
+    used = []
+    engine = SimpleNamespace(
+        device=torch.device("cpu"), role="EP", model=None,
+        config=SimpleNamespace(scheduler=SimpleNamespace(derive_budgets=True), slo=SLOConfig(ttft=2.0, tbt=0.1)),
+        set_latency_model=lambda model, bound: used.append(model.name))
+    board = CoreBoard.new()
+    before = torch.get_num_threads()
+    try:
+        for speed_moved, later in ((False, [2]), (True, [1, 2])):
+            fits.clear()
+            threads = StepThreads(engine, CoreLending(board, 0, T(1, 1, (1,))))
+            own, _, borrowed = threads.fit("EP", allow_busy=False, start=True)
+            assert fits == [(1, True)] and borrowed is None and threads.later == later  # measured once, own only
+            assert own.name == "fit at 1" and used[-1] == "fit at 1"
+            while threads.later:
+                n = threads.later[0]
+                runs, (count, measured) = run_through(threads.measuring_later())
+                assert runs == 1 and count == n and measured.name == f"measured at {n}"
+            if speed_moved:
+                assert used[-1] == "measured at 1"  # its steps on its own share: by the new model
+            assert list(threads.measuring_later()) == []
+        fits.clear()
+        threads = StepThreads(engine, CoreLending(board, 0, T(1, 1, (1,))))
+        threads.fit("EP", allow_busy=False)  # not a start (a redeploy's fit at once): both measured
+        assert fits == [(1, False), (2, False)] and threads.later == []
+    finally:
+        torch.set_num_threads(before)

@@ -245,6 +245,24 @@ def test_the_speed_checks_take_the_first_probes_fastest_run(engine, caplog):
         "process on these cores?): measuring again"]
 
 
+@pytest.mark.parametrize("timer", ["steady", "drifting"])
+def test_a_starting_worker_s_probes_run_once_and_an_unsteady_fit_is_not_cached(engine, cache_dir, caplog, timer):
+    """``once`` (a worker's start): where the machine's speed moved, the fit is kept for now,
+    not cached and marked ``unsteady`` (the worker serves on it and measures it again between
+    its steps) instead of running every probe again before it is ready."""
+    from hydrad.engine.profiler import unsteady
+
+    probes = Synthetic() if timer == "steady" else Drifting()
+    with caplog.at_level("WARNING", logger="hydrad.engine.profiler"):
+        model = fit_latency_model(engine, timer=probes, force=True, show_progress=False, once=True)
+    moved = timer == "drifting"
+    assert model.meta["attempts"] == 1 and unsteady(model) == moved and (model.meta["drift"] > 1.5) == moved
+    assert bool(list(cache_dir.glob("*.json"))) == (not moved)
+    assert [r.message.rsplit(": ", 1)[-1] for r in caplog.records if "speed changed" in r.message] == (
+        ["keeping it until it is measured again between steps"] if moved else [])
+    assert not unsteady(fit_latency_model(engine, timer=Drifting(), force=True, show_progress=False))  # not once
+
+
 def test_probes_fit_the_pools(tiny_llava_dir):
     small = make_engine(tiny_llava_dir, num_kv_blocks=48, num_image_blocks=2)
     limits = engine_limits(small, probe_images(small))
