@@ -176,7 +176,8 @@ def _model_line(i: dict) -> str:
             + (f"; its steps run {_speed(i['live_speed'])} their prediction" if i.get("live_speed") else "")
             + f"; {i['latency_model']}"
             + (f"; on borrowed cores: {i['borrow_latency_model']}" if i.get("borrow_latency_model") else
-               "; on borrowed cores: the same (theirs is measured at the next start)" if i.get("borrowed_threads")
+               "; on borrowed cores: the same (theirs is measured between steps once its lenders are idle)"
+               if i.get("borrowed_threads")
                else ""))
 
 

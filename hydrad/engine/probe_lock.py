@@ -13,10 +13,9 @@ Request Processor beside its workers (``StartupHold``), so a first start's probe
 cores the daemon has left (its loading ran into the first probes and made them measure
 again). Light to import: the daemon takes it before it imports torch.
 
-Probes on every core take the slots in order, waiting for each; probes on fewer take free
-ones without waiting while they hold any, and look again every ``POLL_SECONDS`` when too
-few are free: nothing waits while it holds a slot another waiter holds next, so no two
-waiters hold each other up.
+Probes on every core take the slots in order, waiting for each (two of them cannot hold
+each other up); probes on fewer take free ones without waiting and, where too few are free,
+let go of those they took and look again every ``POLL_SECONDS``: they never wait holding one.
 """
 
 from __future__ import annotations

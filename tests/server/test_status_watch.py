@@ -358,5 +358,6 @@ def test_status_says_which_model_fills_a_borrower_s_steps_on_borrowed_cores():
     lines = buf.getvalue().splitlines()
     line = {i: next(x for x in lines if x.lstrip().startswith(f"#{i} ")) for i in range(3)}
     assert line[0].endswith("; on borrowed cores: encode 0.1 ms + 9.0 ms/image"), line[0]
-    assert line[1].endswith("; on borrowed cores: the same (theirs is measured at the next start)"), line[1]
+    assert line[1].endswith("; on borrowed cores: the same (theirs is measured between steps once its lenders "
+                            "are idle)"), line[1]
     assert "borrowed cores" not in line[2]
