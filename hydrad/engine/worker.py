@@ -479,7 +479,7 @@ class _MeasuredLater:
     count that borrows cores, while their lenders are idle. At a first start of ``1EP+1D``
     on two cores the EP instance serves on its own core's model from when that one is
     measured, beside the D instance's probes, instead of waiting for them to end to probe on
-    both cores (43.7-49.7 s to healthy, against 22.1-24.9 s); its steps on the borrowed
+    both cores (42-50 s to healthy, against 21-28 s here); its steps on the borrowed
     cores are filled by the model at its own share until then. A start whose probes saw the
     machine's speed move serves on that model and measures it again here, instead of
     running every probe again before it is ready."""
