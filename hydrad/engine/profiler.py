@@ -709,10 +709,7 @@ def _measuring(engine, key: dict, path: Path | None, timer: Callable[[Probe], fl
     # A starting worker measures again between its steps (``once``): it serves meanwhile.
     attempts = 1 if sliced or once else _MAX_ATTEMPTS
     for attempt in range(1, attempts + 1):
-        order = _interleaved(len(fit_probes), len(check_probes))
-        timed, marks = yield from _time_probes([(fit_probes + check_probes)[i] for i in order], timer,
-                                               show_progress)
-        measured = [timed[order.index(i)] for i in range(len(order))]
+        measured, marks = yield from _time_probes(fit_probes + check_probes, timer, show_progress)
         drift = _drift(marks)
         if best is None or drift < best[0]:
             best = (drift, measured)
@@ -848,17 +845,6 @@ def _time_probes(probes: list[Probe], timer: Callable[[Probe], float] | _ProbeTu
             advance()
     marks.append((yield from timed(sentinel, mark=True)))
     return measured, marks
-
-
-def _interleaved(num_fit: int, num_check: int) -> list[int]:
-    """The order the probes run in (indices into the fit probes, then the held-out ones):
-    the held-out ones spread evenly among the others, so both see the same stretch of the
-    machine (its speed moves within a fit; beside another worker's probes on the other
-    cores, which may end before these do). The first fit probe runs first: it is the one
-    timed again to tell how far the speed moved."""
-    position = {i: i / num_fit for i in range(num_fit)}
-    position.update({num_fit + j: (j + 0.5) / num_check for j in range(num_check)})
-    return sorted(position, key=lambda i: (position[i], i))
 
 
 def _drift(marks: list[float]) -> float:

@@ -26,6 +26,7 @@ from hydrad.engine.latency_model import (
     latency_bound,
 )
 from hydrad.engine import profiler as profiler_module
+from hydrad.engine.probe_lock import cpu_probes
 from hydrad.engine.profiler import (
     EngineTimer,
     NoProbeRoom,
@@ -313,7 +314,7 @@ def test_probes_wait_for_another_worker_s_unless_told_not_to(cache_dir):
         with probing(cpu, block=False):
             return True
 
-    with probing(cpu):  # another worker's probes (the lock is per open file: a second open contends)
+    with cpu_probes():  # another worker's, on every core (a lock is per open file: a second open contends)
         with pytest.raises(ProbingElsewhere, match="another worker is measuring"):
             probe_without_waiting()
     assert probe_without_waiting()  # free again
@@ -326,13 +327,13 @@ def test_a_busy_instance_measures_a_probe_at_a_time_when_the_pools_and_the_cores
     on these cores and while the requests in flight hold the blocks the next run needs; each
     run gives back what it borrowed; the model it ends with is cached (the design was not
     cut down) where the machine held still meanwhile."""
-    from hydrad.engine.profiler import ProbingElsewhere, measuring_latency_model, probing
+    from hydrad.engine.profiler import ProbingElsewhere, measuring_latency_model
 
     small = make_engine(tiny_llava_dir, num_kv_blocks=256, num_image_blocks=40)
     monkeypatch.setattr(small, "has_unfinished_requests", lambda: True)  # a live redeploy
     try:
         steps = measuring_latency_model(small)
-        with probing(small.device):  # another worker's probes
+        with cpu_probes():  # another worker's probes, on every core
             assert isinstance(next(steps), ProbingElsewhere)
             assert isinstance(next(steps), ProbingElsewhere)
         assert next(steps) is None  # the first probe's first run
@@ -372,7 +373,7 @@ def test_a_busy_instance_takes_the_model_another_worker_measured_while_it_waited
         steps = profiler.measuring_latency_model(small)
         assert next(steps) is None  # its first probe
         key = cache_key(small)
-        with profiler.probing(small.device):  # the other worker's probes
+        with cpu_probes():  # the other worker's probes, on every core
             assert isinstance(next(steps), profiler.ProbingElsewhere)
             model = dataclasses.replace(TRUE, meta={"key": key})
             profiler.store(profiler.cache_path(key), model)
@@ -636,7 +637,7 @@ def test_cpu_probes_run_one_at_a_time_and_a_waiter_takes_the_model_measured_mean
     monkeypatch.setattr(profiler, "_measure", lambda *a, **k: pytest.fail("measured a model cached meanwhile"))
     result = {}
     waiter = threading.Thread(target=lambda: result.update(model=fit_latency_model(engine, show_progress=False)))
-    with profiler.probing(engine.device):  # another worker's probes
+    with cpu_probes():  # another worker's probes, on every core
         waiter.start()
         waiter.join(0.5)
         assert waiter.is_alive()
@@ -844,28 +845,3 @@ def test_probes_hold_a_core_per_thread_and_run_side_by_side_on_cores_apart(cache
     assert not StartupHold().held  # probes run: nothing held back
     end_one.set()
     waiter.join()
-
-
-def test_held_out_probes_run_among_the_others_and_each_keeps_its_time(engine):
-    """The held-out probes are timed spread among the fitted ones (a speed that moves within
-    the fit, or another worker's probes beside them that end first, reaches both alike), the
-    first fitted probe first; each probe's time is its own in the model's record."""
-    order = []
-
-    class Ordered(Synthetic):
-        def __call__(self, probe):
-            order.append(probe)
-            return super().__call__(probe)
-
-    model = fit_latency_model(engine, timer=Ordered(), show_progress=False, force=True)
-    fit, check = design_probes(engine_limits(engine, probe_images(engine)))
-    timed = order[1:-1]  # the first probe's timings before and after
-    del timed[(len(fit) + len(check)) // 2]  # ... and halfway
-    assert sorted(map(repr, timed)) == sorted(map(repr, fit + check)) and timed[0] == fit[0]
-    where = [i for i, p in enumerate(timed) if p in check and p not in fit]
-    assert where[0] < len(timed) // 3 and where[-1] > 2 * len(timed) // 3  # spread, not all at the end
-    recorded = model.meta["probes"]
-    assert len(recorded) == len(fit) + len(check)
-    for probe, entry in zip(fit + check, recorded):
-        assert entry["seconds"] == pytest.approx(TRUE.step_seconds(probe.shape()))
-        assert entry["decodes"] == list(probe.decodes)
