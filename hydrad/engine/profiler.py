@@ -589,8 +589,9 @@ def measuring_latency_model(engine, *, timer: Callable[[Probe], float] | None = 
     room for the design itself), or the end of another worker's probes
     (``ProbingElsewhere``); returns the model (stored in the cache where ``cache`` (or what
     it returns at the end, where a function), the probes were not cut down and the machine
-    held still; where another worker stored it meanwhile, that one). Each run takes the cores' probe lock for itself alone, so no call blocks. The
-    caller sets the thread count the model is for before each step."""
+    held still; where another worker stored it meanwhile, that one). Each run takes its
+    cores (``probing``) for itself alone, so no call blocks. The caller sets the thread
+    count the model is for before each step."""
     key = cache_key(engine)
     path = cache_path(key)
     # (The cache is written by renames: read without the lock. A model another worker is
