@@ -536,7 +536,7 @@ def models_measured(url: str, timeout: float = MODELS_TIMEOUT) -> bool:
             if all(i.get("borrow_latency_model") or not i.get("borrowed_threads") for i in instances):
                 return True
         except (OSError, ValueError, KeyError):
-            pass
+            pass  # not answering yet: asked again
         time.sleep(0.2)
     return False
 

@@ -507,19 +507,19 @@ class _MeasuredLater:
         except StopIteration as stop:
             return True, stop.value[1]
         except Exception as e:  # noqa: BLE001 (it serves on, by the model it has)
-            logger.warning("measuring the latency model at %s threads failed (it keeps the model it has): %s: %s",
-                           self.threads, type(e).__name__, e)
-            step_threads.later.remove(self.threads)
-            return True, None
+            return self._give_up(step_threads, f"{type(e).__name__}: {e}")
         if isinstance(waits, NoProbeRoom) and not engine.has_unfinished_requests():
-            self.steps.close()
-            logger.warning("the latency model at %s threads cannot be measured (it keeps the model it has): %s",
-                           self.threads, waits)
-            step_threads.later.remove(self.threads)
-            return True, None
+            self.steps.close()  # nothing in flight gives room back
+            return self._give_up(step_threads, str(waits))
         # One run at a time: the messages that came meanwhile are taken before the next.
         self.next_try = now if waits is None else now + RECONFIGURE_RETRY_SECONDS
         return False, None
+
+    def _give_up(self, step_threads: StepThreads, why: str) -> tuple[bool, None]:
+        logger.warning("the latency model at %s threads cannot be measured (it keeps the model it has): %s",
+                       self.threads, why)
+        step_threads.later.remove(self.threads)
+        return True, None
 
 
 class _PoolsAhead:

@@ -766,3 +766,29 @@ def test_the_daemon_takes_the_models_measured_after_the_start():
         worker_end.close()
 
     asyncio.run(main())
+
+
+def test_a_model_left_to_later_that_cannot_be_measured_is_given_up_and_the_worker_serves_on(caplog):
+    """No room for the probes on an idle worker (nothing in flight gives any back): it keeps
+    the model it has, says why in one line, reports nothing, and serves."""
+
+    class NoRoom(BorrowingLater):
+        def measuring_later(self):
+            yield NoProbeRoom("the image cache has 0 free blocks: not one image fits")
+            raise AssertionError("went on past a wait it cannot end")
+
+    engine = FullPoolEngine()
+    threads = NoRoom(engine)
+    with serving(engine, threads) as conn:
+        deadline = time.monotonic() + 10
+        while threads.later and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads.later == []
+        conn.send(AddRequest(request("a", 3)))
+        seen = []
+        while not any(f.req_id == "a" for m in seen if isinstance(m, StepOutput) for f in m.output.finished):
+            assert conn.poll(10)
+            seen.append(conn.recv())
+        assert not any(isinstance(m, ModelMeasured) for m in seen)
+    assert "the latency model at 2 threads cannot be measured (it keeps the model it has): the image cache" \
+        in caplog.text
